@@ -1,0 +1,54 @@
+"""Shared fixtures: real data only (Omniglot from ../shared, scikit-image's photos).
+
+Fixtures that build models or ONNX files are session-scoped because exporting is the slow
+part of the suite on 2 cores; tests must not mutate what they get from them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _omniglot_root() -> Path:
+    env = os.environ.get("DAS_OMNIGLOT")
+    return Path(env) if env else (REPO.parent / "shared" / "data" / "omniglot")
+
+
+@pytest.fixture(scope="session")
+def omniglot_root() -> Path:
+    root = _omniglot_root()
+    if not (root / "images_background").is_dir():
+        pytest.fail(f"Omniglot not found at {root} (expected images_background/); set DAS_OMNIGLOT")
+    return root
+
+
+@pytest.fixture(scope="session")
+def photo_paths() -> list[Path]:
+    """The colour photos scikit-image ships (real images, no download)."""
+    from skimage import data_dir
+
+    names = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png",
+             "hubble_deep_field.jpg", "ihc.png", "retina.jpg"]
+    paths = [Path(data_dir) / n for n in names if (Path(data_dir) / n).exists()]
+    assert len(paths) >= 5, f"scikit-image photos missing under {data_dir}"
+    return paths
+
+
+@pytest.fixture(scope="session")
+def omniglot_paths(omniglot_root: Path) -> list[Path]:
+    """A small, fixed set of real Omniglot images: 6 characters x 4 drawings."""
+    base = omniglot_root / "images_background"
+    chars = sorted(p for a in sorted(base.iterdir())[:3] for p in sorted(a.iterdir())[:2])
+    return [f for c in chars for f in sorted(c.glob("*.png"))[:4]]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Keep exported default models out of the user's ~/.cache during tests."""
+    if "DAS_CACHE" not in os.environ:
+        os.environ["DAS_CACHE"] = str(tmp_path_factory.mktemp("das-cache"))
+    return Path(os.environ["DAS_CACHE"])
