@@ -52,3 +52,25 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if "DAS_CACHE" not in os.environ:
         os.environ["DAS_CACHE"] = str(tmp_path_factory.mktemp("das-cache"))
     return Path(os.environ["DAS_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def small_onnx(tmp_path_factory: pytest.TempPathFactory, omniglot_paths: list[Path]) -> Path:
+    """An exported small_cnn Omniglot embedder (untrained, seeded; 64-d, L2-normalised)."""
+    import torch
+
+    from embedder import Embedder, EmbedderConfig, export_onnx
+
+    torch.manual_seed(0)
+    model = Embedder(EmbedderConfig(backbone="small_cnn", dim=64)).eval()
+    out = tmp_path_factory.mktemp("small-onnx") / "small_cnn.onnx"
+    return export_onnx(model, out, source_hash="untrained-small-cnn-seed0",
+                       parity_images=omniglot_paths[:8])
+
+
+@pytest.fixture(scope="session")
+def pretrained_onnx() -> Path:
+    """The default pretrained embedder (ImageNet EfficientNet-Lite0, 1280-d), cached in $DAS_CACHE."""
+    from embedder import default_model_path
+
+    return default_model_path()

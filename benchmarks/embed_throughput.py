@@ -1,0 +1,147 @@
+"""Images/s of torch eager vs onnxruntime on CPU for the default backbones, in one run.
+
+Both sides get the same preprocessed real photos (scikit-image) and the same thread count, so
+the ratio ORT/torch is measured on one machine at one moment; absolute numbers on a shared
+CPU move with the neighbours' load, the ratio much less. Decoding is excluded: this measures
+the network. Writes a Markdown table (with the command) to benchmarks/RESULTS-embedder.md.
+
+    python benchmarks/embed_throughput.py --threads 2 --min-time 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+              "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+
+def _build(name: str):
+    import torch
+
+    from embedder import Embedder, EmbedderConfig, pretrained_embedder
+
+    torch.manual_seed(0)
+    if name == "efficientnet_lite0":
+        return pretrained_embedder(), "pretrained ImageNet, 1280-d"
+    dim = 64 if name == "small_cnn" else 128
+    return Embedder(EmbedderConfig(backbone=name, dim=dim)).eval(), f"random init, {dim}-d"
+
+
+def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[float]:
+    """Images/s for each fn, calls interleaved so every side sees the same neighbours' load.
+
+    The median call time is used: on a CPU shared with other jobs a few calls are slowed by
+    descheduled threads, and the median ignores those without favouring either side.
+    """
+    for fn in fns:
+        fn(batch)  # warm-up (allocations, ORT kernel selection, oneDNN primitive caches)
+    times: list[list[float]] = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(times[0]) < min_reps or time.perf_counter() - start < min_time * len(fns):
+        for t, fn in zip(times, fns):
+            t0 = time.perf_counter()
+            fn(batch)
+            t.append(time.perf_counter() - t0)
+    return [len(batch) / float(np.median(t)) for t in times]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backbones", nargs="+", default=["efficientnet_lite0", "resnet50", "small_cnn"],
+                    choices=["efficientnet_lite0", "resnet18", "resnet34", "resnet50", "small_cnn"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                    help="intra-op thread counts to measure (same for torch and ORT)")
+    ap.add_argument("--opt-level", choices=sorted(OPT_LEVELS), default="all",
+                    help="onnxruntime graph optimisation level")
+    ap.add_argument("--spin", action="store_true", help="let ORT worker threads spin between runs")
+    ap.add_argument("--min-time", type=float, default=1.5, help="seconds per measurement")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
+    args = ap.parse_args(argv)
+    if min(args.threads) < 1 or args.min_time <= 0 or min(args.batch_sizes) < 1:
+        print("error: --threads, --min-time and --batch-sizes must be positive", file=sys.stderr)
+        return 2
+
+    import onnxruntime as ort
+    import torch
+    from tqdm import tqdm
+
+    from embedder.export import default_parity_images, export_onnx
+    from embedder.images import load_image
+
+    photos = default_parity_images()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in tqdm(args.backbones, desc="backbones"):
+            model, what = _build(name)
+            path = export_onnx(model, Path(tmp) / f"{name}.onnx")  # includes the parity check
+            pre = model.preprocessing
+            arrays = np.stack([pre.eval_array(load_image(p, mode=pre.mode)) for p in photos])
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                so = ort.SessionOptions()
+                so.intra_op_num_threads = threads
+                so.inter_op_num_threads = 1
+                so.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                                      OPT_LEVELS[args.opt_level])
+                so.log_severity_level = 3
+                if not args.spin:  # spinning ORT threads would steal the CPU from the next torch call
+                    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+                def run_torch(x: np.ndarray) -> None:
+                    with torch.inference_mode():
+                        model(torch.from_numpy(x))
+
+                def run_ort(x: np.ndarray) -> None:
+                    sess.run(None, {"x": x})
+
+                for bs in args.batch_sizes:
+                    batch = np.ascontiguousarray(np.resize(arrays, (bs, *arrays.shape[1:])), np.float32)
+                    t_rate, o_rate = _rates([run_torch, run_ort], batch, args.min_time)
+                    rows.append((name, what, threads, bs, t_rate, o_rate))
+                    tqdm.write(f"{name} threads={threads} batch={bs}: torch {t_rate:.1f} img/s, "
+                               f"ORT {o_rate:.1f} img/s ({o_rate / t_rate:.2f}x)")
+
+    cmd = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0]).relative_to(REPO))
+                                                        if Path(sys.argv[0]).is_absolute() else sys.argv[0],
+                                                        *(argv if argv is not None else sys.argv[1:])])
+    lines = [
+        "## Embedder throughput: torch eager vs onnxruntime (CPU)",
+        "",
+        f"Command: `{cmd}`  ",
+        f"torch {torch.__version__}, onnxruntime {ort.__version__}, same intra-op thread count on both sides, "
+        f"ORT optimisation level `{args.opt_level}`; preprocessed real photos, decoding excluded; "
+        "calls interleaved, median call time; CPU shared with other jobs (load average "
+        f"{os.getloadavg()[0]:.1f} at the end of the run), so compare the ratio, not the absolute rates.",
+        "",
+        "| backbone | weights | threads | batch | torch img/s | ORT img/s | ORT/torch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, what, threads, bs, t, o in rows:
+        lines.append(f"| {name} | {what} | {threads} | {bs} | {t:.1f} | {o:.1f} | {o / t:.2f}x |")
+    b32 = [r for r in rows if r[3] == 32]
+    if b32:
+        ok = all(r[5] / r[4] >= 1.5 for r in b32)
+        lines += ["", f"Goal ORT >= 1.5x torch eager at batch 32: {'met' if ok else 'NOT met'} "
+                      f"({', '.join(f'{r[0]}/{r[2]}t {r[5] / r[4]:.2f}x' for r in b32)})."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.write_text(text)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

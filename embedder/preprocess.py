@@ -1,0 +1,170 @@
+"""Preprocessing: the one place that resizes and normalises an image for the model.
+
+A :class:`Preprocessing` is derived from the backbone (:func:`preprocessing_for`), saved in every
+checkpoint and in the ONNX metadata, and read back by the indexer and the search service, so
+an image is prepared for the network exactly as it was during evaluation.
+
+``eval_array`` uses PIL + numpy only (no torch import) so the serving process stays light. It
+reproduces torchvision's ``Resize(resize)`` + ``CenterCrop(input_size)`` + ``ToTensor`` +
+``Normalize`` on PIL images: torchvision resizes PIL images with PIL's own bilinear filter, and
+the arithmetic for the output size and crop offsets is copied below; a test checks the match.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+from PIL import Image
+
+from .images import MODES, to_mode
+
+IMAGENET_MEAN: tuple[float, ...] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, ...] = (0.229, 0.224, 0.225)
+# TF-style EfficientNet-Lite normalisation (x - 127) / 128 on 0..255, expressed on 0..1 pixels.
+TF_MEAN: tuple[float, ...] = (127 / 255,) * 3
+TF_STD: tuple[float, ...] = (128 / 255,) * 3
+# small_cnn on grayscale: a neutral centring; BatchNorm after the first conv absorbs the rest.
+GRAY_MEAN: tuple[float, ...] = (0.5,)
+GRAY_STD: tuple[float, ...] = (0.5,)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """Eval (resize shorter side + centre crop) and train (random resized crop + flip) pipelines.
+
+    ``train_scale`` and ``hflip`` only affect :meth:`train_transform`; they are stored with the
+    rest so a checkpoint records how it was trained.
+    """
+
+    input_size: int = 224
+    resize: int = 256
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    mode: str = "RGB"
+    train_scale: tuple[float, float] = (0.08, 1.0)
+    hflip: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
+        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
+        object.__setattr__(self, "train_scale", tuple(float(s) for s in self.train_scale))
+        if self.mode not in MODES:
+            raise ValueError(f"Preprocessing.mode must be one of {MODES}, got {self.mode!r}")
+        if int(self.input_size) <= 0 or int(self.resize) < int(self.input_size):
+            raise ValueError(f"Preprocessing needs 0 < input_size <= resize, got input_size="
+                             f"{self.input_size}, resize={self.resize}")
+        c = self.channels()
+        if len(self.mean) != c or len(self.std) != c:
+            raise ValueError(f"Preprocessing mode {self.mode!r} needs {c} mean/std values, got "
+                             f"mean={self.mean}, std={self.std}")
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"Preprocessing std must be positive, got {self.std}")
+
+    def channels(self) -> int:
+        return 3 if self.mode == "RGB" else 1
+
+    def to_dict(self) -> dict:
+        """Plain types only (lists, not tuples) so ``torch.load(weights_only=True)`` and JSON agree."""
+        d = asdict(self)
+        d["mean"], d["std"], d["train_scale"] = list(self.mean), list(self.std), list(self.train_scale)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | str) -> "Preprocessing":
+        if isinstance(d, str):
+            d = json.loads(d)
+        if not isinstance(d, dict):
+            raise ValueError(f"preprocessing must be a mapping, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown preprocessing keys {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**d)
+
+    # ---- eval ---------------------------------------------------------------------------------
+    def _resized_size(self, w: int, h: int) -> tuple[int, int]:
+        # torchvision.transforms.functional._compute_resized_output_size with an int size
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = self.resize, int(self.resize * long / short)
+        return (new_short, new_long) if w <= h else (new_long, new_short)
+
+    def eval_image(self, img: Image.Image) -> Image.Image:
+        """Resize + centre crop, still a PIL image (for display of what the model sees)."""
+        if img.mode != self.mode:
+            img = to_mode(img, self.mode)
+        w, h = img.size
+        nw, nh = self._resized_size(w, h)
+        if (nw, nh) != (w, h):
+            img = img.resize((nw, nh), Image.BILINEAR)
+        s = self.input_size
+        top, left = int(round((nh - s) / 2.0)), int(round((nw - s) / 2.0))
+        return img.crop((left, top, left + s, top + s))
+
+    def eval_array(self, img: Image.Image) -> np.ndarray:
+        """(C, H, W) float32, normalised: what the network is fed at evaluation time."""
+        a = np.asarray(self.eval_image(img), dtype=np.float32) / 255.0
+        if a.ndim == 2:
+            a = a[:, :, None]
+        a = (a - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.ascontiguousarray(a.transpose(2, 0, 1), dtype=np.float32)
+
+    def eval_transform(self) -> Callable[[Image.Image], "torch.Tensor"]:  # noqa: F821
+        return _EvalTransform(self)
+
+    # ---- train --------------------------------------------------------------------------------
+    def train_transform(self) -> Callable[[Image.Image], "torch.Tensor"]:  # noqa: F821
+        from torchvision import transforms as T
+
+        steps: list = [_ToMode(self.mode),
+                       T.RandomResizedCrop(self.input_size, scale=self.train_scale,
+                                           interpolation=T.InterpolationMode.BILINEAR)]
+        if self.hflip:
+            steps.append(T.RandomHorizontalFlip())
+        steps += [T.ToTensor(), T.Normalize(self.mean, self.std)]
+        return T.Compose(steps)
+
+
+class _EvalTransform:
+    """A picklable callable (DataLoader workers) wrapping ``eval_array``."""
+
+    def __init__(self, pre: Preprocessing) -> None:
+        self.pre = pre
+
+    def __call__(self, img: Image.Image):
+        import torch
+
+        return torch.from_numpy(self.pre.eval_array(img))
+
+    def __repr__(self) -> str:
+        return f"EvalTransform({self.pre})"
+
+
+class _ToMode:
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        return img if img.mode == self.mode else to_mode(img, self.mode)
+
+    def __repr__(self) -> str:
+        return f"ToMode({self.mode!r})"
+
+
+def preprocessing_for(backbone: str) -> Preprocessing:
+    """The preprocessing a backbone was (pre)trained with."""
+    if backbone in ("resnet18", "resnet34", "resnet50"):
+        return Preprocessing(224, 256, IMAGENET_MEAN, IMAGENET_STD, "RGB")
+    if backbone == "efficientnet_lite0":
+        return Preprocessing(224, 256, TF_MEAN, TF_STD, "RGB")
+    if backbone == "small_cnn":
+        # Omniglot-size: 105 px characters resized to 32 and centre-cropped to 28; strokes are
+        # thin, so training crops keep most of the glyph and flips stay off (mirrored glyphs
+        # are different characters in several alphabets).
+        return Preprocessing(28, 32, GRAY_MEAN, GRAY_STD, "L", train_scale=(0.6, 1.0), hflip=False)
+    raise ValueError(f"unknown backbone {backbone!r}; expected one of "
+                     "resnet18, resnet34, resnet50, efficientnet_lite0, small_cnn")

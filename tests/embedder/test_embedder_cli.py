@@ -1,0 +1,64 @@
+"""`python -m embedder`: help, one-line errors, checkpoint -> ONNX -> info end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from embedder import Embedder, EmbedderConfig, OnnxEmbedder, save_checkpoint
+from embedder.checkpoint import file_sha256
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    return subprocess.run([sys.executable, "-m", "embedder", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["export", "--help"], ["pretrained", "--help"],
+                                  ["info", "--help"]])
+def test_help(argv):
+    r = _run(*argv)
+    assert r.returncode == 0 and "usage:" in r.stdout
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["info", "no/such/model.onnx"], "ONNX model file not found"),
+    (["export", "no/such/ckpt.pt", "--out", "x.onnx"], "checkpoint file not found"),
+    (["info", "{fake}"], "not a loadable ONNX model"),
+    (["export", "{fake}", "--out", "x.onnx"], "not a readable PyTorch checkpoint"),
+])
+def test_bad_input_one_line_error(argv, fragment, tmp_path):
+    fake = tmp_path / "fake.bin"
+    fake.write_text("neither a model nor a checkpoint")
+    r = _run(*[a.format(fake=fake) for a in argv])
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in r.stderr
+
+
+def test_no_command_is_usage_error():
+    r = _run()
+    assert r.returncode == 2 and "usage:" in r.stderr
+
+
+def test_export_and_info(tmp_path, omniglot_paths):
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(tmp_path / "m.pt", Embedder(EmbedderConfig(backbone="small_cnn", dim=16)))
+    out = tmp_path / "m.onnx"
+    r = _run("export", str(ckpt), "--out", str(out), "--parity-images", *map(str, omniglot_paths[:4]))
+    assert r.returncode == 0, r.stderr
+    assert "parity check passed" in r.stdout
+    rt = OnnxEmbedder(out)
+    assert rt.dim == 16 and rt.metadata["source_hash"] == file_sha256(ckpt)
+    info = _run("info", str(out), "--json")
+    assert info.returncode == 0
+    meta = json.loads(info.stdout)
+    assert meta["dim"] == "16" and json.loads(meta["preprocessing"])["mode"] == "L"

@@ -1,0 +1,134 @@
+"""Retrieval metrics against brute force and a hand-checked example."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from sklearn.metrics import normalized_mutual_info_score
+
+from embedder.metrics import (cluster_scores, evaluate, knn, map_at_r, pair_f1,
+                              recall_at_k)
+
+
+def _brute_neighbors(x):
+    d = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    np.fill_diagonal(d, np.inf)
+    return np.argsort(d, axis=1, kind="stable")[:, :-1]          # self (inf) is last
+
+
+@pytest.fixture()
+def random_set():
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(12), rng.integers(2, 7, 12))
+    centers = rng.normal(size=(12, 8)) * 0.8
+    x = (centers[y] + rng.normal(size=(len(y), 8))).astype(np.float32)
+    return x, y
+
+
+def test_hand_checked_example():
+    # 1-D points; classes: a a b b
+    x = np.array([[0.0], [1.0], [0.4], [3.0]], dtype=np.float32)
+    y = np.array([0, 0, 1, 1])
+    _, ids = knn(x, x, 3, exclude_self=True)
+    assert ids.tolist() == [[2, 1, 3], [2, 0, 3], [0, 1, 3], [1, 2, 0]]
+    nl = y[ids]
+    # R@1: query 0 -> 2 (b) miss, 1 -> 2 miss, 2 -> 0 miss, 3 -> 1 miss: 0; R@2: 0 hits at
+    # rank 2 (1), 1 hits (0), 2 misses (1 is a), 3 hits (2): 3/4
+    assert recall_at_k(nl, y, [1, 2, 3]) == {1: 0.0, 2: 0.75, 3: 1.0}
+    # MAP@R with R = 1: precision at rank 1 only -> all zero
+    assert map_at_r(nl, y, [1, 1, 1, 1]) == 0.0
+    # with R = 2 for query 0: ranks (b, a): (0 + 1/2) / 2 = 0.25
+    assert map_at_r(nl[:1], y[:1], [2]) == pytest.approx(0.25)
+
+
+def test_knn_matches_brute_force_in_blocks(random_set):
+    x, y = random_set
+    brute = _brute_neighbors(x.astype(np.float64))
+    for block in (7, 4096):
+        d, ids = knn(x, x, 5, exclude_self=True, block=block)
+        assert (ids != np.arange(len(x))[:, None]).all()
+        assert (ids == brute[:, :5]).mean() > 0.99                # ties may swap
+        ref_d = ((x[:, None] - x[ids]) ** 2).sum(-1)
+        np.testing.assert_allclose(d, ref_d, rtol=1e-4, atol=1e-4)
+
+
+def test_knn_exclude_self_with_exact_duplicates():
+    x = np.array([[0.0, 0.0], [0.0, 0.0], [5.0, 5.0]], dtype=np.float32)
+    _, ids = knn(x, x, 2, exclude_self=True)
+    assert ids[0].tolist() == [1, 2] and ids[1].tolist() == [0, 2]
+
+
+def test_recall_and_map_against_brute_force(random_set):
+    x, y = random_set
+    brute = _brute_neighbors(x.astype(np.float64))
+    nl = y[brute]
+    ks = [1, 2, 4, 8]
+    expected = {k: np.mean([y[i] in nl[i, :k] for i in range(len(y))]) for k in ks}
+    got = recall_at_k(nl, y, ks)
+    assert got == pytest.approx(expected)
+    r = np.array([(y == y[i]).sum() - 1 for i in range(len(y))])
+    aps = []
+    for i in range(len(y)):
+        hits, s = 0, 0.0
+        for rank in range(r[i]):
+            if nl[i, rank] == y[i]:
+                hits += 1
+                s += hits / (rank + 1)
+        aps.append(s / r[i])
+    assert map_at_r(nl, y, r) == pytest.approx(np.mean(aps))
+    out = evaluate(x, y, ks, clustering=False)
+    for k in ks:
+        assert out[f"R@{k}"] == pytest.approx(expected[k], abs=0.02)
+    assert out["MAP@R"] == pytest.approx(np.mean(aps), abs=0.02)
+
+
+def test_pair_f1_against_all_pairs():
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 5, 40)
+    c = rng.integers(0, 6, 40)
+    tp = fp = fn = 0
+    for i, j in itertools.combinations(range(40), 2):
+        same_c, same_y = c[i] == c[j], y[i] == y[j]
+        tp += same_c and same_y
+        fp += same_c and not same_y
+        fn += same_y and not same_c
+    p, r = tp / (tp + fp), tp / (tp + fn)
+    assert pair_f1(y, c) == pytest.approx(2 * p * r / (p + r))
+    assert pair_f1(y, y) == pytest.approx(1.0)
+
+
+def test_cluster_scores_separated_and_random():
+    rng = np.random.default_rng(2)
+    y = np.repeat(np.arange(5), 20)
+    x = (np.eye(5, 16)[y] * 50 + rng.normal(size=(100, 16))).astype(np.float32)
+    good = cluster_scores(x, y, seed=0, nredo=5)
+    assert good["nmi"] == pytest.approx(1.0) and good["f1"] == pytest.approx(1.0)
+    noise = rng.normal(size=(100, 16)).astype(np.float32)
+    bad = cluster_scores(noise, y, seed=0)
+    assert bad["nmi"] < 0.3 and bad["f1"] < 0.4
+    # NMI is sklearn's on the k-means assignment
+    assert 0.0 <= bad["nmi"] <= 1.0
+    assert normalized_mutual_info_score(y, y) == pytest.approx(1.0)
+
+
+def test_evaluate_keys_and_perfect_embedding():
+    y = np.repeat(np.arange(6), 4)
+    x = (np.eye(6, 8)[y] * 10).astype(np.float32)
+    out = evaluate(x, y, ks=(1, 2), seed=0)
+    assert set(out) == {"R@1", "R@2", "NMI", "F1", "MAP@R"}
+    assert all(v == pytest.approx(1.0) for v in out.values())
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: knn(np.zeros((3, 2)), np.zeros((3, 4)), 1), "dim"),
+    (lambda: knn(np.zeros((3, 2)), np.zeros((3, 2)), 3, exclude_self=True), "k=3"),
+    (lambda: knn(np.full((2, 2), np.nan), np.zeros((2, 2)), 1), "NaN"),
+    (lambda: recall_at_k(np.zeros((3, 2)), np.zeros(3), [4]), "k=4"),
+    (lambda: recall_at_k(np.zeros((3, 2)), np.zeros(2), [1]), "neighbor_labels"),
+    (lambda: map_at_r(np.zeros((3, 2)), np.zeros(3), [3, 1, 1]), "max\\(R\\) = 3"),
+    (lambda: cluster_scores(np.zeros((3, 2)), np.zeros(3)), "at least 2 classes"),
+])
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
