@@ -1,0 +1,98 @@
+"""Web app for DAS image retrieval: Gradio UI + JSON API on one local server.
+
+    python app.py [--index DIR ...] [--host 127.0.0.1] [--port 7860] [--auth USER:PASS]
+
+With no --index and no index in ./indexes/demo, builds a demo index from the photos scikit-image
+ships (augmented views, offline pretrained embedder) so a fresh machine shows it working.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="app.py", description="Search image indexes (built by `python -m indexer build`) in a "
+        "browser (Gradio) or over HTTP (POST /api/search). Binds 127.0.0.1 unless --host says otherwise.")
+    p.add_argument("--index", action="append", type=Path, default=[], metavar="DIR",
+                   help="index directory; repeat to compare several side by side (e.g. baseline and DAS)")
+    p.add_argument("--name", action="append", default=None, metavar="NAME",
+                   help="display name per --index, in the same order (default: directory names)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    p.add_argument("--auth", metavar="USER:PASS", default=None,
+                   help="require this user and password (UI login and HTTP basic auth on /api)")
+    p.add_argument("--queries", action="append", type=Path, default=[], metavar="DIR",
+                   help="labelled query folder <DIR>/<label>/<images> offered in the Evaluate tab; repeatable")
+    p.add_argument("--demo-dir", type=Path, default=Path("indexes") / "demo",
+                   help="where the demo index is found or built when no --index is given (default indexes/demo)")
+    p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MB (default 10)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the embedder and faiss run (default auto)")
+    args = p.parse_args(argv)
+    if args.auth is not None:
+        user, sep, pw = args.auth.partition(":")
+        if not sep or not user or not pw:
+            p.error(f"--auth: expected USER:PASS with both parts non-empty, got {args.auth!r}")
+        args.auth = (user, pw)
+    if not 0 < args.port < 65536:
+        p.error(f"--port: expected 1..65535, got {args.port}")
+    if args.max_upload_mb <= 0:
+        p.error(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
+    if args.name is not None and len(args.name) != len(args.index):
+        p.error(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
+    for d in args.index:
+        if not (d / "manifest.json").is_file():
+            p.error(f"--index {d}: not an index directory (no manifest.json); build one with `python -m indexer build`")
+    for d in args.queries:
+        if not d.is_dir():
+            p.error(f"--queries {d}: not a directory (expected <DIR>/<label>/<images>)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from serving import Searcher
+    from serving.demo import ensure_demo_index
+
+    indexes = list(args.index)
+    names = args.name
+    queries = {d.name: d for d in args.queries}
+    if not indexes:
+        names = ["demo"]
+        try:
+            indexes = [ensure_demo_index(args.demo_dir)]
+        except Exception as e:  # a failed demo build is reported in one line, not a traceback
+            print(f"app.py: could not build the demo index in {args.demo_dir}: {e}", file=sys.stderr)
+            return 1
+        qdir = args.demo_dir / "queries"
+        if qdir.is_dir():
+            queries.setdefault("demo queries", qdir)
+    try:
+        searcher = Searcher.open(indexes, names=names, device=args.device)
+    except Exception as e:
+        print(f"app.py: cannot open index: {e}", file=sys.stderr)
+        return 1
+
+    import uvicorn
+
+    from serving.server import create_app
+
+    app = create_app(searcher, auth=args.auth, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+                     query_sets=queries)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.auth is None:
+        print(f"app.py: warning: listening on {args.host} without --auth: anyone who can reach this "
+              f"port can search the gallery", file=sys.stderr)
+    print(f"Serving {', '.join(searcher.names)} on http://{args.host}:{args.port} "
+          f"(UI at /, JSON API at /api/search)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""Searcher: one or more read-only indexes answering image queries, with thumbnails and probes.
+
+Several indexes can be open at once (say one built with a baseline embedder and one with a DAS
+embedder); every query and probe can run on each so the models are compared side by side, as
+the paper does in Figs. V-VI. Indexes are opened read-only and are safe for concurrent queries
+(onnxruntime sessions and faiss CPU searches are re-entrant; LMDB readers are per thread), so
+one Searcher serves all web workers.
+"""
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from PIL import Image
+
+from embedder import ImageLoadError, load_image
+from indexer import Index
+
+from . import probes as P
+from .thumbs import ThumbnailCache, framed
+
+ImageSource = str | Path | bytes | Image.Image
+
+
+class UnknownIdError(KeyError):
+    """An id or path that is not in the named index (the API answers 404)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass
+class Query:
+    """What is being searched for: an uploaded image, or an image already in a gallery.
+
+    A gallery query carries its id in ``source`` (the index it came from), so that index can
+    use the stored embedding and leave the query itself out of its results; other indexes embed
+    the same bytes with their own embedder.
+    """
+    image: Image.Image | None = None
+    id: int | None = None
+    source: str | None = None
+    label: str | None = None
+    path: str | None = None
+    name: str = "query"
+    _emb: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class Result:
+    id: int
+    score: float
+    label: str | None
+    path: str
+    index: str
+    thumbnail: Image.Image | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "score": self.score, "label": self.label, "path": self.path,
+                "index": self.index}
+
+
+@dataclass
+class SearchResult:
+    index: str
+    query: Query
+    results: list[Result]
+
+    @property
+    def ids(self) -> list[int]:
+        return [r.id for r in self.results]
+
+    @property
+    def scores(self) -> list[float]:
+        return [r.score for r in self.results]
+
+    @property
+    def labels(self) -> list[str | None]:
+        return [r.label for r in self.results]
+
+    @property
+    def paths(self) -> list[str]:
+        return [r.path for r in self.results]
+
+    @property
+    def thumbnails(self) -> list[Image.Image | None]:
+        return [r.thumbnail for r in self.results]
+
+
+@dataclass
+class ProbeReport:
+    """Original top-k and one row per probe, with overlap@k and (label known) precision@k."""
+    index: str
+    query: Query
+    k: int
+    rows: list[P.ProbeRow]
+    results: dict[str, list[Result]]      # row name -> results (for thumbnails)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"index": self.index, "probe": r.name, "kind": r.kind, "overlap@k": r.overlap,
+                 "precision@k": r.precision} for r in self.rows]
+
+
+def _index_name(directory: Path, taken: set[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", directory.resolve().name).strip("-") or "index"
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}-{n}", n + 1
+    return name
+
+
+class Searcher:
+    """Search service over named indexes; the first one is the default."""
+
+    def __init__(self, indexes: Mapping[str, Index], *, thumb_size: int = 160,
+                 cache_size: int = 4096, directories: Mapping[str, Path] | None = None):
+        if not indexes:
+            raise ValueError("Searcher: expected at least one index")
+        self.indexes: dict[str, Index] = dict(indexes)
+        self.directories: dict[str, Path] = dict(directories or {})
+        self.thumbs = ThumbnailCache(cache_size, thumb_size)
+
+    @classmethod
+    def open(cls, directories: Sequence[str | Path] | str | Path, *, names: Sequence[str] | None = None,
+             device: str = "auto", **kw: Any) -> "Searcher":
+        """Open each index directory read-only; names default to the directory names."""
+        if isinstance(directories, (str, Path)):
+            directories = [directories]
+        dirs = [Path(d) for d in directories]
+        if names is not None and len(names) != len(dirs):
+            raise ValueError(f"names: expected {len(dirs)} names for {len(dirs)} indexes, got {len(names)}")
+        opened: dict[str, Index] = {}
+        paths: dict[str, Path] = {}
+        for i, d in enumerate(dirs):
+            if not (d / "manifest.json").is_file():
+                raise FileNotFoundError(f"{d}: not an index directory (expected manifest.json, "
+                                        f"index.faiss and store.lmdb/ in it)")
+            name = names[i] if names is not None else _index_name(d, set(opened))
+            if name in opened:
+                raise ValueError(f"names: duplicate index name {name!r}")
+            opened[name] = Index.open(d, device=device)
+            paths[name] = d
+        return cls(opened, directories=paths, **kw)
+
+    # -- lookup ---------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self.indexes)
+
+    @property
+    def default(self) -> str:
+        return next(iter(self.indexes))
+
+    def index(self, name: str | None = None) -> Index:
+        name = name or self.default
+        try:
+            return self.indexes[name]
+        except KeyError:
+            raise UnknownIdError(f"unknown index {name!r}; open indexes: {', '.join(self.indexes)}") from None
+
+    def _check_id(self, index: str, id: int) -> dict:
+        idx = self.index(index)
+        if isinstance(id, bool) or not isinstance(id, (int, np.integer)) or int(id) < 0:
+            raise UnknownIdError(f"id {id!r} is not in index {index!r} (ids are non-negative integers)")
+        try:
+            return idx.store.get_meta(int(id))
+        except KeyError:
+            raise UnknownIdError(f"id {id!r} is not in index {index!r}") from None
+
+    # -- queries --------------------------------------------------------------------------
+    def query_from_image(self, source: ImageSource, *, label: str | None = None,
+                         name: str | None = None) -> Query:
+        """A query from an image (decoded now, so a bad file fails here with ImageLoadError)."""
+        img = load_image(source, mode="RGB", name=name)
+        nm = name or (str(source) if isinstance(source, (str, Path)) else "query")
+        return Query(image=img, label=label, name=nm)
+
+    def query_from_id(self, id: int, index: str | None = None) -> Query:
+        """A query by an image already in the gallery of ``index``."""
+        index = index or self.default
+        meta = self._check_id(index, id)
+        return Query(id=int(id), source=index, label=meta.get("label"), path=meta.get("path"),
+                     name=meta.get("path") or f"{index}#{id}")
+
+    def query_from_path(self, rel_path: str, index: str | None = None) -> Query:
+        """A query by a gallery-relative path (looked up in LMDB, never read from disk)."""
+        index = index or self.default
+        id = self.index(index).store.id_for_path(rel_path)
+        if id is None:
+            raise UnknownIdError(f"path {rel_path!r} is not in index {index!r}")
+        return self.query_from_id(id, index)
+
+    def _as_query(self, q: Query | ImageSource | int) -> Query:
+        if isinstance(q, Query):
+            return q
+        if isinstance(q, (int, np.integer)) and not isinstance(q, bool):
+            return self.query_from_id(int(q))
+        return self.query_from_image(q)
+
+    def query_image(self, q: Query) -> Image.Image:
+        """The query's pixels (for gallery queries, decoded from the source index's LMDB)."""
+        if q.image is None:
+            data = self.index(q.source).store.get_bytes(q.id)
+            q.image = load_image(data, mode="RGB", name=q.name)
+        return q.image
+
+    def embed(self, q: Query, index: str | None = None) -> np.ndarray:
+        """The query's embedding in ``index``'s space, cached on the query."""
+        index = index or self.default
+        if index not in q._emb:
+            idx = self.index(index)
+            v = None
+            if self._own(q, index):
+                try:
+                    v = idx.embeddings([q.id])[0]
+                except KeyError:  # stored without an embedding for this model: embed afresh
+                    v = None
+            if v is None:
+                v = idx.embedder.embed([self.query_image(q)])[0]
+            q._emb[index] = np.asarray(v, dtype=np.float32)
+        return q._emb[index]
+
+    def _own(self, q: Query, index: str) -> bool:
+        """Whether the gallery query is an item of ``index``: ids are content hashes, so the same
+        photo has the same id in every index that holds it (and is left out of its results)."""
+        if q.id is None:
+            return False
+        return q.source == index or q.id in self.index(index).store
+
+    def _exclude(self, q: Query, index: str, exclude_self: bool = True) -> int | None:
+        return q.id if exclude_self and self._own(q, index) else None
+
+    # -- search ---------------------------------------------------------------------------
+    def _results(self, index: str, scores: np.ndarray, ids: np.ndarray, k: int,
+                 exclude: int | None, thumbnails: bool) -> list[Result]:
+        store = self.index(index).store
+        out: list[Result] = []
+        for s, i in zip(scores.tolist(), ids.tolist()):
+            if i < 0 or i == exclude:
+                continue
+            try:
+                meta = store.get_meta(int(i))
+            except KeyError:  # removed from the store after the faiss index was loaded
+                continue
+            out.append(Result(int(i), float(s), meta.get("label"), meta.get("path", ""), index,
+                              self.thumbnail(index, int(i)) if thumbnails else None))
+            if len(out) == k:
+                break
+        return out
+
+    def search_embeddings(self, emb: np.ndarray, k: int = 10, *, index: str | None = None,
+                          exclude: Sequence[int | None] | None = None,
+                          thumbnails: bool = False) -> list[list[Result]]:
+        """Search (n, d) embeddings; ``exclude[i]`` is an id to drop from row i (the query)."""
+        index = index or self.default
+        _check_k(k)
+        emb = np.ascontiguousarray(np.atleast_2d(np.asarray(emb, dtype=np.float32)))
+        idx = self.index(index)
+        if emb.shape[1] != idx.dim:
+            raise ValueError(f"embedding dim {emb.shape[1]} does not match index {index!r} (dim {idx.dim})")
+        exclude = list(exclude) if exclude is not None else [None] * len(emb)
+        extra = 1 if any(e is not None for e in exclude) else 0
+        scores, ids = idx.search_embeddings(emb, min(k + extra, len(idx)))
+        return [self._results(index, scores[r], ids[r], k, exclude[r], thumbnails) for r in range(len(emb))]
+
+    def search(self, query: Query | ImageSource | int, k: int = 10, *, index: str | None = None,
+               exclude_self: bool = True, thumbnails: bool = False) -> SearchResult:
+        """Top-k for one query (an image, a gallery id, or a Query). A gallery query is left out
+        of its own results unless exclude_self is False."""
+        index = index or self.default
+        self.index(index)  # unknown index fails before any decoding
+        _check_k(k)
+        q = self._as_query(query)
+        v = self.embed(q, index)
+        excl = self._exclude(q, index, exclude_self)
+        res = self.search_embeddings(v[None], k, index=index, exclude=[excl], thumbnails=thumbnails)[0]
+        return SearchResult(index, q, res)
+
+    def search_batch(self, queries: Sequence[Query | ImageSource | int], k: int = 10, *,
+                     index: str | None = None, exclude_self: bool = True,
+                     thumbnails: bool = False) -> list[SearchResult]:
+        """Top-k for many queries: uploads are embedded in one batched session run."""
+        index = index or self.default
+        self.index(index)
+        _check_k(k)
+        qs = [self._as_query(q) for q in queries]
+        if not qs:
+            return []
+        todo = [q for q in qs if index not in q._emb and not self._own(q, index)]
+        if todo:
+            embs = self.index(index).embedder.embed([self.query_image(q) for q in todo])
+            for q, v in zip(todo, embs):
+                q._emb[index] = np.asarray(v, dtype=np.float32)
+        emb = np.stack([self.embed(q, index) for q in qs])
+        excl = [self._exclude(q, index, exclude_self) for q in qs]
+        rows = self.search_embeddings(emb, k, index=index, exclude=excl, thumbnails=thumbnails)
+        return [SearchResult(index, q, r) for q, r in zip(qs, rows)]
+
+    def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:
+        """The same query on every open index, side by side."""
+        q = self._as_query(query)
+        return {name: self.search(q, k, index=name, **kw) for name in self.indexes}
+
+    # -- thumbnails -----------------------------------------------------------------------
+    def thumbnail_png(self, index: str, id: int) -> bytes:
+        """PNG thumbnail of gallery item ``id``, from LMDB bytes (cached)."""
+        self._check_id(index, id)
+        store = self.index(index).store
+        return self.thumbs.get((index, int(id)), lambda: store.get_bytes(int(id)))
+
+    def thumbnail(self, index: str, id: int, match: bool | None = None) -> Image.Image:
+        img = Image.open(io.BytesIO(self.thumbnail_png(index, id)))
+        img.load()
+        return framed(img, match)
+
+    # -- probes ---------------------------------------------------------------------------
+    def shift_pair(self, index: str, label: str, *, exclude: int | None = None,
+                   seed: int | None = 0) -> tuple[int, int] | None:
+        """Two gallery ids of ``label`` (not the query) whose difference is the shift; None when
+        the class has fewer than two other images."""
+        ids = [i for i in self.index(index).store.ids_for_label(label) if i != exclude]
+        if len(ids) < 2:
+            return None
+        rng = np.random.default_rng(seed)
+        a, b = rng.choice(len(ids), size=2, replace=False)
+        return int(ids[a]), int(ids[b])
+
+    def probe(self, query: Query | ImageSource | int, k: int = 6, *, index: str | None = None,
+              topk: int = 4, scales: Sequence[float] | None = P.DEFAULT_SCALES, n_random: int = 0,
+              scale_range: float = 0.5, shifts: Sequence[float] = P.DEFAULT_SHIFTS,
+              shift_label: str | None = None, seed: int | None = 0,
+              thumbnails: bool = False) -> ProbeReport:
+        """Semantic scaling and shifting probes (supp. section L) for one query on one index."""
+        index = index or self.default
+        self.index(index)
+        _check_k(k)
+        q = self._as_query(query)
+        v = self.embed(q, index)
+        excl = self._exclude(q, index)
+        notes: list[str] = []
+        names: list[str] = []
+        kinds: list[str] = []
+        embs: list[np.ndarray] = []
+        if scales or n_random:
+            e, n = P.semantic_scaling(v, topk=topk, scales=scales, n_random=n_random,
+                                      scale_range=scale_range, seed=seed)
+            embs.append(e); names += n; kinds += ["scaling"] * len(n)
+        label = q.label if (q.label is not None and shift_label is None) else shift_label
+        if shifts:
+            store = self.index(index).store
+            if label is None:
+                notes.append("semantic shifting skipped: the query's label is unknown; pick a class")
+            elif label not in set(store.labels()):
+                notes.append(f"semantic shifting skipped: class {label!r} is not in index {index!r}")
+            else:
+                pair = self.shift_pair(index, label, exclude=excl, seed=seed)
+                if pair is None:
+                    notes.append(f"semantic shifting skipped: class {label!r} has fewer than two "
+                                 f"gallery images besides the query")
+                else:
+                    ga, gb = self.index(index).embeddings(list(pair))
+                    e, n = P.semantic_shifting(v, ga, gb, shifts=shifts)
+                    embs.append(e)
+                    names += [f"{x} ({label})" for x in n]
+                    notes.append(f"semantic shifting on {index}: difference of gallery images "
+                                 f"#{pair[0]} and #{pair[1]} of class {label!r}")
+                    kinds += ["shifting"] * len(n)
+        all_emb = np.concatenate([v[None]] + embs) if embs else v[None]
+        rows = self.search_embeddings(all_emb, k, index=index, exclude=[excl] * len(all_emb),
+                                      thumbnails=thumbnails)
+        orig = rows[0]
+        table = P.stability_rows([r.id for r in orig], [r.score for r in orig], [r.label for r in orig],
+                                 [(nm, kd, [r.id for r in rs], [r.score for r in rs], [r.label for r in rs])
+                                  for nm, kd, rs in zip(names, kinds, rows[1:])],
+                                 k, q.label)
+        results = {"original": orig, **{nm: rs for nm, rs in zip(names, rows[1:])}}
+        return ProbeReport(index, q, k, table, results, notes)
+
+    def probe_all(self, query: Query | ImageSource | int, k: int = 6, **kw: Any) -> dict[str, ProbeReport]:
+        """The same probes on every open index (the paper's baseline vs DAS comparison)."""
+        q = self._as_query(query)
+        return {name: self.probe(q, k, index=name, **kw) for name in self.indexes}
+
+    def describe(self, index: str | None = None) -> dict[str, Any]:
+        """Manifest plus live facts, for the Index tab and GET /api/indexes."""
+        index = index or self.default
+        idx = self.index(index)
+        return {"name": index, "directory": str(self.directories.get(index, "")), "size": len(idx),
+                "dim": idx.dim, "labels": len(idx.store.labels()), "manifest": idx.manifest}
+
+
+def _check_k(k: int) -> None:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= int(k) <= 1000:
+        raise ValueError(f"k: expected an integer between 1 and 1000, got {k!r}")
+
+
+__all__ = ["Searcher", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError", "ImageLoadError"]

@@ -1,0 +1,33 @@
+"""One ASGI app: the JSON API at /api/* and the Gradio UI mounted at "/".
+
+The API routes are registered before Gradio is mounted, since a mount at "/" takes every path
+not matched earlier. --auth protects both: Gradio's login page for the UI (and gradio_client's
+``auth=``), HTTP basic auth for /api/*.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+# Gradio phones home for analytics unless told not to; servers here have no internet.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+
+from .api import add_api_routes  # noqa: E402
+from .searcher import Searcher  # noqa: E402
+from .ui import build_ui  # noqa: E402
+from .uploads import DEFAULT_MAX_UPLOAD_BYTES  # noqa: E402
+
+
+def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+               query_sets: Mapping[str, Path] | None = None) -> FastAPI:
+    app = FastAPI(title="das-retrieval", docs_url=None, redoc_url=None, openapi_url=None)
+    add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes)
+    blocks = build_ui(searcher, query_sets=query_sets, max_upload_bytes=max_upload_bytes)
+    blocks.queue(default_concurrency_limit=4)
+    return gr.mount_gradio_app(app, blocks, path="/", auth=auth, max_file_size=max_upload_bytes,
+                               show_error=True, footer_links=["api"])

@@ -1,0 +1,79 @@
+"""Thumbnails made from gallery bytes (LMDB), cached, plus the green/red match frame.
+
+Thumbnails are always rendered from the store by id, never from a path the client names, so
+no endpoint can be used to read files off the server.
+"""
+from __future__ import annotations
+
+import io
+import threading
+from collections import OrderedDict
+from typing import Callable
+
+from PIL import Image, ImageDraw, ImageOps
+
+MATCH = (22, 163, 74)      # green: same label as the query
+MISMATCH = (220, 38, 38)   # red: different label
+
+
+def make_thumbnail(data: bytes, size: int = 160) -> Image.Image:
+    """Decode gallery bytes into an RGB thumbnail no larger than size x size."""
+    with Image.open(io.BytesIO(data)) as im:
+        im = ImageOps.exif_transpose(im)
+        im = im.convert("RGB")
+        im.thumbnail((size, size))
+        return im.copy()
+
+
+def framed(img: Image.Image, match: bool | None, width: int = 6) -> Image.Image:
+    """Draw the Fig. V-style frame into the image: green for a match, red otherwise, none when
+    the query's label is unknown (so the frame survives any front end)."""
+    if match is None:
+        return img
+    out = img.convert("RGB").copy()
+    draw = ImageDraw.Draw(out)
+    w, h = out.size
+    width = max(1, min(width, w // 4, h // 4))
+    draw.rectangle([0, 0, w - 1, h - 1], outline=MATCH if match else MISMATCH, width=width)
+    return out
+
+
+def to_png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class ThumbnailCache:
+    """Thread-safe LRU of encoded PNG thumbnails keyed by (index name, id).
+
+    Thumbnails are small (a few KB) and the same gallery items recur across queries, so caching
+    the encoded bytes saves an LMDB read, a decode and a re-encode per result.
+    """
+
+    def __init__(self, capacity: int = 4096, size: int = 160):
+        self.capacity = capacity
+        self.size = size
+        self._data: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple[str, int], load: Callable[[], bytes]) -> bytes:
+        with self._lock:
+            png = self._data.get(key)
+            if png is not None:
+                self._data.move_to_end(key)
+                self.hits += 1
+                return png
+            self.misses += 1
+        png = to_png(make_thumbnail(load(), self.size))
+        with self._lock:
+            self._data[key] = png
+            self._data.move_to_end(key)
+            while len(self._data) > self.capacity:
+                self._data.popitem(last=False)
+        return png
+
+    def __len__(self) -> int:
+        return len(self._data)

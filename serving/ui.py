@@ -1,0 +1,268 @@
+"""The Gradio 6 app: Search, Probes, Evaluate and Index tabs over a Searcher.
+
+Every handler turns bad input (oversized upload, a file that is not an image, a bad number) into
+a visible message (gr.Warning toast plus a status line) and empty outputs, never a stack trace.
+The search and probe handlers have api_names so gradio_client can call them.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import gradio as gr
+import numpy as np
+from PIL import Image
+
+from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
+from indexer import IndexerError
+
+from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
+from .render import caption, probe_grid, result_items
+from .searcher import Query, Searcher, UnknownIdError
+from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, check_size, decode_upload
+
+GALLERY_LOO = "gallery (leave-one-out)"
+
+
+def query_image(**kw: Any) -> gr.Image:
+    """gr.Image whose preprocessing failure (a file that is not an image) becomes a clear gr.Error
+    instead of PIL's internal message. The instance's preprocess is wrapped rather than gr.Image
+    subclassed, because Gradio writes a .pyi stub next to any module defining a subclass."""
+    comp = gr.Image(**kw)
+    inner = comp.preprocess
+
+    def preprocess(payload: Any) -> Any:
+        try:
+            return inner(payload)
+        except Exception:
+            name = getattr(payload, "orig_name", None) or "upload"
+            raise gr.Error(f"{name}: not a readable image; expected a PNG, JPEG, WebP, BMP or GIF "
+                           f"file") from None
+
+    comp.preprocess = preprocess  # type: ignore[method-assign]
+    return comp
+
+
+def _floats(text: str, what: str) -> list[float]:
+    text = (text or "").strip()
+    if not text:
+        return []
+    try:
+        vals = [float(t) for t in text.replace(";", ",").split(",") if t.strip()]
+    except ValueError:
+        raise UploadError(f"{what}: expected comma-separated numbers like '0.5, 2', got {text!r}") from None
+    if any(not np.isfinite(v) for v in vals):
+        raise UploadError(f"{what}: expected finite numbers, got {text!r}")
+    return vals
+
+
+def _pick_choices(searcher: Searcher, per_label: int = 2, limit: int = 400) -> list[tuple[str, str]]:
+    """Gallery images offered as example queries: a couple per class of the default index."""
+    store = searcher.index().store
+    out: list[tuple[str, str]] = []
+    for lab in store.labels():
+        for i in store.ids_for_label(lab)[:per_label]:
+            path = store.get_meta(i).get("path", str(i))
+            out.append((f"{lab} — {path}", str(i)))
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def _describe_md(info: Mapping[str, Any]) -> str:
+    m = info.get("manifest", {}) or {}
+
+    def first(*keys: str) -> Any:
+        for k in keys:
+            cur: Any = m
+            for part in k.split("."):
+                cur = cur.get(part) if isinstance(cur, dict) else None
+            if cur not in (None, ""):
+                return cur
+        return "—"
+
+    rows = [("images", info.get("size")), ("classes", info.get("labels")), ("dim", info.get("dim")),
+            ("model", first("model.backbone", "model.metadata.backbone", "model.source", "model.file")),
+            ("model file", first("model.source", "model.file")),
+            ("model sha256", str(first("model.hash", "model.sha256"))[:16]),
+            ("index type", first("index_type", "factory", "index.type")),
+            ("nprobe", first("nprobe", "index.nprobe")),
+            ("measured recall@10 (vs exact)", first("recall_at_10", "recall", "index.recall")),
+            ("target recall", first("target_recall")),
+            ("built", first("built_at", "updated_at", "created")),
+            ("directory", info.get("directory"))]
+    body = "\n".join(f"| {k} | {v if not isinstance(v, (dict, list)) else json.dumps(v)} |" for k, v in rows)
+    return f"### {info['name']}\n\n| field | value |\n| --- | --- |\n{body}\n"
+
+
+def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None,
+             max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, title: str = "DAS image retrieval") -> gr.Blocks:
+    """The Blocks app; mount it with gr.mount_gradio_app (see app.py)."""
+    names = searcher.names
+    query_sets = dict(query_sets or {})
+    picks = _pick_choices(searcher)
+    labels = sorted({lab for n in names for lab in searcher.index(n).store.labels()})
+
+    def make_query(img_path: str | None, pick: str | None, label: str | None) -> Query:
+        label = label or None
+        if img_path:
+            p = Path(img_path)
+            check_size(p.stat().st_size, p.name, max_upload_bytes)
+            img = decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes)
+            return searcher.query_from_image(img, label=label, name=p.name)
+        if pick:
+            try:
+                q = searcher.query_from_id(int(pick))
+            except ValueError:
+                raise UploadError(f"gallery pick {pick!r}: expected a gallery id") from None
+            if label:
+                q.label = label
+            return q
+        raise UploadError("upload an image or pick a gallery image first")
+
+    def fail(msg: str, n_out: int) -> list[Any]:
+        gr.Warning(msg)
+        return [f"**⚠ {msg}**"] + [None] * n_out
+
+    # -- handlers -------------------------------------------------------------------------
+    def do_search(img_path: str | None, pick: str | None, label: str | None, k: float) -> list[Any]:
+        try:
+            q = make_query(img_path, pick, label)
+            kk = int(k)
+            out = []
+            for n in names:
+                res = searcher.search(q, kk, index=n)
+                out.append(result_items(searcher, res.results, q.label))
+        except (UploadError, UnknownIdError, ValueError) as e:
+            return fail(getattr(e, "message", None) or str(e), len(names))
+        known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
+            "label unknown (pick one to see green/red frames)"
+        return [f"Query **{q.name}** · top-{kk} · {known}"] + out
+
+    def do_probes(img_path: str | None, pick: str | None, label: str | None, k: float, topk: float,
+                  scales: str, n_random: float, r_s: float, shifts: str, shift_label: str | None,
+                  seed: float) -> list[Any]:
+        try:
+            q = make_query(img_path, pick, label)
+            sc = _floats(scales, "scales")
+            sh = _floats(shifts, "shift r_b values")
+            reports = searcher.probe_all(q, int(k), topk=int(topk), scales=sc, n_random=int(n_random),
+                                         scale_range=float(r_s), shifts=sh,
+                                         shift_label=(shift_label or None) if not q.label else None,
+                                         seed=int(seed))
+        except (UploadError, UnknownIdError, ValueError) as e:
+            return fail(getattr(e, "message", None) or str(e), len(names) + 1)
+        grids = [probe_grid(searcher, reports[n]) for n in names]
+        table = [[r["index"], r["probe"], round(r["overlap@k"], 3),
+                  None if r["precision@k"] is None else round(r["precision@k"], 3)]
+                 for n in names for r in reports[n].summary()]
+        notes = sorted({note for rep in reports.values() for note in rep.notes})
+        status = f"Query **{q.name}**" + (f" · label **{q.label}**" if q.label else "") + \
+            "".join(f"\n\n*{n}*" for n in notes)
+        return [status] + grids + [table]
+
+    def do_eval(source: str, ks_text: str) -> list[Any]:
+        try:
+            ks = [int(v) for v in _floats(ks_text, "k values")] or [1, 2, 4, 8]
+            if min(ks) < 1 or max(ks) > 1000:
+                raise UploadError(f"k values: expected integers between 1 and 1000, got {ks_text!r}")
+            if source == GALLERY_LOO:
+                results = [evaluate_gallery(searcher, index=n, ks=ks) for n in names]
+            elif source in query_sets:
+                results = [evaluate_folder(searcher, query_sets[source], index=n, ks=ks, source=source)
+                           for n in names]
+            else:
+                raise UploadError(f"query set {source!r}: expected one of {[GALLERY_LOO, *query_sets]}")
+        except (UploadError, ValueError, FileNotFoundError, IndexerError) as e:
+            gr.Warning(getattr(e, "message", None) or str(e))
+            return [f"**⚠ {getattr(e, 'message', None) or str(e)}**", None, None]
+        head = ["index", "queries", "n"] + [f"R@{k}" for k in sorted(set(ks))]
+        rows = [[r.row()[h] for h in head] for r in results]
+        png = Image.open(io.BytesIO(recall_figure(results)))
+        skipped = sum(len(r.skipped) for r in results)
+        msg = f"Recall@k (%) on **{results[0].source}**" + (f" · {skipped} unreadable files skipped" if skipped else "")
+        import pandas as pd  # a gradio dependency; headers travel with the data this way
+
+        return [msg, pd.DataFrame(rows, columns=head), png]
+
+    # -- layout ---------------------------------------------------------------------------
+    # delete_cache: result thumbnails Gradio writes to its cache are removed after an hour.
+    with gr.Blocks(title=title, analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
+        gr.Markdown(f"# {title}\nIndexes: " + ", ".join(f"**{n}** ({len(searcher.index(n))} images)" for n in names))
+        with gr.Tab("Search", id="search"):
+            with gr.Row():
+                with gr.Column(scale=1):
+                    s_img = query_image(type="filepath", image_mode=None, label="Query image",
+                                       sources=["upload", "clipboard"], elem_id="search-image", height=260)
+                    s_pick = gr.Dropdown(picks, value=None, label="…or a gallery image", elem_id="search-pick",
+                                         allow_custom_value=True)
+                    s_label = gr.Dropdown(labels, value=None, label="Query label (optional: frames results green/red)",
+                                          elem_id="search-label")
+                    s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
+                    s_btn = gr.Button("Search", variant="primary", elem_id="search-btn")
+                with gr.Column(scale=3):
+                    s_status = gr.Markdown(elem_id="search-status")
+                    s_gals = [gr.Gallery(label=f"Results — {n}", columns=4, height="auto", object_fit="contain",
+                                         elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
+            s_pick.input(lambda: None, None, s_img, queue=False, api_name=False)
+            s_img.upload(lambda: None, None, s_pick, queue=False, api_name=False)
+            s_btn.click(do_search, [s_img, s_pick, s_label, s_k], [s_status, *s_gals], api_name="search")
+
+        with gr.Tab("Probes", id="probes"):
+            gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "
+                        "semantic shifting (query + r_b × difference of two gallery embeddings of one class), "
+                        "as in the DAS paper's supplementary section L. Each row: the probe's top-k, with "
+                        "overlap@k against the original top-k and precision@k when the query's label is known.")
+            with gr.Row():
+                with gr.Column(scale=1):
+                    p_img = query_image(type="filepath", image_mode=None, label="Query image",
+                                       sources=["upload", "clipboard"], elem_id="probe-image", height=220)
+                    p_pick = gr.Dropdown(picks, value=None, label="…or a gallery image", elem_id="probe-pick",
+                                         allow_custom_value=True)
+                    p_label = gr.Dropdown(labels, value=None, label="Query label (optional)", elem_id="probe-label")
+                    p_k = gr.Slider(1, 20, value=6, step=1, label="k")
+                    p_topk = gr.Slider(1, 64, value=4, step=1, label="K channels scaled (top-K by value)")
+                    p_scales = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SCALES), label="Scales")
+                    p_nrand = gr.Slider(0, 6, value=0, step=1, label="Random scalings (per channel U[1-r_s, 1+r_s])")
+                    p_rs = gr.Slider(0.05, 0.95, value=0.5, step=0.05, label="r_s")
+                    p_shifts = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SHIFTS), label="Shift r_b values")
+                    p_shift_label = gr.Dropdown(labels, value=None, label="Shift class (when the query's label is unknown)")
+                    p_seed = gr.Number(0, precision=0, label="Seed")
+                    p_btn = gr.Button("Run probes", variant="primary", elem_id="probe-btn")
+                with gr.Column(scale=3):
+                    p_status = gr.Markdown(elem_id="probe-status")
+                    p_grids = [gr.Image(label=f"Probes — {n}", show_label=False, type="pil", format="png", interactive=False,
+                                        elem_id=f"probe-grid-{i}") for i, n in enumerate(names)]
+                    p_table = gr.Dataframe(headers=["index", "probe", "overlap@k", "precision@k"],
+                                           label="Stability", interactive=False, elem_id="probe-table")
+            p_pick.input(lambda: None, None, p_img, queue=False, api_name=False)
+            p_img.upload(lambda: None, None, p_pick, queue=False, api_name=False)
+            p_btn.click(do_probes, [p_img, p_pick, p_label, p_k, p_topk, p_scales, p_nrand, p_rs, p_shifts,
+                                    p_shift_label, p_seed], [p_status, *p_grids, p_table], api_name="probes")
+
+        with gr.Tab("Evaluate", id="evaluate"):
+            gr.Markdown("Recall@k of every open index: leave-one-out on the gallery (each labelled image "
+                        "queries the rest), or on a labelled query folder (`<folder>/<label>/<images>`) "
+                        "given to the server with `--queries`.")
+            with gr.Row():
+                e_src = gr.Dropdown([GALLERY_LOO, *query_sets], value=(list(query_sets) or [GALLERY_LOO])[0],
+                                    label="Queries", elem_id="eval-source")
+                e_ks = gr.Textbox("1, 2, 4, 8", label="k values")
+                e_btn = gr.Button("Evaluate", variant="primary", elem_id="eval-btn")
+            e_status = gr.Markdown()
+            with gr.Row():
+                e_table = gr.Dataframe(label="Recall@k (%)", interactive=False, elem_id="eval-table")
+                e_plot = gr.Image(label="Recall@k", type="pil", format="png", interactive=False)
+            e_btn.click(do_eval, [e_src, e_ks], [e_status, e_table, e_plot], api_name="evaluate")
+
+        with gr.Tab("Index", id="index"):
+            for n in names:
+                info = searcher.describe(n)
+                gr.Markdown(_describe_md(info))
+                gr.JSON(info.get("manifest", {}), label=f"manifest.json — {n}")
+    return demo
+
+
+__all__ = ["build_ui", "query_image", "caption"]

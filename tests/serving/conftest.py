@@ -1,0 +1,100 @@
+"""Serving fixtures: a small real gallery (augmented scikit-image photos) indexed twice, once
+with the offline pretrained embedder and once with the small untrained CNN, so two indexes are
+open side by side as the app compares models; and one real app server on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_CLASSES = ["astronaut", "chelsea", "coffee", "rocket", "motorcycle", "coins", "retina", "page"]
+AUTH = ("tester", "s3cret-pass")
+MAX_UPLOAD_MB = 1.0
+
+
+@pytest.fixture(scope="session")
+def demo_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(gallery, queries): 8 photo classes x 5 views, 2 held-out query views each."""
+    from serving.demo import make_demo_gallery
+
+    root = tmp_path_factory.mktemp("serving-demo")
+    return make_demo_gallery(root, views=5, queries=2, size=160, classes=DEMO_CLASSES, progress=False)
+
+
+@pytest.fixture(scope="session")
+def pretrained_index(tmp_path_factory, demo_dirs, pretrained_onnx) -> Path:
+    from indexer import build_index
+
+    out = tmp_path_factory.mktemp("idx-pretrained") / "pretrained"
+    build_index(demo_dirs[0], out, model=pretrained_onnx, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_index(tmp_path_factory, demo_dirs, small_onnx) -> Path:
+    from indexer import build_index
+
+    out = tmp_path_factory.mktemp("idx-small") / "small"
+    build_index(demo_dirs[0], out, model=small_onnx, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def searcher(pretrained_index, small_index):
+    from serving import Searcher
+
+    return Searcher.open([pretrained_index, small_index], names=["pretrained", "small"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(pretrained_index, small_index, demo_dirs, tmp_path_factory):
+    """A real `python app.py` on a free loopback port with --auth; stopped by PID at the end,
+    whatever happens. Yields (base_url, auth)."""
+    import httpx
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "app.py"), "--index", str(pretrained_index), "--index", str(small_index),
+           "--name", "pretrained", "--name", "small", "--queries", str(demo_dirs[1]),
+           "--host", "127.0.0.1", "--port", str(port), "--auth", f"{AUTH[0]}:{AUTH[1]}",
+           "--max-upload-mb", str(MAX_UPLOAD_MB)]
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"app.py exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/api/health", auth=AUTH, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"app.py did not come up in 180 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url, AUTH
+    finally:
+        if proc.poll() is None:
+            proc.terminate()                      # by PID: only the server we started
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)

@@ -1,0 +1,77 @@
+"""Real browser (Debian's Chromium through Playwright) against the real app server: log in,
+upload an image, see k labelled results per index; run the probes tab."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from serving.evaluate import labelled_folder
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--no-first-run", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    url, auth = server
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg.set_default_timeout(60_000)
+            pg.goto(url + "/")
+            pg.get_by_label("username").fill(auth[0])
+            pg.get_by_label("password").fill(auth[1])
+            pg.get_by_role("button", name="Login").click()
+            pg.wait_for_selector("#search-btn")
+            yield pg
+        finally:
+            browser.close()
+
+
+def test_upload_and_search_shows_k_labelled_results(page, demo_dirs):
+    path, label = labelled_folder(demo_dirs[1])[0]
+    k = 5
+    page.locator("#search-image input[type=file]").set_input_files(str(path))
+    page.wait_for_selector("#search-image img")
+    slider = page.locator("#search-k input[type=number]")
+    slider.fill(str(k))
+    slider.press("Enter")
+    page.locator("#search-btn").click()
+    for gal in ("#search-results-0", "#search-results-1"):     # both indexes, side by side
+        page.wait_for_function(f"document.querySelectorAll('{gal} .gallery-item img').length === {k}")
+    captions = page.locator("#search-results-0 .caption-label").all_inner_texts()
+    assert len(captions) == k
+    assert captions[0].startswith(label)                 # label and score under each image
+    assert all(" · " in c and float(c.rsplit(" · ", 1)[1]) <= 1.0 for c in captions)
+    imgs = page.locator("#search-results-0 .gallery-item img")
+    assert all(imgs.nth(i).evaluate("e => e.complete && e.naturalWidth > 0") for i in range(k))
+    assert path.name in page.locator("#search-status").inner_text()
+
+
+def test_probes_tab_shows_a_row_per_probe(page, demo_dirs):
+    page.get_by_role("tab", name="Probes").click()
+    label = labelled_folder(demo_dirs[1])[-1][1]
+    pick = page.locator("#probe-pick input")
+    pick.click()
+    pick.fill(label)
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Enter")
+    page.locator("#probe-btn").click()
+    page.wait_for_selector("#probe-grid-0 img")
+    page.wait_for_selector("#probe-grid-1 img")
+    page.wait_for_function("document.querySelector('#probe-table').innerText.includes('shift r_b=1')")
+    table = page.locator("#probe-table").inner_text()
+    for probe in ("original", "scale x0.5", "scale x0.8", "scale x1.2", "scale x2", "shift r_b=0.5"):
+        assert probe in table
+    assert f"label {label}" in page.locator("#probe-status").inner_text()
+    ok = page.locator("#probe-grid-0 img").evaluate("e => e.complete && e.naturalHeight > 600")
+    assert ok    # one row per probe: 7 rows of thumbnails

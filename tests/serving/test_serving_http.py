@@ -1,0 +1,146 @@
+"""The JSON API and the Gradio API (gradio_client) against a real `python app.py` on 127.0.0.1,
+plus the command line's bad-input behaviour."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from serving.evaluate import labelled_folder
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _query(demo_dirs) -> tuple[Path, str]:
+    return labelled_folder(demo_dirs[1])[0]
+
+
+def test_search_endpoint_returns_results_and_thumbnails(server, demo_dirs):
+    url, auth = server
+    path, label = _query(demo_dirs)
+    with httpx.Client(auth=auth, timeout=60) as c:
+        r = c.post(f"{url}/api/search", files={"image": (path.name, path.read_bytes(), "image/jpeg")},
+                   data={"k": "4"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["index"] == "pretrained" and body["k"] == 4 and len(body["results"]) == 4
+        res = body["results"]
+        assert [x["score"] for x in res] == sorted((x["score"] for x in res), reverse=True)
+        assert set(res[0]) >= {"id", "score", "label", "path", "thumbnail"}
+        assert res[0]["label"] == label
+        t = c.get(res[0]["thumbnail"])
+        assert t.status_code == 200 and t.headers["content-type"] == "image/png"
+        assert Image.open(io.BytesIO(t.content)).size[0] > 0
+        # the other index, and a query by gallery id (left out of its own results)
+        r2 = c.post(f"{url}/api/search", data={"k": "3", "index": "small", "id": str(res[0]["id"])})
+        assert r2.status_code == 200, r2.text
+        assert r2.json()["query"]["label"] == label
+        assert res[0]["id"] not in [x["id"] for x in r2.json()["results"]]
+        r3 = c.post(f"{url}/api/search", data={"k": "3", "path": res[0]["path"]})
+        assert r3.status_code == 200 and [x["id"] for x in r3.json()["results"]] == \
+            [x["id"] for x in c.post(f"{url}/api/search", data={"k": "3", "id": str(res[0]["id"])}).json()["results"]]
+        # a path is only ever a key into the store: a server file is not found, not read
+        r4 = c.post(f"{url}/api/search", data={"path": "/etc/passwd"})
+        assert r4.status_code == 404 and "root:" not in r4.text
+        info = c.get(f"{url}/api/indexes").json()
+        assert [i["name"] for i in info] == ["pretrained", "small"] and info[0]["size"] == 40
+
+
+def test_auth_is_required_everywhere(server, demo_dirs):
+    url, auth = server
+    path, _ = _query(demo_dirs)
+    assert httpx.get(f"{url}/api/health").status_code == 401
+    r = httpx.post(f"{url}/api/search", files={"image": ("q.jpg", path.read_bytes())},
+                   auth=(auth[0], "wrong"), timeout=30)
+    assert r.status_code == 401 and "authentication" in r.json()["error"]
+    assert httpx.get(f"{url}/api/thumb/pretrained/1").status_code == 401
+    # the Gradio app shows its login page, and gradio_client needs the password too
+    assert '"auth_required":true' in httpx.get(f"{url}/").text.replace(" ", "")
+    from gradio_client import Client
+
+    with pytest.raises(Exception):
+        Client(url + "/", verbose=False).predict(None, None, None, 3, api_name="/search")
+
+
+def test_bad_input_gets_4xx_json_never_a_trace(server, demo_dirs, tmp_path):
+    url, auth = server
+    path, _ = _query(demo_dirs)
+    with httpx.Client(auth=auth, timeout=60) as c:
+        def post(**kw):
+            r = c.post(f"{url}/api/search", **kw)
+            assert r.headers["content-type"].startswith("application/json"), r.text
+            assert "Traceback" not in r.text
+            return r.status_code, r.json()["error"]
+
+        code, msg = post(files={"image": ("notes.txt", b"hello, not an image", "text/plain")})
+        assert code == 415 and "notes.txt" in msg and "not a readable image" in msg
+        big = os.urandom(int(1.5 * 1024 * 1024))     # server runs with --max-upload-mb 1
+        code, msg = post(files={"image": ("big.jpg", big, "image/jpeg")})
+        assert code == 413 and "limit" in msg
+        code, msg = post(files={"image": ("q.jpg", path.read_bytes())}, data={"k": "zero"})
+        assert code == 400 and "k" in msg
+        code, msg = post(files={"image": ("q.jpg", path.read_bytes())}, data={"k": "0"})
+        assert code == 400
+        code, msg = post(data={"k": "3"})
+        assert code == 400 and "image" in msg
+        code, msg = post(data={"id": "12345"})
+        assert code == 404 and "12345" in msg
+        code, msg = post(files={"image": ("q.jpg", path.read_bytes())}, data={"index": "nope"})
+        assert code == 404 and "nope" in msg
+        code, msg = post(files={"image": ("empty.png", b"")})
+        assert code in (400, 415)
+        r = c.get(f"{url}/api/thumb/pretrained/999")
+        assert r.status_code == 404 and "999" in r.json()["error"]
+        r = c.get(f"{url}/api/thumb/pretrained/..%2F..%2Fetc%2Fpasswd")
+        assert r.status_code == 404 and "root:" not in r.text
+        r = c.get(f"{url}/api/thumb/nope/1")
+        assert r.status_code == 404
+
+
+def test_gradio_client_search_and_probes(server, demo_dirs, searcher, tmp_path):
+    from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
+
+    url, auth = server
+    path, label = _query(demo_dirs)
+    client = Client(url + "/", auth=auth, verbose=False)
+    status, pre, small = client.predict(handle_file(str(path)), None, label, 3, api_name="/search")
+    assert label in status
+    assert len(pre) == 3 and len(small) == 3
+    assert pre[0]["caption"].startswith(label) and Path(pre[0]["image"]).is_file()
+    gid = searcher.index("pretrained").store.ids_for_label(label)[0]   # a gallery pick, label known
+    out = client.predict(None, str(gid), None, 4, 4, "0.5, 2", 0, 0.5, "1", None, 0, api_name="/probes")
+    status, grid_a, grid_b, table = out
+    assert "⚠" not in status, status
+    assert Path(grid_a).is_file() and Path(grid_b).is_file()
+    probes = [row[1] for row in table["data"]]
+    assert probes.count("original") == 2 and "scale x0.5" in probes and f"shift r_b=1 ({label})" in probes
+    bad = tmp_path / "bad.png"
+    bad.write_text("definitely not a PNG")
+    with pytest.raises(AppError, match="not a readable image"):
+        client.predict(handle_file(str(bad)), None, None, 3, api_name="/search")
+    ev = client.predict("queries", "1, 4", api_name="/evaluate")
+    assert "Recall" in ev[0]
+    assert ev[1]["headers"] == ["index", "queries", "n", "R@1", "R@4"]
+    assert [row[0] for row in ev[1]["data"]] == ["pretrained", "small"]
+    assert all(0 <= row[3] <= row[4] <= 100 for row in ev[1]["data"])
+
+
+def test_cli_rejects_bad_arguments_in_one_line(tmp_path):
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+    for args, needle in ([["--index", str(tmp_path / "missing")], "not an index directory"],
+                         [["--index", str(tmp_path), "--auth", "nopassword"], "USER:PASS"],
+                         [["--port", "70000"], "--port"]):
+        r = subprocess.run([sys.executable, str(REPO / "app.py"), *args], capture_output=True, text=True,
+                           env=env, timeout=60, cwd=tmp_path)
+        assert r.returncode != 0
+        assert needle in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(REPO / "app.py"), "--help"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0 and "--index" in r.stdout and "--auth" in r.stdout
