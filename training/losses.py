@@ -1,0 +1,233 @@
+"""The paper's eight losses (supplementary A) behind one `Criterion` interface.
+
+pytorch-metric-learning computes six of them with the paper's formulas (tests compare each
+to a direct implementation of the supplementary's equation). Two are written here:
+N-pair, because PML's NPairsLoss keeps one anchor-positive pair per class and uses only the
+other classes' positives as negatives, whereas eq. (V) takes every different-class embedding
+of the batch as a negative (which lets DAS's produced embeddings act as negatives too); and
+multi-similarity with its MS mining, because PML's miner sorts the whole N x N similarity
+matrix twice and hands index lists to a loss that turns them back into masks: at N = 448
+(B = 112 with T = 3 copies) that cost several times the rest of the step on small inputs.
+The mask form here gives the same values and gradients as PML's pair (tested).
+
+Reductions are PML's defaults (mean over non-zero terms for contrastive/triplet, Wu et al.'s
+divisor for margin, mean over anchors for lifted/MS/proxies); the paper's sums differ from
+them only by a positive factor per batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pytorch_metric_learning import distances, losses, regularizers
+from torch import Tensor, nn
+
+from .samplers import MINERS, build_miner
+
+__all__ = ["LOSSES", "DEFAULTS", "DEFAULT_MINER", "Criterion", "MultiSimilarityLoss", "NPairLoss",
+           "build_loss"]
+
+LOSSES = ("contrastive", "triplet", "margin", "lifted", "npair", "multisimilarity",
+          "softmax", "arcface")
+
+#: The paper's hyper-parameters (supplementary A); any of them can be overridden by name.
+DEFAULTS: dict[str, dict[str, float]] = {
+    "contrastive": {"margin": 1.0},
+    "triplet": {"margin": 0.2},
+    "margin": {"margin": 0.2, "beta": 1.2, "beta_lr": 5e-4, "nu": 0.0},
+    "lifted": {"margin": 1.0, "reg_weight": 5e-3},
+    "npair": {"reg_weight": 5e-3},
+    "multisimilarity": {"alpha": 2.0, "beta": 40.0, "base": 0.5, "epsilon": 0.1},
+    "softmax": {"temperature": 0.05, "proxy_lr": 1e-5},   # 2e-3 on SOP
+    "arcface": {"margin": 0.5, "scale": 16.0, "proxy_lr": 5e-4},   # margin in radians
+}
+
+#: Sampler used with `build_loss(..., miner="default")`: the paper's pairing (Table 2).
+DEFAULT_MINER: dict[str, str | None] = {
+    "contrastive": "distance", "triplet": "distance", "margin": "distance",
+    "lifted": None, "npair": None, "multisimilarity": "multisimilarity",
+    "softmax": None, "arcface": None,
+}
+
+#: Losses that take one of the four triplet samplers (Table 2 and 3).
+_TRIPLET_SAMPLED = ("contrastive", "triplet", "margin")
+
+
+class NPairLoss(nn.Module):
+    """Eq. (V): for every ordered positive pair (a, p),
+    ``log(1 + sum_{r: y_r != y_a} exp(v_a.v_r - v_a.v_p)) + nu * ||v_a||^2``, averaged.
+
+    Every positive of an anchor forms its own (a, p, R) tuple, so with DAS each copy is used.
+    """
+
+    def __init__(self, reg_weight: float = 5e-3) -> None:
+        super().__init__()
+        self.reg_weight = float(reg_weight)
+
+    def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
+        sim = embeddings @ embeddings.T
+        same = labels[:, None] == labels[None, :]
+        eye = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
+        pos, neg = same & ~eye, ~same
+        # A large finite fill (not -inf) keeps gradients finite for anchors without negatives.
+        lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), dim=1)
+        per_pair = F.softplus(lse_neg[:, None] - sim)        # log(1 + sum_r exp(s_ar - s_ap))
+        reg = self.reg_weight * embeddings.pow(2).sum(dim=1).mean()
+        n_pos = pos.sum()
+        pair_loss = torch.where(pos, per_pair, torch.zeros_like(per_pair)).sum()
+        return pair_loss / n_pos.clamp(min=1) + reg
+
+
+class MultiSimilarityLoss(nn.Module):
+    """Eq. (VI) with MS mining (Wang et al.), on masks over the cosine-similarity matrix.
+
+    Mining (on detached similarities): positive q kept if ``S_aq - eps < max_r S_ar``,
+    negative r kept if ``S_ar + eps > min_q S_aq``. Loss per anchor:
+    ``1/alpha log(1 + sum_q exp(-alpha (S_aq - lambda))) + 1/beta log(1 + sum_r exp(beta (S_ar
+    - lambda)))``, averaged over all anchors (PML's reduction).
+    """
+
+    def __init__(self, alpha: float = 2.0, beta: float = 40.0, base: float = 0.5,
+                 epsilon: float = 0.1) -> None:
+        super().__init__()
+        self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+
+    def masks(self, sim: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(keep_pos, keep_neg) after MS mining."""
+        same = labels[:, None] == labels[None, :]
+        eye = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
+        pos, neg = same & ~eye, ~same
+        inf = torch.full_like(sim, math.inf)
+        max_neg = torch.where(neg, sim, -inf).amax(dim=1, keepdim=True)
+        min_pos = torch.where(pos, sim, inf).amin(dim=1, keepdim=True)
+        return pos & (sim - self.epsilon < max_neg), neg & (sim + self.epsilon > min_pos)
+
+    def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
+        x = F.normalize(embeddings, dim=1)
+        sim = x @ x.T
+        keep_pos, keep_neg = self.masks(sim.detach(), labels)
+
+        def log1p_sum_exp(z: Tensor, keep: Tensor) -> Tensor:
+            z = torch.where(keep, z, torch.full_like(z, -math.inf))
+            return torch.logsumexp(torch.cat([z, z.new_zeros(len(z), 1)], dim=1), dim=1)
+
+        pos = log1p_sum_exp(-self.alpha * (sim - self.base), keep_pos) / self.alpha
+        neg = log1p_sum_exp(self.beta * (sim - self.base), keep_neg) / self.beta
+        return (pos + neg).mean()
+
+
+class Criterion(nn.Module):
+    """A loss with its sampler and its extra learnable parameters.
+
+    `forward(embeddings, labels)` mines on the detached embeddings (real and DAS-produced
+    alike) and returns the scalar loss. `normalize` says whether the embedder (and DAS)
+    should L2-normalise for this loss; `param_groups()` lists margin betas / proxies with
+    the learning rates the paper gives them.
+    """
+
+    def __init__(self, name: str, loss: nn.Module, miner: Any, normalize: bool,
+                 lrs: dict[str, float], hparams: dict[str, float], miner_name: str | None):
+        super().__init__()
+        self.name, self.loss, self.miner = name, loss, miner
+        self.normalize, self.hparams, self.miner_name = normalize, hparams, miner_name
+        self._lrs = lrs
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        if embeddings.dim() != 2 or labels.shape != embeddings.shape[:1]:
+            raise ValueError(f"{self.name}: expected embeddings (N, d) and labels (N,), got "
+                             f"{tuple(embeddings.shape)} and {tuple(labels.shape)}")
+        # Losses run in float32: exp(40 * s) in MS or 1/T = 20 in softmax overflow bf16/fp16.
+        with torch.autocast(embeddings.device.type, enabled=False):
+            x = embeddings.float()
+            indices = self.miner(x.detach(), labels) if self.miner is not None else None
+            return self.loss(x, labels, indices)
+
+    def param_groups(self) -> list[dict]:
+        """Extra parameters with their own lr, e.g. ``[{"params": [beta], "lr": 5e-4}]``."""
+        groups = []
+        for attr, lr in self._lrs.items():
+            p = getattr(self.loss, attr)
+            groups.append({"params": [p], "lr": lr, "name": f"{self.name}.{attr}"})
+        return groups
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, miner={self.miner_name!r}, normalize={self.normalize}, " \
+               f"hparams={self.hparams}"
+
+
+def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
+               **overrides: Any) -> Criterion:
+    """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword).
+
+    Contrastive, triplet and margin take "random", "semihard", "softhard" or "distance";
+    ``miner=None`` (or "none") uses every pair/triplet of the batch. Multi-similarity always
+    uses its own MS mining (miner None or "multisimilarity"); lifted, N-pair and the proxy
+    losses use the whole batch and take no miner. ``miner="default"`` picks the paper's
+    pairing (`DEFAULT_MINER`). ``miner_options={...}`` is passed to `build_miner`.
+    """
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")
+    if num_classes < 1 or dim < 1:
+        raise ValueError(f"num_classes={num_classes}, dim={dim}: expected both >= 1")
+    miner_options = dict(overrides.pop("miner_options", None) or {})
+    unknown = set(overrides) - set(DEFAULTS[name])
+    if unknown:
+        raise ValueError(f"loss {name!r}: unknown option(s) {sorted(unknown)}; "
+                         f"expected some of {sorted(DEFAULTS[name])}")
+    hp = {**DEFAULTS[name], **{k: float(v) for k, v in overrides.items()}}
+
+    miner_name = DEFAULT_MINER[name] if miner == "default" else miner
+    if miner_name in ("none", "all"):
+        miner_name = None
+    if name == "multisimilarity" and miner_name is None:
+        miner_name = "multisimilarity"
+    if name in _TRIPLET_SAMPLED:
+        if miner_name is not None and miner_name not in MINERS:
+            raise ValueError(f"loss {name!r}: unknown miner {miner!r}; expected one of "
+                             f"{MINERS} or 'none'")
+        miner_obj = build_miner(miner_name, **miner_options)
+    elif name == "multisimilarity":
+        if miner_name not in ("multisimilarity", "ms"):
+            raise ValueError(f"loss 'multisimilarity' uses its own MS mining (miner None or "
+                             f"'multisimilarity'), got {miner!r}")
+        miner_obj = None                      # MS mining is part of MultiSimilarityLoss
+    else:
+        if miner_name is not None:
+            raise ValueError(f"loss {name!r} uses the whole batch; it takes no miner "
+                             f"(got {miner!r})")
+        miner_obj = None
+
+    lrs: dict[str, float] = {}
+    normalize = True
+    if name == "contrastive":
+        # pos_margin 0: positives are pulled by D itself (eq. I), not D^2.
+        loss: nn.Module = losses.ContrastiveLoss(pos_margin=0.0, neg_margin=hp["margin"])
+    elif name == "triplet":
+        loss = losses.TripletMarginLoss(margin=hp["margin"])
+    elif name == "margin":
+        loss = losses.MarginLoss(margin=hp["margin"], nu=hp["nu"], beta=hp["beta"],
+                                 learn_beta=True, num_classes=num_classes)
+        lrs["beta"] = hp["beta_lr"]
+    elif name == "lifted":
+        normalize = False
+        loss = losses.GeneralizedLiftedStructureLoss(
+            neg_margin=hp["margin"], pos_margin=0.0,
+            distance=distances.LpDistance(normalize_embeddings=False),
+            embedding_regularizer=regularizers.LpRegularizer(p=2, power=2),
+            embedding_reg_weight=hp["reg_weight"])
+    elif name == "npair":
+        normalize = False
+        loss = NPairLoss(reg_weight=hp["reg_weight"])
+    elif name == "multisimilarity":
+        loss = MultiSimilarityLoss(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
+                                   epsilon=hp["epsilon"])
+    elif name == "softmax":
+        loss = losses.NormalizedSoftmaxLoss(num_classes, dim, temperature=hp["temperature"])
+        lrs["W"] = hp["proxy_lr"]
+    else:  # arcface; PML takes the angular margin in degrees
+        loss = losses.ArcFaceLoss(num_classes, dim, margin=math.degrees(hp["margin"]),
+                                  scale=hp["scale"])
+        lrs["W"] = hp["proxy_lr"]
+    return Criterion(name, loss, miner_obj, normalize, lrs, hp, miner_name)
