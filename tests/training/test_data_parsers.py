@@ -1,0 +1,166 @@
+"""Dataset parsers on real images: Omniglot from the shared data, and tiny CUB / CARS / SOP /
+folder layouts built in tmp_path from real Omniglot and scikit-image files."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from training.data import (DatasetLayoutError, ImageDataset, cars_splits, cub_splits,
+                           folder_splits, load_splits, omniglot_splits, sop_splits)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return dst
+
+
+@pytest.fixture()
+def four_class_images(omniglot_paths, photo_paths) -> list[list[Path]]:
+    """Four 'classes' of two real images each (Omniglot drawings and colour photos)."""
+    return [omniglot_paths[0:2], omniglot_paths[4:6], photo_paths[0:2], photo_paths[2:4]]
+
+
+def test_omniglot_background_only_holds_out_last_alphabets(omniglot_root):
+    train, test = omniglot_splits(omniglot_root, holdout_alphabets=10)
+    alphabets = sorted(p.name for p in (omniglot_root / "images_background").iterdir() if p.is_dir())
+    test_alpha = {c.split("/")[0] for c in test.classes}
+    train_alpha = {c.split("/")[0] for c in train.classes}
+    assert test_alpha == set(alphabets[-10:])
+    assert train_alpha == set(alphabets[:-10])
+    assert not set(train.classes) & set(test.classes)
+    assert train.num_classes + test.num_classes == 964
+    # every class is alphabet/character and owns its 20 drawings
+    assert np.bincount(train.labels).tolist() == [20] * train.num_classes
+    for path, label in zip(test.paths[:50], test.labels[:50]):
+        assert f"{path.parent.parent.name}/{path.parent.name}" == test.classes[label]
+
+
+def test_omniglot_max_classes_keeps_first_classes_of_each_split(omniglot_root):
+    full_train, full_test = omniglot_splits(omniglot_root)
+    train, test = load_splits("omniglot", omniglot_root, max_classes=5)
+    assert train.classes == full_train.classes[:5] and test.classes == full_test.classes[:5]
+    assert len(train) == 100 and set(train.labels.tolist()) == set(range(5))
+
+
+def test_omniglot_uses_images_evaluation_when_present(tmp_path, omniglot_root):
+    bg = omniglot_root / "images_background"
+    alphas = sorted(p for p in bg.iterdir() if p.is_dir())
+    (tmp_path / "images_background").mkdir()
+    (tmp_path / "images_evaluation").mkdir()
+    (tmp_path / "images_background" / alphas[0].name).symlink_to(alphas[0])
+    (tmp_path / "images_evaluation" / alphas[1].name).symlink_to(alphas[1])
+    train, test = omniglot_splits(tmp_path)
+    assert {c.split("/")[0] for c in train.classes} == {alphas[0].name}
+    assert {c.split("/")[0] for c in test.classes} == {alphas[1].name}
+
+
+def test_cub_official_layout(tmp_path, four_class_images):
+    root = tmp_path / "CUB_200_2011"
+    names = ["001.Black_footed_Albatross", "002.Laysan_Albatross", "003.Sooty_Albatross",
+             "004.Groove_billed_Ani"]
+    images, labels, n = [], [], 0
+    for ci, (name, srcs) in enumerate(zip(names, four_class_images), 1):
+        for j, src in enumerate(srcs):
+            n += 1
+            rel = f"{name}/{name}_{j}{src.suffix}"
+            _copy(src, root / "images" / rel)
+            images.append(f"{n} {rel}")
+            labels.append(f"{n} {ci}")
+    (root / "images.txt").write_text("\n".join(images) + "\n")
+    (root / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
+    (root / "classes.txt").write_text("\n".join(f"{i} {c}" for i, c in enumerate(names, 1)) + "\n")
+    train, test = cub_splits(root)
+    assert train.classes == names[:2] and test.classes == names[2:]
+    assert len(train) == 4 and len(test) == 4
+    assert all(p.is_file() for p in train.paths + test.paths)
+    assert all(train.classes[l] in str(p) for p, l in zip(train.paths, train.labels))
+
+
+def test_cars_official_mat_and_folder_layouts(tmp_path, four_class_images):
+    import scipy.io
+
+    root = tmp_path / "cars"
+    dt = np.dtype([("relative_im_path", "O"), ("bbox_x1", "O"), ("class", "O"), ("test", "O")])
+    recs, n = [], 0
+    for cls, srcs in enumerate(four_class_images, 1):
+        for src in srcs:
+            n += 1
+            rel = f"car_ims/{n:06d}.png"
+            _copy(src, root / rel)
+            recs.append((rel, np.array([[1]]), np.array([[cls]], dtype=np.uint8), np.array([[0]])))
+    ann = np.array(recs, dtype=dt).reshape(1, -1)
+    class_names = np.array(["AM General Hummer", "Acura RL", "Acura TL", "Acura TSX"],
+                           dtype=object).reshape(1, -1)
+    scipy.io.savemat(root / "cars_annos.mat", {"annotations": ann, "class_names": class_names})
+    train, test = cars_splits(root)
+    assert train.classes == ["AM General Hummer", "Acura RL"]
+    assert test.classes == ["Acura TL", "Acura TSX"]
+    assert [p.name for p in train.paths] == ["000001.png", "000002.png", "000003.png", "000004.png"]
+    assert train.labels.tolist() == [0, 0, 1, 1]
+
+    root2 = tmp_path / "cars_folders"
+    for cls, srcs in zip(["c10", "c2", "c3", "c1"], four_class_images):
+        for j, src in enumerate(srcs):
+            _copy(src, root2 / "images" / cls / f"{j}{src.suffix}")
+    train, test = cars_splits(root2)
+    assert train.classes == ["c1", "c2"] and test.classes == ["c3", "c10"]  # natural sort
+
+
+def test_sop_text_files(tmp_path, four_class_images):
+    root = tmp_path / "Stanford_Online_Products"
+    rows = {"Ebay_train.txt": [], "Ebay_test.txt": []}
+    n = 0
+    for cls, srcs in enumerate(four_class_images, 1):
+        split = "Ebay_train.txt" if cls <= 2 else "Ebay_test.txt"
+        for j, src in enumerate(srcs):
+            n += 1
+            rel = f"bicycle_final/{cls}_{j}{src.suffix}"
+            _copy(src, root / rel)
+            rows[split].append(f"{n} {cls} 1 {rel}")
+    for name, lines in rows.items():
+        (root / name).write_text("image_id class_id super_class_id path\n" + "\n".join(lines) + "\n")
+    train, test = sop_splits(root)
+    assert train.classes == ["1", "2"] and test.classes == ["3", "4"]
+    assert len(train) == 4 and all(p.is_file() for p in test.paths)
+
+
+def test_folder_split_by_half_or_explicit_list(tmp_path, four_class_images):
+    for cls, srcs in zip(["dog", "cat", "owl", "ant"], four_class_images):
+        for j, src in enumerate(srcs):
+            _copy(src, tmp_path / cls / f"{j}{src.suffix}")
+    (tmp_path / "notes.txt").write_text("not a class")
+    train, test = folder_splits(tmp_path)
+    assert train.classes == ["ant", "cat"] and test.classes == ["dog", "owl"]
+    train, test = folder_splits(tmp_path, ["cat"])
+    assert test.classes == ["cat"] and train.classes == ["ant", "dog", "owl"]
+    with pytest.raises(DatasetLayoutError, match="test classes not found: zebra"):
+        folder_splits(tmp_path, ["zebra"])
+
+
+@pytest.mark.parametrize("dataset,expected", [
+    ("cub", "images.txt"), ("cars", "cars_annos.mat"), ("sop", "Ebay_train.txt"),
+    ("omniglot", "images_background"), ("folder", "class sub-folders")])
+def test_wrong_root_names_what_and_where(tmp_path, dataset, expected):
+    with pytest.raises(DatasetLayoutError) as info:
+        load_splits(dataset, tmp_path)
+    assert expected in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_image_dataset_decodes_through_embedder_preprocessing(omniglot_root):
+    from embedder.preprocess import preprocessing_for
+
+    pre = preprocessing_for("small_cnn")
+    train, _ = load_splits("omniglot", omniglot_root, max_classes=2)
+    plain = ImageDataset(train, pre.eval_transform(), pre.mode)
+    cached = ImageDataset(train, pre.eval_transform(), pre.mode, cache=True)
+    x, y = plain[3]
+    assert x.shape == (1, pre.input_size, pre.input_size) and x.dtype == torch.float32
+    assert y == int(train.labels[3])
+    assert torch.equal(cached[3][0], x) and torch.equal(cached[3][0], x)  # second hit: from cache
+    aug = ImageDataset(train, pre.train_transform(), pre.mode, cache=True)
+    assert aug[0][0].shape == x.shape

@@ -1,0 +1,99 @@
+"""``python -m training --config FILE [--set key=value ...] [--<option> value ...]``.
+
+Every option is a `TrainConfig` field; the list in ``--help`` (names, defaults, the comment
+next to each field) is generated from the dataclass, so it never drifts from the code.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import sys
+from dataclasses import MISSING, fields
+
+from .config import ConfigError, TrainConfig, load_config
+
+
+def _field_comments() -> dict[str, str]:
+    """The trailing ``# comment`` of each field in config.py's TrainConfig source."""
+    out = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def _default(f) -> object:
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m training",
+        description="Train an image embedder with DAS (Densely-Anchored Sampling). Options come "
+                    "from a TOML config (--config; `include = \"base.toml\"` inherits), then "
+                    "--set key=value overrides, then the per-option flags below, in that order. "
+                    "Values are TOML (e.g. --set eval_ks=[1,10] --das false).")
+    p.add_argument("--config", metavar="FILE", help="TOML config file (see configs/)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="override one option; repeatable")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved configuration as JSON and exit")
+    g = p.add_argument_group("training options (TrainConfig fields)")
+    comments = _field_comments()
+    for f in fields(TrainConfig):
+        d = _default(f)
+        g.add_argument(f"--{f.name}", metavar="VALUE", default=None,
+                       help=f"{comments.get(f.name, '')} (default: {json.dumps(d)})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name)
+        if v is not None:
+            overrides.append(f"{f.name}={v}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from embedder import CheckpointError, ImageLoadError, PretrainedWeightsUnavailable
+
+    from .data import DatasetLayoutError
+    from .trainer import NonFiniteLossError, train
+
+    expected = (ConfigError, DatasetLayoutError, NonFiniteLossError, ImageLoadError,
+                CheckpointError, PretrainedWeightsUnavailable)
+    try:
+        result = train(cfg)
+    except expected as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - one line for the user; details with DAS_DEBUG=1
+        if os.environ.get("DAS_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e} (set DAS_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 speaks for the run
+        return 0
+    best = result.best_metrics.get("R@1")
+    print(f"run directory: {result.run_dir}")
+    if best is not None:
+        print(f"best epoch {result.best_epoch}: R@1 {100 * best:.2f}%")
+    if result.onnx_path:
+        print(f"ONNX model: {result.onnx_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Training configuration: one dataclass, the single source of truth for every option.
+
+Config files (TOML) and ``--set key=value`` overrides are mappings of these fields; the CLI's
+``--help`` is generated from them, so a new option only has to be added here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DATASETS = ("cub", "cars", "sop", "omniglot", "folder")
+AMP_MODES = ("auto", "off", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not describe a valid TrainConfig."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Defaults follow the paper's recipe (supp. C)."""
+
+    # --- data ---
+    dataset: str = "cub"  # cub | cars | sop | omniglot | folder
+    root: str = ""  # dataset root folder (layout depends on `dataset`)
+    max_classes: int = 0  # use only the first N classes of each split (0 = all)
+    test_classes: list[str] = field(default_factory=list)  # folder: explicit test classes
+    holdout_alphabets: int = 10  # omniglot without images_evaluation/: last N alphabets test
+    cache_images: bool = False  # keep decoded images in memory (small datasets)
+    workers: int = 0  # DataLoader worker processes
+    # --- model ---
+    backbone: str = "resnet50"  # resnet18|resnet34|resnet50|efficientnet_lite0|small_cnn
+    dim: int = 128  # embedding dimension
+    pooling: str = "avg"  # avg | avgmax
+    pretrained: bool = True  # ImageNet weights for the backbone (needs them available)
+    frozen_bn: bool = False  # keep BatchNorm statistics and affine params fixed
+    sync_bn: bool = True  # DDP on CUDA: BatchNorm statistics over the global batch
+    input_size: int = 0  # network input size in px (0 = the backbone's default)
+    resize: int = 0  # eval: shorter side before the centre crop (0 = keep the backbone ratio)
+    # --- loss / sampler / DAS ---
+    loss: str = "triplet"  # contrastive|triplet|margin|lifted|npair|multisimilarity|softmax|arcface
+    miner: str = "distance"  # random|semihard|softhard|distance|none
+    loss_options: dict[str, Any] = field(default_factory=dict)  # extra build_loss overrides
+    das: bool = True  # densely-anchored sampling on/off
+    das_num_produce: int = 3  # T: produced copies per real embedding
+    das_topk: int = 4  # K: channels in the FRM top-K and in the DFS mask
+    das_bank_size: int = 10  # Z: memorised differences per class
+    das_scale_range: float = 0.01  # r_s: DFS factor drawn from U[1-r_s, 1+r_s]
+    das_shift_scale: float = 0.01  # r_b: MTS shift scale
+    das_dfs: bool = True  # discriminative feature scaling on/off (ablation)
+    das_mts: bool = True  # memorized transformation shifting on/off (ablation)
+    das_detach: bool = True  # produced embeddings are constants in the loss
+    # --- optimisation ---
+    epochs: int = 300  # training epochs (paper: 300)
+    batch_size: int = 112  # global batch (split over ranks in DDP)
+    per_class: int = 2  # images per class in a batch
+    lr: float = 1e-5  # Adam learning rate of the model
+    weight_decay: float = 4e-4  # Adam weight decay
+    lr_milestones: list[int] = field(default_factory=list)  # empty = 2/3 and 5/6 of epochs
+    lr_gamma: float = 0.3  # lr factor at each milestone
+    steps_per_epoch: int = 0  # cap on batches per epoch (0 = one pass over the train split)
+    grad_clip: float = 0.0  # max gradient norm (0 = off)
+    # --- evaluation / output ---
+    eval_every: int = 1  # evaluate on the test split every N epochs (and after the last)
+    eval_ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    eval_batch_size: int = 128
+    eval_clustering: bool = True  # NMI and F1 (k-means) in each evaluation
+    eval_initial: bool = True  # also evaluate the untrained model (epoch 0)
+    out: str = "runs/default"  # run directory (checkpoints, logs, report, ONNX)
+    resume: bool = False  # continue from <out>/last.pt if it exists
+    export_onnx: bool = True  # export best.pt to <out>/model.onnx at the end
+    parity_images: int = 8  # test images for the ONNX parity check
+    frm_classes: int = 48  # classes shown in the FRM heatmap
+    tensorboard: bool = True  # also log to TensorBoard when it is installed
+    progress: bool = True  # tqdm progress bars
+    # --- runtime ---
+    seed: int = 0  # seeds torch/numpy/python, the sampler and DAS
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    amp: str = "auto"  # auto (bf16 on CUDA, off on CPU) | off | bf16 | fp16
+    channels_last: bool = True  # channels-last memory format on CUDA
+    threads: int = 0  # torch CPU threads (0 = leave torch's default)
+
+    def validate(self) -> "TrainConfig":
+        """Reject values that would only fail later, deep inside a run."""
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"dataset={self.dataset!r}: expected one of {', '.join(DATASETS)}")
+        if self.amp not in AMP_MODES:
+            raise ConfigError(f"amp={self.amp!r}: expected one of {', '.join(AMP_MODES)}")
+        positive = ("epochs", "batch_size", "per_class", "dim", "eval_every", "eval_batch_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected a positive integer")
+        if self.batch_size % self.per_class:
+            raise ConfigError(
+                f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr!r}: expected a positive number")
+        return self
+
+    @property
+    def miner_name(self) -> str | None:
+        return None if self.miner in ("", "none", None) else self.miner
+
+    def milestones(self) -> list[int]:
+        """The lr decay epochs: explicit, or the paper's 200/250 of 300 scaled to `epochs`."""
+        if self.lr_milestones:
+            return sorted(int(m) for m in self.lr_milestones)
+        return sorted({max(1, round(self.epochs * 2 / 3)), max(1, round(self.epochs * 5 / 6))})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in fields(TrainConfig)}
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """Check a value against the field's type; ints are accepted where floats are expected."""
+    kind = _field_types()[name]
+    origin = typing.get_origin(kind) or kind
+    ok: bool
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    elif origin is list:
+        ok = isinstance(value, list)
+        if ok:
+            (item,) = typing.get_args(kind)
+            ok = all(isinstance(v, item) and not isinstance(v, bool) for v in value)
+    elif origin is dict:
+        ok = isinstance(value, dict)
+    else:  # pragma: no cover - every field has one of the types above
+        ok = True
+    if not ok:
+        raise ConfigError(f"{where}: {name}={value!r}: expected {_type_name(kind)}")
+    return value
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+
+
+def load_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a config file, resolving ``include = "base.toml"`` (or a list) relative to it.
+
+    Included files are merged first, in order, then this file's own keys override them; that is
+    how the per-experiment files stay a few lines long on top of a per-dataset base.
+    """
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: include cycle ({' -> '.join(str(p) for p in _seen)})")
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict[str, Any] = {}
+    for inc in includes:
+        merged.update(load_toml(path.parent / inc, _seen + (path,)))
+    merged.update(data)
+    return merged
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``key=value`` with a TOML value (``lr=1e-4``, ``eval_ks=[1,10]``); bare words are strings."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def config_from_mapping(data: dict[str, Any], where: str = "config") -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; "
+                          f"see `python -m training --help`")
+    values = {k: _coerce(k, v, where) for k, v in data.items()}
+    return TrainConfig(**values).validate()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+                ) -> TrainConfig:
+    """A TrainConfig from an optional TOML file plus overrides (``key=value`` strings or a dict)."""
+    data: dict[str, Any] = load_toml(path) if path else {}
+    where = str(path) if path else "config"
+    if isinstance(overrides, dict):
+        data.update(overrides)
+    else:
+        types = _field_types()
+        for item in overrides or []:
+            key, value = parse_override(item)
+            if types.get(key) is str and not isinstance(value, str):
+                value = item.split("=", 1)[1].strip()  # `--set root=2024` means the string
+            data[key] = value
+    return config_from_mapping(data, where)
+
+
+def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    return dataclasses.replace(cfg, **changes).validate()

@@ -1,0 +1,274 @@
+"""Dataset splits for the paper's benchmarks, Omniglot and any folder of class folders.
+
+Every parser returns two `Split`s (train, test) of image paths with contiguous integer labels;
+`ImageDataset` turns a split into tensors through embedder's `load_image` and a
+`Preprocessing` transform, so decoding and normalisation stay in one place (embedder).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+class DatasetLayoutError(FileNotFoundError):
+    """The dataset root does not have the layout its parser expects."""
+
+
+@dataclass
+class Split:
+    """Image paths with labels 0..C-1 and the class name of each label."""
+
+    paths: list[Path]
+    labels: np.ndarray  # int64, one per path
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[Path, str]], class_order: Sequence[str]) -> "Split":
+        index = {c: i for i, c in enumerate(class_order)}
+        pairs = [p for p in pairs if p[1] in index]
+        return cls([Path(p) for p, _ in pairs],
+                   np.asarray([index[c] for _, c in pairs], dtype=np.int64), list(class_order))
+
+    def first_classes(self, n: int) -> "Split":
+        """Keep the first n classes (by label); n <= 0 keeps everything."""
+        if n <= 0 or n >= self.num_classes:
+            return self
+        keep = self.labels < n
+        return Split([p for p, k in zip(self.paths, keep) if k], self.labels[keep],
+                     self.classes[:n])
+
+
+def _natural_key(s: str) -> list:
+    return [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", s)]
+
+
+def _require(root: Path, what: str, names: Sequence[str]) -> None:
+    if not root.is_dir():
+        raise DatasetLayoutError(f"{what} root {root}: not a directory (expected {', '.join(names)} in it)")
+    missing = [n for n in names if not (root / n).exists()]
+    if missing:
+        raise DatasetLayoutError(
+            f"{what} root {root}: expected {', '.join(names)}; missing {', '.join(missing)}")
+
+
+def _read_table(path: Path, ncols: int) -> list[list[str]]:
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split(maxsplit=ncols - 1)
+        if len(parts) != ncols:
+            raise DatasetLayoutError(f"{path}:{lineno}: expected {ncols} columns, got {line!r}")
+        rows.append(parts)
+    return rows
+
+
+def cub_splits(root: str | Path) -> tuple[Split, Split]:
+    """CUB-200-2011 official layout: classes 1-100 train, 101-200 test."""
+    root = Path(root)
+    _require(root, "CUB-200-2011", ["images", "images.txt", "image_class_labels.txt", "classes.txt"])
+    images = {i: p for i, p in _read_table(root / "images.txt", 2)}
+    labels = {i: int(c) for i, c in _read_table(root / "image_class_labels.txt", 2)}
+    names = {int(c): n for c, n in _read_table(root / "classes.txt", 2)}
+    ids = sorted(names)
+    pairs = []
+    for img_id, rel in images.items():
+        if img_id not in labels:
+            raise DatasetLayoutError(f"{root / 'image_class_labels.txt'}: no label for image id {img_id}")
+        pairs.append((root / "images" / rel, names[labels[img_id]]))
+    pairs.sort(key=lambda p: str(p[0]))
+    half = len(ids) // 2
+    return (Split.from_pairs(pairs, [names[i] for i in ids[:half]]),
+            Split.from_pairs(pairs, [names[i] for i in ids[half:]]))
+
+
+def _mat_scalar(x):
+    """scipy.io.loadmat wraps every struct field in nested 1x1 arrays; unwrap to a Python value."""
+    while isinstance(x, np.ndarray):
+        if x.size != 1:
+            raise ValueError(f"expected a scalar, got an array of shape {x.shape}")
+        x = x.reshape(-1)[0]
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def cars_splits(root: str | Path) -> tuple[Split, Split]:
+    """CARS196: official `cars_annos.mat` + `car_ims/`, or `images/<class>/`; 98 / 98 classes."""
+    root = Path(root)
+    if (root / "cars_annos.mat").is_file():
+        import scipy.io
+
+        mat = scipy.io.loadmat(str(root / "cars_annos.mat"))
+        if "annotations" not in mat:
+            raise DatasetLayoutError(f"{root / 'cars_annos.mat'}: no 'annotations' variable")
+        ann = mat["annotations"].reshape(-1)
+        names_arr = mat.get("class_names")
+        class_names = ([str(_mat_scalar(n)) for n in names_arr.reshape(-1)]
+                       if names_arr is not None else [])
+        pairs = []
+        for rec in ann:
+            rel = str(_mat_scalar(rec["relative_im_path"]))
+            cls = int(_mat_scalar(rec["class"]))
+            name = class_names[cls - 1] if cls - 1 < len(class_names) else f"{cls:03d}"
+            pairs.append((root / rel, name))
+        order = sorted({c for _, c in pairs},
+                       key=lambda n: class_names.index(n) if n in class_names else int(n))
+        half = len(order) // 2
+        return Split.from_pairs(pairs, order[:half]), Split.from_pairs(pairs, order[half:])
+    if (root / "images").is_dir():
+        classes = sorted((d.name for d in (root / "images").iterdir() if d.is_dir()), key=_natural_key)
+        pairs = _folder_pairs(root / "images", classes)
+        half = len(classes) // 2
+        return Split.from_pairs(pairs, classes[:half]), Split.from_pairs(pairs, classes[half:])
+    raise DatasetLayoutError(
+        f"CARS196 root {root}: expected cars_annos.mat with car_ims/, or images/<class>/ folders")
+
+
+def sop_splits(root: str | Path) -> tuple[Split, Split]:
+    """Stanford Online Products: the official Ebay_train.txt / Ebay_test.txt."""
+    root = Path(root)
+    _require(root, "Stanford Online Products", ["Ebay_train.txt", "Ebay_test.txt"])
+    out = []
+    for name in ("Ebay_train.txt", "Ebay_test.txt"):
+        rows = _read_table(root / name, 4)
+        if rows and not rows[0][0].isdigit():  # header: image_id class_id super_class_id path
+            rows = rows[1:]
+        pairs = [(root / r[3], r[1]) for r in rows]
+        order = sorted({c for _, c in pairs}, key=int)
+        out.append(Split.from_pairs(pairs, order))
+    return out[0], out[1]
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def _folder_pairs(base: Path, classes: Sequence[str]) -> list[tuple[Path, str]]:
+    return [(p, c) for c in classes for p in _images_in(base / c)]
+
+
+def _omniglot_classes(base: Path) -> list[str]:
+    return [f"{a.name}/{c.name}" for a in sorted(p for p in base.iterdir() if p.is_dir())
+            for c in sorted(p for p in a.iterdir() if p.is_dir())]
+
+
+def omniglot_splits(root: str | Path, holdout_alphabets: int = 10) -> tuple[Split, Split]:
+    """images_background/ train and images_evaluation/ test; with only the former, the last
+    `holdout_alphabets` alphabets (sorted) are the test classes. A class is alphabet/character."""
+    root = Path(root)
+    _require(root, "Omniglot", ["images_background"])
+    bg = root / "images_background"
+    if (root / "images_evaluation").is_dir():
+        ev = root / "images_evaluation"
+        train_cls, test_cls = _omniglot_classes(bg), _omniglot_classes(ev)
+        return (Split.from_pairs(_folder_pairs(bg, train_cls), train_cls),
+                Split.from_pairs(_folder_pairs(ev, test_cls), test_cls))
+    alphabets = sorted(p.name for p in bg.iterdir() if p.is_dir())
+    if not 0 < holdout_alphabets < len(alphabets):
+        raise DatasetLayoutError(
+            f"Omniglot root {root}: holdout_alphabets={holdout_alphabets} must be between 1 and "
+            f"{len(alphabets) - 1} ({len(alphabets)} alphabets in images_background/)")
+    test_alpha = set(alphabets[-holdout_alphabets:])
+    classes = _omniglot_classes(bg)
+    pairs = _folder_pairs(bg, classes)
+    train_cls = [c for c in classes if c.split("/")[0] not in test_alpha]
+    test_cls = [c for c in classes if c.split("/")[0] in test_alpha]
+    return Split.from_pairs(pairs, train_cls), Split.from_pairs(pairs, test_cls)
+
+
+def folder_splits(root: str | Path, test_classes: Sequence[str] = ()) -> tuple[Split, Split]:
+    """root/<class>/*.jpg: sorted classes, first half train; or an explicit list of test classes."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetLayoutError(f"image folder root {root}: not a directory (expected <class>/ sub-folders)")
+    classes = sorted((d.name for d in root.iterdir() if d.is_dir()), key=_natural_key)
+    if len(classes) < 2:
+        raise DatasetLayoutError(f"image folder root {root}: expected at least 2 class sub-folders, "
+                                 f"found {len(classes)}")
+    if test_classes:
+        unknown = sorted(set(test_classes) - set(classes))
+        if unknown:
+            raise DatasetLayoutError(f"image folder root {root}: test classes not found: {', '.join(unknown)}")
+        test = [c for c in classes if c in set(test_classes)]
+        train = [c for c in classes if c not in set(test_classes)]
+    else:
+        half = len(classes) // 2
+        train, test = classes[:half], classes[half:]
+    pairs = _folder_pairs(root, classes)
+    return Split.from_pairs(pairs, train), Split.from_pairs(pairs, test)
+
+
+def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_classes=(),
+                holdout_alphabets: int = 10) -> tuple[Split, Split]:
+    """(train, test) for a dataset name; `max_classes` keeps the first N classes of each split."""
+    if not root:
+        raise DatasetLayoutError(f"dataset {dataset!r}: no root given (set root=<folder>)")
+    if dataset == "cub":
+        train, test = cub_splits(root)
+    elif dataset == "cars":
+        train, test = cars_splits(root)
+    elif dataset == "sop":
+        train, test = sop_splits(root)
+    elif dataset == "omniglot":
+        train, test = omniglot_splits(root, holdout_alphabets)
+    elif dataset == "folder":
+        train, test = folder_splits(root, test_classes)
+    else:
+        raise ValueError(f"dataset={dataset!r}: expected cub, cars, sop, omniglot or folder")
+    train, test = train.first_classes(max_classes), test.first_classes(max_classes)
+    for name, split in (("train", train), ("test", test)):
+        if len(split) == 0:
+            raise DatasetLayoutError(f"{dataset} root {root}: the {name} split has no images")
+    return train, test
+
+
+class ImageDataset(Dataset):
+    """A split as (tensor, label) pairs, decoded by embedder's `load_image`.
+
+    With ``cache=True`` decoded images are kept in memory as uint8 arrays (worth it for small
+    datasets such as Omniglot, whose PNG decoding otherwise dominates a CPU epoch).
+    """
+
+    def __init__(self, split: Split, transform: Callable[[Image.Image], torch.Tensor],
+                 mode: str = "RGB", cache: bool = False):
+        self.split = split
+        self.transform = transform
+        self.mode = mode
+        self.cache = cache
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.split.labels
+
+    def image(self, i: int) -> Image.Image:
+        from embedder import load_image
+
+        if self.cache:
+            arr = self._cache.get(i)
+            if arr is None:
+                arr = np.asarray(load_image(self.split.paths[i], mode=self.mode))
+                self._cache[i] = arr
+            return Image.fromarray(arr)
+        return load_image(self.split.paths[i], mode=self.mode)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.image(i)), int(self.split.labels[i])

@@ -1,0 +1,139 @@
+"""DistributedDataParallel plumbing for ``torchrun --nproc_per_node=N -m training``.
+
+Each rank embeds its own slice of the global class-balanced batch; embeddings and labels are
+gathered so DAS, the miner and the loss see the whole global batch on every rank, identically.
+`torch.distributed.nn.functional.all_gather` carries gradients back: every rank computes the
+same loss L, so the gradient reaching rank r's slice is the sum over ranks, W * dL/dv_r; DDP then
+averages parameter gradients over the W ranks, which gives exactly dL/dtheta -- no loss scaling.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_from_env(device_type: str) -> DistInfo:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK); single
+    process otherwise. gloo on CPU, nccl on CUDA."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def current() -> DistInfo:
+    """The process group already initialised (e.g. by a test), or a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(),
+                        int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return DistInfo()
+
+
+def gather_batch(emb: torch.Tensor, labels: torch.Tensor, info: DistInfo
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch in rank order: embeddings keep their autograd path, labels are plain."""
+    if not info.enabled:
+        return emb, labels
+    from torch.distributed.nn.functional import all_gather
+
+    with warnings.catch_warnings():
+        # deprecated in favour of a private module (_functional_collectives); still the public
+        # autograd-aware gather, and its backward sums each slice's gradient from every rank
+        warnings.simplefilter("ignore", FutureWarning)
+        all_emb = torch.cat(all_gather(emb), dim=0)
+    all_lab = [torch.empty_like(labels) for _ in range(info.world_size)]
+    dist.all_gather(all_lab, labels)
+    return all_emb, torch.cat(all_lab, dim=0)
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def broadcast_object(obj, info: DistInfo):
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankSlice(Sampler[list[int]]):
+    """This rank's contiguous slice of each global batch from an inner batch sampler.
+
+    The inner sampler is seeded identically on every rank, so all ranks agree on the global
+    batch; contiguous slices keep each class's images together when per_class divides the
+    slice size (not required for correctness, since the batch is gathered before mining).
+    """
+
+    def __init__(self, inner, info: DistInfo):
+        self.inner = inner
+        self.info = info
+
+    def __iter__(self) -> Iterator[list[int]]:
+        w, r = self.info.world_size, self.info.rank
+        for batch in self.inner:
+            if len(batch) % w:
+                raise ValueError(f"global batch of {len(batch)} does not split over {w} ranks")
+            n = len(batch) // w
+            yield list(batch[r * n:(r + 1) * n])
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device | None = None):
+    """Run a block on freshly seeded torch/numpy/python RNGs and restore the outer states after.
+
+    The miner and loss draw random numbers (pytorch-metric-learning uses torch and numpy's
+    global RNGs); seeding them per step keeps every rank's draws identical and makes the
+    training trajectory independent of what else consumed random numbers (evaluation,
+    data augmentation on other ranks).
+    """
+    devices = [device] if device is not None and device.type == "cuda" else []
+    np_state, py_state = np.random.get_state(), random.getstate()
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        np.random.seed(seed % (2**32))
+        random.seed(seed)
+        try:
+            yield
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
