@@ -1,0 +1,229 @@
+"""Indexer benchmark: faiss index quality/speed on synthetic galleries, ingest throughput on real images.
+
+Run from the repository root:
+
+    python benchmarks/index_bench.py --out benchmarks/RESULTS-indexer.md
+
+Part 1 builds the index exactly as ``indexer build`` does (``indexer.build.make_index``: choice of
+Flat/IVF, nlist, k-means, nprobe tuned to recall@10 >= 0.95 vs exact) on clustered synthetic
+unit vectors, then measures on 1000 fresh queries (not gallery vectors): recall@10 vs exact
+search, and queries/s at the tuned nprobe against an exact Flat index over the same vectors,
+searched in the same run. Part 2 times ``indexer build`` (walk, read, sha256, LMDB commits,
+embedding, faiss) on an Omniglot subset against bare embedding of the same images with the same
+onnxruntime embedder (``OnnxEmbedder.embed_iter``, same batch size and decode threads).
+Ratios, not absolute numbers, are the result: the CPU here is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+SPREAD = 1.2        # noise norm relative to the unit class centre: cosine to the centre ~0.64
+CLASS_SIZE = 100    # images per class, as in a product or landmark gallery
+CLASSES_PER_GROUP = 20
+
+
+def class_centres(n: int, d: int, rng: np.random.Generator) -> np.ndarray:
+    """Class centres grouped around coarser centres (related classes sit near each other).
+
+    The structure does not depend on n, so 100k and 1M galleries are equally "clustered"
+    and only the scale changes.
+    """
+    import faiss
+
+    n_classes = max(10, n // CLASS_SIZE)
+    groups = rng.normal(size=(max(2, n_classes // CLASSES_PER_GROUP), d)).astype(np.float32)
+    faiss.normalize_L2(groups)
+    jitter = rng.normal(size=(n_classes, d)).astype(np.float32)
+    faiss.normalize_L2(jitter)
+    centres = groups[rng.integers(0, len(groups), n_classes)] + 0.8 * jitter
+    faiss.normalize_L2(centres)
+    return centres
+
+
+def clustered(n: int, d: int, seed: int, centres: np.ndarray) -> np.ndarray:
+    """Unit vectors scattered around class ``centres``: embedding galleries cluster by content.
+
+    Isotropic noise alone would make every neighbour equally far and no index could beat a scan.
+    """
+    import faiss
+
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, d), dtype=np.float32)
+    for s in range(0, n, 200_000):
+        m = min(200_000, n - s)
+        out[s:s + m] = centres[rng.integers(0, len(centres), m)] + rng.normal(
+            scale=SPREAD / np.sqrt(d), size=(m, d)).astype(np.float32)
+    faiss.normalize_L2(out)
+    return out
+
+
+def rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def qps(index, q: np.ndarray, k: int = 10, min_seconds: float = 1.0) -> float:
+    done, t0 = 0, time.perf_counter()
+    while True:
+        index.search(q, k)
+        done += len(q)
+        el = time.perf_counter() - t0
+        if el >= min_seconds:
+            return done / el
+
+
+def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
+    import faiss
+
+    from indexer import faiss_index as fx
+    from indexer.build import make_index
+
+    rng = np.random.default_rng(seed)
+    centres = class_centres(n, d, rng)
+    x = clustered(n, d, seed + 1, centres)
+    q = clustered(nq, d, seed + 2, centres)
+    ids = np.sort(rng.choice(2 ** 53, size=n, replace=False)).astype(np.int64)
+    t0 = time.perf_counter()
+    index, fields = make_index(ids, x, device="cpu")
+    build = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        fx.write_atomic(index, Path(tmp) / "i.faiss")
+        size = (Path(tmp) / "i.faiss").stat().st_size
+    flat = faiss.IndexFlatIP(d)
+    flat.add(x)
+    t0 = time.perf_counter()
+    truth = ids[flat.search(q, 10)[1]]          # exact answers, and Flat's speed on them
+    q_flat = len(q) / (time.perf_counter() - t0)
+    recall = fx.recall_vs_exact(index.search(q, 10)[1], truth)
+    q_ivf = qps(index, q)
+    row = {"n": n, "d": d, "index": f"{fields['index_type']} nlist={fields['nlist']} nprobe={fields['nprobe']}",
+           "build_s": build, "train_s": fields["train_seconds"], "index_mib": size / 2 ** 20,
+           "rss_gib": rss_gib(), "tuned_recall": fields["recall_at_10"], "recall": recall,
+           "qps": q_ivf, "flat_qps": q_flat, "speedup": q_ivf / q_flat}
+    del index, flat, x
+    gc.collect()
+    return row
+
+
+def ingest(n_images: int, model: Path, label: str, batch_size: int = 32, workers: int = 2,
+           repeats: int = 2) -> dict:
+    """Best-of-``repeats`` throughput: indexer build vs bare embedding of the same files."""
+    from embedder import OnnxEmbedder
+
+    from indexer import build_index
+
+    root = Path(os.environ.get("DAS_OMNIGLOT", REPO.parent / "shared" / "data" / "omniglot")) / "images_background"
+    files = sorted(p for p in root.rglob("*.png"))[:n_images]
+    tmp = Path(tempfile.mkdtemp(prefix="index-bench-"))
+    try:
+        gallery = tmp / "gallery"
+        for f in files:
+            dst = gallery / f.relative_to(root)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst)
+        files = sorted(gallery.rglob("*.png"))
+        emb = OnnxEmbedder(model, batch_size=batch_size)
+        for _ in emb.embed_iter(((i, f) for i, f in enumerate(files[:64])), workers=workers):
+            pass   # warm up the session and the page cache
+        bare, built = [], []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            n = sum(len(k) for k, _, _ in emb.embed_iter(((i, f) for i, f in enumerate(files)), workers=workers))
+            bare.append(n / (time.perf_counter() - t0))
+            out = tmp / f"idx{r}"
+            t0 = time.perf_counter()
+            m = build_index(gallery, out, model, batch_size=batch_size, workers=workers, progress=False,
+                            embedder=emb)
+            built.append(m["count"] / (time.perf_counter() - t0))
+        return {"model": label, "images": len(files), "bare_ips": max(bare), "build_ips": max(built),
+                "ratio": max(built) / max(bare)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def small_model(path: Path) -> Path:
+    import torch
+
+    from embedder import Embedder, EmbedderConfig, export_onnx
+
+    torch.manual_seed(0)
+    return export_onnx(Embedder(EmbedderConfig(backbone="small_cnn", dim=64)).eval(), path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="100000,1000000", help="synthetic gallery sizes at d=128")
+    ap.add_argument("--wide", default="100000", help="sizes also run at d=512 ('' to skip)")
+    ap.add_argument("--ingest-images", type=int, default=800, help="Omniglot images for the ingest part")
+    ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="write the Markdown section here")
+    args = ap.parse_args()
+    try:
+        import torch
+
+        torch.set_num_threads(2)
+    except ImportError:
+        pass
+    t_start = time.perf_counter()
+    rows = []
+    plan = [(int(s), 128) for s in args.sizes.split(",") if s] + [(int(s), 512) for s in args.wide.split(",") if s]
+    for n, d in sorted(plan, key=lambda p: p[0] * p[1]):
+        print(f"synthetic {n} x {d} ...", flush=True)
+        rows.append(synthetic(n, d))
+        print("  ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    ing = []
+    if not args.skip_ingest:
+        from embedder import default_model_path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            small = small_model(Path(tmp) / "small.onnx")
+            print("ingest small_cnn ...", flush=True)
+            ing.append(ingest(args.ingest_images * 4, small, "small_cnn 64-d (28 px)"))
+            print("  ", ing[-1], flush=True)
+        print("ingest default EfficientNet-Lite0 ...", flush=True)
+        ing.append(ingest(args.ingest_images, default_model_path(), "EfficientNet-Lite0 1280-d (224 px)"))
+        print("  ", ing[-1], flush=True)
+    total = time.perf_counter() - t_start
+
+    cmd = "python benchmarks/index_bench.py " + " ".join(sys.argv[1:])
+    lines = ["## Indexer (`benchmarks/index_bench.py`)", "", f"Command: `{cmd}` "
+             f"({total / 60:.1f} min, 2 shared CPU cores, faiss {__import__('faiss').__version__}).", "",
+             "Clustered synthetic unit vectors; 1000 fresh queries (not gallery vectors); recall@10 "
+             "against exact search; queries/s for batches of 1000 queries, same run, same cores.", "",
+             "| n | d | index | build s (k-means s) | index MiB | peak RSS GiB | recall@10 (tuning / fresh queries) "
+             "| queries/s | Flat queries/s | speed-up |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['n']:,} | {r['d']} | {r['index']} | {r['build_s']:.1f} ({r['train_s']:.1f}) | "
+                     f"{r['index_mib']:.0f} | {r['rss_gib']:.1f} | {r['tuned_recall']:.3f} / {r['recall']:.3f} | "
+                     f"{r['qps']:,.0f} | {r['flat_qps']:,.0f} | {r['speedup']:.1f}x |")
+    if ing:
+        lines += ["", "Ingest: `indexer build` end to end (walk, read, sha256, LMDB commits, embedding with "
+                  "decoding in parallel, faiss, manifest) vs bare `OnnxEmbedder.embed_iter` on the same "
+                  "Omniglot files, same batch size (32) and decode threads (2); best of 2.", "",
+                  "| embedder | images | bare embedding img/s | indexer build img/s | ratio |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in ing:
+            lines.append(f"| {r['model']} | {r['images']} | {r['bare_ips']:.0f} | {r['build_ips']:.0f} | "
+                         f"{100 * r['ratio']:.0f}% |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""``python -m indexer``: build, add, remove, search, eval, info, merge.
+
+Every command prints a one-line reason to stderr and exits 1 on bad input (2 for bad usage).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_DIR = "indexes/default"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
+
+    p = argparse.ArgumentParser(prog="python -m indexer",
+                                description="LMDB gallery store + faiss index tuned to a recall target.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def index_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--index-type", choices=INDEX_TYPES, default="auto",
+                        help="auto: exact Flat below --flat-threshold images, IVF-Flat above (default)")
+        sp.add_argument("--flat-threshold", type=int, default=DEFAULT_FLAT_THRESHOLD, metavar="N",
+                        help=f"gallery size from which auto uses IVF (default {DEFAULT_FLAT_THRESHOLD})")
+        sp.add_argument("--nlist", type=int, default=None, help="IVF lists (default: from the gallery size)")
+        sp.add_argument("--target-recall", type=float, default=0.95,
+                        help="recall@10 vs exact search that nprobe is tuned to reach (default 0.95)")
+        sp.add_argument("--seed", type=int, default=0)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="faiss/onnxruntime device (GPU when available with auto)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    b = sub.add_parser("build", help="ingest a gallery folder and build its index",
+                       description="Walk GALLERY (labels = sub-folders), store and embed every image, "
+                                   "build and tune the faiss index. Rerun to resume.")
+    b.add_argument("gallery", type=Path)
+    b.add_argument("--model", type=Path, default=None,
+                   help="exported .onnx embedder (default: the offline pretrained EfficientNet-Lite0)")
+    b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
+    b.add_argument("--shard", default=None, metavar="i/n",
+                   help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
+    b.add_argument("--batch-size", type=int, default=32)
+    b.add_argument("--workers", type=int, default=None, help="image decoding threads")
+    index_opts(b)
+    common(b)
+
+    a = sub.add_parser("add", help="add the images of a folder to an existing index")
+    a.add_argument("folder", type=Path)
+    a.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+    a.add_argument("--model", type=Path, default=None,
+                   help="must be the model the index was built with (default: the index's copy)")
+    a.add_argument("--prefix", default="", help="prefix for the stored relative paths (and labels)")
+    a.add_argument("--batch-size", type=int, default=32)
+    a.add_argument("--workers", type=int, default=None)
+    common(a)
+
+    r = sub.add_parser("remove", help="remove images by id or stored relative path")
+    r.add_argument("targets", nargs="+", metavar="ID|PATH")
+    r.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+
+    s = sub.add_parser("search", help="the k nearest gallery images of a query image")
+    s.add_argument("image", type=Path)
+    s.add_argument("-k", type=int, default=10)
+    s.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+    e = sub.add_parser("eval", help="Recall@k on a labelled query folder")
+    e.add_argument("--queries", type=Path, required=True, help="query folder, one sub-folder per label")
+    e.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+    e.add_argument("-k", type=int, nargs="+", default=[1, 2, 4, 8])
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+    i = sub.add_parser("info", help="what an index directory holds")
+    i.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+    i.add_argument("--json", action="store_true")
+
+    m = sub.add_parser("merge", help="merge shard directories into one index",
+                       description="Train one IVF quantizer over all shards and merge their inverted lists.")
+    m.add_argument("shards", type=Path, nargs="+", metavar="SHARD_DIR")
+    m.add_argument("--out", type=Path, required=True)
+    index_opts(m)
+    common(m)
+    return p
+
+
+def _positive(name: str, v: int | None) -> None:
+    if v is not None and v < 1:
+        raise ValueError(f"{name}={v}: expected a positive integer")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .build import add_images, build_index, merge_shards, remove_items
+    from .walk import parse_shard
+
+    if args.cmd == "build":
+        _positive("--batch-size", args.batch_size)
+        _positive("--workers", args.workers)
+        shard = parse_shard(args.shard) if args.shard else None
+        m = build_index(args.gallery, args.out, args.model, index_type=args.index_type,
+                        flat_threshold=args.flat_threshold, nlist=args.nlist,
+                        target_recall=args.target_recall, shard=shard, batch_size=args.batch_size,
+                        workers=args.workers, device=args.device, seed=args.seed,
+                        progress=not args.quiet)
+        ing = m["ingest"]
+        print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
+              f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
+              + (f" (reasons in {args.out / m['report']})" if ing["skipped"] else ""))
+        if m.get("shard"):
+            print(f"shard {m['shard']['i']}/{m['shard']['n']}: {m['count']} images in {args.out}")
+        else:
+            _print_index_line(m, args.out)
+        return 0
+    if args.cmd == "add":
+        m, stats = add_images(args.index, args.folder, args.model, prefix=args.prefix,
+                              batch_size=args.batch_size, workers=args.workers, device=args.device,
+                              progress=not args.quiet)
+        print(stats.summary())
+        print(f"added {m['added']} vectors; index now holds {m['count']}, nprobe {m.get('nprobe')}")
+        return 0
+    if args.cmd == "remove":
+        m, msgs = remove_items(args.index, args.targets)
+        print("\n".join(msgs))
+        print(f"index now holds {m['count']}")
+        return 0
+    if args.cmd == "search":
+        from .index import Index
+
+        _positive("-k", args.k)
+        idx = Index.open(args.index, device=args.device)
+        hits = idx.search([args.image], args.k)[0]
+        if args.json:
+            print(json.dumps([h.__dict__ for h in hits], indent=2))
+        else:
+            for r, h in enumerate(hits, 1):
+                print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
+        return 0
+    if args.cmd == "eval":
+        from .evaluate import evaluate_queries
+        from .index import Index
+
+        res = evaluate_queries(Index.open(args.index, device=args.device), args.queries, args.k)
+        if args.json:
+            print(json.dumps(res, indent=2))
+        else:
+            print(f"{res['queries']} queries ({res['self_matches']} also in the gallery, excluded from "
+                  f"their own results), {len(res['skipped'])} skipped")
+            for k, v in res["recall"].items():
+                print(f"Recall@{k}: {v:.4f}")
+        return 0
+    if args.cmd == "info":
+        return _info(args)
+    if args.cmd == "merge":
+        m = merge_shards(args.shards, args.out, index_type=args.index_type,
+                         flat_threshold=args.flat_threshold, nlist=args.nlist,
+                         target_recall=args.target_recall, device=args.device, seed=args.seed,
+                         progress=not args.quiet)
+        _print_index_line(m, args.out)
+        return 0
+    raise AssertionError(args.cmd)
+
+
+def _print_index_line(m: dict, out: Path) -> None:
+    ivf = f", nlist {m['nlist']}, nprobe {m['nprobe']}" if m.get("nlist") else ""
+    print(f"{m['index_type']} index of {m['count']} x {m['dim']}{ivf}, recall@10 vs exact "
+          f"{m['recall_at_10']:.3f} (target {m['target_recall']}) in {m['build_seconds']:.1f}s -> {out}")
+    if m.get("warning"):
+        print(f"warning: {m['warning']}", file=sys.stderr)
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .manifest import STORE_DIR, read_manifest
+    from .store import GalleryStore
+
+    m = read_manifest(args.index)
+    with GalleryStore(args.index / STORE_DIR) as st:
+        store = {"items": len(st), "labels": len(st.labels()), "models": len(st.models())}
+    if args.json:
+        print(json.dumps({"manifest": m, "store": store}, indent=2))
+        return 0
+    mod = m["model"]
+    print(f"index:    {args.index}")
+    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
+    if m.get("shard"):
+        print(f"shard:    {m['shard']['i']}/{m['shard']['n']} (merge before searching)")
+    else:
+        print(f"faiss:    {m['index_type']} ({m.get('factory')}), {m['count']} vectors, metric {m['metric']}")
+        if m.get("nlist"):
+            print(f"ivf:      nlist {m['nlist']}, nprobe {m['nprobe']}, recall@10 vs exact "
+                  f"{m['recall_at_10']} (target {m['target_recall']})")
+    print(f"store:    {store['items']} images, {store['labels']} labels, embeddings from "
+          f"{store['models']} model(s)")
+    print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
+          f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .errors import IndexerError
+
+    try:
+        return _run(args)
+    except (IndexerError, ValueError, OSError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, KeyError):
+            msg = str(e.args[0]) if e.args else msg
+        print(f"indexer {args.cmd}: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"indexer {args.cmd}: interrupted (rerun the same command to resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""``Index``: the read-only, thread-safe query face of an index directory (what serving uses)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import IndexerError
+from .faiss_index import SearchableIndex
+from .manifest import INDEX_FILE, MODEL_FILE, STORE_DIR, read_manifest
+from .store import GalleryStore
+
+
+@dataclass
+class Hit:
+    id: int
+    score: float
+    label: str | None
+    path: str
+
+
+class Index:
+    """An opened index directory.
+
+    Safe for concurrent queries from threads: the faiss index is only read (CPU searches release
+    the GIL; GPU searches are serialised), the LMDB store is opened read-only with ``lock=False``
+    lazily in each process, and the onnxruntime session is thread-safe. The embedder is loaded on
+    first use, so ``Index.open`` followed by ``search_embeddings`` never touches onnxruntime.
+    """
+
+    def __init__(self, directory: Path, manifest: dict, store: GalleryStore,
+                 faiss_index: SearchableIndex, device: str = "auto") -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.store = store
+        self.faiss = faiss_index
+        self.dim: int = int(manifest["dim"])
+        self.model_hash: str = manifest["model"]["hash"]
+        self._device = device
+        self._embedder: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, directory: str | Path, *, device: str = "auto") -> "Index":
+        directory = Path(directory)
+        manifest = read_manifest(directory)
+        if manifest.get("shard"):
+            s = manifest["shard"]
+            raise IndexerError(f"{directory}: is shard {s['i']}/{s['n']}, not an index; "
+                               "run `indexer merge` first")
+        if not (directory / INDEX_FILE).exists():
+            raise IndexerError(f"{directory / INDEX_FILE}: index file missing; rerun `indexer build`")
+        fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device)
+        if fi.d != int(manifest["dim"]):
+            raise IndexerError(f"{directory / INDEX_FILE}: dimension mismatch: index holds {fi.d}-d "
+                               f"vectors, manifest says {manifest['dim']}-d")
+        if fi.ntotal != int(manifest["count"]):
+            raise IndexerError(f"{directory}: index holds {fi.ntotal} vectors but the manifest says "
+                               f"{manifest['count']}; rerun `indexer build` to repair it")
+        return cls(directory, manifest, GalleryStore(directory / STORE_DIR), fi, device)
+
+    @property
+    def embedder(self) -> Any:
+        """The index's own embedder (``model.onnx`` in the directory), loaded once, lazily."""
+        if self._embedder is None:
+            with self._lock:
+                if self._embedder is None:
+                    from .build import load_embedder
+
+                    emb = load_embedder(self.directory / MODEL_FILE, device=self._device)
+                    if emb.model_hash != self.model_hash:
+                        raise IndexerError(f"{self.directory / MODEL_FILE}: model hash "
+                                           f"{emb.model_hash[:12]} differs from the manifest's "
+                                           f"{self.model_hash[:12]}")
+                    if emb.dim != self.dim:
+                        raise IndexerError(f"{self.directory / MODEL_FILE}: dimension mismatch: model "
+                                           f"gives {emb.dim}-d, index holds {self.dim}-d")
+                    self._embedder = emb
+        return self._embedder
+
+    def __len__(self) -> int:
+        return int(self.faiss.ntotal)
+
+    def search_embeddings(self, emb: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF answers.
+
+        Queries are L2-normalised here: the index holds normalised vectors and ranks by cosine.
+        """
+        q = np.asarray(emb, dtype=np.float32)
+        if q.ndim == 1:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise ValueError(f"query embeddings of shape {tuple(np.shape(emb))}: dimension mismatch, "
+                             f"expected (n, {self.dim})")
+        if k < 1:
+            raise ValueError(f"k={k}: expected k >= 1")
+        q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
+        return self.faiss.search(q, k)
+
+    def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
+        """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""
+        out = []
+        for s, i in zip(scores, ids):
+            if i < 0:
+                continue
+            try:
+                m = self.store.get_meta(int(i))
+            except KeyError:
+                continue
+            out.append(Hit(int(i), float(s), m.get("label"), m["path"]))
+        return out
+
+    def search(self, images: Sequence[Any], k: int = 10) -> list[list[Hit]]:
+        """Embed ``images`` (paths, bytes or PIL images) and return the top-k hits of each.
+
+        Raises the embedder's ImageLoadError (naming the image) for an unreadable image.
+        """
+        if len(images) == 0:
+            return []
+        emb = self.embedder.embed(list(images))
+        scores, ids = self.search_embeddings(emb, k)
+        return [self.hits(s, i) for s, i in zip(scores, ids)]
+
+    def embeddings(self, ids: Sequence[int]) -> np.ndarray:
+        """Stored (normalised) gallery embeddings, in the order of ``ids``; KeyError if unknown."""
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (f"Index({str(self.directory)!r}, {m.get('index_type')}, n={len(self)}, dim={self.dim}, "
+                f"nprobe={m.get('nprobe')})")

@@ -1,0 +1,514 @@
+"""The gallery store: one LMDB environment holding every image's bytes, metadata and embeddings.
+
+Why LMDB: a build can be killed at any moment; every batch of images is committed in one
+transaction (bytes + metadata + path + embedding together), so a rerun sees either the whole
+batch or none of it, never a half-written entry. Ids derive from the content hash, so they are
+stable across reruns, shards and machines (shards merge without renumbering) and identical
+content is stored once.
+
+Layout (named sub-databases):
+    meta   id(8B)                 -> JSON {path, paths, label, width, height, sha256, bytes}
+    blob   id(8B)                 -> original file bytes
+    path   relpath (UTF-8)        -> id(8B) + size(8B) + mtime_ns(8B)   (quick "unchanged" check)
+    label  label (UTF-8), dupsort -> id(8B)
+    emb    model sha256(32B)+id   -> float32 embedding
+    info   key                    -> JSON (models seen, ...)
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import lmdb
+import numpy as np
+
+from .errors import IndexerError
+from .walk import label_of
+
+ID_BITS = 53          # ids stay exact in JavaScript (Number.MAX_SAFE_INTEGER == 2**53 - 1)
+DEFAULT_MAP_SIZE = 1 << 30
+_DBS = ("meta", "blob", "path", "label", "emb", "info")
+_PATHREC = struct.Struct(">QQq")
+
+
+def id_for_sha256(sha256_hex: str) -> int:
+    """The stable integer id of a piece of content: the top 53 bits of its sha256."""
+    return int(sha256_hex[:14], 16) >> (56 - ID_BITS)
+
+
+def _k(i: int) -> bytes:
+    return int(i).to_bytes(8, "big")
+
+
+def _model_key(model_hash: str) -> bytes:
+    try:
+        raw = bytes.fromhex(model_hash)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(f"model hash {model_hash!r}: expected 64 hex digits (sha256)")
+    return raw
+
+
+@dataclass
+class NewItem:
+    """An image read from disk, validated, ready to be committed."""
+
+    relpath: str
+    label: str | None
+    data: bytes
+    sha256: str
+    width: int
+    height: int
+    size: int = 0
+    mtime_ns: int = 0
+
+    @property
+    def id(self) -> int:
+        return id_for_sha256(self.sha256)
+
+
+# py-lmdb refuses to open one environment twice in a process, and an Index and a tool may both
+# want the same store: environments are shared per process, reference-counted, opened on demand.
+_ENVS: dict[tuple[int, str], list] = {}     # (pid, realpath) -> [env, dbs, refcount, readonly]
+_ENVS_LOCK = threading.Lock()
+_ENVS_LOCK_OPEN = threading.Lock()
+
+
+def _acquire(path: Path, readonly: bool, map_size: int) -> tuple[lmdb.Environment, dict]:
+    key = (os.getpid(), os.path.realpath(path))
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is not None:
+            if entry[3] and not readonly:
+                raise IndexerError(f"{path}: store is open read-only in this process (an open Index?); "
+                                   "close it before writing")
+            entry[2] += 1
+            return entry[0], entry[1]
+        if readonly:
+            env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(_DBS),
+                            readahead=False, max_readers=1024)
+            try:
+                dbs = {n: env.open_db(n.encode(), create=False, dupsort=(n == "label")) for n in _DBS}
+            except lmdb.Error as e:
+                env.close()
+                raise IndexerError(f"{path}: not a gallery store ({e})") from None
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(str(path), map_size=map_size, max_dbs=len(_DBS), readahead=False)
+            dbs = {n: env.open_db(n.encode(), dupsort=(n == "label")) for n in _DBS}
+        _ENVS[key] = [env, dbs, 1, readonly]
+        return env, dbs
+
+
+def _release(path: Path) -> None:
+    key = (os.getpid(), os.path.realpath(path))
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del _ENVS[key]
+            entry[0].close()
+
+
+class GalleryStore:
+    """LMDB-backed gallery. Readers are lock-free and opened lazily per process.
+
+    ``readonly=True`` opens with ``lock=False``: safe for many threads and processes that only
+    read, and picklable before first use (the environment is opened on first access in each
+    process). Writers (``readonly=False``) grow the map when it fills.
+    """
+
+    def __init__(self, path: str | Path, *, readonly: bool = True,
+                 map_size: int = DEFAULT_MAP_SIZE) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self._map_size = map_size
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[str, Any] = {}
+        self._pid = -1
+        self._txn_lock: threading.RLock | None = None if readonly else threading.RLock()
+        if readonly and not (self.path / "data.mdb").exists():
+            raise IndexerError(f"{self.path}: no gallery store here (expected {self.path / 'data.mdb'})")
+
+    # ------------------------------------------------------------------ environment
+    def __getstate__(self) -> dict:
+        d = self.__dict__.copy()
+        d.update(_env=None, _dbs={}, _pid=-1, _txn_lock=None)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        if not self.readonly:
+            self._txn_lock = threading.RLock()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._env is None or self._pid != os.getpid():
+            with _ENVS_LOCK_OPEN:     # two threads' first queries must not both acquire
+                if self._env is None or self._pid != os.getpid():
+                    env, dbs = _acquire(self.path, self.readonly, self._map_size)
+                    self._dbs, self._pid, self._env = dbs, os.getpid(), env
+        return self._env
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            _release(self.path)
+        self._env, self._dbs = None, {}
+
+    def __enter__(self) -> "GalleryStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _db(self, name: str) -> Any:
+        self.env  # noqa: B018 - opens lazily
+        return self._dbs[name]
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction. In a writer, reads and writes from several threads (the ingest
+        reader thread and the committing thread) are serialised, because growing the map is
+        only allowed while no transaction of this process is open."""
+        if self._txn_lock is None:
+            with self.env.begin(write=False, buffers=False) as txn:
+                yield txn
+        else:
+            with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
+                yield txn
+
+    def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        """Run ``fn`` in one write transaction; on MDB_MAP_FULL double the map and retry.
+
+        ``fn`` must only touch the transaction (it may run more than once).
+        """
+        if self.readonly:
+            raise IndexerError(f"{self.path}: store opened read-only")
+        with self._txn_lock:  # type: ignore[union-attr]
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    # ------------------------------------------------------------------ reads
+    def __len__(self) -> int:
+        with self._read() as txn:
+            return txn.stat(self._db("meta"))["entries"]
+
+    def __contains__(self, id: object) -> bool:
+        with self._read() as txn:
+            return txn.get(_k(int(id)), db=self._db("meta")) is not None  # type: ignore[arg-type]
+
+    def ids(self) -> np.ndarray:
+        """All ids, ascending."""
+        with self._read() as txn:
+            keys = list(txn.cursor(db=self._db("meta")).iternext(keys=True, values=False))
+        return np.array([int.from_bytes(k, "big") for k in keys], dtype=np.int64)
+
+    def get_meta(self, id: int) -> dict:
+        with self._read() as txn:
+            raw = txn.get(_k(id), db=self._db("meta"))
+        if raw is None:
+            raise KeyError(f"id {id} is not in the gallery store {self.path}")
+        d = json.loads(raw)
+        d["id"] = int(id)
+        return d
+
+    def get_bytes(self, id: int) -> bytes:
+        with self._read() as txn:
+            raw = txn.get(_k(id), db=self._db("blob"))
+        if raw is None:
+            raise KeyError(f"id {id} is not in the gallery store {self.path}")
+        return bytes(raw)
+
+    def path_record(self, relpath: str) -> tuple[int, int, int] | None:
+        """(id, size, mtime_ns) recorded for a relative path, or None."""
+        with self._read() as txn:
+            raw = txn.get(relpath.encode("utf-8"), db=self._db("path"))
+        return None if raw is None else _PATHREC.unpack(raw)
+
+    def ingest_status(self, relpath: str, content_id: int | None, model_hash: str
+                      ) -> tuple[tuple[int, int, int] | None, bool, bool]:
+        """(path record, content stored?, content embedded by the model?) in one transaction.
+
+        ``content_id`` None asks about the id the path currently points to. One read per file
+        keeps the ingest loop cheap when the model itself is fast.
+        """
+        mk = _model_key(model_hash)
+        with self._read() as txn:
+            raw = txn.get(relpath.encode("utf-8"), db=self._db("path"))
+            rec = None if raw is None else _PATHREC.unpack(raw)
+            i = content_id if content_id is not None else (None if rec is None else rec[0])
+            if i is None:
+                return rec, False, False
+            stored = txn.get(_k(i), db=self._db("meta")) is not None
+            embedded = stored and txn.get(mk + _k(i), db=self._db("emb")) is not None
+            return rec, stored, embedded
+
+    def id_for_path(self, rel_path: str) -> int | None:
+        rec = self.path_record(str(rel_path))
+        return None if rec is None else rec[0]
+
+    def ids_for_label(self, label: str) -> list[int]:
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db("label"))
+            if not cur.set_key(label.encode("utf-8")):
+                return []
+            return [int.from_bytes(v, "big") for v in cur.iternext_dup()]
+
+    def labels(self) -> list[str]:
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db("label"))
+            return [k.decode("utf-8") for k in cur.iternext_nodup(keys=True, values=False)]
+
+    def info(self, key: str, default: Any = None) -> Any:
+        with self._read() as txn:
+            raw = txn.get(key.encode(), db=self._db("info"))
+        return default if raw is None else json.loads(raw)
+
+    def models(self) -> list[str]:
+        """Hashes of the models that have embedded something into this store."""
+        return list(self.info("models", []))
+
+    def has_embedding(self, model_hash: str, id: int) -> bool:
+        with self._read() as txn:
+            return txn.get(_model_key(model_hash) + _k(id), db=self._db("emb")) is not None
+
+    def embedding_count(self, model_hash: str) -> int:
+        return sum(1 for _ in self._iter_emb_keys(model_hash))
+
+    def _iter_emb_keys(self, model_hash: str) -> Iterator[int]:
+        mk = _model_key(model_hash)
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db("emb"))
+            if cur.set_range(mk):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(mk):
+                        break
+                    yield int.from_bytes(k[32:], "big")
+
+    def get_embeddings(self, model_hash: str, ids: Sequence[int]) -> np.ndarray:
+        """Stored embeddings for ``ids`` (in that order); KeyError names a missing one."""
+        mk = _model_key(model_hash)
+        rows = []
+        with self._read() as txn:
+            db = self._db("emb")
+            for i in ids:
+                raw = txn.get(mk + _k(int(i)), db=db)
+                if raw is None:
+                    raise KeyError(f"id {int(i)} has no embedding for model {model_hash[:12]}")
+                rows.append(np.frombuffer(raw, dtype=np.float32))
+        if not rows:
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.stack(rows)
+
+    def all_embeddings(self, model_hash: str, ids: Iterable[int] | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids ascending, embeddings) of every stored item embedded by ``model_hash``.
+
+        Only ids that are still in ``meta`` are returned (an embedding outlives nothing).
+        """
+        mk = _model_key(model_hash)
+        keep = None if ids is None else {int(i) for i in ids}
+        out_ids, rows = [], []
+        with self._read() as txn:
+            meta = self._db("meta")
+            cur = txn.cursor(db=self._db("emb"))
+            if cur.set_range(mk):
+                for k, v in cur.iternext():
+                    if not k.startswith(mk):
+                        break
+                    i = int.from_bytes(k[32:], "big")
+                    if keep is not None and i not in keep:
+                        continue
+                    if txn.get(k[32:], db=meta) is None:
+                        continue
+                    out_ids.append(i)
+                    rows.append(np.frombuffer(v, dtype=np.float32))
+        if not rows:
+            return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
+        return np.array(out_ids, dtype=np.int64), np.stack(rows)
+
+    # ------------------------------------------------------------------ writes
+    def _register_model(self, txn: lmdb.Transaction, model_hash: str) -> None:
+        db = self._dbs["info"]
+        raw = txn.get(b"models", db=db)
+        models = json.loads(raw) if raw else []
+        if model_hash not in models:
+            models.append(model_hash)
+            txn.put(b"models", json.dumps(models).encode(), db=db)
+
+    def set_info(self, key: str, value: Any) -> None:
+        self.write(lambda txn: txn.put(key.encode(), json.dumps(value).encode(), db=self._dbs["info"]))
+
+    def put_items(self, items: Sequence[NewItem], embeddings: np.ndarray | None = None,
+                  model_hash: str | None = None) -> int:
+        """Commit a batch atomically: bytes, metadata, paths and (optionally) embeddings.
+
+        Content already present gains the new path as an alias instead of a second copy.
+        A path that used to hold other content is moved to the new content. Returns how many
+        items were new content.
+        """
+        if embeddings is not None:
+            if model_hash is None:
+                raise ValueError("embeddings need the model hash they were made with")
+            embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+            if len(embeddings) != len(items):
+                raise ValueError(f"{len(items)} items but {len(embeddings)} embeddings")
+            mk = _model_key(model_hash)
+
+        def fn(txn: lmdb.Transaction) -> int:
+            new = 0
+            if embeddings is not None:
+                self._register_model(txn, model_hash)  # type: ignore[arg-type]
+            for j, it in enumerate(items):
+                key = _k(it.id)
+                raw = txn.get(key, db=self._dbs["meta"])
+                if raw is None:
+                    meta = {"path": it.relpath, "paths": [it.relpath], "label": it.label,
+                            "width": it.width, "height": it.height, "sha256": it.sha256,
+                            "bytes": len(it.data)}
+                    txn.put(key, it.data, db=self._dbs["blob"])
+                    txn.put(key, json.dumps(meta).encode(), db=self._dbs["meta"])
+                    if it.label is not None:
+                        txn.put(it.label.encode("utf-8"), key, db=self._dbs["label"])
+                    new += 1
+                else:
+                    meta = json.loads(raw)
+                    if meta["sha256"] != it.sha256:
+                        raise IndexerError(
+                            f"{it.relpath}: id {it.id} collides with {meta['path']} (different "
+                            "content, same 53-bit id); rename or drop one of them")
+                self._attach_path(txn, it.relpath, it.id, it.size, it.mtime_ns)
+                if embeddings is not None:
+                    txn.put(mk + key, embeddings[j].tobytes(), db=self._dbs["emb"])
+            return new
+
+        return self.write(fn)
+
+    def put_embeddings(self, model_hash: str, ids: Sequence[int], embeddings: np.ndarray) -> None:
+        mk = _model_key(model_hash)
+        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+
+        def fn(txn: lmdb.Transaction) -> None:
+            self._register_model(txn, model_hash)
+            for i, e in zip(ids, embeddings):
+                if txn.get(_k(i), db=self._dbs["meta"]) is not None:   # removed meanwhile: skip
+                    txn.put(mk + _k(i), e.tobytes(), db=self._dbs["emb"])
+
+        self.write(fn)
+
+    def touch_path(self, relpath: str, id: int, size: int, mtime_ns: int) -> None:
+        """Record a new size/mtime for an unchanged path (content hash matched)."""
+        self.write(lambda txn: txn.put(relpath.encode("utf-8"), _PATHREC.pack(id, size, mtime_ns),
+                                       db=self._dbs["path"]))
+
+    def _attach_path(self, txn: lmdb.Transaction, relpath: str, id: int, size: int,
+                     mtime_ns: int) -> None:
+        pk = relpath.encode("utf-8")
+        old = txn.get(pk, db=self._dbs["path"])
+        if old is not None:
+            old_id = _PATHREC.unpack(old)[0]
+            if old_id != id:
+                self._detach_path(txn, relpath, old_id)
+        txn.put(pk, _PATHREC.pack(id, size, mtime_ns), db=self._dbs["path"])
+        raw = txn.get(_k(id), db=self._dbs["meta"])
+        meta = json.loads(raw)
+        if relpath not in meta["paths"]:
+            meta["paths"].append(relpath)
+            txn.put(_k(id), json.dumps(meta).encode(), db=self._dbs["meta"])
+
+    def _detach_path(self, txn: lmdb.Transaction, relpath: str, id: int) -> bool:
+        """Drop one path of an id; the id itself goes when its last path goes. True if it went."""
+        txn.delete(relpath.encode("utf-8"), db=self._dbs["path"])
+        key = _k(id)
+        raw = txn.get(key, db=self._dbs["meta"])
+        if raw is None:
+            return True
+        meta = json.loads(raw)
+        if relpath in meta["paths"]:
+            meta["paths"].remove(relpath)
+        if not meta["paths"]:
+            self._delete_id(txn, id, meta)
+            return True
+        if meta["path"] == relpath:    # promote the next alias, and move the label with it
+            if meta["label"] is not None:
+                txn.delete(meta["label"].encode("utf-8"), key, db=self._dbs["label"])
+            meta["path"] = meta["paths"][0]
+            meta["label"] = label_of(meta["path"])
+            if meta["label"] is not None:
+                txn.put(meta["label"].encode("utf-8"), key, db=self._dbs["label"])
+        txn.put(key, json.dumps(meta).encode(), db=self._dbs["meta"])
+        return False
+
+    def _delete_id(self, txn: lmdb.Transaction, id: int, meta: dict) -> None:
+        key = _k(id)
+        for p in meta["paths"]:
+            txn.delete(p.encode("utf-8"), db=self._dbs["path"])
+        if meta.get("label") is not None:
+            txn.delete(meta["label"].encode("utf-8"), key, db=self._dbs["label"])
+        txn.delete(key, db=self._dbs["blob"])
+        txn.delete(key, db=self._dbs["meta"])
+        raw = txn.get(b"models", db=self._dbs["info"])
+        for m in json.loads(raw) if raw else []:
+            txn.delete(_model_key(m) + key, db=self._dbs["emb"])
+
+    def remove_id(self, id: int) -> bool:
+        """Delete one item with all its paths and embeddings. False if it was not there."""
+        def fn(txn: lmdb.Transaction) -> bool:
+            raw = txn.get(_k(id), db=self._dbs["meta"])
+            if raw is None:
+                return False
+            self._delete_id(txn, id, json.loads(raw))
+            return True
+
+        return self.write(fn)
+
+    def remove_path(self, relpath: str) -> tuple[int, bool] | None:
+        """Delete one path: (id, whether the content itself went), or None if unknown."""
+        def fn(txn: lmdb.Transaction) -> tuple[int, bool] | None:
+            raw = txn.get(relpath.encode("utf-8"), db=self._dbs["path"])
+            if raw is None:
+                return None
+            i = _PATHREC.unpack(raw)[0]
+            return i, self._detach_path(txn, relpath, i)
+
+        return self.write(fn)
+
+    def copy_from(self, other: "GalleryStore", model_hash: str) -> int:
+        """Copy every item of ``other`` (bytes, metadata, paths, its embedding) into this store.
+
+        Used by ``indexer merge``; batched, idempotent (content-addressed), so a killed merge
+        can simply be rerun.
+        """
+        ids = other.ids()
+        copied = 0
+        for s in range(0, len(ids), 256):
+            chunk = ids[s:s + 256]
+            items, embs = [], []
+            for i in chunk:
+                m = other.get_meta(int(i))
+                data = other.get_bytes(int(i))
+                emb = other.get_embeddings(model_hash, [int(i)])[0]
+                for p in m["paths"]:
+                    rec = other.path_record(p) or (int(i), 0, 0)
+                    items.append(NewItem(p, label_of(p), data, m["sha256"], m["width"],
+                                         m["height"], rec[1], rec[2]))
+                    embs.append(emb)
+            copied += self.put_items(items, np.stack(embs), model_hash)
+        return copied

@@ -1,0 +1,100 @@
+"""Finding gallery images and deciding which shard owns each one.
+
+The walk is deterministic (sorted) so that ids, shards and progress are reproducible, and it
+reports entries that look like images but cannot be files (a directory named ``x.jpg``, a
+dangling symlink) instead of silently ignoring them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
+
+@dataclass(frozen=True)
+class GalleryFile:
+    """One candidate image: where it is and what the index will call it."""
+
+    abspath: Path
+    relpath: str          # POSIX-style, relative to the gallery root (plus an optional prefix)
+    label: str | None     # parent folder relative to the root; None for files at the root
+    problem: str | None = None   # set when the entry is not a readable regular file
+
+
+def is_image_name(name: str) -> bool:
+    return PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES
+
+
+def label_of(relpath: str) -> str | None:
+    parent = str(PurePosixPath(relpath).parent)
+    return None if parent in ("", ".") else parent
+
+
+def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
+    """Yield every image-named entry under ``root`` in sorted order.
+
+    Symlinked directories are not followed (no loops); a symlinked file is read through.
+    Entries with an image suffix that are not regular files are yielded with ``problem`` set,
+    so the build can name them in its report.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root}: not a directory")
+    prefix = prefix.strip("/")
+
+    def rel(p: Path) -> str:
+        r = p.relative_to(root).as_posix()
+        return f"{prefix}/{r}" if prefix else r
+
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            yield GalleryFile(d, rel(d) if d != root else ".", None,
+                              f"unreadable directory: {e.strerror or e}")
+            continue
+        subdirs = []
+        for e in entries:
+            p = Path(e.path)
+            image_name = is_image_name(e.name)
+            if e.is_dir(follow_symlinks=False):
+                if image_name:
+                    r = rel(p)
+                    yield GalleryFile(p, r, label_of(r), "unreadable: is a directory, not an image file")
+                else:
+                    subdirs.append(p)
+                continue
+            if not image_name:
+                continue
+            r = rel(p)
+            if e.is_symlink() and not p.exists():
+                yield GalleryFile(p, r, label_of(r), "unreadable: dangling symlink")
+            elif not e.is_file(follow_symlinks=True):
+                yield GalleryFile(p, r, label_of(r), "unreadable: not a regular file")
+            else:
+                yield GalleryFile(p, r, label_of(r))
+        stack.extend(reversed(subdirs))
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"i/n"`` -> (i, n) with 0 <= i < n."""
+    try:
+        i_s, n_s = spec.split("/")
+        i, n = int(i_s), int(n_s)
+    except ValueError:
+        raise ValueError(f"--shard {spec!r}: expected i/n, e.g. 0/2") from None
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard {spec!r}: expected 0 <= i < n")
+    return i, n
+
+
+def shard_of(relpath: str, n: int) -> int:
+    """Stable shard number of a relative path (same on every machine and Python run)."""
+    h = hashlib.blake2b(relpath.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(h, "big") % n

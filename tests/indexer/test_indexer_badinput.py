@@ -1,0 +1,143 @@
+"""Bad input: bad files are skipped with a reason; bad setups stop with one line and exit 1."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import copy_characters, run_cli
+
+
+def _one_line_error(p, *needles: str) -> None:
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture()
+def bad_gallery(tmp_path: Path, omniglot_root: Path, photo_paths: list[Path]) -> tuple[Path, dict]:
+    g = tmp_path / "gallery"
+    copy_characters(omniglot_root, g, 2, per_char=8)
+    bad = g / "bad"
+    bad.mkdir()
+    real_png = next(g.rglob("*.png")).read_bytes()
+    jpg = next(p for p in photo_paths if p.suffix == ".jpg").read_bytes()
+    corrupt = bytearray(real_png)                                   # valid header, scrambled data
+    corrupt[60:-12] = bytes(b ^ 0x5A for b in corrupt[60:-12])
+    (bad / "corrupt.png").write_bytes(bytes(corrupt))
+    (bad / "garbage.gif").write_bytes(os.urandom(500))
+    (bad / "truncated.jpg").write_bytes(jpg[: len(jpg) // 3])
+    (bad / "empty.PNG").write_bytes(b"")
+    (bad / "notes.jpeg").write_text("this is not an image\n")
+    (bad / "folder.jpg").mkdir()
+    (bad / "dangling.webp").symlink_to(bad / "does-not-exist.webp")
+    Image.new("1", (9000, 9000)).save(bad / "bomb.png")            # 81 Mpx in a few kB
+    (bad / "readme.txt").write_text("not an image name: ignored, not reported")
+    reasons = {"bad/corrupt.png": "corrupt", "bad/garbage.gif": "not an image",
+               "bad/truncated.jpg": "truncated",
+               "bad/empty.PNG": "empty", "bad/notes.jpeg": "not an image",
+               "bad/folder.jpg": "directory", "bad/dangling.webp": "dangling",
+               "bad/bomb.png": "decompression bomb"}
+    return g, reasons
+
+
+def test_bad_files_are_skipped_with_reasons(tmp_path: Path, bad_gallery: tuple[Path, dict],
+                                            small_onnx: Path) -> None:
+    g, reasons = bad_gallery
+    out = tmp_path / "idx"
+    p = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    assert "16 new" in p.stdout and f"{len(reasons)} skipped" in p.stdout
+    report = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
+    got = {r["path"]: r["reason"] for r in report}
+    assert set(got) == set(reasons)
+    for path, word in reasons.items():
+        assert word in got[path].lower(), (path, got[path])
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["count"] == 16 and m["ingest"]["skipped"] == len(reasons)
+
+
+def test_gallery_of_only_bad_files_fails_cleanly(tmp_path: Path, bad_gallery: tuple[Path, dict],
+                                                 small_onnx: Path) -> None:
+    g, _ = bad_gallery
+    only_bad = tmp_path / "only-bad"
+    shutil.move(str(g / "bad"), only_bad)
+    p = run_cli("build", only_bad, "--model", small_onnx, "--out", tmp_path / "idx", "--quiet",
+                check=False)
+    _one_line_error(p, "no image could be indexed", "report.jsonl")
+
+
+def test_empty_gallery_and_missing_model(tmp_path: Path, small_onnx: Path) -> None:
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "sub" / "notes.txt").write_text("no images here")
+    _one_line_error(run_cli("build", empty, "--model", small_onnx, "--out", tmp_path / "i", check=False),
+                    "empty gallery", str(empty))
+    _one_line_error(run_cli("build", tmp_path / "nope", "--model", small_onnx, check=False), "not found")
+    g = tmp_path / "g"
+    g.mkdir()
+    Image.new("RGB", (32, 32), "red").save(g / "red.png")
+    _one_line_error(run_cli("build", g, "--model", tmp_path / "missing.onnx", "--out", tmp_path / "i",
+                            check=False), "missing.onnx", "not found")
+    (tmp_path / "garbage.onnx").write_bytes(b"not onnx")
+    _one_line_error(run_cli("build", g, "--model", tmp_path / "garbage.onnx", "--out", tmp_path / "i",
+                            check=False), "garbage.onnx")
+    _one_line_error(run_cli("search", g / "red.png", "--index", tmp_path / "no-index", check=False),
+                    "no index here")
+    _one_line_error(run_cli("build", g, "--model", small_onnx, "--shard", "2/2", check=False), "--shard")
+
+
+def _variant(src: Path, dst: Path, **meta: str) -> Path:
+    """The same network with changed metadata: a different model file (different hash)."""
+    import onnx
+
+    proto = onnx.load(str(src))
+    for k, v in meta.items():
+        for p in proto.metadata_props:
+            if p.key == k:
+                p.value = v
+                break
+        else:
+            proto.metadata_props.add(key=k, value=v)
+    onnx.save(proto, str(dst))
+    return dst
+
+
+def test_add_with_another_model_or_dimension_is_refused(tmp_path: Path, omniglot_root: Path,
+                                                         small_onnx: Path) -> None:
+    g = tmp_path / "g"
+    copy_characters(omniglot_root, g, 1, per_char=10)
+    more = tmp_path / "more"
+    copy_characters(omniglot_root, more, 1, per_char=5, skip_chars=5)
+    out = tmp_path / "idx"
+    run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    other = _variant(small_onnx, tmp_path / "other.onnx", source_hash="another-training-run")
+    _one_line_error(run_cli("add", more, "--index", out, "--model", other, "--quiet", check=False),
+                    "other.onnx", "differs from the model this index was built with")
+    # a model whose embeddings do not have the dimension it declares
+    liar = _variant(small_onnx, tmp_path / "liar.onnx", dim="32")
+    _one_line_error(run_cli("build", g, "--model", liar, "--out", tmp_path / "idx2", "--quiet",
+                            check=False),
+                    "liar.onnx", "dim 32")
+    # an index file of another dimension in the directory
+    wrong = faiss.IndexIDMap2(faiss.IndexFlatIP(32))
+    wrong.add_with_ids(np.zeros((10, 32), np.float32), np.arange(10, dtype=np.int64))
+    faiss.write_index(wrong, str(out / "index.faiss"))
+    _one_line_error(run_cli("search", next(g.rglob("*.png")), "--index", out, check=False),
+                    "dimension mismatch")
+    _one_line_error(run_cli("add", more, "--index", out, "--quiet", check=False), "dimension mismatch")
+
+
+def test_every_command_has_help() -> None:
+    for cmd in ("build", "add", "remove", "search", "eval", "info", "merge"):
+        p = run_cli(cmd, "--help")
+        assert p.stdout.startswith("usage: python -m indexer " + cmd)
+    p = run_cli("search", check=False)
+    assert p.returncode == 2 and "usage" in p.stderr

@@ -1,0 +1,185 @@
+"""`indexer build/search/info/add/remove/eval` on real Omniglot images and real photos."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from conftest import copy_characters, run_cli
+from indexer import GalleryStore, Index, build_index
+from indexer.manifest import INDEX_FILE, STORE_DIR
+
+
+def test_build_stores_every_image_and_searches_itself_first(built_index: Path, omniglot_gallery: Path) -> None:
+    files = sorted(omniglot_gallery.rglob("*.png"))
+    idx = Index.open(built_index)
+    assert len(idx) == len(files) == idx.manifest["count"]
+    probe = files[::17]
+    results = idx.search(probe, k=5)
+    for f, hits in zip(probe, results):
+        rel = f.relative_to(omniglot_gallery).as_posix()
+        assert hits[0].path == rel and hits[0].label == f.parent.relative_to(omniglot_gallery).as_posix()
+        assert hits[0].score == pytest.approx(1.0, abs=1e-4)
+        assert idx.store.get_bytes(hits[0].id) == f.read_bytes()     # original bytes, unchanged
+        assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    meta = idx.store.get_meta(results[0][0].id)
+    assert (meta["width"], meta["height"]) == (105, 105)
+    # stored embeddings are the normalised model outputs of the original images
+    emb = idx.embedder.embed(probe)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    np.testing.assert_allclose(idx.embeddings([r[0].id for r in results]), emb, atol=1e-5)
+
+
+def test_manifest_contents(built_index: Path, small_onnx: Path) -> None:
+    from embedder.hashing import file_sha256
+
+    m = json.loads((built_index / "manifest.json").read_text())
+    assert m["model"]["hash"] == file_sha256(small_onnx) == file_sha256(built_index / "model.onnx")
+    assert m["model"]["dim"] == m["dim"] == 64 and m["model"]["backbone"] == "small_cnn"
+    assert m["metric"] == "inner_product" and m["index_type"] == "flat"
+    assert m["count"] == 240 and m["nprobe"] == 0 and m["recall_at_10"] == 1.0
+    assert m["build_seconds"] > 0 and m["target_recall"] == 0.95
+    assert m["ingest"] == {"found": 240, "new": 240, "unchanged": 0, "duplicates": 0,
+                           "embedded": 240, "skipped": 0}
+    index = faiss.read_index(str(built_index / INDEX_FILE))
+    assert index.ntotal == 240 and index.d == 64 and index.metric_type == faiss.METRIC_INNER_PRODUCT
+    assert not list(built_index.glob("*.tmp"))
+    info = run_cli("info", "--index", built_index, "--json")
+    assert json.loads(info.stdout)["store"] == {"items": 240, "labels": 12, "models": 1}
+
+
+def test_cli_search_prints_the_query_itself_first(built_index: Path, omniglot_gallery: Path) -> None:
+    q = sorted(omniglot_gallery.rglob("*.png"))[30]
+    out = run_cli("search", q, "-k", "3", "--index", built_index, "--json")
+    hits = json.loads(out.stdout)
+    assert len(hits) == 3 and hits[0]["path"] == q.relative_to(omniglot_gallery).as_posix()
+    table = run_cli("search", q, "-k", "2", "--index", built_index).stdout.splitlines()
+    assert len(table) == 2 and q.name in table[0]
+
+
+def test_concurrent_queries_from_threads(built_index: Path, omniglot_gallery: Path) -> None:
+    idx = Index.open(built_index)
+    files = sorted(omniglot_gallery.rglob("*.png"))[:40]
+    emb = idx.embeddings([idx.store.id_for_path(f.relative_to(omniglot_gallery).as_posix()) for f in files])
+    expected = idx.search_embeddings(emb, 10)[1]
+    expected_img = [h.id for h in idx.search(files[:4], 1)[0]]
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            order = np.random.default_rng(seed).permutation(len(files))
+            for j in order:
+                np.testing.assert_array_equal(idx.search_embeddings(emb[j], 10)[1][0], expected[j])
+            assert [h.id for h in idx.search(files[:4], 1)[0]] == expected_img
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    with pytest.raises(ValueError, match="dimension mismatch"):
+        idx.search_embeddings(np.zeros((1, 12), np.float32))
+
+
+def test_rebuild_embeds_nothing_twice(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    gallery = tmp_path / "g"
+    copy_characters(omniglot_root, gallery, 3, per_char=10)
+    m1 = build_index(gallery, tmp_path / "idx", small_onnx, progress=False)
+    assert m1["ingest"]["embedded"] == 30
+    copy_characters(omniglot_root, gallery, 1, per_char=10, skip_chars=3)
+    shutil.copy(next(gallery.rglob("*.png")), gallery / "copy_at_root.png")   # same content again
+    m2 = build_index(gallery, tmp_path / "idx", small_onnx, progress=False)
+    assert m2["ingest"] == {"found": 41, "new": 10, "unchanged": 30, "duplicates": 1,
+                            "embedded": 10, "skipped": 0}
+    assert m2["count"] == 40
+    with GalleryStore(tmp_path / "idx" / STORE_DIR) as st:
+        i = st.id_for_path("copy_at_root.png")
+        assert i is not None and len(st.get_meta(i)["paths"]) == 2
+    m3 = build_index(gallery, tmp_path / "idx", small_onnx, progress=False)
+    assert m3["ingest"]["embedded"] == 0 and m3["ingest"]["unchanged"] == 41
+
+
+def test_ivf_path_meets_the_recall_target(tmp_path: Path, omniglot_gallery: Path, small_onnx: Path) -> None:
+    out = tmp_path / "ivf"
+    run_cli("build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet",
+            "--flat-threshold", "100", "--target-recall", "0.97")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["index_type"] == "ivf" and m["nlist"] == 240 // 39
+    assert 1 <= m["nprobe"] <= m["nlist"] and m["recall_at_10"] >= 0.97
+    # independent check: recall@10 of the stored index vs exact search over all gallery vectors
+    idx = Index.open(out)
+    with GalleryStore(out / STORE_DIR) as st:
+        ids, x = st.all_embeddings(m["model"]["hash"])
+    exact = faiss.IndexFlatIP(x.shape[1])
+    exact.add(x)
+    truth = ids[exact.search(x, 10)[1]]
+    got = idx.search_embeddings(x, 10)[1]
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, truth)])
+    assert recall >= 0.97 - 0.02
+
+
+def test_add_and_remove(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    g1, g2 = tmp_path / "g1", tmp_path / "g2"
+    copy_characters(omniglot_root, g1, 2, per_char=10)
+    new_files = copy_characters(omniglot_root, g2, 1, per_char=10, skip_chars=50)
+    out = tmp_path / "idx"
+    run_cli("build", g1, "--model", small_onnx, "--out", out, "--quiet")
+    res = run_cli("add", g2, "--index", out, "--prefix", "more", "--quiet")
+    assert "added 10 vectors" in res.stdout
+    idx = Index.open(out)
+    assert len(idx) == 30
+    rel = "more/" + new_files[0].relative_to(g2).as_posix()
+    hit = idx.search([new_files[0]], 1)[0][0]
+    assert hit.path == rel and hit.label == str(Path(rel).parent)
+    idx.close()
+    # remove one by path and one by id
+    other = idx.store.id_for_path("more/" + new_files[1].relative_to(g2).as_posix())
+    run_cli("remove", rel, str(other), "--index", out)
+    idx = Index.open(out)
+    assert len(idx) == 28 and idx.store.id_for_path(rel) is None and other not in idx.store
+    assert all(h.path != rel for h in idx.search([new_files[0]], 5)[0])
+    bad = run_cli("remove", "no/such.png", "--index", out, check=False)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "no/such.png" in bad.stderr
+
+
+def test_eval_excludes_the_query_itself(built_index: Path, omniglot_gallery: Path) -> None:
+    from embedder.metrics import knn, recall_at_k
+
+    out = run_cli("eval", "--queries", omniglot_gallery, "--index", built_index, "-k", "1", "4", "--json")
+    res = json.loads(out.stdout)
+    assert res["queries"] == 240 and res["self_matches"] == 240 and res["skipped"] == []
+    # the same number computed directly: exact neighbours of the stored embeddings, self excluded
+    idx = Index.open(built_index)
+    ids, x = idx.store.all_embeddings(idx.model_hash)
+    labels = np.array([idx.store.get_meta(int(i))["label"] for i in ids])
+    _, nn = knn(x, x, 4, exclude_self=True)
+    expected = recall_at_k(labels[nn], labels, [1, 4])
+    assert res["recall"]["1"] == pytest.approx(expected[1])
+    assert res["recall"]["4"] == pytest.approx(expected[4])
+    assert res["recall"]["1"] < 1.0     # a self-match would have given exactly 1.0
+
+
+def test_default_pretrained_embedder_on_photos(tmp_path: Path, photo_paths: list[Path],
+                                               pretrained_onnx: Path) -> None:
+    """No --model: the offline ImageNet embedder, so a build works before any training."""
+    from embedder.hashing import file_sha256
+
+    gallery = tmp_path / "photos"
+    for i, p in enumerate(photo_paths):
+        (gallery / ("even" if i % 2 == 0 else "odd")).mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, gallery / ("even" if i % 2 == 0 else "odd") / p.name)
+    out = tmp_path / "idx"
+    run_cli("build", gallery, "--out", out, "--quiet")
+    idx = Index.open(out)
+    assert idx.manifest["model"]["hash"] == file_sha256(pretrained_onnx) and idx.dim == 1280
+    for p, hits in zip(photo_paths, idx.search(photo_paths, 3)):
+        assert hits[0].path.endswith("/" + p.name) and hits[0].score == pytest.approx(1.0, abs=1e-4)
+        assert hits[1].score < 0.99     # different photos are not confused

@@ -1,0 +1,53 @@
+"""Two shard workers + merge give the same index as one process."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from conftest import run_cli
+from indexer import GalleryStore, Index
+from indexer.faiss_index import index_ids
+from indexer.manifest import STORE_DIR
+from indexer.walk import shard_of
+
+
+def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery: Path, small_onnx: Path) -> None:
+    flags = ["--model", small_onnx, "--quiet", "--flat-threshold", "100"]
+    run_cli("build", omniglot_gallery, "--out", tmp_path / "single", *flags)
+    for i in range(2):
+        run_cli("build", omniglot_gallery, "--shard", f"{i}/2", "--out", tmp_path / f"s{i}", *flags)
+    counts = []
+    for i in range(2):
+        with GalleryStore(tmp_path / f"s{i}" / STORE_DIR) as st:
+            ids = st.ids()
+            counts.append(len(ids))
+            assert all(shard_of(st.get_meta(int(j))["path"], 2) == i for j in ids)
+    assert all(c > 0 for c in counts) and sum(counts) == 240
+    p = run_cli("search", next(omniglot_gallery.rglob("*.png")), "--index", tmp_path / "s0", check=False)
+    assert p.returncode == 1 and "indexer merge" in p.stderr
+
+    run_cli("merge", tmp_path / "s0", tmp_path / "s1", "--out", tmp_path / "merged", "--quiet",
+            "--flat-threshold", "100")
+    single, merged = Index.open(tmp_path / "single"), Index.open(tmp_path / "merged")
+    ms, mm = single.manifest, merged.manifest
+    assert mm["index_type"] == ms["index_type"] == "ivf"
+    for key in ("count", "nlist", "nprobe", "recall_at_10", "dim"):
+        assert mm[key] == ms[key], key
+    np.testing.assert_array_equal(index_ids(merged.faiss.cpu_index), index_ids(single.faiss.cpu_index))
+    # same quantizer (one training over the union, same sample)
+    q_single = single.faiss.cpu_index.quantizer.reconstruct_n(0, ms["nlist"])
+    q_merged = merged.faiss.cpu_index.quantizer.reconstruct_n(0, mm["nlist"])
+    np.testing.assert_allclose(q_merged, q_single, atol=1e-6)
+    # same answers for every gallery image, at the tuned nprobe
+    ids, x = single.store.all_embeddings(single.model_hash)
+    s1, i1 = single.search_embeddings(x, 10)
+    s2, i2 = merged.search_embeddings(x, 10)
+    np.testing.assert_allclose(s2, s1, atol=1e-5)
+    np.testing.assert_array_equal(i2, i1)
+    # and the merged store serves the same metadata and bytes
+    for j in ids[::20]:
+        assert merged.store.get_meta(int(j)) == single.store.get_meta(int(j))
+        assert merged.store.get_bytes(int(j)) == single.store.get_bytes(int(j))
+    assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["shards"] == [[0, 2], [1, 2]]
