@@ -6,6 +6,7 @@ Config files (TOML) and ``--set key=value`` overrides are mappings of these fiel
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -14,6 +15,9 @@ from typing import Any
 
 DATASETS = ("cub", "cars", "sop", "omniglot", "folder")
 AMP_MODES = ("auto", "off", "bf16", "fp16")
+#: `das_bank_dtype` names -> the torch dtype DAS stores its transformation bank in. Kept as
+#: strings here so that config.py (and `--help`) does not import torch.
+BANK_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -54,6 +58,15 @@ class TrainConfig:
     das_dfs: bool = True  # discriminative feature scaling on/off (ablation)
     das_mts: bool = True  # memorized transformation shifting on/off (ablation)
     das_detach: bool = True  # produced embeddings are constants in the loss
+    # [] keeps U[1-r_s, 1+r_s]; [lo, hi] draws DFS factors from U[lo, hi] instead (the authors'
+    # SOP scripts use [0.5, 2.0]), so r_s is then unused.
+    das_scale_bounds: list[float] = field(default_factory=list)  # [] = use r_s; [lo, hi] = U[lo, hi]
+    # The bank (C x Z x d) is the dominant memory at SOP scale; half precision halves it.
+    das_bank_dtype: str = "float32"  # MTS bank storage: float32 | float16 | bfloat16
+    # The authors' --aux_loss: a loss on the real embeddings alone keeps the model anchored to
+    # real data while the produced ones add density. Ignored when DAS is off.
+    das_aux_loss: bool = False  # authors' --aux_loss: L(real) + w * L(real + produced)
+    das_aux_weight: float = 1.0  # w in das_aux_loss
     # --- optimisation ---
     epochs: int = 300  # training epochs (paper: 300)
     batch_size: int = 112  # global batch (split over ranks in DDP)
@@ -99,7 +112,37 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr!r}: expected a positive number")
+        self._validate_das()
         return self
+
+    def _validate_das(self) -> None:
+        """DAS options, checked here so a bad config file fails before data or models load."""
+        bounds = self.das_scale_bounds
+        if bounds:
+            if len(bounds) != 2:
+                raise ConfigError(f"das_scale_bounds={bounds!r}: expected [] or [low, high]")
+            lo, hi = bounds
+            if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo <= hi):
+                raise ConfigError(f"das_scale_bounds={bounds!r}: expected 0 < low <= high "
+                                  f"(e.g. [0.5, 2.0])")
+        elif not 0.0 <= self.das_scale_range < 1.0:
+            raise ConfigError(f"das_scale_range={self.das_scale_range!r}: expected 0 <= r_s < 1")
+        if self.das_shift_scale < 0:
+            raise ConfigError(f"das_shift_scale={self.das_shift_scale!r}: expected >= 0")
+        if self.das_bank_dtype not in BANK_DTYPES:
+            raise ConfigError(f"das_bank_dtype={self.das_bank_dtype!r}: expected one of "
+                              f"{', '.join(BANK_DTYPES)}")
+        if not (math.isfinite(self.das_aux_weight) and self.das_aux_weight >= 0):
+            raise ConfigError(f"das_aux_weight={self.das_aux_weight!r}: expected a finite "
+                              f"number >= 0")
+
+    @property
+    def das_scale_bounds_tuple(self) -> tuple[float, float] | None:
+        """`das_scale_bounds` as DAS takes it: None (use r_s) or (low, high)."""
+        if not self.das_scale_bounds:
+            return None
+        lo, hi = self.das_scale_bounds
+        return float(lo), float(hi)
 
     @property
     def miner_name(self) -> str | None:
@@ -138,7 +181,11 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         ok = isinstance(value, list)
         if ok:
             (item,) = typing.get_args(kind)
-            ok = all(isinstance(v, item) and not isinstance(v, bool) for v in value)
+            # TOML writes 2.0 as 2 easily: ints are floats here too, as for scalar fields
+            accepts = (int, float) if item is float else item
+            ok = all(isinstance(v, accepts) and not isinstance(v, bool) for v in value)
+            if ok and item is float:
+                value = [float(v) for v in value]
     elif origin is dict:
         ok = isinstance(value, dict)
     else:  # pragma: no cover - every field has one of the types above

@@ -1,8 +1,9 @@
 """The training loop: paper recipe, DAS in the step, evaluation, exact resume, DDP, export.
 
 One step is ``emb = model(x)``; in DDP the global batch is gathered; ``emb, lab = das(emb, y)``
-when DAS is on; ``loss = criterion(emb, lab)``. Everything that a resumed run needs to continue
-bit-exactly is in ``last.pt`` (model, optimiser, scheduler, criterion, DAS buffers and RNG,
+when DAS is on; ``loss = criterion(emb, lab)`` (with the authors' aux loss,
+``criterion(real rows) + w * criterion(emb, lab)``). Everything that a resumed run needs to
+continue bit-exactly is in ``last.pt`` (model, optimiser, scheduler, criterion, DAS buffers and RNG,
 sampler, every RNG state), stored as tensors/plain lists so ``torch.load(weights_only=True)``
 reads it.
 """
@@ -25,6 +26,11 @@ from torch.utils.data import DataLoader
 from . import distributed as D
 from .config import TrainConfig
 from .data import ImageDataset, Split, load_splits
+
+
+#: `TrainConfig.das_bank_dtype` -> the dtype DAS stores its bank in.
+BANK_TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                             "bfloat16": torch.bfloat16}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -105,8 +111,19 @@ def build_das(cfg: TrainConfig, num_classes: int, normalize: bool):
 
     return DAS(num_classes, cfg.dim, num_produce=cfg.das_num_produce, topk=cfg.das_topk,
                bank_size=cfg.das_bank_size, scale_range=cfg.das_scale_range,
-               shift_scale=cfg.das_shift_scale, normalize=normalize, detach=cfg.das_detach,
-               dfs=cfg.das_dfs, mts=cfg.das_mts, seed=cfg.seed)
+               shift_scale=cfg.das_shift_scale, scale_bounds=cfg.das_scale_bounds_tuple,
+               normalize=normalize, detach=cfg.das_detach, dfs=cfg.das_dfs, mts=cfg.das_mts,
+               bank_dtype=BANK_TORCH_DTYPES[cfg.das_bank_dtype], seed=cfg.seed)
+
+
+def aux_weight(cfg: TrainConfig) -> float | None:
+    """The weight w of L(real + produced) when the authors' aux loss is on, else None.
+
+    The aux loss needs produced embeddings to differ from the real ones, so it only applies
+    when DAS is on; with ``das = false`` the plain loss is used (a baseline run of an aux-loss
+    config is then exactly the paper's baseline, not (1 + w) times it).
+    """
+    return float(cfg.das_aux_weight) if cfg.das and cfg.das_aux_loss else None
 
 
 def build_components(cfg: TrainConfig, num_classes: int):
@@ -140,11 +157,19 @@ def step_seed(cfg: TrainConfig, global_step: int) -> int:
 
 def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, x: torch.Tensor,
                  y: torch.Tensor, *, info: D.DistInfo, seed: int,
-                 autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 autocast_dtype: torch.dtype | None = None, aux_weight: float | None = None,
+                 parts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """One step's loss on the (gathered) global batch; identical on every rank.
 
     The miner and loss run under per-step seeded RNGs (see `distributed.seeded_rng`), so a
     2-rank run and a 1-rank run on the same global batch draw the same numbers.
+
+    With `aux_weight` = w (the authors' ``--aux_loss``; only meaningful with DAS) the loss is
+    ``L(real) + w * L(real + produced)``. DAS runs on the *gathered* batch and puts the real
+    embeddings first, so the real part is exactly the first B_global rows on every rank. The
+    loss on everything is computed first, so switching the aux loss on leaves that term's
+    random draws (miners) exactly as in a run without it. `parts`, when given, receives the
+    detached terms (``"all"``, and ``"real"`` with the aux loss) for logging and the NaN guard.
     """
     dev = x.device
     if autocast_dtype is not None:
@@ -154,10 +179,18 @@ def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, 
     else:
         emb = model(x)
     emb, lab = D.gather_batch(emb, y, info)
+    n_real = emb.shape[0]
     if das is not None:
         emb, lab = das(emb, lab)
     with D.seeded_rng(seed, dev):
         loss = criterion(emb, lab)
+        if parts is not None:
+            parts["all"] = loss.detach()
+        if aux_weight is not None:
+            real = criterion(emb[:n_real], lab[:n_real])
+            if parts is not None:
+                parts["real"] = real.detach()
+            loss = real + aux_weight * loss
     return loss
 
 
@@ -240,8 +273,14 @@ def _metric_columns(cfg: TrainConfig) -> list[str]:
     return cols + ["MAP@R"]
 
 
+#: Per-epoch mean loss terms logged next to "loss" when the aux loss is on.
+AUX_COLUMNS = ("loss_real", "loss_all")
+_TRAIN_KEYS = ("epoch", "steps", "loss", "lr", "seconds") + AUX_COLUMNS
+
+
 def write_csv(path: Path, history: list[dict[str, Any]], cfg: TrainConfig) -> None:
-    cols = ["epoch", "steps", "loss", "lr", "seconds"] + _metric_columns(cfg)
+    aux = list(AUX_COLUMNS) if aux_weight(cfg) is not None else []
+    cols = ["epoch", "steps", "loss"] + aux + ["lr", "seconds"] + _metric_columns(cfg)
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
@@ -373,6 +412,7 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
                         **initial_metrics})
     D.barrier(info)
 
+    aux_w = aux_weight(cfg)
     net.train()
     for epoch in range(start_epoch, cfg.epochs):
         t0 = time.perf_counter()
@@ -383,19 +423,26 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
                    disable=not (cfg.progress and info.is_main))
         loss_sum, n_steps = 0.0, 0
+        part_sums = {k: 0.0 for k in AUX_COLUMNS}
         for x, y in loader:
             if n_steps >= n_batches:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if cfg.channels_last and device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
+            parts: dict[str, torch.Tensor] = {}
             loss = compute_loss(net, criterion, das, x, y, info=info,
-                                seed=step_seed(cfg, global_step), autocast_dtype=ac_dtype)
+                                seed=step_seed(cfg, global_step), autocast_dtype=ac_dtype,
+                                aux_weight=aux_w, parts=parts)
             if not torch.isfinite(loss):
+                terms = ""
+                if aux_w is not None:  # say which term broke: real only, or with DAS's copies
+                    terms = (f"; L(real) = {parts['real'].item()}, L(real + produced) = "
+                             f"{parts['all'].item()}, aux weight {aux_w}")
                 raise NonFiniteLossError(
                     f"loss is {loss.item()} at epoch {epoch + 1}, step {n_steps + 1} "
-                    f"(loss={cfg.loss}, lr={cfg.lr}, amp={cfg.amp}); lower the learning rate "
-                    f"or disable mixed precision")
+                    f"(loss={cfg.loss}, lr={cfg.lr}, amp={cfg.amp}{terms}); lower the learning "
+                    f"rate or disable mixed precision")
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if cfg.grad_clip > 0:
@@ -404,6 +451,9 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
             scaler.step(opt)
             scaler.update()
             loss_sum += float(loss.detach())
+            if aux_w is not None:
+                part_sums["loss_real"] += float(parts["real"])
+                part_sums["loss_all"] += float(parts["all"])
             n_steps += 1
             global_step += 1
             bar.update(1)
@@ -414,6 +464,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         row: dict[str, Any] = {"epoch": epoch + 1, "steps": global_step,
                                "loss": loss_sum / max(n_steps, 1), "lr": lr_used,
                                "seconds": time.perf_counter() - t0}
+        if aux_w is not None:
+            row.update({k: v / max(n_steps, 1) for k, v in part_sums.items()})
         last_epoch = epoch + 1 == cfg.epochs
         if info.is_main and ((epoch + 1) % cfg.eval_every == 0 or last_epoch):
             metrics = evaluate_model(model, test_ds, cfg, device, ac_dtype)
@@ -437,10 +489,15 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
             if tb is not None:
                 tb.add_scalar("train/loss", row["loss"], epoch + 1)
                 tb.add_scalar("train/lr", lr_used, epoch + 1)
+                for k in AUX_COLUMNS:
+                    if k in row:
+                        tb.add_scalar(f"train/{k}", row[k], epoch + 1)
                 for k, v in row.items():
-                    if k not in ("epoch", "steps", "loss", "lr", "seconds") and v != "":
+                    if k not in _TRAIN_KEYS and v != "":
                         tb.add_scalar(f"test/{k}", v, epoch + 1)
             msg = f"epoch {epoch + 1}/{cfg.epochs} loss {row['loss']:.4f}"
+            if aux_w is not None:
+                msg += f" (real {row['loss_real']:.4f}, with DAS {row['loss_all']:.4f})"
             if "R@1" in row:
                 msg += f" R@1 {row['R@1']:.4f}"
             if cfg.progress:

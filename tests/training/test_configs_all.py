@@ -24,6 +24,8 @@ def test_config_set_covers_the_paper():
     names = {p.relative_to(REPO / "configs").as_posix() for p in CONFIGS}
     assert len([n for n in names if n.startswith("table2/")]) == 7 * 3 * 2
     assert len([n for n in names if n.startswith("table3/")]) == 6 * 2
+    # supplementary Table I: softmax and arcface, with and without DAS, on CUB, CARS, SOP
+    assert len([n for n in names if n.startswith("supp_tableI/")]) == 2 * 2 * 3
     assert {"table1/cub_ms_das_r512.toml", "table1/cars_ms_das_r512.toml",
             "table1/sop_ms_das_r512.toml", "ablation/cars_triplet_distance_dfs_only.toml",
             "ablation/cars_triplet_distance_mts_only.toml", "omniglot_cpu.toml"} <= names
@@ -82,6 +84,9 @@ def test_config_parses_and_builds(path):
     e = torch.nn.functional.normalize(emb, dim=1) if criterion.normalize else emb
     if das is not None:
         assert (das.dfs, das.mts, das.topk) == (cfg.das_dfs, cfg.das_mts, cfg.das_topk)
+        assert (das.scale_bounds, das.shift_scale, das.detach) == \
+            (cfg.das_scale_bounds_tuple, cfg.das_shift_scale, cfg.das_detach)
+        assert das.bank.dtype == getattr(torch, cfg.das_bank_dtype)
         e, lab = das(e, labels)
         assert len(e) == len(batch) * (cfg.das_num_produce + 1)
     else:
@@ -112,6 +117,15 @@ def test_include_override_and_set_values(tmp_path):
     ("batch_size = 100\nper_class = 3", "not a multiple of per_class=3"),
     ("lr = [", "not valid TOML"),
     ("include = 'missing.toml'", "config file not found"),
+    ("das_scale_bounds = [2.0, 0.5]", "das_scale_bounds=[2.0, 0.5]: expected 0 < low <= high"),
+    ("das_scale_bounds = [0, 2]", "das_scale_bounds=[0.0, 2.0]: expected 0 < low <= high"),
+    ("das_scale_bounds = [0.5]", "das_scale_bounds=[0.5]: expected [] or [low, high]"),
+    ("das_scale_bounds = [0.5, 1.0, 2.0]", "expected [] or [low, high]"),
+    ("das_scale_bounds = ['a', 'b']", "das_scale_bounds=['a', 'b']: expected list"),
+    ("das_bank_dtype = 'float8'", "das_bank_dtype='float8': expected one of float32, float16, bfloat16"),
+    ("das_aux_loss = 'yes'", "das_aux_loss='yes': expected bool"),
+    ("das_aux_weight = -1", "das_aux_weight=-1.0: expected a finite number >= 0"),
+    ("das_scale_range = 1.5", "das_scale_range=1.5: expected 0 <= r_s < 1"),
 ])
 def test_bad_config_is_named(tmp_path, text, message):
     p = tmp_path / "bad.toml"
@@ -149,3 +163,85 @@ def test_base_files_hold_the_paper_recipe():
     assert base["lr"] == 1e-5 and base["weight_decay"] == 4e-4 and base["epochs"] == 300
     assert (cfg.batch_size, cfg.per_class, cfg.lr_milestones, cfg.lr_gamma) == (112, 2, [200, 250], 0.3)
     assert (cfg.loss, cfg.miner, cfg.das, cfg.dataset, cfg.dim) == ("triplet", "distance", True, "cars", 128)
+
+
+def test_new_das_options_parse_and_reach_the_das_module(tmp_path):
+    from training.trainer import aux_weight, build_das
+
+    assert (TrainConfig().das_scale_bounds, TrainConfig().das_bank_dtype,
+            TrainConfig().das_aux_loss, TrainConfig().das_aux_weight) == ([], "float32", False, 1.0)
+    (tmp_path / "c.toml").write_text("das_scale_bounds = [0.5, 2]\ndas_bank_dtype = 'float16'\n")
+    cfg = load_config(tmp_path / "c.toml", ["das_aux_loss=true", "das_aux_weight=0.25"])
+    assert cfg.das_scale_bounds == [0.5, 2.0] and cfg.das_scale_bounds_tuple == (0.5, 2.0)
+    assert (cfg.das_bank_dtype, cfg.das_aux_loss, cfg.das_aux_weight) == ("float16", True, 0.25)
+    assert aux_weight(cfg) == 0.25
+    das = build_das(cfg, 5, normalize=True)
+    assert das.scale_bounds == (0.5, 2.0) and das.bank.dtype == torch.float16
+    # the produced copies are scaled by factors from the absolute bounds, not U[1-r_s, 1+r_s]:
+    # DFS alone, unnormalised, on all-ones embeddings, so each copy's entries are its factors
+    dfs_only = build_das(dataclasses.replace(cfg, das_mts=False, das_num_produce=200), 5,
+                         normalize=False)
+    out, _ = dfs_only(torch.ones(10, cfg.dim), torch.arange(5).repeat(2))
+    factors = out[10:][out[10:] != 1.0]
+    assert len(factors) == 200 * 10 * cfg.das_topk
+    assert 0.5 <= float(factors.min()) < 0.6 and 1.9 < float(factors.max()) <= 2.0
+    das = build_das(load_config(None, ["das_bank_dtype=bfloat16"]), 5, normalize=True)
+    assert das.scale_bounds is None and das.scale_range == 0.01 and das.bank.dtype == torch.bfloat16
+    # the CLI flag form
+    proc = _cli("--das_scale_bounds", "[0.5, 2.0]", "--das_bank_dtype", "bfloat16",
+                "--das_aux_loss", "true", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert '"das_scale_bounds": [\n    0.5,\n    2.0\n  ]' in proc.stdout
+    proc = _cli("--das_bank_dtype", "int8", "--print-config")
+    assert proc.returncode == 2 and "das_bank_dtype='int8'" in proc.stderr
+
+
+# The SOP rows of the authors' released run scripts (table2.sh):
+# (scale bounds or None for r_s = 0.01, r_b, detach, aux loss, normalised)
+SOP_AUTHORS = {
+    "triplet_semihard": ((0.5, 2.0), 0.1, True, True, True),
+    "triplet_distance": ((0.5, 2.0), 0.1, True, True, True),
+    "contrastive_distance": ((0.5, 2.0), 0.1, False, False, True),
+    "margin_distance": ((0.5, 2.0), 0.01, False, False, True),
+    "lifted": (None, 0.1, False, False, False),
+    "npair": (None, 0.1, False, False, False),
+    "multisimilarity": ((0.5, 2.0), 0.1, False, False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOP_AUTHORS))
+def test_sop_das_configs_carry_the_authors_settings(name):
+    from training.trainer import aux_weight, build_criterion, build_das
+
+    bounds, r_b, detach, aux, normalized = SOP_AUTHORS[name]
+    cfg = load_config(REPO / "configs" / "table2" / f"sop_{name}_das.toml")
+    criterion = build_criterion(cfg, 20)
+    das = build_das(cfg, 20, criterion.normalize)
+    assert das.scale_bounds == bounds and das.scale_range == 0.01
+    assert (das.shift_scale, das.detach, das.normalize) == (r_b, detach, normalized)
+    assert (aux_weight(cfg) is not None) == aux and cfg.das_aux_weight == 1.0
+    # CUB and CARS keep the spec's recipe for the same loss
+    for ds in ("cub", "cars"):
+        other = load_config(REPO / "configs" / "table2" / f"{ds}_{name}_das.toml")
+        d = build_das(other, 20, criterion.normalize)
+        assert (d.scale_bounds, d.scale_range, d.shift_scale, d.detach) == (None, 0.01, 0.01, True)
+        assert aux_weight(other) is None
+
+
+def test_table1_sop_and_supplementary_table_i():
+    from training.trainer import build_criterion, build_optimizer
+
+    cfg = load_config(REPO / "configs" / "table1" / "sop_ms_das_r512.toml")
+    assert (cfg.das_scale_bounds, cfg.das_shift_scale, cfg.das_detach, cfg.das_aux_loss) == \
+        ([0.5, 2.0], 0.1, False, False)
+    cub = load_config(REPO / "configs" / "table1" / "cub_ms_das_r512.toml")
+    assert (cub.das_scale_bounds, cub.das_shift_scale, cub.das_detach) == ([], 0.01, True)
+    proxy_lr = {("softmax", "cub"): 1e-5, ("softmax", "cars"): 1e-5, ("softmax", "sop"): 2e-3,
+                ("arcface", "cub"): 5e-4, ("arcface", "cars"): 5e-4, ("arcface", "sop"): 5e-4}
+    for (loss, ds), lr in proxy_lr.items():
+        for das in ("base", "das"):
+            cfg = load_config(REPO / "configs" / "supp_tableI" / f"{ds}_{loss}_{das}.toml")
+            assert (cfg.loss, cfg.dataset, cfg.das, cfg.miner_name) == (loss, ds, das == "das", None)
+            opt, _ = build_optimizer(cfg, torch.nn.Linear(2, 2), build_criterion(cfg, 10))
+            groups = {g["name"]: g["lr"] for g in opt.param_groups}
+            assert groups == {"model": cfg.lr, f"{loss}.W": lr}, (ds, loss, groups)
