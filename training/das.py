@@ -19,6 +19,7 @@ module's extra state so that a resumed run draws the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -144,89 +145,120 @@ class DAS(nn.Module):
         if labels.dtype.is_floating_point or labels.dtype == torch.bool:
             raise ValueError(f"labels: expected an integer tensor, got {labels.dtype}")
         labels = labels.to(device=self.frm.device, dtype=torch.long)
-        bad = (labels < 0) | (labels >= self.num_classes)
         if labels.device.type == "cpu":
-            if bool(bad.any()):
+            # One reduction read on the host (free on CPU); the offending ids only on error.
+            lo, hi = (int(t) for t in torch.aminmax(labels)) if labels.numel() else (0, 0)
+            if lo < 0 or hi >= self.num_classes:
+                bad = (labels < 0) | (labels >= self.num_classes)
                 raise ValueError(f"labels: expected class ids in [0, {self.num_classes}), "
                                  f"got {labels[bad][:5].tolist()}")
         else:  # no host sync on accelerators: fails asynchronously instead
+            bad = (labels < 0) | (labels >= self.num_classes)
             torch._assert_async(~bad.any(), "DAS labels out of [0, num_classes)")
         return labels
 
     # ------------------------------------------------------------------ state updates
     @torch.no_grad()
     def _update_frm(self, v: Tensor, y: Tensor) -> None:
-        """Eq. (frm): each real embedding adds 1 to P[y, c] for its top-K channels (signed)."""
-        idx = v.topk(self.topk, dim=1).indices                       # (B, K)
-        rows = y[:, None].expand_as(idx)
-        self.frm.index_put_((rows, idx), torch.ones(idx.shape, device=v.device,
-                                                    dtype=self.frm.dtype), accumulate=True)
+        """Eq. (frm): each real embedding adds 1 to P[y, c] for its top-K channels (signed).
 
-    def _equal_rows(self, v: Tensor) -> Tensor:
-        """(B, B) bool: rows that are bit-identical, i.e. whose difference is exactly zero.
-
-        Hand-written because a Gram-matrix distance is not exact for duplicates and the dense
-        B x B x d difference tensor costs more than the whole rest of the step. The hash of the
-        float bits (odd random multipliers, wrapping int64 arithmetic) is equal for equal rows
-        and collides for different rows with probability ~2**-63.
+        One accumulating index_put_ over the (B, K) cells; the scalar 1 broadcasts, so no
+        (B, K) tensor of ones is built. Repeated cells (two members of a class sharing a
+        channel) add up, as the spec's loop does.
         """
-        bits = (v + 0.0).view(torch.int32).to(torch.long)            # +0.0 folds -0.0 into 0.0
-        h = (bits * self._hash_weights).sum(dim=1)
-        return h[:, None] == h[None, :]
+        idx = v.topk(self.topk, dim=1).indices                       # (B, K)
+        one = torch.ones((), device=v.device, dtype=self.frm.dtype)
+        self.frm.index_put_((y[:, None], idx), one, accumulate=True)
+
+    def _row_hash(self, v: Tensor) -> Tensor:
+        """(B,) int64 key that is equal for bit-identical rows, i.e. rows whose difference is
+        exactly zero.
+
+        A Gram-matrix distance is not exact for duplicates and a dense B x B x d difference
+        costs more than the whole step, so rows are compared through a hash of their float
+        bits (odd random multipliers, wrapping int64 arithmetic): equal rows always agree,
+        different rows collide with probability ~2**-63. The int32 bits are promoted to
+        int64 inside the multiply, so no separate int64 copy of the batch is made.
+        """
+        bits = (v + 0.0).view(torch.int32)                           # +0.0 folds -0.0 into 0.0
+        return (bits * self._hash_weights).sum(dim=1)
 
     @torch.no_grad()
     def _update_bank(self, v: Tensor, y: Tensor) -> None:
-        """Eq. (transformation)+(fifo), vectorised; see the spec's MTS section."""
+        """Eq. (transformation)+(fifo), vectorised; see the spec's MTS section.
+
+        Exact construction with static shapes (no nonzero(), no host sync), O(B^2) only in
+        four cheap elementwise passes over a (B, B) bool grid:
+
+        1. Stable-sort the batch by label. Each class is then one contiguous diagonal block
+           of the (B, B) pair grid, in batch order, so the grid's row-major order restricted
+           to a class is the spec's write order, and the classes follow each other.
+        2. ``valid`` = same label and different row (hash; the diagonal is excluded by it).
+           One cumsum over the flattened grid numbers every valid pair: the pairs of class c
+           get the consecutive numbers ``[P_c, E_c)`` and the kept ones are the last
+           ``k_c = min(E_c - P_c, Z)``.
+        3. The kept pairs are enumerated directly: entry ``r`` of a static list of
+           ``L = _max_kept_pairs(B, Z)`` finds its class by a searchsorted over the running
+           kept counts, hence its pair number, and its grid cell by a searchsorted of that
+           number in the cumsum (which steps by one exactly at valid cells). No B x B
+           scatter or compaction, and only L rows of differences are built.
+        4. One index_put_ writes the L rows. Entries past the kept ones repeat entry 0 (same
+           slot, same value: deterministic); when nothing is kept at all, entry 0 is sent to
+           bank row 0 and that row is restored afterwards, so the write is a no-op.
+        """
         B, Z = v.shape[0], self.bank_size
         if B < 2:
             return
         device = v.device
-        ar = torch.arange(B, device=device)
-        same = y[:, None] == y[None, :]
-        valid = same & (ar[:, None] != ar[None, :]) & ~self._equal_rows(v)   # ordered pairs
-        # Counts go through float32 matmuls (exact below 2**24; CUDA has no integer matmul).
-        vf = valid.float()
-        row_cnt = vf.sum(dim=1)                                            # pairs with i first
-        earlier = (same & (ar[None, :] < ar[:, None])).float()            # same class, row i' < i
-        before_row = (earlier @ row_cnt).long()                            # pairs of earlier rows
-        total = (same.float() @ row_cnt).long()                            # pairs of the class
-        vi = valid.long()
-        rank = before_row[:, None] + vi.cumsum(dim=1) - vi                 # write order in class
-        kept = valid & (rank >= (total - Z)[:, None])                      # the last Z survive
-        ptr = self.bank_ptr.index_select(0, y)                             # (B,)
-        slot = (ptr[:, None] + rank) % Z
-        # Static-size selection of the kept pairs (their number is bounded, see _max_kept_pairs).
+        ys, perm = torch.sort(y, stable=True)
+        hs = self._row_hash(v).index_select(0, perm)
+        valid = (ys[:, None] == ys[None, :]) & (hs[:, None] != hs[None, :])
+        cs = valid.view(-1).cumsum(0)                                      # pair numbers + 1
+        cum = F.pad(cs.view(B, B)[:, -1], (1, 0))                          # pairs in rows < p
+        first = cum.index_select(0, torch.searchsorted(ys, ys))            # P_c per member
+        end = cum.index_select(0, torch.searchsorted(ys, ys, right=True))  # E_c per member
+        total = end - first                                                # pairs of the class
+        kept = torch.clamp(total, max=Z)
+        # Running kept counts, each class credited once (at its first member in sorted
+        # order), so `run` is the same for every member of a class.
+        is_first = F.pad(ys[1:] != ys[:-1], (1, 0), value=True)
+        run = torch.where(is_first, kept, 0).cumsum(0)
+        ptr = self.bank_ptr.index_select(0, ys)
+        # Per member: [start of its class in the kept numbering, number (+1) of its first
+        # kept pair, ring slot of its first kept pair (unreduced), class * Z].
+        table = torch.stack([run - kept, end - kept + 1, ptr + total - kept, ys * Z])
         L = _max_kept_pairs(B, Z)
-        # Compaction without sorting: kept pair number r goes to position r; the rest land in a
-        # dummy position L that is dropped. Positions past the kept ones hold pair 0 (filler).
-        flat_kept = kept.reshape(-1)
-        order = flat_kept.long().cumsum(0) - 1
-        pos = torch.where(flat_kept, order, L)
-        sel = torch.zeros(L + 1, dtype=torch.long, device=device)
-        sel.scatter_(0, pos, torch.arange(B * B, device=device))
-        sel = sel[:L]
-        sel_kept = torch.arange(L, device=device) <= order[-1]
-        i_sel, j_sel = sel // B, sel % B
-        target = y.index_select(0, i_sel) * Z + slot.reshape(-1).index_select(0, sel)
-        target = torch.where(sel_kept, target, 0)
-        # Kept pairs have distinct targets and come first, so every filler entry can
-        # repeat entry 0's write (same slot, same value: deterministic). When nothing is kept,
-        # entry 0 writes slot 0's own value back (a no-op).
-        src = torch.where(sel_kept, torch.arange(L, device=device), 0)
-        target = target.index_select(0, src)
+        r = torch.arange(L, device=device)
+        r = torch.where(r < run[-1:], r, 0)                                # fillers = entry 0
+        owner = torch.searchsorted(run, r, right=True).clamp_(max=B - 1)
+        start, num1, slot0, cls_z = table.index_select(1, owner).unbind(0)
+        off = r - start                                                    # 0..k_c-1
+        pos = torch.searchsorted(cs, num1 + off).clamp_(max=B * B - 1)     # grid cell
+        any_kept = run[-1:] > 0
+        target = torch.where(any_kept, cls_z + (slot0 + off) % Z, 0)
+        i = perm.index_select(0, torch.div(pos, B, rounding_mode="floor"))
+        j = perm.index_select(0, pos % B)
+        # (L, d) rows v_i - v_j, the second gather subtracted in place. (An embedding_bag with
+        # weights +1/-1 is one pass, but 0 + (-0.0) turns some zeros' sign.)
+        diff = v.index_select(0, i).sub_(v.index_select(0, j))
         flat_bank = self.bank.view(-1, self.dim)
-        diff = (v.index_select(0, i_sel.index_select(0, src))
-                - v.index_select(0, j_sel.index_select(0, src))).to(flat_bank.dtype)  # (L, d)
-        value = torch.where(sel_kept[:1, None], diff, flat_bank[:1])
-        flat_bank.index_put_((target,), value)
-        # Pointer and fill count advance by the class total (rows of one class agree).
-        self.bank_ptr.index_put_((y,), (ptr + total) % Z)
-        count = torch.clamp(self.bank_count.index_select(0, y) + total, max=Z)
-        self.bank_count.index_put_((y,), count)
+        row0 = flat_bank[:1].clone()
+        flat_bank.index_put_((target,), diff.to(flat_bank.dtype))
+        flat_bank[:1] = torch.where(any_kept[:, None], flat_bank[:1], row0)
+        # Pointer and fill count advance by the class total (members of a class agree).
+        self.bank_ptr.index_put_((ys,), (ptr + total) % Z)
+        count = torch.clamp(self.bank_count.index_select(0, ys) + total, max=Z)
+        self.bank_count.index_put_((ys,), count)
 
     # ------------------------------------------------------------------ produce
     def _mask_index(self, y: Tensor) -> Tensor:
-        """Eq. (mask): (B, K) channel ids of the K highest FRM counts of each anchor's class."""
+        """Eq. (mask): (B, K) channel ids of the K highest FRM counts of each anchor's class.
+
+        The top-K is taken per FRM row, so with no more classes than anchors (C <= B, e.g.
+        CARS: 98 classes, batch 112) it is cheaper to rank every class once and look the
+        rows up than to copy B rows of the FRM first; the rows' results are the same."""
+        if self.num_classes <= y.shape[0]:
+            return self.frm.topk(self.topk, dim=1).indices.index_select(0, y)
         return self.frm.index_select(0, y).topk(self.topk, dim=1).indices
 
     def _gamma(self, shape: tuple[int, ...], gen: torch.Generator | None, device) -> Tensor:
@@ -235,17 +267,77 @@ class DAS(nn.Module):
                   else (1.0 - self.scale_range, 1.0 + self.scale_range))
         return lo + (hi - lo) * torch.rand(shape, generator=gen, device=device)
 
-    def _shift_parts(self, y: Tensor, T: int, gen: torch.Generator | None
-                     ) -> tuple[Tensor, Tensor]:
-        """Eq. (shifting) as (t, factor): t (T, B, d) a uniformly drawn filled slot of each
-        anchor's class, factor (1, B, 1) = r_b, or 0 while the class's bank is empty."""
+    def _shift_draw(self, y: Tensor, T: int, gen: torch.Generator | None
+                    ) -> tuple[Tensor, Tensor]:
+        """Eq. (shifting), the draw: (flat, factor) with flat (T*B,) the bank rows of a
+        uniformly drawn filled slot of each anchor's class and factor (1, B, 1) = r_b, or 0
+        while the class's bank is empty (its slot 0 is then read and multiplied by 0)."""
         count = self.bank_count.index_select(0, y)                           # (B,)
         u = torch.rand(T, y.shape[0], generator=gen, device=y.device)
-        slot = (u * count).long().clamp(max=self.bank_size - 1)            # floor(u * count)
-        flat = (y[None, :] * self.bank_size + slot).reshape(-1)
-        t = self.bank.view(-1, self.dim).index_select(0, flat).view(T, -1, self.dim).float()
-        factor = (count > 0).float() * self.shift_scale
-        return t, factor[None, :, None]
+        slot = (u * count).long().clamp_(max=self.bank_size - 1)           # floor(u * count)
+        flat = torch.add(slot, y, alpha=self.bank_size).view(-1)          # y * Z + slot
+        factor = torch.where(count > 0, self.shift_scale, 0.0)
+        return flat, factor[None, :, None]
+
+    def _gather_shifts(self, flat: Tensor, out: Tensor) -> Tensor:
+        """Bank rows ``flat`` as float32 (T, B, d), gathered straight into ``out`` for an
+        fp32 bank (no temporary), through a compact-dtype temporary otherwise."""
+        flat_bank = self.bank.view(-1, self.dim)
+        if flat_bank.dtype == torch.float32:
+            torch.index_select(flat_bank, 0, flat, out=out.view(-1, self.dim))
+        else:
+            out.view(-1, self.dim).copy_(flat_bank.index_select(0, flat))
+        return out
+
+    def _produce_into(self, base: Tensor, y: Tensor, work: Tensor,
+                      gen: torch.Generator | None) -> None:
+        """Write the T copies of ``base`` (B, d, no grad) into ``work`` (T, B, d, float32).
+
+        Same arithmetic as the spec's ``v' = s * v + r_b * t``, per element: unmasked channels
+        ``v + t * r_b``, masked ones ``(v * gamma) + t * r_b`` (both through addcmul), then the
+        division by ``max(||v'||, 1e-12)``. Done in place on one buffer, which is the output
+        itself for fp32 embeddings, so the step allocates one (T+1)B x d tensor.
+        """
+        T, B = work.shape[0], work.shape[1]
+        idx = gamma = flat = factor = None
+        if self.dfs:   # random draws in the fixed order gamma, then shift slots
+            idx = self._mask_index(y)                                      # (B, K)
+            gamma = self._gamma((T, B, self.topk), gen, base.device)
+        if self.mts:
+            flat, factor = self._shift_draw(y, T, gen)
+        scaled = None
+        if self.dfs:
+            scaled = base.gather(1, idx)[None] * gamma                     # (T, B, K) s * v
+        idx_t = None if idx is None else idx[None].expand(T, -1, -1)
+        if self.mts:
+            t = self._gather_shifts(flat, work)                            # work holds t now
+            if self.dfs:
+                scaled = torch.addcmul(scaled, t.gather(2, idx_t), factor)
+            torch.addcmul(base[None].expand(T, -1, -1), t, factor, out=work)
+        else:
+            work.copy_(base[None].expand(T, -1, -1))
+        if self.dfs:
+            work.scatter_(2, idx_t, scaled)
+        if self.normalize:
+            work.div_(torch.linalg.vector_norm(work, dim=-1, keepdim=True).clamp_min_(1e-12))
+
+    def _produce_graph(self, base: Tensor, y: Tensor, T: int,
+                       gen: torch.Generator | None) -> Tensor:
+        """(T, B, d) copies when gradients flow through ``s * v`` (``detach=False``):
+        out-of-place ops so autograd sees them; same draws and arithmetic as _produce_into."""
+        B = base.shape[0]
+        produced = base.repeat(T, 1).view(T, B, self.dim)
+        if self.dfs:
+            idx = self._mask_index(y)[None].expand(T, -1, -1)               # (T, B, K)
+            gamma = self._gamma(tuple(idx.shape), gen, base.device)
+            produced = produced.scatter(2, idx, produced.gather(2, idx) * gamma)
+        if self.mts:
+            flat, factor = self._shift_draw(y, T, gen)
+            t = self.bank.view(-1, self.dim).index_select(0, flat).view(T, B, self.dim).float()
+            produced = torch.addcmul(produced, t, factor)
+        if self.normalize:
+            produced = F.normalize(produced, dim=-1)
+        return produced
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Return ``cat([v, v'_1..v'_T])`` and ``cat([y] * (T+1))``.
@@ -257,9 +349,14 @@ class DAS(nn.Module):
         T = self.num_produce
         if T == 0:
             return embeddings, labels
+        B = embeddings.shape[0]
         # Statistics and the bank are built in float32 even under autocast (fp16 differences
-        # of nearby embeddings lose most of their digits).
-        with torch.autocast(device_type=embeddings.device.type, enabled=False):
+        # of nearby embeddings lose most of their digits). The guard is only entered when
+        # autocast is on: entering it costs as much as a small tensor op.
+        device_type = embeddings.device.type
+        guard = (torch.autocast(device_type=device_type, enabled=False)
+                 if torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
+        with guard:
             v_const = embeddings.detach().float()
             if self.training:
                 if self.dfs:
@@ -268,27 +365,24 @@ class DAS(nn.Module):
                     self._update_bank(v_const, y)
             gen = self._gen()
             base = v_const if self.detach else embeddings.float()
-            B = base.shape[0]
-            # One fresh (T, B, d) copy, edited in place when no gradient flows (every step).
-            inplace = not base.requires_grad
-            produced = base.repeat(T, 1).view(T, B, self.dim)
-            if self.dfs:
-                # s * v touches only the K masked channels: gather, scale, scatter back.
-                idx = self._mask_index(y)[None].expand(T, -1, -1)          # (T, B, K)
-                gamma = self._gamma(tuple(idx.shape), gen, base.device)
-                scaled = produced.gather(2, idx) * gamma
-                produced = (produced.scatter_(2, idx, scaled) if inplace
-                            else produced.scatter(2, idx, scaled))
-            if self.mts:
-                t, factor = self._shift_parts(y, T, gen)
-                produced = (produced.addcmul_(t, factor) if inplace
-                            else torch.addcmul(produced, t, factor))
-            if self.normalize:
-                produced = (produced.div_(produced.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-                            if inplace else F.normalize(produced, dim=-1))
-            produced = produced.reshape(T * B, self.dim).to(embeddings.dtype)
-        out = torch.cat([embeddings, produced], dim=0)
-        return out, labels.repeat(T + 1)
+            if base.requires_grad:
+                produced = self._produce_graph(base, y, T, gen)
+                out = torch.cat([embeddings,
+                                 produced.reshape(T * B, self.dim).to(embeddings.dtype)])
+            else:
+                # No gradient through the copies (every detach=True step): fill the output's
+                # tail in place, then put the real embeddings (with their graph) in front.
+                out = torch.empty(((T + 1) * B, self.dim), dtype=embeddings.dtype,
+                                  device=embeddings.device)
+                if embeddings.dtype == torch.float32:
+                    self._produce_into(base, y, out[B:].view(T, B, self.dim), gen)
+                else:
+                    work = torch.empty((T, B, self.dim), device=embeddings.device)
+                    self._produce_into(base, y, work, gen)
+                    out[B:].copy_(work.view(T * B, self.dim))
+                out[:B].copy_(embeddings)
+        # = labels.repeat(T + 1), without repeat's extra dispatch
+        return out, labels.expand(T + 1, B).reshape(-1)
 
     # ------------------------------------------------------------------ reporting
     def bank_nbytes(self) -> int:
