@@ -6,13 +6,14 @@ self-contained and ``Index.open`` needs nothing else).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import faiss
 import numpy as np
@@ -131,11 +132,16 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         raise IndexerError(f"{gallery}: gallery folder not found")
     if not 0 < target_recall <= 1:
         raise IndexerError(f"target recall {target_recall}: expected 0 < target <= 1")
-    files = list(walk_gallery(gallery))
+    # The walk stays lazy: ingest consumes it on a helper thread, overlapped with embedding
+    # (for a small model, listing a big folder first costs a few percent of the build).
+    files: Iterable[GalleryFile] = walk_gallery(gallery)
     if shard is not None:
-        files = [f for f in files if shard_of(f.relpath, shard[1]) == shard[0]]
-    if not files and shard is None:
-        raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")
+        files = (f for f in files if shard_of(f.relpath, shard[1]) == shard[0])
+    else:
+        first = next(iter(files), None)
+        if first is None:
+            raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")
+        files = itertools.chain([first], files)
     emb = embedder or load_embedder(model, device=device, batch_size=batch_size)
     out.mkdir(parents=True, exist_ok=True)
     with GalleryStore(out / STORE_DIR, readonly=False) as store:
