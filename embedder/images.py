@@ -20,6 +20,9 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+# File suffixes every package treats as images (gallery walks, dataset folders, query folders).
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
 DEFAULT_MAX_PIXELS: int = 64_000_000
 MODES = ("RGB", "L")
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from .searcher import Searcher
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 DEFAULT_KS: tuple[int, ...] = (1, 2, 4, 8)
 
 
@@ -34,13 +33,16 @@ class EvalResult:
 
 
 def labelled_folder(root: str | Path) -> list[tuple[Path, str]]:
-    """(file, label) for every image under ``root/<label>/...``; the label is the file's parent
-    folder relative to root, the indexer's rule, so query and gallery labels compare equal."""
+    """(file, label) for every image under ``root/<label>/...``, walked by the indexer's own
+    `walk_gallery`, so query and gallery labels follow one rule (parent folder relative to the
+    root) and compare equal. Files at the root (no label) and unreadable entries are left out."""
+    from indexer.walk import walk_gallery
+
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a directory (expected <root>/<label>/<image files>)")
-    items = sorted((p, p.parent.relative_to(root).as_posix()) for p in root.rglob("*")
-                   if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and p.parent != root)
+    items = sorted((f.abspath, f.label) for f in walk_gallery(root)
+                   if f.problem is None and f.label is not None)
     if not items:
         raise ValueError(f"{root}: no labelled images found (expected <root>/<label>/<image files>)")
     return items

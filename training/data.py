@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+from embedder.images import IMAGE_SUFFIXES
 
 
 class DatasetLayoutError(FileNotFoundError):
