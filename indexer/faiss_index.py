@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
@@ -18,6 +17,7 @@ import faiss
 import numpy as np
 
 from .errors import IndexerError
+from .manifest import atomic_target
 
 INDEX_TYPES = ("auto", "flat", "ivf", "ivfpq", "sq8")
 DEFAULT_FLAT_THRESHOLD = 20_000
@@ -249,19 +249,9 @@ def _is_ivf(index: faiss.Index) -> bool:
 
 
 def write_atomic(index: faiss.Index, path: str | Path) -> None:
-    """Write to a temporary file in the same directory, fsync, then os.replace."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    """Write the index beside ``path`` and rename it into place (see manifest.atomic_target)."""
+    with atomic_target(path) as tmp:
         faiss.write_index(index, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class SearchableIndex:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import IndexerError
 
@@ -21,20 +22,29 @@ REPORT = "report.jsonl"
 MODEL_FILE = "model.onnx"
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
+@contextmanager
+def atomic_target(path: str | Path) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; on success fsync it and os.replace it onto
+    ``path``, on any error remove it. Readers thus see the old file or the new one, never half
+    of one, even if the writer is killed."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    with atomic_target(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def write_manifest(directory: str | Path, manifest: dict) -> None:
