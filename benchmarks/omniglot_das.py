@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--input-size", type=int, default=28)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--exclude-own-copies", action="store_true",
+                   help="DAS runs: samplers never draw an anchor's own copies as positives "
+                        "(TrainConfig.das_exclude_own_copies; not in the paper)")
     p.add_argument("--out", default=str(REPO / "bench_out" / "omniglot_das"), help="run directories")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS-training.md"),
                    help="Markdown file the results table is written to")
@@ -64,7 +67,7 @@ def render(results: dict, args: argparse.Namespace, command: str, done: bool) ->
              f"classes and first {args.classes} held-out classes (last 10 alphabets of "
              f"images_background/ unless images_evaluation/ exists), {args.epochs} epochs, Adam lr "
              f"{args.lr:g}, batch {args.batch_size} with {args.per_class} per class, DAS defaults "
-             f"(T = 3, K = 4, Z = 10, r_s = r_b = 0.01), seeds {', '.join(map(str, args.seeds))}; "
+             f"(T = 3, K = 4, Z = 10, r_s = r_b = 0.01{', own copies excluded from positives' if args.exclude_own_copies else ''}), seeds {', '.join(map(str, args.seeds))}; "
              f"metrics of the last epoch on the held-out classes, in %, mean +- std over seeds. "
              f"CPU: {platform.processor() or platform.machine()}, torch threads {args.threads}, "
              "machine shared with other jobs (timings are ratios within this run).", ""]
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
         cfg = TrainConfig(dataset="omniglot", root=str(args.root), max_classes=args.classes,
                           cache_images=True, backbone="small_cnn", pretrained=False, dim=args.dim,
                           input_size=args.input_size, loss=loss, miner=miner or "none", das=das,
+                          das_exclude_own_copies=args.exclude_own_copies,
                           epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                           per_class=args.per_class, eval_every=args.epochs, eval_initial=False,
                           export_onnx=False, tensorboard=False, progress=False, seed=seed,

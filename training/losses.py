@@ -134,14 +134,16 @@ class Criterion(nn.Module):
         self.normalize, self.hparams, self.miner_name = normalize, hparams, miner_name
         self._lrs = lrs
 
-    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+    def forward(self, embeddings: Tensor, labels: Tensor, origin: Tensor | None = None) -> Tensor:
+        """Loss of the batch. ``origin`` (optional, rows' source embedding) reaches the miner, which
+        then never pairs a row with a copy of itself as positive; losses without a miner ignore it."""
         if embeddings.dim() != 2 or labels.shape != embeddings.shape[:1]:
             raise ValueError(f"{self.name}: expected embeddings (N, d) and labels (N,), got "
                              f"{tuple(embeddings.shape)} and {tuple(labels.shape)}")
         # Losses run in float32: exp(40 * s) in MS or 1/T = 20 in softmax overflow bf16/fp16.
         with torch.autocast(embeddings.device.type, enabled=False):
             x = embeddings.float()
-            indices = self.miner(x.detach(), labels) if self.miner is not None else None
+            indices = self.miner(x.detach(), labels, origin) if self.miner is not None else None
             return self.loss(x, labels, indices)
 
     def param_groups(self) -> list[dict]:

@@ -81,15 +81,25 @@ class _TripletMiner:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, embeddings: Tensor, labels: Tensor,
+                 origin: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Triplets ``(a, p, n)``. ``origin`` (N,), optional: the real embedding each row was
+        produced from (DAS copies share their anchor's origin). When given, rows of the same
+        origin are never each other's positives: an anchor's own near-identical copies make
+        triplets whose ||a - p|| gradient is a unit vector along the random DAS perturbation.
+        Off by default, as the spec (and the authors' code) treat copies as ordinary positives."""
         if embeddings.dim() != 2 or labels.shape != embeddings.shape[:1]:
             raise ValueError(f"expected embeddings (N, d) and labels (N,), got "
                              f"{tuple(embeddings.shape)} and {tuple(labels.shape)}")
+        if origin is not None and origin.shape != labels.shape:
+            raise ValueError(f"origin: expected shape {tuple(labels.shape)}, got {tuple(origin.shape)}")
         with torch.no_grad(), torch.autocast(embeddings.device.type, enabled=False):
             x = embeddings.detach().float()
             if self.needs_normalized:
                 x = F.normalize(x, dim=1)
             pos, neg = _masks(labels)
+            if origin is not None:
+                pos = pos & (origin[:, None] != origin[None, :])
             dist = _pairwise(x)
             p, n = self.choose(dist, pos, neg, x.shape[1])
             ok = (_any_rows(pos) & _any_rows(neg)).squeeze(1)

@@ -158,7 +158,8 @@ def step_seed(cfg: TrainConfig, global_step: int) -> int:
 def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, x: torch.Tensor,
                  y: torch.Tensor, *, info: D.DistInfo, seed: int,
                  autocast_dtype: torch.dtype | None = None, aux_weight: float | None = None,
-                 parts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                 parts: dict[str, torch.Tensor] | None = None,
+                 exclude_own_copies: bool = False) -> torch.Tensor:
     """One step's loss on the (gathered) global batch; identical on every rank.
 
     The miner and loss run under per-step seeded RNGs (see `distributed.seeded_rng`), so a
@@ -180,10 +181,13 @@ def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, 
         emb = model(x)
     emb, lab = D.gather_batch(emb, y, info)
     n_real = emb.shape[0]
+    origin = None
     if das is not None:
         emb, lab = das(emb, lab)
+        if exclude_own_copies:  # row r of cat([v, v'_1..v'_T]) comes from real row r % n_real
+            origin = torch.arange(emb.shape[0], device=emb.device) % n_real
     with D.seeded_rng(seed, dev):
-        loss = criterion(emb, lab)
+        loss = criterion(emb, lab) if origin is None else criterion(emb, lab, origin)
         if parts is not None:
             parts["all"] = loss.detach()
         if aux_weight is not None:
@@ -433,7 +437,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
             parts: dict[str, torch.Tensor] = {}
             loss = compute_loss(net, criterion, das, x, y, info=info,
                                 seed=step_seed(cfg, global_step), autocast_dtype=ac_dtype,
-                                aux_weight=aux_w, parts=parts)
+                                aux_weight=aux_w, parts=parts,
+                                exclude_own_copies=cfg.das_exclude_own_copies)
             if not torch.isfinite(loss):
                 terms = ""
                 if aux_w is not None:  # say which term broke: real only, or with DAS's copies

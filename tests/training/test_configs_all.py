@@ -245,3 +245,30 @@ def test_table1_sop_and_supplementary_table_i():
             opt, _ = build_optimizer(cfg, torch.nn.Linear(2, 2), build_criterion(cfg, 10))
             groups = {g["name"]: g["lr"] for g in opt.param_groups}
             assert groups == {"model": cfg.lr, f"{loss}.W": lr}, (ds, loss, groups)
+
+
+def test_exclude_own_copies_reaches_the_miner():
+    """das_exclude_own_copies: the trainer passes each row's origin, so the miner never pairs a
+    real anchor with its own copies; off (the default) leaves the spec's behaviour."""
+    import torch
+    from training import distributed as D
+    from training.config import load_config
+    from training.trainer import build_components, compute_loss
+
+    seen = []
+    for flag in (False, True):
+        cfg = load_config(None, {"backbone": "small_cnn", "pretrained": False, "dim": 16,
+                                 "loss": "triplet", "miner": "random", "das": True,
+                                 "das_exclude_own_copies": flag})
+        model, criterion, das = build_components(cfg, num_classes=4)
+        calls = []
+        miner = criterion.miner
+        criterion.miner = lambda e, y, origin=None: calls.append(origin) or miner(e, y, origin)
+        x = torch.randn(8, 1, 28, 28)
+        y = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        loss = compute_loss(model, criterion, das, x, y, info=D.DistInfo(), seed=0,
+                            exclude_own_copies=cfg.das_exclude_own_copies)
+        assert torch.isfinite(loss)
+        seen.append(calls[0])
+    assert seen[0] is None
+    assert torch.equal(seen[1], torch.arange(32) % 8)

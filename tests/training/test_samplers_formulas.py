@@ -154,3 +154,29 @@ def test_build_miner_errors_and_none():
         build_miner("distance", cutoff=2.0)
     with pytest.raises(ValueError, match="expected embeddings"):
         build_miner("random")(torch.randn(4, 3), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("name", ["random", "semihard", "softhard", "distance"])
+def test_origin_keeps_an_anchors_own_das_copies_out_of_its_positives(name):
+    """With `origin` (the trainer's das_exclude_own_copies), no triplet pairs a row with a copy
+    of the same real embedding; without it, own copies are ordinary positives (the spec)."""
+    from training.das import DAS
+
+    torch.manual_seed(0)
+    v = F.normalize(torch.randn(8, 16), dim=1)
+    y = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    emb, lab = DAS(4, 16, seed=0)(v, y)                      # 8 real + 3 x 8 copies
+    origin = torch.arange(len(lab)) % len(y)
+    miner = build_miner(name, generator=torch.Generator().manual_seed(1))
+    own_with, own_without = 0, 0
+    for _ in range(50):
+        a, p, _ = miner(emb, lab, origin)
+        assert len(a) == len(lab)                             # every row still has a positive
+        own_with += int((origin[a] == origin[p]).sum())
+        a, p, _ = miner(emb, lab)
+        own_without += int((origin[a] == origin[p]).sum())
+    assert own_with == 0
+    if name != "softhard":   # soft-hard draws positives farther than the nearest negative: never a copy
+        assert own_without > 0
+    with pytest.raises(ValueError, match="origin"):
+        miner(emb, lab, origin[:-1])
