@@ -74,3 +74,16 @@ def pretrained_onnx() -> Path:
     from embedder import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A callable returning a currently free TCP port on 127.0.0.1 (servers, gloo rendezvous)."""
+    import socket
+
+    def _free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return _free

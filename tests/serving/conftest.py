@@ -4,7 +4,6 @@ open side by side as the app compares models; and one real app server on 127.0.0
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -52,19 +51,14 @@ def searcher(pretrained_index, small_index):
     return Searcher.open([pretrained_index, small_index], names=["pretrained", "small"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
-def server(pretrained_index, small_index, demo_dirs, tmp_path_factory):
+def server(pretrained_index, small_index, demo_dirs, tmp_path_factory, free_port):
     """A real `python app.py` on a free loopback port with --auth; stopped by PID at the end,
     whatever happens. Yields (base_url, auth)."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server-log") / "server.log"
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}

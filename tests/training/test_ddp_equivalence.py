@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +56,8 @@ def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, num_classes:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_two_rank_gloo_matches_single_process(tmp_path, omniglot_root):
+def test_two_rank_gloo_matches_single_process(tmp_path, omniglot_root, free_port):
     from embedder.preprocess import preprocessing_for
     from training import distributed as D
     from training.data import ImageDataset, load_splits
@@ -77,7 +71,7 @@ def test_two_rank_gloo_matches_single_process(tmp_path, omniglot_root):
     x = torch.stack([ds[i][0] for i in idx])
     y = torch.tensor([int(train.labels[i]) for i in idx])
 
-    mp.spawn(_worker, args=(_free_port(), x, y, train.num_classes, str(tmp_path)), nprocs=WORLD,
+    mp.spawn(_worker, args=(free_port(), x, y, train.num_classes, str(tmp_path)), nprocs=WORLD,
              join=True)
 
     model, criterion, das = _build(train.num_classes)

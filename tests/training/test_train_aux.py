@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -114,20 +113,15 @@ def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, out: str):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_aux_loss_on_two_gloo_ranks_uses_the_gathered_real_rows(tmp_path):
+def test_aux_loss_on_two_gloo_ranks_uses_the_gathered_real_rows(tmp_path, free_port):
     """DAS runs on the gathered global batch, so the real part is its first B_global rows on
     every rank: the 2-rank loss, its terms and the gradients match one process."""
     from training import distributed as D
     from training.trainer import aux_weight, compute_loss
 
     x, y = _batch()
-    mp.spawn(_worker, args=(_free_port(), x, y, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), x, y, str(tmp_path)), nprocs=WORLD, join=True)
 
     cfg = _cfg()
     model, criterion, das = _build(cfg)
