@@ -53,6 +53,10 @@ def test_upload_and_search_shows_k_labelled_results(page, demo_dirs):
     assert captions[0].startswith(label)                 # label and score under each image
     assert all(" · " in c and float(c.rsplit(" · ", 1)[1]) <= 1.0 for c in captions)
     imgs = page.locator("#search-results-0 .gallery-item img")
+    # The <img> elements appear before their bytes arrive: wait for them to load (times out,
+    # and fails, if a thumbnail never renders), then check each one.
+    page.wait_for_function("Array.from(document.querySelectorAll('#search-results-0 .gallery-item img'))"
+                           ".every(e => e.complete && e.naturalWidth > 0)")
     assert all(imgs.nth(i).evaluate("e => e.complete && e.naturalWidth > 0") for i in range(k))
     assert path.name in page.locator("#search-status").inner_text()
 
