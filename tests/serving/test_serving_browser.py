@@ -77,5 +77,6 @@ def test_probes_tab_shows_a_row_per_probe(page, demo_dirs):
     for probe in ("original", "scale x0.5", "scale x0.8", "scale x1.2", "scale x2", "shift r_b=0.5"):
         assert probe in table
     assert f"label {label}" in page.locator("#probe-status").inner_text()
+    page.wait_for_function("(e => e && e.complete && e.naturalWidth > 0)(document.querySelector('#probe-grid-0 img'))")
     ok = page.locator("#probe-grid-0 img").evaluate("e => e.complete && e.naturalHeight > 600")
     assert ok    # one row per probe: 7 rows of thumbnails
