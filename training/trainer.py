@@ -50,6 +50,7 @@ class TrainResult:
     last_checkpoint: Path
     onnx_path: Path | None = None
     report: dict[str, Path] = field(default_factory=dict)
+    device: str = ""           # the device trained on, e.g. "cuda:0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +496,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     result = TrainResult(run_dir=run_dir, best_epoch=best_epoch, best_metrics=best_metrics,
                          last_metrics=next((r for r in reversed(history) if "R@1" in r), {}),
                          initial_metrics=initial_metrics, history=history,
-                         best_checkpoint=best_path, last_checkpoint=last_path)
+                         best_checkpoint=best_path, last_checkpoint=last_path,
+                         device=str(device))
     if info.is_main:
         if not best_path.is_file():  # resumed a finished run whose best.pt was removed
             save_checkpoint(best_path, model, epoch=cfg.epochs, metrics={},

@@ -115,7 +115,7 @@ def test_fused_half_precision_bank_and_bf16_embeddings():
 def test_interpreter_must_be_on_before_triton_is_imported(monkeypatch):
     """Outside the test suite, a CPU user asking for the kernels gets told what to set."""
     if DEVICE == "cuda":
-        pytest.skip("compiled kernels on CUDA")
+        pytest.skip("the interpreter is a CPU-only path")
     from triton.runtime.interpreter import InterpretedFunction
 
     from training import das_triton
