@@ -12,6 +12,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The fused DAS kernels (training/das_triton.py) are checked on CPU in Triton's interpreter,
+# which has to be switched on before anything imports triton. Never on a CUDA machine: there
+# the same tests run the compiled kernels.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def _omniglot_root() -> Path:
     env = os.environ.get("DAS_OMNIGLOT")

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     best = result.best_metrics.get("R@1")
     print(f"run directory: {result.run_dir}")
+    print(f"device: {result.device}")
     if best is not None:
         print(f"best epoch {result.best_epoch}: R@1 {100 * best:.2f}%")
     if result.onnx_path:

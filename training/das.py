@@ -22,13 +22,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DAS"]
+__all__ = ["DAS", "BACKENDS"]
+
+#: ``auto``: the fused Triton kernels (training/das_triton.py) on CUDA, this file's tensor code
+#: elsewhere; ``eager``: this file's code everywhere; ``triton``: the kernels everywhere (on CPU
+#: through Triton's interpreter: slow, for tests).
+BACKENDS = ("auto", "eager", "triton")
 
 
 @functools.lru_cache(maxsize=256)
@@ -45,6 +51,41 @@ def _max_kept_pairs(batch: int, bank_size: int) -> int:
     return min(batch * (batch - 1), math.ceil(batch * per_member))
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_works(device: str) -> bool:
+    """Whether the fused kernels compile and agree with the eager code on ``device``: checked
+    once per device on a small batch before ``backend="auto"`` trusts them; a failure warns
+    and leaves that device on the eager code, so training never depends on the kernels."""
+    from . import das_triton   # imported only where it may run: triton costs ~0.3 s
+
+    if not das_triton.available(torch.device(device)):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        v = torch.randn(12, 16, generator=g).to(device)
+        y = (torch.arange(12) % 4).to(device)
+        # distinct FRM counts: tied counts may be ranked differently (see das_triton)
+        counts = torch.stack([torch.randperm(16, generator=g) for _ in range(4)]) * 100.0
+        outs = []
+        for backend in ("eager", "triton"):
+            das = DAS(4, 16, num_produce=2, bank_size=4, scale_range=0.2, shift_scale=0.5,
+                      seed=0, backend=backend).to(device)
+            das.frm.copy_(counts)
+            outs.append((das(v, y)[0], das(v.flip(0), y)[0], das.frm, das.bank, das.bank_count))
+        (e_out1, e_out2, *e_state), (f_out1, f_out2, *f_state) = outs
+        same_state = all(torch.equal(a, b) for a, b in zip(e_state, f_state))
+        close = all(torch.allclose(a, b, rtol=0, atol=1e-5)
+                    for a, b in ((e_out1, f_out1), (e_out2, f_out2)))
+        if same_state and close:
+            return True
+        reason = "their results differ from the eager code's"
+    except Exception as e:  # a kernel that fails to compile must not stop a training run
+        reason = f"{type(e).__name__}: {e}"
+    warnings.warn(f"DAS: the fused Triton kernels are not used on {device} ({reason}); "
+                  "running the eager tensor code instead", RuntimeWarning, stacklevel=3)
+    return False
+
+
 class DAS(nn.Module):
     """Produce T embeddings per real one (DFS scaling + MTS shifting); see module docstring."""
 
@@ -58,8 +99,11 @@ class DAS(nn.Module):
                  bank_size: int = 10, scale_range: float = 0.01, shift_scale: float = 0.01,
                  scale_bounds: tuple[float, float] | None = None, normalize: bool = True,
                  detach: bool = True, dfs: bool = True, mts: bool = True,
-                 bank_dtype: torch.dtype = torch.float32, seed: int | None = None) -> None:
+                 bank_dtype: torch.dtype = torch.float32, seed: int | None = None,
+                 backend: str = "auto") -> None:
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
         if num_classes < 1:
             raise ValueError(f"num_classes={num_classes}: expected >= 1")
         if dim < 1:
@@ -87,6 +131,7 @@ class DAS(nn.Module):
                                                                float(scale_bounds[1]))
         self.normalize, self.detach, self.dfs, self.mts = normalize, detach, dfs, mts
         self.seed = seed
+        self.backend = backend
         # FRM counts are kept in float32: exact up to 2**24 per cell and topk-friendly on CUDA.
         self.register_buffer("frm", torch.zeros(num_classes, dim))
         self.register_buffer("bank", torch.zeros(num_classes, bank_size, dim, dtype=bank_dtype))
@@ -132,7 +177,7 @@ class DAS(nn.Module):
         return (f"num_classes={self.num_classes}, dim={self.dim}, T={self.num_produce}, "
                 f"K={self.topk}, Z={self.bank_size}, {scale}, shift_scale={self.shift_scale}, "
                 f"normalize={self.normalize}, detach={self.detach}, dfs={self.dfs}, "
-                f"mts={self.mts}, bank_dtype={self.bank.dtype}")
+                f"mts={self.mts}, bank_dtype={self.bank.dtype}, backend={self.backend}")
 
     # ------------------------------------------------------------------ checks
     def _check(self, embeddings: Tensor, labels: Tensor) -> Tensor:
@@ -339,6 +384,25 @@ class DAS(nn.Module):
             produced = F.normalize(produced, dim=-1)
         return produced
 
+    def _fused(self, device: torch.device) -> bool:
+        if self.backend == "auto":
+            return device.type == "cuda" and _fused_works(str(device))
+        return self.backend == "triton"
+
+    def _produce_fused(self, base: Tensor, y: Tensor, out: Tensor,
+                       gen: torch.Generator | None) -> None:
+        """The fused kernel's version of _produce_into, with the same draws in the same order
+        (DFS factors, then the bank-slot uniforms), so both read one random stream."""
+        from . import das_triton
+
+        T, B = out.shape[0], out.shape[1]
+        gamma = self._gamma((T, B, self.topk), gen, base.device) if self.dfs else None
+        u = torch.rand(T, B, generator=gen, device=base.device) if self.mts else None
+        das_triton.fused_produce(base, y, self.frm, self.bank, self.bank_count, gamma, u, out,
+                                 shift=self.shift_scale, topk=self.topk,
+                                 normalize=self.normalize,
+                                 interpret=base.device.type != "cuda")
+
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Return ``cat([v, v'_1..v'_T])`` and ``cat([y] * (T+1))``.
 
@@ -358,11 +422,20 @@ class DAS(nn.Module):
                  if torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
         with guard:
             v_const = embeddings.detach().float()
+            fused = self._fused(v_const.device)
             if self.training:
-                if self.dfs:
-                    self._update_frm(v_const, y)
-                if self.mts:
-                    self._update_bank(v_const, y)
+                if fused:
+                    from . import das_triton
+
+                    das_triton.fused_update(
+                        v_const.contiguous(), y, self.frm, self.bank, self.bank_ptr,
+                        self.bank_count, self._hash_weights, topk=self.topk, dfs=self.dfs,
+                        mts=self.mts, interpret=v_const.device.type != "cuda")
+                else:
+                    if self.dfs:
+                        self._update_frm(v_const, y)
+                    if self.mts:
+                        self._update_bank(v_const, y)
             gen = self._gen()
             base = v_const if self.detach else embeddings.float()
             if base.requires_grad:
@@ -374,7 +447,9 @@ class DAS(nn.Module):
                 # tail in place, then put the real embeddings (with their graph) in front.
                 out = torch.empty(((T + 1) * B, self.dim), dtype=embeddings.dtype,
                                   device=embeddings.device)
-                if embeddings.dtype == torch.float32:
+                if fused:
+                    self._produce_fused(base.contiguous(), y, out[B:].view(T, B, self.dim), gen)
+                elif embeddings.dtype == torch.float32:
                     self._produce_into(base, y, out[B:].view(T, B, self.dim), gen)
                 else:
                     work = torch.empty((T, B, self.dim), device=embeddings.device)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from . import distributed as D
 from .config import TrainConfig
 from .data import ImageDataset, Split, load_splits
+from .device import amp_dtype, resolve_device
 
 
 #: `TrainConfig.das_bank_dtype` -> the dtype DAS stores its bank in.
@@ -49,31 +50,12 @@ class TrainResult:
     last_checkpoint: Path
     onnx_path: Path | None = None
     report: dict[str, Path] = field(default_factory=dict)
+    device: str = ""           # the device trained on, e.g. "cuda:0"
 
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
 # ---------------------------------------------------------------------------------------------
-def resolve_device(name: str, info: D.DistInfo | None = None) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device={name!r} requested but CUDA is not available")
-        if info is not None and info.enabled:
-            dev = torch.device("cuda", info.local_rank)
-        torch.cuda.set_device(dev)
-    return dev
-
-
-def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    mode = cfg.amp
-    if mode == "auto":
-        mode = "bf16" if device.type == "cuda" else "off"
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-
 def build_preprocessing(cfg: TrainConfig):
     """The backbone's Preprocessing, with the config's input size / resize when given."""
     from embedder.preprocess import preprocessing_for
@@ -341,7 +323,7 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     device = resolve_device(cfg.device, info)
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size={cfg.batch_size} does not split over {info.world_size} ranks")
-    ac_dtype = amp_dtype(cfg, device)
+    ac_dtype = amp_dtype(cfg.amp, device)
     seed_everything(cfg.seed)
     run_dir = Path(cfg.out)
     if info.is_main:
@@ -514,7 +496,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     result = TrainResult(run_dir=run_dir, best_epoch=best_epoch, best_metrics=best_metrics,
                          last_metrics=next((r for r in reversed(history) if "R@1" in r), {}),
                          initial_metrics=initial_metrics, history=history,
-                         best_checkpoint=best_path, last_checkpoint=last_path)
+                         best_checkpoint=best_path, last_checkpoint=last_path,
+                         device=str(device))
     if info.is_main:
         if not best_path.is_file():  # resumed a finished run whose best.pt was removed
             save_checkpoint(best_path, model, epoch=cfg.epochs, metrics={},

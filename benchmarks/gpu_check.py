@@ -1,0 +1,181 @@
+"""One command that checks the project on a CUDA machine and prints one summary.
+
+    python benchmarks/gpu_check.py                 # on a machine with a GPU (~5 min on an H100)
+    python benchmarks/gpu_check.py --device cpu --quick --skip-tests   # the plumbing, on CPU
+
+Steps, each reported as a row of the summary (CI has no GPU: this is for sessions and users
+that have one):
+1. the CUDA tests: device resolution, the DAS module (eager and fused Triton kernels, host-sync
+   free), losses and samplers, with no CUDA test skipped;
+2. a short training run through the CLI with the default device (``auto``), which must pick
+   CUDA, train, export the best checkpoint to ONNX with its parity check, and beat the
+   untrained model's R@1;
+3. ``python -m embedder info`` on the exported model;
+4. the CUDA rows of benchmarks/das_overhead.py (module per step for both backends, full step
+   with / without DAS incl. ResNet50 @ 224), with the goals of the GPU issue.
+Exit status 0 when every step passed. Full outputs go to --out (default bench_out/gpu_check/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA_TESTS = ["tests/training/test_device.py", "tests/training/test_das_module.py",
+              "tests/training/test_das_fused.py", "tests/training/test_losses_formulas.py",
+              "tests/training/test_samplers_formulas.py"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu runs the same steps on the CPU, to check the script itself")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny settings everywhere (1 epoch, few benchmark steps)")
+    p.add_argument("--skip-tests", action="store_true", help="skip step 1 (pytest)")
+    p.add_argument("--skip-bench", action="store_true", help="skip step 4 (DAS benchmark)")
+    p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "omniglot",
+                   help="Omniglot root for the training run")
+    p.add_argument("--out", type=Path, default=REPO / "bench_out" / "gpu_check",
+                   help="where logs, the run directory and the benchmark table go")
+    return p.parse_args(argv)
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None,
+         timeout: float = 1800) -> tuple[int, str, float]:
+    """Run a command from the repository root, tee its output into ``log``."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = 124, f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout} s"
+    log.write_text(" ".join(cmd) + "\n\n" + text)
+    return rc, text, time.perf_counter() - t0
+
+
+def step_tests(args, env) -> tuple[bool, str]:
+    rc, text, secs = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           *CUDA_TESTS], args.out / "tests.log", env)
+    tail = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    skipped_cuda = [ln for ln in text.splitlines() if "SKIPPED" in ln and "CUDA" in ln]
+    ok = rc == 0 and (args.device == "cpu" or not skipped_cuda)
+    note = (tail[-1].strip("= ") if tail else f"pytest exit {rc}") + f" ({secs:.0f} s)"
+    if skipped_cuda and args.device == "cuda":
+        note += f"; {len(skipped_cuda)} CUDA tests skipped"
+    return ok, note
+
+
+def step_train(args, env) -> tuple[bool, str, Path | None]:
+    run_dir = args.out / "run"
+    epochs = 1 if args.quick else 4
+    cmd = [sys.executable, "-m", "training", "--config", "configs/omniglot_cpu.toml",
+           "--root", str(args.data), "--out", str(run_dir), "--epochs", str(epochs),
+           "--eval_every", str(epochs), "--set", f"lr_milestones=[{epochs + 1}]"]
+    if args.quick:
+        cmd += ["--max_classes", "16", "--batch_size", "32", "--per_class", "2",
+                "--eval_clustering", "false"]
+    cmd += ["--device", "cpu"] if args.device == "cpu" else []   # cuda: the default, "auto"
+    rc, text, secs = _run(cmd, args.out / "train.log", env)
+    device = re.search(r"^device: (\S+)", text, re.M)
+    onnx = run_dir / "model.onnx"
+    metrics = run_dir / "metrics.json"
+    if rc != 0 or not metrics.exists():
+        last = text.strip().splitlines()[-1:] or [""]
+        return False, f"exit {rc}: {last[0][:160]}", None
+    m = json.loads(metrics.read_text())
+    r1, r1_0 = m["best"].get("R@1", 0.0), m["initial"].get("R@1", 0.0)
+    on = device.group(1) if device else "?"
+    ok = onnx.exists() and r1 > r1_0 and on.startswith(args.device)
+    return ok, (f"device {on}, R@1 {100 * r1_0:.1f} -> {100 * r1:.1f} in {epochs} epoch(s), "
+                f"ONNX {'exported + parity-checked' if onnx.exists() else 'MISSING'} "
+                f"({secs:.0f} s)"), onnx if onnx.exists() else None
+
+
+def step_info(args, env, onnx: Path | None) -> tuple[bool, str]:
+    if onnx is None:
+        return False, "no model (training step failed)"
+    rc, text, _ = _run([sys.executable, "-m", "embedder", "info", str(onnx), "--json"],
+                       args.out / "embedder_info.log", env)
+    if rc != 0:
+        return False, f"exit {rc}"
+    info = json.loads(text[text.index("{"):])
+    return True, f"dim {info.get('dim')}, backbone {info.get('backbone')}"
+
+
+def step_bench(args, env) -> tuple[bool, str]:
+    table = args.out / "das_overhead.md"
+    cmd = [sys.executable, "benchmarks/das_overhead.py", "--devices", args.device,
+           "--out", str(table)]
+    if args.quick:
+        cmd += ["--module-steps", "5", "--steps", "2", "--warmup", "1",
+                "--backbones", "small_cnn:28", "--cuda-backbones", "small_cnn:28"]
+    rc, text, secs = _run(cmd, args.out / "das_overhead.log", env)
+    if rc != 0 or not table.exists():
+        return False, f"exit {rc} (see {args.out / 'das_overhead.log'})"
+    md = table.read_text()
+    module = [ln for ln in md.splitlines() if ln.startswith(f"| {args.device} |")
+              and ln.count("|") == 9]
+    ratios = [ln for ln in md.splitlines() if ln.startswith(f"| {args.device} |")
+              and ln.count("|") == 8]
+    fused = [float(ln.split("|")[6]) for ln in module if "| triton |" in ln and "| 512 |" in ln]
+    notes, ok = [], True
+    if args.device == "cuda":
+        if not fused:
+            return False, "no fused-kernel rows in the table"
+        notes.append(f"fused DAS worst median {max(fused):.3f} ms/step at d=512 (goal <= 0.25)")
+        ok &= max(fused) <= 0.25
+    for ln in ratios:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        bb, ratio = cells[1], float(cells[5])
+        goal = 1.05 if bb.startswith("resnet50 @ 224") else 1.10
+        notes.append(f"{bb} {cells[2]}: {ratio:.3f} (goal <= {goal})")
+        ok &= args.device == "cpu" or ratio <= goal
+    return ok, "; ".join(notes) + f" ({secs:.0f} s)"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); run it "
+              "on a GPU machine, or pass --device cpu to check the script itself",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    rows: list[tuple[str, bool | None, str]] = []
+    if args.skip_tests:
+        rows.append(("CUDA tests", None, "skipped"))
+    else:
+        rows.append(("CUDA tests", *step_tests(args, env)))
+    ok, note, onnx = step_train(args, env)
+    rows.append(("training CLI, default device", ok, note))
+    rows.append(("ONNX model (embedder info)", *step_info(args, env, onnx)))
+    if args.skip_bench:
+        rows.append(("DAS overhead", None, "skipped"))
+    else:
+        rows.append(("DAS overhead", *step_bench(args, env)))
+
+    print(f"\ngpu_check on {card} (torch {torch.__version__}); logs in {args.out}")
+    for name, ok, note in rows:
+        mark = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"  {mark}  {name}: {note}")
+    failed = [name for name, ok, _ in rows if ok is False]
+    print("all checks passed" if not failed else f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
