@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         if qdir.is_dir():
             queries.setdefault("demo queries", qdir)
     try:
-        searcher = Searcher.open(indexes, names=names, device=args.device)
+        # every index file is checked here (store, faiss checksum, model.onnx): a damaged or
+        # incomplete directory stops the start with one line, not a 500 at the first upload
+        searcher = Searcher.open(indexes, names=names, device=args.device, check_model=True)
     except Exception as e:
-        print(f"app.py: cannot open index: {e}", file=sys.stderr)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"app.py: cannot open index: {msg}", file=sys.stderr)
         return 1
 
     import uvicorn

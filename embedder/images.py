@@ -99,12 +99,20 @@ def load_image(
     mode: str = "RGB",
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     name: str | None = None,
+    min_side: int | None = None,
 ) -> Image.Image:
     """Decode ``source`` (path, encoded bytes or PIL image) into a fully loaded ``mode`` image.
 
     ``max_pixels`` is checked from the header, before any pixel is decoded, so a decompression
     bomb costs nothing; ``None`` disables the check (PIL's own limit still applies).
     ``name`` labels bytes sources in error messages (e.g. the uploaded file name).
+
+    ``min_side``: the model only needs this many pixels on the shorter side, so a larger image
+    is decoded smaller, by the largest integer factor that keeps the shorter side >= min_side:
+    JPEG through libjpeg's DCT scaling while decoding (``Image.draft``: a 36-megapixel photo
+    never exists in memory at full size), other formats by ``Image.reduce`` (box averaging)
+    right after decoding. An image whose shorter side is below ``2 * min_side`` is returned
+    exactly as with ``min_side=None``. ``None``: full size (training, export parity).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -113,7 +121,7 @@ def load_image(
         _check_pixels(source, max_pixels, label)
         try:
             source.load()
-            return to_mode(ImageOps.exif_transpose(source) or source, mode)
+            return _reduced(to_mode(ImageOps.exif_transpose(source) or source, mode), min_side)
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageLoadError(label, f"cannot decode image: {e}") from e
 
@@ -141,9 +149,11 @@ def load_image(
     try:
         with Image.open(fp) as im:
             _check_pixels(im, max_pixels, label)
+            if min_side and im.format == "JPEG" and min(im.size) >= 2 * min_side:
+                im.draft(im.mode, (min_side, min_side))   # scale 1/2, 1/4 or 1/8, >= min_side
             im.load()  # full decode here, so truncated files fail inside this function
             oriented = ImageOps.exif_transpose(im)
-            return to_mode(oriented if oriented is not None else im, mode)
+            return _reduced(to_mode(oriented if oriented is not None else im, mode), min_side)
     except ImageLoadError:
         raise
     except UnidentifiedImageError as e:
@@ -166,6 +176,12 @@ def load_image(
         # Pillow signals truncated or corrupt data with OSError mostly, but some plugins raise
         # SyntaxError/ValueError/EOFError/IndexError on malformed headers.
         raise ImageLoadError(label, f"truncated or corrupt image data ({type(e).__name__}: {e})") from e
+
+
+def _reduced(img: Image.Image, min_side: int | None) -> Image.Image:
+    """``img`` shrunk by the largest integer factor keeping its shorter side >= ``min_side``."""
+    factor = min(img.size) // min_side if min_side else 1
+    return img.reduce(factor) if factor >= 2 else img
 
 
 def _check_pixels(img: Image.Image, max_pixels: int | None, label: str) -> None:

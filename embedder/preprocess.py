@@ -65,6 +65,16 @@ class Preprocessing:
     def channels(self) -> int:
         return 3 if self.mode == "RGB" else 1
 
+    @property
+    def decode_side(self) -> int:
+        """The shorter side images are decoded at, at least (``load_image(min_side=...)``).
+
+        Twice ``resize``: the eval resize then still shrinks by >= 2x with PIL's antialiased
+        bilinear filter, so a reduced decode gives (almost) the pixels a full decode would,
+        and images up to twice that size are decoded exactly as before.
+        """
+        return 2 * int(self.resize)
+
     def to_dict(self) -> dict:
         """Plain types only (lists, not tuples) so ``torch.load(weights_only=True)`` and JSON agree."""
         d = asdict(self)

@@ -115,7 +115,8 @@ class OnnxEmbedder:
     # ---- images -------------------------------------------------------------------------------
     def prepare(self, source: ImageSource, name: str | None = None) -> np.ndarray:
         """Load + preprocess one image: (C, H, W) float32; raises ImageLoadError."""
-        img = load_image(source, mode=self.preprocessing.mode, max_pixels=self.max_pixels, name=name)
+        img = load_image(source, mode=self.preprocessing.mode, max_pixels=self.max_pixels, name=name,
+                         min_side=self.preprocessing.decode_side)
         return self.preprocessing.eval_array(img)
 
     def embed(self, images: Sequence[ImageSource], progress: bool = False) -> np.ndarray:

@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         from .index import Index
 
         _positive("-k", args.k)
-        idx = Index.open(args.index, device=args.device)
+        idx = Index.open(args.index, device=args.device, check_model=True)
         hits = idx.search([args.image], args.k)[0]
         if args.json:
             print(json.dumps([h.__dict__ for h in hits], indent=2))
@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         from .evaluate import evaluate_queries
         from .index import Index
 
-        res = evaluate_queries(Index.open(args.index, device=args.device), args.queries, args.k)
+        res = evaluate_queries(Index.open(args.index, device=args.device, check_model=True), args.queries, args.k)
         if args.json:
             print(json.dumps(res, indent=2))
         else:
@@ -174,10 +174,14 @@ def _print_index_line(m: dict, out: Path) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .manifest import STORE_DIR, read_manifest
+    from .manifest import INDEX_FILE, STORE_DIR, read_manifest
     from .store import GalleryStore
+    from .validate import check_index_dir, read_faiss
 
     m = read_manifest(args.index)
+    check_index_dir(args.index, m, model=not m.get("shard"))   # a damaged file ends here, in one line
+    if not m.get("shard") and not m.get("index_file"):     # no checksum recorded: let faiss read it
+        read_faiss(args.index / INDEX_FILE)
     with GalleryStore(args.index / STORE_DIR) as st:
         store = {"items": len(st), "labels": len(st.labels()), "models": len(st.models())}
     if args.json:
@@ -193,6 +197,9 @@ def _info(args: argparse.Namespace) -> int:
         if m.get("nlist"):
             print(f"ivf:      nlist {m['nlist']}, nprobe {m['nprobe']}, recall@10 vs exact "
                   f"{m['recall_at_10']} (target {m['target_recall']})")
+        rec = m.get("index_file")
+        print(f"checksum: index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
+              else "checksum: not recorded (built before checksums; rebuild to add one)")
     print(f"store:    {store['items']} images, {store['labels']} labels, embeddings from "
           f"{store['models']} model(s)")
     print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
@@ -204,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .errors import IndexerError
 
+    import lmdb
+
     try:
         return _run(args)
-    except (IndexerError, ValueError, OSError, KeyError) as e:
+    except (IndexerError, ValueError, OSError, KeyError, lmdb.Error) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, KeyError):
             msg = str(e.args[0]) if e.args else msg

@@ -24,6 +24,7 @@ from .manifest import (INDEX_FILE, MODEL_FILE, REPORT, STORE_DIR, read_manifest,
                        write_report)
 from .pipeline import IngestStats, ingest
 from .store import GalleryStore
+from .validate import check_faiss_file, index_file_record, read_faiss
 from .walk import GalleryFile, shard_of, walk_gallery
 
 DEFAULT_TARGET_RECALL = 0.95
@@ -109,7 +110,8 @@ def make_index(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
 
 def _write_index_dir(directory: Path, index: faiss.Index, fields: dict, model: dict, extra: dict) -> dict:
     fx.write_atomic(index, directory / INDEX_FILE)
-    manifest = {"model": model, **fields, **extra, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {"model": model, **fields, **extra, "index_file": index_file_record(directory),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_manifest(directory, manifest)
     return read_manifest(directory)
 
@@ -190,11 +192,10 @@ def _open_for_update(directory: Path, model: str | Path | None, device: str, bat
     return manifest, emb
 
 
-def _read_index(directory: Path, dim: int) -> faiss.Index:
-    path = directory / INDEX_FILE
-    if not path.exists():
-        raise IndexerError(f"{path}: index file missing; rerun `indexer build`")
-    index = faiss.read_index(str(path))
+def _read_index(directory: Path, manifest: dict) -> faiss.Index:
+    path, dim = directory / INDEX_FILE, int(manifest["dim"])
+    check_faiss_file(directory, manifest)
+    index = read_faiss(path)
     if index.d != dim:
         raise IndexerError(f"{path}: dimension mismatch: index holds {index.d}-d vectors, "
                            f"manifest says {dim}-d")
@@ -206,8 +207,8 @@ def sync_index(directory: Path, manifest: dict, store: GalleryStore, *, seed: in
 
     Idempotent, so it also repairs a directory whose store and index a crash left out of step.
     """
-    model_hash, dim = manifest["model"]["hash"], int(manifest["dim"])
-    index = _read_index(directory, dim)
+    model_hash = manifest["model"]["hash"]
+    index = _read_index(directory, manifest)
     ids, x = store.all_embeddings(model_hash)
     have = fx.index_ids(index)
     stale = np.setdiff1d(have, ids)
@@ -225,7 +226,8 @@ def sync_index(directory: Path, manifest: dict, store: GalleryStore, *, seed: in
         fx.set_nprobe(index, nprobe)
         fields.update(nprobe=int(nprobe), recall_at_10=round(float(recall), 4))
     fx.write_atomic(index, directory / INDEX_FILE)
-    manifest = {**manifest, **fields, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {**manifest, **fields, "index_file": index_file_record(directory),
+                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     manifest.pop("format", None)
     write_manifest(directory, manifest)
     return {**read_manifest(directory), "added": int(len(new_rows)), "removed": int(len(stale))}
@@ -239,7 +241,7 @@ def add_images(directory: str | Path, folder: str | Path, model: str | Path | No
     if not folder.is_dir():
         raise IndexerError(f"{folder}: folder not found")
     manifest, emb = _open_for_update(directory, model, device, batch_size)
-    _read_index(directory, int(manifest["dim"]))     # refuse before touching the store
+    _read_index(directory, manifest)     # refuse before touching the store
     files = list(walk_gallery(folder, prefix=prefix))
     if not files:
         raise IndexerError(f"{folder}: no images to add")

@@ -12,6 +12,7 @@ from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .manifest import INDEX_FILE, MODEL_FILE, STORE_DIR, read_manifest
 from .store import GalleryStore
+from .validate import check_index_dir, damaged, faiss_reason
 
 
 @dataclass
@@ -26,9 +27,11 @@ class Index:
     """An opened index directory.
 
     Safe for concurrent queries from threads: the faiss index is only read (CPU searches release
-    the GIL; GPU searches are serialised), the LMDB store is opened read-only with ``lock=False``
-    lazily in each process, and the onnxruntime session is thread-safe. The embedder is loaded on
-    first use, so ``Index.open`` followed by ``search_embeddings`` never touches onnxruntime.
+    the GIL; GPU searches are serialised), the LMDB store is opened read-only lazily in each
+    process (and keeps working while ``indexer add`` writes), and the onnxruntime session is
+    thread-safe. The embedder is loaded on first use, so ``Index.open`` followed by
+    ``search_embeddings`` never touches onnxruntime. An open Index is a snapshot of the faiss
+    index: :meth:`reopen` gives the directory's current state (what a server does after an add).
     """
 
     def __init__(self, directory: Path, manifest: dict, store: GalleryStore,
@@ -44,23 +47,38 @@ class Index:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, directory: str | Path, *, device: str = "auto") -> "Index":
+    def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
+             store: GalleryStore | None = None) -> "Index":
+        """Open an index directory after checking its files (:mod:`indexer.validate`): a damaged
+        one fails with one line naming the file. ``check_model`` also requires ``model.onnx``
+        (image queries need it); ``store`` reuses an open store of the same directory."""
         directory = Path(directory)
         manifest = read_manifest(directory)
         if manifest.get("shard"):
             s = manifest["shard"]
             raise IndexerError(f"{directory}: is shard {s['i']}/{s['n']}, not an index; "
                                "run `indexer merge` first")
-        if not (directory / INDEX_FILE).exists():
-            raise IndexerError(f"{directory / INDEX_FILE}: index file missing; rerun `indexer build`")
-        fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device)
+        check_index_dir(directory, manifest, model=check_model)
+        try:
+            fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device)
+        except RuntimeError as e:           # faiss's reader: a multi-line C++ message
+            raise damaged(directory / INDEX_FILE, f"faiss cannot read it ({faiss_reason(e)})") from None
         if fi.d != int(manifest["dim"]):
             raise IndexerError(f"{directory / INDEX_FILE}: dimension mismatch: index holds {fi.d}-d "
                                f"vectors, manifest says {manifest['dim']}-d")
         if fi.ntotal != int(manifest["count"]):
             raise IndexerError(f"{directory}: index holds {fi.ntotal} vectors but the manifest says "
                                f"{manifest['count']}; rerun `indexer build` to repair it")
-        return cls(directory, manifest, GalleryStore(directory / STORE_DIR), fi, device)
+        return cls(directory, manifest, store or GalleryStore(directory / STORE_DIR), fi, device)
+
+    def reopen(self) -> "Index":
+        """The directory's current state as a new Index (after ``indexer add/remove``), sharing
+        this one's store and, when the model is unchanged, its loaded embedder. This Index stays
+        usable, so requests already running on it finish undisturbed."""
+        new = Index.open(self.directory, device=self._device, store=self.store)
+        if new.model_hash == self.model_hash and new.dim == self.dim:
+            new._embedder = self._embedder
+        return new
 
     @property
     def embedder(self) -> Any:

@@ -29,12 +29,14 @@ import lmdb
 import numpy as np
 
 from .errors import IndexerError
+from .lmdb_env import SharedEnv, acquire, read_txn, release
 from .walk import label_of
 
 ID_BITS = 53          # ids stay exact in JavaScript (Number.MAX_SAFE_INTEGER == 2**53 - 1)
 DEFAULT_MAP_SIZE = 1 << 30
 _DBS = ("meta", "blob", "path", "label", "emb", "info")
 _PATHREC = struct.Struct(">QQq")
+_OPEN_LOCK = threading.Lock()       # two threads' first queries must not both acquire
 
 
 def id_for_sha256(sha256_hex: str) -> int:
@@ -74,65 +76,23 @@ class NewItem:
         return id_for_sha256(self.sha256)
 
 
-# py-lmdb refuses to open one environment twice in a process, and an Index and a tool may both
-# want the same store: environments are shared per process, reference-counted, opened on demand.
-_ENVS: dict[tuple[int, str], list] = {}     # (pid, realpath) -> [env, dbs, refcount, readonly]
-_ENVS_LOCK = threading.Lock()
-_ENVS_LOCK_OPEN = threading.Lock()
-
-
-def _acquire(path: Path, readonly: bool, map_size: int) -> tuple[lmdb.Environment, dict]:
-    key = (os.getpid(), os.path.realpath(path))
-    with _ENVS_LOCK:
-        entry = _ENVS.get(key)
-        if entry is not None:
-            if entry[3] and not readonly:
-                raise IndexerError(f"{path}: store is open read-only in this process (an open Index?); "
-                                   "close it before writing")
-            entry[2] += 1
-            return entry[0], entry[1]
-        if readonly:
-            env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(_DBS),
-                            readahead=False, max_readers=1024)
-            try:
-                dbs = {n: env.open_db(n.encode(), create=False, dupsort=(n == "label")) for n in _DBS}
-            except lmdb.Error as e:
-                env.close()
-                raise IndexerError(f"{path}: not a gallery store ({e})") from None
-        else:
-            path.mkdir(parents=True, exist_ok=True)
-            env = lmdb.open(str(path), map_size=map_size, max_dbs=len(_DBS), readahead=False)
-            dbs = {n: env.open_db(n.encode(), dupsort=(n == "label")) for n in _DBS}
-        _ENVS[key] = [env, dbs, 1, readonly]
-        return env, dbs
-
-
-def _release(path: Path) -> None:
-    key = (os.getpid(), os.path.realpath(path))
-    with _ENVS_LOCK:
-        entry = _ENVS.get(key)
-        if entry is None:
-            return
-        entry[2] -= 1
-        if entry[2] <= 0:
-            del _ENVS[key]
-            entry[0].close()
-
-
 class GalleryStore:
-    """LMDB-backed gallery. Readers are lock-free and opened lazily per process.
+    """LMDB-backed gallery, opened lazily per process (picklable before first use).
 
-    ``readonly=True`` opens with ``lock=False``: safe for many threads and processes that only
-    read, and picklable before first use (the environment is opened on first access in each
-    process). Writers (``readonly=False``) grow the map when it fills.
+    ``readonly=True`` is safe for many threads and processes, also while one writer (``indexer
+    add``) works in another process: see :mod:`indexer.lmdb_env`. Writers (``readonly=False``)
+    grow the map when it fills.
     """
 
     def __init__(self, path: str | Path, *, readonly: bool = True,
-                 map_size: int = DEFAULT_MAP_SIZE) -> None:
+                 map_size: int | None = None) -> None:
+        """``map_size``: a writer's initial map (default 1 GiB; it doubles when full); a
+        reader's mapping (default: the size recorded in the file; it follows the writer)."""
         self.path = Path(path)
         self.readonly = readonly
-        self._map_size = map_size
+        self._map_size = map_size if map_size is not None else (0 if readonly else DEFAULT_MAP_SIZE)
         self._env: lmdb.Environment | None = None
+        self._shared: SharedEnv | None = None
         self._dbs: dict[str, Any] = {}
         self._pid = -1
         self._txn_lock: threading.RLock | None = None if readonly else threading.RLock()
@@ -142,7 +102,7 @@ class GalleryStore:
     # ------------------------------------------------------------------ environment
     def __getstate__(self) -> dict:
         d = self.__dict__.copy()
-        d.update(_env=None, _dbs={}, _pid=-1, _txn_lock=None)
+        d.update(_env=None, _shared=None, _dbs={}, _pid=-1, _txn_lock=None)
         return d
 
     def __setstate__(self, d: dict) -> None:
@@ -153,16 +113,17 @@ class GalleryStore:
     @property
     def env(self) -> lmdb.Environment:
         if self._env is None or self._pid != os.getpid():
-            with _ENVS_LOCK_OPEN:     # two threads' first queries must not both acquire
+            with _OPEN_LOCK:
                 if self._env is None or self._pid != os.getpid():
-                    env, dbs = _acquire(self.path, self.readonly, self._map_size)
-                    self._dbs, self._pid, self._env = dbs, os.getpid(), env
+                    shared = acquire(self.path, readonly=self.readonly, map_size=self._map_size,
+                                     names=_DBS, dupsort=("label",))
+                    self._shared, self._dbs, self._pid, self._env = shared, shared.dbs, os.getpid(), shared.env
         return self._env
 
     def close(self) -> None:
         if self._env is not None and self._pid == os.getpid():
-            _release(self.path)
-        self._env, self._dbs = None, {}
+            release(self.path)
+        self._env, self._shared, self._dbs = None, None, {}
 
     def __enter__(self) -> "GalleryStore":
         return self
@@ -179,8 +140,9 @@ class GalleryStore:
         """A read transaction. In a writer, reads and writes from several threads (the ingest
         reader thread and the committing thread) are serialised, because growing the map is
         only allowed while no transaction of this process is open."""
-        if self._txn_lock is None:
-            with self.env.begin(write=False, buffers=False) as txn:
+        if self._txn_lock is None:      # read-only: survives a writer growing the map
+            self.env  # noqa: B018 - opens lazily
+            with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
                 yield txn
         else:
             with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:

@@ -6,25 +6,24 @@
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness
 
-Errors are JSON ``{"error": message}`` with 400 (bad value), 401 (auth), 404 (unknown index or
-id), 413 (upload too large) or 415 (not an image); no response ever carries a stack trace.
-Nothing here reads a path the client sends: thumbnails come from the LMDB store by id.
+Errors are JSON ``{"error": message}`` with 400 (bad value), 401 (auth), 404 (unknown index,
+id or endpoint), 405, 413 (upload too large), 415 (not an image) or 503 (health: an index is
+not served as it is on disk); no response ever carries a stack trace. Auth and the body size
+cap are enforced before the body is read (serving.limits). Nothing here reads a path the client
+sends: thumbnails come from the LMDB store by id.
 """
 from __future__ import annotations
 
-import logging
-import secrets
 from typing import Any
 
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPBasic, HTTPBasicCredentials
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .limits import AUTH_HEADERS, RequestGuard
 from .searcher import Searcher, UnknownIdError
-from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, decode_upload, human_bytes
-
-log = logging.getLogger(__name__)
+from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, decode_upload, too_large
 
 # Multipart overhead allowed on top of the image itself before the body is refused unread.
 _FORM_OVERHEAD = 64 * 1024
@@ -35,58 +34,6 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-class _ApiGuard:
-    """Pure ASGI middleware for /api/*: refuses an oversized body from its Content-Length before
-    reading it (413), and turns any unexpected error into a JSON 500 without a trace. Pure ASGI
-    rather than BaseHTTPMiddleware so Gradio's streaming routes pass through untouched."""
-
-    def __init__(self, app: Any, max_bytes: int, limit: int):
-        self.app = app
-        self.max_bytes = max_bytes
-        self.limit = limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/api/"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length", b"").decode("latin-1")
-        if scope["method"] == "POST" and length.isdigit() and int(length) > self.max_bytes:
-            resp = JSONResponse({"error": f"upload is {human_bytes(int(length))}, larger than the "
-                                          f"limit of {human_bytes(self.limit)}"}, status_code=413)
-            await resp(scope, receive, send)
-            return
-        started = False
-
-        async def _send(message: dict) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, _send)
-        except Exception:
-            log.exception("unhandled error on %s", scope["path"])
-            if not started:
-                await JSONResponse({"error": "internal server error"}, status_code=500)(scope, receive, send)
-
-
-def _basic_auth(auth: tuple[str, str] | None):
-    """A dependency enforcing HTTP basic auth when the server was started with --auth."""
-    security = HTTPBasic(auto_error=False)
-
-    def check(creds: HTTPBasicCredentials | None = Depends(security)) -> None:
-        if auth is None:
-            return
-        ok = creds is not None and secrets.compare_digest(creds.username.encode(), auth[0].encode()) \
-            and secrets.compare_digest(creds.password.encode(), auth[1].encode())
-        if not ok:
-            raise ApiError(401, "authentication required (HTTP basic auth, the --auth user and password)")
-
-    return check
 
 
 def _parse_k(k: str) -> int:
@@ -101,13 +48,18 @@ def _parse_k(k: str) -> int:
 
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
                    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
-    """Register /api/* on ``app`` (call before mounting Gradio at "/", which catches the rest)."""
-    guard = [Depends(_basic_auth(auth))]
+    """Register /api/* on ``app`` (call before mounting Gradio at "/", which catches the rest),
+    and the request guard (auth for /api/*, body cap for everything) in front of the whole app."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": 'Basic realm="das-retrieval"'} if exc.status == 401 else None
+        headers = AUTH_HEADERS if exc.status == 401 else None
         return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,17 +67,22 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
                              for e in exc.errors())
         return JSONResponse({"error": problems or "invalid request"}, status_code=400)
 
-    app.add_middleware(_ApiGuard, max_bytes=max_upload_bytes + _FORM_OVERHEAD, limit=max_upload_bytes)
+    app.add_middleware(RequestGuard, max_bytes=max_upload_bytes + _FORM_OVERHEAD, limit=max_upload_bytes,
+                       auth=auth)
 
-    @app.get("/api/health", dependencies=guard)
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "indexes": searcher.names}
+    @app.get("/api/health")
+    def health() -> JSONResponse:
+        problems = searcher.health()
+        if problems:
+            return JSONResponse({"status": "unhealthy", "error": "; ".join(problems.values()),
+                                 "indexes": searcher.names, "problems": problems}, status_code=503)
+        return JSONResponse({"status": "ok", "indexes": searcher.names})
 
-    @app.get("/api/indexes", dependencies=guard)
+    @app.get("/api/indexes")
     def indexes() -> list[dict[str, Any]]:
         return [searcher.describe(n) for n in searcher.names]
 
-    @app.post("/api/search", dependencies=guard)
+    @app.post("/api/search")
     def search(request: Request, image: UploadFile | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
                path: str | None = Form(None)) -> dict[str, Any]:
@@ -135,9 +92,12 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
             raise ApiError(404, f"unknown index {name!r}; open indexes: {', '.join(searcher.names)}")
         try:
             if image is not None:
+                fname = image.filename or "image"
                 data = image.file.read(max_upload_bytes + 1)
+                if len(data) > max_upload_bytes:
+                    raise ApiError(413, f"{fname}: {too_large(image.size, max_upload_bytes)}")
                 query = searcher.query_from_image(
-                    decode_upload(data, image.filename or "image", max_bytes=max_upload_bytes),
+                    decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side),
                     name=image.filename or "upload")
             elif id is not None:
                 try:
@@ -160,7 +120,7 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
                 "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{name}/{r.id}"}
                             for r in res.results]}
 
-    @app.get("/api/thumb/{index}/{id}", dependencies=guard)
+    @app.get("/api/thumb/{index}/{id}")
     def thumb(index: str, id: str) -> Response:
         if index not in searcher.indexes:
             raise ApiError(404, f"unknown index {index!r}; open indexes: {', '.join(searcher.names)}")
@@ -172,6 +132,21 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         except UnknownIdError as e:
             raise ApiError(404, str(e)) from None
         return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
+
+    known = {"/api/health": "GET", "/api/indexes": "GET", "/api/search": "POST", "/api/thumb": "GET"}
+
+    @app.api_route("/api/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+                   include_in_schema=False)
+    def unknown(request: Request, rest: str) -> JSONResponse:
+        # Registered last: without it, an unknown /api/ path would fall through to Gradio's
+        # mount and answer in Gradio's {"detail": ...} shape.
+        path = "/api/" + rest
+        base = next((k for k in known if path == k or (k == "/api/thumb" and path.startswith(k + "/"))), None)
+        if base is not None and request.method != known[base]:
+            return JSONResponse({"error": f"{request.method} is not allowed on {base}; use {known[base]}"},
+                                status_code=405, headers={"Allow": known[base]})
+        return JSONResponse({"error": f"no such endpoint {path}; the API has {', '.join(known)}"},
+                            status_code=404)
 
     return app
 

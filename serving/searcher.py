@@ -4,106 +4,32 @@ Several indexes can be open at once (say one built with a baseline embedder and 
 embedder); every query and probe can run on each so the models are compared side by side, as
 the paper does in Figs. V-VI. Indexes are opened read-only and are safe for concurrent queries
 (onnxruntime sessions and faiss CPU searches are re-entrant; LMDB readers are per thread), so
-one Searcher serves all web workers.
+one Searcher serves all web workers. Directories given to :meth:`Searcher.open` are watched:
+after ``indexer add/remove`` the new state replaces the old between requests (serving.reload).
 """
 from __future__ import annotations
 
 import io
+import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
-from embedder import ImageLoadError, load_image
+from embedder import ImageLoadError
+from embedder.images import DEFAULT_MAX_PIXELS
+from embedder.preprocess import Preprocessing
 from indexer import Index
 
 from . import probes as P
+from .reload import IndexWatcher
+from .results import ProbeReport, Query, Result, SearchResult, UnknownIdError
 from .thumbs import ThumbnailCache, framed
+from .uploads import bounded_decode
 
 ImageSource = str | Path | bytes | Image.Image
-
-
-class UnknownIdError(KeyError):
-    """An id or path that is not in the named index (the API answers 404)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-@dataclass
-class Query:
-    """What is being searched for: an uploaded image, or an image already in a gallery.
-
-    A gallery query carries its id in ``source`` (the index it came from), so that index can
-    use the stored embedding and leave the query itself out of its results; other indexes embed
-    the same bytes with their own embedder.
-    """
-    image: Image.Image | None = None
-    id: int | None = None
-    source: str | None = None
-    label: str | None = None
-    path: str | None = None
-    name: str = "query"
-    _emb: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-
-
-@dataclass
-class Result:
-    id: int
-    score: float
-    label: str | None
-    path: str
-    index: str
-    thumbnail: Image.Image | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "score": self.score, "label": self.label, "path": self.path,
-                "index": self.index}
-
-
-@dataclass
-class SearchResult:
-    index: str
-    query: Query
-    results: list[Result]
-
-    @property
-    def ids(self) -> list[int]:
-        return [r.id for r in self.results]
-
-    @property
-    def scores(self) -> list[float]:
-        return [r.score for r in self.results]
-
-    @property
-    def labels(self) -> list[str | None]:
-        return [r.label for r in self.results]
-
-    @property
-    def paths(self) -> list[str]:
-        return [r.path for r in self.results]
-
-    @property
-    def thumbnails(self) -> list[Image.Image | None]:
-        return [r.thumbnail for r in self.results]
-
-
-@dataclass
-class ProbeReport:
-    """Original top-k and one row per probe, with overlap@k and (label known) precision@k."""
-    index: str
-    query: Query
-    k: int
-    rows: list[P.ProbeRow]
-    results: dict[str, list[Result]]      # row name -> results (for thumbnails)
-    notes: list[str] = field(default_factory=list)
-
-    def summary(self) -> list[dict[str, Any]]:
-        return [{"index": self.index, "probe": r.name, "kind": r.kind, "overlap@k": r.overlap,
-                 "precision@k": r.precision} for r in self.rows]
 
 
 def _index_name(directory: Path, taken: set[str]) -> str:
@@ -124,11 +50,14 @@ class Searcher:
         self.indexes: dict[str, Index] = dict(indexes)
         self.directories: dict[str, Path] = dict(directories or {})
         self.thumbs = ThumbnailCache(cache_size, thumb_size)
+        self.watcher = IndexWatcher(self.indexes, self.directories)
+        self.decode_side = max(_decode_side(idx.manifest) for idx in self.indexes.values())
 
     @classmethod
     def open(cls, directories: Sequence[str | Path] | str | Path, *, names: Sequence[str] | None = None,
-             device: str = "auto", **kw: Any) -> "Searcher":
-        """Open each index directory read-only; names default to the directory names."""
+             device: str = "auto", check_model: bool = False, **kw: Any) -> "Searcher":
+        """Open each index directory read-only; names default to the directory names.
+        ``check_model`` also requires each directory's model.onnx (what a server needs)."""
         if isinstance(directories, (str, Path)):
             directories = [directories]
         dirs = [Path(d) for d in directories]
@@ -143,7 +72,7 @@ class Searcher:
             name = names[i] if names is not None else _index_name(d, set(opened))
             if name in opened:
                 raise ValueError(f"names: duplicate index name {name!r}")
-            opened[name] = Index.open(d, device=device)
+            opened[name] = Index.open(d, device=device, check_model=check_model)
             paths[name] = d
         return cls(opened, directories=paths, **kw)
 
@@ -157,16 +86,29 @@ class Searcher:
         return next(iter(self.indexes))
 
     def index(self, name: str | None = None) -> Index:
+        """The index's current state (a changed directory is picked up between requests)."""
         name = name or self.default
+        self.watcher.poke(name)
         try:
             return self.indexes[name]
         except KeyError:
             raise UnknownIdError(f"unknown index {name!r}; open indexes: {', '.join(self.indexes)}") from None
 
+    def health(self) -> dict[str, str]:
+        """index name -> problem, for every index that is not fully served (empty: healthy).
+        Each store gets a real read, so a store LMDB cannot read shows up here, not as a 500."""
+        problems = {}
+        for name in self.indexes:
+            try:
+                len(self.index(name).store)
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                problems[name] = f"index {name!r}: gallery store unreadable ({str(e).splitlines()[0]})"
+        return {**self.watcher.problems(), **problems}
+
     def _check_id(self, index: str, id: int) -> dict:
         idx = self.index(index)
-        if isinstance(id, bool) or not isinstance(id, (int, np.integer)) or int(id) < 0:
-            raise UnknownIdError(f"id {id!r} is not in index {index!r} (ids are non-negative integers)")
+        if isinstance(id, bool) or not isinstance(id, (int, np.integer)) or not 0 <= int(id) < 2 ** 63:
+            raise UnknownIdError(f"id {id!r} is not in index {index!r} (ids are integers from 0 to 2**53)")
         try:
             return idx.store.get_meta(int(id))
         except KeyError:
@@ -176,7 +118,7 @@ class Searcher:
     def query_from_image(self, source: ImageSource, *, label: str | None = None,
                          name: str | None = None) -> Query:
         """A query from an image (decoded now, so a bad file fails here with ImageLoadError)."""
-        img = load_image(source, mode="RGB", name=name)
+        img = bounded_decode(source, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
         nm = name or (str(source) if isinstance(source, (str, Path)) else "query")
         return Query(image=img, label=label, name=nm)
 
@@ -206,7 +148,8 @@ class Searcher:
         """The query's pixels (for gallery queries, decoded from the source index's LMDB)."""
         if q.image is None:
             data = self.index(q.source).store.get_bytes(q.id)
-            q.image = load_image(data, mode="RGB", name=q.name)
+            q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
+                                     max_pixels=DEFAULT_MAX_PIXELS)
         return q.image
 
     def embed(self, q: Query, index: str | None = None) -> np.ndarray:
@@ -392,6 +335,15 @@ class Searcher:
         idx = self.index(index)
         return {"name": index, "directory": str(self.directories.get(index, "")), "size": len(idx),
                 "dim": idx.dim, "labels": len(idx.store.labels()), "manifest": idx.manifest}
+
+
+def _decode_side(manifest: dict) -> int:
+    """The decode size an index's embedder needs (from the preprocessing its manifest records)."""
+    try:
+        pre = (manifest.get("model") or {}).get("metadata", {}).get("preprocessing")
+        return Preprocessing.from_dict(json.loads(pre)).decode_side
+    except (TypeError, ValueError, AttributeError):
+        return Preprocessing().decode_side
 
 
 def _check_k(k: int) -> None:

@@ -3,6 +3,14 @@
 The API routes are registered before Gradio is mounted, since a mount at "/" takes every path
 not matched earlier. --auth protects both: Gradio's login page for the UI (and gradio_client's
 ``auth=``), HTTP basic auth for /api/*.
+
+File inputs: a Gradio client sends a FileData ``{"path": ...}`` for each image input, and Gradio
+copies that path into its cache before any handler runs. Gradio only checks that the path is
+an upload of its own (in its upload folder) once the Blocks "has launched", a flag
+``Blocks.launch()`` sets and ``gr.mount_gradio_app`` (gradio 6.31) does not; left unset, any
+server path (/etc/passwd, /dev/zero, any gallery photo) was copied and usable. We set the flag
+after mounting: that switches on exactly Gradio's own check (``processing_utils._check_allowed``),
+and a test drives it through the HTTP API.
 """
 from __future__ import annotations
 
@@ -29,5 +37,8 @@ def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
     add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes)
     blocks = build_ui(searcher, query_sets=query_sets, max_upload_bytes=max_upload_bytes)
     blocks.queue(default_concurrency_limit=4)
-    return gr.mount_gradio_app(app, blocks, path="/", auth=auth, max_file_size=max_upload_bytes,
-                               show_error=True, footer_links=["api"])
+    app = gr.mount_gradio_app(app, blocks, path="/", auth=auth, max_file_size=max_upload_bytes,
+                              show_error=True, footer_links=["api"],
+                              app_kwargs={"openapi_url": None, "docs_url": None, "redoc_url": None})
+    blocks.has_launched = True      # Gradio's upload-folder check on file inputs (see above)
+    return app

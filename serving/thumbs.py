@@ -10,19 +10,20 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
-from PIL import Image, ImageDraw, ImageOps
+from PIL import Image, ImageDraw
+
+from embedder import load_image
 
 MATCH = (22, 163, 74)      # green: same label as the query
 MISMATCH = (220, 38, 38)   # red: different label
 
 
 def make_thumbnail(data: bytes, size: int = 160) -> Image.Image:
-    """Decode gallery bytes into an RGB thumbnail no larger than size x size."""
-    with Image.open(io.BytesIO(data)) as im:
-        im = ImageOps.exif_transpose(im)
-        im = im.convert("RGB")
-        im.thumbnail((size, size))
-        return im.copy()
+    """Decode gallery bytes into an RGB thumbnail no larger than size x size (a large photo is
+    decoded at reduced size, never at full size: see ``load_image(min_side=...)``)."""
+    im = load_image(data, mode="RGB", max_pixels=None, min_side=size)
+    im.thumbnail((size, size))
+    return im
 
 
 def framed(img: Image.Image, match: bool | None, width: int = 6) -> Image.Image:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import gradio as gr
 import numpy as np
+from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
@@ -109,8 +110,12 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         label = label or None
         if img_path:
             p = Path(img_path)
+            if not is_in_or_equal(str(p), get_upload_folder()):
+                # Gradio refuses such paths before this runs (serving.server); never read one
+                raise UploadError(f"{p.name}: not an upload; upload the image through the page")
             check_size(p.stat().st_size, p.name, max_upload_bytes)
-            img = decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes)
+            img = decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes,
+                                min_side=searcher.decode_side)
             return searcher.query_from_image(img, label=label, name=p.name)
         if pick:
             try:

@@ -2,8 +2,17 @@
 
 Both the Gradio UI and the HTTP API go through here so that a too-large upload or a file that
 is not an image gets the same clear message (and HTTP status) everywhere, never a stack trace.
+
+Decoding is where a server's memory goes (a 36-megapixel JPEG is ~110 MB of pixels): images
+are decoded no larger than the embedders need (``load_image(min_side=...)``) and at most
+``MAX_CONCURRENT_DECODES`` at a time, so a burst of large uploads cannot pile up full-size
+bitmaps.
 """
 from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
 
 from PIL import Image
 
@@ -13,6 +22,8 @@ DEFAULT_MAX_UPLOAD_BYTES = 10 * 1024 * 1024
 # Decoded-size cap for uploads: far below embedder's 64 MP default, because a small compressed
 # file can still decode to a huge bitmap (decompression bomb) and uploads come from strangers.
 DEFAULT_MAX_UPLOAD_PIXELS = 40_000_000
+MAX_CONCURRENT_DECODES = max(2, min(4, os.cpu_count() or 2))
+_DECODES = threading.BoundedSemaphore(MAX_CONCURRENT_DECODES)
 
 
 class UploadError(ValueError):
@@ -32,20 +43,39 @@ def human_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def too_large(size: int | None, max_bytes: int) -> str:
+    """"upload is 2.5 MB, larger than the limit of 2.0 MB"; exact bytes when both would read the
+    same, and no size at all when only "more than the limit" is known (a chunked body)."""
+    if size is None:
+        return f"upload is larger than the limit of {human_bytes(max_bytes)}"
+    a, b = human_bytes(size), human_bytes(max_bytes)
+    if a == b:
+        a, b = f"{size:,} bytes", f"{max_bytes:,} bytes ({b})"
+    return f"upload is {a}, larger than the limit of {b}"
+
+
 def check_size(size: int, name: str, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> None:
     if size > max_bytes:
-        raise UploadError(f"{name}: upload is {human_bytes(size)}, larger than the limit of "
-                          f"{human_bytes(max_bytes)}", status=413)
+        raise UploadError(f"{name}: {too_large(size, max_bytes)}", status=413)
+
+
+def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None = None,
+                   min_side: int | None = None, max_pixels: int | None = DEFAULT_MAX_UPLOAD_PIXELS
+                   ) -> Image.Image:
+    """``load_image`` to RGB, at most MAX_CONCURRENT_DECODES at once; raises ImageLoadError."""
+    with _DECODES:
+        return load_image(source, mode="RGB", max_pixels=max_pixels, name=name, min_side=min_side)
 
 
 def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-                  max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS) -> Image.Image:
-    """Bytes from a client -> RGB image, or UploadError (413 too large, 415 not an image)."""
+                  max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS, min_side: int | None = None) -> Image.Image:
+    """Bytes from a client -> RGB image, or UploadError (413 too large, 415 not an image).
+    ``min_side``: decode no larger than this on the shorter side needs (Searcher.decode_side)."""
     if not data:
         raise UploadError(f"{name}: the upload is empty; expected an image file", status=400)
     check_size(len(data), name, max_bytes)
     try:
-        return load_image(data, mode="RGB", max_pixels=max_pixels, name=name)
+        return bounded_decode(data, name=name, min_side=min_side, max_pixels=max_pixels)
     except ImageLoadError as e:
         raise UploadError(f"{name}: not a readable image ({e.reason}); expected a PNG, JPEG, "
                           f"WebP, BMP or GIF file", status=415) from None

@@ -130,6 +130,13 @@ def test_add_with_another_model_or_dimension_is_refused(tmp_path: Path, omniglot
     wrong = faiss.IndexIDMap2(faiss.IndexFlatIP(32))
     wrong.add_with_ids(np.zeros((10, 32), np.float32), np.arange(10, dtype=np.int64))
     faiss.write_index(wrong, str(out / "index.faiss"))
+    # the manifest's checksum of index.faiss notices first...
+    _one_line_error(run_cli("search", next(g.rglob("*.png")), "--index", out, check=False),
+                    "index.faiss", "indexer build")
+    # ...and without one (a manifest from before checksums) the dimension check does
+    m = json.loads((out / "manifest.json").read_text())
+    del m["index_file"]
+    (out / "manifest.json").write_text(json.dumps(m))
     _one_line_error(run_cli("search", next(g.rglob("*.png")), "--index", out, check=False),
                     "dimension mismatch")
     _one_line_error(run_cli("add", more, "--index", out, "--quiet", check=False), "dimension mismatch")

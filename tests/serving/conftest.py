@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -52,38 +54,35 @@ def searcher(pretrained_index, small_index):
 
 
 
-@pytest.fixture(scope="session")
-def server(pretrained_index, small_index, demo_dirs, tmp_path_factory, free_port):
-    """A real `python app.py` on a free loopback port with --auth; stopped by PID at the end,
-    whatever happens. Yields (base_url, auth)."""
+@contextmanager
+def app_server(args: list, log_dir: Path, port: int, *, auth: tuple[str, str] | None = None,
+               timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real `python app.py ARGS` on 127.0.0.1:PORT, with its own Gradio temp folder
+    (log_dir/gradio-tmp); stopped by PID whatever happens. Yields (base_url, process)."""
     import httpx
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    log = log_dir / "server.log"
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "app.py"), "--index", str(pretrained_index), "--index", str(small_index),
-           "--name", "pretrained", "--name", "small", "--queries", str(demo_dirs[1]),
-           "--host", "127.0.0.1", "--port", str(port), "--auth", f"{AUTH[0]}:{AUTH[1]}",
-           "--max-upload-mb", str(MAX_UPLOAD_MB)]
+           "OMP_NUM_THREADS": "1", "GRADIO_TEMP_DIR": str(log_dir / "gradio-tmp")}
+    cmd = [sys.executable, str(REPO / "app.py"), *map(str, args), "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"app.py exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{url}/api/health", auth=AUTH, timeout=2).status_code == 200:
+                if httpx.get(f"{url}/api/health", auth=auth, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"app.py did not come up in 180 s:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"app.py did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
-        yield url, AUTH
+        yield url, proc
     finally:
         if proc.poll() is None:
             proc.terminate()                      # by PID: only the server we started
@@ -92,3 +91,25 @@ def server(pretrained_index, small_index, demo_dirs, tmp_path_factory, free_port
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def start_app():
+    """:func:`app_server`, for tests that start their own server."""
+    return app_server
+
+
+@pytest.fixture(scope="session")
+def server_dir(tmp_path_factory) -> Path:
+    """The session server's log and Gradio temp folder (tests look for copied files in it)."""
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="session")
+def server(pretrained_index, small_index, demo_dirs, server_dir, free_port):
+    """A real `python app.py` on a free loopback port with --auth; stopped by PID at the end,
+    whatever happens. Yields (base_url, auth)."""
+    args = ["--index", pretrained_index, "--index", small_index, "--name", "pretrained", "--name", "small",
+            "--queries", demo_dirs[1], "--auth", f"{AUTH[0]}:{AUTH[1]}", "--max-upload-mb", MAX_UPLOAD_MB]
+    with app_server(args, server_dir, free_port(), auth=AUTH) as (url, _):
+        yield url, AUTH

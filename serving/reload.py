@@ -1,0 +1,116 @@
+"""Live indexes: a served index directory picks up ``indexer add/remove`` without a restart.
+
+Every writer of an index directory rewrites ``manifest.json`` last and atomically (a new inode),
+after ``index.faiss``. So a changed manifest stamp (inode, mtime, size) means a complete new state
+is on disk. A request notices it with one ``stat`` (at most every ``interval`` seconds per
+index); a background thread then opens the new state (:meth:`indexer.Index.reopen`, which shares
+the LMDB store and the loaded embedder) and swaps it into the searcher's dict in one assignment.
+Requests already running keep the Index object they hold and finish on the old state; no
+request ever waits for a reload.
+
+A state that cannot be opened (a damaged file, a manifest gone) leaves the previous state
+serving and is reported by :meth:`IndexWatcher.problems`, which ``/api/health`` turns into 503.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, MutableMapping
+
+from indexer.validate import manifest_stamp
+
+log = logging.getLogger(__name__)
+
+RETRY_BROKEN_S = 2.0       # how often a state that failed to open is tried again
+
+
+class IndexWatcher:
+    """Watches the manifests of the indexes in ``live`` (name -> Index, swapped in place)."""
+
+    def __init__(self, live: MutableMapping[str, Any], directories: MutableMapping[str, Path], *,
+                 interval: float = 0.5) -> None:
+        self.live = live
+        self.directories = directories
+        self.interval = interval
+        self._stamps = {n: manifest_stamp(d) for n, d in directories.items()}
+        self._checked: dict[str, float] = {}
+        self._failed_at: dict[str, float] = {}
+        self._errors: dict[str, str] = {}
+        self._busy: set[str] = set()
+        self._cond = threading.Condition()
+        self.reloads = 0
+
+    def poke(self, name: str) -> None:
+        """Cheap per-request check; starts a background reload when the manifest changed."""
+        d = self.directories.get(name)
+        if d is None:
+            return
+        now = time.monotonic()
+        if now - self._checked.get(name, -1e9) < self.interval:
+            return
+        self._checked[name] = now
+        stamp = manifest_stamp(d)
+        broken_retry = name in self._errors and now - self._failed_at.get(name, 0.0) >= RETRY_BROKEN_S
+        if stamp == self._stamps.get(name) and not broken_retry:
+            return
+        with self._cond:
+            if name in self._busy:
+                return
+            self._busy.add(name)
+        threading.Thread(target=self._reload_guarded, args=(name,), daemon=True,
+                         name=f"reload-{name}").start()
+
+    def reload(self, name: str) -> str | None:
+        """Reload ``name`` now, in this thread (None on success, else the reason)."""
+        with self._cond:
+            while name in self._busy:        # a background reload is running: let it finish
+                self._cond.wait()
+            self._busy.add(name)
+        try:
+            return self._reload(name)
+        finally:
+            self._done(name)
+
+    def _reload_guarded(self, name: str) -> None:
+        try:
+            self._reload(name)
+        except Exception:  # noqa: BLE001 - a reload thread must never die silently
+            log.exception("reloading index %s", name)
+        finally:
+            self._done(name)
+
+    def _done(self, name: str) -> None:
+        with self._cond:
+            self._busy.discard(name)
+            self._cond.notify_all()
+
+    def _reload(self, name: str) -> str | None:
+        d = self.directories[name]
+        for _ in range(5):
+            stamp = manifest_stamp(d)
+            try:
+                new = self.live[name].reopen()
+            except Exception as e:  # noqa: BLE001 - reported through problems() and /api/health
+                if manifest_stamp(d) != stamp:
+                    continue        # a writer replaced the state while we read it: read it again
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._errors[name] = (f"index {name!r} changed on disk but cannot be opened ({reason}); "
+                                      f"still serving its previous state")
+                self._failed_at[name] = time.monotonic()
+                log.warning("%s", self._errors[name])
+                return self._errors[name]
+            if manifest_stamp(d) != stamp:
+                continue
+            self.live[name] = new           # one assignment: requests see the old or the new
+            self._stamps[name] = stamp
+            self._errors.pop(name, None)
+            self.reloads += 1
+            log.info("index %s reloaded: %d vectors", name, len(new))
+            return None
+        return None                         # still changing; the next request tries again
+
+    def problems(self) -> dict[str, str]:
+        """name -> why the directory's current state is not being served."""
+        return dict(self._errors)
