@@ -153,10 +153,15 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
-def _resources(ray: Any, shards: int, cpus_per_shard: int | None) -> dict:
-    """One GPU per shard task where the cluster has GPUs; else CPUs, as many as the cluster
-    has per shard, but never more than one node holds (the task must fit on a node)."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+def alive_nodes(ray: Any) -> list[dict]:
+    """The resources (``{"CPU": 32.0, "GPU": 4.0, ...}``) of each live node of the cluster."""
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+def plan_resources(nodes: list[dict], shards: int, cpus_per_shard: int | None = None) -> dict:
+    """What each shard task reserves: one GPU where the cluster has GPUs (onnxruntime and faiss
+    then use it), and CPUs: as many as the cluster has per shard, but never more than one node
+    holds, since a task runs on one node (a request no node can meet would wait forever)."""
     node_cpus = max((int(r.get("CPU", 0)) for r in nodes), default=1) or 1
     total_cpus = sum(int(r.get("CPU", 0)) for r in nodes)
     cpus = cpus_per_shard or max(1, min(node_cpus, total_cpus // max(1, shards)))
@@ -167,9 +172,8 @@ def _resources(ray: Any, shards: int, cpus_per_shard: int | None) -> dict:
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 
-def default_shards(ray: Any) -> int:
+def default_shards(nodes: list[dict]) -> int:
     """One shard per GPU of the cluster, else one per node."""
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     gpus = int(sum(r.get("GPU", 0) for r in nodes))
     return max(1, gpus or len(nodes))
 
@@ -235,8 +239,9 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
     ray = _ray()
     started = connect(address, num_cpus)
     try:
-        n = shards or default_shards(ray)
-        res = _resources(ray, n, cpus_per_shard)
+        nodes = alive_nodes(ray)
+        n = shards or default_shards(nodes)
+        res = plan_resources(nodes, n, cpus_per_shard)
         root = out / SHARDS_DIR
         root.mkdir(parents=True, exist_ok=True)
         _check_plan(root, gallery, n, emb.model_hash)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from indexer import IndexerError
 from indexer.__main__ import main
+from indexer.ray_build import default_shards, plan_resources
 
 
 def _one_line_error(capsys: pytest.CaptureFixture, argv: list, *needles: str) -> None:
@@ -44,3 +46,17 @@ def test_bad_ray_flags_are_refused(omniglot_gallery: Path, small_onnx: Path, tmp
     _one_line_error(capsys, ["build", omniglot_gallery, "--model", tmp_path / "nope.onnx",
                              "--out", tmp_path / "o", "--ray", "local"], "model not found")
     assert not (tmp_path / "o").exists()
+
+
+def test_shard_tasks_reserve_a_gpu_where_the_cluster_has_gpus() -> None:
+    """Placement from the cluster's node list (as ray.nodes() reports it); no GPU is lent here."""
+    cpu_only = [{"CPU": 32.0, "memory": 1e11}, {"CPU": 16.0}]
+    gpu_nodes = [{"CPU": 16.0, "GPU": 4.0}, {"CPU": 16.0, "GPU": 4.0}]
+    assert default_shards(cpu_only) == 2 and default_shards(gpu_nodes) == 8
+    assert plan_resources(gpu_nodes, 8) == {"num_cpus": 4, "num_gpus": 1}
+    assert plan_resources(cpu_only, 2) == {"num_cpus": 24, "num_gpus": 0}
+    assert plan_resources(cpu_only, 1) == {"num_cpus": 32, "num_gpus": 0}     # fits the biggest node
+    assert plan_resources(cpu_only, 100) == {"num_cpus": 1, "num_gpus": 0}
+    assert plan_resources([{"CPU": 2.0}], 2, cpus_per_shard=2)["num_cpus"] == 2
+    with pytest.raises(IndexerError, match="no node of the cluster has that many CPUs"):
+        plan_resources(cpu_only, 2, cpus_per_shard=64)
