@@ -30,8 +30,8 @@ SHARDS_DIR = "shards"
 PLAN_FILE = "plan.json"         # shard count, gallery and model of the shards under SHARDS_DIR
 INSTALL_HINT = "pip install 'ray[default]>=2.9,<3' (or the project's extra: pip install -e '.[ray]')"
 # Test and drill hook: "i:N:MARKER" makes shard i's worker SIGKILL itself once N of its files
-# are committed, on the attempt that creates MARKER (so the retry runs to the end). It
-# exercises the real failure path (Ray notices a dead worker and retries the task).
+# are settled (committed, or skipped), on the attempt that creates MARKER (so the retry runs to
+# the end). It exercises the real failure path: Ray notices a dead worker and retries the task.
 FAULT_ENV = "DAS_RAY_KILL_SHARD"
 
 
@@ -79,7 +79,11 @@ class _Reporter:
         self.actor, self.shard, self.every = actor, shard, every
         self.pending, self.total, self.last = 0, 0, time.monotonic()
         self.lock = threading.Lock()          # called from ingest's main and commit threads
-        actor.start.remote(shard)
+        # Wait for the actor to take the start: a call still queued in this worker when it is
+        # killed would be lost, and the attempt not counted.
+        import ray
+
+        ray.get(actor.start.remote(shard))
 
     def __call__(self, k: int) -> None:
         with self.lock:
@@ -253,6 +257,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                 "threads": res["num_cpus"], "device": device}
         actor = ray.remote(num_cpus=0)(_Progress).remote(n)
+        ray.get(actor.state.remote())               # up before any task reports to it
         task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
         fault = os.environ.get(FAULT_ENV)
         refs = {task.remote(str(gallery), str(root / str(i)), str(shared_model), i, n, opts, actor, fault): i
