@@ -6,7 +6,12 @@ Run from the repository root:
     python benchmarks/index_bench.py --skip-synthetic --ingest-images 400 --out benchmarks/RESULTS-indexer.md
 
 The second form reruns only the ingest part and replaces only its paragraph and table in an
-existing ``--out`` file, keeping the synthetic figures and any hand-written notes.
+existing ``--out`` file, keeping the synthetic figures and any hand-written notes. The Ray row
+(one process vs ``indexer build --ray local --shards 2``) starts Ray, so it runs in a private
+network namespace and, alone, replaces only its own section:
+
+    unshare -n sh -c 'ip link set lo up && python benchmarks/index_bench.py --skip-synthetic \
+        --skip-ingest --ray-images 400 --out benchmarks/RESULTS-indexer.md'
 
 Part 1 builds the index exactly as ``indexer build`` does (``indexer.build.make_index``: choice of
 Flat/IVF, nlist, k-means, nprobe tuned to recall@10 >= 0.95 vs exact) on clustered synthetic
@@ -158,6 +163,91 @@ def ingest(n_images: int, model: Path, label: str, batch_size: int = 32, workers
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def ray_vs_single(n_images: int, model: Path, label: str, shards: int = 2, repeats: int = 2) -> dict:
+    """Best-of-``repeats`` wall time: `indexer build` in one process vs `indexer build --ray
+    local --shards 2` (Ray tasks + merge) on the same Omniglot files, fresh output each time.
+
+    Ray starts once (its start-up is reported apart); the first Ray run also pays for starting
+    the worker processes, which later runs reuse, as a long build on a cluster would.
+    Must run inside a private network namespace (Ray listens beyond loopback).
+    """
+    import ray
+
+    from indexer import build_index
+    from indexer.ray_build import build_with_ray, connect, only_loopback
+
+    if not only_loopback():
+        raise SystemExit("--ray-images starts Ray, which listens beyond loopback: run inside a private "
+                         "network namespace, e.g. unshare -n sh -c 'ip link set lo up && python "
+                         "benchmarks/index_bench.py ...'")
+    root = Path(os.environ.get("DAS_OMNIGLOT", REPO.parent / "shared" / "data" / "omniglot")) / "images_background"
+    files = sorted(p for p in root.rglob("*.png"))[:n_images]
+    tmp = Path(tempfile.mkdtemp(prefix="ray-bench-"))
+    try:
+        gallery = tmp / "gallery"
+        for f in files:
+            dst = gallery / f.relative_to(root)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst)
+        t0 = time.perf_counter()
+        connect("local", num_cpus=os.cpu_count())
+        t_init = time.perf_counter() - t0
+        single, distributed, attempts = [], [], []
+        try:
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                m1 = build_index(gallery, tmp / f"single{r}", model, workers=2, progress=False)
+                single.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                m2 = build_with_ray(gallery, tmp / f"ray{r}", model, address=None, shards=shards,
+                                    progress=False)
+                distributed.append(time.perf_counter() - t0)
+                attempts.append(m2["ray"]["attempts"])
+                assert m1["count"] == m2["count"], (m1["count"], m2["count"])
+        finally:
+            ray.shutdown()
+        return {"model": label, "images": m1["count"], "shards": shards, "single_s": min(single),
+                "ray_s": min(distributed), "ratio": min(single) / min(distributed),
+                "ray_first_s": distributed[0], "init_s": t_init, "per_task_cpus": m2["ray"]["num_cpus"],
+                "single_ips": m1["count"] / min(single), "ray_ips": m2["count"] / min(distributed)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+RAY_HEAD = "Ray build: `indexer build --ray local --shards"
+
+
+def ray_section(rows: list[dict], cmd: str, seconds: float, repeats: int) -> list[str]:
+    """The Ray paragraph and table (replaced on its own by a rerun with only --ray-images)."""
+    lines = [RAY_HEAD + f" {rows[0]['shards']}` (one Ray task per shard, each `--shard i/n` on "
+             f"{rows[0]['per_task_cpus']} CPU, then `merge`) vs one `indexer build` process (2 decode "
+             f"threads, onnxruntime on all cores), same Omniglot files, fresh output each run; best of "
+             f"{repeats}, runs interleaved, inside `unshare -n`. Command: `{cmd}` ({seconds / 60:.1f} min, "
+             f"load average {os.getloadavg()[0]:.1f} at the end).", "",
+             "| embedder | images | single process s (img/s) | Ray s (img/s) | single / Ray | first Ray run s "
+             "| Ray start-up s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['images']} | {r['single_s']:.1f} ({r['single_ips']:.0f}) | "
+                     f"{r['ray_s']:.1f} ({r['ray_ips']:.0f}) | {r['ratio']:.2f}x | {r['ray_first_s']:.1f} | "
+                     f"{r['init_s']:.1f} |")
+    return lines
+
+
+def replace_section(text: str, head: str, section: list[str]) -> str:
+    """``text`` with the paragraph starting ``head`` and its table replaced (appended if absent)."""
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(head)), None)
+    if start is None:
+        return "\n".join(lines + [""] + section) + "\n"
+    end = start + 1
+    while end < len(lines) and not lines[end].startswith("|"):
+        end += 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + section + lines[end:]) + "\n"
+
+
 def small_model(path: Path) -> Path:
     import torch
 
@@ -178,6 +268,11 @@ def main() -> None:
     ap.add_argument("--skip-synthetic", action="store_true",
                     help="run only the ingest part; with --out, replace only the ingest section of "
                          "an existing file")
+    ap.add_argument("--ray-images", type=int, default=0, metavar="N",
+                    help="also time `indexer build --ray local --shards 2` against one process on N "
+                         "Omniglot images (EfficientNet-Lite0; small_cnn on 4N); needs Ray and a private "
+                         "network namespace. Alone (with --skip-synthetic --skip-ingest) and --out, it "
+                         "replaces only its section of an existing file")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown section here")
     args = ap.parse_args()
     try:
@@ -209,9 +304,19 @@ def main() -> None:
         ing.append(ingest(args.ingest_images, default_model_path(), "EfficientNet-Lite0 1280-d (224 px)",
                           repeats=args.ingest_repeats))
         print("  ", ing[-1], flush=True)
+    ray_rows = ray_rows_for(args.ray_images, args.ingest_repeats) if args.ray_images else []
     total = time.perf_counter() - t_start
 
     cmd = "python benchmarks/index_bench.py " + " ".join(sys.argv[1:])
+    if ray_rows and not rows and not ing:
+        text = "\n".join(ray_section(ray_rows, cmd, total, args.ingest_repeats)) + "\n"
+        if args.out and args.out.exists():
+            text = replace_section(args.out.read_text(), RAY_HEAD, ray_section(ray_rows, cmd, total,
+                                                                               args.ingest_repeats))
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return
     lines = ["## Indexer (`benchmarks/index_bench.py`)", "", f"Command: `{cmd}` "
              f"({total / 60:.1f} min, 2 shared CPU cores, faiss {__import__('faiss').__version__}).", "",
              "Clustered synthetic unit vectors; 1000 fresh queries (not gallery vectors); recall@10 "
@@ -225,6 +330,8 @@ def main() -> None:
                      f"{r['qps']:,.0f} | {r['flat_qps']:,.0f} | {r['speedup']:.1f}x |")
     if ing:
         lines += [""] + ingest_section(ing, cmd if not rows else None, total, args.ingest_repeats)
+    if ray_rows:
+        lines += [""] + ray_section(ray_rows, cmd, total, args.ingest_repeats)
     text = "\n".join(lines) + "\n"
     if not rows and ing and args.out and args.out.exists():
         text = replace_ingest_section(args.out.read_text(),
@@ -232,6 +339,23 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
+
+
+def ray_rows_for(n_images: int, repeats: int) -> list[dict]:
+    """The Ray rows: EfficientNet-Lite0 on ``n_images``, small_cnn on 4x as many."""
+    from embedder import default_model_path
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        small = small_model(Path(tmp) / "small.onnx")
+        print("ray vs single, small_cnn ...", flush=True)
+        out.append(ray_vs_single(n_images * 4, small, "small_cnn 64-d (28 px)", repeats=repeats))
+        print("  ", out[-1], flush=True)
+    print("ray vs single, EfficientNet-Lite0 ...", flush=True)
+    out.append(ray_vs_single(n_images, default_model_path(), "EfficientNet-Lite0 1280-d (224 px)",
+                             repeats=repeats))
+    print("  ", out[-1], flush=True)
+    return out
 
 
 INGEST_HEAD = "Ingest: `indexer build` end to end"

@@ -13,6 +13,7 @@ DEFAULT_DIR = "indexes/default"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import ray_build
     from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
 
     p = argparse.ArgumentParser(prog="python -m indexer",
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
     b.add_argument("--batch-size", type=int, default=32)
     b.add_argument("--workers", type=int, default=None, help="image decoding threads")
+    ray_build.add_arguments(b)
     index_opts(b)
     common(b)
 
@@ -98,6 +100,11 @@ def _run(args: argparse.Namespace) -> int:
     from .build import add_images, build_index, merge_shards, remove_items
     from .walk import parse_shard
 
+    if args.cmd == "build" and (args.ray is not None or args.shards is not None):
+        from .ray_build import build_from_args
+
+        _print_index_line(build_from_args(args), args.out)
+        return 0
     if args.cmd == "build":
         _positive("--batch-size", args.batch_size)
         _positive("--workers", args.workers)

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import faiss
 import numpy as np
@@ -122,7 +122,8 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 nlist: int | None = None, target_recall: float = DEFAULT_TARGET_RECALL,
                 shard: tuple[int, int] | None = None, batch_size: int = 32,
                 workers: int | None = None, device: str = "auto", seed: int = 0,
-                progress: bool = True, embedder: Any = None) -> dict:
+                progress: bool = True, embedder: Any = None,
+                on_done: Callable[[int], None] | None = None) -> dict:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
 
     Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
@@ -147,7 +148,7 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
     emb = embedder or load_embedder(model, device=device, batch_size=batch_size)
     out.mkdir(parents=True, exist_ok=True)
     with GalleryStore(out / STORE_DIR, readonly=False) as store:
-        stats = ingest(store, files, emb, workers=workers, progress=progress)
+        stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done)
         write_report(out, stats.skipped)
         ids, x = store.all_embeddings(emb.model_hash)
     _copy_model(emb, out)

@@ -24,7 +24,7 @@ import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -182,7 +182,8 @@ def _read_chunk(chunk: Sequence[GalleryFile], state: _StoreState, embedder: Any
 
 
 def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryFile], embedder: Any,
-           *, workers: int | None = None, commit_every: int = 256, progress: bool = True) -> IngestStats:
+           *, workers: int | None = None, commit_every: int = 256, progress: bool = True,
+           on_done: Callable[[int], None] | None = None) -> IngestStats:
     """Bring ``files`` into ``store`` with embeddings from ``embedder`` (an OnnxEmbedder).
 
     ``workers`` decode threads (default: as many as ``embed_iter`` uses) each read a chunk of
@@ -190,6 +191,9 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     ``files`` may be a lazy iterable (``indexer build`` passes the gallery walk itself): into a
     fresh store it is consumed by a helper thread, so walking the folder overlaps embedding;
     into a store that already holds items it is listed first, for the one-pass snapshot.
+    ``on_done(n)`` is told of files whose outcome is final: committed (called from the commit
+    thread, after the transaction), found unchanged, or skipped; the counts add up to
+    ``stats.found``. ``indexer build --ray`` reports shard progress through it.
     """
     if commit_every < 1:
         raise ValueError(f"commit_every must be >= 1, got {commit_every}")
@@ -229,6 +233,8 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     def commit(items: list[NewItem], emb: np.ndarray) -> None:
         stats.new += store.put_items(items, emb, model_hash)
         stats.embedded += len(items)
+        if on_done is not None:
+            on_done(len(items))
 
     def flush() -> None:
         while in_flight:
@@ -269,6 +275,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
             outcomes, arrays = chunks.popleft().result()
             submit_more()
             rows = iter(arrays)
+            final = 0                              # outcomes settled without a commit
             for kind, f, x, st in outcomes:
                 if kind == _DECODED:
                     row = next(rows)
@@ -280,8 +287,10 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
                         ready_rows.append(row)
                 elif kind == _UNCHANGED:
                     stats.unchanged += 1
+                    final += 1
                 elif kind == _SKIP:
                     stats.skipped.append({"path": f.relpath, "reason": x})
+                    final += 1
                 elif kind == _FAILED:
                     item, reason = x
                     if item.sha256 in seen:       # a later copy of content met before
@@ -290,13 +299,17 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
                         seen.add(item.sha256)
                         failed[item.sha256] = reason
                         stats.skipped.append({"path": f.relpath, "reason": reason})
+                        final += 1
                 elif kind == _TOUCH:
                     touches.append((f.relpath, x, st.st_size, st.st_mtime_ns))
                     stats.unchanged += 1
+                    final += 1
                 else:                              # _KNOWN: stored content under a new path
                     aliases.append(x)
             if bar is not None:
                 bar.update(len(outcomes))
+            if on_done is not None and final:
+                on_done(final)
             run_batches(final=False)
         run_batches(final=True)
         flush()
@@ -310,6 +323,8 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
         for s in range(0, len(good), commit_every):
             store.put_items(good[s:s + commit_every])
         stats.duplicates = len(good)
+        if on_done is not None and aliases:
+            on_done(len(aliases))
     finally:
         for fut in chunks:
             fut.cancel()

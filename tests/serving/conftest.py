@@ -47,6 +47,15 @@ def small_index(tmp_path_factory, demo_dirs, small_onnx) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chromium() -> str:
+    """A Chromium for the browser tests (see browsers.py for where it looks); without one they
+    skip with how to install one, or fail under CI=true."""
+    from browsers import require_chromium
+
+    return require_chromium(os.environ)
+
+
+@pytest.fixture(scope="session")
 def searcher(pretrained_index, small_index):
     from serving import Searcher
 

@@ -1,8 +1,6 @@
-"""Real browser (Debian's Chromium through Playwright) against the real app server: log in,
-upload an image, see k labelled results per index; run the probes tab."""
+"""Real browser (a Chromium through Playwright; see browsers.py for where it is found) against
+the real app server: log in, upload an image, see k labelled results per index; run the probes tab."""
 from __future__ import annotations
-
-import shutil
 
 import pytest
 
@@ -10,20 +8,17 @@ from serving.evaluate import labelled_folder
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--no-first-run", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
-def page(server):
-    if not shutil.which(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium)")
+def page(chromium, server):          # chromium first: no browser, no server started for nothing
     from playwright.sync_api import sync_playwright
 
     url, auth = server
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = p.chromium.launch(executable_path=chromium, args=ARGS)
         try:
             pg = browser.new_page(viewport={"width": 1400, "height": 1000})
             pg.set_default_timeout(60_000)

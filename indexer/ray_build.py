@@ -1,0 +1,352 @@
+"""``indexer build --ray``: one Ray task per shard, then the ordinary merge.
+
+Ray is the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
+inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
+finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
+so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
+which is why the result equals a single-machine build.
+
+Every path (gallery, ``DIR``) must mean the same files on every node: a shared filesystem. Each
+shard's LMDB store has one writer (its task) and is read by the merge only after that task ended.
+Ray is imported lazily: it is an optional extra (``pip install "das-retrieval[ray]"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import IndexerError
+from .manifest import MODEL_FILE
+from .walk import walk_gallery
+
+SHARDS_DIR = "shards"
+PLAN_FILE = "plan.json"         # shard count, gallery and model of the shards under SHARDS_DIR
+INSTALL_HINT = "pip install 'ray[default]>=2.9,<3' (or the project's extra: pip install -e '.[ray]')"
+# Test and drill hook: "i:N:MARKER" makes shard i's worker SIGKILL itself once N of its files
+# are settled (committed, or skipped), on the attempt that creates MARKER (so the retry runs to
+# the end). It exercises the real failure path: Ray notices a dead worker and retries the task.
+FAULT_ENV = "DAS_RAY_KILL_SHARD"
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise IndexerError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def only_loopback() -> bool:
+    """True when this process sees no network interface but ``lo`` (a private network
+    namespace, e.g. ``unshare -n``): Ray's listeners then cannot be reached from outside."""
+    return all(name == "lo" for _, name in socket.if_nameindex())
+
+
+# ---------------------------------------------------------------------------- progress
+class _Progress:
+    """Files done per shard, kept by a small Ray actor so that one bar can cover all shards.
+
+    A new attempt of a shard resets its count (a retry re-counts what the dead attempt stored,
+    as "unchanged"), so the total never counts an image twice.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.done = [0] * n
+        self.attempts = [0] * n
+
+    def start(self, i: int) -> None:
+        self.done[i] = 0
+        self.attempts[i] += 1
+
+    def add(self, i: int, k: int) -> None:
+        self.done[i] += k
+
+    def state(self) -> tuple[list[int], list[int]]:
+        return self.done, self.attempts
+
+
+class _Reporter:
+    """Task side of the progress actor: batches counts to one call per ``every`` seconds."""
+
+    def __init__(self, actor: Any, shard: int, every: float = 0.5) -> None:
+        self.actor, self.shard, self.every = actor, shard, every
+        self.pending, self.total, self.last = 0, 0, time.monotonic()
+        self.lock = threading.Lock()          # called from ingest's main and commit threads
+        # Wait for the actor to take the start: a call still queued in this worker when it is
+        # killed would be lost, and the attempt not counted.
+        import ray
+
+        ray.get(actor.start.remote(shard))
+
+    def __call__(self, k: int) -> None:
+        with self.lock:
+            self.pending += k
+            self.total += k
+            if time.monotonic() - self.last >= self.every:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.actor.add.remote(self.shard, self.pending)
+            self.pending, self.last = 0, time.monotonic()
+
+
+def _fault(spec: str | None, shard: int) -> Callable[[int], None] | None:
+    if not spec:
+        return None
+    i, after, marker = spec.split(":", 2)
+    if int(i) != shard or os.path.exists(marker):
+        return None
+
+    def check(done: int) -> None:
+        if done >= int(after):
+            Path(marker).write_text(f"shard {shard} killed after {done} files, pid {os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+    return check
+
+
+# ---------------------------------------------------------------------------- the task
+def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
+                actor: Any, fault: str | None) -> dict:
+    """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes)."""
+    from .build import build_index, load_embedder
+
+    report = _Reporter(actor, shard)
+    die = _fault(fault, shard)
+
+    def on_done(k: int) -> None:
+        report(k)
+        if die is not None:
+            die(report.total)
+
+    emb = load_embedder(model, device=opts["device"], batch_size=opts["batch_size"],
+                        threads=opts["threads"])
+    m = build_index(gallery, shard_dir, model, shard=(shard, n), batch_size=opts["batch_size"],
+                    workers=opts["workers"], device=opts["device"], progress=False, embedder=emb,
+                    on_done=on_done)
+    with report.lock:
+        report.flush()
+    return m
+
+
+# ---------------------------------------------------------------------------- the driver
+def connect(address: str | None, num_cpus: int | None = None) -> bool:
+    """Join a Ray cluster. ``local`` starts a private instance on this machine; ``auto`` finds
+    the one ``ray start`` runs here; anything else is the head's ``HOST:PORT``. Returns whether
+    this call started it (and so must shut it down)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        if address in (None, "local"):
+            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     logging_level="WARNING")
+        else:
+            ray.init(address=address, logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise IndexerError(f"--ray {address}: cannot connect to a Ray cluster: {msg}") from None
+    return True
+
+
+def alive_nodes(ray: Any) -> list[dict]:
+    """The resources (``{"CPU": 32.0, "GPU": 4.0, ...}``) of each live node of the cluster."""
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+def plan_resources(nodes: list[dict], shards: int, cpus_per_shard: int | None = None) -> dict:
+    """What each shard task reserves: one GPU where the cluster has GPUs (onnxruntime and faiss
+    then use it), and CPUs: as many as the cluster has per shard, but never more than one node
+    holds, since a task runs on one node (a request no node can meet would wait forever)."""
+    node_cpus = max((int(r.get("CPU", 0)) for r in nodes), default=1) or 1
+    total_cpus = sum(int(r.get("CPU", 0)) for r in nodes)
+    cpus = cpus_per_shard or max(1, min(node_cpus, total_cpus // max(1, shards)))
+    if cpus > node_cpus:
+        raise IndexerError(f"--cpus-per-shard {cpus}: no node of the cluster has that many CPUs "
+                           f"(largest: {node_cpus})")
+    gpus = 1 if sum(r.get("GPU", 0) for r in nodes) >= 1 else 0
+    return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def default_shards(nodes: list[dict]) -> int:
+    """One shard per GPU of the cluster, else one per node."""
+    gpus = int(sum(r.get("GPU", 0) for r in nodes))
+    return max(1, gpus or len(nodes))
+
+
+def _count_files(gallery: Path, bar: Any) -> None:
+    """The bar's total, counted on a helper thread while the shards already run."""
+    bar.total = sum(1 for _ in walk_gallery(gallery))
+    bar.refresh()
+
+
+def _check_plan(root: Path, gallery: Path, n: int, model_hash: str) -> None:
+    """Refuse to resume shards cut differently (or from another gallery or model): shard i of
+    2 is not shard i of 3, and a store resumed under the wrong cut would keep foreign images."""
+    plan = {"gallery": str(gallery), "shards": n, "model_hash": model_hash}
+    path = root / PLAN_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        for key, what in (("shards", "--shards"), ("gallery", "gallery"), ("model_hash", "model")):
+            if old.get(key) != plan[key]:
+                raise IndexerError(f"{root}: holds shards of another build ({what} {old.get(key)} "
+                                   f"instead of {plan[key]}); use the same {what} to resume, or "
+                                   "delete that folder to start over")
+        return
+    if any(root.iterdir()):
+        raise IndexerError(f"{root}: exists and is not a --ray shards folder; delete it or choose "
+                           "another --out")
+    path.write_text(json.dumps(plan, indent=2) + "\n")
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of what went wrong in a task (the task's own exception, not Ray's wrapper)."""
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip()
+    return text.splitlines()[0] if text else type(cause).__name__
+
+
+def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | None = None, *,
+                   address: str | None = "local", shards: int | None = None,
+                   max_retries: int = 3, cpus_per_shard: int | None = None,
+                   num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
+                   device: str = "auto", progress: bool = True, **merge_opts: Any) -> dict:
+    """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
+
+    Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options.
+    Returns the merged manifest plus ``ray``: shards, attempts per shard, resources per task.
+    """
+    from .build import load_embedder, merge_shards
+
+    t0 = time.perf_counter()
+    gallery, out = Path(gallery).resolve(), Path(out).resolve()
+    if not gallery.is_dir():
+        raise IndexerError(f"{gallery}: gallery folder not found")
+    if next(iter(walk_gallery(gallery)), None) is None:
+        raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")
+    target = merge_opts.get("target_recall", 0.95)
+    if not 0 < target <= 1:
+        raise IndexerError(f"target recall {target}: expected 0 < target <= 1")
+    if shards is not None and shards < 1:
+        raise ValueError(f"--shards={shards}: expected a positive integer")
+    if max_retries < 0:
+        raise ValueError(f"--max-retries={max_retries}: expected 0 or more")
+    emb = load_embedder(model, device="cpu", batch_size=batch_size)   # fails fast on a bad model
+    ray = _ray()
+    started = connect(address, num_cpus)
+    try:
+        nodes = alive_nodes(ray)
+        n = shards or default_shards(nodes)
+        res = plan_resources(nodes, n, cpus_per_shard)
+        root = out / SHARDS_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        _check_plan(root, gallery, n, emb.model_hash)
+        shared_model = root / MODEL_FILE            # tasks read the model from the shared path
+        if not shared_model.exists() or _sha(shared_model) != emb.model_hash:
+            tmp = root / (MODEL_FILE + ".tmp")
+            shutil.copyfile(emb.path, tmp)
+            os.replace(tmp, shared_model)
+        opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
+                "threads": res["num_cpus"], "device": device}
+        actor = ray.remote(num_cpus=0)(_Progress).remote(n)
+        ray.get(actor.state.remote())               # up before any task reports to it
+        task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
+        fault = os.environ.get(FAULT_ENV)
+        refs = {task.remote(str(gallery), str(root / str(i)), str(shared_model), i, n, opts, actor, fault): i
+                for i in range(n)}
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=None, desc=f"indexing ({n} shards on Ray)", unit="img")
+        if bar is not None:
+            threading.Thread(target=_count_files, args=(gallery, bar), daemon=True).start()
+        pending, manifests = list(refs), {}
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+                for r in ready:
+                    i = refs[r]
+                    try:
+                        manifests[i] = ray.get(r)
+                    except ray.exceptions.RayError as e:
+                        for p in pending:
+                            ray.cancel(p)
+                        attempts = ray.get(actor.state.remote())[1][i]
+                        raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
+                                           f"{_one_line(e)}; rerun the same command to resume") from None
+                if bar is not None:
+                    bar.n = sum(ray.get(actor.state.remote())[0])
+                    bar.refresh()
+            attempts = ray.get(actor.state.remote())[1]
+            if bar is not None:      # the shards' own counts are the final word
+                bar.n = sum(int(mm["ingest"]["found"]) for mm in manifests.values())
+                bar.total = max(bar.total or 0, bar.n)
+                bar.refresh()
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        if started:
+            ray.shutdown()
+    dirs = [root / str(i) for i in range(n)]
+    m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
+    m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res,
+                "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
+                "seconds": round(time.perf_counter() - t0, 3)}
+    return m
+
+
+def _sha(path: Path) -> str:
+    from embedder.hashing import file_sha256
+
+    return file_sha256(path)
+
+
+# ---------------------------------------------------------------------------- command line
+def add_arguments(b: Any) -> None:
+    """``indexer build``'s Ray options (the parser is built in ``__main__``)."""
+    b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS|auto|local",
+                   help="build the shards as Ray tasks and merge them: `local` starts Ray on this "
+                        "machine, `auto` joins the cluster `ray start` runs here, HOST:PORT a head "
+                        "node. Gallery and --out must be paths every node can read")
+    b.add_argument("--shards", type=int, default=None, metavar="N",
+                   help="with --ray: shard count (default: one per GPU of the cluster, else one per node)")
+    b.add_argument("--max-retries", type=int, default=3, metavar="N",
+                   help="with --ray: retries of a shard task whose worker died (default 3); "
+                        "a retry resumes from what the shard stored")
+    b.add_argument("--cpus-per-shard", type=int, default=None, metavar="N",
+                   help="with --ray: CPUs each shard task reserves (default: the cluster's CPUs / shards)")
+
+
+def build_from_args(args: Any) -> dict:
+    """``indexer build --ray``: check the flags, build, print the shard summary line."""
+    if args.ray is None:
+        raise ValueError("--shards needs --ray (for one shard by hand use --shard i/n)")
+    if args.shard:
+        raise ValueError("--shard and --ray exclude each other: --ray builds every shard itself")
+    for name, v in (("--batch-size", args.batch_size), ("--workers", args.workers),
+                    ("--cpus-per-shard", args.cpus_per_shard)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v}: expected a positive integer")
+    m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
+                       max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
+                       batch_size=args.batch_size, workers=args.workers, device=args.device,
+                       progress=not args.quiet, index_type=args.index_type,
+                       flat_threshold=args.flat_threshold, nlist=args.nlist,
+                       target_recall=args.target_recall, seed=args.seed)
+    r = m["ray"]
+    skipped = int(m.get("ingest", {}).get("skipped", 0))
+    print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
+          f"{r['num_cpus']} CPU per task; attempts per shard: {', '.join(map(str, r['attempts']))}), "
+          f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m['report']})" if skipped else "")
+          + f"; shards kept in {Path(args.out) / SHARDS_DIR}")
+    return m
