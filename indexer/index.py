@@ -53,7 +53,8 @@ class Index:
                                "run `indexer merge` first")
         if not (directory / INDEX_FILE).exists():
             raise IndexerError(f"{directory / INDEX_FILE}: index file missing; rerun `indexer build`")
-        fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device)
+        fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device,
+                             manifest.get("search_params") or "")
         if fi.d != int(manifest["dim"]):
             raise IndexerError(f"{directory / INDEX_FILE}: dimension mismatch: index holds {fi.d}-d "
                                f"vectors, manifest says {manifest['dim']}-d")
