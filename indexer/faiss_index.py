@@ -134,7 +134,7 @@ def choose_spec(n: int, dim: int, index_type: str = "auto",
     if n < PQ_TRAIN_POINTS:
         raise IndexerError(f"ivfpq needs at least {PQ_TRAIN_POINTS} images to train its "
                            f"codebooks, the gallery has {n}; use ivf or sq8")
-    return IndexSpec("ivfpq", f"IVF{nl},PQ{m}", nl, m)
+    return IndexSpec("ivfpq", f"IVF{nl},PQ{m}np", nl, m)   # np: no polysemous training (unused, slow)
 
 
 def use_gpu(device: str = "auto") -> bool:

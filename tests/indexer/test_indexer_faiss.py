@@ -35,7 +35,7 @@ def test_choose_spec() -> None:
     s = fx.choose_spec(100_000, 64)
     assert (s.index_type, s.factory) == ("ivf", f"IVF{fx.nlist_for(100_000)},Flat")
     assert fx.choose_spec(100, 64, flat_threshold=50).index_type == "ivf"
-    assert fx.choose_spec(50_000, 128, "ivfpq").factory.endswith(f",PQ{fx.pq_m_for(128)}")
+    assert fx.choose_spec(50_000, 128, "ivfpq").factory.endswith(f",PQ{fx.pq_m_for(128)}np")
     assert fx.choose_spec(50_000, 128, "sq8").factory.endswith(",SQ8")
     with pytest.raises(IndexerError, match="ivfpq needs"):
         fx.choose_spec(500, 128, "ivfpq")
