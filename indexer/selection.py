@@ -28,8 +28,9 @@ from .errors import IndexerError
 from .tuning import K, Holdout, clears, exact_knn, holdout, measure_qps, recalls, tune
 
 SELECT_FROM = 10_000        # smaller galleries forced past Flat get IVF-Flat: timings would be noise
-SAMPLE_CAP = 100_000        # candidates are built on at most this many gallery vectors
-HNSW_UP_TO = 300_000        # HNSW is a candidate up to this size (its build grows ~n log n)
+SAMPLE_CAP = 50_000         # candidates are built on at most this many gallery vectors
+HNSW_UP_TO = 100_000        # HNSW is a candidate up to this size (its build grows ~n log n)
+HNSW_QUANTIZER_FROM = 8_192 # nlist from which an HNSW graph finds the lists faster than a scan
 TIE = 0.10                  # within 10% of the fastest counts as a tie: the earlier candidate wins
 
 
@@ -42,27 +43,29 @@ def candidates(n: int, dim: int, max_memory: int | None = None) -> list[fx.Index
     """What to try for an ``n`` x ``dim`` gallery, in order of preference on a tie.
 
     Flat is the reference (and wins when the gallery is small enough). IVF-Flat at the usual
-    nlist and at 4x (finer lists scan fewer vectors; an HNSW graph finds the centroids once
-    there are thousands). SQ8 codes re-ranked exactly scan a quarter of the bytes; 4-bit
-    fast-scan PQ re-ranked exactly an eighth or less. HNSW itself while its build is affordable.
-    Where ``max_memory`` cannot hold the vectors themselves, codes that replace them: IVF-SQ8,
-    and fast-scan PQ re-ranked with SQ8 codes.
+    nlist and at a quarter of it (longer lists, cheaper to train and to assign); from 8k lists
+    (galleries of millions) the same lists found through an HNSW graph. SQ8 codes re-ranked
+    exactly scan a quarter of the bytes; 4-bit fast-scan PQ re-ranked exactly an eighth, on the
+    coarser lists (scanning codes is cheap, so longer lists cost little and build fast), with two
+    re-ranking depths. HNSW itself while its build is affordable. Where ``max_memory`` cannot
+    hold the vectors, codes that replace them: IVF-SQ8, and fast-scan PQ re-ranked with SQ8.
     """
     if n < SELECT_FROM:
         return [fx.choose_spec(n, dim, "ivf")]
     nl = fx.nlist_for(n)
-    # the second nlist: 4x finer where there are >= 50 vectors per list to train it (39 once some
-    # are held out), else 4x coarser
-    other = 4 * nl if n // 50 >= 4 * nl else max(1, nl // 4)
+    coarse = max(1, nl // 4)
+    pq = fx.choose_spec(n, dim, "pqfsrf", nlist=coarse)
     out = [fx.choose_spec(n, dim, "flat"),
            fx.choose_spec(n, dim, "ivf", nlist=nl),
-           fx.choose_spec(n, dim, "ivfhnsw" if other >= 4096 else "ivf", nlist=other),
-           fx.choose_spec(n, dim, "sq8rf", nlist=nl),
-           fx.choose_spec(n, dim, "pqfsrf", nlist=nl)]
+           fx.choose_spec(n, dim, "ivf", nlist=coarse)]
+    if nl >= HNSW_QUANTIZER_FROM:
+        out.append(fx.choose_spec(n, dim, "ivfhnsw", nlist=nl))
+    out += [fx.choose_spec(n, dim, "sq8rf", nlist=nl), pq, replace(pq, k_factor=2 * pq.k_factor)]
     if n <= HNSW_UP_TO:
         out.append(fx.choose_spec(n, dim, "hnsw"))
     if max_memory is not None and max_memory < 1.1 * n * 4 * dim:
-        out += [fx.choose_spec(n, dim, "sq8", nlist=nl), fx.choose_spec(n, dim, "pqfsr8", nlist=nl)]
+        out += [fx.choose_spec(n, dim, "sq8", nlist=nl),
+                replace(fx.choose_spec(n, dim, "pqfsr8", nlist=coarse), k_factor=2 * pq.k_factor)]
     return out
 
 
@@ -126,18 +129,24 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
     centroids: dict[int, np.ndarray] = {}
     table: list[dict] = []
     built: dict[int, faiss.Index] = {}     # sample = gallery: candidates that may be the index
+    last: tuple | None = None
     bar = _progress(specs, progress)
     for i, spec in enumerate(bar):
         s_spec = scaled(spec, len(rows), n) if not whole else spec
-        t0 = time.perf_counter()
-        train_rows = fx.training_sample(len(rows), s_spec, seed)
-        if s_spec.nlist and s_spec.nlist not in centroids:
-            centroids[s_spec.nlist] = fx.kmeans(xs[train_rows], s_spec.nlist, device=device, seed=seed)
-        index = fx.train(s_spec, xs[train_rows], dim, device=device, seed=seed,
-                         centroids=centroids.get(s_spec.nlist))
-        empty = serialized_bytes(index)
-        fx.add(index, xs, ids_s)
-        build_s = time.perf_counter() - t0
+        if last is not None and last[0] == s_spec.factory:     # only a search parameter differs
+            index, empty, build_s = last[1:]
+        else:
+            t0 = time.perf_counter()
+            train_rows = fx.training_sample(len(rows), s_spec, seed)
+            if s_spec.nlist and s_spec.nlist not in centroids:
+                centroids[s_spec.nlist] = fx.kmeans(xs[train_rows], s_spec.nlist, device=device,
+                                                    seed=seed)
+            index = fx.train(s_spec, xs[train_rows], dim, device=device, seed=seed,
+                             centroids=centroids.get(s_spec.nlist))
+            empty = serialized_bytes(index)
+            fx.add(index, xs, ids_s)
+            build_s = time.perf_counter() - t0
+            last = (s_spec.factory, index, empty, build_s)
         value, rq = tune(index, s_spec, q, truth, target)
         qps = measure_qps(index, q, k)
         filled = serialized_bytes(index)
@@ -153,7 +162,7 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
                       "fits_memory": max_memory is None or memory <= max_memory})
         if whole and table[-1]["meets_target"] and table[-1]["fits_memory"]:
             built[i] = index
-        del index
+    del index, last
     chosen = choose(table, max_memory)
     for i, row in enumerate(table):
         row["chosen"] = i == chosen
