@@ -172,3 +172,31 @@ def test_cli_max_memory_and_manifests_from_before(tmp_path, omniglot_gallery, sm
     got = Index.open(tmp_path / "c").search_embeddings(np.eye(64, dtype=np.float32)[:5], 5)[1]
     np.testing.assert_array_equal(got, want)
     assert "recall:   @10 vs exact" in run_cli("info", "--index", tmp_path / "c").stdout
+
+
+@pytest.mark.parametrize("index_type", ["sq8rf", "hnsw"])
+def test_add_and_remove_on_types_that_cannot_remove_in_place(tmp_path, omniglot_root, small_onnx,
+                                                             index_type: str) -> None:
+    """Refine wrappers and HNSW graphs are refilled on removal, then retuned on self-queries."""
+    from conftest import copy_characters
+
+    g1, g2 = tmp_path / "g1", tmp_path / "g2"
+    copy_characters(omniglot_root, g1, 6, per_char=20)
+    new = copy_characters(omniglot_root, g2, 1, per_char=10, skip_chars=50)
+    out = tmp_path / "idx"
+    run_cli("build", g1, "--model", small_onnx, "--out", out, "--quiet", "--index-type", index_type)
+    m = read_manifest(out)
+    assert m["index_type"] == index_type and m["heldout_queries"] == 12 and m["search_params"]
+    run_cli("add", g2, "--index", out, "--prefix", "more", "--quiet")
+    rel = "more/" + new[0].relative_to(g2).as_posix()
+    idx = Index.open(out)
+    assert len(idx) == 130 and idx.search([new[0]], 1)[0][0].path == rel
+    run_cli("remove", rel, "--index", out)
+    m = read_manifest(out)
+    assert m["count"] == 129 and m["heldout_queries"] == 0 and m["search_params"]
+    idx = Index.open(out)
+    assert len(idx) == 129 and all(h.path != rel for h in idx.search([new[0]], 10)[0])
+    ids, x = idx.store.all_embeddings(idx.model_hash)
+    assert np.array_equal(np.sort(fx.index_ids(idx.faiss.cpu_index)), np.sort(ids))
+    found = idx.search_embeddings(x, 1)[1][:, 0]
+    assert (found == ids).mean() > 0.95                  # the refilled index still finds each image
