@@ -120,7 +120,7 @@ def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     q_flat = len(q) / (time.perf_counter() - t0)
     recall = fx.recall_vs_exact(index.search(q, 10)[1], truth)
     q_ivf = qps(index, q)
-    row = {"n": n, "d": d, "index": f"{fields['index_type']} nlist={fields['nlist']} nprobe={fields['nprobe']}",
+    row = {"n": n, "d": d, "index": f"{fields['index_type']} {fields['factory']} ({fields['search_params'] or 'exact'})",
            "build_s": build, "train_s": fields["train_seconds"], "index_mib": size / 2 ** 20,
            "rss_gib": rss_gib(), "tuned_recall": fields["recall_at_10"], "recall": recall,
            "qps": q_ivf, "flat_qps": q_flat, "speedup": q_ivf / q_flat}
@@ -273,6 +273,19 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
 
 
 LOWRANK_HEAD = "Low-rank synthetic unit vectors"
+CLUSTERED_END = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+
+
+def replace_clustered_section(text: str, section: list[str]) -> str:
+    """``text`` with its heading, command and clustered table replaced by ``section``."""
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("## Indexer")), None)
+    if start is None:
+        return "\n".join(section + [""] + lines) + "\n"
+    end = next(i for i in range(start, len(lines)) if lines[i] == CLUSTERED_END) + 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + section + lines[end:]) + "\n"
 
 
 def replace_lowrank_section(text: str, section: list[str]) -> str:
@@ -280,12 +293,12 @@ def replace_lowrank_section(text: str, section: list[str]) -> str:
     the ingest paragraph if absent); everything else is kept."""
     lines = text.rstrip("\n").split("\n")
     start = next((i for i, line in enumerate(lines) if line.startswith(LOWRANK_HEAD)), None)
-    ends = [i for i, line in enumerate(lines) if line.startswith((INGEST_HEAD, "Notes", "## "))
-            and i > (start if start is not None else -1)]
     if start is None:
-        at = ends[0] if ends else len(lines)
+        at = next((i for i, line in enumerate(lines) if line.startswith((INGEST_HEAD, "Notes"))),
+                  len(lines))
         return "\n".join(lines[:at] + section + [""] + lines[at:]) + "\n"
-    end = ends[0] if ends else len(lines)
+    end = next((i for i in range(start + 1, len(lines))
+                if lines[i].startswith((INGEST_HEAD, "Notes", "## "))), len(lines))
     return "\n".join(lines[:start] + section + [""] + lines[end:]) + "\n"
 
 
@@ -434,10 +447,10 @@ def main() -> None:
              f"({total / 60:.1f} min, 2 shared CPU cores, faiss {__import__('faiss').__version__}).", "",
              "Clustered synthetic unit vectors; 1000 fresh queries (not gallery vectors); recall@10 "
              "against exact search; queries/s for batches of 1000 queries, same run, same cores.", "",
-             "| n | d | index | build s (k-means s) | index MiB | peak RSS GiB | recall@10 (tuning / fresh queries) "
+             "| n | d | index | build s (k-means s) | index MiB | peak RSS GiB | recall@10 (held-out / fresh queries) "
              "| queries/s | Flat queries/s | speed-up |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+             CLUSTERED_END]
+    for r in rows:     # (the table's last header line is CLUSTERED_END)
         lines.append(f"| {r['n']:,} | {r['d']} | {r['index']} | {r['build_s']:.1f} ({r['train_s']:.1f}) | "
                      f"{r['index_mib']:.0f} | {r['rss_gib']:.1f} | {r['tuned_recall']:.3f} / {r['recall']:.3f} | "
                      f"{r['qps']:,.0f} | {r['flat_qps']:,.0f} | {r['speedup']:.1f}x |")
@@ -446,8 +459,11 @@ def main() -> None:
     if ing:
         lines += [""] + ingest_section(ing, cmd if not rows else None, total, args.ingest_repeats)
     text = "\n".join(lines) + "\n"
-    if not rows and (ing or lr_rows) and args.out and args.out.exists():
+    partial = not (rows and lr_rows and ing)
+    if partial and (rows or ing or lr_rows) and args.out and args.out.exists():
         text = args.out.read_text()         # a partial run replaces only its own sections
+        if rows:
+            text = replace_clustered_section(text, lines[:lines.index(CLUSTERED_END) + 1 + len(rows)])
         if lr_rows:
             text = replace_lowrank_section(text, lowrank_section(lr_rows, cmd, total))
         if ing:
