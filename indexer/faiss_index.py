@@ -24,8 +24,9 @@ from .manifest import atomic_target
 INDEX_TYPES = ("auto", "flat", "ivf", "ivfhnsw", "hnsw", "sq8", "sq8rf", "ivfpq", "pqfsrf", "pqfsr8")
 # flat: exact. ivf: IVF-Flat. ivfhnsw: IVF-Flat whose nlist centroids are found through an HNSW
 # graph (cheap for large nlist). hnsw: an HNSW graph over the vectors. sq8 / ivfpq: IVF over
-# 8-bit / PQ codes (compressed, no refine). sq8rf / pqfsrf: IVF over SQ8 / 4-bit fast-scan PQ
-# codes whose k_factor * k best candidates are re-ranked with the exact vectors (IndexRefineFlat).
+# 8-bit / PQ codes (compressed, no refine). sq8rf / pqfsrf: IVF over SQ8 codes / 4-bit fast-scan
+# PQ codes of the residuals (vector - centroid; about twice as accurate as PQ of the vectors on
+# low-rank data) whose k_factor * k best candidates are re-ranked with the exact vectors.
 # pqfsr8: the same fast-scan PQ re-ranked with SQ8 codes (a quarter of the memory of the vectors).
 HNSW_M = 32                         # graph degree (hnsw, and the ivfhnsw quantizer)
 SQ8_K_FACTOR = 2                    # SQ8 ranks almost exactly: 2k candidates are enough to refine
@@ -129,7 +130,8 @@ def choose_spec(n: int, dim: int, index_type: str = "auto",
             raise IndexerError(f"{index_type} needs at least {PQFS_TRAIN_POINTS} images to train its "
                                f"codebooks, the gallery has {n}; use ivf or sq8rf")
         refine = "RFlat" if index_type == "pqfsrf" else "Refine(SQ8)"
-        return IndexSpec(index_type, f"IDMap2,IVF{nl},PQ{m}x4fs,{refine}", nl, m, k_factor=PQFS_K_FACTOR)
+        return IndexSpec(index_type, f"IDMap2,IVF{nl},PQ{m}x4fsr,{refine}", nl, m,   # r: residuals
+                         k_factor=PQFS_K_FACTOR)
     m = pq_m_for(dim)
     if n < PQ_TRAIN_POINTS:
         raise IndexerError(f"ivfpq needs at least {PQ_TRAIN_POINTS} images to train its "
