@@ -217,14 +217,15 @@ def _print_candidates(m: dict) -> None:
     if not rows:
         return
     print(f"chosen by measurement in {m.get('selection_seconds', 0):.1f}s on a sample "
-          f"(q/s: one batch of the tuning queries; memory extrapolated to the gallery"
+          f"(q/s: one batch of the tuning queries, Flat's scaled to the gallery size; memory "
+          f"extrapolated to the gallery"
           + (f"; budget {m['max_memory'] / 2 ** 20:.0f} MiB" if m.get("max_memory") else "") + "):")
     print(f"  {'':1} {'type':7} {'factory':32} {'search params':34} {'recall':>6} {'q/s':>9} "
           f"{'MiB':>7} {'build s':>7}")
     for r in rows:
         mark = "*" if r.get("chosen") else ("-" if not (r["meets_target"] and r["fits_memory"]) else "")
         print(f"  {mark:1} {r['index_type']:7} {r['factory']:32} {r['search_params'] or '(exact)':34} "
-              f"{r['recall_at_10']:6.3f} {r['qps']:9,.0f} {r['memory_bytes'] / 2 ** 20:7.0f} "
+              f"{r['recall_at_10']:6.3f} {r.get('rank_qps', r['qps']):9,.0f} {r['memory_bytes'] / 2 ** 20:7.0f} "
               f"{r['build_seconds']:7.1f}")
     print("  (* chosen, - misses the target or the memory budget)")
 
