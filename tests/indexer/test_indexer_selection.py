@@ -11,7 +11,7 @@ import faiss
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import copy_characters, run_cli
 from indexer import Index
 from indexer import faiss_index as fx
 from indexer import selection
@@ -178,8 +178,6 @@ def test_cli_max_memory_and_manifests_from_before(tmp_path, omniglot_gallery, sm
 def test_add_and_remove_on_types_that_cannot_remove_in_place(tmp_path, omniglot_root, small_onnx,
                                                              index_type: str) -> None:
     """Refine wrappers and HNSW graphs are refilled on removal, then retuned on self-queries."""
-    from conftest import copy_characters
-
     g1, g2 = tmp_path / "g1", tmp_path / "g2"
     copy_characters(omniglot_root, g1, 6, per_char=20)
     new = copy_characters(omniglot_root, g2, 1, per_char=10, skip_chars=50)
