@@ -4,20 +4,27 @@ Run from the repository root:
 
     python benchmarks/index_bench.py --out benchmarks/RESULTS-indexer.md
     python benchmarks/index_bench.py --skip-synthetic --ingest-images 400 --out benchmarks/RESULTS-indexer.md
+    python benchmarks/index_bench.py --sizes '' --wide '' --skip-ingest \
+        --autofaiss-python /tmp/afenv/bin/python --out benchmarks/RESULTS-indexer.md
 
-The second form reruns only the ingest part and replaces only its paragraph and table in an
-existing ``--out`` file, keeping the synthetic figures and any hand-written notes. The Ray row
+The second form reruns only the ingest part and the third only the low-rank part; each replaces
+only its own paragraph and tables in an existing ``--out`` file, keeping the other figures and
+any hand-written notes. The Ray row
 (one process vs ``indexer build --ray local --shards 2``) starts Ray, so it runs in a private
 network namespace and, alone, replaces only its own section:
 
     unshare -n sh -c 'ip link set lo up && python benchmarks/index_bench.py --skip-synthetic \
         --skip-ingest --ray-images 400 --out benchmarks/RESULTS-indexer.md'
 
-Part 1 builds the index exactly as ``indexer build`` does (``indexer.build.make_index``: choice of
-Flat/IVF, nlist, k-means, nprobe tuned to recall@10 >= 0.95 vs exact) on clustered synthetic
-unit vectors, then measures on 1000 fresh queries (not gallery vectors): recall@10 vs exact
-search, and queries/s at the tuned nprobe against an exact Flat index over the same vectors,
-searched in the same run. Part 2 times ``indexer build`` (walk, read, sha256, LMDB commits,
+Part 1 builds the index exactly as ``indexer build`` does (``indexer.build.make_index``: index
+type chosen by measurement on a sample, search parameter tuned to recall@10 >= 0.95 vs exact on
+held-out gallery vectors) on clustered synthetic unit vectors, then measures on 1000 fresh
+queries (not gallery vectors): recall@10 vs exact search, and queries/s at the tuned setting
+against an exact Flat index over the same vectors, searched in the same run. The low-rank part
+does the same on vectors near a 16-dim subspace (harder: see ``low_rank``), at 100k and 1M x 128
+and 1M x 512, with autofaiss's default index as a peer row when ``--autofaiss-python`` names a
+Python that has autofaiss (a scratch environment, e.g. ``python -m venv /tmp/afenv &&
+/tmp/afenv/bin/pip install autofaiss faiss-cpu numpy "pyarrow<18"``; not a project dependency). Part 2 times ``indexer build`` (walk, read, sha256, LMDB commits,
 embedding, faiss) on an Omniglot subset against bare embedding of the same images with the same
 onnxruntime embedder (``OnnxEmbedder.embed_iter``, same batch size and decode threads).
 Ratios, not absolute numbers, are the result: the CPU here is shared.
@@ -118,13 +125,222 @@ def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     q_flat = len(q) / (time.perf_counter() - t0)
     recall = fx.recall_vs_exact(index.search(q, 10)[1], truth)
     q_ivf = qps(index, q)
-    row = {"n": n, "d": d, "index": f"{fields['index_type']} nlist={fields['nlist']} nprobe={fields['nprobe']}",
+    row = {"n": n, "d": d, "index": f"{fields['index_type']} {fields['factory']} ({fields['search_params'] or 'exact'})",
            "build_s": build, "train_s": fields["train_seconds"], "index_mib": size / 2 ** 20,
            "rss_gib": rss_gib(), "tuned_recall": fields["recall_at_10"], "recall": recall,
            "qps": q_ivf, "flat_qps": q_flat, "speedup": q_ivf / q_flat}
     del index, flat, x
     gc.collect()
     return row
+
+
+# ---------------------------------------------------------------------------- low-rank galleries
+LR_RANK = 16        # intrinsic dimension: points lie near a 16-dim subspace of R^d
+LR_CLUSTERS = 1000  # a mixture of clusters inside that subspace
+LR_SPREAD = 0.8     # cluster spread relative to the spread of the centres (clusters overlap)
+LR_NOISE = 0.1      # isotropic noise off the subspace, relative to the signal's norm
+
+
+def low_rank_law(d: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(basis d x 16, cluster centres 1000 x 16): shared by a gallery and its queries."""
+    rng = np.random.default_rng(seed)
+    basis = np.linalg.qr(rng.normal(size=(d, LR_RANK)))[0].astype(np.float32)
+    return basis, rng.normal(size=(LR_CLUSTERS, LR_RANK)).astype(np.float32)
+
+
+def low_rank(n: int, law: tuple[np.ndarray, np.ndarray], seed: int, chunk: int = 100_000) -> np.ndarray:
+    """Unit vectors near a low-dimensional subspace, generated in chunks (1M x 512 is 2 GB).
+
+    Harder than ``clustered``: in 16 dimensions a query's ten neighbours are nearly as far as
+    the next hundred and lie in many IVF lists, which is how real image embeddings behave
+    (their spectrum decays fast). With these constants IVF4096,Flat needs nprobe ~32 for
+    recall@10 0.95 at 1M x 128.
+    """
+    import faiss
+
+    basis, centres = law
+    d = basis.shape[0]
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, d), dtype=np.float32)
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        z = centres[rng.integers(0, len(centres), m)] + LR_SPREAD * rng.normal(size=(m, LR_RANK))
+        out[s:s + m] = z.astype(np.float32) @ basis.T
+        out[s:s + m] += (LR_NOISE * np.sqrt(LR_RANK / d)) * rng.normal(size=(m, d)).astype(np.float32)
+    faiss.normalize_L2(out)
+    return out
+
+
+def timed_batches(searches: dict, rounds: int = 3, per_round: dict | None = None) -> dict:
+    """Median seconds per batch for each named search, interleaved round by round so that a
+    burst of load from other jobs hits all of them alike."""
+    times: dict[str, list[float]] = {k: [] for k in searches}
+    for _ in range(rounds):
+        for name, fn in searches.items():
+            for _ in range((per_round or {}).get(name, 1)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+AUTOFAISS_SCRIPT = r"""
+import json, sys, time
+import numpy as np, faiss
+from autofaiss import build_index
+faiss.omp_set_num_threads(2)
+x = np.load(sys.argv[1])
+t0 = time.perf_counter()
+index, info = build_index(embeddings=x, save_on_disk=False, metric_type="ip", nb_cores=2, verbose=30)
+build = time.perf_counter() - t0
+faiss.write_index(index, sys.argv[2])
+print(json.dumps({"build_s": build, "index_key": info.get("index_key"),
+                  "index_param": info.get("index_param"), "version": __import__("autofaiss").__version__
+                  if hasattr(__import__("autofaiss"), "__version__") else ""}))
+"""
+
+
+def autofaiss_build(python: str, x: np.ndarray, tmp: Path, timeout: float) -> tuple[object, dict] | dict:
+    """autofaiss's default index for ``x``, built in its own environment (not a dependency of
+    this project): (faiss index, info), or {"error": ...} if it could not run."""
+    import subprocess
+
+    import faiss
+
+    np.save(tmp / "x.npy", x)
+    try:
+        p = subprocess.run([python, "-c", AUTOFAISS_SCRIPT, str(tmp / "x.npy"), str(tmp / "af.index")],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"autofaiss did not finish in {timeout:.0f} s"}
+    except OSError as e:
+        return {"error": f"{python}: {e}"}
+    finally:
+        (tmp / "x.npy").unlink(missing_ok=True)
+    if p.returncode != 0:
+        return {"error": (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1]}
+    info = __import__("json").loads(p.stdout.strip().splitlines()[-1])
+    index = faiss.read_index(str(tmp / "af.index"))
+    if info.get("index_param"):
+        faiss.ParameterSpace().set_index_parameters(index, info["index_param"])
+    return index, info
+
+
+def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str | None = None,
+            autofaiss_timeout: float = 900) -> list[dict]:
+    """Rows for one low-rank gallery: ours (``make_index``, as ``indexer build``) and, if given,
+    autofaiss's default; Flat's queries/s measured in the same rounds as each index's."""
+    import faiss
+
+    from indexer import faiss_index as fx
+    from indexer.build import make_index
+
+    faiss.omp_set_num_threads(2)
+    law = low_rank_law(d, seed)
+    x = low_rank(n, law, seed + 1)
+    q = low_rank(nq, law, seed + 2)          # fresh queries: not gallery vectors
+    ids = np.sort(np.random.default_rng(seed).choice(2 ** 53, size=n, replace=False)).astype(np.int64)
+    load0 = os.getloadavg()[0]
+    truth = ids[faiss.knn(q, x, 10, metric=faiss.METRIC_INNER_PRODUCT)[1]]   # exact, no copy of x
+    flat = lambda: faiss.knn(q, x, 10, metric=faiss.METRIC_INNER_PRODUCT)   # noqa: E731
+    rows = []
+    if autofaiss_python:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+            res = autofaiss_build(autofaiss_python, x, Path(tmp), autofaiss_timeout)
+        if isinstance(res, dict):
+            rows.append({"n": n, "d": d, "who": "autofaiss default", "index": res["error"]})
+        else:
+            index, info = res
+            found = index.search(q, 10)[1]           # autofaiss numbers vectors 0..n-1
+            recall = fx.recall_vs_exact(np.where(found >= 0, ids[np.maximum(found, 0)], -1), truth)
+            t = timed_batches({"flat": flat, "index": lambda: index.search(q, 10)}, per_round={"index": 5})
+            rows.append({"n": n, "d": d, "who": "autofaiss default",
+                         "index": f"{info['index_key']} ({info['index_param']})", "build_s": info["build_s"],
+                         "heldout": None, "recall": recall, "qps": nq / t["index"], "flat_qps": nq / t["flat"],
+                         "speedup": t["flat"] / t["index"], "index_mib": faiss.serialize_index(index).size / 2 ** 20})
+            del index
+    gc.collect()
+    t0 = time.perf_counter()
+    index, fields = make_index(ids, x, device="cpu", progress=False)
+    build = time.perf_counter() - t0
+    recall = fx.recall_vs_exact(index.search(q, 10)[1], truth)
+    t = timed_batches({"flat": flat, "index": lambda: index.search(q, 10)}, per_round={"index": 5})
+    chosen = f"{fields['index_type']} {fields['factory']} ({fields['search_params'] or 'exact'})"
+    rows.append({"n": n, "d": d, "who": "ours (indexer build)", "index": chosen, "build_s": build,
+                 "selection_s": fields.get("selection_seconds"), "heldout": fields["recall_at_10"],
+                 "recall": recall, "qps": nq / t["index"], "flat_qps": nq / t["flat"],
+                 "speedup": t["flat"] / t["index"], "index_mib": faiss.serialize_index(index).size / 2 ** 20,
+                 "rss_gib": rss_gib(), "load": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
+                 "candidates": fields.get("candidates", [])})
+    del index, x
+    gc.collect()
+    return rows
+
+
+LOWRANK_HEAD = "Low-rank synthetic unit vectors"
+CLUSTERED_END = "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+
+
+def replace_clustered_section(text: str, section: list[str]) -> str:
+    """``text`` with its heading, command and clustered table replaced by ``section``."""
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("## Indexer")), None)
+    if start is None:
+        return "\n".join(section + [""] + lines) + "\n"
+    end = next(i for i in range(start, len(lines)) if lines[i] == CLUSTERED_END) + 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return "\n".join(lines[:start] + section + lines[end:]) + "\n"
+
+
+def replace_lowrank_section(text: str, section: list[str]) -> str:
+    """``text`` with its low-rank paragraph and tables replaced by ``section`` (inserted before
+    the ingest paragraph if absent); everything else is kept."""
+    lines = text.rstrip("\n").split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(LOWRANK_HEAD)), None)
+    if start is None:
+        at = next((i for i, line in enumerate(lines) if line.startswith((INGEST_HEAD, "Notes"))),
+                  len(lines))
+        return "\n".join(lines[:at] + section + [""] + lines[at:]) + "\n"
+    end = next((i for i in range(start + 1, len(lines))
+                if lines[i].startswith((INGEST_HEAD, "Notes", "## "))), len(lines))
+    return "\n".join(lines[:start] + section + [""] + lines[end:]) + "\n"
+
+
+def lowrank_section(rows: list[dict], cmd: str, seconds: float) -> list[str]:
+    """The low-rank table (ours vs autofaiss, each against Flat in the same rounds) and, per
+    gallery, the candidates our selection measured on its sample."""
+    from indexer.selection import SAMPLE_CAP
+
+    lines = [LOWRANK_HEAD + " (near a 16-dim subspace: 1000 overlapping clusters there, "
+             "noise off it; see `low_rank`); 1000 fresh queries in one batch; recall@10 against exact "
+             "search; 2 threads (`faiss.omp_set_num_threads(2)`); queries/s the median of interleaved "
+             "batches, Flat's measured in the same rounds. Command: "
+             f"`{cmd}` ({seconds / 60:.1f} min).", "",
+             "| n | d | who | index (search parameters) | build s | recall@10 held-out / fresh "
+             "| queries/s | Flat queries/s | speed-up | index MiB | load avg |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "qps" not in r:
+            lines.append(f"| {r['n']:,} | {r['d']} | {r['who']} | {r['index']} | - | - | - | - | - | - | - |")
+            continue
+        held = f"{r['heldout']:.3f}" if r.get("heldout") is not None else "-"
+        build = f"{r['build_s']:.1f}" + (f" (choice {r['selection_s']:.1f})" if r.get("selection_s") else "")
+        lines.append(f"| {r['n']:,} | {r['d']} | {r['who']} | {r['index']} | {build} | {held} / "
+                     f"{r['recall']:.3f} | {r['qps']:,.0f} | {r['flat_qps']:,.0f} | {r['speedup']:.1f}x | "
+                     f"{r['index_mib']:.0f} | {r.get('load', '')} |")
+    for r in rows:
+        if r.get("candidates"):
+            lines += ["", f"Candidates measured for {r['n']:,} x {r['d']} (on a sample of at most "
+                      f"{SAMPLE_CAP // 1000}k; Flat's queries/s scaled to the gallery for the ranking):", "",
+                      "| type | factory (sample) | search parameters | recall@10 | queries/s | MiB (gallery) | build s | |",
+                      "|---|---|---|---:|---:|---:|---:|---|"]
+            for c in r["candidates"]:
+                mark = "chosen" if c["chosen"] else ("misses target" if not c["meets_target"] else "")
+                lines.append(f"| {c['index_type']} | {c['sample_factory']} | {c['search_params'] or 'exact'} | "
+                             f"{c['recall_at_10']:.3f} | {c['rank_qps']:,.0f} | {c['memory_bytes'] / 2 ** 20:,.0f} | "
+                             f"{c['build_seconds']:.1f} | {mark} |")
+    return lines
 
 
 def ingest(n_images: int, model: Path, label: str, batch_size: int = 32, workers: int = 2,
@@ -273,6 +489,12 @@ def main() -> None:
                          "Omniglot images (EfficientNet-Lite0; small_cnn on 4N); needs Ray and a private "
                          "network namespace. Alone (with --skip-synthetic --skip-ingest) and --out, it "
                          "replaces only its section of an existing file")
+    ap.add_argument("--lowrank", default="100000x128,1000000x128,1000000x512",
+                    help="low-rank synthetic galleries, NxD comma-separated ('' to skip)")
+    ap.add_argument("--autofaiss-python", default=None, metavar="PYTHON",
+                    help="python of a scratch environment with autofaiss installed (not a project "
+                         "dependency), e.g. /tmp/afenv/bin/python: adds autofaiss's default as a peer row")
+    ap.add_argument("--autofaiss-timeout", type=float, default=900, help="seconds per autofaiss build")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown section here")
     args = ap.parse_args()
     try:
@@ -290,6 +512,15 @@ def main() -> None:
         print(f"synthetic {n} x {d} ...", flush=True)
         rows.append(synthetic(n, d))
         print("  ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    lr_rows: list[dict] = []
+    for spec in ([] if args.skip_synthetic else [p for p in args.lowrank.split(",") if p]):
+        n, d = (int(v) for v in spec.lower().split("x"))
+        print(f"low-rank {n} x {d} ...", flush=True)
+        lr_rows += lowrank(n, d, autofaiss_python=args.autofaiss_python,
+                           autofaiss_timeout=args.autofaiss_timeout)
+        for r in lr_rows[-2:]:
+            print("  ", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                         if k != "candidates"}, flush=True)
     ing = []
     if not args.skip_ingest:
         from embedder import default_model_path
@@ -321,21 +552,29 @@ def main() -> None:
              f"({total / 60:.1f} min, 2 shared CPU cores, faiss {__import__('faiss').__version__}).", "",
              "Clustered synthetic unit vectors; 1000 fresh queries (not gallery vectors); recall@10 "
              "against exact search; queries/s for batches of 1000 queries, same run, same cores.", "",
-             "| n | d | index | build s (k-means s) | index MiB | peak RSS GiB | recall@10 (tuning / fresh queries) "
+             "| n | d | index | build s (k-means s) | index MiB | peak RSS GiB | recall@10 (held-out / fresh queries) "
              "| queries/s | Flat queries/s | speed-up |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+             CLUSTERED_END]
+    for r in rows:     # (the table's last header line is CLUSTERED_END)
         lines.append(f"| {r['n']:,} | {r['d']} | {r['index']} | {r['build_s']:.1f} ({r['train_s']:.1f}) | "
                      f"{r['index_mib']:.0f} | {r['rss_gib']:.1f} | {r['tuned_recall']:.3f} / {r['recall']:.3f} | "
                      f"{r['qps']:,.0f} | {r['flat_qps']:,.0f} | {r['speedup']:.1f}x |")
+    if lr_rows:
+        lines += [""] + lowrank_section(lr_rows, cmd, total)
     if ing:
         lines += [""] + ingest_section(ing, cmd if not rows else None, total, args.ingest_repeats)
     if ray_rows:
         lines += [""] + ray_section(ray_rows, cmd, total, args.ingest_repeats)
     text = "\n".join(lines) + "\n"
-    if not rows and ing and args.out and args.out.exists():
-        text = replace_ingest_section(args.out.read_text(),
-                                      ingest_section(ing, cmd, total, args.ingest_repeats))
+    partial = not (rows and lr_rows and ing)
+    if partial and (rows or ing or lr_rows) and args.out and args.out.exists():
+        text = args.out.read_text()         # a partial run replaces only its own sections
+        if rows:
+            text = replace_clustered_section(text, lines[:lines.index(CLUSTERED_END) + 1 + len(rows)])
+        if lr_rows:
+            text = replace_lowrank_section(text, lowrank_section(lr_rows, cmd, total))
+        if ing:
+            text = replace_ingest_section(text, ingest_section(ing, cmd, total, args.ingest_repeats))
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -19,6 +19,7 @@ import faiss
 import numpy as np
 
 from . import faiss_index as fx
+from . import selection, tuning
 from .errors import IndexerError
 from .manifest import (INDEX_FILE, MODEL_FILE, REPORT, STORE_DIR, read_manifest, write_manifest,
                        write_report)
@@ -75,37 +76,19 @@ def make_index(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
                flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
                target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
                seed: int = 0, trained: faiss.Index | None = None,
-               parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[faiss.Index, dict]:
-    """Train, fill and tune an index over (ids ascending, x). Returns (index, manifest fields).
+               parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+               max_memory: int | str | None = None, progress: bool = False) -> tuple[faiss.Index, dict]:
+    """Choose, train, fill and tune an index over (ids ascending, x). Returns (index, manifest fields).
 
+    See ``selection.build``: the type is chosen by measurement above ``flat_threshold`` (unless
+    ``index_type`` forces one), and the recall reported is measured on held-out gallery vectors.
     With ``parts`` (shards' (ids, x)), each part is added to its own copy of the trained empty
     index and the copies are merged with ``merge_from``: the path ``indexer merge`` takes.
     """
-    n, dim = x.shape
-    spec = fx.choose_spec(n, dim, index_type, flat_threshold, nlist)
-    rows = fx.training_sample(n, spec, seed)
-    t0 = time.perf_counter()
-    empty = trained if trained is not None else fx.train(spec, x[rows], dim, device=device, seed=seed)
-    t_train = time.perf_counter() - t0
-    if parts is None:
-        index = faiss.clone_index(empty)
-        fx.add(index, x, ids)
-    else:
-        index = faiss.clone_index(empty)
-        for pids, px in parts:
-            part = faiss.clone_index(empty)
-            fx.add(part, px, pids)
-            index.merge_from(part, 0)
-    nprobe, recall = fx.tune_nprobe(index, x, ids, target=target_recall, exclude_rows=rows, seed=seed)
-    fx.set_nprobe(index, nprobe)
-    fields = {**spec.to_dict(), "nprobe": int(nprobe), "recall_at_10": round(float(recall), 4),
-              "target_recall": target_recall, "count": int(index.ntotal), "dim": int(dim),
-              "metric": "inner_product", "train_points": int(len(rows)),
-              "train_seconds": round(t_train, 3)}
-    if spec.index_type != "flat" and recall < target_recall:
-        fields["warning"] = (f"recall@10 {recall:.3f} < target {target_recall} even at nprobe = nlist "
-                             f"({spec.index_type} loses precision); use --index-type ivf")
-    return index, fields
+    return selection.build(ids, x, index_type=index_type, flat_threshold=flat_threshold,
+                           nlist=nlist, target=target_recall,
+                           max_memory=selection.parse_memory(max_memory), device=device,
+                           seed=seed, trained=trained, parts=parts, progress=progress)
 
 
 def _write_index_dir(directory: Path, index: faiss.Index, fields: dict, model: dict, extra: dict) -> dict:
@@ -123,6 +106,7 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 shard: tuple[int, int] | None = None, batch_size: int = 32,
                 workers: int | None = None, device: str = "auto", seed: int = 0,
                 progress: bool = True, embedder: Any = None,
+                max_memory: int | str | None = None,
                 on_done: Callable[[int], None] | None = None) -> dict:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
 
@@ -135,6 +119,7 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         raise IndexerError(f"{gallery}: gallery folder not found")
     if not 0 < target_recall <= 1:
         raise IndexerError(f"target recall {target_recall}: expected 0 < target <= 1")
+    max_memory = selection.parse_memory(max_memory)     # refuse a bad size before the work
     # The walk stays lazy: ingest consumes it on a helper thread, overlapped with embedding
     # (for a small model, listing a big folder first costs a few percent of the build).
     files: Iterable[GalleryFile] = walk_gallery(gallery)
@@ -163,7 +148,8 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
                            f"reasons in {out / REPORT})")
     index, fields = make_index(ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                               nlist=nlist, target_recall=target_recall, device=device, seed=seed)
+                               nlist=nlist, target_recall=target_recall, device=device, seed=seed,
+                               max_memory=max_memory, progress=progress)
     extra["build_seconds"] = round(time.perf_counter() - t0, 3)
     return _write_index_dir(out, index, fields, model_info(emb), extra)
 
@@ -214,18 +200,16 @@ def sync_index(directory: Path, manifest: dict, store: GalleryStore, *, seed: in
     have = fx.index_ids(index)
     stale = np.setdiff1d(have, ids)
     new_rows = np.nonzero(~np.isin(ids, have))[0]
-    if len(stale):
-        index.remove_ids(stale.astype(np.int64))
-    if len(new_rows):
-        fx.add(index, x[new_rows], ids[new_rows])
     if len(ids) == 0:
         raise IndexerError(f"{directory}: the index would be empty; rebuild it with `indexer build`")
+    if len(stale):
+        fx.remove(index, stale, x[np.isin(ids, have)], ids[np.isin(ids, have)])
+    if len(new_rows):
+        fx.add(index, x[new_rows], ids[new_rows])
     fields = {"count": int(index.ntotal)}
-    if fx._is_ivf(index) and (len(stale) or len(new_rows)):
+    if (len(stale) or len(new_rows)) and manifest.get("index_type") != "flat":
         target = float(manifest.get("target_recall", DEFAULT_TARGET_RECALL))
-        nprobe, recall = fx.tune_nprobe(index, x, ids, target=target, seed=seed)
-        fx.set_nprobe(index, nprobe)
-        fields.update(nprobe=int(nprobe), recall_at_10=round(float(recall), 4))
+        fields.update(tuning.retune(index, manifest, x, ids, target, seed=seed))
     fx.write_atomic(index, directory / INDEX_FILE)
     manifest = {**manifest, **fields, "index_file": index_file_record(directory),
                 "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -275,7 +259,7 @@ def remove_items(directory: str | Path, targets: Sequence[str]) -> tuple[dict, l
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
                  flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
                  target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
-                 seed: int = 0, progress: bool = True) -> dict:
+                 seed: int = 0, progress: bool = True, max_memory: int | str | None = None) -> dict:
     """``indexer merge``: one quantizer trained over all shards, their inverted lists merged.
 
     The training sample is picked by position in the id-sorted union of all shards, exactly as
@@ -325,7 +309,7 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
     os.replace(tmp, out / MODEL_FILE)
     index, fields = make_index(all_ids, x, index_type=index_type, flat_threshold=flat_threshold,
                                nlist=nlist, target_recall=target_recall, device=device, seed=seed,
-                               parts=parts)
+                               parts=parts, max_memory=max_memory, progress=progress)
     skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
     reports = []
     for d in dirs:

@@ -1,8 +1,10 @@
 """faiss: choosing, training, tuning and persisting the vector index.
 
 Inner product on L2-normalised embeddings (cosine). Small galleries get an exact Flat index;
-above a threshold, IVF-Flat with ``nlist`` derived from the gallery size; IVF-PQ and IVF-SQ8 are
-options for large galleries. ``nprobe`` is tuned to the smallest value that reaches a recall@10
+above a threshold, ``selection.py`` measures a few of the types below on a sample and keeps the
+fastest that reaches the recall target. The primitives live here: what each type's faiss factory
+string is, k-means, adding and removing vectors, search parameters, persistence. The search
+parameter (``nprobe`` / ``efSearch``) is tuned to the smallest value that reaches a recall@10
 target against exact search (autofaiss tunes under a latency cap instead; we promise recall).
 """
 from __future__ import annotations
@@ -19,26 +21,58 @@ import numpy as np
 from .errors import IndexerError
 from .manifest import atomic_target
 
-INDEX_TYPES = ("auto", "flat", "ivf", "ivfpq", "sq8")
+INDEX_TYPES = ("auto", "flat", "ivf", "ivfhnsw", "hnsw", "sq8", "sq8rf", "ivfpq", "pqfsrf", "pqfsr8")
+# flat: exact. ivf: IVF-Flat. ivfhnsw: IVF-Flat whose nlist centroids are found through an HNSW
+# graph (cheap for large nlist). hnsw: an HNSW graph over the vectors. sq8 / ivfpq: IVF over
+# 8-bit / PQ codes (compressed, no refine). sq8rf / pqfsrf: IVF over SQ8 codes / 4-bit fast-scan
+# PQ codes of the residuals (vector - centroid; about twice as accurate as PQ of the vectors on
+# low-rank data) whose k_factor * k best candidates are re-ranked with the exact vectors.
+# pqfsr8: the same fast-scan PQ re-ranked with SQ8 codes (a quarter of the memory of the vectors).
+HNSW_M = 32                         # graph degree (hnsw, and the ivfhnsw quantizer)
+SQ8_K_FACTOR = 2                    # SQ8 ranks almost exactly: 2k candidates are enough to refine
+PQFS_K_FACTOR = 8                   # 4-bit PQ is coarse: re-rank 8k candidates
 DEFAULT_FLAT_THRESHOLD = 20_000
 MIN_POINTS_PER_CENTROID = 39        # faiss warns below this many training points per centroid
 TRAIN_POINTS_PER_CENTROID = 64      # k-means sample per centroid: 39 is faiss's floor, 256 its cap;
                                     # 64 trains a 1M gallery's 4096 lists in tens of seconds on 2 cores
 KMEANS_ITERATIONS = 10
 PQ_TRAIN_POINTS = 256 * MIN_POINTS_PER_CENTROID   # PQ codebooks have 256 centroids each
+PQFS_TRAIN_POINTS = 16 * MIN_POINTS_PER_CENTROID  # 4-bit fast-scan codebooks have 16
 
 
 @dataclass
 class IndexSpec:
     """What to build; stored in the manifest."""
 
-    index_type: str           # "flat" | "ivf" | "ivfpq" | "sq8"
+    index_type: str           # one of INDEX_TYPES but "auto"
     factory: str              # faiss.index_factory string
     nlist: int = 0
     pq_m: int = 0
+    k_factor: int = 0         # refine types: k_factor * k candidates re-ranked exactly
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether faiss merge_from works (IVF lists, Flat); HNSW graphs and refine wrappers not."""
+        return not self.k_factor and self.index_type != "hnsw"
+
+    @property
+    def param(self) -> str:
+        """The search parameter tuned to the recall target ("" for exact Flat)."""
+        return "nprobe" if self.nlist else "efSearch" if self.index_type == "hnsw" else ""
+
+    def search_params(self, value: int) -> str:
+        """faiss.ParameterSpace string for ``value`` of the tuned parameter (and what goes with it)."""
+        if not self.param:
+            return ""
+        out = [f"{self.param}={int(value)}"]
+        if self.index_type == "ivfhnsw":   # the graph must return nprobe good centroids
+            out.append(f"quantizer_efSearch={max(2 * int(value), 32)}")
+        if self.k_factor:
+            out.append(f"k_factor_rf={self.k_factor}")
+        return ",".join(out)
 
 
 def nlist_for(n: int) -> int:
@@ -51,6 +85,12 @@ def nlist_for(n: int) -> int:
         return 1
     target = 2 ** round(math.log2(max(1.0, 4 * math.sqrt(n))))
     return int(max(1, min(target, n // MIN_POINTS_PER_CENTROID)))
+
+
+def pqfs_m_for(dim: int) -> int:
+    """Sub-quantizers for 4-bit fast-scan PQ: 2 dims each (4-bit codes are coarse), even, divides dim."""
+    m = dim // 2 if dim % 2 == 0 else dim
+    return m if m % 2 == 0 else max(2, m - 1)
 
 
 def pq_m_for(dim: int) -> int:
@@ -71,18 +111,32 @@ def choose_spec(n: int, dim: int, index_type: str = "auto",
         index_type = "flat" if n < flat_threshold else "ivf"
     if index_type == "flat":
         return IndexSpec("flat", "IDMap2,Flat")
+    if index_type == "hnsw":
+        return IndexSpec("hnsw", f"IDMap2,HNSW{HNSW_M},Flat")
     nl = int(nlist) if nlist else nlist_for(n)
     if nl < 1 or nl > n:
         raise IndexerError(f"nlist {nl}: expected 1 <= nlist <= gallery size {n}")
     if index_type == "ivf":
         return IndexSpec("ivf", f"IVF{nl},Flat", nl)
+    if index_type == "ivfhnsw":
+        return IndexSpec("ivfhnsw", f"IVF{nl}_HNSW{HNSW_M},Flat", nl)
     if index_type == "sq8":
         return IndexSpec("sq8", f"IVF{nl},SQ8", nl)
+    if index_type == "sq8rf":   # IDMap2: IndexRefine looks vectors up by position, not by id
+        return IndexSpec("sq8rf", f"IDMap2,IVF{nl},SQ8,RFlat", nl, k_factor=SQ8_K_FACTOR)
+    if index_type in ("pqfsrf", "pqfsr8"):
+        m = pqfs_m_for(dim)
+        if n < PQFS_TRAIN_POINTS:
+            raise IndexerError(f"{index_type} needs at least {PQFS_TRAIN_POINTS} images to train its "
+                               f"codebooks, the gallery has {n}; use ivf or sq8rf")
+        refine = "RFlat" if index_type == "pqfsrf" else "Refine(SQ8)"
+        return IndexSpec(index_type, f"IDMap2,IVF{nl},PQ{m}x4fsr,{refine}", nl, m,   # r: residuals
+                         k_factor=PQFS_K_FACTOR)
     m = pq_m_for(dim)
     if n < PQ_TRAIN_POINTS:
         raise IndexerError(f"ivfpq needs at least {PQ_TRAIN_POINTS} images to train its "
                            f"codebooks, the gallery has {n}; use ivf or sq8")
-    return IndexSpec("ivfpq", f"IVF{nl},PQ{m}", nl, m)
+    return IndexSpec("ivfpq", f"IVF{nl},PQ{m}np", nl, m)   # np: no polysemous training (unused, slow)
 
 
 def use_gpu(device: str = "auto") -> bool:
@@ -102,7 +156,10 @@ def training_sample(n: int, spec: IndexSpec, seed: int = 0) -> np.ndarray:
     """
     if spec.index_type == "flat":
         return np.zeros(0, dtype=np.int64)
-    want = max(spec.nlist * TRAIN_POINTS_PER_CENTROID, PQ_TRAIN_POINTS if spec.pq_m else 0)
+    if not spec.nlist:
+        return np.zeros(0, dtype=np.int64)
+    want = max(spec.nlist * TRAIN_POINTS_PER_CENTROID,
+               (PQFS_TRAIN_POINTS if spec.k_factor else PQ_TRAIN_POINTS) if spec.pq_m else 0)
     if n <= want:
         return np.arange(n, dtype=np.int64)
     rng = np.random.default_rng(seed)
@@ -113,22 +170,42 @@ def new_index(spec: IndexSpec, dim: int) -> faiss.Index:
     return faiss.index_factory(dim, spec.factory, faiss.METRIC_INNER_PRODUCT)
 
 
+def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0) -> np.ndarray:
+    """Spherical k-means centroids (what IndexIVF.train computes for inner product).
+
+    Separate from ``train`` so that candidates sharing an nlist share one clustering.
+    """
+    x_train = np.ascontiguousarray(x_train, dtype=np.float32)
+    km = faiss.Kmeans(x_train.shape[1], int(nlist), niter=KMEANS_ITERATIONS, seed=seed,
+                      spherical=True, gpu=use_gpu(device))   # GPU path untested on the CPU-only CI
+    km.train(x_train)
+    return km.centroids
+
+
 def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto",
-          seed: int = 0) -> faiss.Index:
-    """An empty, trained index (the shared quantizer that shards merge into)."""
+          seed: int = 0, centroids: np.ndarray | None = None) -> faiss.Index:
+    """An empty, trained index (the shared quantizer that shards merge into).
+
+    IVF types get their coarse centroids from ``kmeans`` (or ``centroids``), then train their
+    codes (SQ ranges, PQ codebooks) on ``x_train``; Flat and HNSW need no training.
+    """
     index = new_index(spec, dim)
-    if spec.index_type == "flat":
+    if not spec.nlist:
         return index
+    x_train = np.ascontiguousarray(x_train, dtype=np.float32)
+    if centroids is None:
+        centroids = kmeans(x_train, spec.nlist, device=device, seed=seed)
     ivf = faiss.extract_index_ivf(index)
-    ivf.cp.seed = seed
-    ivf.cp.niter = KMEANS_ITERATIONS
-    clustering_index = None
-    if use_gpu(device):   # k-means on the GPU, the rest stays a CPU index (code path untested here)
-        clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(dim))
-        ivf.clustering_index = clustering_index
-    index.train(np.ascontiguousarray(x_train, dtype=np.float32))
-    if clustering_index is not None:
-        ivf.clustering_index = None
+    ivf.quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
+    # The quantizer holds nlist centroids, so IVF skips its own k-means and trains only its codes.
+    # PQ codebooks are many tiny k-means (16-256 centroids of 2-8 dims): on one thread they take
+    # a fraction of a second, on two shared cores OpenMP barriers made them 10-50x slower.
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        index.train(x_train)
+    finally:
+        faiss.omp_set_num_threads(threads)
     return index
 
 
@@ -160,6 +237,30 @@ def set_nprobe(index: faiss.Index, nprobe: int) -> None:
         faiss.extract_index_ivf(index).nprobe = int(nprobe)
 
 
+def set_search_params(index: faiss.Index, params: str) -> None:
+    """Apply a faiss.ParameterSpace string ("nprobe=8,k_factor_rf=2"; "" does nothing).
+
+    The values are also stored in the index file by faiss.write_index, so an index reads back
+    with the parameters it was tuned to.
+    """
+    if params:
+        faiss.ParameterSpace().set_index_parameters(index, params)
+
+
+def remove(index: faiss.Index, stale: np.ndarray, x: np.ndarray, ids: np.ndarray) -> None:
+    """Drop ``stale`` ids; (x, ids) is what the index must hold afterwards.
+
+    IVF and Flat remove in place. HNSW graphs and refine wrappers cannot remove (faiss raises),
+    so they are emptied and refilled with the remaining vectors: training is kept, the rest is
+    the cost of one add.
+    """
+    try:
+        index.remove_ids(np.ascontiguousarray(stale, dtype=np.int64))
+    except RuntimeError:
+        index.reset()
+        add(index, x, ids)
+
+
 def exact_neighbours(x: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
     """Exact top-k row numbers by inner product (the ground truth for tuning)."""
     flat = faiss.IndexFlatIP(x.shape[1])
@@ -172,72 +273,6 @@ def recall_vs_exact(found: np.ndarray, truth: np.ndarray) -> float:
     k = truth.shape[1]
     hits = sum(len(np.intersect1d(f[f >= 0], t, assume_unique=False)) for f, t in zip(found, truth))
     return hits / (k * len(truth))
-
-
-def tuning_queries(n: int, n_queries: int = 1000, exclude_rows: np.ndarray | None = None,
-                   seed: int = 0) -> np.ndarray:
-    """Rows used as self-queries for tuning: held out of quantizer training when enough are."""
-    rng = np.random.default_rng(seed + 1)
-    pool = np.arange(n)
-    if exclude_rows is not None and n - len(exclude_rows) >= min(n_queries, n) // 2:
-        pool = np.setdiff1d(pool, exclude_rows)
-    return np.sort(rng.choice(pool, size=min(n_queries, len(pool)), replace=False))
-
-
-def tune_nprobe(index: faiss.Index, x: np.ndarray, ids: np.ndarray, *, target: float = 0.95,
-                k: int = 10, n_queries: int = 1000, exclude_rows: np.ndarray | None = None,
-                seed: int = 0) -> tuple[int, float]:
-    """Smallest nprobe whose recall@k against exact search reaches ``target``.
-
-    Queries are gallery vectors held out of quantizer training where possible, and each is
-    held out of its own results (top k+1 minus itself, in both the exact and the approximate
-    answer): a vector always finds itself in its own list, which would flatter the recall that
-    queries from outside the gallery get. For IVF-Flat,
-    recall is monotone in nprobe (a larger nprobe scans a superset of lists), so a doubling
-    search followed by bisection finds the smallest value in O(log nlist) measurements. For
-    flat indexes the answer is exact: (0, 1.0). If the target is unreachable (PQ), returns
-    nlist and the recall it reached.
-    """
-    if not hasattr(index, "nlist") and not _is_ivf(index):
-        return 0, 1.0
-    n = len(ids)
-    k = min(k, n)
-    q_rows = tuning_queries(n, n_queries, exclude_rows, seed)
-    queries = np.ascontiguousarray(x[q_rows], dtype=np.float32)
-    own = ids[q_rows]
-    truth = _drop_self(ids[exact_neighbours(x, queries, k + 1)], own, k)
-    nlist = faiss.extract_index_ivf(index).nlist
-
-    cache: dict[int, float] = {}
-
-    def recall(nprobe: int) -> float:
-        if nprobe not in cache:
-            params = faiss.SearchParametersIVF(nprobe=nprobe)
-            found = _drop_self(index.search(queries, k + 1, params=params)[1], own, k)
-            cache[nprobe] = recall_vs_exact(found, truth)
-        return cache[nprobe]
-
-    lo, hi = 0, 1           # invariant: recall(lo) < target (lo=0: nothing scanned)
-    while recall(hi) < target:
-        if hi >= nlist:
-            return nlist, recall(nlist)
-        lo, hi = hi, min(hi * 2, nlist)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if recall(mid) >= target:
-            hi = mid
-        else:
-            lo = mid
-    return hi, recall(hi)
-
-
-def _drop_self(found: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
-    """Each row's ids without the query's own id, first k (padded with -1)."""
-    out = np.full((len(found), k), -1, dtype=np.int64)
-    for r, (row, o) in enumerate(zip(found, own)):
-        row = row[row != o][:k]
-        out[r, :len(row)] = row
-    return out
 
 
 def _is_ivf(index: faiss.Index) -> bool:
@@ -261,10 +296,12 @@ class SearchableIndex:
     lock. GPU indexes are not thread-safe, so GPU searches are serialised.
     """
 
-    def __init__(self, path: str | Path, nprobe: int = 0, device: str = "auto") -> None:
+    def __init__(self, path: str | Path, nprobe: int = 0, device: str = "auto",
+                 search_params: str = "") -> None:
         self.path = Path(path)
         cpu = faiss.read_index(str(path))
-        set_nprobe(cpu, nprobe) if _is_ivf(cpu) else None
+        set_nprobe(cpu, nprobe) if _is_ivf(cpu) else None    # manifests without search_params
+        set_search_params(cpu, search_params)
         self.cpu_index = cpu
         self.index = cpu
         self.gpu = False

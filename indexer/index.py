@@ -60,7 +60,8 @@ class Index:
                                "run `indexer merge` first")
         check_index_dir(directory, manifest, model=check_model)
         try:
-            fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device)
+            fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device,
+                                 manifest.get("search_params") or "")
         except RuntimeError as e:           # faiss's reader: a multi-line C++ message
             raise damaged(directory / INDEX_FILE, f"faiss cannot read it ({faiss_reason(e)})") from None
         if fi.d != int(manifest["dim"]):

@@ -342,7 +342,8 @@ def build_from_args(args: Any) -> dict:
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
                        progress=not args.quiet, index_type=args.index_type,
                        flat_threshold=args.flat_threshold, nlist=args.nlist,
-                       target_recall=args.target_recall, seed=args.seed)
+                       target_recall=args.target_recall, seed=args.seed,
+                       max_memory=args.max_memory)
     r = m["ray"]
     skipped = int(m.get("ingest", {}).get("skipped", 0))
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "

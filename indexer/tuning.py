@@ -1,0 +1,174 @@
+"""Tuning a faiss index to a recall target on queries it does not hold, and timing it.
+
+Plain functions on arrays (faiss.contrib style), used by ``selection`` for every candidate and
+for the final index, and by ``build.sync_index`` after ``indexer add/remove``.
+
+Why held out: a gallery vector searched in an index that holds it always finds itself, and
+its neighbours sit in the lists it helped train, which flatters the recall that new queries
+get. ``holdout`` keeps two sets of gallery vectors out of the index while it is tuned; the
+setting chosen on the first must clear the target by a margin, and the second, never used for
+tuning, measures the recall that is reported.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+from faiss.contrib.exhaustive_search import knn_ground_truth
+
+from . import faiss_index as fx
+
+K = 10                      # recall@10 is what the target is about
+MAX_QUERIES = 1_000         # per held-out set (tuning, check)
+GT_BUDGET = 2.6e11          # multiply-adds for the exact answers of both sets: ~4 s on 2 cores
+QPS_REPEATS = 5             # timed batches per measurement; the median counts
+Z = 2.0                     # margin in standard errors of the difference of two recall estimates
+EF_MAX = 4_096              # HNSW efSearch ceiling
+
+
+@dataclass
+class Holdout:
+    """Row numbers: ``tune`` and ``check`` are kept out of the index while it is tuned."""
+
+    tune: np.ndarray
+    check: np.ndarray
+    rows: np.ndarray            # the rest, ascending: what the index holds during tuning
+
+    @property
+    def held(self) -> np.ndarray:
+        return np.sort(np.concatenate([self.tune, self.check]))
+
+
+def holdout(n: int, dim: int, seed: int = 0) -> Holdout:
+    """Two disjoint sets of up to MAX_QUERIES rows each (10% of a small gallery), fewer for a
+    large, wide gallery so that their exact answers cost at most GT_BUDGET."""
+    m = min(MAX_QUERIES, n // 10, max(250, int(GT_BUDGET / (2 * max(n, 1) * dim))))
+    rng = np.random.default_rng(seed + 7)
+    held = rng.permutation(n)[:2 * m]
+    rest = np.setdiff1d(np.arange(n), held)
+    return Holdout(np.sort(held[:m]), np.sort(held[m:]), rest)
+
+
+def exact_knn(x: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int,
+              block: int = 65_536) -> np.ndarray:
+    """Exact top-k by inner product over ``x[rows]``, as positions in ``rows``.
+
+    Blocks of rows are copied one at a time (faiss.contrib's knn_ground_truth), so leaving a
+    few rows out of a 1M x 512 gallery does not copy the other 2 GB.
+    """
+    def blocks():
+        for s in range(0, len(rows), block):
+            yield np.ascontiguousarray(x[rows[s:s + block]], dtype=np.float32)
+
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    return knn_ground_truth(q, blocks(), k, faiss.METRIC_INNER_PRODUCT)[1]
+
+
+def recalls(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Per query: the fraction of the exact top-k also in the approximate top-k (ids)."""
+    k = truth.shape[1]
+    hit = (found[:, :k, None] == truth[:, None, :]) & (found[:, :k, None] >= 0)
+    return hit.any(axis=2).sum(axis=1) / k
+
+
+def clears(rq: np.ndarray, target: float) -> bool:
+    """Mean recall minus Z standard errors of (this estimate - an independent one) >= target."""
+    if len(rq) < 2:
+        return bool(rq.mean() >= target) if len(rq) else True
+    return bool(rq.mean() - Z * rq.std(ddof=1) * math.sqrt(2 / len(rq)) >= target)
+
+
+def _drop_self(found: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
+    """Each row's ids without the query's own id, first k (padded with -1)."""
+    out = np.full((len(found), k), -1, dtype=np.int64)
+    for r, (row, o) in enumerate(zip(found, own)):
+        row = row[row != o][:k]
+        out[r, :len(row)] = row
+    return out
+
+
+# ---------------------------------------------------------------------------- tuning and timing
+def tune(index: faiss.Index, spec: fx.IndexSpec, queries: np.ndarray, truth: np.ndarray,
+         target: float, *, own: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+    """Smallest value of ``spec.param`` whose recall@k clears ``target`` (see ``clears``).
+
+    Returns (value, per-query recall at it) and leaves the index set to it. ``truth`` holds the
+    exact top-k ids of each query. With ``own`` (self-queries: gallery vectors searched in an
+    index that holds them) each query's own id is dropped from both answers. Recall grows with
+    nprobe / efSearch, so a doubling search and a bisection find the value in O(log max)
+    searches. Flat: (0, exact recall). If the target is out of reach (compressed codes without
+    refine), the maximum value and its recall.
+    """
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    k = truth.shape[1]
+    cache: dict[int, np.ndarray] = {}
+
+    def measure(v: int) -> np.ndarray:
+        if v not in cache:
+            fx.set_search_params(index, spec.search_params(v))
+            if own is None:
+                found = index.search(queries, k)[1]
+            else:
+                found = _drop_self(index.search(queries, k + 1)[1], own, k)
+            cache[v] = recalls(found, truth)
+        return cache[v]
+
+    if not spec.param:
+        return 0, measure(0)
+    top = spec.nlist if spec.nlist else EF_MAX
+    lo, hi = (0, 1) if spec.nlist else (k - 1, k)   # invariant: lo fails (HNSW searches >= k)
+    while not clears(measure(hi), target):
+        if hi >= top:
+            return top, measure(top)
+        lo, hi = hi, min(hi * 2, top)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if clears(measure(mid), target):
+            hi = mid
+        else:
+            lo = mid
+    rq = measure(hi)
+    fx.set_search_params(index, spec.search_params(hi))
+    return hi, rq
+
+
+def measure_qps(index: faiss.Index, queries: np.ndarray, k: int = K,
+                repeats: int = QPS_REPEATS, slow: float = 0.5) -> float:
+    """Queries/s for one batch of ``queries``: median of ``repeats`` timed runs after a warm-up.
+
+    An index that takes over ``slow`` seconds a batch (Flat on a large sample) is timed on
+    batches of a quarter of the queries, 3 times: its rate does not depend on the batch size
+    once a batch fills the cores, and selection should not spend its time there.
+    """
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    t0 = time.perf_counter()
+    index.search(q, k)
+    if time.perf_counter() - t0 > slow and len(q) >= 400:
+        q, repeats = q[:len(q) // 4], min(repeats, 3)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        index.search(q, k)
+        times.append(time.perf_counter() - t0)
+    return len(q) / max(float(np.median(times)), 1e-9)
+
+
+
+def retune(index: faiss.Index, manifest: dict, x: np.ndarray, ids: np.ndarray, target: float,
+           *, seed: int = 0) -> dict:
+    """After ``indexer add/remove``: retune on self-queries (own id dropped from both answers),
+    with the same margin; there is no held-out set any more, so ``heldout_queries`` is 0."""
+    spec = fx.IndexSpec(**{f: manifest[f] for f in fx.IndexSpec.__dataclass_fields__ if f in manifest})
+    n, dim = x.shape
+    m = max(1, len(holdout(n, dim, seed).tune))
+    q_rows = np.sort(np.random.default_rng(seed + 1).choice(n, size=min(m, n), replace=False))
+    k = min(K, n - 1) if n > 1 else 1
+    own = ids[q_rows]
+    truth = _drop_self(ids[exact_knn(x, np.arange(n), x[q_rows], min(k + 1, n))], own, k)
+    value, rq = tune(index, spec, x[q_rows], truth, target, own=own)
+    return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
+            "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),
+            "tuning_queries": int(len(q_rows)), "heldout_queries": 0}
