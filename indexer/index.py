@@ -8,6 +8,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from embedder.vectors import l2_normalize
+
 from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .manifest import INDEX_FILE, MODEL_FILE, STORE_DIR, read_manifest
@@ -115,8 +117,7 @@ class Index:
                              f"expected (n, {self.dim})")
         if k < 1:
             raise ValueError(f"k={k}: expected k >= 1")
-        q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
-        return self.faiss.search(q, k)
+        return self.faiss.search(l2_normalize(q), k)
 
     def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
         """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""
