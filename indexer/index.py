@@ -149,6 +149,30 @@ class Index:
             return np.zeros((0, self.dim), dtype=np.float32)
         return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
 
+    # -- the gallery behind the index (what serving reads; ids are content hashes) ----------
+    def __contains__(self, id: object) -> bool:
+        return id in self.store
+
+    def meta(self, id: int) -> dict:
+        """path, paths, label, width, height, sha256, bytes of a stored image; KeyError if none."""
+        return self.store.get_meta(int(id))
+
+    def image_bytes(self, id: int) -> bytes:
+        return self.store.get_bytes(int(id))
+
+    def id_for_path(self, rel_path: str) -> int | None:
+        return self.store.id_for_path(str(rel_path))
+
+    def labels(self) -> list[str]:
+        return self.store.labels()
+
+    def ids_for_label(self, label: str) -> list[int]:
+        return self.store.ids_for_label(label)
+
+    def stored(self) -> int:
+        """How many images the store holds: a real LMDB read (``len(self)`` is faiss's count)."""
+        return len(self.store)
+
     def close(self) -> None:
         self.store.close()
 
