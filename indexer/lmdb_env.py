@@ -2,7 +2,8 @@
 
 py-lmdb (and LMDB itself) must not open one environment twice in a process, while an Index and
 a tool may both want the same store: environments are shared per (process, path),
-reference-counted and opened on demand.
+reference-counted and opened on demand. :class:`LmdbStore` is the environment under a store
+(``indexer.store.GalleryStore`` adds the key layout on top).
 
 Readers open read-only *with* the lock file (when the directory is writable), because a server
 may read while ``indexer add`` writes in another process: the lock file's reader table is what
