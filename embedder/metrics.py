@@ -1,21 +1,21 @@
 """Retrieval metrics of deep metric learning: R@k, NMI, pair-counting F1, MAP@R.
 
-Used by training's evaluation and by `indexer eval`; numpy in, floats out. Neighbours come
-from faiss in blocks of queries, so SOP's 60k x 512 test set never needs an N x N matrix;
-clustering is faiss k-means, and F1 is counted from the (sparse) contingency table instead of
-N^2 pairs. The label-matrix functions are pure, so an indexer can feed neighbours found by
-its own faiss index.
+Used by training's evaluation, `indexer eval` and the app's Evaluate tab; numpy in, floats
+out. Neighbours come from faiss in blocks of queries, so SOP's 60k x 512 test set never needs
+an N x N matrix; clustering is faiss k-means, and F1 is counted from the (sparse) contingency
+table instead of N^2 pairs. The label functions are pure, so an index can feed the neighbours
+it found itself (:func:`recall_at_k_of_labels` takes its label lists as they come).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 import faiss
 import numpy as np
 from sklearn.metrics import normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 
-__all__ = ["knn", "recall_at_k", "map_at_r", "cluster_scores", "pair_f1", "evaluate"]
+__all__ = ["knn", "recall_at_k", "recall_at_k_of_labels", "map_at_r", "cluster_scores", "pair_f1", "evaluate"]
 
 
 def _as_float32(x, name: str) -> np.ndarray:
@@ -88,6 +88,28 @@ def recall_at_k(neighbor_labels: np.ndarray, query_labels: np.ndarray,
             raise ValueError(f"k={k}: expected 1 <= k <= {nl.shape[1]} neighbours given")
         out[int(k)] = float((first < int(k)).mean()) if len(ql) else 0.0
     return out
+
+
+def recall_at_k_of_labels(neighbour_labels: Sequence[Sequence[Hashable | None]],
+                          query_labels: Sequence[Hashable], ks: Iterable[int]) -> dict[int, float]:
+    """R@k on labels as an index returns them: any hashable labels, one list per query in rank
+    order, shorter than max(ks) when fewer neighbours were found.
+
+    Labels are coded once to integers (the query labels' codes, >= 0); a missing neighbour, an
+    unlabelled one (None) and a label no query has all become -1, which equals no query's code.
+    """
+    ks = [int(k) for k in ks]
+    if len(neighbour_labels) != len(query_labels):
+        raise ValueError(f"{len(neighbour_labels)} neighbour lists for {len(query_labels)} queries")
+    codes: dict[Hashable, int] = {}
+    q = np.array([codes.setdefault(lab, len(codes)) for lab in query_labels], dtype=np.int64)
+    width = max([*ks, 1])
+    nl = np.full((len(q), width), -1, dtype=np.int64)
+    for i, row in enumerate(neighbour_labels):
+        for j, lab in enumerate(row[:width]):
+            if lab is not None:
+                nl[i, j] = codes.get(lab, -1)
+    return recall_at_k(nl, q, ks)
 
 
 def map_at_r(neighbor_labels: np.ndarray, query_labels: np.ndarray, r_per_query) -> float:

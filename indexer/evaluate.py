@@ -1,7 +1,7 @@
 """``indexer eval``: Recall@k of an index on a labelled query folder.
 
-The metric itself comes from ``embedder.metrics.recall_at_k`` (one definition for training and
-indexing). A query whose exact content is in the gallery (same sha256, hence the same id) is
+The metric itself comes from ``embedder.metrics`` (one definition for training, indexing and
+serving). A query whose exact content is in the gallery (same sha256, hence the same id) is
 removed from its own results, as in the paper's protocol where the query is excluded.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .walk import walk_gallery
 def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 2, 4, 8),
                      *, progress: bool = False) -> dict:
     """{"recall": {k: value}, "queries": n, "skipped": [...], "self_matches": m}."""
-    from embedder.metrics import recall_at_k
+    from embedder.metrics import recall_at_k_of_labels
 
     queries = Path(queries)
     if not queries.is_dir():
@@ -55,21 +55,22 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
     if not keys:
         raise IndexerError(f"{queries}: no query image could be read ({len(skipped)} skipped)")
     scores, ids = index.search_embeddings(np.concatenate(embs), min(kmax + 1, len(index)))
-    vocab: dict[str, int] = {}
-    neighbour_labels = np.full((len(keys), kmax), -1, dtype=np.int64)   # -1: no neighbour
+    neighbour_labels: list[list[str | None]] = []
     self_matches = 0
-    for r, ((_, label, own_id), row) in enumerate(zip(keys, ids)):
+    for (_, _, own_id), row in zip(keys, ids):
         row = [int(i) for i in row if i >= 0]
         if own_id in row:
             self_matches += 1
             row.remove(own_id)
-        for c, i in enumerate(row[:kmax]):
-            try:
-                gl = index.store.get_meta(i).get("label")
-            except KeyError:
-                continue
-            neighbour_labels[r, c] = -2 if gl is None else vocab.setdefault(gl, len(vocab))
-    query_labels = np.array([vocab.setdefault(lab, len(vocab)) for _, lab, _ in keys], dtype=np.int64)
-    rec = recall_at_k(neighbour_labels, query_labels, [k for k in ks if k <= kmax])
+        neighbour_labels.append([_label(index, i) for i in row[:kmax]])
+    rec = recall_at_k_of_labels(neighbour_labels, [lab for _, lab, _ in keys], [k for k in ks if k <= kmax])
     return {"recall": {int(k): float(v) for k, v in rec.items()}, "queries": len(keys),
             "self_matches": self_matches, "skipped": skipped}
+
+
+def _label(index: Index, id: int) -> str | None:
+    """A neighbour's label; None (a miss) when it left the store after the index was loaded."""
+    try:
+        return index.meta(id).get("label")
+    except KeyError:
+        return None

@@ -8,6 +8,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from embedder.vectors import l2_normalize
+
 from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .manifest import INDEX_FILE, MODEL_FILE, STORE_DIR, read_manifest
@@ -116,8 +118,7 @@ class Index:
                              f"expected (n, {self.dim})")
         if k < 1:
             raise ValueError(f"k={k}: expected k >= 1")
-        q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
-        return self.faiss.search(q, k)
+        return self.faiss.search(l2_normalize(q), k)
 
     def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
         """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""
@@ -148,6 +149,30 @@ class Index:
         if len(ids) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
         return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
+
+    # -- the gallery behind the index (what serving reads; ids are content hashes) ----------
+    def __contains__(self, id: object) -> bool:
+        return id in self.store
+
+    def meta(self, id: int) -> dict:
+        """path, paths, label, width, height, sha256, bytes of a stored image; KeyError if none."""
+        return self.store.get_meta(int(id))
+
+    def image_bytes(self, id: int) -> bytes:
+        return self.store.get_bytes(int(id))
+
+    def id_for_path(self, rel_path: str) -> int | None:
+        return self.store.id_for_path(str(rel_path))
+
+    def labels(self) -> list[str]:
+        return self.store.labels()
+
+    def ids_for_label(self, label: str) -> list[int]:
+        return self.store.ids_for_label(label)
+
+    def stored(self) -> int:
+        """How many images the store holds: a real LMDB read (``len(self)`` is faiss's count)."""
+        return len(self.store)
 
     def close(self) -> None:
         self.store.close()

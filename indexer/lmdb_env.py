@@ -2,7 +2,8 @@
 
 py-lmdb (and LMDB itself) must not open one environment twice in a process, while an Index and
 a tool may both want the same store: environments are shared per (process, path),
-reference-counted and opened on demand.
+reference-counted and opened on demand. :class:`LmdbStore` is the environment under a store
+(``indexer.store.GalleryStore`` adds the key layout on top).
 
 Readers open read-only *with* the lock file (when the directory is writable), because a server
 may read while ``indexer add`` writes in another process: the lock file's reader table is what
@@ -19,7 +20,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Self, Sequence
 
 import lmdb
 
@@ -86,6 +87,8 @@ class SharedEnv:
 
 _ENVS: dict[tuple[int, str], SharedEnv] = {}     # (pid, realpath) -> environment
 _LOCK = threading.Lock()
+_OPEN_LOCK = threading.Lock()       # two threads' first queries must not both acquire
+DEFAULT_MAP_SIZE = 1 << 30
 
 
 def acquire(path: Path, *, readonly: bool, map_size: int, names: Sequence[str],
@@ -157,3 +160,94 @@ def read_txn(shared: SharedEnv, path: Path) -> Iterator[lmdb.Transaction]:
                 return
         shared.gate.remap(shared.env, path)
     raise IndexerError(f"{path}: the gallery store keeps growing past its map; retry")
+
+
+class LmdbStore:
+    """An LMDB environment with named databases (``NAMES``), opened lazily in each process
+    (so a store pickles before first use), read and written through :meth:`_read` and
+    :meth:`write`. Subclasses own the key layout; this class owns only the environment."""
+
+    NAMES: tuple[str, ...] = ()
+    DUPSORT: tuple[str, ...] = ()
+
+    def __init__(self, path: str | Path, *, readonly: bool = True, map_size: int | None = None) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self._map_size = map_size if map_size is not None else (0 if readonly else DEFAULT_MAP_SIZE)
+        self._env: lmdb.Environment | None = None
+        self._shared: SharedEnv | None = None
+        self._dbs: dict[str, Any] = {}
+        self._pid = -1
+        self._txn_lock: threading.RLock | None = None if readonly else threading.RLock()
+
+    @property
+    def exists(self) -> bool:
+        """Whether the LMDB file is there (a writer creates it on first use)."""
+        return (self.path / "data.mdb").exists()
+
+    def __getstate__(self) -> dict:
+        d = self.__dict__.copy()
+        d.update(_env=None, _shared=None, _dbs={}, _pid=-1, _txn_lock=None)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        if not self.readonly:
+            self._txn_lock = threading.RLock()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._env is None or self._pid != os.getpid():
+            with _OPEN_LOCK:
+                if self._env is None or self._pid != os.getpid():
+                    shared = acquire(self.path, readonly=self.readonly, map_size=self._map_size,
+                                     names=self.NAMES, dupsort=self.DUPSORT)
+                    self._shared, self._dbs, self._pid, self._env = shared, shared.dbs, os.getpid(), shared.env
+        return self._env
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            release(self.path)
+        self._env, self._shared, self._dbs = None, None, {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _db(self, name: str) -> Any:
+        self.env  # noqa: B018 - opens lazily
+        return self._dbs[name]
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction. In a writer, reads and writes from several threads (the ingest
+        reader thread and the committing thread) are serialised, because growing the map is
+        only allowed while no transaction of this process is open."""
+        if self._txn_lock is None:      # read-only: survives a writer growing the map
+            self.env  # noqa: B018 - opens lazily
+            with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
+                yield txn
+        else:
+            with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
+                yield txn
+
+    def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        """Run ``fn`` in one write transaction; on MDB_MAP_FULL double the map and retry.
+
+        ``fn`` must only touch the transaction (it may run more than once).
+        """
+        if self.readonly:
+            raise IndexerError(f"{self.path}: store opened read-only")
+        with self._txn_lock:  # type: ignore[union-attr]
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]

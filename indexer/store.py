@@ -17,26 +17,20 @@ Layout (named sub-databases):
 from __future__ import annotations
 
 import json
-import os
 import struct
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import lmdb
 import numpy as np
 
 from .errors import IndexerError
-from .lmdb_env import SharedEnv, acquire, read_txn, release
+from .lmdb_env import LmdbStore
 from .walk import label_of
 
 ID_BITS = 53          # ids stay exact in JavaScript (Number.MAX_SAFE_INTEGER == 2**53 - 1)
-DEFAULT_MAP_SIZE = 1 << 30
-_DBS = ("meta", "blob", "path", "label", "emb", "info")
 _PATHREC = struct.Struct(">QQq")
-_OPEN_LOCK = threading.Lock()       # two threads' first queries must not both acquire
 
 
 def id_for_sha256(sha256_hex: str) -> int:
@@ -76,7 +70,15 @@ class NewItem:
         return id_for_sha256(self.sha256)
 
 
-class GalleryStore:
+@dataclass
+class Snapshot:
+    """What a store held for one model before an ingest (:meth:`GalleryStore.snapshot`)."""
+
+    paths: dict[str, tuple[int, int, int]]   # relpath -> (id, size, mtime_ns), paths asked about
+    embedded: set[int]                        # ids stored *and* embedded by the model
+
+
+class GalleryStore(LmdbStore):
     """LMDB-backed gallery, opened lazily per process (picklable before first use).
 
     ``readonly=True`` is safe for many threads and processes, also while one writer (``indexer
@@ -84,88 +86,16 @@ class GalleryStore:
     grow the map when it fills.
     """
 
+    NAMES = ("meta", "blob", "path", "label", "emb", "info")
+    DUPSORT = ("label",)
+
     def __init__(self, path: str | Path, *, readonly: bool = True,
                  map_size: int | None = None) -> None:
         """``map_size``: a writer's initial map (default 1 GiB; it doubles when full); a
         reader's mapping (default: the size recorded in the file; it follows the writer)."""
-        self.path = Path(path)
-        self.readonly = readonly
-        self._map_size = map_size if map_size is not None else (0 if readonly else DEFAULT_MAP_SIZE)
-        self._env: lmdb.Environment | None = None
-        self._shared: SharedEnv | None = None
-        self._dbs: dict[str, Any] = {}
-        self._pid = -1
-        self._txn_lock: threading.RLock | None = None if readonly else threading.RLock()
-        if readonly and not (self.path / "data.mdb").exists():
+        super().__init__(path, readonly=readonly, map_size=map_size)
+        if readonly and not self.exists:
             raise IndexerError(f"{self.path}: no gallery store here (expected {self.path / 'data.mdb'})")
-
-    # ------------------------------------------------------------------ environment
-    def __getstate__(self) -> dict:
-        d = self.__dict__.copy()
-        d.update(_env=None, _shared=None, _dbs={}, _pid=-1, _txn_lock=None)
-        return d
-
-    def __setstate__(self, d: dict) -> None:
-        self.__dict__.update(d)
-        if not self.readonly:
-            self._txn_lock = threading.RLock()
-
-    @property
-    def env(self) -> lmdb.Environment:
-        if self._env is None or self._pid != os.getpid():
-            with _OPEN_LOCK:
-                if self._env is None or self._pid != os.getpid():
-                    shared = acquire(self.path, readonly=self.readonly, map_size=self._map_size,
-                                     names=_DBS, dupsort=("label",))
-                    self._shared, self._dbs, self._pid, self._env = shared, shared.dbs, os.getpid(), shared.env
-        return self._env
-
-    def close(self) -> None:
-        if self._env is not None and self._pid == os.getpid():
-            release(self.path)
-        self._env, self._shared, self._dbs = None, None, {}
-
-    def __enter__(self) -> "GalleryStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _db(self, name: str) -> Any:
-        self.env  # noqa: B018 - opens lazily
-        return self._dbs[name]
-
-    @contextmanager
-    def _read(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction. In a writer, reads and writes from several threads (the ingest
-        reader thread and the committing thread) are serialised, because growing the map is
-        only allowed while no transaction of this process is open."""
-        if self._txn_lock is None:      # read-only: survives a writer growing the map
-            self.env  # noqa: B018 - opens lazily
-            with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
-                yield txn
-        else:
-            with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
-                yield txn
-
-    def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        """Run ``fn`` in one write transaction; on MDB_MAP_FULL double the map and retry.
-
-        ``fn`` must only touch the transaction (it may run more than once).
-        """
-        if self.readonly:
-            raise IndexerError(f"{self.path}: store opened read-only")
-        with self._txn_lock:  # type: ignore[union-attr]
-            while True:
-                try:
-                    with self.env.begin(write=True) as txn:
-                        return fn(txn)
-                except lmdb.MapFullError:
-                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
-
-    @property
-    def map_size(self) -> int:
-        return self.env.info()["map_size"]
 
     # ------------------------------------------------------------------ reads
     def __len__(self) -> int:
@@ -204,24 +134,6 @@ class GalleryStore:
             raw = txn.get(relpath.encode("utf-8"), db=self._db("path"))
         return None if raw is None else _PATHREC.unpack(raw)
 
-    def ingest_status(self, relpath: str, content_id: int | None, model_hash: str
-                      ) -> tuple[tuple[int, int, int] | None, bool, bool]:
-        """(path record, content stored?, content embedded by the model?) in one transaction.
-
-        ``content_id`` None asks about the id the path currently points to. One read per file
-        keeps the ingest loop cheap when the model itself is fast.
-        """
-        mk = _model_key(model_hash)
-        with self._read() as txn:
-            raw = txn.get(relpath.encode("utf-8"), db=self._db("path"))
-            rec = None if raw is None else _PATHREC.unpack(raw)
-            i = content_id if content_id is not None else (None if rec is None else rec[0])
-            if i is None:
-                return rec, False, False
-            stored = txn.get(_k(i), db=self._db("meta")) is not None
-            embedded = stored and txn.get(mk + _k(i), db=self._db("emb")) is not None
-            return rec, stored, embedded
-
     def id_for_path(self, rel_path: str) -> int | None:
         rec = self.path_record(str(rel_path))
         return None if rec is None else rec[0]
@@ -251,18 +163,40 @@ class GalleryStore:
         with self._read() as txn:
             return txn.get(_model_key(model_hash) + _k(id), db=self._db("emb")) is not None
 
-    def embedding_count(self, model_hash: str) -> int:
-        return sum(1 for _ in self._iter_emb_keys(model_hash))
-
-    def _iter_emb_keys(self, model_hash: str) -> Iterator[int]:
+    def _scan(self, txn: lmdb.Transaction, model_hash: str, values: bool = False
+              ) -> Iterator[tuple[bytes, Any]]:
+        """(8-byte id key, embedding or None) of every embedding made by ``model_hash``."""
         mk = _model_key(model_hash)
+        cur = txn.cursor(db=self._db("emb"))
+        if cur.set_range(mk):
+            for kv in cur.iternext(keys=True, values=values):
+                k, v = kv if values else (kv, None)
+                if not k.startswith(mk):
+                    break
+                yield k[32:], v
+
+    def snapshot(self, model_hash: str, relpaths: Iterable[str]) -> Snapshot:
+        """What the store holds for ``model_hash`` and ``relpaths``, read in one transaction (an
+        ingest reads this once instead of LMDB per file). A store not created yet stays
+        uncreated: its creation (a few fsyncs) belongs to the writer's first commit."""
+        snap = Snapshot({}, set())
+        if not self.exists or len(self) == 0:
+            return snap
         with self._read() as txn:
-            cur = txn.cursor(db=self._db("emb"))
-            if cur.set_range(mk):
-                for k in cur.iternext(keys=True, values=False):
-                    if not k.startswith(mk):
-                        break
-                    yield int.from_bytes(k[32:], "big")
+            meta, path_db = self._db("meta"), self._db("path")
+            snap.embedded.update(int.from_bytes(k, "big") for k, _ in self._scan(txn, model_hash)
+                                 if txn.get(k, db=meta) is not None)
+            for p in relpaths:
+                raw = txn.get(p.encode("utf-8"), db=path_db)
+                if raw is not None:
+                    snap.paths[p] = _PATHREC.unpack(raw)
+        return snap
+
+    def missing_embeddings(self, model_hash: str) -> list[int]:
+        """Stored ids without an embedding by ``model_hash`` (a rebuild with a new model)."""
+        with self._read() as txn:     # one read transaction, not one per id
+            have = {int.from_bytes(k, "big") for k, _ in self._scan(txn, model_hash)}
+        return [int(i) for i in self.ids() if int(i) not in have]
 
     def get_embeddings(self, model_hash: str, ids: Sequence[int]) -> np.ndarray:
         """Stored embeddings for ``ids`` (in that order); KeyError names a missing one."""
@@ -285,21 +219,13 @@ class GalleryStore:
 
         Only ids that are still in ``meta`` are returned (an embedding outlives nothing).
         """
-        mk = _model_key(model_hash)
         keep = None if ids is None else {int(i) for i in ids}
         out_ids, rows = [], []
         with self._read() as txn:
             meta = self._db("meta")
-            cur = txn.cursor(db=self._db("emb"))
-            if cur.set_range(mk):
-                for k, v in cur.iternext():
-                    if not k.startswith(mk):
-                        break
-                    i = int.from_bytes(k[32:], "big")
-                    if keep is not None and i not in keep:
-                        continue
-                    if txn.get(k[32:], db=meta) is None:
-                        continue
+            for k, v in self._scan(txn, model_hash, values=True):
+                i = int.from_bytes(k, "big")
+                if (keep is None or i in keep) and txn.get(k, db=meta) is not None:
                     out_ids.append(i)
                     rows.append(np.frombuffer(v, dtype=np.float32))
         if not rows:

@@ -7,6 +7,7 @@ demand so that library users of Searcher do not pay for Gradio.
 from __future__ import annotations
 
 from . import probes
-from .searcher import ProbeReport, Query, Result, Searcher, SearchResult, UnknownIdError
+from .searcher import ProbeReport, Query, RequestError, Result, Searcher, SearchResult, UnknownIdError
 
-__all__ = ["Searcher", "probes", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError"]
+__all__ = ["Searcher", "probes", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",
+           "RequestError"]

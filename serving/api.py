@@ -21,29 +21,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .limits import AUTH_HEADERS, RequestGuard
-from .searcher import Searcher, UnknownIdError
-from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, decode_upload, too_large
+from .limits import RequestGuard
+from .results import RequestError, UnknownIdError, check_k
+from .searcher import Searcher
+from .uploads import DEFAULT_MAX_UPLOAD_BYTES, decode_upload, too_large
 
 # Multipart overhead allowed on top of the image itself before the body is refused unread.
 _FORM_OVERHEAD = 64 * 1024
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _parse_k(k: str) -> int:
-    try:
-        v = int(k)
-    except (TypeError, ValueError):
-        raise ApiError(400, f"k: expected an integer between 1 and 1000, got {k!r}") from None
-    if not 1 <= v <= 1000:
-        raise ApiError(400, f"k: expected an integer between 1 and 1000, got {v}")
-    return v
 
 
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
@@ -51,10 +35,13 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
     """Register /api/* on ``app`` (call before mounting Gradio at "/", which catches the rest),
     and the request guard (auth for /api/*, body cap for everything) in front of the whole app."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = AUTH_HEADERS if exc.status == 401 else None
-        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+    @app.exception_handler(RequestError)            # UploadError too: 400, 413, 415
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(UnknownIdError)
+    async def _unknown(request: Request, exc: UnknownIdError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=404)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -86,35 +73,20 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
     def search(request: Request, image: UploadFile | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
                path: str | None = Form(None)) -> dict[str, Any]:
-        kk = _parse_k(k)
         name = index or searcher.default
-        if name not in searcher.indexes:
-            raise ApiError(404, f"unknown index {name!r}; open indexes: {', '.join(searcher.names)}")
-        try:
-            if image is not None:
-                fname = image.filename or "image"
-                data = image.file.read(max_upload_bytes + 1)
-                if len(data) > max_upload_bytes:
-                    raise ApiError(413, f"{fname}: {too_large(image.size, max_upload_bytes)}")
-                query = searcher.query_from_image(
-                    decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side),
-                    name=image.filename or "upload")
-            elif id is not None:
-                try:
-                    gid = int(id)
-                except ValueError:
-                    raise ApiError(400, f"id: expected an integer gallery id, got {id!r}") from None
-                query = searcher.query_from_id(gid, name)
-            elif path is not None:      # a gallery-relative path, looked up in LMDB, never opened
-                query = searcher.query_from_path(path, name)
-            else:
-                raise ApiError(400, "expected a multipart file field 'image' (or a form field 'id' or 'path' "
-                                    "naming a gallery image)")
-            res = searcher.search(query, kk, index=name)
-        except UploadError as e:
-            raise ApiError(e.status, e.message) from None
-        except UnknownIdError as e:
-            raise ApiError(404, str(e)) from None
+        kk = check_k(k)
+        searcher.index(name)                # an unknown index is refused before any decoding
+        img, qname = None, None
+        if image is not None:
+            fname = image.filename or "image"
+            data = image.file.read(max_upload_bytes + 1)
+            if len(data) > max_upload_bytes:
+                raise RequestError(f"{fname}: {too_large(image.size, max_upload_bytes)}", 413)
+            img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side)
+            qname = image.filename or "upload"
+        # else id or path: a gallery image, looked up in LMDB, never opened
+        query = searcher.query(img, id=id, path=path, index=name, name=qname)
+        res = searcher.search(query, kk, index=name)
         base = str(request.base_url).rstrip("/")
         return {"index": name, "k": kk, "query": {"name": query.name, "id": query.id, "label": query.label},
                 "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{name}/{r.id}"}
@@ -122,15 +94,10 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
 
     @app.get("/api/thumb/{index}/{id}")
     def thumb(index: str, id: str) -> Response:
-        if index not in searcher.indexes:
-            raise ApiError(404, f"unknown index {index!r}; open indexes: {', '.join(searcher.names)}")
         try:
-            gid = int(id)
-            png = searcher.thumbnail_png(index, gid)
+            png = searcher.thumbnail_png(index, int(id))
         except ValueError:
-            raise ApiError(404, f"id {id!r} is not a gallery id (expected an integer)") from None
-        except UnknownIdError as e:
-            raise ApiError(404, str(e)) from None
+            raise UnknownIdError(f"id {id!r} is not a gallery id (expected an integer)") from None
         return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
 
     known = {"/api/health": "GET", "/api/indexes": "GET", "/api/search": "POST", "/api/thumb": "GET"}
@@ -149,8 +116,3 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
                             status_code=404)
 
     return app
-
-
-def create_api(searcher: Searcher, **kw: Any) -> FastAPI:
-    app = FastAPI(title="das-retrieval search API", docs_url=None, redoc_url=None, openapi_url=None)
-    return add_api_routes(app, searcher, **kw)

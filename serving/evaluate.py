@@ -2,7 +2,7 @@
 indexer's eval function), or leave-one-out on the gallery itself (each gallery image queries the
 rest, the paper's protocol).
 
-The metric is embedder.metrics.recall_at_k, the same function training and the indexer use, so
+The metric is embedder.metrics' Recall@k, the same function training and the indexer use, so
 the number here matches theirs for the same embeddings.
 """
 from __future__ import annotations
@@ -48,21 +48,6 @@ def labelled_folder(root: str | Path) -> list[tuple[Path, str]]:
     return items
 
 
-def _recall(neighbour_labels: list[list[str | None]], query_labels: list[str], ks: Sequence[int]) -> dict[int, float]:
-    from embedder.metrics import recall_at_k
-
-    # Integer codes: recall_at_k compares labels by equality; a missing neighbour (-2) or an
-    # unlabelled gallery item (-1) never equals a query's code.
-    codes: dict[str, int] = {}
-    q = np.array([codes.setdefault(lab, len(codes)) for lab in query_labels], dtype=np.int64)
-    kmax = max(ks)
-    nl = np.full((len(query_labels), kmax), -2, dtype=np.int64)
-    for i, row in enumerate(neighbour_labels):
-        for j, lab in enumerate(row[:kmax]):
-            nl[i, j] = -1 if lab is None else codes.setdefault(lab, len(codes))
-    return {int(k): float(v) for k, v in recall_at_k(nl, q, list(ks)).items()}
-
-
 def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None = None,
                     ks: Sequence[int] = DEFAULT_KS, source: str | None = None) -> EvalResult:
     """Recall@k on a labelled query folder, by the indexer's own ``indexer eval`` function (so the
@@ -84,19 +69,20 @@ def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequen
     """Leave-one-out Recall@k: each (sampled) labelled gallery image queries the rest."""
     index = index or searcher.default
     ks = sorted({int(k) for k in ks})
+    from embedder.metrics import recall_at_k_of_labels
+
     idx = searcher.index(index)
-    store = idx.store
-    ids = [i for lab in store.labels() for i in store.ids_for_label(lab)]
+    ids = [i for lab in idx.labels() for i in idx.ids_for_label(lab)]
     if not ids:
         raise ValueError(f"index {index!r}: the gallery has no labels to evaluate against")
     rng = np.random.default_rng(seed)
     if len(ids) > max_queries:
         ids = sorted(rng.choice(ids, size=max_queries, replace=False).tolist())
-    emb = idx.embeddings(ids)
-    rows = searcher.search_embeddings(emb, max(ks), index=index, exclude=ids)
-    qlab = [store.get_meta(i).get("label") for i in ids]
+    rows = searcher.nearest(idx.embeddings(ids), max(ks), index=index, exclude=ids)
+    recall = recall_at_k_of_labels([[r.label for r in row] for row in rows],
+                                   [idx.meta(i).get("label") for i in ids], ks)
     return EvalResult(index, f"gallery leave-one-out ({len(ids)} queries)",
-                      _recall([[r.label for r in row] for row in rows], qlab, ks), len(ids))
+                      {int(k): float(v) for k, v in recall.items()}, len(ids))
 
 
 def recall_figure(results: Sequence[EvalResult]) -> bytes:

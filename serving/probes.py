@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from embedder.vectors import l2_normalize
+
 DEFAULT_SCALES: tuple[float, ...] = (0.5, 0.8, 1.2, 2.0)
 DEFAULT_SHIFTS: tuple[float, ...] = (0.5, 1.0)
 
@@ -29,13 +31,6 @@ def _as_vector(v: np.ndarray, name: str = "embedding") -> np.ndarray:
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name}: contains NaN or infinite values")
     return arr
-
-
-def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Row-wise L2 normalisation; the index searches by inner product on unit vectors."""
-    x = np.asarray(x, dtype=np.float32)
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return (x / np.maximum(norm, eps)).astype(np.float32)
 
 
 def topk_channels(v: np.ndarray, k: int) -> np.ndarray:

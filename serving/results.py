@@ -1,4 +1,5 @@
-"""What a search returns: the query, its results, and a probe report (plain dataclasses)."""
+"""What a request is and what it returns: the query, its results, a probe report (plain
+dataclasses), and the two ways a request can be wrong."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +8,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from indexer import Hit
+
 from . import probes as P
+
+MAX_K = 1000
 
 
 class UnknownIdError(KeyError):
@@ -15,6 +20,28 @@ class UnknownIdError(KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class RequestError(ValueError):
+    """A malformed request (a bad k, no query, a number that is not one); ``status`` is the HTTP
+    code the API answers with. Uploads that are refused raise its subclass UploadError."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def check_k(k: Any) -> int:
+    """The one check of k (API form text, UI slider, library call): an integer in 1..MAX_K."""
+    if isinstance(k, str):
+        try:
+            k = int(k)
+        except ValueError:
+            pass
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= int(k) <= MAX_K:
+        raise RequestError(f"k: expected an integer between 1 and {MAX_K}, got {k!r}")
+    return int(k)
 
 
 @dataclass
@@ -35,12 +62,11 @@ class Query:
 
 
 @dataclass
-class Result:
-    id: int
-    score: float
-    label: str | None
-    path: str
-    index: str
+class Result(Hit):
+    """An index's Hit as serving returns it: with the index that found it and, on request, its
+    thumbnail."""
+
+    index: str = ""
     thumbnail: Image.Image | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from indexer import Index
 
 from . import probes as P
 from .reload import IndexWatcher
-from .results import ProbeReport, Query, Result, SearchResult, UnknownIdError
+from .results import ProbeReport, Query, RequestError, Result, SearchResult, UnknownIdError, check_k
 from .thumbs import ThumbnailCache, framed
 from .uploads import bounded_decode
 
@@ -100,7 +100,7 @@ class Searcher:
         problems = {}
         for name in self.indexes:
             try:
-                len(self.index(name).store)
+                self.index(name).stored()
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 problems[name] = f"index {name!r}: gallery store unreadable ({str(e).splitlines()[0]})"
         return {**self.watcher.problems(), **problems}
@@ -110,44 +110,48 @@ class Searcher:
         if isinstance(id, bool) or not isinstance(id, (int, np.integer)) or not 0 <= int(id) < 2 ** 63:
             raise UnknownIdError(f"id {id!r} is not in index {index!r} (ids are integers from 0 to 2**53)")
         try:
-            return idx.store.get_meta(int(id))
+            return idx.meta(int(id))
         except KeyError:
             raise UnknownIdError(f"id {id!r} is not in index {index!r}") from None
 
     # -- queries --------------------------------------------------------------------------
-    def query_from_image(self, source: ImageSource, *, label: str | None = None,
-                         name: str | None = None) -> Query:
-        """A query from an image (decoded now, so a bad file fails here with ImageLoadError)."""
-        img = bounded_decode(source, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
-        nm = name or (str(source) if isinstance(source, (str, Path)) else "query")
-        return Query(image=img, label=label, name=nm)
-
-    def query_from_id(self, id: int, index: str | None = None) -> Query:
-        """A query by an image already in the gallery of ``index``."""
+    def query(self, image: Query | ImageSource | int | None = None, *, id: int | str | None = None,
+              path: str | None = None, index: str | None = None, label: str | None = None,
+              name: str | None = None) -> Query:
+        """The one way to a Query (the API, the UI and every Searcher method come here): an image,
+        decoded now (a bad file fails here with ImageLoadError); else a gallery id (an integer,
+        also as the first argument, or the digits a form sends) or a gallery-relative path
+        (looked up in the store, never read from disk) in ``index``. A Query is returned as it
+        is. ``label`` sets or overrides the query's label. UnknownIdError for an id or path the
+        index does not have; RequestError for no query or a malformed id."""
+        if isinstance(image, Query):
+            return image
+        if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
+            image, id = None, int(image)
+        if image is not None:
+            img = bounded_decode(image, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
+            nm = name or (str(image) if isinstance(image, (str, Path)) else "query")
+            return Query(image=img, label=label, name=nm)
         index = index or self.default
-        meta = self._check_id(index, id)
-        return Query(id=int(id), source=index, label=meta.get("label"), path=meta.get("path"),
-                     name=meta.get("path") or f"{index}#{id}")
-
-    def query_from_path(self, rel_path: str, index: str | None = None) -> Query:
-        """A query by a gallery-relative path (looked up in LMDB, never read from disk)."""
-        index = index or self.default
-        id = self.index(index).store.id_for_path(rel_path)
+        if id is None and path is not None:
+            id = self.index(index).id_for_path(path)
+            if id is None:
+                raise UnknownIdError(f"path {path!r} is not in index {index!r}")
+        if isinstance(id, str):
+            try:
+                id = int(id)
+            except ValueError:
+                raise RequestError(f"id: expected an integer gallery id, got {id!r}") from None
         if id is None:
-            raise UnknownIdError(f"path {rel_path!r} is not in index {index!r}")
-        return self.query_from_id(id, index)
-
-    def _as_query(self, q: Query | ImageSource | int) -> Query:
-        if isinstance(q, Query):
-            return q
-        if isinstance(q, (int, np.integer)) and not isinstance(q, bool):
-            return self.query_from_id(int(q))
-        return self.query_from_image(q)
+            raise RequestError("no query: upload an image, or name a gallery image by id or path")
+        meta = self._check_id(index, id)
+        return Query(id=int(id), source=index, label=label or meta.get("label"), path=meta.get("path"),
+                     name=meta.get("path") or f"{index}#{id}")
 
     def query_image(self, q: Query) -> Image.Image:
         """The query's pixels (for gallery queries, decoded from the source index's LMDB)."""
         if q.image is None:
-            data = self.index(q.source).store.get_bytes(q.id)
+            data = self.index(q.source).image_bytes(q.id)
             q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
                                      max_pixels=DEFAULT_MAX_PIXELS)
         return q.image
@@ -173,65 +177,41 @@ class Searcher:
         photo has the same id in every index that holds it (and is left out of its results)."""
         if q.id is None:
             return False
-        return q.source == index or q.id in self.index(index).store
+        return q.source == index or q.id in self.index(index)
 
     def _exclude(self, q: Query, index: str, exclude_self: bool = True) -> int | None:
         return q.id if exclude_self and self._own(q, index) else None
 
     # -- search ---------------------------------------------------------------------------
-    def _results(self, index: str, scores: np.ndarray, ids: np.ndarray, k: int,
-                 exclude: int | None, thumbnails: bool) -> list[Result]:
-        store = self.index(index).store
-        out: list[Result] = []
-        for s, i in zip(scores.tolist(), ids.tolist()):
-            if i < 0 or i == exclude:
-                continue
-            try:
-                meta = store.get_meta(int(i))
-            except KeyError:  # removed from the store after the faiss index was loaded
-                continue
-            out.append(Result(int(i), float(s), meta.get("label"), meta.get("path", ""), index,
-                              self.thumbnail(index, int(i)) if thumbnails else None))
-            if len(out) == k:
-                break
-        return out
-
-    def search_embeddings(self, emb: np.ndarray, k: int = 10, *, index: str | None = None,
-                          exclude: Sequence[int | None] | None = None,
-                          thumbnails: bool = False) -> list[list[Result]]:
-        """Search (n, d) embeddings; ``exclude[i]`` is an id to drop from row i (the query)."""
+    def nearest(self, emb: np.ndarray, k: int = 10, *, index: str | None = None,
+                exclude: Sequence[int | None] | None = None, thumbnails: bool = False) -> list[list[Result]]:
+        """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]`` is an id to
+        leave out of row i (the query itself). Ids the store no longer has are skipped."""
         index = index or self.default
-        _check_k(k)
+        k = check_k(k)
         emb = np.ascontiguousarray(np.atleast_2d(np.asarray(emb, dtype=np.float32)))
         idx = self.index(index)
-        if emb.shape[1] != idx.dim:
-            raise ValueError(f"embedding dim {emb.shape[1]} does not match index {index!r} (dim {idx.dim})")
         exclude = list(exclude) if exclude is not None else [None] * len(emb)
         extra = 1 if any(e is not None for e in exclude) else 0
         scores, ids = idx.search_embeddings(emb, min(k + extra, len(idx)))
-        return [self._results(index, scores[r], ids[r], k, exclude[r], thumbnails) for r in range(len(emb))]
+        rows = [[h for h in idx.hits(scores[r], ids[r]) if h.id != exclude[r]][:k] for r in range(len(emb))]
+        return [[Result(h.id, h.score, h.label, h.path, index,
+                        self.thumbnail(index, h.id) if thumbnails else None) for h in row] for row in rows]
 
     def search(self, query: Query | ImageSource | int, k: int = 10, *, index: str | None = None,
                exclude_self: bool = True, thumbnails: bool = False) -> SearchResult:
         """Top-k for one query (an image, a gallery id, or a Query). A gallery query is left out
         of its own results unless exclude_self is False."""
-        index = index or self.default
-        self.index(index)  # unknown index fails before any decoding
-        _check_k(k)
-        q = self._as_query(query)
-        v = self.embed(q, index)
-        excl = self._exclude(q, index, exclude_self)
-        res = self.search_embeddings(v[None], k, index=index, exclude=[excl], thumbnails=thumbnails)[0]
-        return SearchResult(index, q, res)
+        return self.search_batch([query], k, index=index, exclude_self=exclude_self, thumbnails=thumbnails)[0]
 
     def search_batch(self, queries: Sequence[Query | ImageSource | int], k: int = 10, *,
                      index: str | None = None, exclude_self: bool = True,
                      thumbnails: bool = False) -> list[SearchResult]:
         """Top-k for many queries: uploads are embedded in one batched session run."""
         index = index or self.default
-        self.index(index)
-        _check_k(k)
-        qs = [self._as_query(q) for q in queries]
+        self.index(index)  # an unknown index fails before any decoding
+        check_k(k)
+        qs = [self.query(q) for q in queries]
         if not qs:
             return []
         todo = [q for q in qs if index not in q._emb and not self._own(q, index)]
@@ -241,20 +221,20 @@ class Searcher:
                 q._emb[index] = np.asarray(v, dtype=np.float32)
         emb = np.stack([self.embed(q, index) for q in qs])
         excl = [self._exclude(q, index, exclude_self) for q in qs]
-        rows = self.search_embeddings(emb, k, index=index, exclude=excl, thumbnails=thumbnails)
+        rows = self.nearest(emb, k, index=index, exclude=excl, thumbnails=thumbnails)
         return [SearchResult(index, q, r) for q, r in zip(qs, rows)]
 
     def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:
         """The same query on every open index, side by side."""
-        q = self._as_query(query)
+        q = self.query(query)
         return {name: self.search(q, k, index=name, **kw) for name in self.indexes}
 
     # -- thumbnails -----------------------------------------------------------------------
     def thumbnail_png(self, index: str, id: int) -> bytes:
         """PNG thumbnail of gallery item ``id``, from LMDB bytes (cached)."""
         self._check_id(index, id)
-        store = self.index(index).store
-        return self.thumbs.get((index, int(id)), lambda: store.get_bytes(int(id)))
+        idx = self.index(index)
+        return self.thumbs.get((index, int(id)), lambda: idx.image_bytes(int(id)))
 
     def thumbnail(self, index: str, id: int, match: bool | None = None) -> Image.Image:
         img = Image.open(io.BytesIO(self.thumbnail_png(index, id)))
@@ -266,7 +246,7 @@ class Searcher:
                    seed: int | None = 0) -> tuple[int, int] | None:
         """Two gallery ids of ``label`` (not the query) whose difference is the shift; None when
         the class has fewer than two other images."""
-        ids = [i for i in self.index(index).store.ids_for_label(label) if i != exclude]
+        ids = [i for i in self.index(index).ids_for_label(label) if i != exclude]
         if len(ids) < 2:
             return None
         rng = np.random.default_rng(seed)
@@ -281,8 +261,8 @@ class Searcher:
         """Semantic scaling and shifting probes (supp. section L) for one query on one index."""
         index = index or self.default
         self.index(index)
-        _check_k(k)
-        q = self._as_query(query)
+        check_k(k)
+        q = self.query(query)
         v = self.embed(q, index)
         excl = self._exclude(q, index)
         notes: list[str] = []
@@ -295,10 +275,9 @@ class Searcher:
             embs.append(e); names += n; kinds += ["scaling"] * len(n)
         label = q.label if (q.label is not None and shift_label is None) else shift_label
         if shifts:
-            store = self.index(index).store
             if label is None:
                 notes.append("semantic shifting skipped: the query's label is unknown; pick a class")
-            elif label not in set(store.labels()):
+            elif label not in set(self.index(index).labels()):
                 notes.append(f"semantic shifting skipped: class {label!r} is not in index {index!r}")
             else:
                 pair = self.shift_pair(index, label, exclude=excl, seed=seed)
@@ -314,8 +293,7 @@ class Searcher:
                                  f"#{pair[0]} and #{pair[1]} of class {label!r}")
                     kinds += ["shifting"] * len(n)
         all_emb = np.concatenate([v[None]] + embs) if embs else v[None]
-        rows = self.search_embeddings(all_emb, k, index=index, exclude=[excl] * len(all_emb),
-                                      thumbnails=thumbnails)
+        rows = self.nearest(all_emb, k, index=index, exclude=[excl] * len(all_emb), thumbnails=thumbnails)
         orig = rows[0]
         table = P.stability_rows([r.id for r in orig], [r.score for r in orig], [r.label for r in orig],
                                  [(nm, kd, [r.id for r in rs], [r.score for r in rs], [r.label for r in rs])
@@ -326,7 +304,7 @@ class Searcher:
 
     def probe_all(self, query: Query | ImageSource | int, k: int = 6, **kw: Any) -> dict[str, ProbeReport]:
         """The same probes on every open index (the paper's baseline vs DAS comparison)."""
-        q = self._as_query(query)
+        q = self.query(query)
         return {name: self.probe(q, k, index=name, **kw) for name in self.indexes}
 
     def describe(self, index: str | None = None) -> dict[str, Any]:
@@ -334,7 +312,7 @@ class Searcher:
         index = index or self.default
         idx = self.index(index)
         return {"name": index, "directory": str(self.directories.get(index, "")), "size": len(idx),
-                "dim": idx.dim, "labels": len(idx.store.labels()), "manifest": idx.manifest}
+                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest}
 
 
 def _decode_side(manifest: dict) -> int:
@@ -346,9 +324,5 @@ def _decode_side(manifest: dict) -> int:
         return Preprocessing().decode_side
 
 
-def _check_k(k: int) -> None:
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= int(k) <= 1000:
-        raise ValueError(f"k: expected an integer between 1 and 1000, got {k!r}")
-
-
-__all__ = ["Searcher", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError", "ImageLoadError"]
+__all__ = ["Searcher", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError", "RequestError",
+           "ImageLoadError"]

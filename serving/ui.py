@@ -16,11 +16,12 @@ import numpy as np
 from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
-from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from indexer import IndexerError
 
+from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
 from .render import caption, probe_grid, result_items
+from .results import RequestError, check_k
 from .searcher import Query, Searcher, UnknownIdError
 from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, check_size, decode_upload
 
@@ -53,19 +54,19 @@ def _floats(text: str, what: str) -> list[float]:
     try:
         vals = [float(t) for t in text.replace(";", ",").split(",") if t.strip()]
     except ValueError:
-        raise UploadError(f"{what}: expected comma-separated numbers like '0.5, 2', got {text!r}") from None
+        raise RequestError(f"{what}: expected comma-separated numbers like '0.5, 2', got {text!r}") from None
     if any(not np.isfinite(v) for v in vals):
-        raise UploadError(f"{what}: expected finite numbers, got {text!r}")
+        raise RequestError(f"{what}: expected finite numbers, got {text!r}")
     return vals
 
 
 def _pick_choices(searcher: Searcher, per_label: int = 2, limit: int = 400) -> list[tuple[str, str]]:
     """Gallery images offered as example queries: a couple per class of the default index."""
-    store = searcher.index().store
+    idx = searcher.index()
     out: list[tuple[str, str]] = []
-    for lab in store.labels():
-        for i in store.ids_for_label(lab)[:per_label]:
-            path = store.get_meta(i).get("path", str(i))
+    for lab in idx.labels():
+        for i in idx.ids_for_label(lab)[:per_label]:
+            path = idx.meta(i).get("path", str(i))
             out.append((f"{lab} — {path}", str(i)))
             if len(out) >= limit:
                 return out
@@ -98,16 +99,30 @@ def _describe_md(info: Mapping[str, Any]) -> str:
     return f"### {info['name']}\n\n| field | value |\n| --- | --- |\n{body}\n"
 
 
+def _query_inputs(prefix: str, picks: list[tuple[str, str]], labels: list[str], *, height: int,
+                  label_text: str) -> tuple[gr.Image, gr.Dropdown, gr.Dropdown]:
+    """The query column the Search and Probes tabs share: an upload or a gallery pick (choosing
+    one clears the other) and an optional label."""
+    img = query_image(type="filepath", image_mode=None, label="Query image", sources=["upload", "clipboard"],
+                      elem_id=f"{prefix}-image", height=height)
+    pick = gr.Dropdown(picks, value=None, label="…or a gallery image", elem_id=f"{prefix}-pick",
+                       allow_custom_value=True)
+    label = gr.Dropdown(labels, value=None, label=label_text, elem_id=f"{prefix}-label")
+    pick.input(lambda: None, None, img, queue=False, api_name=False)
+    img.upload(lambda: None, None, pick, queue=False, api_name=False)
+    return img, pick, label
+
+
 def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None,
              max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, title: str = "DAS image retrieval") -> gr.Blocks:
     """The Blocks app; mount it with gr.mount_gradio_app (see app.py)."""
     names = searcher.names
     query_sets = dict(query_sets or {})
     picks = _pick_choices(searcher)
-    labels = sorted({lab for n in names for lab in searcher.index(n).store.labels()})
+    labels = sorted({lab for n in names for lab in searcher.index(n).labels()})
 
     def make_query(img_path: str | None, pick: str | None, label: str | None) -> Query:
-        label = label or None
+        img = name = None
         if img_path:
             p = Path(img_path)
             if not is_in_or_equal(str(p), get_upload_folder()):
@@ -116,18 +131,11 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             check_size(p.stat().st_size, p.name, max_upload_bytes)
             img = decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes,
                                 min_side=searcher.decode_side)
-            return searcher.query_from_image(img, label=label, name=p.name)
-        if pick:
-            try:
-                q = searcher.query_from_id(int(pick))
-            except ValueError:
-                raise UploadError(f"gallery pick {pick!r}: expected a gallery id") from None
-            if label:
-                q.label = label
-            return q
-        raise UploadError("upload an image or pick a gallery image first")
+            name = p.name
+        return searcher.query(img, id=pick or None, label=label or None, name=name)
 
-    def fail(msg: str, n_out: int) -> list[Any]:
+    def fail(e: Exception, n_out: int) -> list[Any]:
+        msg = getattr(e, "message", None) or str(e)
         gr.Warning(msg)
         return [f"**⚠ {msg}**"] + [None] * n_out
 
@@ -136,12 +144,9 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         try:
             q = make_query(img_path, pick, label)
             kk = int(k)
-            out = []
-            for n in names:
-                res = searcher.search(q, kk, index=n)
-                out.append(result_items(searcher, res.results, q.label))
-        except (UploadError, UnknownIdError, ValueError) as e:
-            return fail(getattr(e, "message", None) or str(e), len(names))
+            out = [result_items(searcher, res.results, q.label) for res in searcher.search_all(q, kk).values()]
+        except (ValueError, UnknownIdError) as e:    # RequestError, UploadError, ImageLoadError
+            return fail(e, len(names))
         known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
             "label unknown (pick one to see green/red frames)"
         return [f"Query **{q.name}** · top-{kk} · {known}"] + out
@@ -157,8 +162,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                                          scale_range=float(r_s), shifts=sh,
                                          shift_label=(shift_label or None) if not q.label else None,
                                          seed=int(seed))
-        except (UploadError, UnknownIdError, ValueError) as e:
-            return fail(getattr(e, "message", None) or str(e), len(names) + 1)
+        except (ValueError, UnknownIdError) as e:
+            return fail(e, len(names) + 1)
         grids = [probe_grid(searcher, reports[n]) for n in names]
         table = [[r["index"], r["probe"], round(r["overlap@k"], 3),
                   None if r["precision@k"] is None else round(r["precision@k"], 3)]
@@ -170,19 +175,16 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
 
     def do_eval(source: str, ks_text: str) -> list[Any]:
         try:
-            ks = [int(v) for v in _floats(ks_text, "k values")] or [1, 2, 4, 8]
-            if min(ks) < 1 or max(ks) > 1000:
-                raise UploadError(f"k values: expected integers between 1 and 1000, got {ks_text!r}")
+            ks = [check_k(int(v)) for v in _floats(ks_text, "k values")] or [1, 2, 4, 8]
             if source == GALLERY_LOO:
                 results = [evaluate_gallery(searcher, index=n, ks=ks) for n in names]
             elif source in query_sets:
                 results = [evaluate_folder(searcher, query_sets[source], index=n, ks=ks, source=source)
                            for n in names]
             else:
-                raise UploadError(f"query set {source!r}: expected one of {[GALLERY_LOO, *query_sets]}")
-        except (UploadError, ValueError, FileNotFoundError, IndexerError) as e:
-            gr.Warning(getattr(e, "message", None) or str(e))
-            return [f"**⚠ {getattr(e, 'message', None) or str(e)}**", None, None]
+                raise RequestError(f"query set {source!r}: expected one of {[GALLERY_LOO, *query_sets]}")
+        except (ValueError, FileNotFoundError, IndexerError) as e:
+            return fail(e, 2)
         head = ["index", "queries", "n"] + [f"R@{k}" for k in sorted(set(ks))]
         rows = [[r.row()[h] for h in head] for r in results]
         png = Image.open(io.BytesIO(recall_figure(results)))
@@ -199,21 +201,15 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         with gr.Tab("Search", id="search"):
             with gr.Row():
                 with gr.Column(scale=1):
-                    s_img = query_image(type="filepath", image_mode=None, label="Query image",
-                                       sources=["upload", "clipboard"], elem_id="search-image", height=260)
-                    s_pick = gr.Dropdown(picks, value=None, label="…or a gallery image", elem_id="search-pick",
-                                         allow_custom_value=True)
-                    s_label = gr.Dropdown(labels, value=None, label="Query label (optional: frames results green/red)",
-                                          elem_id="search-label")
+                    s_query = _query_inputs("search", picks, labels, height=260,
+                                            label_text="Query label (optional: frames results green/red)")
                     s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
                     s_btn = gr.Button("Search", variant="primary", elem_id="search-btn")
                 with gr.Column(scale=3):
                     s_status = gr.Markdown(elem_id="search-status")
                     s_gals = [gr.Gallery(label=f"Results — {n}", columns=4, height="auto", object_fit="contain",
                                          elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
-            s_pick.input(lambda: None, None, s_img, queue=False, api_name=False)
-            s_img.upload(lambda: None, None, s_pick, queue=False, api_name=False)
-            s_btn.click(do_search, [s_img, s_pick, s_label, s_k], [s_status, *s_gals], api_name="search")
+            s_btn.click(do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
         with gr.Tab("Probes", id="probes"):
             gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "
@@ -222,11 +218,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                         "overlap@k against the original top-k and precision@k when the query's label is known.")
             with gr.Row():
                 with gr.Column(scale=1):
-                    p_img = query_image(type="filepath", image_mode=None, label="Query image",
-                                       sources=["upload", "clipboard"], elem_id="probe-image", height=220)
-                    p_pick = gr.Dropdown(picks, value=None, label="…or a gallery image", elem_id="probe-pick",
-                                         allow_custom_value=True)
-                    p_label = gr.Dropdown(labels, value=None, label="Query label (optional)", elem_id="probe-label")
+                    p_query = _query_inputs("probe", picks, labels, height=220, label_text="Query label (optional)")
                     p_k = gr.Slider(1, 20, value=6, step=1, label="k")
                     p_topk = gr.Slider(1, 64, value=4, step=1, label="K channels scaled (top-K by value)")
                     p_scales = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SCALES), label="Scales")
@@ -242,10 +234,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                                         elem_id=f"probe-grid-{i}") for i, n in enumerate(names)]
                     p_table = gr.Dataframe(headers=["index", "probe", "overlap@k", "precision@k"],
                                            label="Stability", interactive=False, elem_id="probe-table")
-            p_pick.input(lambda: None, None, p_img, queue=False, api_name=False)
-            p_img.upload(lambda: None, None, p_pick, queue=False, api_name=False)
-            p_btn.click(do_probes, [p_img, p_pick, p_label, p_k, p_topk, p_scales, p_nrand, p_rs, p_shifts,
-                                    p_shift_label, p_seed], [p_status, *p_grids, p_table], api_name="probes")
+            p_btn.click(do_probes, [*p_query, p_k, p_topk, p_scales, p_nrand, p_rs, p_shifts, p_shift_label, p_seed],
+                        [p_status, *p_grids, p_table], api_name="probes")
 
         with gr.Tab("Evaluate", id="evaluate"):
             gr.Markdown("Recall@k of every open index: leave-one-out on the gallery (each labelled image "

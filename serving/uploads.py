@@ -18,6 +18,8 @@ from PIL import Image
 
 from embedder import ImageLoadError, load_image
 
+from .results import RequestError
+
 DEFAULT_MAX_UPLOAD_BYTES = 10 * 1024 * 1024
 # Decoded-size cap for uploads: far below embedder's 64 MP default, because a small compressed
 # file can still decode to a huge bitmap (decompression bomb) and uploads come from strangers.
@@ -26,13 +28,8 @@ MAX_CONCURRENT_DECODES = max(2, min(4, os.cpu_count() or 2))
 _DECODES = threading.BoundedSemaphore(MAX_CONCURRENT_DECODES)
 
 
-class UploadError(ValueError):
+class UploadError(RequestError):
     """A rejected upload; ``status`` is the HTTP code the API answers with."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.status = status
 
 
 def human_bytes(n: int) -> str:

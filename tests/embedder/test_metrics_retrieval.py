@@ -8,7 +8,7 @@ import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
 from embedder.metrics import (cluster_scores, evaluate, knn, map_at_r, pair_f1,
-                              recall_at_k)
+                              recall_at_k, recall_at_k_of_labels)
 
 
 def _brute_neighbors(x):
@@ -40,6 +40,19 @@ def test_hand_checked_example():
     assert map_at_r(nl, y, [1, 1, 1, 1]) == 0.0
     # with R = 2 for query 0: ranks (b, a): (0 + 1/2) / 2 = 0.25
     assert map_at_r(nl[:1], y[:1], [2]) == pytest.approx(0.25)
+
+
+def test_recall_of_label_lists_codes_misses_once():
+    # query "a": its first neighbour is unlabelled (None), then a hit at rank 2;
+    # query "b": a short row (one neighbour found), of a label no query has; query "a" again:
+    # a hit at rank 1. Missing, unlabelled and unknown neighbours never count as hits.
+    rec = recall_at_k_of_labels([[None, "a", "b"], ["zz"], ["a"]], ["a", "b", "a"], [1, 2, 4])
+    assert rec == {1: pytest.approx(1 / 3), 2: pytest.approx(2 / 3), 4: pytest.approx(2 / 3)}
+    # the same as recall_at_k on the integer codes it stands for
+    codes = np.array([[-1, 0, 1], [-1, -1, -1], [0, -1, -1]])
+    assert recall_at_k(codes, np.array([0, 1, 0]), [1, 2]) == {1: rec[1], 2: rec[2]}
+    with pytest.raises(ValueError, match="2 neighbour lists for 3 queries"):
+        recall_at_k_of_labels([["a"], ["b"]], ["a", "b", "c"], [1])
 
 
 def test_knn_matches_brute_force_in_blocks(random_set):

@@ -47,6 +47,21 @@ def test_put_get_dedupe_and_embeddings(tmp_path: Path, omniglot_paths: list[Path
             st.get_meta(12345)
 
 
+def test_snapshot_and_missing_embeddings(tmp_path: Path, omniglot_paths: list[Path]) -> None:
+    items = [_item(p, f"c/{p.name}", "c") for p in omniglot_paths[:3]]
+    other = hashlib.sha256(b"another model").hexdigest()
+    st = GalleryStore(tmp_path / "s", readonly=False)
+    assert st.snapshot(MODEL, ["c/x.png"]).paths == {} and not st.exists   # not created by a look
+    with st:
+        st.put_items(items[:2], np.ones((2, 4), np.float32), MODEL)
+        st.put_items(items[2:])                                   # stored, embedded by no model
+        snap = st.snapshot(MODEL, [items[0].relpath, items[2].relpath, "c/unknown.png"])
+        assert snap.embedded == {items[0].id, items[1].id}
+        assert snap.paths == {it.relpath: (it.id, it.size, it.mtime_ns) for it in (items[0], items[2])}
+        assert st.missing_embeddings(MODEL) == [items[2].id]
+        assert st.missing_embeddings(other) == sorted(it.id for it in items)
+
+
 def test_ids_are_content_derived_and_js_safe(omniglot_paths: list[Path]) -> None:
     shas = [hashlib.sha256(p.read_bytes()).hexdigest() for p in omniglot_paths]
     ids = [id_for_sha256(s) for s in shas]

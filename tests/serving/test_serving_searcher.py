@@ -45,7 +45,7 @@ def test_exact_duplicate_upload_is_top1_and_gallery_query_excludes_itself(search
     by_id = searcher.search(gid, 3)
     assert gid not in by_id.ids and len(by_id.ids) == 3
     assert by_id.query.label == label
-    by_path = searcher.search(searcher.query_from_path(store.get_meta(gid)["path"]), 3)
+    by_path = searcher.search(searcher.query(path=store.get_meta(gid)["path"]), 3)
     assert by_path.ids == by_id.ids
     # the stored embedding and a fresh embedding of the same bytes agree
     assert searcher.search(data, 4).ids[1:] == by_id.ids
@@ -75,7 +75,7 @@ def test_two_indexes_side_by_side(searcher: Searcher, demo_dirs):
     for name, res in both.items():
         assert all(r.index == name for r in res.results)
     gid = searcher.index("pretrained").store.ids_for_label("coins")[0]
-    q = searcher.query_from_id(gid, "pretrained")
+    q = searcher.query(id=gid, index="pretrained")
     # ids are content hashes: the same photo has the same id in the other index, which uses its
     # own stored embedding and leaves the query out of its results too
     small = searcher.search(q, 39, index="small")
@@ -95,11 +95,11 @@ def test_bad_queries_raise_named_errors(searcher: Searcher, tmp_path):
     with pytest.raises(UnknownIdError, match="unknown index"):
         searcher.search(b"x", 3, index="nope")
     with pytest.raises(UnknownIdError, match="path"):
-        searcher.query_from_path("no/such.png")
+        searcher.query(path="no/such.png")
     with pytest.raises(ValueError, match="k: expected"):
         searcher.search(searcher.index().store.ids_for_label("coins")[0], 0)
     with pytest.raises(ValueError, match="dim"):
-        searcher.search_embeddings(np.ones((1, 7), np.float32), 3)
+        searcher.nearest(np.ones((1, 7), np.float32), 3)
 
 
 def test_thumbnails_are_cached_pngs_from_lmdb(searcher: Searcher):
@@ -147,7 +147,7 @@ def test_probes_on_upload_need_a_class_for_shifting(searcher: Searcher, demo_dir
     assert any("label is unknown" in n for n in rep.notes)
     rep2 = searcher.probe(path, 3, scales=(2.0,), shifts=(1.0,), shift_label=label)
     assert [r.kind for r in rep2.rows] == ["original", "scaling", "shifting"]
-    all_reports = searcher.probe_all(searcher.query_from_image(path, label=label), 3, scales=(0.5,))
+    all_reports = searcher.probe_all(searcher.query(path, label=label), 3, scales=(0.5,))
     assert list(all_reports) == ["pretrained", "small"]
     assert [r.name for r in all_reports["pretrained"].rows] == [r.name for r in all_reports["small"].rows]
 

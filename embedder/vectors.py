@@ -1,0 +1,13 @@
+"""Vector helpers outside the model (numpy, torch-free): the one L2 normalisation that
+indexing, search and the test-time probes share, so every vector the faiss index sees was
+normalised the same way (inner product on unit vectors = cosine)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """Float32 copy of ``x`` with each row (the last axis) scaled to unit length; a zero row
+    stays zero (its norm is clamped to ``eps``)."""
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)
