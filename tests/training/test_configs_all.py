@@ -17,7 +17,7 @@ from training.config import ConfigError, TrainConfig, load_config, load_toml
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.toml") if "base" not in p.parts)
 # class counts of the training splits (no dataset needed to build from a config)
-TRAIN_CLASSES = {"cub": 100, "cars": 98, "sop": 11318, "omniglot": 100}
+TRAIN_CLASSES = {"cub": 100, "cars": 98, "sop": 11318, "omniglot": 100, "folder": 25}
 
 
 def test_config_set_covers_the_paper():
