@@ -14,6 +14,19 @@ from pathlib import Path
 from typing import Any
 
 DATASETS = ("cub", "cars", "sop", "omniglot", "folder")
+LOSS_FLAVOURS = ("authors", "pml")
+#: Named bundles of DAS options (`das_preset`). "paper" is the spec's defaults (T 3, K 4, Z 10,
+#: r_s = r_b = 0.01, detached copies, no aux loss): exactly TrainConfig's own defaults. "robust"
+#: is the authors' own SOP triplet recipe (DFS factors U[0.5, 2], r_b 0.1, aux loss) with
+#: gradients through the copies (as their SOP runs of five of the seven losses) and without an
+#: anchor's own copies as its positives: chosen on validation classes, see BENCHMARKS.md ("Why
+#: DAS lost"). A preset is expanded when a config is loaded (files, --set,
+#: load_config/config_from_mapping); keys given explicitly next to it win.
+DAS_PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "robust": {"das_scale_bounds": [0.5, 2.0], "das_shift_scale": 0.1, "das_aux_loss": True,
+               "das_detach": False, "das_exclude_own_copies": True},
+}
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 #: `das_bank_dtype` names -> the torch dtype DAS stores its transformation bank in. Kept as
 #: strings here so that config.py (and `--help`) does not import torch.
@@ -49,7 +62,13 @@ class TrainConfig:
     loss: str = "triplet"  # contrastive|triplet|margin|lifted|npair|multisimilarity|softmax|arcface
     miner: str = "distance"  # random|semihard|softhard|distance|none
     loss_options: dict[str, Any] = field(default_factory=dict)  # extra build_loss overrides
+    # "authors": losses and samplers exactly as the DAS authors' training framework computes
+    # them (what produced the paper's numbers); "pml": pytorch-metric-learning's conventions.
+    loss_flavour: str = "authors"  # authors | pml (see training/losses.py)
     das: bool = True  # densely-anchored sampling on/off
+    # A named bundle of the das_* options below (DAS_PRESETS); applied when the config is
+    # loaded, explicit keys win. "paper" = the spec's defaults.
+    das_preset: str = "paper"  # paper | robust
     das_num_produce: int = 3  # T: produced copies per real embedding
     das_topk: int = 4  # K: channels in the FRM top-K and in the DFS mask
     das_bank_size: int = 10  # Z: memorised differences per class
@@ -115,6 +134,12 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr!r}: expected a positive number")
+        if self.das_preset not in DAS_PRESETS:
+            raise ConfigError(f"das_preset={self.das_preset!r}: expected one of "
+                              f"{', '.join(DAS_PRESETS)}")
+        if self.loss_flavour not in LOSS_FLAVOURS:
+            raise ConfigError(f"loss_flavour={self.loss_flavour!r}: expected one of "
+                              f"{', '.join(LOSS_FLAVOURS)}")
         self._validate_das()
         return self
 
@@ -240,12 +265,22 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+def expand_preset(data: dict[str, Any], where: str = "config") -> dict[str, Any]:
+    """`data` with its `das_preset`'s options filled in under the keys it sets itself."""
+    preset = data.get("das_preset", "paper")
+    if preset not in DAS_PRESETS:
+        raise ConfigError(f"{where}: das_preset={preset!r}: expected one of "
+                          f"{', '.join(DAS_PRESETS)}")
+    return {**DAS_PRESETS[preset], **data}
+
+
 def config_from_mapping(data: dict[str, Any], where: str = "config") -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; "
                           f"see `python -m training --help`")
+    data = expand_preset(data, where)
     values = {k: _coerce(k, v, where) for k, v in data.items()}
     return TrainConfig(**values).validate()
 

@@ -1,18 +1,26 @@
-"""The paper's eight losses (supplementary A) behind one `Criterion` interface.
+"""The paper's eight losses (supplementary A) behind one `Criterion`, in two flavours.
 
-pytorch-metric-learning computes six of them with the paper's formulas (tests compare each
-to a direct implementation of the supplementary's equation). Two are written here:
-N-pair, because PML's NPairsLoss keeps one anchor-positive pair per class and uses only the
-other classes' positives as negatives, whereas eq. (V) takes every different-class embedding
-of the batch as a negative (which lets DAS's produced embeddings act as negatives too); and
-multi-similarity with its MS mining, because PML's miner sorts the whole N x N similarity
-matrix twice and hands index lists to a loss that turns them back into masks: at N = 448
-(B = 112 with T = 3 copies) that cost several times the rest of the step on small inputs.
-The mask form here gives the same values and gradients as PML's pair (tested).
+``flavour="authors"`` (the default, and what the paper's configs use): each loss and sampler
+as the DAS authors' training framework computes it (training/losses_authors.py,
+training/samplers.py), since that code, not the supplementary's equations, produced the
+paper's numbers. The differences that matter: the triplet loss on squared distances averaged
+over all sampled triplets, means over all sampled pairs for contrastive, their N-pair (x/4,
+one positive per anchor) and lifted (per-channel) variants, MS skipping anchors without mined
+pairs, ArcFace without an effective margin; distance-weighted sampling without the upper
+cut-off and random sampling over all triplets. Every one is listed in losses_authors.py.
 
-Reductions are PML's defaults (mean over non-zero terms for contrastive/triplet, Wu et al.'s
-divisor for margin, mean over anchors for lifted/MS/proxies); the paper's sums differ from
-them only by a positive factor per batch.
+``flavour="pml"``: the project's first implementation, kept for comparison and for users of
+pytorch-metric-learning's conventions. pytorch-metric-learning computes six losses with the
+supplementary's formulas (tests compare each to a direct implementation of its equation) and
+PML's reductions (mean over non-zero terms for contrastive/triplet, Wu et al.'s divisor for
+margin, mean over anchors for lifted/MS/proxies; the paper's sums differ from them only by a
+positive factor per batch). Two are written here: N-pair, because PML's NPairsLoss keeps one
+anchor-positive pair per class and uses only the other classes' positives as negatives,
+whereas eq. (V) takes every different-class embedding of the batch as a negative (which lets
+DAS's produced embeddings act as negatives too); and multi-similarity with its MS mining,
+because PML's miner sorts the whole N x N similarity matrix twice and hands index lists to a
+loss that turns them back into masks (several times the rest of the step at N = 448); the mask
+form here gives the same values and gradients (tested) and never syncs with the host.
 """
 from __future__ import annotations
 
@@ -24,10 +32,11 @@ import torch.nn.functional as F
 from pytorch_metric_learning import distances, losses, regularizers
 from torch import Tensor, nn
 
-from .samplers import MINERS, build_miner
+from . import losses_authors as A
+from .samplers import FLAVOURS, MINERS, Triplets, build_miner
 
-__all__ = ["LOSSES", "DEFAULTS", "DEFAULT_MINER", "Criterion", "MultiSimilarityLoss", "NPairLoss",
-           "build_loss"]
+__all__ = ["LOSSES", "FLAVOURS", "DEFAULTS", "DEFAULT_MINER", "Criterion", "MultiSimilarityLoss",
+           "NPairLoss", "build_loss"]
 
 LOSSES = ("contrastive", "triplet", "margin", "lifted", "npair", "multisimilarity",
           "softmax", "arcface")
@@ -86,7 +95,8 @@ class MultiSimilarityLoss(nn.Module):
     Mining (on detached similarities): positive q kept if ``S_aq - eps < max_r S_ar``,
     negative r kept if ``S_ar + eps > min_q S_aq``. Loss per anchor:
     ``1/alpha log(1 + sum_q exp(-alpha (S_aq - lambda))) + 1/beta log(1 + sum_r exp(beta (S_ar
-    - lambda)))``, averaged over all anchors (PML's reduction).
+    - lambda)))``, averaged over all anchors (PML's reduction). Masks and reductions only:
+    no data-dependent shapes, so no host sync on a GPU.
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 40.0, base: float = 0.5,
@@ -94,27 +104,33 @@ class MultiSimilarityLoss(nn.Module):
         super().__init__()
         self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
 
-    def masks(self, sim: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """(keep_pos, keep_neg) after MS mining."""
+    @staticmethod
+    def mine(sim: Tensor, labels: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+        """(keep_pos, keep_neg) after MS mining of a similarity matrix."""
         same = labels[:, None] == labels[None, :]
         eye = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
         pos, neg = same & ~eye, ~same
         inf = torch.full_like(sim, math.inf)
         max_neg = torch.where(neg, sim, -inf).amax(dim=1, keepdim=True)
         min_pos = torch.where(pos, sim, inf).amin(dim=1, keepdim=True)
-        return pos & (sim - self.epsilon < max_neg), neg & (sim + self.epsilon > min_pos)
+        return pos & (sim - epsilon < max_neg), neg & (sim + epsilon > min_pos)
+
+    def masks(self, sim: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(keep_pos, keep_neg) after MS mining."""
+        return self.mine(sim, labels, self.epsilon)
+
+    @staticmethod
+    def log1p_sum_exp(z: Tensor, keep: Tensor) -> Tensor:
+        """Row-wise ``log(1 + sum_{keep} exp(z))``, stable and exactly 0 for an empty row."""
+        z = torch.where(keep, z, torch.full_like(z, -math.inf))
+        return torch.logsumexp(torch.cat([z, z.new_zeros(len(z), 1)], dim=1), dim=1)
 
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
         x = F.normalize(embeddings, dim=1)
         sim = x @ x.T
         keep_pos, keep_neg = self.masks(sim.detach(), labels)
-
-        def log1p_sum_exp(z: Tensor, keep: Tensor) -> Tensor:
-            z = torch.where(keep, z, torch.full_like(z, -math.inf))
-            return torch.logsumexp(torch.cat([z, z.new_zeros(len(z), 1)], dim=1), dim=1)
-
-        pos = log1p_sum_exp(-self.alpha * (sim - self.base), keep_pos) / self.alpha
-        neg = log1p_sum_exp(self.beta * (sim - self.base), keep_neg) / self.beta
+        pos = self.log1p_sum_exp(-self.alpha * (sim - self.base), keep_pos) / self.alpha
+        neg = self.log1p_sum_exp(self.beta * (sim - self.base), keep_neg) / self.beta
         return (pos + neg).mean()
 
 
@@ -124,14 +140,16 @@ class Criterion(nn.Module):
     `forward(embeddings, labels)` mines on the detached embeddings (real and DAS-produced
     alike) and returns the scalar loss. `normalize` says whether the embedder (and DAS)
     should L2-normalise for this loss; `param_groups()` lists margin betas / proxies with
-    the learning rates the paper gives them.
+    the learning rates the paper gives them; `flavour` is "authors" or "pml".
     """
 
     def __init__(self, name: str, loss: nn.Module, miner: Any, normalize: bool,
-                 lrs: dict[str, float], hparams: dict[str, float], miner_name: str | None):
+                 lrs: dict[str, float], hparams: dict[str, float], miner_name: str | None,
+                 flavour: str = "authors"):
         super().__init__()
         self.name, self.loss, self.miner = name, loss, miner
         self.normalize, self.hparams, self.miner_name = normalize, hparams, miner_name
+        self.flavour = flavour
         self._lrs = lrs
 
     def forward(self, embeddings: Tensor, labels: Tensor, origin: Tensor | None = None) -> Tensor:
@@ -143,8 +161,13 @@ class Criterion(nn.Module):
         # Losses run in float32: exp(40 * s) in MS or 1/T = 20 in softmax overflow bf16/fp16.
         with torch.autocast(embeddings.device.type, enabled=False):
             x = embeddings.float()
-            indices = self.miner(x.detach(), labels, origin) if self.miner is not None else None
-            return self.loss(x, labels, indices)
+            mined: Triplets | None = None
+            if self.miner is not None:
+                mined = self.miner(x.detach(), labels, origin)
+            if self.flavour == "pml" and mined is not None:
+                # PML's losses take index lists (and sync internally anyway)
+                return self.loss(x, labels, mined.compact())
+            return self.loss(x, labels, mined)
 
     def param_groups(self) -> list[dict]:
         """Extra parameters with their own lr, e.g. ``[{"params": [beta], "lr": 5e-4}]``."""
@@ -155,22 +178,25 @@ class Criterion(nn.Module):
         return groups
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, miner={self.miner_name!r}, normalize={self.normalize}, " \
-               f"hparams={self.hparams}"
+        return f"name={self.name!r}, flavour={self.flavour!r}, miner={self.miner_name!r}, " \
+               f"normalize={self.normalize}, hparams={self.hparams}"
 
 
 def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
-               **overrides: Any) -> Criterion:
+               flavour: str = "authors", **overrides: Any) -> Criterion:
     """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword).
 
     Contrastive, triplet and margin take "random", "semihard", "softhard" or "distance";
-    ``miner=None`` (or "none") uses every pair/triplet of the batch. Multi-similarity always
-    uses its own MS mining (miner None or "multisimilarity"); lifted, N-pair and the proxy
-    losses use the whole batch and take no miner. ``miner="default"`` picks the paper's
+    with ``flavour="pml"``, ``miner=None`` (or "none") uses every pair/triplet of the batch
+    (the authors' framework always samples, so its flavour needs a sampler). Multi-similarity
+    always uses its own MS mining (miner None or "multisimilarity"); lifted, N-pair and the
+    proxy losses use the whole batch and take no miner. ``miner="default"`` picks the paper's
     pairing (`DEFAULT_MINER`). ``miner_options={...}`` is passed to `build_miner`.
     """
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour={flavour!r}: expected one of {FLAVOURS}")
     if num_classes < 1 or dim < 1:
         raise ValueError(f"num_classes={num_classes}, dim={dim}: expected both >= 1")
     miner_options = dict(overrides.pop("miner_options", None) or {})
@@ -189,47 +215,77 @@ def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = Non
         if miner_name is not None and miner_name not in MINERS:
             raise ValueError(f"loss {name!r}: unknown miner {miner!r}; expected one of "
                              f"{MINERS} or 'none'")
-        miner_obj = build_miner(miner_name, **miner_options)
+        if miner_name is None and flavour == "authors":
+            raise ValueError(f"loss {name!r} with flavour 'authors' needs a sampler (one of "
+                             f"{MINERS}): the authors' framework always samples; use "
+                             f"flavour 'pml' for all pairs/triplets of the batch")
+        miner_obj = build_miner(miner_name, flavour, **miner_options)
     elif name == "multisimilarity":
         if miner_name not in ("multisimilarity", "ms"):
             raise ValueError(f"loss 'multisimilarity' uses its own MS mining (miner None or "
                              f"'multisimilarity'), got {miner!r}")
-        miner_obj = None                      # MS mining is part of MultiSimilarityLoss
+        miner_obj = None                      # MS mining is part of the loss
     else:
         if miner_name is not None:
             raise ValueError(f"loss {name!r} uses the whole batch; it takes no miner "
                              f"(got {miner!r})")
         miner_obj = None
 
-    lrs: dict[str, float] = {}
-    normalize = True
+    build = _build_authors if flavour == "authors" else _build_pml
+    loss, normalize, lrs = build(name, hp, num_classes, dim)
+    return Criterion(name, loss, miner_obj, normalize, lrs, hp, miner_name, flavour)
+
+
+def _build_authors(name: str, hp: dict[str, float], num_classes: int, dim: int
+                   ) -> tuple[nn.Module, bool, dict[str, float]]:
+    """(loss module, normalise embeddings?, extra lrs) of the authors' flavour."""
+    if name == "contrastive":
+        return A.AuthorsContrastive(margin=hp["margin"]), True, {}
+    if name == "triplet":
+        return A.AuthorsTriplet(margin=hp["margin"]), True, {}
+    if name == "margin":
+        return (A.AuthorsMargin(num_classes, margin=hp["margin"], beta=hp["beta"], nu=hp["nu"]),
+                True, {"beta": hp["beta_lr"]})
+    if name == "lifted":
+        return A.AuthorsLifted(margin=hp["margin"], reg_weight=hp["reg_weight"]), False, {}
+    if name == "npair":
+        return A.AuthorsNPair(reg_weight=hp["reg_weight"]), False, {}
+    if name == "multisimilarity":
+        return (A.AuthorsMultiSimilarity(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
+                                         epsilon=hp["epsilon"]), True, {})
+    if name == "softmax":
+        return (A.AuthorsSoftmax(num_classes, dim, temperature=hp["temperature"]), True,
+                {"W": hp["proxy_lr"]})
+    return (A.AuthorsArcFace(num_classes, dim, margin=hp["margin"], scale=hp["scale"]), True,
+            {"W": hp["proxy_lr"]})
+
+
+def _build_pml(name: str, hp: dict[str, float], num_classes: int, dim: int
+               ) -> tuple[nn.Module, bool, dict[str, float]]:
+    """(loss module, normalise embeddings?, extra lrs) of the PML flavour."""
     if name == "contrastive":
         # pos_margin 0: positives are pulled by D itself (eq. I), not D^2.
-        loss: nn.Module = losses.ContrastiveLoss(pos_margin=0.0, neg_margin=hp["margin"])
-    elif name == "triplet":
-        loss = losses.TripletMarginLoss(margin=hp["margin"])
-    elif name == "margin":
-        loss = losses.MarginLoss(margin=hp["margin"], nu=hp["nu"], beta=hp["beta"],
-                                 learn_beta=True, num_classes=num_classes)
-        lrs["beta"] = hp["beta_lr"]
-    elif name == "lifted":
-        normalize = False
-        loss = losses.GeneralizedLiftedStructureLoss(
+        return losses.ContrastiveLoss(pos_margin=0.0, neg_margin=hp["margin"]), True, {}
+    if name == "triplet":
+        return losses.TripletMarginLoss(margin=hp["margin"]), True, {}
+    if name == "margin":
+        return (losses.MarginLoss(margin=hp["margin"], nu=hp["nu"], beta=hp["beta"],
+                                  learn_beta=True, num_classes=num_classes), True,
+                {"beta": hp["beta_lr"]})
+    if name == "lifted":
+        return (losses.GeneralizedLiftedStructureLoss(
             neg_margin=hp["margin"], pos_margin=0.0,
             distance=distances.LpDistance(normalize_embeddings=False),
             embedding_regularizer=regularizers.LpRegularizer(p=2, power=2),
-            embedding_reg_weight=hp["reg_weight"])
-    elif name == "npair":
-        normalize = False
-        loss = NPairLoss(reg_weight=hp["reg_weight"])
-    elif name == "multisimilarity":
-        loss = MultiSimilarityLoss(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
-                                   epsilon=hp["epsilon"])
-    elif name == "softmax":
-        loss = losses.NormalizedSoftmaxLoss(num_classes, dim, temperature=hp["temperature"])
-        lrs["W"] = hp["proxy_lr"]
-    else:  # arcface; PML takes the angular margin in degrees
-        loss = losses.ArcFaceLoss(num_classes, dim, margin=math.degrees(hp["margin"]),
-                                  scale=hp["scale"])
-        lrs["W"] = hp["proxy_lr"]
-    return Criterion(name, loss, miner_obj, normalize, lrs, hp, miner_name)
+            embedding_reg_weight=hp["reg_weight"]), False, {})
+    if name == "npair":
+        return NPairLoss(reg_weight=hp["reg_weight"]), False, {}
+    if name == "multisimilarity":
+        return (MultiSimilarityLoss(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
+                                    epsilon=hp["epsilon"]), True, {})
+    if name == "softmax":
+        return (losses.NormalizedSoftmaxLoss(num_classes, dim, temperature=hp["temperature"]),
+                True, {"W": hp["proxy_lr"]})
+    # arcface; PML takes the angular margin in degrees
+    return (losses.ArcFaceLoss(num_classes, dim, margin=math.degrees(hp["margin"]),
+                               scale=hp["scale"]), True, {"W": hp["proxy_lr"]})

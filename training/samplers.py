@@ -1,39 +1,79 @@
-"""The paper's four sampling methods (supplementary B) as miners returning triplets.
+"""The paper's four sampling methods (supplementary B) as miners returning fixed-size triplets.
 
-Each miner maps ``(embeddings, labels)`` to index triplets ``(a, p, n)`` in
-pytorch-metric-learning's format, so any PML loss takes them as ``indices_tuple`` (pair
-losses such as contrastive split a triplet into one positive and one negative pair).
-Every anchor, real or produced by DAS, gets one positive and one negative; anchors without
-a positive or a negative in the batch are skipped. A positive is always another index:
-an embedding is never paired with itself, even when a DAS copy equals its anchor exactly
-(that copy is a different index and a genuine positive at distance 0).
+A miner maps ``(embeddings, labels[, origin])`` to `Triplets` ``(anchors, positives,
+negatives, valid)``: one candidate triplet per row (per anchor, or N uniform draws for the
+authors' random sampler) plus a validity mask, so the shapes never depend on the data. Rows
+without a positive or a negative are kept with ``valid = False`` instead of being cut out:
+no ``nonzero``, boolean indexing or ``.item()`` anywhere, hence no host synchronisation on a
+GPU (tests record the dispatched ops to check that). ``Triplets.compact()`` gives the plain
+``(a, p, n)`` index lists pytorch-metric-learning's losses take (that one step syncs).
 
-Why hand-written instead of PML's miners: these follow the per-anchor sampling of Roth et
-al.'s benchmark code (which the DAS authors build on): one random positive per anchor, a
-negative drawn from a candidate set, and a fall-back to any negative when the set is empty.
-PML's TripletMarginMiner returns *all* semi-hard triplets, has no soft-hard mode, and its
-DistanceWeightedMiner subtracts one global maximum in log space (its weights underflow to 0
-at d = 512) and yields NaN rows when no negative lies under the upper cut-off.
-All sampling is vectorised (inverse CDF over the rows of a weight matrix, one uniform per
-anchor), so there is no Python loop over anchors.
+Two flavours (``build_miner(..., flavour=...)``), both vectorised (inverse CDF over the rows of
+a weight matrix, one uniform per row; no Python loop over anchors):
+
+* ``"authors"``: as the DAS authors' training framework samples (their ``sampling/`` package,
+  itself Roth et al.'s ``batchminer/``), which produced the paper's numbers:
+
+  - random: ``N`` triplets drawn uniformly from *all* valid (a, p, n) triplets of the batch
+    (their ``random.sample`` draws without replacement; here with replacement, which differs
+    only in the rare repeated triplet: at N = 448 the pool has over a million triplets);
+  - semi-hard / soft-hard: as in the ``"pml"`` flavour below (identical rules);
+  - distance-weighted: distances of the batch *as given* (no re-normalisation), clamped below
+    at 0.5; log q(D)^-1 with same-label entries set to 0, minus the row maximum (which
+    includes those zeros), exponentiated, same-label weights zeroed; **no upper cut-off**
+    (their 1.4 cut-off is commented out: "made the results slightly worse"); positive uniform
+    among the other same-label rows, or the anchor itself when it has none. Kept differences:
+    weights below e^-87 (float32's smallest normal number) are flushed to 0 where their
+    float32 code keeps denormals (such a negative is never drawn), and D is capped at
+    2 - 1e-4 where theirs yields NaN for antipodal points.
+
+* ``"pml"``: this project's earlier miners, the default before the authors' flavour existed:
+  one triplet per anchor; random = uniform positive and negative per anchor; distance-weighted
+  on L2-normalised embeddings with the 1.4 "largest distance" of supplementary B (zero weight
+  beyond it, uniform fall-back when no negative is nearer), anchors without a positive left
+  out. (Why not PML's own miners: TripletMarginMiner returns *all* semi-hard triplets and has
+  no soft-hard mode; its DistanceWeightedMiner subtracts one global maximum in log space, so
+  its weights underflow to 0 at d = 512, and yields NaN rows when no negative lies under the
+  cut-off.)
+
+A positive is always another index than its anchor (except the authors' distance sampler's
+self fall-back): a DAS copy equal to its anchor is a different index and a genuine positive.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MINERS", "build_miner", "RandomMiner", "SemiHardMiner", "SoftHardMiner",
-           "DistanceWeightedMiner", "distance_weighted_log_weights"]
+__all__ = ["MINERS", "FLAVOURS", "Triplets", "build_miner", "RandomMiner", "SemiHardMiner",
+           "SoftHardMiner", "DistanceWeightedMiner", "AuthorsRandomMiner",
+           "AuthorsDistanceMiner", "distance_weighted_log_weights"]
 
 MINERS = ("random", "semihard", "softhard", "distance")
+#: Loss/sampler flavours: the DAS authors' framework, or this project's PML-based one.
+FLAVOURS = ("authors", "pml")
+
+
+class Triplets(NamedTuple):
+    """Fixed-size mined triplets: index tensors (M,) and a bool (M,) mask of the real ones."""
+
+    anchors: Tensor
+    positives: Tensor
+    negatives: Tensor
+    valid: Tensor
+
+    def compact(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(a, p, n)`` of the valid rows only (a boolean index: one host sync)."""
+        v = self.valid
+        return self.anchors[v], self.positives[v], self.negatives[v]
 
 
 def _pairwise(x: Tensor) -> Tensor:
-    """Euclidean distances via the Gram matrix (only used to choose indices; the loss
-    recomputes its own distances with gradients)."""
+    """Euclidean distances via the Gram matrix, as both frameworks compute them (only used to
+    choose indices; the loss recomputes its own distances with gradients)."""
     sq = (x * x).sum(1)
     d2 = (sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)).clamp_min(0.0)
     d2.fill_diagonal_(0.0)
@@ -48,8 +88,8 @@ def _any_rows(mask: Tensor) -> Tensor:
 def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One index per row from unnormalised non-negative row weights, by inverse CDF: one
     uniform per row and a search in the row's cumulative sum (several times faster than
-    `torch.multinomial` on 448 x 448). Rows without any weight get index 0 (callers drop
-    those anchors)."""
+    `torch.multinomial` on 448 x 448, and free of host syncs). Rows without any weight get
+    index 0 (callers mark those rows invalid)."""
     cdf = probs.cumsum(dim=1)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
@@ -81,13 +121,12 @@ class _TripletMiner:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, embeddings: Tensor, labels: Tensor,
-                 origin: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Triplets ``(a, p, n)``. ``origin`` (N,), optional: the real embedding each row was
+    def __call__(self, embeddings: Tensor, labels: Tensor, origin: Tensor | None = None
+                 ) -> Triplets:
+        """Triplets of the batch. ``origin`` (N,), optional: the real embedding each row was
         produced from (DAS copies share their anchor's origin). When given, rows of the same
-        origin are never each other's positives: an anchor's own near-identical copies make
-        triplets whose ||a - p|| gradient is a unit vector along the random DAS perturbation.
-        Off by default, as the spec (and the authors' code) treat copies as ordinary positives."""
+        origin are never each other's positives (TrainConfig.das_exclude_own_copies; off by
+        default, as the spec and the authors' code treat copies as ordinary positives)."""
         if embeddings.dim() != 2 or labels.shape != embeddings.shape[:1]:
             raise ValueError(f"expected embeddings (N, d) and labels (N,), got "
                              f"{tuple(embeddings.shape)} and {tuple(labels.shape)}")
@@ -100,25 +139,44 @@ class _TripletMiner:
             pos, neg = _masks(labels)
             if origin is not None:
                 pos = pos & (origin[:, None] != origin[None, :])
-            dist = _pairwise(x)
-            p, n = self.choose(dist, pos, neg, x.shape[1])
-            ok = (_any_rows(pos) & _any_rows(neg)).squeeze(1)
-            a = torch.arange(x.shape[0], device=x.device)[ok]
-            return a, p[ok], n[ok]
+            return self.mine(_pairwise(x), pos, neg, x.shape[1])
+
+    def mine(self, dist: Tensor, pos: Tensor, neg: Tensor, dim: int) -> Triplets:
+        """One triplet per anchor, valid where it has a positive and a negative."""
+        p, n = self.choose(dist, pos, neg, dim)
+        a = torch.arange(dist.shape[0], device=dist.device)
+        return Triplets(a, p, n, (_any_rows(pos) & _any_rows(neg)).squeeze(1))
 
     def choose(self, dist: Tensor, pos: Tensor, neg: Tensor, dim: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
 
 class RandomMiner(_TripletMiner):
-    """Random sampling: positive and negative uniformly from their sets."""
+    """Random sampling ("pml"): per anchor, positive and negative uniformly from their sets."""
 
     def choose(self, dist, pos, neg, dim):
         return _uniform(pos, self.generator), _uniform(neg, self.generator)
 
 
+class AuthorsRandomMiner(_TripletMiner):
+    """Random sampling as the authors' framework does it: N triplets (N = batch rows), each
+    uniform over all valid (a, p, n) triplets of the batch, i.e. anchor a with probability
+    |P_a| |N_a| / sum, then p and n uniform in its sets. Every row is valid when the batch has
+    any triplet at all."""
+
+    def mine(self, dist, pos, neg, dim):
+        n_rows = dist.shape[0]
+        counts = pos.float().sum(1) * neg.float().sum(1)                   # triplets per anchor
+        cdf = counts.cumsum(0)
+        u = torch.rand(n_rows, generator=self.generator, device=dist.device) * cdf[-1]
+        a = torch.searchsorted(cdf, u, right=True).clamp_(max=n_rows - 1)
+        p = _uniform(pos.index_select(0, a), self.generator)
+        n = _uniform(neg.index_select(0, a), self.generator)
+        return Triplets(a, p, n, (cdf[-1] > 0).expand(n_rows))
+
+
 class SemiHardMiner(_TripletMiner):
-    """Semi-hard (Schroff et al.), as in Roth et al.'s code: random positive p, negative from
+    """Semi-hard (Schroff et al.), as both frameworks do it: random positive p, negative from
     ``d_ap < d_an < d_ap + margin`` (eq. IX plus FaceNet's margin window), else any negative."""
 
     def __init__(self, margin: float = 0.2, generator: torch.Generator | None = None) -> None:
@@ -133,9 +191,9 @@ class SemiHardMiner(_TripletMiner):
 
 
 class SoftHardMiner(_TripletMiner):
-    """Soft-hard (Roth et al., eq. X-XI): positive from those farther than the closest
-    negative, negative from those closer than the farthest positive; each falls back to its
-    whole set when that is empty."""
+    """Soft-hard (Roth et al., eq. X-XI), as both frameworks do it: positive from those farther
+    than the closest negative, negative from those closer than the farthest positive; each
+    falls back to its whole set when that is empty."""
 
     def choose(self, dist, pos, neg, dim):
         inf = torch.full_like(dist, math.inf)
@@ -158,10 +216,10 @@ def distance_weighted_log_weights(dist: Tensor, dim: int, cutoff: float = 0.5) -
 
 
 class DistanceWeightedMiner(_TripletMiner):
-    """Distance-weighted sampling (Wu et al., eq. XII-XIII): random positive; negative with
-    P(n|a) ~ q(D_an)^-1, D clipped at `cutoff` (0.5), zero weight at D >= `nonzero_loss_cutoff`
-    (1.4, "largest distance"); uniform over negatives when none is under that distance.
-    Distances are taken on L2-normalised embeddings, the hypersphere the formula assumes."""
+    """Distance-weighted sampling ("pml"; Wu et al., eq. XII-XIII): random positive; negative
+    with P(n|a) ~ q(D_an)^-1, D clipped at `cutoff` (0.5), zero weight at D >=
+    `nonzero_loss_cutoff` (1.4, "largest distance"); uniform over negatives when none is under
+    that distance. Distances are taken on L2-normalised embeddings."""
 
     needs_normalized = True
 
@@ -184,45 +242,79 @@ class DistanceWeightedMiner(_TripletMiner):
         underflows at d = 512, where the weights span hundreds of orders of magnitude; ratios
         below e^-80 are floored there (exp's denormal path is 100x slower, and such a
         negative is never drawn in practice)."""
-        log_w, allowed = self._log_weights(dist, neg, dim)
+        near = neg & (dist < self.nonzero_loss_cutoff)
+        use_near = _any_rows(near)
+        allowed = torch.where(use_near, near, neg)
+        log_w = distance_weighted_log_weights(dist, dim, self.cutoff)
+        log_w = torch.where(use_near, log_w, torch.zeros_like(log_w))   # uniform fall-back
         # q^-1 decreases with D on [cutoff, 1.4], so the row maximum sits at the nearest
         # allowed point; masks go through arithmetic (torch.where on random masks is slow).
         a = allowed.float()
         top_d = (dist + (1.0 - a) * 4.0).amin(dim=1, keepdim=True).clamp_max(2.0 - 1e-4)
         top = distance_weighted_log_weights(top_d, dim, self.cutoff)
-        top = torch.where(_any_rows(self._near(dist, neg)), top, torch.zeros_like(top))
+        top = torch.where(use_near, top, torch.zeros_like(top))
         return torch.exp((log_w - top).clamp(min=-80.0, max=0.0)) * a
-
-    def _near(self, dist: Tensor, neg: Tensor) -> Tensor:
-        return neg & (dist < self.nonzero_loss_cutoff)
-
-    def _log_weights(self, dist: Tensor, neg: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-        log_w = distance_weighted_log_weights(dist, dim, self.cutoff)
-        near = self._near(dist, neg)
-        use_near = _any_rows(near)
-        allowed = torch.where(use_near, near, neg)
-        log_w = torch.where(use_near, log_w, torch.zeros_like(log_w))   # uniform fall-back
-        return log_w, allowed
 
     def choose(self, dist, pos, neg, dim):
         return _uniform(pos, self.generator), _draw(self._weights(dist, neg, dim), self.generator)
 
 
-def build_miner(name: str | None, **kw) -> _TripletMiner | None:
+class AuthorsDistanceMiner(_TripletMiner):
+    """Distance-weighted sampling as the authors' framework does it (see the module docstring):
+    lower cut-off only, same-label rows weighted 0, positive uniform (the anchor itself when it
+    has no other positive)."""
+
+    def __init__(self, cutoff: float = 0.5, generator: torch.Generator | None = None) -> None:
+        super().__init__(generator)
+        if not 0.0 <= cutoff < 2.0:
+            raise ValueError(f"cutoff={cutoff}: expected 0 <= cutoff < 2")
+        self.cutoff = float(cutoff)
+
+    def probabilities(self, dist: Tensor, labels: Tensor, dim: int) -> Tensor:
+        """(N, N) negative-sampling distribution per anchor, as their code normalises it."""
+        w = self._weights(dist, labels[:, None] == labels[None, :], dim)
+        return w / w.sum(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+    def _weights(self, dist: Tensor, same: Tensor, dim: int) -> Tensor:
+        log_w = distance_weighted_log_weights(dist, dim, self.cutoff)
+        log_w = torch.where(same, torch.zeros_like(log_w), log_w)
+        z = log_w - log_w.amax(dim=1, keepdim=True)
+        w = torch.exp(z.clamp(min=-87.0))
+        return torch.where(same | (z < -87.0), torch.zeros_like(w), w)
+
+    def mine(self, dist, pos, neg, dim):
+        a = torch.arange(dist.shape[0], device=dist.device)
+        n = _draw(self._weights(dist, ~neg, dim), self.generator)
+        p = torch.where(_any_rows(pos).squeeze(1), _uniform(pos, self.generator), a)
+        return Triplets(a, p, n, _any_rows(neg).squeeze(1))
+
+
+_CLASSES = {
+    "pml": {"random": RandomMiner, "semihard": SemiHardMiner, "softhard": SoftHardMiner,
+            "distance": DistanceWeightedMiner},
+    "authors": {"random": AuthorsRandomMiner, "semihard": SemiHardMiner,
+                "softhard": SoftHardMiner, "distance": AuthorsDistanceMiner},
+}
+
+
+def build_miner(name: str | None, flavour: str = "authors", **kw) -> _TripletMiner | None:
     """Miner by name: "random" | "semihard" | "softhard" | "distance" | None (whole batch).
 
-    Keyword arguments go to the miner: ``margin`` (semihard), ``cutoff`` and
-    ``nonzero_loss_cutoff`` (distance), ``generator`` (all; default: torch's global RNG).
+    ``flavour``: "authors" (the DAS authors' framework) or "pml" (this project's earlier miners).
+    Keyword arguments go to the miner: ``margin`` (semihard), ``cutoff`` (distance),
+    ``nonzero_loss_cutoff`` (distance, "pml" only), ``generator`` (all; default: torch's
+    global RNG).
     """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour={flavour!r}: expected one of {FLAVOURS}")
     if name is None or name in ("none", "all"):
         if kw:
             raise ValueError(f"miner None takes no options, got {sorted(kw)}")
         return None
-    classes = {"random": RandomMiner, "semihard": SemiHardMiner, "softhard": SoftHardMiner,
-               "distance": DistanceWeightedMiner}
+    classes = _CLASSES[flavour]
     if name not in classes:
         raise ValueError(f"unknown miner {name!r}: expected one of {MINERS} or None")
     try:
         return classes[name](**kw)
     except TypeError as e:
-        raise ValueError(f"miner {name!r}: bad options {sorted(kw)} ({e})") from None
+        raise ValueError(f"miner {name!r} ({flavour}): bad options {sorted(kw)} ({e})") from None

@@ -1,8 +1,9 @@
 """The training loop: paper recipe, DAS in the step, evaluation, exact resume, DDP, export.
 
-One step is ``emb = model(x)``; in DDP the global batch is gathered; ``emb, lab = das(emb, y)``
-when DAS is on; ``loss = criterion(emb, lab)`` (with the authors' aux loss,
-``criterion(real rows) + w * criterion(emb, lab)``). Everything that a resumed run needs to
+One step is `step.compute_loss` (shared with the frozen-feature benchmark): ``emb = model(x)``;
+in DDP the global batch is gathered; ``emb, lab = das(emb, y)`` when DAS is on; ``loss =
+criterion(emb, lab)`` (with the authors' aux loss, ``criterion(real rows) + w * criterion(emb,
+lab)``). Everything that a resumed run needs to
 continue bit-exactly is in ``last.pt`` (model, optimiser, scheduler, criterion, DAS buffers and RNG,
 sampler, every RNG state), stored as tensors/plain lists so ``torch.load(weights_only=True)``
 reads it.
@@ -27,11 +28,8 @@ from . import distributed as D
 from .config import TrainConfig
 from .data import ImageDataset, Split, load_splits
 from .device import amp_dtype, resolve_device
-
-
-#: `TrainConfig.das_bank_dtype` -> the dtype DAS stores its bank in.
-BANK_TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                             "bfloat16": torch.bfloat16}
+from .step import (BANK_TORCH_DTYPES, aux_weight, build_criterion, build_das,  # noqa: F401
+                   compute_loss, step_seed)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -81,33 +79,6 @@ def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
                                    frozen_bn=cfg.frozen_bn), pre)
 
 
-def build_criterion(cfg: TrainConfig, num_classes: int):
-    from .losses import build_loss
-
-    return build_loss(cfg.loss, num_classes=num_classes, dim=cfg.dim, miner=cfg.miner_name,
-                      **cfg.loss_options)
-
-
-def build_das(cfg: TrainConfig, num_classes: int, normalize: bool):
-    from .das import DAS
-
-    return DAS(num_classes, cfg.dim, num_produce=cfg.das_num_produce, topk=cfg.das_topk,
-               bank_size=cfg.das_bank_size, scale_range=cfg.das_scale_range,
-               shift_scale=cfg.das_shift_scale, scale_bounds=cfg.das_scale_bounds_tuple,
-               normalize=normalize, detach=cfg.das_detach, dfs=cfg.das_dfs, mts=cfg.das_mts,
-               bank_dtype=BANK_TORCH_DTYPES[cfg.das_bank_dtype], seed=cfg.seed)
-
-
-def aux_weight(cfg: TrainConfig) -> float | None:
-    """The weight w of L(real + produced) when the authors' aux loss is on, else None.
-
-    The aux loss needs produced embeddings to differ from the real ones, so it only applies
-    when DAS is on; with ``das = false`` the plain loss is used (a baseline run of an aux-loss
-    config is then exactly the paper's baseline, not (1 + w) times it).
-    """
-    return float(cfg.das_aux_weight) if cfg.das and cfg.das_aux_loss else None
-
-
 def build_components(cfg: TrainConfig, num_classes: int):
     """(model, criterion, das or None, batch sampler factory) -- what a config must be able to
     build without any data (the configs test walks every file through this)."""
@@ -131,53 +102,6 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module):
     opt = torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=cfg.milestones(), gamma=cfg.lr_gamma)
     return opt, sched
-
-
-def step_seed(cfg: TrainConfig, global_step: int) -> int:
-    return (cfg.seed * 1_000_003 + global_step * 7_919 + 17) % (2**62)
-
-
-def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, x: torch.Tensor,
-                 y: torch.Tensor, *, info: D.DistInfo, seed: int,
-                 autocast_dtype: torch.dtype | None = None, aux_weight: float | None = None,
-                 parts: dict[str, torch.Tensor] | None = None,
-                 exclude_own_copies: bool = False) -> torch.Tensor:
-    """One step's loss on the (gathered) global batch; identical on every rank.
-
-    The miner and loss run under per-step seeded RNGs (see `distributed.seeded_rng`), so a
-    2-rank run and a 1-rank run on the same global batch draw the same numbers.
-
-    With `aux_weight` = w (the authors' ``--aux_loss``; only meaningful with DAS) the loss is
-    ``L(real) + w * L(real + produced)``. DAS runs on the *gathered* batch and puts the real
-    embeddings first, so the real part is exactly the first B_global rows on every rank. The
-    loss on everything is computed first, so switching the aux loss on leaves that term's
-    random draws (miners) exactly as in a run without it. `parts`, when given, receives the
-    detached terms (``"all"``, and ``"real"`` with the aux loss) for logging and the NaN guard.
-    """
-    dev = x.device
-    if autocast_dtype is not None:
-        with torch.autocast(device_type=dev.type, dtype=autocast_dtype):
-            emb = model(x)
-        emb = emb.float()
-    else:
-        emb = model(x)
-    emb, lab = D.gather_batch(emb, y, info)
-    n_real = emb.shape[0]
-    origin = None
-    if das is not None:
-        emb, lab = das(emb, lab)
-        if exclude_own_copies:  # row r of cat([v, v'_1..v'_T]) comes from real row r % n_real
-            origin = torch.arange(emb.shape[0], device=emb.device) % n_real
-    with D.seeded_rng(seed, dev):
-        loss = criterion(emb, lab) if origin is None else criterion(emb, lab, origin)
-        if parts is not None:
-            parts["all"] = loss.detach()
-        if aux_weight is not None:
-            real = criterion(emb[:n_real], lab[:n_real])
-            if parts is not None:
-                parts["real"] = real.detach()
-            loss = real + aux_weight * loss
-    return loss
 
 
 @torch.no_grad()

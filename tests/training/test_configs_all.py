@@ -17,7 +17,7 @@ from training.config import ConfigError, TrainConfig, load_config, load_toml
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.toml") if "base" not in p.parts)
 # class counts of the training splits (no dataset needed to build from a config)
-TRAIN_CLASSES = {"cub": 100, "cars": 98, "sop": 11318, "omniglot": 100}
+TRAIN_CLASSES = {"cub": 100, "cars": 98, "sop": 11318, "omniglot": 100, "folder": 25}
 
 
 def test_config_set_covers_the_paper():
@@ -126,6 +126,8 @@ def test_include_override_and_set_values(tmp_path):
     ("das_aux_loss = 'yes'", "das_aux_loss='yes': expected bool"),
     ("das_aux_weight = -1", "das_aux_weight=-1.0: expected a finite number >= 0"),
     ("das_scale_range = 1.5", "das_scale_range=1.5: expected 0 <= r_s < 1"),
+    ("das_preset = 'fast'", "das_preset='fast': expected one of paper, robust"),
+    ("loss_flavour = 'roth'", "loss_flavour='roth': expected one of authors, pml"),
 ])
 def test_bad_config_is_named(tmp_path, text, message):
     p = tmp_path / "bad.toml"
@@ -163,6 +165,28 @@ def test_base_files_hold_the_paper_recipe():
     assert base["lr"] == 1e-5 and base["weight_decay"] == 4e-4 and base["epochs"] == 300
     assert (cfg.batch_size, cfg.per_class, cfg.lr_milestones, cfg.lr_gamma) == (112, 2, [200, 250], 0.3)
     assert (cfg.loss, cfg.miner, cfg.das, cfg.dataset, cfg.dim) == ("triplet", "distance", True, "cars", 128)
+
+
+def test_das_presets_fill_in_options_that_the_config_does_not_set(tmp_path):
+    from training.config import DAS_PRESETS
+    from training.trainer import build_das
+
+    assert DAS_PRESETS["paper"] == {} and load_config(None, []).das_preset == "paper"
+    robust = DAS_PRESETS["robust"]
+    cfg = load_config(None, ["das_preset=robust"])
+    assert {k: getattr(cfg, k) for k in robust} == robust
+    # an explicit key wins over the preset, in a file as on the command line
+    key, value = "das_shift_scale", 0.25
+    (tmp_path / "c.toml").write_text(f"das_preset = 'robust'\n{key} = {value}\n")
+    cfg = load_config(tmp_path / "c.toml")
+    assert getattr(cfg, key) == value and cfg.das_scale_bounds == robust["das_scale_bounds"]
+    das = build_das(load_config(None, {"das_preset": "robust"}), 5, normalize=True)
+    assert das.detach == robust.get("das_detach", True)
+    assert das.scale_bounds == tuple(robust["das_scale_bounds"])
+    # the paper's configs keep the spec's defaults and the authors' loss flavour
+    paper = load_config(REPO / "configs" / "table2" / "cub_triplet_distance_das.toml")
+    assert (paper.das_preset, paper.loss_flavour, paper.das_detach, paper.das_shift_scale) == \
+        ("paper", "authors", True, 0.01)
 
 
 def test_new_das_options_parse_and_reach_the_das_module(tmp_path):

@@ -1,4 +1,5 @@
-"""Each loss against a direct (loop) implementation of its supplementary-A equation."""
+"""Each loss of the "pml" flavour against a direct (loop) implementation of its supplementary-A
+equation (the "authors" flavour: test_losses_authors.py)."""
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ def _mean_nonzero(terms):
 def test_contrastive_eq_I_distance_not_squared(batch):
     x, y = batch
     v = F.normalize(x, dim=1)
-    crit = build_loss("contrastive", num_classes=4, dim=5, miner="none")
+    crit = build_loss("contrastive", flavour="pml", num_classes=4, dim=5, miner="none")
     pos, neg = _pairs(y)
     ref = _mean_nonzero([_d(v[i], v[j]) for i, j in pos]) + \
         _mean_nonzero([torch.relu(1.0 - _d(v[i], v[j])) for i, j in neg])
@@ -56,7 +57,7 @@ def test_contrastive_eq_I_distance_not_squared(batch):
 def test_triplet_eq_II(batch):
     x, y = batch
     v = F.normalize(x, dim=1)
-    crit = build_loss("triplet", num_classes=4, dim=5, miner="none")
+    crit = build_loss("triplet", flavour="pml", num_classes=4, dim=5, miner="none")
     ref = _mean_nonzero([torch.relu(_d(v[a], v[p]) - _d(v[a], v[n]) + 0.2)
                          for a, p, n in _triplets(y)])
     torch.testing.assert_close(crit(v, y), ref)
@@ -65,7 +66,7 @@ def test_triplet_eq_II(batch):
 def test_margin_eq_III_per_class_beta(batch):
     x, y = batch
     v = F.normalize(x, dim=1)
-    crit = build_loss("margin", num_classes=4, dim=5, miner="none")
+    crit = build_loss("margin", flavour="pml", num_classes=4, dim=5, miner="none")
     assert torch.equal(crit.loss.beta.detach(), torch.full((4,), 1.2))
     with torch.no_grad():
         crit.loss.beta.copy_(torch.tensor([1.1, 1.3, 0.9, 1.2]))
@@ -86,7 +87,7 @@ def test_margin_eq_III_per_class_beta(batch):
 def test_generalized_lifted_eq_IV_unnormalised(batch):
     x, y = batch
     v = 2.0 * x                                                    # not on the sphere
-    crit = build_loss("lifted", num_classes=4, dim=5)
+    crit = build_loss("lifted", flavour="pml", num_classes=4, dim=5)
     assert crit.normalize is False
     terms = []
     for a in range(len(y)):
@@ -101,7 +102,7 @@ def test_generalized_lifted_eq_IV_unnormalised(batch):
 def test_npair_eq_V_dot_product_unnormalised(batch):
     x, y = batch
     v = 1.5 * x
-    crit = build_loss("npair", num_classes=4, dim=5)
+    crit = build_loss("npair", flavour="pml", num_classes=4, dim=5)
     assert crit.normalize is False
     pos, _ = _pairs(y)
     terms = []
@@ -115,7 +116,7 @@ def test_npair_eq_V_dot_product_unnormalised(batch):
 def test_multisimilarity_eq_VI_with_ms_mining(batch):
     x, y = batch
     v = F.normalize(x, dim=1)
-    crit = build_loss("multisimilarity", num_classes=4, dim=5)
+    crit = build_loss("multisimilarity", flavour="pml", num_classes=4, dim=5)
     alpha, beta, lam, eps = 2.0, 40.0, 0.5, 0.1
     s = v @ v.T
     terms = []
@@ -147,7 +148,7 @@ def test_multisimilarity_matches_pml_miner_and_loss():
     e, lab = das(v, y)
     ours_x = e.clone().requires_grad_()
     pml_x = e.clone().requires_grad_()
-    ours = build_loss("multisimilarity", num_classes=20, dim=16)(ours_x, lab)
+    ours = build_loss("multisimilarity", flavour="pml", num_classes=20, dim=16)(ours_x, lab)
     miner = pml_miners.MultiSimilarityMiner(epsilon=0.1)
     ref = pml_losses.MultiSimilarityLoss(alpha=2, beta=40, base=0.5)(
         pml_x, lab, miner(pml_x.detach(), lab))
@@ -159,18 +160,19 @@ def test_multisimilarity_matches_pml_miner_and_loss():
 
 def test_normalized_softmax_eq_VII(batch):
     x, y = batch
-    crit = build_loss("softmax", num_classes=4, dim=5)
+    crit = build_loss("softmax", flavour="pml", num_classes=4, dim=5)
     W = F.normalize(crit.loss.W.detach().T, dim=1)                 # (C, d)
     logits = F.normalize(x, dim=1) @ W.T / 0.05
     ref = -torch.log_softmax(logits, dim=1)[torch.arange(len(y)), y].mean()
     torch.testing.assert_close(crit(x, y), ref)
     assert crit.param_groups()[0]["lr"] == 1e-5
-    assert build_loss("softmax", num_classes=4, dim=5, proxy_lr=2e-3).param_groups()[0]["lr"] == 2e-3
+    crit = build_loss("softmax", flavour="pml", num_classes=4, dim=5, proxy_lr=2e-3)
+    assert crit.param_groups()[0]["lr"] == 2e-3
 
 
 def test_arcface_eq_VIII(batch):
     x, y = batch
-    crit = build_loss("arcface", num_classes=4, dim=5)
+    crit = build_loss("arcface", flavour="pml", num_classes=4, dim=5)
     with torch.no_grad():                                          # proxies near their class
         W = F.normalize(torch.randn(4, 5), dim=1)
         for c in range(4):
@@ -194,7 +196,7 @@ def test_with_das_copies_equal_to_anchor_no_self_pair_finite_grads(name):
     torch.manual_seed(0)
     v = torch.randn(6, 8, requires_grad=True)
     y = torch.tensor([0, 0, 1, 1, 2, 2])
-    crit = build_loss(name, num_classes=3, dim=8, miner="default")
+    crit = build_loss(name, flavour="pml", num_classes=3, dim=8, miner="default")
     das = DAS(3, 8, num_produce=2, dfs=False, mts=False, normalize=False)
     e = F.normalize(v, dim=1) if crit.normalize else v
     out, lab = das(e, y)
@@ -208,7 +210,7 @@ def test_self_is_never_a_positive_pair():
     v = F.normalize(torch.randn(3, 4), dim=1)
     e = torch.cat([v, v])                                           # copy k+3 equals anchor k
     y = torch.tensor([0, 1, 2, 0, 1, 2])
-    crit = build_loss("contrastive", num_classes=3, dim=4, miner="none")
+    crit = build_loss("contrastive", flavour="pml", num_classes=3, dim=4, miner="none")
     # positives: only (k, k+3) and (k+3, k), both at distance 0: no positive loss at all;
     # if (k, k) were counted it would not change the value, so check the pair structure too
     pos, neg = _pairs(y)
@@ -216,19 +218,22 @@ def test_self_is_never_a_positive_pair():
     ref = _mean_nonzero([torch.relu(1.0 - _d(e[i], e[j])) for i, j in neg])
     torch.testing.assert_close(crit(e, y), ref, rtol=1e-4, atol=1e-5)
     for miner in ("random", "semihard", "softhard", "distance"):
-        a, p, n = build_loss("triplet", num_classes=3, dim=4, miner=miner).miner(e, y)
-        assert len(a) == 6 and (a != p).all() and (p == (a + 3) % 6).all()
-        assert (y[a] == y[p]).all() and (y[a] != y[n]).all()
+        for flavour in ("authors", "pml"):
+            crit = build_loss("triplet", flavour=flavour, num_classes=3, dim=4, miner=miner)
+            a, p, n = crit.miner(e, y).compact()
+            assert len(a) == 6 and (a != p).all() and (p == (a + 3) % 6).all()
+            assert (y[a] == y[p]).all() and (y[a] != y[n]).all()
 
 
 @pytest.mark.parametrize("loss, miner", [
     ("triplet", "semihard"), ("triplet", "distance"), ("triplet", "random"),
     ("triplet", "softhard"), ("contrastive", "random"), ("contrastive", "distance"),
     ("margin", "distance")])
-def test_paper_pairings_train_a_step(loss, miner):
+@pytest.mark.parametrize("flavour", ["authors", "pml"])
+def test_paper_pairings_train_a_step(loss, miner, flavour):
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
-    crit = build_loss(loss, num_classes=10, dim=8, miner=miner)
+    crit = build_loss(loss, flavour=flavour, num_classes=10, dim=8, miner=miner)
     das = DAS(10, 8, seed=0)
     opt = torch.optim.SGD([*layer.parameters()], lr=0.1)
     x, y = torch.randn(20, 16), torch.arange(10).repeat_interleave(2)
@@ -241,15 +246,15 @@ def test_paper_pairings_train_a_step(loss, miner):
 
 
 def test_defaults_follow_the_paper():
-    assert build_loss("triplet", num_classes=2, dim=4, miner="default").miner_name == "distance"
-    assert build_loss("margin", num_classes=2, dim=4, miner="default").miner_name == "distance"
-    assert build_loss("triplet", num_classes=2, dim=4).miner is None       # all triplets
+    assert build_loss("triplet", flavour="pml", num_classes=2, dim=4, miner="default").miner_name == "distance"
+    assert build_loss("margin", flavour="pml", num_classes=2, dim=4, miner="default").miner_name == "distance"
+    assert build_loss("triplet", flavour="pml", num_classes=2, dim=4).miner is None       # all triplets
     for m in (None, "none", "default"):
-        crit = build_loss("multisimilarity", num_classes=2, dim=4, miner=m)
+        crit = build_loss("multisimilarity", flavour="pml", num_classes=2, dim=4, miner=m)
         assert crit.miner_name == "multisimilarity"
-    assert build_loss("lifted", num_classes=2, dim=4).miner is None
-    assert build_loss("triplet", num_classes=2, dim=4, margin=0.3).hparams["margin"] == 0.3
-    arc = build_loss("arcface", num_classes=2, dim=4)
+    assert build_loss("lifted", flavour="pml", num_classes=2, dim=4).miner is None
+    assert build_loss("triplet", flavour="pml", num_classes=2, dim=4, margin=0.3).hparams["margin"] == 0.3
+    arc = build_loss("arcface", flavour="pml", num_classes=2, dim=4)
     assert math.isclose(arc.loss.margin, 0.5) and arc.loss.scale == 16
 
 
@@ -263,12 +268,12 @@ def test_defaults_follow_the_paper():
 def test_bad_arguments(kwargs, match):
     name = kwargs.pop("name")
     with pytest.raises(ValueError, match=match):
-        build_loss(name, num_classes=4, dim=8, **kwargs)
+        build_loss(name, flavour="pml", num_classes=4, dim=8, **kwargs)
 
 
 def test_bfloat16_inputs_are_computed_in_float32(batch):
     x, y = batch
-    crit = build_loss("multisimilarity", num_classes=4, dim=5)
+    crit = build_loss("multisimilarity", flavour="pml", num_classes=4, dim=5)
     v = F.normalize(x, dim=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = crit(v.bfloat16(), y)

@@ -1,4 +1,5 @@
-"""The four samplers (supplementary B) against their definitions on hand-made points."""
+"""The four samplers (supplementary B), "pml" flavour, against their definitions on hand-made
+points (the "authors" flavour: test_samplers_authors.py)."""
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ def _count(miner, e, y, draws=400):
     n = len(y)
     pos, neg = torch.zeros(n, n), torch.zeros(n, n)
     for _ in range(draws):
-        a, p, q = miner(e, y)
+        a, p, q = miner(e, y).compact()
         pos[a, p] += 1
         neg[a, q] += 1
     return pos / draws, neg / draws
@@ -29,7 +30,7 @@ def _count(miner, e, y, draws=400):
 
 def test_random_sampler_uniform_over_valid_sets():
     g = torch.Generator().manual_seed(0)
-    miner = build_miner("random", generator=g)
+    miner = build_miner("random", "pml", generator=g)
     e = torch.randn(7, 3)
     y = torch.tensor([0, 0, 0, 0, 1, 1, 2])
     pos, neg = _count(miner, e, y, draws=600)
@@ -38,7 +39,7 @@ def test_random_sampler_uniform_over_valid_sets():
     assert (pos[eye] == 0).all() and (pos[~same] == 0).all() and (neg[same] == 0).all()
     assert torch.allclose(pos[0, 1:4], torch.full((3,), 1 / 3), atol=0.07)
     assert torch.allclose(neg[4, [0, 1, 2, 3, 6]], torch.full((5,), 1 / 5), atol=0.06)
-    a, _, _ = miner(e, y)
+    a, _, _ = miner(e, y).compact()
     assert 6 not in a.tolist()                 # class 2 has no positive: no triplet
 
 
@@ -47,7 +48,7 @@ def test_semihard_picks_inside_the_margin_window():
     # (semi-hard: 0.3 < d < 0.5), 0.9 (easy)
     e = _points_on_line([0.0, 0.3, 0.25, 0.35, 0.45, 0.9])
     y = torch.tensor([0, 0, 1, 2, 3, 4])
-    miner = build_miner("semihard", margin=0.2, generator=torch.Generator().manual_seed(1))
+    miner = build_miner("semihard", "pml", margin=0.2, generator=torch.Generator().manual_seed(1))
     _, neg = _count(miner, e, y, draws=300)
     assert set(torch.nonzero(neg[0]).flatten().tolist()) == {3, 4}
     # no negative inside the window (0.1, 0.3): falls back to any negative
@@ -61,14 +62,14 @@ def test_softhard_sets():
     # anchor 0 at 0; positives at 0.2 and 1.0; negatives at 0.5 and 1.5
     e = _points_on_line([0.0, 0.2, 1.0, 0.5, 1.5])
     y = torch.tensor([0, 0, 0, 1, 2])
-    miner = build_miner("softhard", generator=torch.Generator().manual_seed(2))
+    miner = build_miner("softhard", "pml", generator=torch.Generator().manual_seed(2))
     pos, neg = _count(miner, e, y, draws=60)
     # positives farther than the closest negative (0.5): only index 2
     assert pos[0].tolist() == [0, 0, 1, 0, 0]
     # negatives closer than the farthest positive (1.0): only index 3
     assert neg[0].tolist() == [0, 0, 0, 1, 0]
     # anchor 3 (class 1) has no positive and no triplet
-    a, _, _ = miner(e, y)
+    a, _, _ = miner(e, y).compact()
     assert 3 not in a.tolist() and 4 not in a.tolist()
 
 
@@ -111,7 +112,7 @@ def test_distance_weighted_draws_follow_the_probabilities():
     g = torch.Generator().manual_seed(4)
     e = torch.randn(8, 5, generator=g)
     y = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-    miner = build_miner("distance", generator=torch.Generator().manual_seed(5))
+    miner = build_miner("distance", "pml", generator=torch.Generator().manual_seed(5))
     _, neg = _count(miner, e, y, draws=1500)
     ref = _direct_probs(e, y).float()
     for a in range(8):
@@ -140,7 +141,7 @@ def test_distance_weighted_is_stable_at_d512_and_falls_back():
     assert math.isclose(float(lw[2]), expected, rel_tol=1e-5)
     # all negatives beyond 1.4 (antipodal classes): uniform fall-back, no NaN
     far = torch.tensor([[1.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0]])
-    a, p, n = build_miner("distance")(far, torch.tensor([0, 0, 1, 1]))
+    a, p, n = build_miner("distance", "pml")(far, torch.tensor([0, 0, 1, 1])).compact()
     assert len(a) == 4 and ((a < 2) == (n >= 2)).all()
 
 
@@ -151,13 +152,18 @@ def test_build_miner_errors_and_none():
     with pytest.raises(ValueError, match="bad options"):
         build_miner("random", margin=0.3)
     with pytest.raises(ValueError, match="cutoff"):
+        build_miner("distance", "pml", cutoff=2.0)
+    with pytest.raises(ValueError, match="cutoff"):
         build_miner("distance", cutoff=2.0)
+    with pytest.raises(ValueError, match="flavour"):
+        build_miner("distance", "roth")
     with pytest.raises(ValueError, match="expected embeddings"):
         build_miner("random")(torch.randn(4, 3), torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("flavour", ["authors", "pml"])
 @pytest.mark.parametrize("name", ["random", "semihard", "softhard", "distance"])
-def test_origin_keeps_an_anchors_own_das_copies_out_of_its_positives(name):
+def test_origin_keeps_an_anchors_own_das_copies_out_of_its_positives(name, flavour):
     """With `origin` (the trainer's das_exclude_own_copies), no triplet pairs a row with a copy
     of the same real embedding; without it, own copies are ordinary positives (the spec)."""
     from training.das import DAS
@@ -167,13 +173,13 @@ def test_origin_keeps_an_anchors_own_das_copies_out_of_its_positives(name):
     y = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     emb, lab = DAS(4, 16, seed=0)(v, y)                      # 8 real + 3 x 8 copies
     origin = torch.arange(len(lab)) % len(y)
-    miner = build_miner(name, generator=torch.Generator().manual_seed(1))
+    miner = build_miner(name, flavour, generator=torch.Generator().manual_seed(1))
     own_with, own_without = 0, 0
     for _ in range(50):
-        a, p, _ = miner(emb, lab, origin)
-        assert len(a) == len(lab)                             # every row still has a positive
+        a, p, _, valid = miner(emb, lab, origin)
+        assert len(a) == len(lab) and valid.all()             # every row still has a positive
         own_with += int((origin[a] == origin[p]).sum())
-        a, p, _ = miner(emb, lab)
+        a, p, _, _ = miner(emb, lab)
         own_without += int((origin[a] == origin[p]).sum())
     assert own_with == 0
     if name != "softhard":   # soft-hard draws positives farther than the nearest negative: never a copy
