@@ -35,6 +35,7 @@ import argparse
 import gc
 import os
 import resource
+import shlex
 import shutil
 import sys
 import tempfile
@@ -538,7 +539,7 @@ def main() -> None:
     ray_rows = ray_rows_for(args.ray_images, args.ingest_repeats) if args.ray_images else []
     total = time.perf_counter() - t_start
 
-    cmd = "python benchmarks/index_bench.py " + " ".join(sys.argv[1:])
+    cmd = "python benchmarks/index_bench.py " + shlex.join(sys.argv[1:])
     if ray_rows and not rows and not ing:
         text = "\n".join(ray_section(ray_rows, cmd, total, args.ingest_repeats)) + "\n"
         if args.out and args.out.exists():
