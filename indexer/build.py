@@ -1,6 +1,7 @@
 """Build, extend, shrink and merge index directories (their layout: :mod:`indexer.index_dir`)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -103,8 +104,7 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
 
 
 def _stats_dict(stats: IngestStats) -> dict:
-    return {"found": stats.found, "new": stats.new, "unchanged": stats.unchanged,
-            "duplicates": stats.duplicates, "embedded": stats.embedded, "skipped": len(stats.skipped)}
+    return {**dataclasses.asdict(stats), "skipped": len(stats.skipped)}
 
 
 # ---------------------------------------------------------------------------- incremental

@@ -18,8 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from embedder.hashing import file_sha256
+
 from .errors import IndexerError
-from .validate import check_faiss_file, check_lmdb, check_model_file, file_digest, read_faiss
+from .validate import check_faiss_file, check_lmdb, check_model_file, read_faiss
 
 FORMAT = "das-index/1"
 MANIFEST = "manifest.json"
@@ -115,19 +117,15 @@ class IndexDir:
 
     def copy_model(self, src: str | Path, model_hash: str) -> None:
         """Copy the embedder in as ``model.onnx``, unless the one there already has ``model_hash``."""
-        if self.model_file.exists():
-            from embedder.hashing import file_sha256
-
-            if file_sha256(self.model_file) == model_hash:
-                return
+        if self.model_file.exists() and file_sha256(self.model_file) == model_hash:
+            return
         with atomic_target(self.model_file) as tmp:
             shutil.copyfile(src, tmp)
 
     def index_record(self) -> dict:
         """The manifest's record of ``index.faiss`` (size and sha256), taken right after writing it
         (``faiss_index.write_atomic``) and compared on every open."""
-        n, sha = file_digest(self.index_file)
-        return {"bytes": n, "sha256": sha}
+        return {"bytes": self.index_file.stat().st_size, "sha256": file_sha256(self.index_file)}
 
     # -- open or refuse -------------------------------------------------------------------
     def check(self, manifest: dict, *, model: bool = False, verify_hash: bool = True) -> None:

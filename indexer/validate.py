@@ -12,9 +12,10 @@ Every check lives here; :class:`indexer.index_dir.IndexDir` decides which apply 
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 from pathlib import Path
+
+from embedder.hashing import file_sha256
 
 from .errors import IndexerError
 
@@ -79,17 +80,6 @@ def check_lmdb(store_dir: str | Path) -> None:
         raise damaged(path, f"truncated ({size} bytes, its LMDB meta page needs {need})")
 
 
-def file_digest(path: str | Path, chunk: int = 1 << 22) -> tuple[int, str]:
-    """(size in bytes, hex sha256) of a file, read in chunks."""
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-            n += len(block)
-    return n, h.hexdigest()
-
-
 def check_faiss_file(path: str | Path, rec: dict, *, verify_hash: bool = True) -> None:
     """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``).
 
@@ -107,7 +97,7 @@ def check_faiss_file(path: str | Path, rec: dict, *, verify_hash: bool = True) -
         raise damaged(path, f"{size} bytes, the manifest recorded {rec['bytes']} (truncated or "
                             f"overwritten)")
     if verify_hash and "sha256" in rec:
-        _, sha = file_digest(path)
+        sha = file_sha256(path)
         if sha != rec["sha256"]:
             raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec['sha256'][:12]}")
 
@@ -130,8 +120,6 @@ def faiss_reason(e: BaseException) -> str:
 
 def check_model_file(path: str | Path, want: str | None) -> None:
     """``model.onnx`` is there and is the model (hash ``want``) the index was built with."""
-    from embedder.hashing import file_sha256
-
     path = Path(path)
     if not path.is_file():
         raise IndexerError(f"{path}: model file missing (the index's embedder; image queries need it); "
