@@ -46,9 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
     if args.name is not None and len(args.name) != len(args.index):
         p.error(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
+    from indexer.index_dir import MANIFEST, IndexDir
+
     for d in args.index:
-        if not (d / "manifest.json").is_file():
-            p.error(f"--index {d}: not an index directory (no manifest.json); build one with `python -m indexer build`")
+        if not IndexDir(d).exists():
+            p.error(f"--index {d}: not an index directory (no {MANIFEST}); build one with `python -m indexer build`")
     for d in args.queries:
         if not d.is_dir():
             p.error(f"--queries {d}: not a directory (expected <DIR>/<label>/<images>)")

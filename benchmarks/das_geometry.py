@@ -48,7 +48,7 @@ def measure(emb_all, labels_all, das_opts: dict, batches: int, warmup: int, seed
 
     from training.batching import ClassBalancedBatchSampler
     from training.config import load_config
-    from training.samplers import AuthorsDistanceMiner
+    from training.miners import AuthorsDistanceMiner
     from training.step import build_das
 
     n_cls = int(labels_all.max()) + 1

@@ -8,7 +8,8 @@ from __future__ import annotations
 from .build import add_images, build_index, merge_shards, remove_items
 from .errors import IndexerError
 from .index import Hit, Index
+from .index_dir import IndexDir
 from .store import GalleryStore
 
-__all__ = ["Index", "Hit", "GalleryStore", "build_index", "add_images", "remove_items",
+__all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
            "merge_shards", "IndexerError"]

@@ -188,15 +188,16 @@ def _print_index_line(m: dict, out: Path) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .manifest import INDEX_FILE, STORE_DIR, read_manifest
+    from .index_dir import IndexDir
     from .store import GalleryStore
-    from .validate import check_index_dir, read_faiss
+    from .validate import read_faiss
 
-    m = read_manifest(args.index)
-    check_index_dir(args.index, m, model=not m.get("shard"))   # a damaged file ends here, in one line
+    d = IndexDir(args.index)
+    m = d.read_manifest()
+    d.check(m, model=not m.get("shard"))                   # a damaged file ends here, in one line
     if not m.get("shard") and not m.get("index_file"):     # no checksum recorded: let faiss read it
-        read_faiss(args.index / INDEX_FILE)
-    with GalleryStore(args.index / STORE_DIR) as st:
+        read_faiss(d.index_file)
+    with GalleryStore(d.store_dir) as st:
         store = {"items": len(st), "labels": len(st.labels()), "models": len(st.models())}
     if args.json:
         print(json.dumps({"manifest": m, "store": store}, indent=2))

@@ -19,7 +19,7 @@ import faiss
 import numpy as np
 
 from .errors import IndexerError
-from .manifest import atomic_target
+from .index_dir import atomic_target
 
 INDEX_TYPES = ("auto", "flat", "ivf", "ivfhnsw", "hnsw", "sq8", "sq8rf", "ivfpq", "pqfsrf", "pqfsr8")
 # flat: exact. ivf: IVF-Flat. ivfhnsw: IVF-Flat whose nlist centroids are found through an HNSW
@@ -284,7 +284,7 @@ def _is_ivf(index: faiss.Index) -> bool:
 
 
 def write_atomic(index: faiss.Index, path: str | Path) -> None:
-    """Write the index beside ``path`` and rename it into place (see manifest.atomic_target)."""
+    """Write the index beside ``path`` and rename it into place (see index_dir.atomic_target)."""
     with atomic_target(path) as tmp:
         faiss.write_index(index, tmp)
 

@@ -12,9 +12,10 @@ from embedder.vectors import l2_normalize
 
 from .errors import IndexerError
 from .faiss_index import SearchableIndex
-from .manifest import INDEX_FILE, MODEL_FILE, STORE_DIR, read_manifest
+from .index_dir import IndexDir
+from .model import load_embedder
 from .store import GalleryStore
-from .validate import check_index_dir, damaged, faiss_reason
+from .validate import damaged, faiss_reason
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Index:
     def __init__(self, directory: Path, manifest: dict, store: GalleryStore,
                  faiss_index: SearchableIndex, device: str = "auto") -> None:
         self.directory = directory
+        self.files = IndexDir(directory)
         self.manifest = manifest
         self.store = store
         self.faiss = faiss_index
@@ -54,25 +56,20 @@ class Index:
         """Open an index directory after checking its files (:mod:`indexer.validate`): a damaged
         one fails with one line naming the file. ``check_model`` also requires ``model.onnx``
         (image queries need it); ``store`` reuses an open store of the same directory."""
-        directory = Path(directory)
-        manifest = read_manifest(directory)
-        if manifest.get("shard"):
-            s = manifest["shard"]
-            raise IndexerError(f"{directory}: is shard {s['i']}/{s['n']}, not an index; "
-                               "run `indexer merge` first")
-        check_index_dir(directory, manifest, model=check_model)
+        d = IndexDir(directory)
+        manifest = d.read_manifest()
+        d.refuse_shard(manifest)
+        d.check(manifest, model=check_model)
         try:
-            fi = SearchableIndex(directory / INDEX_FILE, int(manifest.get("nprobe") or 0), device,
+            fi = SearchableIndex(d.index_file, int(manifest.get("nprobe") or 0), device,
                                  manifest.get("search_params") or "")
         except RuntimeError as e:           # faiss's reader: a multi-line C++ message
-            raise damaged(directory / INDEX_FILE, f"faiss cannot read it ({faiss_reason(e)})") from None
-        if fi.d != int(manifest["dim"]):
-            raise IndexerError(f"{directory / INDEX_FILE}: dimension mismatch: index holds {fi.d}-d "
-                               f"vectors, manifest says {manifest['dim']}-d")
+            raise damaged(d.index_file, f"faiss cannot read it ({faiss_reason(e)})") from None
+        d.check_index_dim(fi.d, manifest)
         if fi.ntotal != int(manifest["count"]):
-            raise IndexerError(f"{directory}: index holds {fi.ntotal} vectors but the manifest says "
+            raise IndexerError(f"{d.path}: index holds {fi.ntotal} vectors but the manifest says "
                                f"{manifest['count']}; rerun `indexer build` to repair it")
-        return cls(directory, manifest, store or GalleryStore(directory / STORE_DIR), fi, device)
+        return cls(d.path, manifest, store or GalleryStore(d.store_dir), fi, device)
 
     def reopen(self) -> "Index":
         """The directory's current state as a new Index (after ``indexer add/remove``), sharing
@@ -89,16 +86,8 @@ class Index:
         if self._embedder is None:
             with self._lock:
                 if self._embedder is None:
-                    from .build import load_embedder
-
-                    emb = load_embedder(self.directory / MODEL_FILE, device=self._device)
-                    if emb.model_hash != self.model_hash:
-                        raise IndexerError(f"{self.directory / MODEL_FILE}: model hash "
-                                           f"{emb.model_hash[:12]} differs from the manifest's "
-                                           f"{self.model_hash[:12]}")
-                    if emb.dim != self.dim:
-                        raise IndexerError(f"{self.directory / MODEL_FILE}: dimension mismatch: model "
-                                           f"gives {emb.dim}-d, index holds {self.dim}-d")
+                    emb = load_embedder(self.files.model_file, device=self._device)
+                    self.files.check_embedder(emb, self.manifest)
                     self._embedder = emb
         return self._embedder
 

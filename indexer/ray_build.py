@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import IndexerError
-from .manifest import MODEL_FILE
+from .index_dir import IndexDir
 from .walk import walk_gallery
 
 SHARDS_DIR = "shards"
@@ -116,7 +115,8 @@ def _fault(spec: str | None, shard: int) -> Callable[[int], None] | None:
 def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
                 actor: Any, fault: str | None) -> dict:
     """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes)."""
-    from .build import build_index, load_embedder
+    from .build import build_index
+    from .model import load_embedder
 
     report = _Reporter(actor, shard)
     die = _fault(fault, shard)
@@ -224,7 +224,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
     Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options.
     Returns the merged manifest plus ``ray``: shards, attempts per shard, resources per task.
     """
-    from .build import load_embedder, merge_shards
+    from .build import merge_shards
+    from .model import load_embedder
 
     t0 = time.perf_counter()
     gallery, out = Path(gallery).resolve(), Path(out).resolve()
@@ -249,11 +250,9 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         root = out / SHARDS_DIR
         root.mkdir(parents=True, exist_ok=True)
         _check_plan(root, gallery, n, emb.model_hash)
-        shared_model = root / MODEL_FILE            # tasks read the model from the shared path
-        if not shared_model.exists() or _sha(shared_model) != emb.model_hash:
-            tmp = root / (MODEL_FILE + ".tmp")
-            shutil.copyfile(emb.path, tmp)
-            os.replace(tmp, shared_model)
+        shared = IndexDir(root)                     # tasks read the model from the shared path
+        shared.copy_model(emb.path, emb.model_hash)
+        shared_model = shared.model_file
         opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                 "threads": res["num_cpus"], "device": device}
         actor = ray.remote(num_cpus=0)(_Progress).remote(n)
@@ -303,12 +302,6 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                 "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
                 "seconds": round(time.perf_counter() - t0, 3)}
     return m
-
-
-def _sha(path: Path) -> str:
-    from embedder.hashing import file_sha256
-
-    return file_sha256(path)
 
 
 # ---------------------------------------------------------------------------- command line

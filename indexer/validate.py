@@ -8,17 +8,16 @@ what they promise. ``index.faiss`` gets its size and sha256 recorded in the mani
 written (build, add, remove, merge) and compared on open; ``model.onnx`` must match the model
 hash the manifest records.
 
-Every check lives here (one place for a later ``IndexDir`` owner to call).
+Every check lives here; :class:`indexer.index_dir.IndexDir` decides which apply to a directory.
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import struct
 from pathlib import Path
 
+from embedder.hashing import file_sha256
+
 from .errors import IndexerError
-from .manifest import INDEX_FILE, MODEL_FILE, STORE_DIR
 
 REPAIR = "rebuild the index with `python -m indexer build`"
 
@@ -81,42 +80,24 @@ def check_lmdb(store_dir: str | Path) -> None:
         raise damaged(path, f"truncated ({size} bytes, its LMDB meta page needs {need})")
 
 
-def file_digest(path: str | Path, chunk: int = 1 << 22) -> tuple[int, str]:
-    """(size in bytes, hex sha256) of a file, read in chunks."""
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-            n += len(block)
-    return n, h.hexdigest()
-
-
-def index_file_record(directory: str | Path) -> dict:
-    """What the manifest records about ``index.faiss`` (written right after the file)."""
-    n, sha = file_digest(Path(directory) / INDEX_FILE)
-    return {"bytes": n, "sha256": sha}
-
-
-def check_faiss_file(directory: str | Path, manifest: dict, *, verify_hash: bool = True) -> None:
-    """``index.faiss`` exists and has the size (and sha256) the manifest recorded.
+def check_faiss_file(path: str | Path, rec: dict, *, verify_hash: bool = True) -> None:
+    """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``).
 
     Manifests written before checksums were recorded only get the existence and a non-empty
     check; faiss's own reader still fails on them, which ``SearchableIndex`` turns into one line.
     """
-    path = Path(directory) / INDEX_FILE
+    path = Path(path)
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         raise IndexerError(f"{path}: index file missing; {REPAIR}") from None
-    rec = manifest.get("index_file") or {}
     if size == 0:
         raise damaged(path, "empty file")
     if "bytes" in rec and size != int(rec["bytes"]):
         raise damaged(path, f"{size} bytes, the manifest recorded {rec['bytes']} (truncated or "
                             f"overwritten)")
     if verify_hash and "sha256" in rec:
-        _, sha = file_digest(path)
+        sha = file_sha256(path)
         if sha != rec["sha256"]:
             raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec['sha256'][:12]}")
 
@@ -137,35 +118,11 @@ def faiss_reason(e: BaseException) -> str:
     return (text.rsplit("Error: ", 1)[-1] or "unreadable")[:160]
 
 
-def check_model_file(directory: str | Path, manifest: dict) -> None:
-    """``model.onnx`` is there and is the model the index was built with."""
-    from embedder.hashing import file_sha256
-
-    path = Path(directory) / MODEL_FILE
+def check_model_file(path: str | Path, want: str | None) -> None:
+    """``model.onnx`` is there and is the model (hash ``want``) the index was built with."""
+    path = Path(path)
     if not path.is_file():
         raise IndexerError(f"{path}: model file missing (the index's embedder; image queries need it); "
                            f"{REPAIR}")
-    want = (manifest.get("model") or {}).get("hash")
     if want and file_sha256(path) != want:
         raise damaged(path, f"model differs from the one the index was built with ({want[:12]})")
-
-
-def check_index_dir(directory: str | Path, manifest: dict, *, model: bool = False,
-                    verify_hash: bool = True) -> None:
-    """All file checks of an index directory (the manifest itself is already read)."""
-    directory = Path(directory)
-    check_lmdb(directory / STORE_DIR)
-    if not manifest.get("shard"):
-        check_faiss_file(directory, manifest, verify_hash=verify_hash)
-    if model:
-        check_model_file(directory, manifest)
-
-
-def manifest_stamp(directory: str | Path) -> tuple[int, int, int] | None:
-    """(inode, mtime_ns, size) of manifest.json: it changes whenever the manifest is rewritten
-    (always atomically, by os.replace: a new inode), which is what a server watches for."""
-    try:
-        st = os.stat(Path(directory) / "manifest.json")
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size

@@ -111,11 +111,11 @@ def ensure_demo_index(root: str | Path = DEFAULT_DEMO_DIR, *, views: int = 8, qu
 
     Returns the index directory; an existing complete index is reused.
     """
-    from indexer import build_index
+    from indexer import IndexDir, build_index
 
     root = Path(root)
     index_dir = root / "index"
-    if (index_dir / "manifest.json").is_file():
+    if IndexDir(index_dir).exists():
         return index_dir
     log(f"No index given: building a demo index in {root} from the photos scikit-image ships "
         f"({views} augmented views per photo; one-time, about a minute on 2 cores).")

@@ -1,4 +1,4 @@
-"""Training: DAS, losses, samplers, class-balanced batches, datasets, trainer, configs, reports.
+"""Training: DAS, losses, miners, class-balanced batches, datasets, trainer, configs, reports.
 
 Nothing here is imported at serving time; the serving side only reads what training exports
 (checkpoints and ONNX files through ``embedder``).
@@ -10,7 +10,7 @@ from .config import TrainConfig, load_config
 __all__ = ["DAS", "build_loss", "build_miner", "ClassBalancedBatchSampler", "TrainConfig",
            "TrainResult", "load_config", "train"]
 
-_LAZY = {"DAS": ".das", "build_loss": ".losses", "build_miner": ".samplers",
+_LAZY = {"DAS": ".das", "build_loss": ".losses", "build_miner": ".miners",
          "ClassBalancedBatchSampler": ".batching", "train": ".trainer", "TrainResult": ".trainer"}
 
 

@@ -5,6 +5,8 @@ gathered so DAS, the miner and the loss see the whole global batch on every rank
 `torch.distributed.nn.functional.all_gather` carries gradients back: every rank computes the
 same loss L, so the gradient reaching rank r's slice is the sum over ranks, W * dL/dv_r; DDP then
 averages parameter gradients over the W ranks, which gives exactly dL/dtheta -- no loss scaling.
+The global RNG helpers live here too (per-step seeding, checkpointable states), since keeping
+every rank's draws identical is what they are for.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -77,14 +79,6 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def broadcast_object(obj, info: DistInfo):
-    if not info.enabled:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def cleanup(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
@@ -137,3 +131,35 @@ def seeded_rng(seed: int, device: torch.device | None = None):
         finally:
             np.random.set_state(np_state)
             random.setstate(py_state)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every global RNG's state as checkpoint-safe values (tensors and plain lists, which
+    ``torch.load(weights_only=True)`` reads)."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

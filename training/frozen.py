@@ -118,7 +118,7 @@ def train_head(cfg: TrainConfig, train: FeatureSplit, test: FeatureSplit, *, hea
     from .batching import ClassBalancedBatchSampler
     from .distributed import DistInfo
     from .step import aux_weight, build_criterion, build_das, compute_loss, step_seed
-    from .trainer import build_optimizer
+    from .run_state import build_optimizer
 
     cfg.validate()
     eval_epochs = sorted(set(eval_epochs or [cfg.epochs]))

@@ -2,7 +2,7 @@
 
 ``flavour="authors"`` (the default, and what the paper's configs use): each loss and sampler
 as the DAS authors' training framework computes it (training/losses_authors.py,
-training/samplers.py), since that code, not the supplementary's equations, produced the
+training/miners.py), since that code, not the supplementary's equations, produced the
 paper's numbers. The differences that matter: the triplet loss on squared distances averaged
 over all sampled triplets, means over all sampled pairs for contrastive, their N-pair (x/4,
 one positive per anchor) and lifted (per-channel) variants, MS skipping anchors without mined
@@ -33,7 +33,7 @@ from pytorch_metric_learning import distances, losses, regularizers
 from torch import Tensor, nn
 
 from . import losses_authors as A
-from .samplers import FLAVOURS, MINERS, Triplets, build_miner
+from .miners import FLAVOURS, MINERS, Triplets, build_miner
 
 __all__ = ["LOSSES", "FLAVOURS", "DEFAULTS", "DEFAULT_MINER", "Criterion", "MultiSimilarityLoss",
            "NPairLoss", "build_loss"]

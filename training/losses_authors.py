@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .samplers import Triplets, _masks, _uniform
+from .miners import Triplets, _masks, _uniform
 
 __all__ = ["AuthorsTriplet", "AuthorsContrastive", "AuthorsMargin", "AuthorsLifted",
            "AuthorsNPair", "AuthorsMultiSimilarity", "AuthorsSoftmax", "AuthorsArcFace"]

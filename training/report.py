@@ -1,20 +1,83 @@
-"""The run report: metrics table (Markdown + JSON), loss / R@1 curves, FRM heatmap (PNG)."""
+"""What a run writes for people: the per-epoch log (CSV, TensorBoard, one console line) and the
+final report (metrics table as Markdown + JSON, loss / R@1 curves, FRM heatmap as PNG)."""
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-METRIC_ORDER = ("R@1", "R@2", "R@4", "R@8", "R@10", "R@100", "R@1000", "NMI", "F1", "MAP@R")
+#: Per-epoch mean loss terms logged next to "loss" when the aux loss is on.
+AUX_COLUMNS = ("loss_real", "loss_all")
+_TRAIN_KEYS = ("epoch", "steps", "loss", "lr", "seconds") + AUX_COLUMNS
 
 
 def _metric_keys(*rows: dict[str, Any]) -> list[str]:
+    """The metric names in ``rows``, in the one order every table and log uses: R@k by k, then
+    NMI, F1, MAP@R."""
     keys = {k for r in rows for k in r if k.startswith("R@") or k in ("NMI", "F1", "MAP@R")}
-    ordered = [k for k in METRIC_ORDER if k in keys]
-    extra = sorted(keys - set(ordered), key=lambda k: (len(k), k))
-    return ordered + extra
+    tail = ("NMI", "F1", "MAP@R")
+    return (sorted((k for k in keys if k.startswith("R@")), key=lambda k: int(k[2:]))
+            + [k for k in tail if k in keys])
+
+
+def metric_columns(cfg) -> list[str]:
+    """The metrics a run with ``cfg`` evaluates, in report order."""
+    names = [f"R@{k}" for k in cfg.eval_ks] + (["NMI", "F1"] if cfg.eval_clustering else [])
+    return _metric_keys(dict.fromkeys(names + ["MAP@R"]))
+
+
+def write_csv(path: Path, history: list[dict[str, Any]], cfg, aux: bool = False) -> None:
+    """``log.csv``: one row per epoch; ``aux`` adds the aux loss's two terms after ``loss``."""
+    cols = ["epoch", "steps", "loss"] + (list(AUX_COLUMNS) if aux else []) + ["lr", "seconds"]
+    cols += metric_columns(cfg)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for row in history:
+            w.writerow({k: row.get(k, "") for k in cols})
+
+
+class EpochLogger:
+    """After each epoch: rewrite ``log.csv``, add TensorBoard scalars (when enabled and
+    installed) and print one line. Only the main rank logs."""
+
+    def __init__(self, run_dir: Path, cfg, *, aux: bool) -> None:
+        self.run_dir, self.cfg, self.aux = Path(run_dir), cfg, aux
+        self.tb = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception:  # tensorboard not installed: CSV only
+                return
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, history: list[dict[str, Any]]) -> None:
+        row, cfg = history[-1], self.cfg
+        epoch = row["epoch"]
+        write_csv(self.run_dir / "log.csv", history, cfg, aux=self.aux)
+        if self.tb is not None:
+            self.tb.add_scalar("train/loss", row["loss"], epoch)
+            self.tb.add_scalar("train/lr", row["lr"], epoch)
+            for k in AUX_COLUMNS:
+                if k in row:
+                    self.tb.add_scalar(f"train/{k}", row[k], epoch)
+            for k, v in row.items():
+                if k not in _TRAIN_KEYS and v != "":
+                    self.tb.add_scalar(f"test/{k}", v, epoch)
+        msg = f"epoch {epoch}/{cfg.epochs} loss {row['loss']:.4f}"
+        if self.aux:
+            msg += f" (real {row['loss_real']:.4f}, with DAS {row['loss_all']:.4f})"
+        if "R@1" in row:
+            msg += f" R@1 {row['R@1']:.4f}"
+        if cfg.progress:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
 
 def metrics_markdown(rows: Sequence[tuple[str, dict[str, float]]]) -> str:

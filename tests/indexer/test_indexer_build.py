@@ -12,7 +12,7 @@ import pytest
 
 from conftest import copy_characters, run_cli
 from indexer import GalleryStore, Index, build_index
-from indexer.manifest import INDEX_FILE, STORE_DIR
+from indexer.index_dir import INDEX_FILE, STORE_DIR
 
 
 def test_build_stores_every_image_and_searches_itself_first(built_index: Path, omniglot_gallery: Path) -> None:

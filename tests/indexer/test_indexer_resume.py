@@ -14,7 +14,7 @@ import numpy as np
 
 from conftest import REPO, copy_characters, run_cli
 from indexer import GalleryStore, Index
-from indexer.manifest import STORE_DIR
+from indexer.index_dir import STORE_DIR
 
 
 def _committed(store_dir: Path) -> int:

@@ -18,7 +18,7 @@ from indexer import selection
 from indexer.__main__ import _print_candidates
 from indexer.build import make_index
 from indexer.errors import IndexerError
-from indexer.manifest import read_manifest, write_manifest
+from indexer.index_dir import IndexDir
 
 
 def low_rank(n: int, d: int, seed: int, *, rank: int = 16, clusters: int = 200,
@@ -154,7 +154,7 @@ def test_cli_max_memory_and_manifests_from_before(tmp_path, omniglot_gallery, sm
                 check=False)
     assert p.returncode == 1 and "--max-memory 4.0 KiB" in p.stderr and len(p.stderr.splitlines()) == 1
     run_cli("build", omniglot_gallery, "--out", tmp_path / "c", "--max-memory", "1M", *flags)
-    m = read_manifest(tmp_path / "c")
+    m = IndexDir(tmp_path / "c").read_manifest()
     assert m["index_type"] == "ivf" and m["max_memory"] == 2 ** 20 and m["heldout_queries"] == 24
     assert "candidates" not in m                         # 240 images: IVF-Flat, nothing measured
     info = run_cli("info", "--index", tmp_path / "c").stdout
@@ -165,10 +165,10 @@ def test_cli_max_memory_and_manifests_from_before(tmp_path, omniglot_gallery, sm
     old = {k: v for k, v in m.items() if k not in ("search_params", "tuning_recall_at_10",
                                                    "tuning_queries", "heldout_queries", "max_memory",
                                                    "k_factor", "format")}
-    write_manifest(tmp_path / "c", {**old, "nprobe": 1})
+    IndexDir(tmp_path / "c").write_manifest({**old, "nprobe": 1})
     idx = Index.open(tmp_path / "c")
     assert faiss.extract_index_ivf(idx.faiss.cpu_index).nprobe == 1
-    write_manifest(tmp_path / "c", old)
+    IndexDir(tmp_path / "c").write_manifest(old)
     got = Index.open(tmp_path / "c").search_embeddings(np.eye(64, dtype=np.float32)[:5], 5)[1]
     np.testing.assert_array_equal(got, want)
     assert "recall:   @10 vs exact" in run_cli("info", "--index", tmp_path / "c").stdout
@@ -183,14 +183,14 @@ def test_add_and_remove_on_types_that_cannot_remove_in_place(tmp_path, omniglot_
     new = copy_characters(omniglot_root, g2, 1, per_char=10, skip_chars=50)
     out = tmp_path / "idx"
     run_cli("build", g1, "--model", small_onnx, "--out", out, "--quiet", "--index-type", index_type)
-    m = read_manifest(out)
+    m = IndexDir(out).read_manifest()
     assert m["index_type"] == index_type and m["heldout_queries"] == 12 and m["search_params"]
     run_cli("add", g2, "--index", out, "--prefix", "more", "--quiet")
     rel = "more/" + new[0].relative_to(g2).as_posix()
     idx = Index.open(out)
     assert len(idx) == 130 and idx.search([new[0]], 1)[0][0].path == rel
     run_cli("remove", rel, "--index", out)
-    m = read_manifest(out)
+    m = IndexDir(out).read_manifest()
     assert m["count"] == 129 and m["heldout_queries"] == 0 and m["search_params"]
     idx = Index.open(out)
     assert len(idx) == 129 and all(h.path != rel for h in idx.search([new[0]], 10)[0])

@@ -9,7 +9,7 @@ import numpy as np
 from conftest import run_cli
 from indexer import GalleryStore, Index
 from indexer.faiss_index import index_ids
-from indexer.manifest import STORE_DIR
+from indexer.index_dir import STORE_DIR
 from indexer.walk import shard_of
 
 

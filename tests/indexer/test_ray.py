@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 from conftest import copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
-from indexer.manifest import STORE_DIR  # noqa: E402
+from indexer.index_dir import STORE_DIR  # noqa: E402
 from indexer.walk import shard_of  # noqa: E402
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match

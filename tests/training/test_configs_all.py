@@ -49,7 +49,7 @@ _MODELS: dict = {}
 
 def _model_out_dim(cfg: TrainConfig, normalize: bool) -> tuple[int, float]:
     """Build each distinct embedder once (ResNet50 is slow to build) and run one image."""
-    from training.trainer import build_model
+    from training.run_state import build_model
 
     key = (cfg.backbone, cfg.dim, cfg.pooling, normalize, cfg.input_size)
     if key not in _MODELS:
@@ -64,7 +64,8 @@ def _model_out_dim(cfg: TrainConfig, normalize: bool) -> tuple[int, float]:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(REPO / "configs").as_posix())
 def test_config_parses_and_builds(path):
     from training.batching import ClassBalancedBatchSampler
-    from training.trainer import build_criterion, build_das, build_optimizer
+    from training.run_state import build_optimizer
+    from training.step import build_criterion, build_das
 
     cfg = load_config(path)
     assert cfg.root and cfg.out.startswith("runs/")
@@ -169,7 +170,7 @@ def test_base_files_hold_the_paper_recipe():
 
 def test_das_presets_fill_in_options_that_the_config_does_not_set(tmp_path):
     from training.config import DAS_PRESETS
-    from training.trainer import build_das
+    from training.step import build_das
 
     assert DAS_PRESETS["paper"] == {} and load_config(None, []).das_preset == "paper"
     robust = DAS_PRESETS["robust"]
@@ -190,7 +191,7 @@ def test_das_presets_fill_in_options_that_the_config_does_not_set(tmp_path):
 
 
 def test_new_das_options_parse_and_reach_the_das_module(tmp_path):
-    from training.trainer import aux_weight, build_das
+    from training.step import aux_weight, build_das
 
     assert (TrainConfig().das_scale_bounds, TrainConfig().das_bank_dtype,
             TrainConfig().das_aux_loss, TrainConfig().das_aux_weight) == ([], "float32", False, 1.0)
@@ -235,7 +236,7 @@ SOP_AUTHORS = {
 
 @pytest.mark.parametrize("name", sorted(SOP_AUTHORS))
 def test_sop_das_configs_carry_the_authors_settings(name):
-    from training.trainer import aux_weight, build_criterion, build_das
+    from training.step import aux_weight, build_criterion, build_das
 
     bounds, r_b, detach, aux, normalized = SOP_AUTHORS[name]
     cfg = load_config(REPO / "configs" / "table2" / f"sop_{name}_das.toml")
@@ -253,7 +254,8 @@ def test_sop_das_configs_carry_the_authors_settings(name):
 
 
 def test_table1_sop_and_supplementary_table_i():
-    from training.trainer import build_criterion, build_optimizer
+    from training.run_state import build_optimizer
+    from training.step import build_criterion
 
     cfg = load_config(REPO / "configs" / "table1" / "sop_ms_das_r512.toml")
     assert (cfg.das_scale_bounds, cfg.das_shift_scale, cfg.das_detach, cfg.das_aux_loss) == \
@@ -277,7 +279,8 @@ def test_exclude_own_copies_reaches_the_miner():
     import torch
     from training import distributed as D
     from training.config import load_config
-    from training.trainer import build_components, compute_loss
+    from training.run_state import build_components
+    from training.step import compute_loss
 
     seen = []
     for flag in (False, True):

@@ -20,7 +20,7 @@ def _cfg():
 
 
 def _build(num_classes: int):
-    from training.trainer import build_components
+    from training.run_state import build_components
 
     torch.manual_seed(0)
     model, criterion, das = build_components(_cfg(), num_classes)
@@ -38,7 +38,7 @@ def _grads(model, criterion) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, out: str):
     from training import distributed as D
-    from training.trainer import compute_loss
+    from training.step import compute_loss
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -61,7 +61,7 @@ def test_two_rank_gloo_matches_single_process(tmp_path, omniglot_root, free_port
     from embedder.preprocess import preprocessing_for
     from training import distributed as D
     from training.data import ImageDataset, load_splits
-    from training.trainer import compute_loss
+    from training.step import compute_loss
 
     train, _ = load_splits("omniglot", omniglot_root, max_classes=6)
     pre = preprocessing_for("small_cnn")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from training.losses import build_loss
-from training.samplers import Triplets
+from training.miners import Triplets
 
 EPS = 1e-6   # torch.nn.PairwiseDistance adds it to the difference
 

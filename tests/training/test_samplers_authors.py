@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.samplers import (AuthorsDistanceMiner, AuthorsRandomMiner, SemiHardMiner,
+from training.miners import (AuthorsDistanceMiner, AuthorsRandomMiner, SemiHardMiner,
                                SoftHardMiner, build_miner)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.samplers import (DistanceWeightedMiner, build_miner,
+from training.miners import (DistanceWeightedMiner, build_miner,
                                distance_weighted_log_weights)
 
 

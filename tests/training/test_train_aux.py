@@ -29,7 +29,7 @@ def _cfg(**kw):
 def _build(cfg):
     """Model, criterion and DAS exactly as the trainer builds them; BatchNorm on running
     statistics so that per-rank and whole-batch forward passes agree."""
-    from training.trainer import build_components
+    from training.run_state import build_components
 
     torch.manual_seed(0)
     model, criterion, das = build_components(cfg, NUM_CLASSES)
@@ -49,7 +49,7 @@ def _batch():
 
 def test_aux_loss_equals_real_plus_weighted_all_computed_directly():
     from training import distributed as D
-    from training.trainer import aux_weight, compute_loss
+    from training.step import aux_weight, compute_loss
 
     torch.set_num_threads(2)
     cfg = _cfg()
@@ -91,7 +91,7 @@ def test_aux_loss_equals_real_plus_weighted_all_computed_directly():
 
 def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, out: str):
     from training import distributed as D
-    from training.trainer import aux_weight, compute_loss
+    from training.step import aux_weight, compute_loss
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -118,7 +118,7 @@ def test_aux_loss_on_two_gloo_ranks_uses_the_gathered_real_rows(tmp_path, free_p
     """DAS runs on the gathered global batch, so the real part is its first B_global rows on
     every rank: the 2-rank loss, its terms and the gradients match one process."""
     from training import distributed as D
-    from training.trainer import aux_weight, compute_loss
+    from training.step import aux_weight, compute_loss
 
     x, y = _batch()
     mp.spawn(_worker, args=(free_port(), x, y, str(tmp_path)), nprocs=WORLD, join=True)
@@ -156,7 +156,8 @@ def _tiny_train_cfg(root, out, **kw):
 def test_training_logs_both_terms_and_nan_guard_names_them(tmp_path, omniglot_root):
     from training import train
     from training.data import load_splits
-    from training.trainer import NonFiniteLossError, write_csv
+    from training.report import write_csv
+    from training.trainer import NonFiniteLossError
 
     splits = dict(zip(("train_split", "test_split"),
                       load_splits("omniglot", omniglot_root, max_classes=8)))

@@ -1,0 +1,168 @@
+"""An index directory: the one owner of its file names, its manifest and its open-or-refuse checks.
+
+An index directory holds ``store.lmdb/`` (the gallery), ``index.faiss``, ``manifest.json``,
+``report.jsonl`` (skipped files) and ``model.onnx`` (a copy of the embedder, so the directory is
+self-contained and ``Index.open`` needs nothing else). Every file is written through
+:func:`atomic_target`, the manifest last, so a reader never sees a manifest that describes an
+index file that is not there yet. The file-integrity checks themselves live in
+:mod:`indexer.validate`; this module decides which apply and when.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from embedder.hashing import file_sha256
+
+from .errors import IndexerError
+from .validate import check_faiss_file, check_lmdb, check_model_file, read_faiss
+
+FORMAT = "das-index/1"
+MANIFEST = "manifest.json"
+INDEX_FILE = "index.faiss"
+STORE_DIR = "store.lmdb"
+REPORT = "report.jsonl"
+MODEL_FILE = "model.onnx"
+
+
+@contextmanager
+def atomic_target(path: str | Path) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; on success fsync it and os.replace it onto
+    ``path``, on any error remove it. Readers thus see the old file or the new one, never half
+    of one, even if the writer is killed. The indexer's only way of writing a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def manifest_stamp(directory: str | Path) -> tuple[int, int, int] | None:
+    """(inode, mtime_ns, size) of manifest.json: it changes whenever the manifest is rewritten
+    (always atomically, by os.replace: a new inode), which is what a server watches for."""
+    try:
+        st = os.stat(Path(directory) / MANIFEST)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class IndexDir:
+    """The files of one index directory (nothing is opened or created by constructing one)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.manifest_file = self.path / MANIFEST
+        self.index_file = self.path / INDEX_FILE
+        self.store_dir = self.path / STORE_DIR
+        self.report_file = self.path / REPORT
+        self.model_file = self.path / MODEL_FILE
+
+    def __repr__(self) -> str:
+        return f"IndexDir({str(self.path)!r})"
+
+    def exists(self) -> bool:
+        """Whether a manifest is there (the cheap "is this an index directory" test)."""
+        return self.manifest_file.is_file()
+
+    # -- the manifest ---------------------------------------------------------------------
+    def read_manifest(self) -> dict:
+        path = self.manifest_file
+        if not path.exists():
+            raise IndexerError(f"{self.path}: no index here (missing {MANIFEST}); run `indexer build` first")
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise IndexerError(f"{path}: unreadable manifest ({e})") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise IndexerError(f"{path}: not a {FORMAT} manifest")
+        return m
+
+    def write_manifest(self, manifest: dict) -> dict:
+        """Write (last, atomically) and return the manifest as a reader will see it."""
+        with atomic_target(self.manifest_file) as tmp, open(tmp, "w") as f:
+            json.dump({**manifest, "format": FORMAT}, f, indent=2, sort_keys=True)
+            f.write("\n")
+        return self.read_manifest()
+
+    # -- the other files ------------------------------------------------------------------
+    def write_report(self, skipped: list[dict]) -> Path:
+        """One JSON object per skipped file: {"path": ..., "reason": ...}."""
+        with atomic_target(self.report_file) as tmp, open(tmp, "w") as f:
+            for s in skipped:
+                f.write(json.dumps(s) + "\n")
+        return self.report_file
+
+    def read_report(self) -> list[dict]:
+        if not self.report_file.exists():
+            return []
+        return [json.loads(line) for line in self.report_file.read_text().splitlines() if line.strip()]
+
+    def copy_model(self, src: str | Path, model_hash: str) -> None:
+        """Copy the embedder in as ``model.onnx``, unless the one there already has ``model_hash``."""
+        if self.model_file.exists() and file_sha256(self.model_file) == model_hash:
+            return
+        with atomic_target(self.model_file) as tmp:
+            shutil.copyfile(src, tmp)
+
+    def index_record(self) -> dict:
+        """The manifest's record of ``index.faiss`` (size and sha256), taken right after writing it
+        (``faiss_index.write_atomic``) and compared on every open."""
+        return {"bytes": self.index_file.stat().st_size, "sha256": file_sha256(self.index_file)}
+
+    # -- open or refuse -------------------------------------------------------------------
+    def check(self, manifest: dict, *, model: bool = False, verify_hash: bool = True) -> None:
+        """All file checks (:mod:`indexer.validate`) before anything maps or parses a file."""
+        check_lmdb(self.store_dir)
+        if not manifest.get("shard"):
+            check_faiss_file(self.index_file, manifest.get("index_file") or {}, verify_hash=verify_hash)
+        if model:
+            check_model_file(self.model_file, (manifest.get("model") or {}).get("hash"))
+
+    def refuse_shard(self, manifest: dict) -> None:
+        """A shard holds a store but no index: it is merged, never searched or updated."""
+        if manifest.get("shard"):
+            s = manifest["shard"]
+            raise IndexerError(f"{self.path}: is shard {s['i']}/{s['n']}, not an index; "
+                               "run `indexer merge` first")
+
+    def check_index_dim(self, d: int, manifest: dict) -> None:
+        if d != int(manifest["dim"]):
+            raise IndexerError(f"{self.index_file}: dimension mismatch: index holds {d}-d vectors, "
+                               f"manifest says {manifest['dim']}-d")
+
+    def check_embedder(self, emb: Any, manifest: dict, path: str | Path | None = None) -> None:
+        """``emb`` is the model the index was built with and gives its dimension."""
+        path = path or self.model_file
+        want = manifest["model"]["hash"]
+        if emb.model_hash != want:
+            raise IndexerError(f"{path}: model {emb.model_hash[:12]} differs from the model this index "
+                               f"was built with ({want[:12]}, {manifest['model'].get('source')}); "
+                               "use that model or rebuild with `indexer build`")
+        if emb.dim != manifest["dim"]:
+            raise IndexerError(f"{path}: dimension mismatch: model gives {emb.dim}-d embeddings, "
+                               f"index holds {manifest['dim']}-d")
+
+    def read_index(self, manifest: dict) -> Any:
+        """``index.faiss`` for updating, after its size/checksum and dimension checks."""
+        check_faiss_file(self.index_file, manifest.get("index_file") or {})
+        index = read_faiss(self.index_file)
+        self.check_index_dim(index.d, manifest)
+        return index

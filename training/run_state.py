@@ -1,0 +1,160 @@
+"""What a training run is made of, built once from the config and saved and restored whole.
+
+`RunState` holds everything a resumed run needs to continue bit-exactly (model, optimiser,
+scheduler, criterion, DAS buffers and generator, sampler position, grad scaler, every RNG
+state, the history so far); `state_dict` / `load_state_dict` are what ``last.pt`` holds, as
+tensors and plain lists so ``torch.load(weights_only=True)`` reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed as D
+from .batching import ClassBalancedBatchSampler
+from .config import TrainConfig
+from .data import ImageDataset, Split, load_splits
+from .step import build_criterion, build_das
+
+
+def build_preprocessing(cfg: TrainConfig):
+    """The backbone's Preprocessing, with the config's input size / resize when given."""
+    from embedder.preprocess import preprocessing_for
+
+    pre = preprocessing_for(cfg.backbone)
+    if cfg.input_size or cfg.resize:
+        size = cfg.input_size or pre.input_size
+        if cfg.resize:
+            resize = cfg.resize
+        else:  # keep the backbone's resize/crop ratio (256/224 for ImageNet, 32/28 for small_cnn)
+            resize = round(size * pre.resize / pre.input_size)
+        pre = dataclasses.replace(pre, input_size=size, resize=max(resize, size))
+    return pre
+
+
+def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
+                   test_split: Split | None = None) -> tuple[ImageDataset, ImageDataset]:
+    """(train, test) datasets: the config's dataset, or the given parsed splits (a benchmark
+    shares one parse between runs)."""
+    if train_split is None or test_split is None:
+        train_split, test_split = load_splits(cfg.dataset, cfg.root, max_classes=cfg.max_classes,
+                                              test_classes=cfg.test_classes,
+                                              holdout_alphabets=cfg.holdout_alphabets)
+    pre = build_preprocessing(cfg)
+    return (ImageDataset(train_split, pre.train_transform(), pre.mode, cfg.cache_images),
+            ImageDataset(test_split, pre.eval_transform(), pre.mode, cfg.cache_images))
+
+
+def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
+    """The embedder described by the config (preprocessing from `build_preprocessing`)."""
+    from embedder import Embedder, EmbedderConfig
+
+    pre = build_preprocessing(cfg)
+    return Embedder(EmbedderConfig(backbone=cfg.backbone, dim=cfg.dim, pooling=cfg.pooling,
+                                   normalize=normalize, pretrained=cfg.pretrained,
+                                   frozen_bn=cfg.frozen_bn), pre)
+
+
+def build_components(cfg: TrainConfig, num_classes: int):
+    """(model, criterion, das or None) -- what a config must be able to build without any data
+    (the configs test walks every file through this)."""
+    criterion = build_criterion(cfg, num_classes)
+    normalize = bool(getattr(criterion, "normalize", True))
+    model = build_model(cfg, normalize)
+    das = build_das(cfg, num_classes, normalize) if cfg.das else None
+    return model, criterion, das
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module):
+    """Adam over the model at `lr`, plus the criterion's own groups (betas, proxies) at theirs."""
+    groups: list[dict] = [{"params": [p for p in model.parameters() if p.requires_grad],
+                           "lr": cfg.lr, "name": "model"}]
+    extra = criterion.param_groups() if hasattr(criterion, "param_groups") else []
+    for i, g in enumerate(extra):
+        g = dict(g)
+        g["params"] = list(g["params"])
+        g.setdefault("name", f"criterion{i}")
+        groups.append(g)
+    opt = torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=cfg.milestones(), gamma=cfg.lr_gamma)
+    return opt, sched
+
+
+@dataclass
+class RunState:
+    """One run's moving parts plus its progress (``epoch`` = epochs completed)."""
+
+    model: nn.Module
+    criterion: nn.Module
+    das: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    sampler: ClassBalancedBatchSampler       # the global batch sampler (not a rank's slice)
+    device: torch.device
+    epoch: int = 0
+    global_step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_epoch: int = 0
+    best_metrics: dict[str, float] = field(default_factory=dict)
+    initial_metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, train_labels: Any, num_classes: int, device: torch.device,
+              autocast_dtype: torch.dtype | None) -> "RunState":
+        """Everything freshly initialised from ``cfg.seed`` and placed on ``device``."""
+        D.seed_everything(cfg.seed)
+        model, criterion, das = build_components(cfg, num_classes)
+        model.to(device)
+        if cfg.channels_last and device.type == "cuda":
+            model.to(memory_format=torch.channels_last)
+        criterion.to(device)
+        if das is not None:
+            das.to(device)
+        opt, sched = build_optimizer(cfg, model, criterion)
+        scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
+        sampler = ClassBalancedBatchSampler(train_labels, batch_size=cfg.batch_size,
+                                            per_class=cfg.per_class, seed=cfg.seed, drop_last=True)
+        return cls(model, criterion, das, opt, sched, scaler, sampler, device)
+
+    def record_best(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Note epoch ``epoch``'s evaluation; True when its R@1 is the best so far (save best.pt)."""
+        if self.best_metrics and metrics["R@1"] <= self.best_metrics["R@1"]:
+            return False
+        self.best_epoch, self.best_metrics = epoch, metrics
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the model's weights, which ``save_checkpoint`` writes itself (with the
+        embedder's config, so ``last.pt`` also loads as a plain checkpoint)."""
+        return {"epoch": self.epoch, "global_step": self.global_step,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "criterion": self.criterion.state_dict(),
+                "das": self.das.state_dict() if self.das is not None else None,
+                "sampler": self.sampler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "rng": D.rng_state(self.device), "history": self.history,
+                "best_epoch": self.best_epoch, "best_metrics": self.best_metrics,
+                "initial_metrics": self.initial_metrics}
+
+    def load_state_dict(self, ck: dict[str, Any]) -> None:
+        """Restore from a ``last.pt`` dict (model weights under ``state_dict`` included)."""
+        self.model.load_state_dict(ck["state_dict"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scheduler.load_state_dict(ck["scheduler"])
+        self.criterion.load_state_dict(ck["criterion"])
+        if self.das is not None and ck.get("das") is not None:
+            self.das.load_state_dict(ck["das"])  # includes its generator state (extra state)
+        if ck.get("sampler") is not None:
+            self.sampler.load_state_dict(ck["sampler"])
+        if ck.get("scaler"):
+            self.scaler.load_state_dict(ck["scaler"])
+        self.history = list(ck["history"])
+        self.best_epoch, self.best_metrics = int(ck["best_epoch"]), dict(ck["best_metrics"])
+        self.initial_metrics = dict(ck.get("initial_metrics") or {})
+        self.epoch, self.global_step = int(ck["epoch"]), int(ck["global_step"])
+        D.set_rng_state(ck["rng"], self.device)
