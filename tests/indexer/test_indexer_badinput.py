@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import copy_characters, run_cli
+from indexer_testlib import copy_characters, run_cli
 
 
 def _one_line_error(p, *needles: str) -> None:

@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
-from conftest import copy_characters, run_cli
+from indexer_testlib import copy_characters, run_cli
 from indexer import GalleryStore, Index, build_index
 from indexer.index_dir import INDEX_FILE, STORE_DIR
 

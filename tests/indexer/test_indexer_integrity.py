@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, copy_characters, run_cli
+from indexer_testlib import REPO, copy_characters, run_cli
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:

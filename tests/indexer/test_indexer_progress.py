@@ -6,7 +6,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from conftest import copy_characters
+from indexer_testlib import copy_characters
 from indexer import build_index
 
 

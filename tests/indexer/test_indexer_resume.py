@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conftest import REPO, copy_characters, run_cli
+from indexer_testlib import REPO, copy_characters, run_cli
 from indexer import GalleryStore, Index
 from indexer.index_dir import STORE_DIR
 

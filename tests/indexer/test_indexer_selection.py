@@ -11,7 +11,7 @@ import faiss
 import numpy as np
 import pytest
 
-from conftest import copy_characters, run_cli
+from indexer_testlib import copy_characters, run_cli
 from indexer import Index
 from indexer import faiss_index as fx
 from indexer import selection

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conftest import run_cli
+from indexer_testlib import run_cli
 from indexer import GalleryStore, Index
 from indexer.faiss_index import index_ids
 from indexer.index_dir import STORE_DIR

@@ -27,7 +27,7 @@ if not only_loopback():
 
 ray = pytest.importorskip("ray")
 
-from conftest import copy_characters, run_cli  # noqa: E402
+from indexer_testlib import copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
 from indexer.index_dir import STORE_DIR  # noqa: E402
