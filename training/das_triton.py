@@ -180,8 +180,8 @@ def _pow2(n: int) -> int:
 def fused_update(v: Tensor, y: Tensor, frm: Tensor, bank: Tensor, ptr: Tensor, count: Tensor,
                  hash_weights: Tensor, *, topk: int, dfs: bool, mts: bool,
                  interpret: bool = False) -> None:
-    """FRM and bank update of one batch, in place (the eager ``_update_frm`` +
-    ``_update_bank``). ``v`` (B, d) float32 contiguous, ``y`` (B,) int64 on the same device."""
+    """FRM and bank update of one batch, in place (the eager ``das_bank.update_frm`` +
+    ``update_bank``). ``v`` (B, d) float32 contiguous, ``y`` (B,) int64 on the same device."""
     B, D = v.shape
     if B == 0 or not (dfs or mts):
         return

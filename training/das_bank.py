@@ -1,0 +1,127 @@
+"""DAS's state updates: the frequency-recorded matrix (FRM) and the transformation bank ring.
+
+Pure tensor functions that write a `training.das.DAS` module's buffers in place (the FRM
+``P`` (C x d), the bank (C x Z x d) with its per-class write pointer and fill count). They are
+the write side of DAS, kept apart from the producing side so each reads in one sitting; the
+fused Triton kernels (training/das_triton.py) replace both on CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["max_kept_pairs", "row_hash", "update_frm", "update_bank"]
+
+
+@functools.lru_cache(maxsize=256)
+def max_kept_pairs(batch: int, bank_size: int) -> int:
+    """Static upper bound on the differences one batch can leave in the banks.
+
+    A class with n members brings n(n-1) ordered pairs of which at most Z survive, i.e.
+    min(n(n-1), Z)/n per member; the worst class size over the whole batch bounds the total.
+    A static bound keeps the write path free of data-dependent shapes (no nonzero(), no sync).
+    """
+    if batch < 2:
+        return 0
+    per_member = max(min(n * (n - 1), bank_size) / n for n in range(2, batch + 1))
+    return min(batch * (batch - 1), math.ceil(batch * per_member))
+
+
+@torch.no_grad()
+def update_frm(frm: Tensor, v: Tensor, y: Tensor, topk: int) -> None:
+    """Eq. (frm): each real embedding adds 1 to P[y, c] for its top-K channels (signed).
+
+    One accumulating index_put_ over the (B, K) cells; the scalar 1 broadcasts, so no
+    (B, K) tensor of ones is built. Repeated cells (two members of a class sharing a
+    channel) add up, as the spec's loop does.
+    """
+    idx = v.topk(topk, dim=1).indices                                # (B, K)
+    one = torch.ones((), device=v.device, dtype=frm.dtype)
+    frm.index_put_((y[:, None], idx), one, accumulate=True)
+
+
+def row_hash(v: Tensor, weights: Tensor) -> Tensor:
+    """(B,) int64 key that is equal for bit-identical rows, i.e. rows whose difference is
+    exactly zero.
+
+    A Gram-matrix distance is not exact for duplicates and a dense B x B x d difference
+    costs more than the whole step, so rows are compared through a hash of their float
+    bits (odd random multipliers ``weights``, wrapping int64 arithmetic): equal rows always
+    agree, different rows collide with probability ~2**-63. The int32 bits are promoted to
+    int64 inside the multiply, so no separate int64 copy of the batch is made.
+    """
+    bits = (v + 0.0).view(torch.int32)                               # +0.0 folds -0.0 into 0.0
+    return (bits * weights).sum(dim=1)
+
+
+@torch.no_grad()
+def update_bank(bank: Tensor, bank_ptr: Tensor, bank_count: Tensor, hash_weights: Tensor,
+                v: Tensor, y: Tensor) -> None:
+    """Eq. (transformation)+(fifo), vectorised; see the spec's MTS section.
+
+    Exact construction with static shapes (no nonzero(), no host sync), O(B^2) only in
+    four cheap elementwise passes over a (B, B) bool grid:
+
+    1. Stable-sort the batch by label. Each class is then one contiguous diagonal block
+       of the (B, B) pair grid, in batch order, so the grid's row-major order restricted
+       to a class is the spec's write order, and the classes follow each other.
+    2. ``valid`` = same label and different row (hash; the diagonal is excluded by it).
+       One cumsum over the flattened grid numbers every valid pair: the pairs of class c
+       get the consecutive numbers ``[P_c, E_c)`` and the kept ones are the last
+       ``k_c = min(E_c - P_c, Z)``.
+    3. The kept pairs are enumerated directly: entry ``r`` of a static list of
+       ``L = max_kept_pairs(B, Z)`` finds its class by a searchsorted over the running
+       kept counts, hence its pair number, and its grid cell by a searchsorted of that
+       number in the cumsum (which steps by one exactly at valid cells). No B x B
+       scatter or compaction, and only L rows of differences are built.
+    4. One index_put_ writes the L rows. Entries past the kept ones repeat entry 0 (same
+       slot, same value: deterministic); when nothing is kept at all, entry 0 is sent to
+       bank row 0 and that row is restored afterwards, so the write is a no-op.
+    """
+    B, Z, dim = v.shape[0], bank.shape[1], bank.shape[2]
+    if B < 2:
+        return
+    device = v.device
+    ys, perm = torch.sort(y, stable=True)
+    hs = row_hash(v, hash_weights).index_select(0, perm)
+    valid = (ys[:, None] == ys[None, :]) & (hs[:, None] != hs[None, :])
+    cs = valid.view(-1).cumsum(0)                                      # pair numbers + 1
+    cum = F.pad(cs.view(B, B)[:, -1], (1, 0))                          # pairs in rows < p
+    first = cum.index_select(0, torch.searchsorted(ys, ys))            # P_c per member
+    end = cum.index_select(0, torch.searchsorted(ys, ys, right=True))  # E_c per member
+    total = end - first                                                # pairs of the class
+    kept = torch.clamp(total, max=Z)
+    # Running kept counts, each class credited once (at its first member in sorted
+    # order), so `run` is the same for every member of a class.
+    is_first = F.pad(ys[1:] != ys[:-1], (1, 0), value=True)
+    run = torch.where(is_first, kept, 0).cumsum(0)
+    ptr = bank_ptr.index_select(0, ys)
+    # Per member: [start of its class in the kept numbering, number (+1) of its first
+    # kept pair, ring slot of its first kept pair (unreduced), class * Z].
+    table = torch.stack([run - kept, end - kept + 1, ptr + total - kept, ys * Z])
+    L = max_kept_pairs(B, Z)
+    r = torch.arange(L, device=device)
+    r = torch.where(r < run[-1:], r, 0)                                # fillers = entry 0
+    owner = torch.searchsorted(run, r, right=True).clamp_(max=B - 1)
+    start, num1, slot0, cls_z = table.index_select(1, owner).unbind(0)
+    off = r - start                                                    # 0..k_c-1
+    pos = torch.searchsorted(cs, num1 + off).clamp_(max=B * B - 1)     # grid cell
+    any_kept = run[-1:] > 0
+    target = torch.where(any_kept, cls_z + (slot0 + off) % Z, 0)
+    i = perm.index_select(0, torch.div(pos, B, rounding_mode="floor"))
+    j = perm.index_select(0, pos % B)
+    # (L, d) rows v_i - v_j, the second gather subtracted in place. (An embedding_bag with
+    # weights +1/-1 is one pass, but 0 + (-0.0) turns some zeros' sign.)
+    diff = v.index_select(0, i).sub_(v.index_select(0, j))
+    flat_bank = bank.view(-1, dim)
+    row0 = flat_bank[:1].clone()
+    flat_bank.index_put_((target,), diff.to(flat_bank.dtype))
+    flat_bank[:1] = torch.where(any_kept[:, None], flat_bank[:1], row0)
+    # Pointer and fill count advance by the class total (members of a class agree).
+    bank_ptr.index_put_((ys,), (ptr + total) % Z)
+    count = torch.clamp(bank_count.index_select(0, ys) + total, max=Z)
+    bank_count.index_put_((ys,), count)
