@@ -7,13 +7,13 @@ weights to the ONNX export and from there to indexing and serving.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError
+from .files import atomic_target
 from .hashing import file_sha256
 from .model import Embedder, EmbedderConfig
 from .preprocess import Preprocessing
@@ -34,14 +34,8 @@ def save_checkpoint(path: str | os.PathLike, model: Embedder, **extra: Any) -> P
     ckpt = {"format": FORMAT, "config": model.config.to_dict(),
             "preprocessing": model.preprocessing.to_dict(),
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, **extra}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(ckpt, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:
+        torch.save(ckpt, f)
     return path
 
 

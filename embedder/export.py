@@ -13,7 +13,6 @@ import copy
 import json
 import logging
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import ParityError
+from .files import atomic_target
 from .images import ImageSource, load_image
 from .model import Embedder
 
@@ -115,36 +115,34 @@ def export_onnx(model: Embedder, out: str | os.PathLike, *, source_hash: str = "
     if len(batch) < 2:  # torch.export specialises a batch of 1; give it two to keep it dynamic
         batch = np.concatenate([batch, batch[::-1]])
     example = torch.from_numpy(batch[:2].copy())
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".onnx", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        exporter = _torch_export(m, example, tmp)
-        proto = onnx.load(str(tmp))
-        pre = m.preprocessing
-        meta = {
-            "format": FORMAT,
-            "dim": str(m.dim),
-            "input_size": str(pre.input_size),
-            "channels": str(pre.channels()),
-            "mean": json.dumps(list(pre.mean)),
-            "std": json.dumps(list(pre.std)),
-            "backbone": m.config.backbone,
-            "normalized": "true" if m.config.normalize else "false",
-            "source_hash": source_hash,
-            "preprocessing": pre.to_json(),
-            "config": json.dumps(m.config.to_dict(), sort_keys=True),
-            "exporter": exporter,
-            "torch_version": torch.__version__,
-        }
-        del proto.metadata_props[:]
-        for k, v in meta.items():
-            entry = proto.metadata_props.add()
-            entry.key, entry.value = k, v
-        onnx.save(proto, str(tmp))
-        check_parity(tmp, m, batch)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-        Path(str(tmp) + ".data").unlink(missing_ok=True)
+    # the proto saved back below is self-contained: a "<name>.data" side file goes either way
+    with atomic_target(out, suffix=".onnx") as tmp_name:
+        tmp = Path(tmp_name)
+        try:
+            exporter = _torch_export(m, example, tmp)
+            proto = onnx.load(str(tmp))
+            pre = m.preprocessing
+            meta = {
+                "format": FORMAT,
+                "dim": str(m.dim),
+                "input_size": str(pre.input_size),
+                "channels": str(pre.channels()),
+                "mean": json.dumps(list(pre.mean)),
+                "std": json.dumps(list(pre.std)),
+                "backbone": m.config.backbone,
+                "normalized": "true" if m.config.normalize else "false",
+                "source_hash": source_hash,
+                "preprocessing": pre.to_json(),
+                "config": json.dumps(m.config.to_dict(), sort_keys=True),
+                "exporter": exporter,
+                "torch_version": torch.__version__,
+            }
+            del proto.metadata_props[:]
+            for k, v in meta.items():
+                entry = proto.metadata_props.add()
+                entry.key, entry.value = k, v
+            onnx.save(proto, str(tmp))
+            check_parity(tmp, m, batch)
+        finally:
+            Path(tmp_name + ".data").unlink(missing_ok=True)
     return out

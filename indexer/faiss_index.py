@@ -10,7 +10,6 @@ target against exact search (autofaiss tunes under a latency cap instead; we pro
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
@@ -18,8 +17,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from embedder.files import atomic_target
+
 from .errors import IndexerError
-from .index_dir import atomic_target
 
 INDEX_TYPES = ("auto", "flat", "ivf", "ivfhnsw", "hnsw", "sq8", "sq8rf", "ivfpq", "pqfsrf", "pqfsr8")
 # flat: exact. ivf: IVF-Flat. ivfhnsw: IVF-Flat whose nlist centroids are found through an HNSW
@@ -284,7 +284,7 @@ def _is_ivf(index: faiss.Index) -> bool:
 
 
 def write_atomic(index: faiss.Index, path: str | Path) -> None:
-    """Write the index beside ``path`` and rename it into place (see index_dir.atomic_target)."""
+    """Write the index beside ``path`` and rename it into place (see embedder.files.atomic_target)."""
     with atomic_target(path) as tmp:
         faiss.write_index(index, tmp)
 

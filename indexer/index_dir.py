@@ -3,7 +3,7 @@
 An index directory holds ``store.lmdb/`` (the gallery), ``index.faiss``, ``manifest.json``,
 ``report.jsonl`` (skipped files) and ``model.onnx`` (a copy of the embedder, so the directory is
 self-contained and ``Index.open`` needs nothing else). Every file is written through
-:func:`atomic_target`, the manifest last, so a reader never sees a manifest that describes an
+:func:`embedder.files.atomic_target`, the manifest last, so a reader never sees a manifest that describes an
 index file that is not there yet. The file-integrity checks themselves live in
 :mod:`indexer.validate`; this module decides which apply and when.
 """
@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from embedder.files import atomic_target
 from embedder.hashing import file_sha256
 
 from .errors import IndexerError
@@ -29,25 +28,6 @@ INDEX_FILE = "index.faiss"
 STORE_DIR = "store.lmdb"
 REPORT = "report.jsonl"
 MODEL_FILE = "model.onnx"
-
-
-@contextmanager
-def atomic_target(path: str | Path) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; on success fsync it and os.replace it onto
-    ``path``, on any error remove it. Readers thus see the old file or the new one, never half
-    of one, even if the writer is killed. The indexer's only way of writing a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def manifest_stamp(directory: str | Path) -> tuple[int, int, int] | None:

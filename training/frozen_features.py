@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.files import atomic_target
+
 from .data import Split, load_splits
 
 __all__ = ["FeatureSplit", "frozen_splits", "extract_features", "extract_views"]
@@ -100,9 +102,8 @@ def extract_features(paths: list[Path], root: Path, *, cache: str | os.PathLike 
             print(f"skipped unreadable image {paths[k]}: {err}", file=sys.stderr)
     feats = feats[ok]
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".{os.getpid()}.tmp.npz")
-    np.savez(tmp, features=feats, ok=ok)
-    os.replace(tmp, out)                       # atomic: a concurrent reader never sees half
+    with atomic_target(out) as tmp, open(tmp, "wb") as f:   # a concurrent reader never sees half
+        np.savez(f, features=feats, ok=ok)
     return feats, ok
 
 
@@ -156,9 +157,8 @@ def extract_views(paths: list[Path], root: Path, views: int, *, seed: int = 0,
                 for (v, i), row in zip(where, e):
                     feats[v, i] = row
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".{os.getpid()}.tmp.npy")
-    np.save(tmp, feats)
-    os.replace(tmp, out)
+    with atomic_target(out) as tmp, open(tmp, "wb") as f:
+        np.save(f, feats)
     return feats
 
 
