@@ -33,7 +33,7 @@ from pytorch_metric_learning import distances, losses, regularizers
 from torch import Tensor, nn
 
 from . import losses_authors as A
-from .miners import FLAVOURS, MINERS, Triplets, build_miner
+from .miners import FLAVOURS, MINERS, Triplets, _masks, build_miner
 
 __all__ = ["LOSSES", "FLAVOURS", "DEFAULTS", "DEFAULT_MINER", "Criterion", "MultiSimilarityLoss",
            "NPairLoss", "build_loss"]
@@ -77,9 +77,7 @@ class NPairLoss(nn.Module):
 
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
         sim = embeddings @ embeddings.T
-        same = labels[:, None] == labels[None, :]
-        eye = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
-        pos, neg = same & ~eye, ~same
+        pos, neg = _masks(labels)
         # A large finite fill (not -inf) keeps gradients finite for anchors without negatives.
         lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), dim=1)
         per_pair = F.softplus(lse_neg[:, None] - sim)        # log(1 + sum_r exp(s_ar - s_ap))
@@ -107,17 +105,11 @@ class MultiSimilarityLoss(nn.Module):
     @staticmethod
     def mine(sim: Tensor, labels: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
         """(keep_pos, keep_neg) after MS mining of a similarity matrix."""
-        same = labels[:, None] == labels[None, :]
-        eye = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
-        pos, neg = same & ~eye, ~same
+        pos, neg = _masks(labels)
         inf = torch.full_like(sim, math.inf)
         max_neg = torch.where(neg, sim, -inf).amax(dim=1, keepdim=True)
         min_pos = torch.where(pos, sim, inf).amin(dim=1, keepdim=True)
         return pos & (sim - epsilon < max_neg), neg & (sim + epsilon > min_pos)
-
-    def masks(self, sim: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """(keep_pos, keep_neg) after MS mining."""
-        return self.mine(sim, labels, self.epsilon)
 
     @staticmethod
     def log1p_sum_exp(z: Tensor, keep: Tensor) -> Tensor:
@@ -128,7 +120,7 @@ class MultiSimilarityLoss(nn.Module):
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
         x = F.normalize(embeddings, dim=1)
         sim = x @ x.T
-        keep_pos, keep_neg = self.masks(sim.detach(), labels)
+        keep_pos, keep_neg = self.mine(sim.detach(), labels, self.epsilon)
         pos = self.log1p_sum_exp(-self.alpha * (sim - self.base), keep_pos) / self.alpha
         neg = self.log1p_sum_exp(self.beta * (sim - self.base), keep_neg) / self.beta
         return (pos + neg).mean()

@@ -23,16 +23,12 @@ def _metric_keys(*rows: dict[str, Any]) -> list[str]:
             + [k for k in tail if k in keys])
 
 
-def metric_columns(cfg) -> list[str]:
-    """The metrics a run with ``cfg`` evaluates, in report order."""
-    names = [f"R@{k}" for k in cfg.eval_ks] + (["NMI", "F1"] if cfg.eval_clustering else [])
-    return _metric_keys(dict.fromkeys(names + ["MAP@R"]))
-
-
 def write_csv(path: Path, history: list[dict[str, Any]], cfg, aux: bool = False) -> None:
     """``log.csv``: one row per epoch; ``aux`` adds the aux loss's two terms after ``loss``."""
     cols = ["epoch", "steps", "loss"] + (list(AUX_COLUMNS) if aux else []) + ["lr", "seconds"]
-    cols += metric_columns(cfg)
+    # the metrics a run with ``cfg`` evaluates, in report order
+    names = [f"R@{k}" for k in cfg.eval_ks] + (["NMI", "F1"] if cfg.eval_clustering else [])
+    cols += _metric_keys(dict.fromkeys(names + ["MAP@R"]))
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

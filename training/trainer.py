@@ -48,37 +48,29 @@ class TrainResult:
 
 
 @torch.no_grad()
-def embed_dataset(model: nn.Module, dataset: ImageDataset, device: torch.device, batch_size: int,
-                  autocast_dtype: torch.dtype | None = None, workers: int = 0,
-                  channels_last: bool = False) -> np.ndarray:
-    was_training = model.training
-    model.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers)
-    out = []
-    for x, _ in loader:
-        x = x.to(device, non_blocking=True)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        if autocast_dtype is not None:
-            with torch.autocast(device_type=device.type, dtype=autocast_dtype):
-                e = model(x)
-        else:
-            e = model(x)
-        out.append(e.float().cpu().numpy())
-    model.train(was_training)
-    return np.concatenate(out, axis=0)
-
-
 def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, device: torch.device,
                    autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
     """R@k, NMI, F1, MAP@R on the test split (embedder.metrics), without touching the training
     RNG streams, so evaluating more or less often never changes the trajectory."""
     from embedder.metrics import evaluate
 
+    was_training = model.training
+    model.eval()
+    out = []
     with D.seeded_rng(cfg.seed + 99_991, device):
-        emb = embed_dataset(model, dataset, device, cfg.eval_batch_size, autocast_dtype,
-                            cfg.workers, cfg.channels_last and device.type == "cuda")
-        metrics = evaluate(emb, dataset.labels, ks=tuple(cfg.eval_ks),
+        for x, _ in DataLoader(dataset, batch_size=cfg.eval_batch_size, shuffle=False,
+                               num_workers=cfg.workers):
+            x = x.to(device, non_blocking=True)
+            if cfg.channels_last and device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            if autocast_dtype is not None:
+                with torch.autocast(device_type=device.type, dtype=autocast_dtype):
+                    e = model(x)
+            else:
+                e = model(x)
+            out.append(e.float().cpu().numpy())
+        model.train(was_training)
+        metrics = evaluate(np.concatenate(out, axis=0), dataset.labels, ks=tuple(cfg.eval_ks),
                            clustering=cfg.eval_clustering, seed=cfg.seed)
     return {k: float(v) for k, v in metrics.items()}
 
