@@ -95,19 +95,15 @@ def plot_curves(history: list[dict[str, Any]], out: Path, title: str = "") -> Pa
 
     loss = [(r["epoch"], r["loss"]) for r in history if r.get("loss") not in ("", None)]
     r1 = [(r["epoch"], 100 * r["R@1"]) for r in history if "R@1" in r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if loss:
-        a.plot(*zip(*loss), marker="o", ms=3)
-    a.set_xlabel("epoch")
-    a.set_ylabel("training loss")
-    a.set_title("training loss")
-    a.grid(alpha=0.3)
-    if r1:
-        b.plot(*zip(*r1), marker="o", ms=3, color="tab:red")
-    b.set_xlabel("epoch")
-    b.set_ylabel("R@1 (%)")
-    b.set_title("test R@1")
-    b.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, points, ylabel, name, color in zip(axes, (loss, r1), ("training loss", "R@1 (%)"),
+                                               ("training loss", "test R@1"), (None, "tab:red")):
+        if points:
+            ax.plot(*zip(*points), marker="o", ms=3, color=color)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
