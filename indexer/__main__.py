@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def index_options(args: argparse.Namespace) -> dict:
+    """The ``index_opts`` flags as keyword arguments of build_index / merge_shards."""
+    return {k: getattr(args, k) for k in ("index_type", "flat_threshold", "nlist", "target_recall",
+                                          "seed", "max_memory")}
+
+
 def _positive(name: str, v: int | None) -> None:
     if v is not None and v < 1:
         raise ValueError(f"{name}={v}: expected a positive integer")
@@ -108,17 +114,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "build" and (args.ray is not None or args.shards is not None):
         from .ray_build import build_from_args
 
-        _print_index_line(build_from_args(args), args.out)
+        _print_index_line(build_from_args(args, index_options(args)), args.out)
         return 0
     if args.cmd == "build":
         _positive("--batch-size", args.batch_size)
         _positive("--workers", args.workers)
         shard = parse_shard(args.shard) if args.shard else None
-        m = build_index(args.gallery, args.out, args.model, index_type=args.index_type,
-                        flat_threshold=args.flat_threshold, nlist=args.nlist,
-                        target_recall=args.target_recall, shard=shard, batch_size=args.batch_size,
-                        workers=args.workers, device=args.device, seed=args.seed,
-                        progress=not args.quiet, max_memory=args.max_memory)
+        m = build_index(args.gallery, args.out, args.model, shard=shard, batch_size=args.batch_size,
+                        workers=args.workers, device=args.device, progress=not args.quiet,
+                        **index_options(args))
         ing = m["ingest"]
         print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
               f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
@@ -168,10 +172,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "info":
         return _info(args)
     if args.cmd == "merge":
-        m = merge_shards(args.shards, args.out, index_type=args.index_type,
-                         flat_threshold=args.flat_threshold, nlist=args.nlist,
-                         target_recall=args.target_recall, device=args.device, seed=args.seed,
-                         progress=not args.quiet, max_memory=args.max_memory)
+        m = merge_shards(args.shards, args.out, device=args.device, progress=not args.quiet,
+                         **index_options(args))
         _print_index_line(m, args.out)
         return 0
     raise AssertionError(args.cmd)

@@ -266,7 +266,6 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             from tqdm.auto import tqdm
 
             bar = tqdm(total=None, desc=f"indexing ({n} shards on Ray)", unit="img")
-        if bar is not None:
             threading.Thread(target=_count_files, args=(gallery, bar), daemon=True).start()
         pending, manifests = list(refs), {}
         try:
@@ -320,8 +319,9 @@ def add_arguments(b: Any) -> None:
                    help="with --ray: CPUs each shard task reserves (default: the cluster's CPUs / shards)")
 
 
-def build_from_args(args: Any) -> dict:
-    """``indexer build --ray``: check the flags, build, print the shard summary line."""
+def build_from_args(args: Any, index_options: dict) -> dict:
+    """``indexer build --ray``: check the flags, build, print the shard summary line.
+    ``index_options``: the merge's index flags (``indexer.__main__.index_options``)."""
     if args.ray is None:
         raise ValueError("--shards needs --ray (for one shard by hand use --shard i/n)")
     if args.shard:
@@ -333,10 +333,7 @@ def build_from_args(args: Any) -> dict:
     m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
-                       progress=not args.quiet, index_type=args.index_type,
-                       flat_threshold=args.flat_threshold, nlist=args.nlist,
-                       target_recall=args.target_recall, seed=args.seed,
-                       max_memory=args.max_memory)
+                       progress=not args.quiet, **index_options)
     r = m["ray"]
     skipped = int(m.get("ingest", {}).get("skipped", 0))
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "

@@ -86,16 +86,14 @@ def read_chunk(chunk: Sequence[GalleryFile], snap: Snapshot, embedder: Any
             continue
         sha = hashlib.sha256(data).hexdigest()
         i = id_for_sha256(sha)
-        if i in embedded:                       # content stored + embedded before this run
-            if rec is not None and rec[0] == i:
-                out.append((TOUCH, f, i, st))
-            else:
-                w, h = header_size(data)
-                out.append((KNOWN, f, NewItem(f.relpath, f.label, data, sha, w, h, st.st_size,
-                                               st.st_mtime_ns), None))
+        if i in embedded and rec is not None and rec[0] == i:
+            out.append((TOUCH, f, i, st))
             continue
         w, h = header_size(data)
         item = NewItem(f.relpath, f.label, data, sha, w, h, st.st_size, st.st_mtime_ns)
+        if i in embedded:                       # content stored + embedded before this run
+            out.append((KNOWN, f, item, None))
+            continue
         try:
             arrays.append(embedder.prepare(data, name=f.relpath))
         except ImageLoadError as e:

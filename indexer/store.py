@@ -112,21 +112,18 @@ class GalleryStore(LmdbStore):
             keys = list(txn.cursor(db=self._db("meta")).iternext(keys=True, values=False))
         return np.array([int.from_bytes(k, "big") for k in keys], dtype=np.int64)
 
-    def get_meta(self, id: int) -> dict:
+    def _get(self, db: str, id: int) -> bytes:
         with self._read() as txn:
-            raw = txn.get(_k(id), db=self._db("meta"))
-        if raw is None:
-            raise KeyError(f"id {id} is not in the gallery store {self.path}")
-        d = json.loads(raw)
-        d["id"] = int(id)
-        return d
-
-    def get_bytes(self, id: int) -> bytes:
-        with self._read() as txn:
-            raw = txn.get(_k(id), db=self._db("blob"))
+            raw = txn.get(_k(id), db=self._db(db))
         if raw is None:
             raise KeyError(f"id {id} is not in the gallery store {self.path}")
         return bytes(raw)
+
+    def get_meta(self, id: int) -> dict:
+        return {**json.loads(self._get("meta", id)), "id": int(id)}
+
+    def get_bytes(self, id: int) -> bytes:
+        return self._get("blob", id)
 
     def path_record(self, relpath: str) -> tuple[int, int, int] | None:
         """(id, size, mtime_ns) recorded for a relative path, or None."""
