@@ -36,7 +36,6 @@ class ReadGate:
         self._readers = 0
         self._remapping = False
         self._local = threading.local()
-        self.remaps = 0
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -70,7 +69,6 @@ class ReadGate:
                 while self._readers:
                     self._cond.wait()
                 env.set_mapsize(0)
-                self.remaps += 1
             finally:
                 self._remapping = False
                 self._cond.notify_all()

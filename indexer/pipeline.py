@@ -174,12 +174,10 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     if not fresh and not isinstance(files, Sequence):
         files = list(files)
     stats = IngestStats(found=0)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(files) if isinstance(files, Sequence) else None, desc="indexing",
-                   unit="img")
+    bar = tqdm(total=len(files) if isinstance(files, Sequence) else None, desc="indexing",
+               unit="img", disable=not progress)
     snap = (Snapshot({}, set()) if fresh else
             store.snapshot(embedder.model_hash, (f.relpath for f in files if not f.problem)))
     if isinstance(files, Sequence):
@@ -194,8 +192,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
         for outcomes, arrays in reader:
             stats.found += len(outcomes)
             settled = mapper.take(outcomes, arrays, stats)
-            if bar is not None:
-                bar.update(len(outcomes))
+            bar.update(len(outcomes))
             if on_done is not None and settled:
                 on_done(settled)
             mapper.embed()
@@ -214,8 +211,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     finally:
         reader.close()
         writer.shutdown()
-        if bar is not None:
-            bar.close()
+        bar.close()
     if not fresh:   # a fresh store holds only what this run committed, embedded: nothing missing
         stats.embedded += embed_missing(store, embedder, workers=workers, progress=progress)
     return stats
@@ -238,11 +234,9 @@ def embed_missing(store: GalleryStore, embedder: Any, *, workers: int | None = N
     todo = store.missing_embeddings(model_hash)
     if not todo:
         return 0
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(todo), desc="re-embedding stored images", unit="img")
+    bar = tqdm(total=len(todo), desc="re-embedding stored images", unit="img", disable=not progress)
     done = 0
     buf_ids: list[int] = []
     buf_emb: list[np.ndarray] = []
@@ -254,8 +248,7 @@ def embed_missing(store: GalleryStore, embedder: Any, *, workers: int | None = N
                 buf_emb.append(l2_normalize(_check_dim(emb, embedder)))
             for i, err in failures:   # stored bytes decoded before; a new model's loader may differ
                 warnings.warn(f"id {i}: {getattr(err, 'reason', err)}; left out of this model's index")
-            if bar is not None:
-                bar.update(len(keys) + len(failures))
+            bar.update(len(keys) + len(failures))
             if len(buf_ids) >= commit_every:
                 store.put_embeddings(model_hash, buf_ids, np.concatenate(buf_emb))
                 done += len(buf_ids)
@@ -264,6 +257,5 @@ def embed_missing(store: GalleryStore, embedder: Any, *, workers: int | None = N
             store.put_embeddings(model_hash, buf_ids, np.concatenate(buf_emb))
             done += len(buf_ids)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return done

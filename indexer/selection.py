@@ -130,8 +130,10 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
     table: list[dict] = []
     built: dict[int, faiss.Index] = {}     # sample = gallery: candidates that may be the index
     last: tuple | None = None
-    bar = _progress(specs, progress)
-    for i, spec in enumerate(bar):
+    from tqdm import tqdm
+
+    for i, spec in enumerate(tqdm(specs, desc="choosing the index", unit="candidate",
+                                  disable=not progress)):
         s_spec = scaled(spec, len(rows), n) if not whole else spec
         if last is not None and last[0] == s_spec.factory:     # only a search parameter differs
             index, empty, build_s = last[1:]
@@ -294,10 +296,3 @@ def _mib(b: int) -> str:
             return f"{b / size:.1f} {unit}"
     return f"{b} B"
 
-
-def _progress(items: list, on: bool):
-    if not on:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc="choosing the index", unit="candidate")

@@ -40,7 +40,6 @@ class IndexWatcher:
         self._errors: dict[str, str] = {}
         self._busy: set[str] = set()
         self._cond = threading.Condition()
-        self.reloads = 0
 
     def poke(self, name: str) -> None:
         """Cheap per-request check; starts a background reload when the manifest changed."""
@@ -106,7 +105,6 @@ class IndexWatcher:
             self.live[name] = new           # one assignment: requests see the old or the new
             self._stamps[name] = stamp
             self._errors.pop(name, None)
-            self.reloads += 1
             log.info("index %s reloaded: %d vectors", name, len(new))
             return None
         return None                         # still changing; the next request tries again
