@@ -74,11 +74,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module):
     groups: list[dict] = [{"params": [p for p in model.parameters() if p.requires_grad],
                            "lr": cfg.lr, "name": "model"}]
     extra = criterion.param_groups() if hasattr(criterion, "param_groups") else []
-    for i, g in enumerate(extra):
-        g = dict(g)
-        g["params"] = list(g["params"])
-        g.setdefault("name", f"criterion{i}")
-        groups.append(g)
+    groups += [{**g, "params": list(g["params"]), "name": g.get("name", f"criterion{i}")}
+               for i, g in enumerate(extra)]
     opt = torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=cfg.milestones(), gamma=cfg.lr_gamma)
     return opt, sched
