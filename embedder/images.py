@@ -28,8 +28,6 @@ MODES = ("RGB", "L")
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
 
-_WHITE = {"RGB": (255, 255, 255), "L": 255}
-
 
 class ImageLoadError(ValueError):
     """A source that cannot be turned into a model-ready image; ``str(e) == f"{path}: {reason}"``."""
