@@ -344,6 +344,16 @@ def lowrank_section(rows: list[dict], cmd: str, seconds: float) -> list[str]:
     return lines
 
 
+def copy_omniglot(n_images: int, gallery: Path) -> Path:
+    """The first ``n_images`` Omniglot glyphs (sorted) copied into ``gallery``, folders kept."""
+    root = Path(os.environ.get("DAS_OMNIGLOT", REPO.parent / "shared" / "data" / "omniglot")) / "images_background"
+    for f in sorted(root.rglob("*.png"))[:n_images]:
+        dst = gallery / f.relative_to(root)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst)
+    return gallery
+
+
 def ingest(n_images: int, model: Path, label: str, batch_size: int = 32, workers: int = 2,
            repeats: int = 2) -> dict:
     """Best-of-``repeats`` throughput: indexer build vs bare embedding of the same files."""
@@ -351,15 +361,9 @@ def ingest(n_images: int, model: Path, label: str, batch_size: int = 32, workers
 
     from indexer import build_index
 
-    root = Path(os.environ.get("DAS_OMNIGLOT", REPO.parent / "shared" / "data" / "omniglot")) / "images_background"
-    files = sorted(p for p in root.rglob("*.png"))[:n_images]
     tmp = Path(tempfile.mkdtemp(prefix="index-bench-"))
     try:
-        gallery = tmp / "gallery"
-        for f in files:
-            dst = gallery / f.relative_to(root)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, dst)
+        gallery = copy_omniglot(n_images, tmp / "gallery")
         files = sorted(gallery.rglob("*.png"))
         emb = OnnxEmbedder(model, batch_size=batch_size)
         for _ in emb.embed_iter(((i, f) for i, f in enumerate(files[:64])), workers=workers):
@@ -397,15 +401,9 @@ def ray_vs_single(n_images: int, model: Path, label: str, shards: int = 2, repea
         raise SystemExit("--ray-images starts Ray, which listens beyond loopback: run inside a private "
                          "network namespace, e.g. unshare -n sh -c 'ip link set lo up && python "
                          "benchmarks/index_bench.py ...'")
-    root = Path(os.environ.get("DAS_OMNIGLOT", REPO.parent / "shared" / "data" / "omniglot")) / "images_background"
-    files = sorted(p for p in root.rglob("*.png"))[:n_images]
     tmp = Path(tempfile.mkdtemp(prefix="ray-bench-"))
     try:
-        gallery = tmp / "gallery"
-        for f in files:
-            dst = gallery / f.relative_to(root)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, dst)
+        gallery = copy_omniglot(n_images, tmp / "gallery")
         t0 = time.perf_counter()
         connect("local", num_cpus=os.cpu_count())
         t_init = time.perf_counter() - t0
