@@ -106,6 +106,7 @@ def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     import faiss
 
     from indexer import faiss_index as fx
+    from indexer import tuning
     from indexer.build import make_index
 
     rng = np.random.default_rng(seed)
@@ -124,7 +125,7 @@ def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     t0 = time.perf_counter()
     truth = ids[flat.search(q, 10)[1]]          # exact answers, and Flat's speed on them
     q_flat = len(q) / (time.perf_counter() - t0)
-    recall = fx.recall_vs_exact(index.search(q, 10)[1], truth)
+    recall = tuning.recalls(index.search(q, 10)[1], truth).mean()
     q_ivf = qps(index, q)
     row = {"n": n, "d": d, "index": f"{fields['index_type']} {fields['factory']} ({fields['search_params'] or 'exact'})",
            "build_s": build, "train_s": fields["train_seconds"], "index_mib": size / 2 ** 20,
@@ -233,7 +234,7 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
     autofaiss's default; Flat's queries/s measured in the same rounds as each index's."""
     import faiss
 
-    from indexer import faiss_index as fx
+    from indexer import tuning
     from indexer.build import make_index
 
     faiss.omp_set_num_threads(2)
@@ -253,7 +254,7 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
         else:
             index, info = res
             found = index.search(q, 10)[1]           # autofaiss numbers vectors 0..n-1
-            recall = fx.recall_vs_exact(np.where(found >= 0, ids[np.maximum(found, 0)], -1), truth)
+            recall = tuning.recalls(np.where(found >= 0, ids[np.maximum(found, 0)], -1), truth).mean()
             t = timed_batches({"flat": flat, "index": lambda: index.search(q, 10)}, per_round={"index": 5})
             rows.append({"n": n, "d": d, "who": "autofaiss default",
                          "index": f"{info['index_key']} ({info['index_param']})", "build_s": info["build_s"],
@@ -264,7 +265,7 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
     t0 = time.perf_counter()
     index, fields = make_index(ids, x, device="cpu", progress=False)
     build = time.perf_counter() - t0
-    recall = fx.recall_vs_exact(index.search(q, 10)[1], truth)
+    recall = tuning.recalls(index.search(q, 10)[1], truth).mean()
     t = timed_batches({"flat": flat, "index": lambda: index.search(q, 10)}, per_round={"index": 5})
     chosen = f"{fields['index_type']} {fields['factory']} ({fields['search_params'] or 'exact'})"
     rows.append({"n": n, "d": d, "who": "ours (indexer build)", "index": chosen, "build_s": build,

@@ -123,28 +123,21 @@ def load_image(
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageLoadError(label, f"cannot decode image: {e}") from e
 
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        if not data:
-            raise ImageLoadError(label, "empty file (0 bytes)")
-        fp: object = io.BytesIO(data)
-    elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            if path.is_dir():
-                raise ImageLoadError(label, "is a directory, expected an image file")
-            if path.stat().st_size == 0:
-                raise ImageLoadError(label, "empty file (0 bytes)")
-        except FileNotFoundError as e:
-            raise ImageLoadError(label, "file not found") from e
-        except PermissionError as e:
-            raise ImageLoadError(label, "permission denied") from e
-        fp = path
-    else:
-        raise ImageLoadError(label, f"unsupported source type {type(source).__name__}, "
-                             "expected a path, bytes or a PIL image")
-
     try:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            data = bytes(source)
+            fp: object = io.BytesIO(data)
+            empty = not data
+        elif isinstance(source, (str, os.PathLike)):
+            fp = Path(source)
+            if fp.is_dir():
+                raise ImageLoadError(label, "is a directory, expected an image file")
+            empty = fp.stat().st_size == 0   # FileNotFoundError / PermissionError: below
+        else:
+            raise ImageLoadError(label, f"unsupported source type {type(source).__name__}, "
+                                 "expected a path, bytes or a PIL image")
+        if empty:
+            raise ImageLoadError(label, "empty file (0 bytes)")
         with Image.open(fp) as im:
             _check_pixels(im, max_pixels, label)
             if min_side and im.format == "JPEG" and min(im.size) >= 2 * min_side:

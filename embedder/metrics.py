@@ -27,6 +27,14 @@ def _as_float32(x, name: str) -> np.ndarray:
     return a
 
 
+def _embeddings_and_labels(embeddings, labels) -> tuple[np.ndarray, np.ndarray]:
+    x = _as_float32(embeddings, "embeddings")
+    y = np.asarray(labels)
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"labels: expected shape ({x.shape[0]},), got {y.shape}")
+    return x, y
+
+
 def knn(queries, gallery, k: int, *, exclude_self: bool = False,
         block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """k nearest gallery rows (squared Euclidean) of each query: (distances, indices), (N, k).
@@ -155,10 +163,7 @@ def cluster_scores(embeddings, labels, seed: int = 0, *, nredo: int = 1,
     One k-means run of 20 iterations as in Roth et al.'s benchmark code (the DAS authors'
     base); ``nredo > 1`` keeps the best of several runs when local minima matter more than
     time (small sets)."""
-    x = _as_float32(embeddings, "embeddings")
-    y = np.asarray(labels)
-    if y.shape != (x.shape[0],):
-        raise ValueError(f"labels: expected shape ({x.shape[0]},), got {y.shape}")
+    x, y = _embeddings_and_labels(embeddings, labels)
     n_clusters = len(np.unique(y))
     if n_clusters < 2:
         raise ValueError(f"cluster_scores needs at least 2 classes, got {n_clusters}")
@@ -177,10 +182,7 @@ def evaluate(embeddings, labels, ks=(1, 2, 4, 8), *, clustering: bool = True,
 
     Keys: "R@k" for each k, "NMI" and "F1" (with `clustering`), "MAP@R" (with `map_r`).
     """
-    x = _as_float32(embeddings, "embeddings")
-    y = np.asarray(labels)
-    if y.shape != (x.shape[0],):
-        raise ValueError(f"labels: expected shape ({x.shape[0]},), got {y.shape}")
+    x, y = _embeddings_and_labels(embeddings, labels)
     ks = [int(k) for k in ks]
     _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
     r = counts[inverse] - 1

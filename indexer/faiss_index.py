@@ -261,20 +261,6 @@ def remove(index: faiss.Index, stale: np.ndarray, x: np.ndarray, ids: np.ndarray
         add(index, x, ids)
 
 
-def exact_neighbours(x: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
-    """Exact top-k row numbers by inner product (the ground truth for tuning)."""
-    flat = faiss.IndexFlatIP(x.shape[1])
-    flat.add(np.ascontiguousarray(x, dtype=np.float32))
-    return flat.search(np.ascontiguousarray(queries, dtype=np.float32), k)[1]
-
-
-def recall_vs_exact(found: np.ndarray, truth: np.ndarray) -> float:
-    """Mean fraction of the exact top-k that the approximate top-k also returned."""
-    k = truth.shape[1]
-    hits = sum(len(np.intersect1d(f[f >= 0], t, assume_unique=False)) for f, t in zip(found, truth))
-    return hits / (k * len(truth))
-
-
 def _is_ivf(index: faiss.Index) -> bool:
     try:
         faiss.extract_index_ivf(index)

@@ -156,10 +156,6 @@ class GalleryStore(LmdbStore):
         """Hashes of the models that have embedded something into this store."""
         return list(self.info("models", []))
 
-    def has_embedding(self, model_hash: str, id: int) -> bool:
-        with self._read() as txn:
-            return txn.get(_model_key(model_hash) + _k(id), db=self._db("emb")) is not None
-
     def _scan(self, txn: lmdb.Transaction, model_hash: str, values: bool = False
               ) -> Iterator[tuple[bytes, Any]]:
         """(8-byte id key, embedding or None) of every embedding made by ``model_hash``."""

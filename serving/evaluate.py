@@ -32,22 +32,6 @@ class EvalResult:
                 **{f"R@{k}": round(100 * v, 2) for k, v in self.recall.items()}}
 
 
-def labelled_folder(root: str | Path) -> list[tuple[Path, str]]:
-    """(file, label) for every image under ``root/<label>/...``, walked by the indexer's own
-    `walk_gallery`, so query and gallery labels follow one rule (parent folder relative to the
-    root) and compare equal. Files at the root (no label) and unreadable entries are left out."""
-    from indexer.walk import walk_gallery
-
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: not a directory (expected <root>/<label>/<image files>)")
-    items = sorted((f.abspath, f.label) for f in walk_gallery(root)
-                   if f.problem is None and f.label is not None)
-    if not items:
-        raise ValueError(f"{root}: no labelled images found (expected <root>/<label>/<image files>)")
-    return items
-
-
 def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None = None,
                     ks: Sequence[int] = DEFAULT_KS, source: str | None = None) -> EvalResult:
     """Recall@k on a labelled query folder, by the indexer's own ``indexer eval`` function (so the

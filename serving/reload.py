@@ -39,7 +39,7 @@ class IndexWatcher:
         self._failed_at: dict[str, float] = {}
         self._errors: dict[str, str] = {}
         self._busy: set[str] = set()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
 
     def poke(self, name: str) -> None:
         """Cheap per-request check; starts a background reload when the manifest changed."""
@@ -54,23 +54,12 @@ class IndexWatcher:
         broken_retry = name in self._errors and now - self._failed_at.get(name, 0.0) >= RETRY_BROKEN_S
         if stamp == self._stamps.get(name) and not broken_retry:
             return
-        with self._cond:
+        with self._lock:
             if name in self._busy:
                 return
             self._busy.add(name)
         threading.Thread(target=self._reload_guarded, args=(name,), daemon=True,
                          name=f"reload-{name}").start()
-
-    def reload(self, name: str) -> str | None:
-        """Reload ``name`` now, in this thread (None on success, else the reason)."""
-        with self._cond:
-            while name in self._busy:        # a background reload is running: let it finish
-                self._cond.wait()
-            self._busy.add(name)
-        try:
-            return self._reload(name)
-        finally:
-            self._done(name)
 
     def _reload_guarded(self, name: str) -> None:
         try:
@@ -78,12 +67,8 @@ class IndexWatcher:
         except Exception:  # noqa: BLE001 - a reload thread must never die silently
             log.exception("reloading index %s", name)
         finally:
-            self._done(name)
-
-    def _done(self, name: str) -> None:
-        with self._cond:
-            self._busy.discard(name)
-            self._cond.notify_all()
+            with self._lock:
+                self._busy.discard(name)
 
     def _reload(self, name: str) -> str | None:
         d = self.directories[name]

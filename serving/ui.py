@@ -7,7 +7,6 @@ The search and probe handlers have api_names so gradio_client can call them.
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,6 +16,7 @@ from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
 from indexer import IndexerError
+from indexer.index_dir import MANIFEST
 
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
@@ -74,28 +74,16 @@ def _pick_choices(searcher: Searcher, per_label: int = 2, limit: int = 400) -> l
 
 
 def _describe_md(info: Mapping[str, Any]) -> str:
-    m = info.get("manifest", {}) or {}
-
-    def first(*keys: str) -> Any:
-        for k in keys:
-            cur: Any = m
-            for part in k.split("."):
-                cur = cur.get(part) if isinstance(cur, dict) else None
-            if cur not in (None, ""):
-                return cur
-        return "—"
-
+    """The Index tab's table: live counts and the manifest fields a user asks about first."""
+    m = info.get("manifest") or {}
+    model = m.get("model") or {}
     rows = [("images", info.get("size")), ("classes", info.get("labels")), ("dim", info.get("dim")),
-            ("model", first("model.backbone", "model.metadata.backbone", "model.source", "model.file")),
-            ("model file", first("model.source", "model.file")),
-            ("model sha256", str(first("model.hash", "model.sha256"))[:16]),
-            ("index type", first("index_type", "factory", "index.type")),
-            ("nprobe", first("nprobe", "index.nprobe")),
-            ("measured recall@10 (vs exact)", first("recall_at_10", "recall", "index.recall")),
-            ("target recall", first("target_recall")),
-            ("built", first("built_at", "updated_at", "created")),
+            ("model", model.get("backbone")), ("model file", model.get("source")),
+            ("model sha256", str(model.get("hash", ""))[:16]), ("index type", m.get("index_type")),
+            ("nprobe", m.get("nprobe")), ("measured recall@10 (vs exact)", m.get("recall_at_10")),
+            ("target recall", m.get("target_recall")), ("built", m.get("built_at")),
             ("directory", info.get("directory"))]
-    body = "\n".join(f"| {k} | {v if not isinstance(v, (dict, list)) else json.dumps(v)} |" for k, v in rows)
+    body = "\n".join(f"| {k} | {'—' if v in (None, '') else v} |" for k, v in rows)
     return f"### {info['name']}\n\n| field | value |\n| --- | --- |\n{body}\n"
 
 
@@ -256,7 +244,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             for n in names:
                 info = searcher.describe(n)
                 gr.Markdown(_describe_md(info))
-                gr.JSON(info.get("manifest", {}), label=f"manifest.json — {n}")
+                gr.JSON(info.get("manifest", {}), label=f"{MANIFEST} — {n}")
     return demo
 
 

@@ -121,10 +121,11 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Reject values that would only fail later, deep inside a run."""
-        if self.dataset not in DATASETS:
-            raise ConfigError(f"dataset={self.dataset!r}: expected one of {', '.join(DATASETS)}")
-        if self.amp not in AMP_MODES:
-            raise ConfigError(f"amp={self.amp!r}: expected one of {', '.join(AMP_MODES)}")
+        choices = {"dataset": DATASETS, "amp": AMP_MODES, "das_preset": DAS_PRESETS,
+                   "loss_flavour": LOSS_FLAVOURS, "das_bank_dtype": BANK_DTYPES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         positive = ("epochs", "batch_size", "per_class", "dim", "eval_every", "eval_batch_size")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -134,12 +135,6 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr!r}: expected a positive number")
-        if self.das_preset not in DAS_PRESETS:
-            raise ConfigError(f"das_preset={self.das_preset!r}: expected one of "
-                              f"{', '.join(DAS_PRESETS)}")
-        if self.loss_flavour not in LOSS_FLAVOURS:
-            raise ConfigError(f"loss_flavour={self.loss_flavour!r}: expected one of "
-                              f"{', '.join(LOSS_FLAVOURS)}")
         self._validate_das()
         return self
 
@@ -157,9 +152,6 @@ class TrainConfig:
             raise ConfigError(f"das_scale_range={self.das_scale_range!r}: expected 0 <= r_s < 1")
         if self.das_shift_scale < 0:
             raise ConfigError(f"das_shift_scale={self.das_shift_scale!r}: expected >= 0")
-        if self.das_bank_dtype not in BANK_DTYPES:
-            raise ConfigError(f"das_bank_dtype={self.das_bank_dtype!r}: expected one of "
-                              f"{', '.join(BANK_DTYPES)}")
         if not (math.isfinite(self.das_aux_weight) and self.das_aux_weight >= 0):
             raise ConfigError(f"das_aux_weight={self.das_aux_weight!r}: expected a finite "
                               f"number >= 0")

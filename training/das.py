@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .das_bank import max_kept_pairs as _max_kept_pairs  # noqa: F401 (tests use it)
 from .das_bank import update_bank, update_frm
 
 __all__ = ["DAS", "BACKENDS"]

@@ -80,7 +80,8 @@ def test_remove_path_promotes_alias_then_removes_content(tmp_path: Path, omniglo
         assert st.ids_for_label("x") == [] and st.ids_for_label("y") == [a.id]
         assert st.remove_path("y/b.png") == (a.id, True)
         assert len(st) == 0 and a.id not in st
-        assert not st.has_embedding(MODEL, a.id)
+        with pytest.raises(KeyError):     # the embedding went with the item
+            st.get_embeddings(MODEL, [a.id])
         assert st.remove_path("y/b.png") is None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.evaluate import labelled_folder
+from serving_testlib import labelled_folder
 
 pytestmark = pytest.mark.browser
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from serving.evaluate import labelled_folder
+from serving_testlib import labelled_folder
 
 MB = 1024 * 1024
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from serving.evaluate import labelled_folder
+from serving_testlib import labelled_folder
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

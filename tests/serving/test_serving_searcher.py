@@ -11,7 +11,8 @@ from PIL import Image
 
 from embedder import ImageLoadError
 from serving import Searcher, UnknownIdError
-from serving.evaluate import evaluate_folder, evaluate_gallery, labelled_folder, recall_figure
+from serving.evaluate import evaluate_folder, evaluate_gallery, recall_figure
+from serving_testlib import labelled_folder
 from serving.render import probe_grid
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.das import DAS, _max_kept_pairs
+from training.das import DAS
+from training.das_bank import max_kept_pairs as _max_kept_pairs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))]

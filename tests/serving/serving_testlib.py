@@ -1,0 +1,11 @@
+"""Helpers the serving tests share (a module, not conftest: tests/indexer has a conftest too)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from indexer.walk import walk_gallery
+
+
+def labelled_folder(root: Path) -> list[tuple[Path, str]]:
+    """(file, label) of every readable image under ``root/<label>/``, sorted: the query files."""
+    return sorted((f.abspath, f.label) for f in walk_gallery(root) if f.problem is None and f.label)
