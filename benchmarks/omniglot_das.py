@@ -244,6 +244,11 @@ def main(argv=None) -> int:
             "das_shift_scale", "das_detach", "das_aux_loss", "das_exclude_own_copies")
     das_text = "; ".join(f"{v}: " + ", ".join(f"{k[4:]} = {getattr(p, k)}" for k in keys)
                          for v, p in probes.items())
+    for m in args.methods[1:]:      # a preset's refinement for one loss (DAS_PRESET_LOSSES)
+        for v, p in probes.items():
+            q = _config(args, m, v, args.seeds[0])
+            diff = ", ".join(f"{k[4:]} = {getattr(q, k)}" for k in keys if getattr(q, k) != getattr(p, k))
+            das_text += f" ({v} with {m}: {diff})" if diff else ""
     command = ("python benchmarks/omniglot_das.py " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

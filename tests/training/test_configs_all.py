@@ -184,6 +184,12 @@ def test_das_presets_fill_in_options_that_the_config_does_not_set(tmp_path):
     das = build_das(load_config(None, {"das_preset": "robust"}), 5, normalize=True)
     assert das.detach == robust.get("das_detach", True)
     assert das.scale_bounds == tuple(robust["das_scale_bounds"])
+    # a preset's refinement for one loss: robust detaches the copies for contrastive only,
+    # and an explicit key still wins
+    assert load_config(None, ["das_preset=robust", "loss=contrastive"]).das_detach is True
+    assert load_config(None, ["das_preset=robust", "loss=margin"]).das_detach is False
+    assert load_config(None, ["das_preset=robust", "loss=contrastive", "das_detach=false"]).das_detach is False
+    assert load_config(None, ["das_preset=paper", "loss=contrastive"]).das_detach is True
     # the paper's configs keep the spec's defaults and the authors' loss flavour
     paper = load_config(REPO / "configs" / "table2" / "cub_triplet_distance_das.toml")
     assert (paper.das_preset, paper.loss_flavour, paper.das_detach, paper.das_shift_scale) == \
