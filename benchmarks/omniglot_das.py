@@ -57,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--validation", action="store_true",
                    help="never touch the held-out alphabets: test on --classes classes from the "
                         "second half of the training alphabets instead (for choosing settings)")
+    p.add_argument("--test-offset", type=int, default=0, metavar="N",
+                   help="test on held-out classes N .. N+--classes-1 instead of the first ones; "
+                        "training is unchanged, so this checks a result on classes it was not "
+                        "chosen on")
     p.add_argument("--reuse", default=None, metavar="RESULTS_JSON",
                    help="take the runs already in this results.json (same settings!) instead of "
                         "training them again, e.g. the baselines of an earlier invocation")
@@ -95,8 +99,9 @@ def render(results: dict, args: argparse.Namespace, command: str, done: bool, da
              f"{args.classes} training classes and "
              + (f"{args.classes} validation classes from the second half of the training "
                 f"alphabets (held-out alphabets untouched)" if args.validation else
-                f"first {args.classes} held-out classes (last 10 alphabets of images_background/ "
-                f"unless images_evaluation/ exists)") + f", {args.epochs} "
+                f"held-out classes {args.test_offset}-{args.test_offset + args.classes - 1} (last "
+                f"10 alphabets of images_background/ unless images_evaluation/ exists)")
+             + f", {args.epochs} "
              f"epochs, Adam lr {args.lr:g}, batch {args.batch_size} with {args.per_class} per "
              f"class, loss flavour {args.flavour!r}; DAS runs (preset {args.preset!r}) {das_text}; "
              f"seeds {', '.join(map(str, args.seeds))}, paired by seed; metrics of the last epoch "
@@ -183,19 +188,27 @@ _SPLITS: dict = {}
 def validation_splits(root, classes: int):
     """(train, val) inside the training alphabets: their first `classes` classes, and `classes`
     classes from the second half (other alphabets), relabelled 0..classes-1."""
-    import numpy as np
-
-    from training.data import Split, load_splits
+    from training.data import load_splits
 
     full, _ = load_splits("omniglot", root)
     half = full.num_classes // 2
     if classes > half:
         raise ValueError(f"--classes {classes} with --validation: at most {half}")
-    keep = full.labels - half
-    rows = (keep >= 0) & (keep < classes)
-    val = Split([p for p, k in zip(full.paths, rows) if k], keep[rows].astype(np.int64),
-                full.classes[half:half + classes])
-    return full.first_classes(classes), val
+    return full.first_classes(classes), class_window(full, half, classes)
+
+
+def class_window(split, start: int, n: int):
+    """Classes start .. start+n-1 of `split`, relabelled 0..n-1."""
+    import numpy as np
+
+    from training.data import Split
+
+    if start + n > split.num_classes:
+        raise ValueError(f"classes {start}..{start + n - 1}: the split has {split.num_classes}")
+    keep = split.labels - start
+    rows = (keep >= 0) & (keep < n)
+    return Split([p for p, k in zip(split.paths, rows) if k], keep[rows].astype(np.int64),
+                 split.classes[start:start + n])
 
 
 def _run(job) -> dict:
@@ -233,8 +246,9 @@ def main(argv=None) -> int:
         elif args.validation:
             _SPLITS["train"], _SPLITS["test"] = validation_splits(args.root, args.classes)
         else:
-            _SPLITS["train"], _SPLITS["test"] = load_splits("omniglot", args.root,
-                                                            max_classes=args.classes)
+            train, test = load_splits("omniglot", args.root)
+            _SPLITS["train"] = train.first_classes(args.classes)
+            _SPLITS["test"] = class_window(test, args.test_offset, args.classes)
         variants = parse_variants(args.variants)
         probes = {v: _config(args, args.methods[0], v, args.seeds[0]) for v in variants}
     except (DatasetLayoutError, ConfigError, ValueError) as e:  # noqa: B014
