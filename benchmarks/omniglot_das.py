@@ -194,21 +194,7 @@ def validation_splits(root, classes: int):
     half = full.num_classes // 2
     if classes > half:
         raise ValueError(f"--classes {classes} with --validation: at most {half}")
-    return full.first_classes(classes), class_window(full, half, classes)
-
-
-def class_window(split, start: int, n: int):
-    """Classes start .. start+n-1 of `split`, relabelled 0..n-1."""
-    import numpy as np
-
-    from training.data import Split
-
-    if start + n > split.num_classes:
-        raise ValueError(f"classes {start}..{start + n - 1}: the split has {split.num_classes}")
-    keep = split.labels - start
-    rows = (keep >= 0) & (keep < n)
-    return Split([p for p, k in zip(split.paths, rows) if k], keep[rows].astype(np.int64),
-                 split.classes[start:start + n])
+    return full.first_classes(classes), full.class_range(half, classes)
 
 
 def _run(job) -> dict:
@@ -248,7 +234,7 @@ def main(argv=None) -> int:
         else:
             train, test = load_splits("omniglot", args.root)
             _SPLITS["train"] = train.first_classes(args.classes)
-            _SPLITS["test"] = class_window(test, args.test_offset, args.classes)
+            _SPLITS["test"] = test.class_range(args.test_offset, args.classes)
         variants = parse_variants(args.variants)
         probes = {v: _config(args, args.methods[0], v, args.seeds[0]) for v in variants}
     except (DatasetLayoutError, ConfigError, ValueError) as e:  # noqa: B014

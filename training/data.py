@@ -49,9 +49,15 @@ class Split:
         """Keep the first n classes (by label); n <= 0 keeps everything."""
         if n <= 0 or n >= self.num_classes:
             return self
-        keep = self.labels < n
-        return Split([p for p, k in zip(self.paths, keep) if k], self.labels[keep],
-                     self.classes[:n])
+        return self.class_range(0, n)
+
+    def class_range(self, start: int, n: int) -> "Split":
+        """Classes start .. start+n-1, relabelled 0..n-1 (e.g. a second held-out test set)."""
+        if start < 0 or n < 1 or start + n > self.num_classes:
+            raise ValueError(f"classes {start}..{start + n - 1}: the split has {self.num_classes}")
+        keep = (self.labels >= start) & (self.labels < start + n)
+        return Split([p for p, k in zip(self.paths, keep) if k], self.labels[keep] - start,
+                     self.classes[start:start + n])
 
 
 def _natural_key(s: str) -> list:

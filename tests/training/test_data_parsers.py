@@ -164,3 +164,16 @@ def test_image_dataset_decodes_through_embedder_preprocessing(omniglot_root):
     assert torch.equal(cached[3][0], x) and torch.equal(cached[3][0], x)  # second hit: from cache
     aug = ImageDataset(train, pre.train_transform(), pre.mode, cache=True)
     assert aug[0][0].shape == x.shape
+
+
+def test_class_range_relabels_a_window_of_classes_and_refuses_one_past_the_end():
+    from training.data import Split
+
+    s = Split([Path(f"{c}/{i}.png") for c in "abcd" for i in range(2)],
+              np.repeat(np.arange(4), 2).astype(np.int64), list("abcd"))
+    w = s.class_range(1, 2)
+    assert w.classes == ["b", "c"] and w.labels.tolist() == [0, 0, 1, 1]
+    assert [p.parent.name for p in w.paths] == ["b", "b", "c", "c"]
+    assert s.first_classes(2).paths == s.class_range(0, 2).paths
+    with pytest.raises(ValueError, match="the split has 4"):
+        s.class_range(3, 2)
