@@ -118,6 +118,27 @@ def test_bad_config_values():
     with pytest.raises(ValueError, match="unknown backbone 'vgg16'"):
         EmbedderConfig(backbone="vgg16")
     with pytest.raises(ValueError, match="unknown pooling"):
-        EmbedderConfig(pooling="gem")
+        EmbedderConfig(pooling="median")
     with pytest.raises(ValueError, match="dim must be an int >= 0"):
         EmbedderConfig(dim=-3)
+
+
+def test_gem_pooling_is_average_at_p1_and_weights_strong_activations_above_it():
+    """GeM with p = 1 is average pooling; with p = 3 a channel with one strong activation pools
+    higher than its mean (what makes it better for retrieval), and the model config refuses
+    exponents outside [1, 16]."""
+    from embedder.model import gem
+
+    torch.manual_seed(0)
+    fmap = torch.rand(2, 5, 7, 7)
+    assert torch.allclose(gem(fmap, 1.0), fmap.mean(dim=(2, 3)), atol=1e-6)
+    peaked = torch.zeros(1, 1, 4, 4)
+    peaked[0, 0, 0, 0] = 16.0
+    assert gem(peaked, 3.0).item() == pytest.approx(16.0 / 16 ** (1 / 3), rel=1e-5)
+    assert gem(peaked, 3.0).item() > peaked.mean().item()
+    emb = Embedder(EmbedderConfig(backbone="small_cnn", dim=8, pooling="gem")).eval()
+    with torch.no_grad():
+        out = emb(torch.rand(3, 1, 64, 64) if emb.preprocessing.channels() == 1 else torch.rand(3, 3, 64, 64))
+    assert out.shape == (3, 8) and torch.allclose(out.norm(dim=1), torch.ones(3), atol=1e-5)
+    with pytest.raises(ValueError, match="gem_p"):
+        EmbedderConfig(pooling="gem", gem_p=0.5)
