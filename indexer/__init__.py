@@ -5,11 +5,14 @@ Python (what serving uses).
 """
 from __future__ import annotations
 
-from .build import add_images, build_index, merge_shards, remove_items
+from .build import add_images, build_index, merge_shards, remove_items, repair_index
+from .consistency import CountCheck, check_counts
 from .errors import IndexerError
 from .index import Hit, Index
 from .index_dir import IndexDir
+from .lock import IndexBusyError, writer_lock
 from .store import GalleryStore
 
 __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
-           "merge_shards", "IndexerError"]
+           "merge_shards", "repair_index", "IndexerError", "check_counts", "CountCheck",
+           "writer_lock", "IndexBusyError"]

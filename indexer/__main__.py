@@ -1,6 +1,9 @@
-"""``python -m indexer``: build, add, remove, search, eval, info, merge.
+"""``python -m indexer``: build, add, remove, repair, search, eval, info, merge.
 
 Every command prints a one-line reason to stderr and exits 1 on bad input (2 for bad usage).
+The commands that write an index directory (build, add, remove, repair, merge) hold its writer
+lock (:mod:`indexer.lock`): a second writer exits 1 naming the first one's pid, or waits with
+``--wait``.
 """
 from __future__ import annotations
 
@@ -35,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
                              "the build holds the gallery's vectors in memory anyway)")
         sp.add_argument("--seed", type=int, default=0)
 
+    def wait_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--wait", action="store_true",
+                        help="if another process is writing this index directory, wait for it "
+                             "to finish (default: exit 1 naming its pid)")
+
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="faiss/onnxruntime device (GPU when available with auto)")
@@ -54,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     ray_build.add_arguments(b)
     index_opts(b)
     common(b)
+    wait_opt(b)
 
     a = sub.add_parser("add", help="add the images of a folder to an existing index")
     a.add_argument("folder", type=Path)
@@ -64,10 +73,23 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-size", type=int, default=32)
     a.add_argument("--workers", type=int, default=None)
     common(a)
+    wait_opt(a)
 
     r = sub.add_parser("remove", help="remove images by id or stored relative path")
     r.add_argument("targets", nargs="+", metavar="ID|PATH")
     r.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+    wait_opt(r)
+
+    rp = sub.add_parser("repair", help="bring index.faiss and the manifest in step with the store",
+                        description="What `info` names when the store, index.faiss and the manifest "
+                                    "disagree on the image count: embeds stored images the index's "
+                                    "model has not embedded, adds/drops faiss vectors to match the "
+                                    "store, retunes, rewrites the manifest. Needs no gallery folder.")
+    rp.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
+    rp.add_argument("--batch-size", type=int, default=32)
+    rp.add_argument("--workers", type=int, default=None)
+    common(rp)
+    wait_opt(rp)
 
     s = sub.add_parser("search", help="the k nearest gallery images of a query image")
     s.add_argument("image", type=Path)
@@ -83,7 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
-    i = sub.add_parser("info", help="what an index directory holds")
+    i = sub.add_parser("info", help="what an index directory holds",
+                       description="Prints what an index directory holds; exits 1 when the store, "
+                                   "index.faiss and the manifest disagree on the image count "
+                                   "(naming `indexer repair`).")
     i.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
     i.add_argument("--json", action="store_true")
 
@@ -93,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", type=Path, required=True)
     index_opts(m)
     common(m)
+    wait_opt(m)
     return p
 
 
@@ -108,13 +134,15 @@ def _positive(name: str, v: int | None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .build import add_images, build_index, merge_shards, remove_items
+    from .build import add_images, build_index, merge_shards, remove_items, repair_index
+    from .lock import writer_lock
     from .walk import parse_shard
 
     if args.cmd == "build" and (args.ray is not None or args.shards is not None):
         from .ray_build import build_from_args
 
-        _print_index_line(build_from_args(args, index_options(args)), args.out)
+        with writer_lock(args.out, "indexer build --ray", wait=args.wait):
+            _print_index_line(build_from_args(args, index_options(args)), args.out)
         return 0
     if args.cmd == "build":
         _positive("--batch-size", args.batch_size)
@@ -122,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         shard = parse_shard(args.shard) if args.shard else None
         m = build_index(args.gallery, args.out, args.model, shard=shard, batch_size=args.batch_size,
                         workers=args.workers, device=args.device, progress=not args.quiet,
-                        **index_options(args))
+                        wait=args.wait, **index_options(args))
         ing = m["ingest"]
         print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
               f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
@@ -135,14 +163,22 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "add":
         m, stats = add_images(args.index, args.folder, args.model, prefix=args.prefix,
                               batch_size=args.batch_size, workers=args.workers, device=args.device,
-                              progress=not args.quiet)
+                              progress=not args.quiet, wait=args.wait)
         print(stats.summary())
         print(f"added {m['added']} vectors; index now holds {m['count']}, nprobe {m.get('nprobe')}")
         return 0
     if args.cmd == "remove":
-        m, msgs = remove_items(args.index, args.targets)
+        m, msgs = remove_items(args.index, args.targets, wait=args.wait)
         print("\n".join(msgs))
         print(f"index now holds {m['count']}")
+        return 0
+    if args.cmd == "repair":
+        _positive("--batch-size", args.batch_size)
+        _positive("--workers", args.workers)
+        m = repair_index(args.index, batch_size=args.batch_size, workers=args.workers,
+                         device=args.device, progress=not args.quiet, wait=args.wait)
+        print(f"repaired: embedded {m['embedded']}, added {m['added']} and dropped {m['removed']} "
+              f"faiss vectors; index now holds {m['count']}")
         return 0
     if args.cmd == "search":
         from .index import Index
@@ -173,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
         return _info(args)
     if args.cmd == "merge":
         m = merge_shards(args.shards, args.out, device=args.device, progress=not args.quiet,
-                         **index_options(args))
+                         wait=args.wait, **index_options(args))
         _print_index_line(m, args.out)
         return 0
     raise AssertionError(args.cmd)
@@ -190,6 +226,7 @@ def _print_index_line(m: dict, out: Path) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from .consistency import check_counts
     from .index_dir import IndexDir
     from .store import GalleryStore
     from .validate import read_faiss
@@ -201,9 +238,15 @@ def _info(args: argparse.Namespace) -> int:
         read_faiss(d.index_file)
     with GalleryStore(d.store_dir) as st:
         store = {"items": len(st), "labels": len(st.labels()), "models": len(st.models())}
+        counts = None if m.get("shard") else check_counts(args.index, store=st)
+    bad = counts is not None and not counts.ok
     if args.json:
-        print(json.dumps({"manifest": m, "store": store}, indent=2))
-        return 0
+        print(json.dumps({"manifest": m, "store": store, "counts": counts and {
+            **{k: getattr(counts, k) for k in ("store", "embedded", "faiss", "manifest", "busy")},
+            "ok": counts.ok, "message": counts.message}}, indent=2))
+        if bad:
+            print(f"indexer info: error: {counts.message}", file=sys.stderr)
+        return 1 if bad else 0
     mod = m["model"]
     print(f"index:    {args.index}")
     print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
@@ -225,6 +268,11 @@ def _info(args: argparse.Namespace) -> int:
           f"{store['models']} model(s)")
     print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
           f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
+    if counts is not None:
+        print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
+    if bad:
+        print(f"indexer info: error: {counts.message}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,8 +14,9 @@ from . import faiss_index as fx
 from . import selection, tuning
 from .errors import IndexerError
 from .index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
+from .lock import writer_lock
 from .model import load_embedder, model_info
-from .pipeline import IngestStats, ingest
+from .pipeline import IngestStats, embed_missing, ingest
 from .store import GalleryStore
 from .walk import GalleryFile, shard_of, walk_gallery
 
@@ -56,11 +57,12 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 workers: int | None = None, device: str = "auto", seed: int = 0,
                 progress: bool = True, embedder: Any = None,
                 max_memory: int | str | None = None,
-                on_done: Callable[[int], None] | None = None) -> dict:
+                on_done: Callable[[int], None] | None = None, wait: bool = False) -> dict:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
 
     Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
-    Returns the manifest.
+    Holds ``out``'s writer lock (:mod:`indexer.lock`; ``wait``: wait for another writer instead
+    of refusing). Returns the manifest.
     """
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
@@ -80,27 +82,28 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
             raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")
         files = itertools.chain([first], files)
     emb = embedder or load_embedder(model, device=device, batch_size=batch_size)
-    out.mkdir(parents=True, exist_ok=True)
-    d = IndexDir(out)
-    with GalleryStore(d.store_dir, readonly=False) as store:
-        stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done)
-        d.write_report(stats.skipped)
-        ids, x = store.all_embeddings(emb.model_hash)
-    d.copy_model(emb.path, emb.model_hash)
-    extra = {"gallery": str(gallery.resolve()), "ingest": _stats_dict(stats), "report": REPORT}
-    if shard is not None:
-        extra["shard"] = {"i": shard[0], "n": shard[1]}
-        return d.write_manifest({"model": model_info(emb, MODEL_FILE), "dim": int(emb.dim),
-                                 "count": int(len(ids)), "index_type": None,
-                                 "build_seconds": round(time.perf_counter() - t0, 3), **extra})
-    if len(ids) == 0:
-        raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
-                           f"reasons in {d.report_file})")
-    index, fields = make_index(ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                               nlist=nlist, target_recall=target_recall, device=device, seed=seed,
-                               max_memory=max_memory, progress=progress)
-    extra["build_seconds"] = round(time.perf_counter() - t0, 3)
-    return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra)
+    with writer_lock(out, "indexer build", wait=wait):
+        out.mkdir(parents=True, exist_ok=True)
+        d = IndexDir(out)
+        with GalleryStore(d.store_dir, readonly=False) as store:
+            stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done)
+            d.write_report(stats.skipped)
+            ids, x = store.all_embeddings(emb.model_hash)
+        d.copy_model(emb.path, emb.model_hash)
+        extra = {"gallery": str(gallery.resolve()), "ingest": _stats_dict(stats), "report": REPORT}
+        if shard is not None:
+            extra["shard"] = {"i": shard[0], "n": shard[1]}
+            return d.write_manifest({"model": model_info(emb, MODEL_FILE), "dim": int(emb.dim),
+                                     "count": int(len(ids)), "index_type": None,
+                                     "build_seconds": round(time.perf_counter() - t0, 3), **extra})
+        if len(ids) == 0:
+            raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
+                               f"reasons in {d.report_file})")
+        index, fields = make_index(ids, x, index_type=index_type, flat_threshold=flat_threshold,
+                                   nlist=nlist, target_recall=target_recall, device=device, seed=seed,
+                                   max_memory=max_memory, progress=progress)
+        extra["build_seconds"] = round(time.perf_counter() - t0, 3)
+        return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra)
 
 
 def _stats_dict(stats: IngestStats) -> dict:
@@ -147,27 +150,39 @@ def sync_index(d: IndexDir, manifest: dict, store: GalleryStore, *, seed: int = 
 
 def add_images(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
                prefix: str = "", batch_size: int = 32, workers: int | None = None,
-               device: str = "auto", progress: bool = True) -> tuple[dict, IngestStats]:
-    """``indexer add``: ingest another folder and add its new images to the existing index."""
+               device: str = "auto", progress: bool = True, wait: bool = False
+               ) -> tuple[dict, IngestStats]:
+    """``indexer add``: ingest another folder and add its new images to the existing index,
+    holding the directory's writer lock throughout (``wait``: wait for another writer)."""
     directory, folder = Path(directory), Path(folder)
     if not folder.is_dir():
         raise IndexerError(f"{folder}: folder not found")
-    d = IndexDir(directory)
-    manifest, emb = _open_for_update(d, model, device, batch_size)
-    d.read_index(manifest)               # refuse before touching the store
-    files = list(walk_gallery(folder, prefix=prefix))
-    if not files:
-        raise IndexerError(f"{folder}: no images to add")
-    with GalleryStore(d.store_dir, readonly=False) as store:
-        stats = ingest(store, files, emb, workers=workers, progress=progress)
-        d.write_report(stats.skipped)
-        return sync_index(d, manifest, store), stats
+    IndexDir(directory).read_manifest()      # no index there: say so, create no lock file
+    with writer_lock(directory, "indexer add", wait=wait):
+        d = IndexDir(directory)
+        manifest, emb = _open_for_update(d, model, device, batch_size)
+        d.read_index(manifest)               # refuse before touching the store
+        files = list(walk_gallery(folder, prefix=prefix))
+        if not files:
+            raise IndexerError(f"{folder}: no images to add")
+        with GalleryStore(d.store_dir, readonly=False) as store:
+            stats = ingest(store, files, emb, workers=workers, progress=progress)
+            d.write_report(stats.skipped)
+            return sync_index(d, manifest, store), stats
 
 
-def remove_items(directory: str | Path, targets: Sequence[str]) -> tuple[dict, list[str]]:
-    """``indexer remove``: each target is an id or a relative path. Returns (manifest, messages)."""
+def remove_items(directory: str | Path, targets: Sequence[str], *, wait: bool = False
+                 ) -> tuple[dict, list[str]]:
+    """``indexer remove``: each target is an id or a relative path. Returns (manifest, messages).
+    Holds the directory's writer lock (``wait``: wait for another writer)."""
     d = IndexDir(directory)
-    manifest = d.read_manifest()
+    d.read_manifest()
+    with writer_lock(directory, "indexer remove", wait=wait):
+        return _remove_items(d, targets)
+
+
+def _remove_items(d: IndexDir, targets: Sequence[str]) -> tuple[dict, list[str]]:
+    manifest = d.read_manifest()          # read under the lock: the latest writer's
     msgs = []
     with GalleryStore(d.store_dir, readonly=False) as store:
         for t in targets:
@@ -183,15 +198,31 @@ def remove_items(directory: str | Path, targets: Sequence[str]) -> tuple[dict, l
         return sync_index(d, manifest, store), msgs
 
 
+def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | None = None,
+                 device: str = "auto", progress: bool = True, wait: bool = False) -> dict:
+    """``indexer repair``: bring index.faiss and the manifest in step with the store (embed
+    stored images the index's model has not embedded, then :func:`sync_index`), under the
+    writer lock. What ``indexer info`` names when the counts differ; needs no gallery folder."""
+    d = IndexDir(directory)
+    d.read_manifest()
+    with writer_lock(directory, "indexer repair", wait=wait):
+        manifest, emb = _open_for_update(d, None, device, batch_size)
+        with GalleryStore(d.store_dir, readonly=False) as store:
+            embedded = embed_missing(store, emb, workers=workers, progress=progress)
+            return {**sync_index(d, manifest, store), "embedded": embedded}
+
+
 # ---------------------------------------------------------------------------- merge
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
                  flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
                  target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
-                 seed: int = 0, progress: bool = True, max_memory: int | str | None = None) -> dict:
+                 seed: int = 0, progress: bool = True, max_memory: int | str | None = None,
+                 wait: bool = False) -> dict:
     """``indexer merge``: one quantizer trained over all shards, their inverted lists merged.
 
     The training sample is picked by position in the id-sorted union of all shards, exactly as
-    a single-process build picks it, so the merged index equals a single build's.
+    a single-process build picks it, so the merged index equals a single build's. Holds
+    ``out``'s writer lock (``wait``: wait for another writer).
     """
     t0 = time.perf_counter()
     out = Path(out)
@@ -226,19 +257,20 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
     order = np.argsort(all_ids, kind="stable")
     all_ids = all_ids[order]
     x = np.concatenate([p[1] for p in parts])[order]
-    out.mkdir(parents=True, exist_ok=True)
-    dst_dir = IndexDir(out)
-    with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
-        for s in stores:
-            dst.copy_from(s, model_hash)
-            s.close()
-    dst_dir.copy_model(dirs[0].model_file, model_hash)
-    index, fields = make_index(all_ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                               nlist=nlist, target_recall=target_recall, device=device, seed=seed,
-                               parts=parts, max_memory=max_memory, progress=progress)
-    skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
-    dst_dir.write_report([r for d in dirs for r in d.read_report()])
-    extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": seen,
-             "ingest": {"skipped": skipped}, "report": REPORT,
-             "build_seconds": round(time.perf_counter() - t0, 3)}
-    return _write_index_dir(dst_dir, index, fields, first["model"], extra)
+    with writer_lock(out, "indexer merge", wait=wait):
+        out.mkdir(parents=True, exist_ok=True)
+        dst_dir = IndexDir(out)
+        with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
+            for s in stores:
+                dst.copy_from(s, model_hash)
+                s.close()
+        dst_dir.copy_model(dirs[0].model_file, model_hash)
+        index, fields = make_index(all_ids, x, index_type=index_type, flat_threshold=flat_threshold,
+                                   nlist=nlist, target_recall=target_recall, device=device, seed=seed,
+                                   parts=parts, max_memory=max_memory, progress=progress)
+        skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
+        dst_dir.write_report([r for d in dirs for r in d.read_report()])
+        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": seen,
+                 "ingest": {"skipped": skipped}, "report": REPORT,
+                 "build_seconds": round(time.perf_counter() - t0, 3)}
+        return _write_index_dir(dst_dir, index, fields, first["model"], extra)
