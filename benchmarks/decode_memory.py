@@ -1,24 +1,29 @@
-"""Memory of decoding large uploads: the old full-size path vs reduced decoding with a bound.
+"""Memory of decoding large uploads, per format: the previous decoder vs the bounded one.
 
-    python benchmarks/decode_memory.py [--megapixels 36] [--concurrent 4] [--bursts 3] [--no-write]
+    python benchmarks/decode_memory.py [--megapixels 36] [--concurrent 1 4] [--bursts 1]
+                                       [--formats ...] [--old-ref 7c84ca7] [--no-write]
 
-Makes a camera-size JPEG (default 7360 x 4912 = 36 MP, under the 40 MP upload cap) from a real
-photo (scikit-image's hubble_deep_field.jpg), then runs, each in a fresh process so that its
-peak RSS (VmHWM) is its own, ``--bursts`` bursts of ``--concurrent`` simultaneous "uploads":
+Makes one camera-size image (default 7360 x 4912 = 36 MP, under the 40 MP upload cap) from a
+real photo (scikit-image's hubble_deep_field.jpg) and saves it in every format Pillow opens:
+JPEG, PNG RGB / RGBA / palette, WebP, GIF, TIFF (uncompressed and LZW) and BMP. Then, each in a
+fresh process so that its peak RSS (VmHWM) is its own, ``--bursts`` bursts of N simultaneous
+"uploads" for each N in ``--concurrent``, decoded with
 
-  * old:  what the server did before: full-size decode of the upload (load_image), a full-size
-          copy for the embedder's preprocessing, all threads at once;
-  * new:  what it does now: decode_upload(min_side=Preprocessing.decode_side) (JPEG DCT scaling,
-          at most MAX_CONCURRENT_DECODES at a time), then the embedder's preprocessing on that.
+  * old:  ``embedder/images.py`` as it was at ``--old-ref`` (git show), ``load_image(min_side=)``:
+          JPEG DCT scaling, every other format decoded at full size;
+  * new:  this tree's ``serving.uploads.decode_upload(min_side=)`` (the same ``load_image`` the
+          indexer's decode threads call): the bounded decode of :mod:`embedder.decode_budget`,
 
-Both then embed with the offline pretrained embedder (onnxruntime), as a search would. Reports
-RSS before the bursts, the peak, and RSS after them (MB), and time per burst. Writes
-benchmarks/RESULTS-decode.md and benchmarks/decode_memory.png unless --no-write.
+each followed by the embedder's preprocessing and a real embedding (pretrained EfficientNet-Lite0,
+onnxruntime, 1 thread), as a search request does. Reports RSS before the bursts, the peak and
+RSS after them (MB), refusals and seconds per burst; writes benchmarks/RESULTS-decode.md and
+benchmarks/decode_memory.png unless --no-write.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -31,6 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+FORMATS = {   # name -> (file name, how the base RGB photo is saved)
+    "JPEG": "x.jpg", "PNG RGB": "rgb.png", "PNG RGBA": "rgba.png", "PNG palette": "pal.png",
+    "WebP": "x.webp", "GIF": "x.gif", "TIFF": "x.tif", "TIFF LZW": "lzw.tif", "BMP": "x.bmp",
+}
+
 
 def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
@@ -40,29 +50,42 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(field)
 
 
-def worker(mode: str, path: str, concurrent: int, bursts: int) -> dict:
+def _old_images(path: str):
+    spec = importlib.util.spec_from_file_location("old_images", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) -> dict:
     """Runs in its own process; returns the figures as a dict."""
     import numpy as np
 
-    from embedder import OnnxEmbedder, default_model_path
+    from embedder import ImageLoadError, OnnxEmbedder, default_model_path
     from embedder.images import load_image
-    from serving.uploads import DEFAULT_MAX_UPLOAD_PIXELS, decode_upload
+    from serving.uploads import DEFAULT_MAX_UPLOAD_PIXELS, UploadError, decode_upload
 
+    old = _old_images(old_module) if mode == "old" else None
     emb = OnnxEmbedder(default_model_path(), device="cpu", threads=1)
     pre = emb.preprocessing
     data = Path(path).read_bytes()
     emb.embed_arrays(np.zeros((1, 3, pre.input_size, pre.input_size), np.float32))   # warm the session
     gc.collect()
     before = _status_mb("VmRSS")
+    outcomes: list[str] = []
 
     def one() -> None:
-        if mode == "old":
-            img = load_image(data, mode="RGB", max_pixels=DEFAULT_MAX_UPLOAD_PIXELS)
-            x = pre.eval_array(load_image(img, mode=pre.mode))
-        else:
-            img = decode_upload(data, "upload.jpg", max_bytes=len(data), min_side=pre.decode_side)
+        try:
+            if old is not None:
+                img = old.load_image(data, mode="RGB", max_pixels=DEFAULT_MAX_UPLOAD_PIXELS,
+                                     min_side=pre.decode_side)
+            else:
+                img = decode_upload(data, Path(path).name, max_bytes=len(data), min_side=pre.decode_side)
             x = pre.eval_array(load_image(img, mode=pre.mode, min_side=pre.decode_side))
-        emb.embed_arrays(x[None])
+            emb.embed_arrays(x[None])
+            outcomes.append(f"ok {img.size[0]}x{img.size[1]}")
+        except (ImageLoadError, UploadError) as e:
+            outcomes.append(f"refused: {e}")
 
     times = []
     for _ in range(bursts):
@@ -75,71 +98,118 @@ def worker(mode: str, path: str, concurrent: int, bursts: int) -> dict:
         times.append(time.perf_counter() - t0)
     gc.collect()
     time.sleep(0.5)
-    return {"mode": mode, "before_mb": before, "peak_mb": _status_mb("VmHWM"),
-            "after_mb": _status_mb("VmRSS"), "burst_s": float(np.median(times))}
+    return {"mode": mode, "concurrent": concurrent, "before_mb": before, "peak_mb": _status_mb("VmHWM"),
+            "after_mb": _status_mb("VmRSS"), "burst_s": float(np.median(times)),
+            "refused": sum(o.startswith("refused") for o in outcomes),
+            "outcome": sorted(set(o[:160] for o in outcomes))}
 
 
-def make_jpeg(out: Path, megapixels: float) -> Path:
+def make_images(out: Path, megapixels: float, names: list[str]) -> dict[str, Path]:
+    import numpy as np
     from PIL import Image
     from skimage import data_dir
 
     w = int(round((megapixels * 1e6 * 1.5) ** 0.5))      # 3:2, a camera's aspect
     h = int(round(w / 1.5))
-    Image.open(Path(data_dir) / "hubble_deep_field.jpg").convert("RGB").resize((w, h), Image.BICUBIC) \
-        .save(out, quality=90)
-    return out
+    base = Image.open(Path(data_dir) / "hubble_deep_field.jpg").convert("RGB").resize((w, h), Image.BICUBIC)
+    paths = {}
+    for name in names:
+        p = out / FORMATS[name]
+        if name == "PNG RGBA":
+            rgba = base.copy()
+            rgba.putalpha(Image.fromarray((np.add.outer(np.arange(h), np.arange(w)) % 256).astype(np.uint8)))
+            rgba.save(p)
+        elif name in ("PNG palette", "GIF"):
+            base.quantize(256).save(p)
+        elif name == "WebP":
+            base.save(p, quality=80, method=0)
+        elif name == "TIFF LZW":
+            base.save(p, compression="tiff_lzw")
+        elif name == "JPEG":
+            base.save(p, quality=90)
+        else:
+            base.save(p)
+        paths[name] = p
+        print(f"made {p.name}: {p.stat().st_size / 1e6:.1f} MB", flush=True)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--megapixels", type=float, default=36.0)
-    p.add_argument("--concurrent", type=int, default=4, help="simultaneous uploads per burst (default 4)")
-    p.add_argument("--bursts", type=int, default=3)
+    p.add_argument("--concurrent", type=int, nargs="+", default=[1, 4],
+                   help="simultaneous uploads per burst, one run per value (default 1 4)")
+    p.add_argument("--bursts", type=int, default=1)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS), metavar="FORMAT",
+                   help=f"default: all of {', '.join(FORMATS)}")
+    p.add_argument("--old-ref", default="7c84ca7", help="git revision of the previous decoder (default 7c84ca7)")
     p.add_argument("--no-write", action="store_true", help="print only; do not write RESULTS-decode.md/PNG")
-    p.add_argument("--worker", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=3, metavar=("MODE", "PATH", "OLD"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker(a.worker[0], a.worker[1], a.concurrent, a.bursts)))
+        print(json.dumps(worker(a.worker[0], a.worker[1], a.concurrent[0], a.bursts, a.worker[2])))
         return 0
     from PIL import Image
+    from tqdm import tqdm
 
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        jpeg = make_jpeg(Path(tmp) / "upload.jpg", a.megapixels)
-        w, h = Image.open(jpeg).size
-        rows = []
+        old_module = Path(tmp) / "old_images.py"
+        old_module.write_text(subprocess.run(["git", "show", f"{a.old_ref}:embedder/images.py"], cwd=REPO,
+                                             check=True, capture_output=True, text=True).stdout)
+        images = make_images(Path(tmp), a.megapixels, a.formats)
+        w, h = Image.open(images[a.formats[0]]).size
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        for mode in ("old", "new", "old", "new"):           # interleaved, twice: load drifts
-            out = subprocess.run([sys.executable, __file__, "--worker", mode, str(jpeg), "--concurrent",
-                                  str(a.concurrent), "--bursts", str(a.bursts)], env=env, check=True,
+        runs = [(f, n, m) for f in a.formats for n in a.concurrent for m in ("old", "new")]
+        for fmt, n, mode in tqdm(runs, desc="runs", unit="run"):
+            out = subprocess.run([sys.executable, __file__, "--worker", mode, str(images[fmt]), str(old_module),
+                                  "--concurrent", str(n), "--bursts", str(a.bursts)], env=env,
                                  capture_output=True, text=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
-        size_mb = jpeg.stat().st_size / 1e6
-    load = os.getloadavg()[0]
-    head = (f"Command: `python benchmarks/decode_memory.py --megapixels {a.megapixels:g} --concurrent "
-            f"{a.concurrent} --bursts {a.bursts}`  \n"
-            f"Upload: {w} x {h} JPEG ({w * h / 1e6:.1f} MP, {size_mb:.1f} MB) made from scikit-image's "
-            f"hubble_deep_field.jpg; {a.bursts} bursts of {a.concurrent} simultaneous uploads, each decoded, "
-            f"preprocessed and embedded (pretrained EfficientNet-Lite0, onnxruntime, 1 thread); one fresh "
-            f"process per run; load average {load:.1f} at the end (2 shared cores).\n\n"
-            "| run | RSS before MB | peak RSS MB | RSS after MB | peak - before MB | after - before MB | s per burst |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
-    body = "".join(f"| {r['mode']} | {r['before_mb']:.0f} | {r['peak_mb']:.0f} | {r['after_mb']:.0f} | "
-                   f"{r['peak_mb'] - r['before_mb']:.0f} | {r['after_mb'] - r['before_mb']:.0f} | "
-                   f"{r['burst_s']:.2f} |\n" for r in rows)
-    old = [r for r in rows if r["mode"] == "old"]
-    new = [r for r in rows if r["mode"] == "new"]
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-    tail = (f"\nMean peak above the process's baseline: old **{mean(old, 'peak_mb') - mean(old, 'before_mb'):.0f} MB**, "
-            f"new **{mean(new, 'peak_mb') - mean(new, 'before_mb'):.0f} MB**; RSS left after the bursts: old "
-            f"+{mean(old, 'after_mb') - mean(old, 'before_mb'):.0f} MB, new +{mean(new, 'after_mb') - mean(new, 'before_mb'):.0f} MB; "
-            f"time per burst new/old: {mean(new, 'burst_s') / mean(old, 'burst_s'):.2f}x.\n")
-    text = head + body + tail
+            if out.returncode != 0:      # e.g. killed for memory: a row that says so
+                r = {"mode": mode, "concurrent": n, "error": f"exit {out.returncode}: "
+                     + (out.stderr.strip().splitlines() or ["?"])[-1][:120]}
+            else:
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+            r.update(format=fmt, file_mb=images[fmt].stat().st_size / 1e6)
+            rows.append(r)
+            tqdm.write(json.dumps(r))
+    text = _table(rows, a, w, h)
     print(text)
     if not a.no_write:
         (REPO / "benchmarks" / "RESULTS-decode.md").write_text("# Decoding memory (benchmarks/decode_memory.py)\n\n" + text)
-        _plot(rows, REPO / "benchmarks" / "decode_memory.png", f"{w * h / 1e6:.0f} MP JPEG x {a.concurrent} at once")
+        _plot(rows, REPO / "benchmarks" / "decode_memory.png", f"{w} x {h} ({w * h / 1e6:.0f} MP)")
     return 0
+
+
+def _table(rows: list[dict], a: argparse.Namespace, w: int, h: int) -> str:
+    conc = " ".join(map(str, a.concurrent))
+    head = (f"Command: `python benchmarks/decode_memory.py --megapixels {a.megapixels:g} --concurrent {conc} "
+            f"--bursts {a.bursts}`  \n"
+            f"Upload: {w} x {h} ({w * h / 1e6:.1f} MP) made from scikit-image's hubble_deep_field.jpg, saved in "
+            f"each format; {a.bursts} burst(s) of N simultaneous uploads, each decoded, preprocessed and "
+            f"embedded (pretrained EfficientNet-Lite0, onnxruntime, 1 thread); one fresh process per run; "
+            f"old = embedder/images.py at {a.old_ref}; load average {os.getloadavg()[0]:.1f} at the end "
+            f"(2 shared cores). Goal: peak - before < 200 MB at N = 4, after - before < 50 MB.\n\n"
+            "| format | file MB | N | run | RSS before MB | peak - before MB | after - before MB | s per burst | outcome |\n"
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |\n")
+    body = ""
+    for r in rows:
+        if "error" in r:
+            body += f"| {r['format']} | {r['file_mb']:.1f} | {r['concurrent']} | {r['mode']} | | | | | {r['error']} |\n"
+            continue
+        what = (f"{r['refused']}/{r['concurrent'] * a.bursts} refused: "
+                + r["outcome"][0].split(": ", 1)[1].split("; ")[0][-150:] if r["refused"] else r["outcome"][0])
+        body += (f"| {r['format']} | {r['file_mb']:.1f} | {r['concurrent']} | {r['mode']} | {r['before_mb']:.0f} | "
+                 f"{r['peak_mb'] - r['before_mb']:.0f} | {r['after_mb'] - r['before_mb']:.0f} | {r['burst_s']:.2f} | "
+                 f"{what.replace('|', '/')} |\n")
+    new4 = [r for r in rows if r["mode"] == "new" and r["concurrent"] == max(a.concurrent) and "error" not in r]
+    tail = ""
+    if new4:
+        worst = max(new4, key=lambda r: r["peak_mb"] - r["before_mb"])
+        resid = max(new4, key=lambda r: r["after_mb"] - r["before_mb"])
+        tail = (f"\nNew, {max(a.concurrent)} at once: highest peak above baseline **{worst['peak_mb'] - worst['before_mb']:.0f} MB** "
+                f"({worst['format']}), highest residual **{resid['after_mb'] - resid['before_mb']:.0f} MB** ({resid['format']}).\n")
+    return head + body + tail
 
 
 def _plot(rows: list[dict], out: Path, title: str) -> None:
@@ -148,15 +218,24 @@ def _plot(rows: list[dict], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    labels = [f"{r['mode']} #{i // 2 + 1}" for i, r in enumerate(rows)]
-    x = range(len(rows))
-    for off, key, name in ((-0.25, "before_mb", "before"), (0.0, "peak_mb", "peak"), (0.25, "after_mb", "after")):
-        ax.bar([i + off for i in x], [r[key] for r in rows], width=0.25, label=name)
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("RSS (MB)")
-    ax.set_title(f"Server-side decode memory: {title}")
-    ax.legend()
+    n = max(r["concurrent"] for r in rows)
+    fmts = list(dict.fromkeys(r["format"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9.6, 4.2))
+    width = 0.2
+    for k, (mode, key, label) in enumerate((("old", "peak_mb", "old peak"), ("new", "peak_mb", "new peak"),
+                                             ("old", "after_mb", "old residual"), ("new", "after_mb", "new residual"))):
+        vals = []
+        for f in fmts:
+            r = next((r for r in rows if r["format"] == f and r["mode"] == mode and r["concurrent"] == n), None)
+            vals.append(max(1.0, r[key] - r["before_mb"]) if r and "error" not in r else 0.0)
+        ax.bar([i + (k - 1.5) * width for i in range(len(fmts))], vals, width=width, label=label)
+    ax.axhline(200, color="k", lw=0.8, ls="--")
+    ax.text(len(fmts) - 0.5, 210, "goal: peak < 200 MB", ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(fmts)), fmts, rotation=20)
+    ax.set_ylabel("RSS above baseline (MB, log)")
+    ax.set_title(f"Decode memory, {n} uploads at once, {title}")
+    ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 

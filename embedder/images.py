@@ -20,6 +20,8 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from . import decode_budget as budget
+
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
@@ -39,6 +41,11 @@ class ImageLoadError(ValueError):
 
     def __reduce__(self):  # keep (path, reason) across process boundaries (multiprocessing)
         return (type(self), (self.path, self.reason))
+
+
+class ImageTooLargeError(ImageLoadError):
+    """A readable image whose decode would cost more memory than the decode budget allows
+    (:mod:`embedder.decode_budget`); refused before any pixel is decoded. A server answers 413."""
 
 
 def _source_name(source: object, name: str | None) -> str:
@@ -111,6 +118,13 @@ def load_image(
     never exists in memory at full size), other formats by ``Image.reduce`` (box averaging)
     right after decoding. An image whose shorter side is below ``2 * min_side`` is returned
     exactly as with ``min_side=None``. ``None``: full size (training, export parity).
+
+    With ``min_side`` (indexing, serving, thumbnails) the decode is also bounded in memory,
+    whatever the format (:mod:`embedder.decode_budget`): uncompressed BMP/TIFF rows are read and
+    shrunk a strip at a time (the full frame never exists), other formats reserve their
+    measured cost from the process's decode budget first (so concurrent large decodes take
+    turns) and are converted and shrunk a strip at a time; a file that alone would cost more
+    than the budget raises :class:`ImageTooLargeError` before decoding.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -142,6 +156,9 @@ def load_image(
             _check_pixels(im, max_pixels, label)
             if min_side and im.format == "JPEG" and min(im.size) >= 2 * min_side:
                 im.draft(im.mode, (min_side, min_side))   # scale 1/2, 1/4 or 1/8, >= min_side
+            if min_side:
+                size = len(data) if isinstance(fp, io.BytesIO) else fp.stat().st_size
+                return _bounded(im, mode, min_side, label, size)
             im.load()  # full decode here, so truncated files fail inside this function
             oriented = ImageOps.exif_transpose(im)
             return _reduced(to_mode(oriented if oriented is not None else im, mode), min_side)
@@ -167,6 +184,126 @@ def load_image(
         # Pillow signals truncated or corrupt data with OSError mostly, but some plugins raise
         # SyntaxError/ValueError/EOFError/IndexError on malformed headers.
         raise ImageLoadError(label, f"truncated or corrupt image data ({type(e).__name__}: {e})") from e
+
+
+def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: int) -> Image.Image:
+    """The ``min_side`` path of :func:`load_image` for an opened, not yet loaded image."""
+    factor = max(1, min(im.size) // min_side)
+    need = budget.decode_bytes(im, file_size)
+    layout = _raw_layout(im)
+    if layout is not None and (frame_too_big(im) or need > budget.BUDGET.capacity):
+        orientation = im.getexif().get(0x0112, 1)      # BMP / TIFF: read without a decode
+        out = _strips(im, mode, factor, lambda y0, y1: _raw_rows(im, layout, y0, y1))
+        return _orient(out, orientation)
+    if need > budget.BUDGET.capacity:
+        w, h = im.size
+        cap = budget.BUDGET.capacity / (need / (w * h)) / 1e6
+        raise ImageTooLargeError(
+            label, f"image too large to decode within the memory budget: {w}x{h} {im.format} "
+                   f"({w * h / 1e6:.1f} MP, mode {im.mode}) needs about {need / 2 ** 20:.0f} MB, the "
+                   f"decode budget is {budget.BUDGET.capacity / 2 ** 20:.0f} MB, so {im.format} "
+                   f"{im.mode} images are accepted up to {cap:.1f} MP")
+    with budget.BUDGET.reserve(need):
+        try:
+            im.load()                  # full decode here, so truncated files fail inside this function
+            orientation = im.getexif().get(0x0112, 1)   # after load: PNG may keep EXIF after IDAT
+            if not frame_too_big(im) or im.mode in budget.HIGH_DEPTH:
+                out = _reduced(to_mode(im, mode), min_side)
+            else:
+                out = _strips(im, mode, factor, lambda y0, y1: im.crop((0, y0, im.size[0], y1)))
+        finally:
+            im.close()                 # frees the frame before the reservation ends
+    if need > budget.SMALL_DECODE:
+        budget.release_freed_memory()
+    return _orient(out, orientation)
+
+
+def frame_too_big(im: Image.Image) -> bool:
+    """Whether ``im``'s full frame is worth a strip loop (small images take the plain path)."""
+    return budget.frame_bytes(im.mode, im.size) > budget.SMALL_DECODE
+
+
+_STRIP_PIXELS = 1 << 20     # pixels per strip: a few MB per strip whatever the width
+
+
+def _strips(im: Image.Image, mode: str, factor: int, rows) -> Image.Image:
+    """Convert and shrink ``im`` a horizontal strip at a time: ``rows(y0, y1)`` gives the strip
+    in ``im``'s own mode. Strip heights are multiples of ``factor``, so the result is exactly
+    the whole-image ``to_mode(...).reduce(factor)``."""
+    w, h = im.size
+    step = max(factor, _STRIP_PIXELS // max(w, 1) // factor * factor)
+    out = Image.new(mode, (-(-w // factor), -(-h // factor)))
+    for y in range(0, h, step):
+        strip = to_mode(rows(y, min(h, y + step)), mode)
+        out.paste(strip.reduce(factor) if factor >= 2 else strip, (0, y // factor))
+    return out
+
+
+# Raw (uncompressed) tiles: bytes per pixel of the raw modes whose row length Pillow leaves to
+# the decoder (stride 0). Anything else takes the budgeted full decode.
+_RAW_BYTES = {"RGB": 3, "BGR": 3, "RGBA": 4, "RGBX": 4, "BGRA": 4, "BGRX": 4, "RGBa": 4,
+              "L": 1, "P": 1, "LA": 2, "CMYK": 4}
+
+
+def _raw_layout(im: Image.Image) -> list[tuple[int, int, int, str, int, int]] | None:
+    """(y0, y1, offset, rawmode, stride, ystep) per tile, when every tile is an uncompressed
+    full-width band of rows (BMP, uncompressed TIFF) that can be read a strip at a time."""
+    tiles = getattr(im, "tile", None)
+    w, h = im.size
+    if not tiles or im.mode in budget.HIGH_DEPTH or getattr(im, "fp", None) is None:
+        return None
+    out = []
+    for t in tiles:
+        codec, (x0, y0, x1, y1), offset, args = t[0], t[1], t[2], t[3]
+        if codec != "raw" or (x0, x1) != (0, w):
+            return None
+        args = (args, 0, 1) if isinstance(args, str) else tuple(args) + (0, 1)[len(args) - 1:]
+        rawmode, stride, ystep = args[0], int(args[1] or 0), int(args[2] or 1)
+        if not isinstance(rawmode, str) or ystep not in (1, -1):
+            return None
+        if stride == 0:
+            if rawmode not in _RAW_BYTES:
+                return None
+            stride = w * _RAW_BYTES[rawmode]
+        out.append((y0, y1, int(offset), rawmode, stride, ystep))
+    out.sort()
+    if out[0][0] != 0 or out[-1][1] != h or any(a[1] != b[0] for a, b in zip(out, out[1:])):
+        return None
+    if len(out) > 1 and any(t[5] == -1 for t in out):
+        return None
+    return out
+
+
+def _raw_rows(im: Image.Image, layout, y0: int, y1: int) -> Image.Image:
+    """Rows ``y0:y1`` of a raw-tiled image, read from its file without decoding the rest."""
+    w = im.size[0]
+    strip = Image.new(im.mode, (w, y1 - y0))
+    for ty0, ty1, offset, rawmode, stride, ystep in layout:
+        a, b = max(y0, ty0), min(y1, ty1)
+        if a >= b:
+            continue
+        # bottom-up files (BMP) store image row r of the tile at file row (ty1 - 1 - r)
+        im.fp.seek(offset + ((a - ty0) if ystep == 1 else (ty1 - b)) * stride)
+        data = im.fp.read((b - a) * stride)
+        strip.paste(Image.frombytes(im.mode, (w, b - a), data, "raw", rawmode, stride, ystep), (0, a - y0))
+    if im.palette is not None and im.mode in ("P", "PA"):
+        rawmode, pal = im.palette.getdata()
+        strip.putpalette(pal, rawmode)
+    strip.info = dict(im.info)
+    return strip
+
+
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+              4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+              6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+
+
+def _orient(img: Image.Image, orientation: int) -> Image.Image:
+    """EXIF orientation applied to an already decoded (and shrunk) image: what
+    ``ImageOps.exif_transpose`` does to the full image, at the cost of the small one."""
+    method = _TRANSPOSE.get(orientation)
+    return img.transpose(method) if method is not None else img
 
 
 def _reduced(img: Image.Image, min_side: int | None) -> Image.Image:

@@ -1,0 +1,122 @@
+"""How much memory decoding an image costs, and a process-wide budget that bounds it.
+
+Only JPEG can be decoded smaller than it is stored (libjpeg's DCT scaling, ``Image.draft``).
+Every other format Pillow opens materialises the whole frame before anything can shrink it
+(PNG's zlib stream, GIF's LZW, TIFF through libtiff, WebP through libwebp's animation decoder,
+which Pillow uses for every WebP file and which keeps two RGBA canvases of its own). Those
+decodes are bounded here instead: each one first reserves what it will cost from one budget
+shared by every thread of the process (serving's request threads, ``indexer build``'s decode
+threads), so four 36-megapixel PNGs arriving at once are decoded one after another instead of
+holding four full frames; a file that alone would cost more than the whole budget is refused
+before a single pixel is decoded (:class:`embedder.images.ImageTooLargeError`).
+
+The costs per pixel are measured (``benchmarks/decode_memory.py``, peak RSS of one decode in
+a fresh process): 4.1 bytes for an RGB/RGBA PNG, BMP or TIFF (Pillow stores RGB as 4 bytes),
+1.1 for palette and greyscale images, 6.3 for an LZW TIFF of 2.2 compressed bytes per pixel
+(libtiff maps the file), 16.1 for WebP.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from PIL import Image
+
+# What decoding may hold at once per process. 160 MiB: a 40-megapixel RGB(A) frame (the upload
+# cap) fits, so every format but WebP is accepted up to the cap; an operator with more memory
+# (or less) sets DAS_DECODE_BUDGET_MB.
+DEFAULT_DECODE_BUDGET = 160 * 2 ** 20
+SMALL_DECODE = 16 * 2 ** 20       # below this a decode is not worth a strip loop or a heap trim
+
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
+HIGH_DEPTH = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+_WEBP_BYTES = 16                  # measured: libwebp's two canvases + the frame as bytes + image
+
+
+def frame_bytes(mode: str, size: tuple[int, int]) -> int:
+    """Bytes of a decoded Pillow frame (RGB is stored as 4 bytes per pixel)."""
+    return size[0] * size[1] * _MODE_BYTES.get(mode, 4)
+
+
+def decode_bytes(im: Image.Image, file_size: int = 0) -> int:
+    """What fully decoding the opened (not yet loaded) ``im`` will hold at its peak."""
+    w, h = im.size
+    if im.format == "WEBP":
+        return w * h * _WEBP_BYTES
+    need = frame_bytes(im.mode, im.size)
+    if im.mode in HIGH_DEPTH:          # to_mode scales these through a float64 copy
+        need += w * h * 9
+    if any(t[0] == "libtiff" for t in getattr(im, "tile", ()) or ()):
+        need += file_size              # libtiff reads (maps) the whole file
+    return need
+
+
+class DecodeBudget:
+    """A counting semaphore over bytes: ``reserve(n)`` waits until ``n`` more fit.
+
+    A reservation larger than the whole budget never fits; callers refuse such files before
+    asking (one that asks anyway runs alone). Waiters are woken in no particular order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @contextmanager
+    def reserve(self, n: int) -> Iterator[None]:
+        n = max(0, min(int(n), self.capacity))
+        with self._cond:
+            while self._used and self._used + n > self.capacity:
+                self._cond.wait()
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+
+def _budget_from_env() -> int:
+    raw = os.environ.get("DAS_DECODE_BUDGET_MB", "").strip()
+    try:
+        return int(float(raw) * 2 ** 20) if raw else DEFAULT_DECODE_BUDGET
+    except ValueError:
+        raise ValueError(f"DAS_DECODE_BUDGET_MB={raw!r}: expected a number of megabytes") from None
+
+
+BUDGET = DecodeBudget(_budget_from_env())
+
+
+def _load_trim():
+    """glibc's malloc_trim, or None (musl, macOS: nothing to do there)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _load_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the pages of a freed frame back to the OS now.
+
+    Why: Pillow allocates a frame in 16 MB blocks; after glibc has mmapped and freed one such
+    block it raises its mmap threshold above that size, so the next frames' blocks come from
+    the heap and stay in the process after they are freed (the "old" rows of the benchmark
+    kept 0.6-2.9 GB). ``malloc_trim(0)`` returns free heap pages of every arena to the OS.
+    """
+    if _TRIM is not None:
+        _TRIM(0)

@@ -1,0 +1,44 @@
+"""`indexer build` over a gallery holding images too large to decode within the memory budget:
+they are skipped and reported with the reason, the rest (large uncompressed files included,
+decoded a strip at a time) is indexed, and the build exits 0. The indexer's decode threads call
+the same ``load_image(min_side=...)`` as the server, so the budget is lowered through the
+environment (DAS_DECODE_BUDGET_MB=2) to let 1.5-megapixel photos stand in for 36-megapixel ones."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from indexer import GalleryStore
+from indexer_testlib import copy_characters, run_cli
+
+
+def test_build_skips_over_budget_images_and_indexes_the_rest(tmp_path: Path, omniglot_root: Path,
+                                                             small_onnx: Path):
+    from skimage import data
+
+    gallery = tmp_path / "gallery"
+    copy_characters(omniglot_root, gallery, 2)                        # 40 ordinary images
+    big = gallery / "big"
+    big.mkdir()
+    photo = Image.fromarray(data.astronaut()).resize((1500, 1000), Image.BICUBIC)
+    rgba = photo.copy()
+    rgba.putalpha(Image.fromarray((np.add.outer(np.arange(1000), np.arange(1500)) % 256).astype(np.uint8)))
+    rgba.save(big / "rgba.png")                  # 6 MB frame: over a 2 MB budget
+    photo.save(big / "photo.webp")               # 24 MB by WebP's measured cost: over
+    photo.save(big / "photo.bmp")                # uncompressed: read in strips, never whole
+    photo.quantize(256).save(big / "palette.png")   # 1.5 MB frame: within
+    out = tmp_path / "idx"
+    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--quiet",
+                env={"DAS_DECODE_BUDGET_MB": "2"})
+    assert "42 new" in p.stdout and "2 skipped" in p.stdout, p.stdout
+    report = {r["path"]: r["reason"] for r in map(json.loads, (out / "report.jsonl").read_text().splitlines())}
+    assert set(report) == {"big/rgba.png", "big/photo.webp"}, report
+    for path, reason in report.items():
+        assert "image too large to decode within the memory budget: 1500x1000" in reason, reason
+        assert "the decode budget is 2 MB" in reason
+    with GalleryStore(out / "store.lmdb") as st:
+        assert st.id_for_path("big/photo.bmp") is not None and st.id_for_path("big/palette.png") is not None
+    assert run_cli("info", "--index", out).returncode == 0
