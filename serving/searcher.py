@@ -21,7 +21,7 @@ from PIL import Image
 from embedder import ImageLoadError
 from embedder.images import DEFAULT_MAX_PIXELS
 from embedder.preprocess import Preprocessing
-from indexer import Index, IndexDir
+from indexer import Index, IndexDir, check_counts
 from indexer.index_dir import INDEX_FILE, MANIFEST, STORE_DIR
 
 from . import probes as P
@@ -104,6 +104,13 @@ class Searcher:
                 self.index(name).stored()
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 problems[name] = f"index {name!r}: gallery store unreadable ({str(e).splitlines()[0]})"
+                continue
+            try:    # store, index.faiss and manifest agree on the count (issue 19)
+                counts = check_counts(self.indexes[name].directory, store=self.indexes[name].store)
+                if not counts.ok:
+                    problems[name] = f"index {name!r}: {counts.message}"
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                problems[name] = f"index {name!r}: {str(e).splitlines()[0]}"
         return {**self.watcher.problems(), **problems}
 
     def _check_id(self, index: str, id: int) -> dict:
