@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         url, proc = start_app(idx, root)
         try:
             rows = server_probes(url, idx, root) + live_add_probe(url, idx, root)
+            rows += decode_probes(url, proc, root)
         finally:
             proc.terminate()            # by PID: the server this script started
             try:
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         rows += damage_probes(idx, root)
+        rows += writer_probes(idx, root)
     load = os.getloadavg()[0]
     text = ("Command: `python benchmarks/reliability_probes.py`  \n"
             f"Server: `app.py --auth ... --max-upload-mb 1` on 127.0.0.1, 24-photo index (4 Caltech-101 classes), "
@@ -298,6 +300,120 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_write:
         (REPO / "benchmarks" / "RESULTS-reliability.md").write_text("# Reliability probes (benchmarks/reliability_probes.py)\n\n" + text)
     return 0
+
+
+# ---- issue 19, part A: decoding bounded for every format; one writer per index directory ----
+def _status_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def decode_probes(url: str, proc: subprocess.Popen, root: Path) -> list[tuple[str, str, str]]:
+    """The issue's upload: a small 6300 x 6300 RGBA PNG (under the 40 MP cap), 4 at once; the
+    server's peak RSS above its level before (its high-water mark reset through clear_refs) and
+    RSS 10 s later. Then a 6300 x 6300 WebP, which costs more than the decode budget."""
+    import numpy as np
+    from PIL import Image
+
+    n = 6300
+    ramp = (np.add.outer(np.arange(n), np.arange(n)) // 50 % 256).astype(np.uint8)
+    png, webp = root / "big-rgba.png", root / "big.webp"
+    Image.fromarray(np.dstack([ramp, ramp[::-1], ramp.T, 255 - ramp]), "RGBA").save(png, optimize=True)
+    Image.fromarray(np.dstack([ramp, ramp[::-1], ramp.T]), "RGB").save(webp, quality=50)
+    del ramp
+    pid = proc.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")        # reset VmHWM to the current RSS
+    before = _status_kb(pid, "VmRSS")
+    codes: list[int] = []
+
+    def one() -> None:
+        with httpx.Client(auth=AUTH, timeout=300) as c:
+            codes.append(c.post(f"{url}/api/search", files={"image": ("big.png", png.read_bytes())}).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    peak = _status_kb(pid, "VmHWM")
+    time.sleep(10)
+    after = _status_kb(pid, "VmRSS")
+    rows = [(f"4 x {n}x{n} RGBA PNG ({png.stat().st_size / 1e3:.0f} KB) at once, /api/search",
+             "all 200; server peak < +200 MB, < +50 MB 10 s later",
+             f"{sorted(codes)}; peak +{(peak - before) / 1024:.0f} MB, +{(after - before) / 1024:.0f} MB 10 s later")]
+    with httpx.Client(auth=AUTH, timeout=300) as c:
+        r = c.post(f"{url}/api/search", files={"image": ("big.webp", webp.read_bytes())})
+    rows.append((f"{n}x{n} WebP ({webp.stat().st_size / 1e3:.0f} KB), /api/search",
+                 "413/415, one line naming the file, its size and the cap; decoded nothing",
+                 f"{r.status_code}: \"{r.json().get('error', '')[:170]}\"; health {health(url)}"))
+    return rows
+
+
+def _copy_classes(dst: Path, first: int, n: int, per: int) -> Path:
+    for c in sorted(os.listdir(CALTECH))[first:first + n]:
+        (dst / c).mkdir(parents=True)
+        for f in sorted(os.listdir(CALTECH / c))[:per]:
+            shutil.copy(CALTECH / c / f, dst / c / f)
+    return dst
+
+
+def _cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "indexer", *map(str, args)], env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+def writer_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
+    """Two `indexer add` at once; kill -9 of the lock holder; an index whose counts disagree."""
+    from indexer import check_counts
+    from indexer.lock import holder, is_locked
+
+    rows = []
+    a = _copy_classes(root / "w-a", 20, 4, 10)
+    b = _copy_classes(root / "w-b", 24, 4, 10)
+    d = root / "w1"
+    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    procs = [subprocess.Popen([sys.executable, "-m", "indexer", "add", str(f), "--index", str(d), "--quiet"],
+                              env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for f in (a, b)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = [p.returncode for p in procs]
+    refusal = next((o[1].strip() for p, o in zip(procs, outs) if p.returncode == 1), "")
+    info = _cli("info", "--index", d)
+    rows.append(("two `indexer add` at once into one index",
+                 "one exits 1 with one line naming the other's pid; the other's images all indexed; info exit 0",
+                 f"exit codes {codes}; \"{refusal.split(': ', 1)[-1][-120:]}\" ({len(refusal.splitlines())} line); "
+                 f"info exit {info.returncode}: {check_counts(d).message}"))
+    d = root / "w2"
+    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    p = subprocess.Popen([sys.executable, "-m", "indexer", "add", str(a), "--index", str(d), "--quiet"],
+                         env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (is_locked(d) and (holder(d) or {}).get("pid") == p.pid) and p.poll() is None:
+        time.sleep(0.02)
+    p.kill()                                        # SIGKILL, by PID: the add this script started
+    p.wait()
+    nxt = _cli("add", b, "--index", d, "--quiet")
+    info = _cli("info", "--index", d)
+    rows.append(("kill -9 of an `indexer add` holding the lock",
+                 "the lock goes with it; the next writer proceeds; counts agree after it",
+                 f"killed: exit {p.returncode}; next add exit {nxt.returncode}; info exit {info.returncode}: "
+                 f"{check_counts(d).message}"))
+    d = root / "w3"
+    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    damage = ("import hashlib, sys\nfrom indexer import GalleryStore\nfrom indexer.store import NewItem\n"
+              "with GalleryStore(sys.argv[1], readonly=False) as st:\n    m = st.models()[0]; i = int(st.ids()[0])\n"
+              "    data = st.get_bytes(i) + b'x'\n    st.put_items([NewItem('x/x.jpg', 'x', data, "
+              "hashlib.sha256(data).hexdigest(), 1, 1)], st.get_embeddings(m, [i]), m)\n")
+    subprocess.run([sys.executable, "-c", damage, str(d / "store.lmdb")], env=ENV, cwd=REPO, check=True)
+    info = _cli("info", "--index", d)
+    lines = info.stderr.strip().splitlines()
+    fixed = _cli("repair", "--index", d, "--quiet")
+    rows.append(("store holds an image index.faiss lacks (a writer died between the two)",
+                 "`indexer info` exit 1, one line naming the counts and `indexer repair`; repair fixes it",
+                 f"info exit {info.returncode}, {len(lines)} line: \"...{(lines or [''])[0].split('counts differ: ')[-1][:150]}\"; "
+                 f"repair exit {fixed.returncode}, then info exit {_cli('info', '--index', d).returncode}"))
+    return rows
 
 
 if __name__ == "__main__":
