@@ -101,7 +101,7 @@ def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) 
     return {"mode": mode, "concurrent": concurrent, "before_mb": before, "peak_mb": _status_mb("VmHWM"),
             "after_mb": _status_mb("VmRSS"), "burst_s": float(np.median(times)),
             "refused": sum(o.startswith("refused") for o in outcomes),
-            "outcome": sorted(set(o[:160] for o in outcomes))}
+            "outcome": sorted(set(o[:400] for o in outcomes))}
 
 
 def make_images(out: Path, megapixels: float, names: list[str]) -> dict[str, Path]:
@@ -181,14 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(rows: list[dict], a: argparse.Namespace, w: int, h: int) -> str:
+def _table(rows: list[dict], a: argparse.Namespace, w: int, h: int, load: float | None = None) -> str:
     conc = " ".join(map(str, a.concurrent))
     head = (f"Command: `python benchmarks/decode_memory.py --megapixels {a.megapixels:g} --concurrent {conc} "
             f"--bursts {a.bursts}`  \n"
             f"Upload: {w} x {h} ({w * h / 1e6:.1f} MP) made from scikit-image's hubble_deep_field.jpg, saved in "
             f"each format; {a.bursts} burst(s) of N simultaneous uploads, each decoded, preprocessed and "
             f"embedded (pretrained EfficientNet-Lite0, onnxruntime, 1 thread); one fresh process per run; "
-            f"old = embedder/images.py at {a.old_ref}; load average {os.getloadavg()[0]:.1f} at the end "
+            f"old = embedder/images.py at {a.old_ref}; load average "
+            f"{os.getloadavg()[0] if load is None else load:.1f} at the end "
             f"(2 shared cores). Goal: peak - before < 200 MB at N = 4, after - before < 50 MB.\n\n"
             "| format | file MB | N | run | RSS before MB | peak - before MB | after - before MB | s per burst | outcome |\n"
             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |\n")
@@ -197,8 +198,9 @@ def _table(rows: list[dict], a: argparse.Namespace, w: int, h: int) -> str:
         if "error" in r:
             body += f"| {r['format']} | {r['file_mb']:.1f} | {r['concurrent']} | {r['mode']} | | | | | {r['error']} |\n"
             continue
+        msg = r["outcome"][0]
         what = (f"{r['refused']}/{r['concurrent'] * a.bursts} refused: "
-                + r["outcome"][0].split(": ", 1)[1].split("; ")[0][-150:] if r["refused"] else r["outcome"][0])
+                + msg[msg.find("needs about"):].split(", so ")[0] if r["refused"] else msg)
         body += (f"| {r['format']} | {r['file_mb']:.1f} | {r['concurrent']} | {r['mode']} | {r['before_mb']:.0f} | "
                  f"{r['peak_mb'] - r['before_mb']:.0f} | {r['after_mb'] - r['before_mb']:.0f} | {r['burst_s']:.2f} | "
                  f"{what.replace('|', '/')} |\n")
@@ -220,7 +222,7 @@ def _plot(rows: list[dict], out: Path, title: str) -> None:
 
     n = max(r["concurrent"] for r in rows)
     fmts = list(dict.fromkeys(r["format"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9.6, 4.2))
+    fig, ax = plt.subplots(figsize=(9.6, 4.6))
     width = 0.2
     for k, (mode, key, label) in enumerate((("old", "peak_mb", "old peak"), ("new", "peak_mb", "new peak"),
                                              ("old", "after_mb", "old residual"), ("new", "after_mb", "new residual"))):
@@ -232,10 +234,11 @@ def _plot(rows: list[dict], out: Path, title: str) -> None:
     ax.axhline(200, color="k", lw=0.8, ls="--")
     ax.text(len(fmts) - 0.5, 210, "goal: peak < 200 MB", ha="right", fontsize=8)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(fmts)), fmts, rotation=20)
+    refused = {r["format"] for r in rows if r["mode"] == "new" and r.get("refused")}
+    ax.set_xticks(range(len(fmts)), [f + ("\n(new: refused)" if f in refused else "") for f in fmts], fontsize=8)
     ax.set_ylabel("RSS above baseline (MB, log)")
     ax.set_title(f"Decode memory, {n} uploads at once, {title}")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
