@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Embedder": "model", "EmbedderConfig": "model", "PretrainedWeightsUnavailable": "errors",
     "Preprocessing": "preprocess",
-    "load_image": "images", "ImageLoadError": "images",
+    "load_image": "images", "ImageLoadError": "images", "ImageTooLargeError": "images",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "CheckpointError": "errors",
     "file_sha256": "hashing",
     "export_onnx": "export", "ParityError": "errors",
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .export import export_onnx
     from .hashing import file_sha256
-    from .images import ImageLoadError, load_image
+    from .images import ImageLoadError, ImageTooLargeError, load_image
     from .model import Embedder, EmbedderConfig
     from .preprocess import Preprocessing
     from .pretrained import default_model_path, pretrained_embedder

@@ -135,14 +135,12 @@ def _positive(name: str, v: int | None) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from .build import add_images, build_index, merge_shards, remove_items, repair_index
-    from .lock import writer_lock
     from .walk import parse_shard
 
     if args.cmd == "build" and (args.ray is not None or args.shards is not None):
         from .ray_build import build_from_args
 
-        with writer_lock(args.out, "indexer build --ray", wait=args.wait):
-            _print_index_line(build_from_args(args, index_options(args)), args.out)
+        _print_index_line(build_from_args(args, index_options(args)), args.out)   # locks --out itself
         return 0
     if args.cmd == "build":
         _positive("--batch-size", args.batch_size)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import IndexerError
+from .lock import writer_lock
 from .index_dir import IndexDir
 from .walk import walk_gallery
 
@@ -218,7 +219,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    address: str | None = "local", shards: int | None = None,
                    max_retries: int = 3, cpus_per_shard: int | None = None,
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
-                   device: str = "auto", progress: bool = True, **merge_opts: Any) -> dict:
+                   device: str = "auto", progress: bool = True, wait: bool = False,
+                   **merge_opts: Any) -> dict:
     """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
 
     Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options.
@@ -242,65 +244,68 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         raise ValueError(f"--max-retries={max_retries}: expected 0 or more")
     emb = load_embedder(model, device="cpu", batch_size=batch_size)   # fails fast on a bad model
     ray = _ray()
-    started = connect(address, num_cpus)
-    try:
-        nodes = alive_nodes(ray)
-        n = shards or default_shards(nodes)
-        res = plan_resources(nodes, n, cpus_per_shard)
-        root = out / SHARDS_DIR
-        root.mkdir(parents=True, exist_ok=True)
-        _check_plan(root, gallery, n, emb.model_hash)
-        shared = IndexDir(root)                     # tasks read the model from the shared path
-        shared.copy_model(emb.path, emb.model_hash)
-        shared_model = shared.model_file
-        opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
-                "threads": res["num_cpus"], "device": device}
-        actor = ray.remote(num_cpus=0)(_Progress).remote(n)
-        ray.get(actor.state.remote())               # up before any task reports to it
-        task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
-        fault = os.environ.get(FAULT_ENV)
-        refs = {task.remote(str(gallery), str(root / str(i)), str(shared_model), i, n, opts, actor, fault): i
-                for i in range(n)}
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=None, desc=f"indexing ({n} shards on Ray)", unit="img")
-            threading.Thread(target=_count_files, args=(gallery, bar), daemon=True).start()
-        pending, manifests = list(refs), {}
+    # one writer per --out (indexer.lock), taken once the flags are checked and Ray is there;
+    # the merge below re-enters it
+    with writer_lock(out, "indexer build --ray", wait=wait):
+        started = connect(address, num_cpus)
         try:
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-                for r in ready:
-                    i = refs[r]
-                    try:
-                        manifests[i] = ray.get(r)
-                    except ray.exceptions.RayError as e:
-                        for p in pending:
-                            ray.cancel(p)
-                        attempts = ray.get(actor.state.remote())[1][i]
-                        raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
-                                           f"{_one_line(e)}; rerun the same command to resume") from None
-                if bar is not None:
-                    bar.n = sum(ray.get(actor.state.remote())[0])
+            nodes = alive_nodes(ray)
+            n = shards or default_shards(nodes)
+            res = plan_resources(nodes, n, cpus_per_shard)
+            root = out / SHARDS_DIR
+            root.mkdir(parents=True, exist_ok=True)
+            _check_plan(root, gallery, n, emb.model_hash)
+            shared = IndexDir(root)                     # tasks read the model from the shared path
+            shared.copy_model(emb.path, emb.model_hash)
+            shared_model = shared.model_file
+            opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
+                    "threads": res["num_cpus"], "device": device}
+            actor = ray.remote(num_cpus=0)(_Progress).remote(n)
+            ray.get(actor.state.remote())               # up before any task reports to it
+            task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
+            fault = os.environ.get(FAULT_ENV)
+            refs = {task.remote(str(gallery), str(root / str(i)), str(shared_model), i, n, opts, actor, fault): i
+                    for i in range(n)}
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=None, desc=f"indexing ({n} shards on Ray)", unit="img")
+                threading.Thread(target=_count_files, args=(gallery, bar), daemon=True).start()
+            pending, manifests = list(refs), {}
+            try:
+                while pending:
+                    ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+                    for r in ready:
+                        i = refs[r]
+                        try:
+                            manifests[i] = ray.get(r)
+                        except ray.exceptions.RayError as e:
+                            for p in pending:
+                                ray.cancel(p)
+                            attempts = ray.get(actor.state.remote())[1][i]
+                            raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
+                                               f"{_one_line(e)}; rerun the same command to resume") from None
+                    if bar is not None:
+                        bar.n = sum(ray.get(actor.state.remote())[0])
+                        bar.refresh()
+                attempts = ray.get(actor.state.remote())[1]
+                if bar is not None:      # the shards' own counts are the final word
+                    bar.n = sum(int(mm["ingest"]["found"]) for mm in manifests.values())
+                    bar.total = max(bar.total or 0, bar.n)
                     bar.refresh()
-            attempts = ray.get(actor.state.remote())[1]
-            if bar is not None:      # the shards' own counts are the final word
-                bar.n = sum(int(mm["ingest"]["found"]) for mm in manifests.values())
-                bar.total = max(bar.total or 0, bar.n)
-                bar.refresh()
+            finally:
+                if bar is not None:
+                    bar.close()
         finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        if started:
-            ray.shutdown()
-    dirs = [root / str(i) for i in range(n)]
-    m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
-    m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res,
-                "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
-                "seconds": round(time.perf_counter() - t0, 3)}
-    return m
+            if started:
+                ray.shutdown()
+        dirs = [root / str(i) for i in range(n)]
+        m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
+        m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res,
+                    "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
+                    "seconds": round(time.perf_counter() - t0, 3)}
+        return m
 
 
 # ---------------------------------------------------------------------------- command line
@@ -333,7 +338,7 @@ def build_from_args(args: Any, index_options: dict) -> dict:
     m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
-                       progress=not args.quiet, **index_options)
+                       progress=not args.quiet, wait=args.wait, **index_options)
     r = m["ray"]
     skipped = int(m.get("ingest", {}).get("skipped", 0))
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
