@@ -347,7 +347,7 @@ def decode_probes(url: str, proc: subprocess.Popen, root: Path) -> list[tuple[st
         r = c.post(f"{url}/api/search", files={"image": ("big.webp", webp.read_bytes())})
     rows.append((f"{n}x{n} WebP ({webp.stat().st_size / 1e3:.0f} KB), /api/search",
                  "413/415, one line naming the file, its size and the cap; decoded nothing",
-                 f"{r.status_code}: \"{r.json().get('error', '')[:170]}\"; health {health(url)}"))
+                 f"{r.status_code}: \"{r.json().get('error', '')}\"; health {health(url)}"))
     return rows
 
 
@@ -383,7 +383,7 @@ def writer_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
     info = _cli("info", "--index", d)
     rows.append(("two `indexer add` at once into one index",
                  "one exits 1 with one line naming the other's pid; the other's images all indexed; info exit 0",
-                 f"exit codes {codes}; \"{refusal.split(': ', 1)[-1][-120:]}\" ({len(refusal.splitlines())} line); "
+                 f"exit codes {codes}; \"{refusal.replace(str(d), 'DIR')}\" ({len(refusal.splitlines())} line); "
                  f"info exit {info.returncode}: {check_counts(d).message}"))
     d = root / "w2"
     shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
@@ -411,7 +411,7 @@ def writer_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
     fixed = _cli("repair", "--index", d, "--quiet")
     rows.append(("store holds an image index.faiss lacks (a writer died between the two)",
                  "`indexer info` exit 1, one line naming the counts and `indexer repair`; repair fixes it",
-                 f"info exit {info.returncode}, {len(lines)} line: \"...{(lines or [''])[0].split('counts differ: ')[-1][:150]}\"; "
+                 f"info exit {info.returncode}, {len(lines)} line: \"{(lines or [''])[0].replace(str(d), 'DIR')}\"; "
                  f"repair exit {fixed.returncode}, then info exit {_cli('info', '--index', d).returncode}"))
     return rows
 
