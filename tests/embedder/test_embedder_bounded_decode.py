@@ -90,10 +90,16 @@ def test_large_images_reach_the_model_at_the_size_it_needs(photo, kind, monkeypa
 
 
 @pytest.mark.parametrize("kind", RAW)
-def test_uncompressed_files_are_never_decoded_whole(photo, kind, small_budget):
-    """A BMP/TIFF frame of 1.5-6 MB under a 1 MB budget still decodes: only strips of rows were
-    ever read (the full-frame path would have refused it)."""
+def test_uncompressed_files_are_never_decoded_whole(photo, kind, small_budget, monkeypatch):
+    """A BMP/TIFF frame of 1.5-6 MB under a 1 MB budget still decodes, and the opened file's
+    own (whole-frame) ``load`` is never called: only strips of rows were read from the file."""
     data = _encode(photo, kind)
+    plugin = type(Image.open(io.BytesIO(data)))             # BmpImageFile / TiffImageFile
+
+    def whole_frame_decode(self):
+        raise AssertionError(f"{kind}: the whole frame was decoded")
+
+    monkeypatch.setattr(plugin, "load", whole_frame_decode)
     img = load_image(data, min_side=MIN_SIDE, name=kind)
     assert MIN_SIDE <= min(img.size) < 2 * MIN_SIDE
     assert small_budget.used == 0
