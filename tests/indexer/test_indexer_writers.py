@@ -90,8 +90,11 @@ def test_writer_lock_refuses_and_waits(index_copy: Path, new_folders):
         assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert f"is being written by pid {os.getpid()} (test holder" in p.stderr
         waiting = _popen("remove", victim, "--index", index_copy, "--wait")
-        line = waiting.stderr.readline()          # printed before it blocks on the lock
-        assert "waiting for it to finish" in line, line
+        lines = []                                # the note is printed before it blocks on the lock
+        while not lines or "waiting for it to finish" not in lines[-1]:
+            lines.append(waiting.stderr.readline())
+            assert lines[-1] and len(lines) < 50, lines
+        assert f"is being written by pid {os.getpid()}" in lines[-1], lines
         assert waiting.poll() is None             # still blocked: we hold the lock
     out, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0, err
