@@ -174,16 +174,20 @@ class DAS(nn.Module):
                              f"{self.frm.device}: move the module with .to(device)")
         return labels.to(self.frm.device)
 
+    def _host_range_check(self, labels: Tensor) -> None:
+        """On CPU: one reduction read on the host (free there); the offending ids only on
+        error. (Also the fused kernels' check on CPU: the interpreter skips device asserts.)"""
+        lo, hi = (int(t) for t in torch.aminmax(labels)) if labels.numel() else (0, 0)
+        if lo < 0 or hi >= self.num_classes:
+            bad = (labels < 0) | (labels >= self.num_classes)
+            raise ValueError(f"labels: expected class ids in [0, {self.num_classes}), "
+                             f"got {labels[bad][:5].tolist()}")
+
     def _eager_labels(self, labels: Tensor) -> Tensor:
         """int64 labels for the tensor code, range-checked (on CUDA without a host sync)."""
         labels = labels.long()
         if labels.device.type == "cpu":
-            # One reduction read on the host (free on CPU); the offending ids only on error.
-            lo, hi = (int(t) for t in torch.aminmax(labels)) if labels.numel() else (0, 0)
-            if lo < 0 or hi >= self.num_classes:
-                bad = (labels < 0) | (labels >= self.num_classes)
-                raise ValueError(f"labels: expected class ids in [0, {self.num_classes}), "
-                                 f"got {labels[bad][:5].tolist()}")
+            self._host_range_check(labels)
         else:  # no host sync on accelerators: fails asynchronously instead
             bad = (labels < 0) | (labels >= self.num_classes)
             torch._assert_async(~bad.any(), "DAS labels out of [0, num_classes)")
@@ -312,11 +316,9 @@ class DAS(nn.Module):
     def _fused_update(self, v: Tensor, y: Tensor) -> None:
         from . import das_triton
 
-        interpret = v.device.type != "cuda"
-        with das_triton.label_errors(y, self.num_classes):
-            das_triton.fused_update(v, y, self.frm, self.bank, self.bank_ptr, self.bank_count,
-                                    self._hash_weights, topk=self.topk, dfs=self.dfs,
-                                    mts=self.mts, interpret=interpret)
+        das_triton.fused_update(v, y, self.frm, self.bank, self.bank_ptr, self.bank_count,
+                                self._hash_weights, topk=self.topk, dfs=self.dfs, mts=self.mts,
+                                interpret=v.device.type != "cuda")
 
     def _fused_call(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """The whole call in three launches: update (training), one draw, produce; ``v`` is
@@ -329,12 +331,11 @@ class DAS(nn.Module):
         out = torch.empty(((T + 1) * B, self.dim), dtype=v.dtype, device=v.device)
         lab = torch.empty((T + 1) * B, dtype=y.dtype, device=v.device)
         r = self._draw(T, B, self._gen(), v.device)
-        with das_triton.label_errors(y, self.num_classes):
-            das_triton.fused_produce(
-                v, y, self.frm, self.bank, self.bank_count, r, out, lab, topk=self.topk,
-                dfs=self.dfs, mts=self.mts, bounds=self._bounds(), shift=self.shift_scale,
-                normalize=self.normalize, check_labels=not self.training,
-                interpret=v.device.type != "cuda")
+        das_triton.fused_produce(
+            v, y, self.frm, self.bank, self.bank_count, r, out, lab, topk=self.topk,
+            dfs=self.dfs, mts=self.mts, bounds=self._bounds(), shift=self.shift_scale,
+            normalize=self.normalize, check_labels=not self.training,
+            interpret=v.device.type != "cuda")
         return out, lab
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -351,6 +352,8 @@ class DAS(nn.Module):
         fused = self.backend != "eager" and self._use_fused(embeddings, y)
         if not fused:
             y = self._eager_labels(y)
+        elif y.device.type == "cpu":   # on CUDA: the kernels' device-side assert
+            self._host_range_check(y)
         grad_copies = not self.detach and torch.is_grad_enabled() and embeddings.requires_grad
         if fused and not grad_copies:
             if embeddings.requires_grad and torch.is_grad_enabled():
