@@ -167,3 +167,25 @@ def test_fused_labels_out_of_range_name_the_ids():
         for k, t in fused.state_dict().items():   # checked before any write: nothing changed
             if torch.is_tensor(t):
                 assert torch.equal(t, before[k]), k
+
+
+def test_auto_backend_falls_back_to_eager_when_the_kernels_fail(monkeypatch):
+    """backend="auto" runs the kernels only after they agreed with the eager code for this
+    kernel variant; kernels that fail (e.g. do not compile on an untested GPU) leave the module
+    on eager, which trains as before. The module lives on the inputs' device (the former
+    version of this test kept it on the CPU with CUDA inputs, and failed on every GPU)."""
+    from training import das as das_module
+    from training import das_check, das_triton
+
+    monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
+    monkeypatch.setattr(das_check, "_VERDICTS", {})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX compile failed")
+
+    monkeypatch.setattr(das_triton, "fused_produce", broken)
+    das = DAS(4, 8, seed=0).to(DEVICE)
+    v, y = torch.randn(6, 8, device=DEVICE), torch.tensor([0, 0, 1, 1, 2, 2], device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="PTX compile failed"):
+        out, _ = das(v, y)
+    assert out.shape == (24, 8) and das.bank_count[:3].tolist() == [2, 2, 2]
