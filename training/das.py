@@ -20,8 +20,6 @@ module's extra state so that a resumed run draws the same numbers.
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
 from typing import Any
 
 import torch
@@ -77,7 +75,7 @@ class DAS(nn.Module):
                  scale_bounds: tuple[float, float] | None = None, normalize: bool = True,
                  detach: bool = True, dfs: bool = True, mts: bool = True,
                  bank_dtype: torch.dtype = torch.float32, seed: int | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", graph: bool = False) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
@@ -109,6 +107,9 @@ class DAS(nn.Module):
         self.normalize, self.detach, self.dfs, self.mts = normalize, detach, dfs, mts
         self.seed = seed
         self.backend = backend
+        # CUDA-graph replay of the fused call (training/das_graph.py); off by default
+        self.graph = bool(graph)
+        self._graphs: dict[tuple, Any] = {}
         # FRM counts are kept in float32: exact up to 2**24 per cell and topk-friendly on CUDA.
         self.register_buffer("frm", torch.zeros(num_classes, dim))
         self.register_buffer("bank", torch.zeros(num_classes, bank_size, dim, dtype=bank_dtype))
@@ -155,7 +156,8 @@ class DAS(nn.Module):
         return (f"num_classes={self.num_classes}, dim={self.dim}, T={self.num_produce}, "
                 f"K={self.topk}, Z={self.bank_size}, {scale}, shift_scale={self.shift_scale}, "
                 f"normalize={self.normalize}, detach={self.detach}, dfs={self.dfs}, "
-                f"mts={self.mts}, bank_dtype={self.bank.dtype}, backend={self.backend}")
+                f"mts={self.mts}, bank_dtype={self.bank.dtype}, backend={self.backend}"
+                + (", graph=True" if self.graph else ""))
 
     # ------------------------------------------------------------------ checks
     def _check(self, embeddings: Tensor, labels: Tensor) -> Tensor:
@@ -203,19 +205,7 @@ class DAS(nn.Module):
             return False
         from . import das_check
 
-        key = das_check.variant_key(self, embeddings, labels)
-        ok = self._fused_ok.get(key)
-        if ok is None:
-            ok, reason = das_check.verdict(self, embeddings, labels, key)
-            self._fused_ok[key] = ok
-            if ok:
-                print(f"DAS: fused Triton kernels in use ({das_check.describe(key)}; "
-                      "self-check passed)", file=sys.stderr)
-            else:
-                warnings.warn(f"DAS: the fused Triton kernels are not used for "
-                              f"{das_check.describe(key)} ({reason}); running the eager tensor "
-                              "code instead", RuntimeWarning, stacklevel=3)
-        return ok
+        return das_check.decide(self, embeddings, labels)
 
     # ------------------------------------------------------------------ produce
     def _mask_index(self, y: Tensor) -> Tensor:
@@ -321,6 +311,13 @@ class DAS(nn.Module):
                                 interpret=v.device.type != "cuda")
 
     def _fused_call(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        if self.graph and v.device.type == "cuda":
+            from .das_graph import graphed_call
+
+            return graphed_call(self, v, y)
+        return self._fused_call_direct(v, y)
+
+    def _fused_call_direct(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """The whole call in three launches: update (training), one draw, produce; ``v`` is
         read in its own dtype and strides and never gets a gradient."""
         from . import das_triton

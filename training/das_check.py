@@ -24,13 +24,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["variant_key", "describe", "verdict", "run_spec", "spec_of"]
+__all__ = ["decide", "variant_key", "describe", "verdict", "run_spec", "spec_of"]
 
 #: seconds the child may take (imports, compiling two kernels, two steps of each backend)
 TIMEOUT_S = 600
@@ -54,7 +55,7 @@ def _spec_int(n: int) -> str:
 def variant_key(das, emb: Tensor, y: Tensor) -> tuple:
     """Everything that makes Triton compile (or specialise) the two kernels differently."""
     B, d = emb.shape
-    return (str(emb.device), str(emb.dtype), str(y.dtype), str(das.bank.dtype),
+    return (emb.device, emb.dtype, y.dtype, das.bank.dtype,
             _pow2(d), _pow2(B), das.topk, das.num_produce > 0, das.dfs, das.mts, das.normalize,
             das.training, das.detach,
             tuple(_spec_int(n) for n in (B, d, das.bank_size, das.num_classes, *emb.stride(),
@@ -64,7 +65,8 @@ def variant_key(das, emb: Tensor, y: Tensor) -> tuple:
 def describe(key: tuple) -> str:
     dev, emb, lab, bank, bd, bb, k, _, dfs, mts, norm, train, detach, _ = key
     sw = "+".join(n for n, on in (("dfs", dfs), ("mts", mts), ("normalize", norm)) if on)
-    return (f"{dev}, {emb.replace('torch.', '')} embeddings, {bank.replace('torch.', '')} bank, "
+    emb, bank = (str(t).replace("torch.", "") for t in (emb, bank))
+    return (f"{dev}, {emb} embeddings, {bank} bank, "
             f"BLOCK_D={bd}, BLOCK_B={bb}, K={k}, {sw or 'no switches'}, "
             f"{'train' if train else 'eval'}{'' if detach else ', detach=False'}")
 
@@ -165,6 +167,25 @@ def _run_isolated(spec: dict[str, Any]) -> tuple[bool, str]:
         return bool(res["ok"]), str(res["reason"])
     err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return False, f"the check process exited with status {proc.returncode}: {err[:300]}"
+
+
+def decide(das, emb: Tensor, y: Tensor) -> bool:
+    """The auto backend's choice for this batch's variant, remembered on the module: checked
+    on first sight; a pass says so on stderr (the training log shows which kernels ran), a
+    failure warns once, naming the cause, and leaves the module on the eager code."""
+    key = variant_key(das, emb, y)
+    ok = das._fused_ok.get(key)
+    if ok is None:
+        ok, reason = verdict(das, emb, y, key)
+        das._fused_ok[key] = ok
+        if ok:
+            print(f"DAS: fused Triton kernels in use ({describe(key)}; self-check passed)",
+                  file=sys.stderr)
+        else:
+            warnings.warn(f"DAS: the fused Triton kernels are not used for {describe(key)} "
+                          f"({reason}); running the eager tensor code instead", RuntimeWarning,
+                          stacklevel=4)
+    return ok
 
 
 def verdict(das, emb: Tensor, y: Tensor, key: tuple | None = None,

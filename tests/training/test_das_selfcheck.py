@@ -20,7 +20,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def auto(monkeypatch):
-    """auto considers the kernels on this device; fresh verdicts; the specs checked."""
+    """auto considers the kernels on this device; fresh verdicts; the specs checked, always
+    in-process (on CUDA too, so that the spy and the patched kernels below see them; the
+    child process has tests of its own at the end)."""
     monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
     monkeypatch.setattr(das_check, "_VERDICTS", {})
     specs = []
@@ -31,6 +33,7 @@ def auto(monkeypatch):
         return real(spec)
 
     monkeypatch.setattr(das_check, "run_spec", spy)
+    monkeypatch.setattr(das_check, "_run_isolated", spy)
     return specs
 
 
@@ -127,29 +130,26 @@ def test_a_compile_failure_of_a_later_variant_never_touches_the_state(auto, monk
         assert torch.equal(_state(das)[k], t), k
 
 
-def test_isolated_check_passes_in_a_child_process():
-    das = DAS(5, 8, num_produce=1, bank_size=3, seed=0)
+def test_isolated_check_passes_in_a_child_process(monkeypatch):
+    monkeypatch.setattr(das_check, "_VERDICTS", {})
+    das = DAS(5, 8, num_produce=1, bank_size=3, seed=0).to(DEVICE)
     v, y = _data(6, d=8, C=5)
-    das_check._VERDICTS.pop(das_check.variant_key(das, v, y), None)
     ok, reason = das_check.verdict(das, v, y, isolate=True)
-    das_check._VERDICTS.clear()
     assert ok, reason
 
 
-def test_a_crashing_check_process_leaves_the_trainer_on_eager(auto, monkeypatch):
+def test_a_crashing_check_process_leaves_the_trainer_on_eager(monkeypatch):
     """A sticky CUDA fault kills the context it happens in; the check's child process stands
     for it here by aborting. The parent gets a verdict, warns, and trains on eager."""
+    monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
+    monkeypatch.setattr(das_check, "_VERDICTS", {})
     monkeypatch.setenv("DAS_SELFCHECK_CRASH", "1")
-    monkeypatch.setattr(das_check, "verdict", lambda *a, **kw: _isolated(*a, **kw))
+    real = das_check.verdict
+    monkeypatch.setattr(das_check, "verdict",
+                        lambda das, emb, y, key=None: real(das, emb, y, key, isolate=True))
     das = DAS(5, 8, num_produce=1, seed=0).to(DEVICE)
+    ref = DAS(5, 8, num_produce=1, seed=0, backend="eager").to(DEVICE)
     v, y = _data(6, d=8, C=5)
     with pytest.warns(RuntimeWarning, match="check process exited with status"):
         out, _ = das(v, y)
-    assert out.shape == (12, 8) and not auto                   # never ran in-process
-
-
-_real_verdict = das_check.verdict
-
-
-def _isolated(das, emb, y, key=None, isolate=None):
-    return _real_verdict(das, emb, y, key, isolate=True)
+    torch.testing.assert_close(out, ref(v, y)[0], rtol=0, atol=0)
