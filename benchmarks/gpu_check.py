@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/training/test_device.py", "tests/training/test_das_module.py",
               "tests/training/test_das_fused.py", "tests/training/test_das_launches.py",
-              "tests/training/test_das_selfcheck.py", "tests/training/test_das_compile.py",
+              "tests/training/test_das_selfcheck.py",
               "tests/training/test_losses_formulas.py", "tests/training/test_samplers_formulas.py"]
 #: (test file, words of the skip reason): the only skips a CUDA run may have
 ALLOWED_SKIPS = [("tests/training/test_das_fused.py", "the interpreter is a CPU-only path")]
