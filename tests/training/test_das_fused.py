@@ -143,15 +143,15 @@ def test_strided_and_int32_labels_and_strided_embeddings():
     as if contiguous (a silently wrong state). int32 labels and a transposed embedding matrix
     cost no conversion and give the same state and copies as contiguous int64 inputs."""
     eager, fused = _pair(num_classes=6, dim=16, bank_size=4, scale_range=0.5, shift_scale=0.3)
-    for v, y in _batches(6, 16, 10, steps=2, seed=6):
+    for dtype, (v, y) in zip((torch.long, torch.int32), _batches(6, 16, 10, steps=2, seed=6)):
         y_wide = torch.stack([y, torch.full_like(y, 5)], 1).reshape(-1)     # y at [::2]
-        labels = y_wide.to(torch.int32)[::2]
+        labels = y_wide.to(dtype)[::2]
         v_t = v.t().contiguous().t()                                        # strides (1, B)
         assert labels.stride() == (2,) and v_t.stride() == (1, 10)
         out_e, lab_e = eager(v, y)
         out_f, lab_f = fused(v_t, labels)
         _assert_same_state(eager, fused)
-        assert lab_f.dtype == torch.int32 and torch.equal(lab_f.long(), lab_e)
+        assert lab_f.dtype == dtype and torch.equal(lab_f.long(), lab_e)
         torch.testing.assert_close(out_f, out_e, rtol=0, atol=1e-6)
 
 
