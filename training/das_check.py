@@ -59,11 +59,12 @@ def variant_key(das, emb: Tensor, y: Tensor) -> tuple:
             _pow2(d), _pow2(B), das.topk, das.num_produce > 0, das.dfs, das.mts, das.normalize,
             das.training, das.detach,
             tuple(_spec_int(n) for n in (B, d, das.bank_size, das.num_classes, *emb.stride(),
-                                         *y.stride())))
+                                         *y.stride())),
+            emb.data_ptr() % 16, y.data_ptr() % 16)       # pointer alignment: also specialised
 
 
 def describe(key: tuple) -> str:
-    dev, emb, lab, bank, bd, bb, k, _, dfs, mts, norm, train, detach, _ = key
+    dev, emb, lab, bank, bd, bb, k, _, dfs, mts, norm, train, detach = key[:13]
     sw = "+".join(n for n, on in (("dfs", dfs), ("mts", mts), ("normalize", norm)) if on)
     emb, bank = (str(t).replace("torch.", "") for t in (emb, bank))
     return (f"{dev}, {emb} embeddings, {bank} bank, "
@@ -80,7 +81,19 @@ def spec_of(das, emb: Tensor, y: Tensor) -> dict[str, Any]:
             "bank_dtype": str(das.bank.dtype), "training": das.training,
             "device": str(emb.device), "batch": emb.shape[0], "emb_dtype": str(emb.dtype),
             "emb_stride": list(emb.stride()), "label_dtype": str(y.dtype),
-            "label_stride": list(y.stride())}
+            "label_stride": list(y.stride()), "emb_align": emb.data_ptr() % 16,
+            "label_align": y.data_ptr() % 16}
+
+
+def _layout(shape: tuple[int, ...], stride: list[int], dtype: torch.dtype, device: str,
+            align: int) -> Tensor:
+    """An empty tensor with these strides whose address is ``align`` bytes past a multiple
+    of 16, as the real input's (Triton assumes 16-byte alignment where it holds)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 1
+    base = torch.empty(span + 16 // item + 1, dtype=dtype, device=device)
+    off = ((align - base.data_ptr()) % 16) // item
+    return base.as_strided(shape, stride, off)
 
 
 def _batch(spec: dict[str, Any], g: torch.Generator, step: int) -> tuple[Tensor, Tensor]:
@@ -96,10 +109,10 @@ def _batch(spec: dict[str, Any], g: torch.Generator, step: int) -> tuple[Tensor,
     y[:min(5, B)] = (1 + step) % C
     if B >= 7:
         v[6], y[6] = v[5], y[5]
-    emb = torch.empty_strided((B, d), spec["emb_stride"], dtype=_DTYPES[spec["emb_dtype"]],
-                              device=spec["device"])
-    lab = torch.empty_strided((B,), spec["label_stride"], dtype=_DTYPES[spec["label_dtype"]],
-                              device=spec["device"])
+    emb = _layout((B, d), spec["emb_stride"], _DTYPES[spec["emb_dtype"]], spec["device"],
+                  spec.get("emb_align", 0))
+    lab = _layout((B,), spec["label_stride"], _DTYPES[spec["label_dtype"]], spec["device"],
+                  spec.get("label_align", 0))
     emb.copy_(v)
     lab.copy_(y)
     return emb.requires_grad_(emb.dtype.is_floating_point), lab

@@ -79,7 +79,25 @@ def test_variant_key_names_everything_that_compiles_differently():
     for vv, yy in ((v.bfloat16(), y), (v, y.int()), (v, torch.stack([y, y], 1)[:, 0]),
                    (_data(16)[0], _data(16)[1]), (_data(40)[0], _data(40)[1])):
         keys.add(das_check.variant_key(das, vv, yy))
-    assert len(keys) == 12
+    y_wide = torch.stack([y, y], 1).reshape(-1)
+    keys.add(das_check.variant_key(das, v, y_wide[1::2]))     # 8 bytes off 16-byte alignment
+    assert len(keys) == 13
+
+
+def test_the_check_reproduces_the_batch_layout():
+    """Strides, dtypes and the 16-byte misalignment of a sliced label tensor, as Triton
+    specialises on them."""
+    das = DAS(6, 16, seed=0)
+    v, y = _data(12)
+    v_t = v.t().contiguous().t().bfloat16()
+    y_odd = torch.stack([y, y], 1).reshape(-1).to(torch.int32)[1::2]
+    spec = das_check.spec_of(das, v_t, y_odd)
+    emb, lab = das_check._batch(spec, torch.Generator().manual_seed(0), 0)
+    assert (emb.dtype, emb.stride(), emb.data_ptr() % 16) == (v_t.dtype, v_t.stride(),
+                                                              v_t.data_ptr() % 16)
+    assert (lab.dtype, lab.stride(), lab.data_ptr() % 16) == (torch.int32, (2,), 4)
+    assert emb.requires_grad and das_check.variant_key(das, emb, lab) == \
+        das_check.variant_key(das, v_t, y_odd)
 
 
 def test_a_state_bug_is_caught_and_leaves_the_module_untouched_on_eager(auto, monkeypatch):
