@@ -58,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tiny settings everywhere (1 epoch, few benchmark steps)")
     p.add_argument("--skip-tests", action="store_true", help="skip step 1 (pytest)")
     p.add_argument("--skip-bench", action="store_true", help="skip step 5 (DAS benchmark)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock seconds for the whole check (default 480 on CUDA, with "
+                        "per-step caps; none on CPU); a step that would run past it is cut "
+                        "(and FAILs)")
     p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "omniglot",
                    help="Omniglot root for the training run")
     p.add_argument("--out", type=Path, default=REPO / "bench_out" / "gpu_check",
@@ -65,16 +69,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: seconds each step may take at most (the whole check must fit ~8 min of a lent GPU's 15)
+STEP_CAPS = {"tests": 200, "train": 150, "info": 40, "bf16": 90, "bench": 240}
+_DEADLINE = [float("inf"), True]      # [monotonic deadline, per-step caps on]
+
+
 def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None,
-         timeout: float = 1800) -> tuple[int, str, float]:
-    """Run a command from the repository root, tee its output into ``log``."""
+         step: str = "tests") -> tuple[int, str, float]:
+    """Run a command from the repository root, tee its output into ``log``; it gets at most
+    its step's cap and what is left of the --budget-s."""
+    cap = STEP_CAPS[step] if _DEADLINE[1] else float("inf")
+    timeout = max(1.0, min(cap, _DEADLINE[0] - time.monotonic()))
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, text = 124, f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout} s"
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+               for x in (e.stdout, e.stderr)]
+        rc, text = 124, f"{out[0]}{out[1]}\ntimed out after {timeout:.0f} s"
     log.write_text(" ".join(cmd) + "\n\n" + text)
     return rc, text, time.perf_counter() - t0
 
@@ -97,7 +111,7 @@ def judge_tests(text: str, rc: int, device: str) -> tuple[bool, str]:
 
 def step_tests(args, env) -> tuple[bool, str]:
     rc, text, secs = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           *CUDA_TESTS], args.out / "tests.log", env)
+                           *CUDA_TESTS], args.out / "tests.log", env, "tests")
     ok, note = judge_tests(text, rc, args.device)
     return ok, note + f" ({secs:.0f} s)"
 
@@ -124,7 +138,7 @@ def step_train(args, env) -> tuple[bool, str, Path | None]:
         cmd += ["--max_classes", "16", "--batch_size", "32", "--per_class", "2",
                 "--eval_clustering", "false"]
     cmd += ["--device", "cpu"] if args.device == "cpu" else []   # cuda: the default, "auto"
-    rc, text, secs = _run(cmd, args.out / "train.log", env)
+    rc, text, secs = _run(cmd, args.out / "train.log", env, "train")
     device = re.search(r"^device: (\S+)", text, re.M)
     onnx = run_dir / "model.onnx"
     metrics = run_dir / "metrics.json"
@@ -155,7 +169,7 @@ def step_bf16(args, env) -> tuple[bool, str]:
            "--set", "lr_milestones=[2]", "--amp", "bf16", "--das_bank_dtype", "bfloat16",
            "--max_classes", "32", "--per_class", "4", "--eval_clustering", "false",
            "--export_onnx", "false", "--device", args.device]
-    rc, text, secs = _run(cmd, args.out / "train_bf16.log", env)
+    rc, text, secs = _run(cmd, args.out / "train_bf16.log", env, "bf16")
     metrics = run_dir / "metrics.json"
     if rc != 0 or not metrics.exists():
         last = text.strip().splitlines()[-1:] or [""]
@@ -175,7 +189,7 @@ def step_info(args, env, onnx: Path | None) -> tuple[bool, str]:
     if onnx is None:
         return False, "no model (training step failed)"
     rc, text, _ = _run([sys.executable, "-m", "embedder", "info", str(onnx), "--json"],
-                       args.out / "embedder_info.log", env)
+                       args.out / "embedder_info.log", env, "info")
     if rc != 0:
         return False, f"exit {rc}"
     info = json.loads(text[text.index("{"):])
@@ -232,7 +246,7 @@ def step_bench(args, env) -> tuple[bool, str, list[tuple[str, bool | None, str]]
     if args.quick:
         cmd += ["--module-steps", "5", "--steps", "2", "--warmup", "1",
                 "--backbones", "small_cnn:28", "--cuda-backbones", "small_cnn:28"]
-    rc, text, secs = _run(cmd, args.out / "das_overhead.log", env)
+    rc, text, secs = _run(cmd, args.out / "das_overhead.log", env, "bench")
     if rc != 0 or not figs.exists():
         return False, f"exit {rc} (see {args.out / 'das_overhead.log'})", []
     rows = bench_goals(json.loads(figs.read_text()), args.device)
@@ -249,6 +263,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    budget = args.budget_s if args.budget_s is not None else (
+        480.0 if args.device == "cuda" else float("inf"))
+    _DEADLINE[:] = [time.monotonic() + budget, args.device == "cuda"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
