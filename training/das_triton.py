@@ -34,7 +34,6 @@ The same kernel bodies run on CPU tensors under Triton's interpreter (``interpre
 slow, but it is how the CPU test suite checks them against the eager module. Every launch goes
 through `_launch`, which the tests wrap to count launches.
 """
-from __future__ import annotations
 
 import functools
 from types import SimpleNamespace

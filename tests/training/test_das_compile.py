@@ -26,7 +26,8 @@ from training import das_triton as dt
 target, opts = GPUTarget("cuda", 90, 32), {"debug": True, "sanitize_overflow": False}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 res = []
-for D, K, emb, lab, bank, B in ((512, 4, "fp32", "i64", "fp32", 128), (2048, 8, "bf16", "i32", "bf16", 512),
+for D, K, emb, lab, bank, B in ((512, 4, "fp32", "i64", "fp32", 128),
+                                (2048, 8, "bf16", "i32", "bf16", 512),
                                 (128, 8, "fp16", "i64", "fp16", 16)):
     common = {"v": f"*{emb}", "sv0": "i32", "sv1": "i32", "y": f"*{lab}", "sy": "i32",
               "frm": "*fp32", "bank": f"*{bank}", "count": "*i64"}
@@ -54,6 +55,7 @@ print(json.dumps(res))
 '''
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])

@@ -35,7 +35,7 @@ PYTEST_NO_TRITON = """\
 ........ssssssssssss...
 =========================== short test summary info ============================
 SKIPPED [1] tests/training/test_das_fused.py:16: could not import 'triton': No module named 'triton'
-SKIPPED [1] tests/training/test_das_launches.py:15: could not import 'triton': No module named 'triton'
+SKIPPED [1] tests/training/test_das_launches.py:15: could not import 'triton': No module named 'tr'
 40 passed, 2 skipped in 12.31s
 """
 PYTEST_ALLOWED = """\
