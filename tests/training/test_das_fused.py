@@ -8,6 +8,11 @@ summation order and FMA contraction). On CPU the kernels run in Triton's interpr
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +21,7 @@ from training.das import DAS
 triton = pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _pair(**kw) -> tuple[DAS, DAS]:
@@ -158,6 +164,17 @@ def test_strided_and_int32_labels_and_strided_embeddings():
 def test_fused_labels_out_of_range_name_the_ids():
     """On CUDA the range check is a device-side assert in the kernels (no extra launches); on
     CPU (the interpreter skips device asserts) a host check names the ids, before any write."""
+    if DEVICE == "cuda":   # the assert kills the CUDA context: fire it in a child process
+        code = ("import torch; from training.das import DAS; "
+                "das = DAS(4, 8, seed=0, backend='triton').cuda(); "
+                "das(torch.randn(3, 8, device='cuda'), torch.tensor([1, 7, 2], device='cuda')); "
+                "torch.cuda.synchronize()")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
+            "PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode != 0 and "DAS labels out of [0, num_classes)" in proc.stderr
+        return
     _, fused = _pair(num_classes=4, dim=8)
     before = {k: t.clone() for k, t in fused.state_dict().items() if torch.is_tensor(t)}
     for train in (True, False):
