@@ -6,10 +6,12 @@ one summary with a PASS/FAIL line per check and per goal, each with its figure.
 
 On the GPU machine lent through the `device` tool: ``../shared/tools/device-prep.sh`` here,
 then run with carry [".device-carry"] and the command
-``source .device-carry/env.sh && python benchmarks/gpu_check.py``.
+``source .device-carry/env.sh && python benchmarks/gpu_check.py --out $OUT/gpu_check`` (the
+logs, the benchmark's table and JSON and the summary then come back with the reply).
 
-Steps, each reported as a row of the summary (CI has no GPU: this is for sessions and users
-that have one):
+Steps, each reported as a row of the summary (also written to OUT/summary.txt; CI has no GPU:
+this is for sessions and users that have one). Step 5 runs first, so that the budget cuts a
+check rather than the figures:
 1. the CUDA tests: device resolution, the DAS module (eager and fused Triton kernels, launch
    count, self-check, host-sync free), losses and samplers. Any skipped test fails the step
    unless it is on `ALLOWED_SKIPS` (a missing triton, for one, skips the fused tests: FAIL);
@@ -270,27 +272,42 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     rows: list[tuple[str, bool | None, str]] = []
-    if args.skip_tests:
-        rows.append(("CUDA tests", None, "skipped"))
-    else:
-        rows.append(("CUDA tests", *step_tests(args, env)))
-    ok, note, onnx = step_train(args, env)
-    rows.append(("training CLI, default device", ok, note))
-    rows.append(("ONNX model (embedder info)", *step_info(args, env, onnx)))
-    rows.append(("training with bf16 autocast + bf16 bank", *step_bf16(args, env)))
+
+    def progress(name: str) -> None:   # one line per step: the steps run for minutes
+        left = _DEADLINE[0] - time.monotonic()
+        print(f"gpu_check: {name}" + (f" ({left:.0f} s of the budget left)"
+                                      if left != float("inf") else ""), file=sys.stderr,
+              flush=True)
+
+    # The benchmark first: its figures are what a short GPU loan is for, and the budget
+    # cuts the last step, not the figures.
     if args.skip_bench:
         rows.append(("DAS overhead", None, "skipped"))
     else:
+        progress("DAS overhead benchmark")
         ok, note, goals = step_bench(args, env)
         rows += [("DAS overhead benchmark", ok, note), *goals]
+    if args.skip_tests:
+        rows.append(("CUDA tests", None, "skipped"))
+    else:
+        progress("CUDA tests")
+        rows.append(("CUDA tests", *step_tests(args, env)))
+    progress("training run")
+    ok, note, onnx = step_train(args, env)
+    rows.append(("training CLI, default device", ok, note))
+    rows.append(("ONNX model (embedder info)", *step_info(args, env, onnx)))
+    progress("bf16 training run")
+    rows.append(("training with bf16 autocast + bf16 bank", *step_bf16(args, env)))
 
-    print(f"\ngpu_check on {card} (torch {torch.__version__}); logs in {args.out}")
+    lines = [f"gpu_check on {card} (torch {torch.__version__}); logs in {args.out}"]
     for name, ok, note in rows:
         mark = ("SKIP" if note == "skipped" else "INFO") if ok is None else (
             "PASS" if ok else "FAIL")
-        print(f"  {mark}  {name}: {note}")
+        lines.append(f"  {mark}  {name}: {note}")
     failed = [name for name, ok, _ in rows if ok is False]
-    print("all checks passed" if not failed else f"failed: {', '.join(failed)}")
+    lines.append("all checks passed" if not failed else f"failed: {', '.join(failed)}")
+    print("\n" + "\n".join(lines))
+    (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
     return 1 if failed else 0
 
 
