@@ -30,9 +30,10 @@ from .das_bank import update_bank, update_frm
 
 __all__ = ["DAS", "BACKENDS"]
 
-#: ``auto``: the fused Triton kernels (training/das_triton.py) on CUDA, this file's tensor code
-#: elsewhere; ``eager``: this file's code everywhere; ``triton``: the kernels everywhere (on CPU
-#: through Triton's interpreter: slow, for tests).
+#: ``auto``: the fused Triton kernels (training/das_triton.py) on CUDA once their self-check
+#: passed for the batch's kernel variant (training/das_check.py), this file's tensor code
+#: elsewhere; ``eager``: this file's code everywhere; ``triton``: the kernels everywhere,
+#: unchecked (on CPU through Triton's interpreter: slow, for tests).
 BACKENDS = ("auto", "eager", "triton")
 
 

@@ -156,6 +156,8 @@ def run_spec(spec: dict[str, Any]) -> tuple[bool, str]:
             a, b = getattr(mods[0], name), getattr(mods[1], name)
             if not torch.equal(a, b):
                 return False, f"step {step + 1}: {name} differs from the eager code's"
+        if not torch.equal(mods[0]._gen().get_state(), mods[1]._gen().get_state()):
+            return False, f"step {step + 1}: the generator drew more or fewer numbers than eager"
         if not torch.equal(le, lf) or oe.dtype != of.dtype or oe.shape != of.shape:
             return False, f"step {step + 1}: labels, output dtype or shape differ"
         err = (oe.float() - of.float()).abs().max().item() if oe.numel() else 0.0
