@@ -82,6 +82,7 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None,
     its step's cap and what is left of the --budget-s."""
     cap = STEP_CAPS[step] if _DEADLINE[1] else float("inf")
     timeout = max(1.0, min(cap, _DEADLINE[0] - time.monotonic()))
+    timeout = None if math.isinf(timeout) else timeout
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
@@ -90,7 +91,7 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None,
     except subprocess.TimeoutExpired as e:
         out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
                for x in (e.stdout, e.stderr)]
-        rc, text = 124, f"{out[0]}{out[1]}\ntimed out after {timeout:.0f} s"
+        rc, text = 124, f"{out[0]}{out[1]}\ntimed out after {timeout:.0f} s (budget)"
     log.write_text(" ".join(cmd) + "\n\n" + text)
     return rc, text, time.perf_counter() - t0
 

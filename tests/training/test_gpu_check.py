@@ -101,6 +101,17 @@ def test_every_goal_is_a_row_with_its_figure(gpu_check):
     assert rows["goal: <= 3 launches per DAS call (triton)"] is False
 
 
+def test_a_step_past_the_budget_is_cut(gpu_check, tmp_path, monkeypatch):
+    """The check must fit ~8 minutes of a lent GPU: a step gets what is left of the budget."""
+    import time
+
+    monkeypatch.setattr(gpu_check, "_DEADLINE", [time.monotonic() + 1.5, True])
+    rc, text, secs = gpu_check._run([sys.executable, "-c", "import time; time.sleep(30)"],
+                                    tmp_path / "step.log", None, "tests")
+    assert rc == 124 and "timed out after" in text and secs < 20
+    assert (tmp_path / "step.log").read_text().startswith(sys.executable)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_without_cuda_it_says_so_in_one_line():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
