@@ -20,8 +20,6 @@ module's extra state so that a resumed run draws the same numbers.
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
 from typing import Any
 
 import torch
@@ -32,45 +30,36 @@ from .das_bank import update_bank, update_frm
 
 __all__ = ["DAS", "BACKENDS"]
 
-#: ``auto``: the fused Triton kernels (training/das_triton.py) on CUDA, this file's tensor code
-#: elsewhere; ``eager``: this file's code everywhere; ``triton``: the kernels everywhere (on CPU
-#: through Triton's interpreter: slow, for tests).
+#: ``auto``: the fused Triton kernels (training/das_triton.py) on CUDA once their self-check
+#: passed for the batch's kernel variant (training/das_check.py), this file's tensor code
+#: elsewhere; ``eager``: this file's code everywhere; ``triton``: the kernels everywhere,
+#: unchecked (on CPU through Triton's interpreter: slow, for tests).
 BACKENDS = ("auto", "eager", "triton")
 
 
-@functools.lru_cache(maxsize=None)
-def _fused_works(device: str) -> bool:
-    """Whether the fused kernels compile and agree with the eager code on ``device``: checked
-    once per device on a small batch before ``backend="auto"`` trusts them; a failure warns
-    and leaves that device on the eager code, so training never depends on the kernels."""
+def _auto_candidate(device: torch.device) -> bool:
+    """Whether ``backend="auto"`` considers the kernels on ``device`` (then self-checks them)."""
+    if device.type != "cuda":
+        return False
     from . import das_triton   # imported only where it may run: triton costs ~0.3 s
 
-    if not das_triton.available(torch.device(device)):
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        v = torch.randn(12, 16, generator=g).to(device)
-        y = (torch.arange(12) % 4).to(device)
-        # distinct FRM counts: tied counts may be ranked differently (see das_triton)
-        counts = torch.stack([torch.randperm(16, generator=g) for _ in range(4)]) * 100.0
-        outs = []
-        for backend in ("eager", "triton"):
-            das = DAS(4, 16, num_produce=2, bank_size=4, scale_range=0.2, shift_scale=0.5,
-                      seed=0, backend=backend).to(device)
-            das.frm.copy_(counts)
-            outs.append((das(v, y)[0], das(v.flip(0), y)[0], das.frm, das.bank, das.bank_count))
-        (e_out1, e_out2, *e_state), (f_out1, f_out2, *f_state) = outs
-        same_state = all(torch.equal(a, b) for a, b in zip(e_state, f_state))
-        close = all(torch.allclose(a, b, rtol=0, atol=1e-5)
-                    for a, b in ((e_out1, f_out1), (e_out2, f_out2)))
-        if same_state and close:
-            return True
-        reason = "their results differ from the eager code's"
-    except Exception as e:  # a kernel that fails to compile must not stop a training run
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"DAS: the fused Triton kernels are not used on {device} ({reason}); "
-                  "running the eager tensor code instead", RuntimeWarning, stacklevel=3)
-    return False
+    return das_triton.available(device)
+
+
+class _FusedCall(torch.autograd.Function):
+    """The fused call as one autograd node: the real rows are copied into ``out[:B]`` by the
+    produce kernel, so their gradient is routed back by hand (the copies are constants)."""
+
+    @staticmethod
+    def forward(ctx, embeddings: Tensor, labels: Tensor, das: "DAS"):
+        out, lab = das._fused_call(embeddings.detach(), labels)
+        ctx.mark_non_differentiable(lab)
+        ctx.rows = embeddings.shape[0]
+        return out, lab
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_lab: Tensor | None):
+        return grad_out[:ctx.rows], None, None
 
 
 class DAS(nn.Module):
@@ -87,7 +76,7 @@ class DAS(nn.Module):
                  scale_bounds: tuple[float, float] | None = None, normalize: bool = True,
                  detach: bool = True, dfs: bool = True, mts: bool = True,
                  bank_dtype: torch.dtype = torch.float32, seed: int | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", graph: bool = False) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
@@ -119,6 +108,9 @@ class DAS(nn.Module):
         self.normalize, self.detach, self.dfs, self.mts = normalize, detach, dfs, mts
         self.seed = seed
         self.backend = backend
+        # CUDA-graph replay of the fused call (training/das_graph.py); off by default
+        self.graph = bool(graph)
+        self._graphs: dict[tuple, Any] = {}
         # FRM counts are kept in float32: exact up to 2**24 per cell and topk-friendly on CUDA.
         self.register_buffer("frm", torch.zeros(num_classes, dim))
         self.register_buffer("bank", torch.zeros(num_classes, bank_size, dim, dtype=bank_dtype))
@@ -130,6 +122,7 @@ class DAS(nn.Module):
         self.register_buffer("_hash_weights", w, persistent=False)
         self._generator: torch.Generator | None = None
         self._pending_rng: tuple[str, Tensor] | None = None
+        self._fused_ok: dict[tuple, bool] = {}   # auto: self-check verdict per kernel variant
 
     # ------------------------------------------------------------------ randomness / state
     def _gen(self) -> torch.Generator | None:
@@ -164,10 +157,13 @@ class DAS(nn.Module):
         return (f"num_classes={self.num_classes}, dim={self.dim}, T={self.num_produce}, "
                 f"K={self.topk}, Z={self.bank_size}, {scale}, shift_scale={self.shift_scale}, "
                 f"normalize={self.normalize}, detach={self.detach}, dfs={self.dfs}, "
-                f"mts={self.mts}, bank_dtype={self.bank.dtype}, backend={self.backend}")
+                f"mts={self.mts}, bank_dtype={self.bank.dtype}, backend={self.backend}"
+                + (", graph=True" if self.graph else ""))
 
     # ------------------------------------------------------------------ checks
     def _check(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        """Shapes, dtypes and devices; the labels on the state's device (dtype and strides
+        as given: the fused kernels read any integer labels and check their range)."""
         if embeddings.dim() != 2 or embeddings.shape[1] != self.dim:
             raise ValueError(f"embeddings: expected shape (B, {self.dim}), "
                              f"got {tuple(embeddings.shape)}")
@@ -176,18 +172,41 @@ class DAS(nn.Module):
                              f"got {tuple(labels.shape)}")
         if labels.dtype.is_floating_point or labels.dtype == torch.bool:
             raise ValueError(f"labels: expected an integer tensor, got {labels.dtype}")
-        labels = labels.to(device=self.frm.device, dtype=torch.long)
+        if embeddings.device != self.frm.device:
+            raise ValueError(f"embeddings on {embeddings.device} but the DAS state on "
+                             f"{self.frm.device}: move the module with .to(device)")
+        return labels.to(self.frm.device)
+
+    def _host_range_check(self, labels: Tensor) -> None:
+        """On CPU: one reduction read on the host (free there); the offending ids only on
+        error. (Also the fused kernels' check on CPU: the interpreter skips device asserts.)"""
+        lo, hi = (int(t) for t in torch.aminmax(labels)) if labels.numel() else (0, 0)
+        if lo < 0 or hi >= self.num_classes:
+            bad = (labels < 0) | (labels >= self.num_classes)
+            raise ValueError(f"labels: expected class ids in [0, {self.num_classes}), "
+                             f"got {labels[bad][:5].tolist()}")
+
+    def _eager_labels(self, labels: Tensor) -> Tensor:
+        """int64 labels for the tensor code, range-checked (on CUDA without a host sync)."""
+        labels = labels.long()
         if labels.device.type == "cpu":
-            # One reduction read on the host (free on CPU); the offending ids only on error.
-            lo, hi = (int(t) for t in torch.aminmax(labels)) if labels.numel() else (0, 0)
-            if lo < 0 or hi >= self.num_classes:
-                bad = (labels < 0) | (labels >= self.num_classes)
-                raise ValueError(f"labels: expected class ids in [0, {self.num_classes}), "
-                                 f"got {labels[bad][:5].tolist()}")
+            self._host_range_check(labels)
         else:  # no host sync on accelerators: fails asynchronously instead
             bad = (labels < 0) | (labels >= self.num_classes)
             torch._assert_async(~bad.any(), "DAS labels out of [0, num_classes)")
         return labels
+
+    def _use_fused(self, embeddings: Tensor, labels: Tensor) -> bool:
+        """``triton``: always; ``eager``: never; ``auto``: on CUDA, once the self-check of this
+        batch's kernel variant (training/das_check.py) passed. A failed check leaves this
+        module on the eager code for that variant, its state untouched, with one warning."""
+        if self.backend != "auto":
+            return self.backend == "triton"
+        if not _auto_candidate(embeddings.device):
+            return False
+        from . import das_check
+
+        return das_check.decide(self, embeddings, labels)
 
     # ------------------------------------------------------------------ produce
     def _mask_index(self, y: Tensor) -> Tensor:
@@ -200,19 +219,28 @@ class DAS(nn.Module):
             return self.frm.topk(self.topk, dim=1).indices.index_select(0, y)
         return self.frm.index_select(0, y).topk(self.topk, dim=1).indices
 
-    def _gamma(self, shape: tuple[int, ...], gen: torch.Generator | None, device) -> Tensor:
-        """Eq. (scaling_factors) on the masked channels: U[1-r_s, 1+r_s] (or U[lo, hi])."""
-        lo, hi = (self.scale_bounds if self.scale_bounds is not None
-                  else (1.0 - self.scale_range, 1.0 + self.scale_range))
-        return lo + (hi - lo) * torch.rand(shape, generator=gen, device=device)
+    def _bounds(self) -> tuple[float, float]:
+        """Eq. (scaling_factors): U[1-r_s, 1+r_s] (or U[lo, hi]) on the masked channels."""
+        return (self.scale_bounds if self.scale_bounds is not None
+                else (1.0 - self.scale_range, 1.0 + self.scale_range))
 
-    def _shift_draw(self, y: Tensor, T: int, gen: torch.Generator | None
-                    ) -> tuple[Tensor, Tensor]:
+    def _draw(self, T: int, B: int, gen: torch.Generator | None, device) -> Tensor | None:
+        """All uniforms of one call in one draw (one launch): ``T*B*K`` DFS factors, then
+        ``T*B`` bank-slot uniforms. On CPU this is the same stream as drawing them apart."""
+        n = T * B * (self.topk * self.dfs + self.mts)
+        return torch.rand(n, generator=gen, device=device) if n else None
+
+    def _gamma(self, r: Tensor, T: int, B: int) -> Tensor:
+        lo, hi = self._bounds()
+        return lo + (hi - lo) * r[:T * B * self.topk].view(T, B, self.topk)
+
+    def _shift_draw(self, y: Tensor, T: int, r: Tensor) -> tuple[Tensor, Tensor]:
         """Eq. (shifting), the draw: (flat, factor) with flat (T*B,) the bank rows of a
         uniformly drawn filled slot of each anchor's class and factor (1, B, 1) = r_b, or 0
         while the class's bank is empty (its slot 0 is then read and multiplied by 0)."""
+        B = y.shape[0]
         count = self.bank_count.index_select(0, y)                           # (B,)
-        u = torch.rand(T, y.shape[0], generator=gen, device=y.device)
+        u = r[T * B * self.topk * self.dfs:].view(T, B)
         slot = (u * count).long().clamp_(max=self.bank_size - 1)           # floor(u * count)
         flat = torch.add(slot, y, alpha=self.bank_size).view(-1)          # y * Z + slot
         factor = torch.where(count > 0, self.shift_scale, 0.0)
@@ -238,17 +266,14 @@ class DAS(nn.Module):
         itself for fp32 embeddings, so the step allocates one (T+1)B x d tensor.
         """
         T, B = work.shape[0], work.shape[1]
-        idx = gamma = flat = factor = None
-        if self.dfs:   # random draws in the fixed order gamma, then shift slots
-            idx = self._mask_index(y)                                      # (B, K)
-            gamma = self._gamma((T, B, self.topk), gen, base.device)
-        if self.mts:
-            flat, factor = self._shift_draw(y, T, gen)
-        scaled = None
+        r = self._draw(T, B, gen, base.device)
+        idx = flat = factor = scaled = idx_t = None
         if self.dfs:
-            scaled = base.gather(1, idx)[None] * gamma                     # (T, B, K) s * v
-        idx_t = None if idx is None else idx[None].expand(T, -1, -1)
+            idx = self._mask_index(y)                                      # (B, K)
+            scaled = base.gather(1, idx)[None] * self._gamma(r, T, B)      # (T, B, K) s * v
+            idx_t = idx[None].expand(T, -1, -1)
         if self.mts:
+            flat, factor = self._shift_draw(y, T, r)
             t = self._gather_shifts(flat, work)                            # work holds t now
             if self.dfs:
                 scaled = torch.addcmul(scaled, t.gather(2, idx_t), factor)
@@ -265,37 +290,51 @@ class DAS(nn.Module):
         """(T, B, d) copies when gradients flow through ``s * v`` (``detach=False``):
         out-of-place ops so autograd sees them; same draws and arithmetic as _produce_into."""
         B = base.shape[0]
+        r = self._draw(T, B, gen, base.device)
         produced = base.repeat(T, 1).view(T, B, self.dim)
         if self.dfs:
             idx = self._mask_index(y)[None].expand(T, -1, -1)               # (T, B, K)
-            gamma = self._gamma(tuple(idx.shape), gen, base.device)
-            produced = produced.scatter(2, idx, produced.gather(2, idx) * gamma)
+            produced = produced.scatter(2, idx, produced.gather(2, idx) * self._gamma(r, T, B))
         if self.mts:
-            flat, factor = self._shift_draw(y, T, gen)
+            flat, factor = self._shift_draw(y, T, r)
             t = self.bank.view(-1, self.dim).index_select(0, flat).view(T, B, self.dim).float()
             produced = torch.addcmul(produced, t, factor)
         if self.normalize:
             produced = F.normalize(produced, dim=-1)
         return produced
 
-    def _fused(self, device: torch.device) -> bool:
-        if self.backend == "auto":
-            return device.type == "cuda" and _fused_works(str(device))
-        return self.backend == "triton"
-
-    def _produce_fused(self, base: Tensor, y: Tensor, out: Tensor,
-                       gen: torch.Generator | None) -> None:
-        """The fused kernel's version of _produce_into, with the same draws in the same order
-        (DFS factors, then the bank-slot uniforms), so both read one random stream."""
+    # ------------------------------------------------------------------ forward
+    def _fused_update(self, v: Tensor, y: Tensor) -> None:
         from . import das_triton
 
-        T, B = out.shape[0], out.shape[1]
-        gamma = self._gamma((T, B, self.topk), gen, base.device) if self.dfs else None
-        u = torch.rand(T, B, generator=gen, device=base.device) if self.mts else None
-        das_triton.fused_produce(base, y, self.frm, self.bank, self.bank_count, gamma, u, out,
-                                 shift=self.shift_scale, topk=self.topk,
-                                 normalize=self.normalize,
-                                 interpret=base.device.type != "cuda")
+        das_triton.fused_update(v, y, self.frm, self.bank, self.bank_ptr, self.bank_count,
+                                self._hash_weights, topk=self.topk, dfs=self.dfs, mts=self.mts,
+                                interpret=v.device.type != "cuda")
+
+    def _fused_call(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        if self.graph and v.device.type == "cuda":
+            from .das_graph import graphed_call
+
+            return graphed_call(self, v, y)
+        return self._fused_call_direct(v, y)
+
+    def _fused_call_direct(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """The whole call in three launches: update (training), one draw, produce; ``v`` is
+        read in its own dtype and strides and never gets a gradient."""
+        from . import das_triton
+
+        T, B = self.num_produce, v.shape[0]
+        if self.training:
+            self._fused_update(v, y)
+        out = torch.empty(((T + 1) * B, self.dim), dtype=v.dtype, device=v.device)
+        lab = torch.empty((T + 1) * B, dtype=y.dtype, device=v.device)
+        r = self._draw(T, B, self._gen(), v.device)
+        das_triton.fused_produce(
+            v, y, self.frm, self.bank, self.bank_count, r, out, lab, topk=self.topk,
+            dfs=self.dfs, mts=self.mts, bounds=self._bounds(), shift=self.shift_scale,
+            normalize=self.normalize, check_labels=not self.training,
+            interpret=v.device.type != "cuda")
+        return out, lab
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Return ``cat([v, v'_1..v'_T])`` and ``cat([y] * (T+1))``.
@@ -308,6 +347,19 @@ class DAS(nn.Module):
         if T == 0:
             return embeddings, labels
         B = embeddings.shape[0]
+        fused = self.backend != "eager" and self._use_fused(embeddings, y)
+        if not fused:
+            y = self._eager_labels(y)
+        elif y.device.type == "cpu":   # on CUDA: the kernels' device-side assert
+            self._host_range_check(y)
+        grad_copies = not self.detach and torch.is_grad_enabled() and embeddings.requires_grad
+        if fused and not grad_copies:
+            if embeddings.requires_grad and torch.is_grad_enabled():
+                return _FusedCall.apply(embeddings, y, self)
+            return self._fused_call(embeddings, y)
+        if fused:   # detach=False: fused state update, the copies through autograd (eager)
+            self._fused_update(embeddings.detach(), y)
+            y = y.long()   # range checked by the update kernel
         # Statistics and the bank are built in float32 even under autocast (fp16 differences
         # of nearby embeddings lose most of their digits). The guard is only entered when
         # autocast is on: entering it costs as much as a small tensor op.
@@ -316,21 +368,12 @@ class DAS(nn.Module):
                  if torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
         with guard:
             v_const = embeddings.detach().float()
-            fused = self._fused(v_const.device)
-            if self.training:
-                if fused:
-                    from . import das_triton
-
-                    das_triton.fused_update(
-                        v_const.contiguous(), y, self.frm, self.bank, self.bank_ptr,
-                        self.bank_count, self._hash_weights, topk=self.topk, dfs=self.dfs,
-                        mts=self.mts, interpret=v_const.device.type != "cuda")
-                else:
-                    if self.dfs:
-                        update_frm(self.frm, v_const, y, self.topk)
-                    if self.mts:
-                        update_bank(self.bank, self.bank_ptr, self.bank_count,
-                                    self._hash_weights, v_const, y)
+            if self.training and not fused:
+                if self.dfs:
+                    update_frm(self.frm, v_const, y, self.topk)
+                if self.mts:
+                    update_bank(self.bank, self.bank_ptr, self.bank_count,
+                                self._hash_weights, v_const, y)
             gen = self._gen()
             base = v_const if self.detach else embeddings.float()
             if base.requires_grad:
@@ -342,9 +385,7 @@ class DAS(nn.Module):
                 # tail in place, then put the real embeddings (with their graph) in front.
                 out = torch.empty(((T + 1) * B, self.dim), dtype=embeddings.dtype,
                                   device=embeddings.device)
-                if fused:
-                    self._produce_fused(base.contiguous(), y, out[B:].view(T, B, self.dim), gen)
-                elif embeddings.dtype == torch.float32:
+                if embeddings.dtype == torch.float32:
                     self._produce_into(base, y, out[B:].view(T, B, self.dim), gen)
                 else:
                     work = torch.empty((T, B, self.dim), device=embeddings.device)

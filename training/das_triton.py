@@ -1,30 +1,40 @@
-"""DAS's training step as five fused Triton kernels, for CUDA.
+"""DAS's training step as two fused Triton kernels, for CUDA.
 
 Why hand-written: on a GPU the eager module (training/das.py) is launch-bound. One call is ~134
 tiny kernels whose GPU time sums to ~0.46 ms (H200, C = 98, d = 512, B = 112), so neither
-CUDA-graph capture nor torch.compile of the same graph gets far below 0.5 ms. These kernels do
-the same arithmetic in five launches (plus torch's own random draws, so the random stream is
-the eager module's):
+CUDA-graph capture nor torch.compile of the same graph gets far below 0.5 ms. One DAS call here
+is three launches: ``update`` (Triton), one ``torch.rand`` of all the call's uniforms (torch's
+own generator, so the random stream is the eager module's), and ``produce`` (Triton):
 
-1. ``frm_hash``: per real row, +1 on the FRM cells of its signed top-K channels (atomics) and
-   the exact row hash used to drop zero differences (same odd multipliers, wrapping int64);
-2. ``pair_count``: per row, how many valid ordered pairs (same class, different bits) it heads;
-3. ``bank_write``: per row, the ring slot of each of its pairs: its rank in the class's
-   row-major pair order is the sum of the counts of earlier rows of the class plus the valid
-   pairs before it in its own row; the last Z of the class are written, as in the spec;
-4. ``ptr_count``: the first member of each class advances its ring pointer and fill count;
-5. ``produce``: per (copy, row), the mask (top-K of the class's FRM row), ``s * v + r_b * t``
-   and the re-normalisation, written straight into the output.
+1. ``update`` (one program per real row; skipped in eval mode):
+   * the label range check (a device-side assert, as the eager module's ``_assert_async``);
+   * DFS: +1 on the FRM cells of the row's signed top-K channels (atomics);
+   * MTS: the first member of each class (in batch order) does the whole class: the exact
+     row hashes of its members (same odd multipliers as ``das_bank.row_hash``), the valid
+     ordered pairs (same class, different bits) in row-major order, the last Z of them
+     written into the class's ring, then the ring pointer and fill count advanced. One
+     program per class means no other program reads that class's pointer while it moves, so
+     the former pair-count / bank-write / pointer kernels need no grid-wide barrier.
+2. ``produce`` (one program per (plane, row)): plane 0 copies the real rows into ``out[:B]``
+   (in their dtype); plane t >= 1 draws its mask (top-K of the class's FRM row), computes
+   ``gamma = lo + (hi - lo) * u``, ``s * v + r_b * t`` and the re-normalisation; every plane
+   also writes its labels, so ``cat([y] * (T + 1))`` costs no separate copy.
 
-Kernels 2-4 are separate launches because each needs the previous one finished for the whole
-batch (there is no grid-wide barrier inside a kernel). Ties in a top-K go to the lowest
-channel; torch.topk leaves tie order unspecified, so outputs match the eager module exactly
-whenever the top-K has no tie at its boundary, and the produce step's norm may differ from
-torch's in the last bit (different summation order).
+Both kernels read the embeddings and labels through their strides and in their own dtypes
+(float16/bfloat16/float32 rows, any integer labels), so a bf16 or strided input costs no
+conversion or copy. Launches run under ``torch.cuda.device(<the tensors' device>)``: Triton
+launches on the *current* device, and a module on ``cuda:1`` must not fault when the current
+device is ``cuda:0``.
+
+Ties in a top-K go to the lowest channel; torch.topk leaves tie order unspecified, so outputs
+match the eager module exactly whenever the top-K has no tie at its boundary, and the produce
+step's norm may differ from torch's in the last bit (different summation order, FMA).
 
 The same kernel bodies run on CPU tensors under Triton's interpreter (``interpret=True``):
-slow, but it is how the CPU test suite checks them against the eager module.
+slow, but it is how the CPU test suite checks them against the eager module. Every launch goes
+through `_launch`, which the tests wrap to count launches.
 """
+
 import functools
 from types import SimpleNamespace
 
@@ -48,114 +58,118 @@ def available(device: torch.device) -> bool:
 
 
 # ------------------------------------------------------------------------------ kernel bodies
-def _frm_hash(v, y, frm, w, h, D, K: constexpr, BLOCK_D: constexpr,
-              DFS: constexpr, MTS: constexpr):
+def _update(v, sv0, sv1, y, sy, frm, w, bank, ptr, count, B, D, C, Z,
+            K: constexpr, BLOCK_D: constexpr, BLOCK_B: constexpr,
+            DFS: constexpr, MTS: constexpr):
     i = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
-    x = tl.load(v + i * D + offs, mask=m, other=0.0)
-    c = tl.load(y + i)
+    c = tl.load(y + i * sy).to(tl.int64)
+    ob = tl.arange(0, BLOCK_B)
+    mb = ob < B
+    yv = tl.load(y + ob * sy, mask=mb, other=0).to(tl.int64)
+    # every program checks the whole batch before writing: a bad label changes no state.
+    # (Compiled in by _launch's debug=True; Triton's CPU interpreter skips it: the module
+    # checks labels on the host there.)
+    tl.device_assert((yv >= 0) & (yv < C), "DAS labels out of [0, num_classes)")
     if DFS:
+        x = tl.load(v + i * sv0 + offs * sv1, mask=m, other=0.0).to(tl.float32)
         row = tl.where(m, x, float("-inf"))
         for _ in tl.static_range(K):
             a = tl.argmax(row, axis=0, tie_break_left=True)
             tl.atomic_add(frm + c * D + a, 1.0)
             row = tl.where(offs == a, float("-inf"), row)
     if MTS:
-        bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)   # +0.0 folds -0.0 into 0.0
-        wv = tl.load(w + offs, mask=m, other=0)
-        tl.store(h + i, tl.sum(bits * wv, axis=0))
+        same = mb & (yv == c)
+        if tl.sum((same & (ob < i)).to(tl.int32), axis=0) == 0:   # first member: the class
+            wv = tl.load(w + offs, mask=m, other=0)
+            hs = tl.zeros([BLOCK_B], dtype=tl.int64)
+            j = i
+            while j < B:                                           # member hashes
+                xj = tl.load(v + j * sv0 + offs * sv1, mask=m, other=0.0).to(tl.float32)
+                bits = (xj + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # +0.0: -0.0 -> 0.0
+                hs = tl.where(ob == j, tl.sum(bits * wv, axis=0), hs)
+                j = tl.min(tl.where(same & (ob > j), ob, B), axis=0)   # next member, or B
+            total = tl.zeros([], dtype=tl.int64)
+            j = i
+            while j < B:                                           # valid pairs of the class
+                hj = tl.sum(tl.where(ob == j, hs, 0), axis=0)
+                total += tl.sum((same & (hs != hj)).to(tl.int64), axis=0)
+                j = tl.min(tl.where(same & (ob > j), ob, B), axis=0)
+            keep_from = total - tl.minimum(total, Z)               # the last Z are kept
+            p0 = tl.load(ptr + c)
+            run = tl.zeros([], dtype=tl.int64)                     # pair number, row-major
+            a = i
+            while a < B:
+                ha = tl.sum(tl.where(ob == a, hs, 0), axis=0)
+                cnt = tl.sum((same & (hs != ha)).to(tl.int64), axis=0)
+                if run + cnt > keep_from:                          # some of its pairs are kept
+                    xa = tl.load(v + a * sv0 + offs * sv1, mask=m, other=0.0).to(tl.float32)
+                    b = i
+                    while b < B:
+                        hb = tl.sum(tl.where(ob == b, hs, 0), axis=0)
+                        if hb != ha:
+                            if run >= keep_from:
+                                xb = tl.load(v + b * sv0 + offs * sv1, mask=m,
+                                             other=0.0).to(tl.float32)
+                                slot = (p0 + run) % Z
+                                tl.store(bank + (c * Z + slot) * D + offs,
+                                         (xa - xb).to(bank.dtype.element_ty), mask=m)
+                            run += 1
+                        b = tl.min(tl.where(same & (ob > b), ob, B), axis=0)
+                else:
+                    run += cnt
+                a = tl.min(tl.where(same & (ob > a), ob, B), axis=0)
+            tl.store(ptr + c, (p0 + total) % Z)
+            tl.store(count + c, tl.minimum(tl.load(count + c) + total, Z))
 
 
-def _pair_count(y, h, cnt, B, BLOCK_B: constexpr):
-    i = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_B)
-    m = offs < B
-    yj = tl.load(y + offs, mask=m, other=-1)
-    hj = tl.load(h + offs, mask=m, other=0)
-    valid = m & (yj == tl.load(y + i)) & (hj != tl.load(h + i))
-    tl.store(cnt + i, tl.sum(valid.to(tl.int64), axis=0))
-
-
-def _bank_write(v, y, h, cnt, ptr, bank, B, D, Z, BLOCK_B: constexpr,
-                BLOCK_D: constexpr):
-    i = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_B)
-    m = offs < B
-    c = tl.load(y + i)
-    hi = tl.load(h + i)
-    yj = tl.load(y + offs, mask=m, other=-1)
-    cj = tl.load(cnt + offs, mask=m, other=0)
-    same = m & (yj == c)
-    first = tl.sum(tl.where(same & (offs < i), cj, 0), axis=0)     # pairs of earlier rows
-    total = tl.sum(tl.where(same, cj, 0), axis=0)                  # pairs of the class
-    keep_from = total - tl.minimum(total, Z)                       # the last Z are kept
-    p0 = tl.load(ptr + c)
-    od = tl.arange(0, BLOCK_D)
-    md = od < D
-    xi = tl.load(v + i * D + od, mask=md, other=0.0)
-    run = first
-    for j in range(0, B):
-        ok = (tl.load(y + j) == c) & (tl.load(h + j) != hi)
-        write = ok & (run >= keep_from)
-        xj = tl.load(v + j * D + od, mask=md & write, other=0.0)
-        slot = (p0 + run) % Z
-        tl.store(bank + (c * Z + slot) * D + od, (xi - xj).to(bank.dtype.element_ty),
-                 mask=md & write)
-        run += ok.to(tl.int64)
-
-
-def _ptr_count(y, cnt, ptr, count, B, Z, BLOCK_B: constexpr):
-    i = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_B)
-    m = offs < B
-    c = tl.load(y + i)
-    yj = tl.load(y + offs, mask=m, other=-1)
-    same = m & (yj == c)
-    is_first = tl.sum((same & (offs < i)).to(tl.int32), axis=0) == 0
-    total = tl.sum(tl.where(same, tl.load(cnt + offs, mask=m, other=0), 0), axis=0)
-    p = tl.load(ptr + c)
-    n = tl.load(count + c)
-    tl.store(ptr + c, (p + total) % Z, mask=is_first)
-    tl.store(count + c, tl.minimum(n + total, Z), mask=is_first)
-
-
-def _produce(v, y, frm, bank, count, gamma, u, out, B, D, Z, shift,
-             K: constexpr, BLOCK_D: constexpr, DFS: constexpr,
-             MTS: constexpr, NORMALIZE: constexpr):
-    t = tl.program_id(0)
+def _produce(v, sv0, sv1, y, sy, frm, bank, count, r, out, lab, B, D, Z, C, u_off,
+             lo, span, shift, K: constexpr, BLOCK_D: constexpr, DFS: constexpr,
+             MTS: constexpr, NORMALIZE: constexpr, CHECK: constexpr):
+    p = tl.program_id(0)           # plane: 0 = the real rows, t + 1 = copy t
     i = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
-    c = tl.load(y + i)
-    x = tl.load(v + i * D + offs, mask=m, other=0.0)
-    res = x
-    tv = x * 0.0
-    fac = 0.0
-    if MTS:
-        n = tl.load(count + c)
-        slot = tl.minimum((tl.load(u + t * B + i) * n.to(tl.float32)).to(tl.int64), Z - 1)
-        fac = tl.where(n > 0, shift, 0.0)
-        tv = tl.load(bank + (c * Z + slot) * D + offs, mask=m, other=0.0).to(tl.float32)
-        res = x + tv * fac
-    if DFS:
-        row = tl.where(m, tl.load(frm + c * D + offs, mask=m, other=0.0), float("-inf"))
-        for k in tl.static_range(K):
-            a = tl.argmax(row, axis=0, tie_break_left=True)
-            hit = offs == a
-            scaled = tl.sum(tl.where(hit, x, 0.0), axis=0) * tl.load(gamma + (t * B + i) * K + k)
-            if MTS:
-                scaled = scaled + tl.sum(tl.where(hit, tv, 0.0), axis=0) * fac
-            res = tl.where(hit, scaled, res)
-            row = tl.where(hit, float("-inf"), row)
-    if NORMALIZE:
-        norm = tl.sqrt(tl.sum(tl.where(m, res * res, 0.0), axis=0))
-        res = res / tl.maximum(norm, 1e-12)
-    tl.store(out + (t * B + i) * D + offs, res.to(out.dtype.element_ty), mask=m)
+    yi = tl.load(y + i * sy)
+    c = yi.to(tl.int64)
+    if CHECK:                      # eval mode: no update kernel checked the labels
+        tl.device_assert((c >= 0) & (c < C), "DAS labels out of [0, num_classes)")
+    tl.store(lab + p * B + i, yi.to(lab.dtype.element_ty))
+    xr = tl.load(v + i * sv0 + offs * sv1, mask=m, other=0.0)
+    if p == 0:
+        tl.store(out + i * D + offs, xr.to(out.dtype.element_ty), mask=m)
+    else:
+        t = p - 1
+        x = xr.to(tl.float32)
+        res = x
+        tv = x * 0.0
+        fac = 0.0
+        if MTS:
+            n = tl.load(count + c)
+            u = tl.load(r + u_off + t * B + i)
+            slot = tl.minimum((u * n.to(tl.float32)).to(tl.int64), Z - 1)
+            fac = tl.where(n > 0, shift, 0.0)
+            tv = tl.load(bank + (c * Z + slot) * D + offs, mask=m, other=0.0).to(tl.float32)
+            res = x + tv * fac
+        if DFS:
+            row = tl.where(m, tl.load(frm + c * D + offs, mask=m, other=0.0), float("-inf"))
+            for k in tl.static_range(K):
+                a = tl.argmax(row, axis=0, tie_break_left=True)
+                hit = offs == a
+                gamma = lo + span * tl.load(r + (t * B + i) * K + k)
+                scaled = tl.sum(tl.where(hit, x, 0.0), axis=0) * gamma
+                if MTS:
+                    scaled = scaled + tl.sum(tl.where(hit, tv, 0.0), axis=0) * fac
+                res = tl.where(hit, scaled, res)
+                row = tl.where(hit, float("-inf"), row)
+        if NORMALIZE:
+            norm = tl.sqrt(tl.sum(tl.where(m, res * res, 0.0), axis=0))
+            res = res / tl.maximum(norm, 1e-12)
+        tl.store(out + (p * B + i) * D + offs, res.to(out.dtype.element_ty), mask=m)
 
 
-_BODIES = {"frm_hash": _frm_hash, "pair_count": _pair_count, "bank_write": _bank_write,
-           "ptr_count": _ptr_count, "produce": _produce}
+_BODIES = {"update": _update, "produce": _produce}
 
 
 @functools.lru_cache(maxsize=2)
@@ -176,41 +190,51 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **meta) -> None:
+    """The one place a kernel is launched: on CUDA under the tensors' own device (Triton uses
+    the current one), with device-side asserts compiled in (the label check); integer
+    overflow sanitising stays off (the row hash wraps on purpose)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](*args, **meta, debug=True, sanitize_overflow=False)
+    else:
+        kernel[grid](*args, **meta)
+
+
 # ------------------------------------------------------------------------------ launchers
 def fused_update(v: Tensor, y: Tensor, frm: Tensor, bank: Tensor, ptr: Tensor, count: Tensor,
                  hash_weights: Tensor, *, topk: int, dfs: bool, mts: bool,
                  interpret: bool = False) -> None:
     """FRM and bank update of one batch, in place (the eager ``das_bank.update_frm`` +
-    ``update_bank``). ``v`` (B, d) float32 contiguous, ``y`` (B,) int64 on the same device."""
+    ``update_bank``), in one launch. ``v`` (B, d) float rows and ``y`` (B,) integer labels, any
+    strides, on the state's device; labels out of range fail the device-side assert."""
     B, D = v.shape
-    if B == 0 or not (dfs or mts):
+    if B == 0:
         return
-    k = _kernels(interpret)
-    BD, BB = _pow2(D), _pow2(B)
-    h = torch.empty(B, dtype=torch.long, device=v.device)
-    k.frm_hash[(B,)](v, y, frm, hash_weights, h, D, K=topk, BLOCK_D=BD, DFS=dfs, MTS=mts)
-    if not mts or B < 2:
-        return
-    Z = bank.shape[1]
-    cnt = torch.empty(B, dtype=torch.long, device=v.device)
-    k.pair_count[(B,)](y, h, cnt, B, BLOCK_B=BB)
-    k.bank_write[(B,)](v, y, h, cnt, ptr, bank, B, D, Z, BLOCK_B=BB, BLOCK_D=BD)
-    k.ptr_count[(B,)](y, cnt, ptr, count, B, Z, BLOCK_B=BB)
+    _launch(_kernels(interpret).update, (B,), v.device,
+            v, v.stride(0), v.stride(1), y, y.stride(0), frm, hash_weights, bank, ptr, count,
+            B, D, frm.shape[0], bank.shape[1], K=topk, BLOCK_D=_pow2(D), BLOCK_B=_pow2(B),
+            DFS=dfs, MTS=mts and B >= 2)
 
 
 def fused_produce(base: Tensor, y: Tensor, frm: Tensor, bank: Tensor, count: Tensor,
-                  gamma: Tensor | None, u: Tensor | None, out: Tensor, *, shift: float,
-                  topk: int, normalize: bool, interpret: bool = False) -> None:
-    """Write the T copies of ``base`` (B, d float32) into ``out`` (T, B, d, any float dtype).
+                  r: Tensor | None, out: Tensor, lab: Tensor, *, topk: int, dfs: bool, mts: bool,
+                  bounds: tuple[float, float], shift: float, normalize: bool,
+                  check_labels: bool, interpret: bool = False) -> None:
+    """Write ``cat([base, copies])`` into ``out`` ((T+1)B, d, any float dtype) and
+    ``cat([y] * (T+1))`` into ``lab``, in one launch.
 
-    ``gamma`` (T, B, K) are the DFS factors (None: no DFS) and ``u`` (T, B) the uniforms that
-    pick a bank slot (None: no MTS), drawn by the caller from the module's generator."""
-    T, B, D = out.shape
-    if T == 0 or B == 0:
+    ``r`` is the call's one flat draw of uniforms: ``T*B*K`` DFS factors (when ``dfs``) then
+    ``T*B`` bank-slot uniforms (when ``mts``), the order the eager module draws them in."""
+    B, D = base.shape
+    planes = out.shape[0] // max(B, 1)
+    if B == 0 or planes == 0:
         return
-    dfs, mts = gamma is not None, u is not None
-    dummy = base  # never read when its feature is off
-    _kernels(interpret).produce[(T, B)](
-        base, y, frm, bank, count, gamma if dfs else dummy, u if mts else dummy, out,
-        B, D, bank.shape[1], float(shift), K=topk, BLOCK_D=_pow2(D), DFS=dfs, MTS=mts,
-        NORMALIZE=normalize)
+    T = planes - 1
+    lo, hi = bounds
+    _launch(_kernels(interpret).produce, (planes, B), base.device,
+            base, base.stride(0), base.stride(1), y, y.stride(0), frm, bank, count,
+            base if r is None else r, out, lab, B, D, bank.shape[1], frm.shape[0],
+            T * B * topk if dfs else 0, float(lo), float(hi) - float(lo), float(shift),
+            K=topk, BLOCK_D=_pow2(D), DFS=dfs and T > 0, MTS=mts and T > 0,
+            NORMALIZE=normalize, CHECK=check_labels)

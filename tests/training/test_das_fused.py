@@ -8,6 +8,11 @@ summation order and FMA contraction). On CPU the kernels run in Triton's interpr
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +21,7 @@ from training.das import DAS
 triton = pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _pair(**kw) -> tuple[DAS, DAS]:
@@ -128,26 +134,75 @@ def test_interpreter_must_be_on_before_triton_is_imported(monkeypatch):
     das_triton._kernels.cache_clear()
 
 
-def test_auto_backend_checks_the_kernels_once_before_trusting_them(monkeypatch):
-    """backend="auto" runs the kernels on a device only after they agreed with the eager code
-    there; kernels that fail (e.g. do not compile on an untested GPU) leave it on eager."""
+def test_module_and_inputs_on_different_devices_fail_in_one_clear_line():
+    """The old fallback test kept DAS on the CPU with CUDA inputs: the eager code then indexed a
+    CPU FRM with CUDA indices and raised from deep inside. Now the mismatch is named up front.
+    (The meta device stands in for CUDA here: same mismatch, no GPU needed.)"""
+    das = DAS(4, 8, seed=0)
+    v, y = torch.randn(6, 8, device="meta"), torch.zeros(6, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"embeddings on meta but the DAS state on cpu.*\.to"):
+        das(v, y)
+
+
+def test_strided_and_int32_labels_and_strided_embeddings():
+    """The kernels read labels and rows through their strides: ``labels[::2]`` used to be read
+    as if contiguous (a silently wrong state). int32 labels and a transposed embedding matrix
+    cost no conversion and give the same state and copies as contiguous int64 inputs."""
+    eager, fused = _pair(num_classes=6, dim=16, bank_size=4, scale_range=0.5, shift_scale=0.3)
+    for dtype, (v, y) in zip((torch.long, torch.int32), _batches(6, 16, 10, steps=2, seed=6)):
+        y_wide = torch.stack([y, torch.full_like(y, 5)], 1).reshape(-1)     # y at [::2]
+        labels = y_wide.to(dtype)[::2]
+        v_t = v.t().contiguous().t()                                        # strides (1, B)
+        assert labels.stride() == (2,) and v_t.stride() == (1, 10)
+        out_e, lab_e = eager(v, y)
+        out_f, lab_f = fused(v_t, labels)
+        _assert_same_state(eager, fused)
+        assert lab_f.dtype == dtype and torch.equal(lab_f.long(), lab_e)
+        torch.testing.assert_close(out_f, out_e, rtol=0, atol=1e-6)
+
+
+def test_fused_labels_out_of_range_name_the_ids():
+    """On CUDA the range check is a device-side assert in the kernels (no extra launches); on
+    CPU (the interpreter skips device asserts) a host check names the ids, before any write."""
+    if DEVICE == "cuda":   # the assert kills the CUDA context: fire it in a child process
+        code = ("import torch; from training.das import DAS; "
+                "das = DAS(4, 8, seed=0, backend='triton').cuda(); "
+                "das(torch.randn(3, 8, device='cuda'), torch.tensor([1, 7, 2], device='cuda')); "
+                "torch.cuda.synchronize()")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
+            "PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode != 0 and "DAS labels out of [0, num_classes)" in proc.stderr
+        return
+    _, fused = _pair(num_classes=4, dim=8)
+    before = {k: t.clone() for k, t in fused.state_dict().items() if torch.is_tensor(t)}
+    for train in (True, False):
+        fused.train(train)
+        with pytest.raises(ValueError, match=r"labels: expected class ids in \[0, 4\).*\[7\]"):
+            fused(torch.randn(3, 8, device=DEVICE), torch.tensor([1, 7, 2], device=DEVICE))
+        for k, t in fused.state_dict().items():   # checked before any write: nothing changed
+            if torch.is_tensor(t):
+                assert torch.equal(t, before[k]), k
+
+
+def test_auto_backend_falls_back_to_eager_when_the_kernels_fail(monkeypatch):
+    """backend="auto" runs the kernels only after they agreed with the eager code for this
+    kernel variant; kernels that fail (e.g. do not compile on an untested GPU) leave the module
+    on eager, which trains as before. The module lives on the inputs' device (the former
+    version of this test kept it on the CPU with CUDA inputs, and failed on every GPU)."""
     from training import das as das_module
-    from training import das_triton
+    from training import das_check, das_triton
 
-    monkeypatch.setattr(das_triton, "available", lambda device: True)
-    das_module._fused_works.cache_clear()
-    try:
-        assert das_module._fused_works(DEVICE)
-        das_module._fused_works.cache_clear()
+    monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
+    monkeypatch.setattr(das_check, "_VERDICTS", {})
 
-        def broken(*args, **kwargs):
-            raise RuntimeError("PTX compile failed")
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX compile failed")
 
-        monkeypatch.setattr(das_triton, "fused_produce", broken)
-        with pytest.warns(RuntimeWarning, match="PTX compile failed"):
-            assert not das_module._fused_works(DEVICE)
-        das = DAS(4, 8, seed=0)   # auto: takes the eager path, trains as before
-        v, y = torch.randn(6, 8, device=DEVICE), torch.tensor([0, 0, 1, 1, 2, 2], device=DEVICE)
-        assert das(v, y)[0].shape == (24, 8) and das.bank_count[:3].tolist() == [2, 2, 2]
-    finally:
-        das_module._fused_works.cache_clear()
+    monkeypatch.setattr(das_triton, "fused_produce", broken)
+    das = DAS(4, 8, seed=0).to(DEVICE)
+    v, y = torch.randn(6, 8, device=DEVICE), torch.tensor([0, 0, 1, 1, 2, 2], device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="PTX compile failed"):
+        out, _ = das(v, y)
+    assert out.shape == (24, 8) and das.bank_count[:3].tolist() == [2, 2, 2]

@@ -1,7 +1,10 @@
 """benchmarks/gpu_check.py: the one-command GPU check. CI has no GPU, so this runs its
-plumbing on the CPU (the same steps, tiny settings) and checks its refusal without CUDA."""
+plumbing on the CPU (the same steps, tiny settings), checks its refusal without CUDA, and checks
+its judgements on real pytest / training-log / benchmark outputs: a check that cannot pass on a
+broken setup (issue 20)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +23,95 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+PYTEST_NO_TRITON = """\
+........ssssssssssss...
+=========================== short test summary info ============================
+SKIPPED [1] tests/training/test_das_fused.py:16: could not import 'triton': No module named 'triton'
+SKIPPED [1] tests/training/test_das_launches.py:15: could not import 'triton': No module named 'tr'
+40 passed, 2 skipped in 12.31s
+"""
+PYTEST_ALLOWED = """\
+SKIPPED [1] tests/training/test_das_fused.py:133: the interpreter is a CPU-only path
+61 passed, 1 skipped in 20.02s
+"""
+
+
+def test_a_skipped_test_fails_the_cuda_run_whatever_its_reason(gpu_check):
+    """A missing triton skipped the fused tests with a reason that does not say CUDA: the
+    former check passed that run."""
+    ok, note = gpu_check.judge_tests(PYTEST_NO_TRITON, 0, "cuda")
+    assert not ok and "2 test(s) skipped outside the allow-list" in note
+    assert "could not import 'triton'" in note
+    assert gpu_check.judge_tests(PYTEST_NO_TRITON, 0, "cpu")[0]          # plumbing run: fine
+    assert gpu_check.judge_tests(PYTEST_ALLOWED, 0, "cuda") == (True, "61 passed, 1 skipped in "
+                                                                     "20.02s")
+    assert not gpu_check.judge_tests(PYTEST_ALLOWED, 1, "cuda")[0]
+    assert not gpu_check.judge_tests("no tests ran in 0.01s", 5, "cuda")[0]
+
+
+def test_the_training_log_must_show_the_fused_kernels(gpu_check, tmp_path):
+    """The log lines are the ones training/das_check.py writes (produced here for real)."""
+    from training import das_check
+    from training.das import DAS
+
+    das = DAS(6, 16)
+    key = das_check.variant_key(das, torch.zeros(12, 16), torch.zeros(12, dtype=torch.long))
+    line = f"DAS: fused Triton kernels in use ({das_check.describe(key)}; self-check passed)"
+    warn = (f"training/das.py:250: RuntimeWarning: DAS: the fused Triton kernels are not used "
+            f"for {das_check.describe(key)} (RuntimeError: PTX compile failed); running the "
+            "eager tensor code instead")
+    log = "device: cuda:0\nepoch 1: loss 0.3\n"
+    assert gpu_check.fused_in_log(log) == (
+        False, "no 'fused Triton kernels in use' line in the training log")
+    ok, note = gpu_check.fused_in_log(log + line + "\n")
+    assert ok and "float32 bank" in note
+    ok, note = gpu_check.fused_in_log(log + line + "\n" + warn + "\n")
+    assert not ok and "PTX compile failed" in note
+
+
+def test_every_goal_is_a_row_with_its_figure(gpu_check):
+    figs = {"module": [{"device": "cuda", "backend": b, "C": C, "d": 512, "median_ms": ms}
+                       for b, C, ms in (("eager", 98, 0.50), ("eager", 11318, 0.60),
+                                        ("triton", 98, 0.09), ("triton", 11318, 0.12),
+                                        ("triton+graph", 98, 0.04), ("triton+graph", 11318, 0.05))],
+            "launches": [{"backend": "eager", "host": 40, "gpu": 40},
+                         {"backend": "triton", "host": 1, "gpu": 3},
+                         {"backend": "triton+graph", "host": 3, "gpu": 5}],
+            "full_step": [{"device": "cuda", "backbone": "resnet50 @ 224",
+                           "loss": "triplet [distance]", "ratio": 1.07}]}
+    rows = {name: (ok, note) for name, ok, note in gpu_check.bench_goals(figs, "cuda")}
+    goal = [v for k, v in rows.items() if k.startswith("goal: DAS call")]
+    assert goal == [(True, "met by: triton+graph")]
+    assert rows["DAS call, triton, C=11,318, d=512, B=112, T=3"] == (
+        None, "median 0.120 ms (eager 0.600 ms, x5.0)")
+    assert rows["goal: <= 3 launches per DAS call (triton)"][0] is True
+    assert rows["goal: <= 3 launches per DAS call (triton+graph)"][0] is True
+    assert rows["goal: full step with/without DAS <= 1.05, resnet50 @ 224 triplet [distance]"] \
+        == (False, "ratio 1.070")
+    figs["launches"][1]["gpu"] = 0                      # the profiler saw nothing: no pass
+    rows = {name: ok for name, ok, _ in gpu_check.bench_goals(figs, "cuda")}
+    assert rows["goal: <= 3 launches per DAS call (triton)"] is False
+
+
+def test_a_step_past_the_budget_is_cut(gpu_check, tmp_path, monkeypatch):
+    """The check must fit ~8 minutes of a lent GPU: a step gets what is left of the budget."""
+    import time
+
+    monkeypatch.setattr(gpu_check, "_DEADLINE", [time.monotonic() + 1.5, True])
+    rc, text, secs = gpu_check._run([sys.executable, "-c", "import time; time.sleep(30)"],
+                                    tmp_path / "step.log", None, "tests")
+    assert rc == 124 and "timed out after" in text and secs < 20
+    assert (tmp_path / "step.log").read_text().startswith(sys.executable)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_without_cuda_it_says_so_in_one_line():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
@@ -30,8 +122,8 @@ def test_without_cuda_it_says_so_in_one_line():
 
 @pytest.mark.slow
 def test_plumbing_on_cpu(tmp_path, omniglot_root):
-    """Training through the CLI (default device logic, ONNX export + parity, embedder info)
-    and the DAS benchmark's table parsed into the summary."""
+    """Training through the CLI (default device logic, ONNX export + parity, embedder info),
+    the bf16 autocast run and the DAS benchmark's figures parsed into the summary."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick",
                            "--skip-tests", "--data", str(omniglot_root), "--out", str(tmp_path)],
                           capture_output=True, text=True, env=_env(), timeout=900)
@@ -40,5 +132,7 @@ def test_plumbing_on_cpu(tmp_path, omniglot_root):
     assert "PASS  training CLI, default device: device cpu" in out
     assert "ONNX exported + parity-checked" in out
     assert "PASS  ONNX model (embedder info): dim 64" in out
-    assert "PASS  DAS overhead: small_cnn @ 28 triplet [distance]" in out
-    assert (tmp_path / "run" / "model.onnx").exists() and (tmp_path / "das_overhead.md").exists()
+    assert "PASS  training with bf16 autocast + bf16 bank: loss" in out
+    assert "PASS  DAS overhead benchmark" in out
+    assert "INFO  goal: full step with/without DAS <= 1.1, small_cnn @ 28 triplet [distance]" in out
+    assert (tmp_path / "run" / "model.onnx").exists() and (tmp_path / "das_overhead.json").exists()
