@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # before gradio is imported: our own temp folder, emptied of what a previous run left
+    from serving.tempdir import claim_temp_dir
+
+    temp_dir, removed = claim_temp_dir(args.port)
+    if removed:
+        print(f"app.py: removed {removed} leftover temp entries from {temp_dir}", file=sys.stderr)
     from serving import Searcher
     from serving.demo import ensure_demo_index
 
@@ -95,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
               f"port can search the gallery", file=sys.stderr)
     print(f"Serving {', '.join(searcher.names)} on http://{args.host}:{args.port} "
           f"(UI at /, JSON API at /api/search)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    from serving.http_protocol import GuardedH11Protocol
+
+    # GuardedH11Protocol: request heads must arrive in time (slow-header clients are dropped)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=GuardedH11Protocol,
+                timeout_keep_alive=5)
     return 0
 
 
