@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,15 @@ class StoreUnavailable(IndexerError):
 
 class MappedFile:
     """``data.mdb`` as this process mapped it: an open descriptor of the same inode, so that a
-    size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement."""
+    size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement.
+
+    Kept cheap because it runs before every read: LMDB's meta (what the file must hold) is only
+    consulted when the size changed since the last good check (a truncation changes it; a writer
+    that commits without growing the file only uses pages the file has), and the path is looked
+    up at most every ``STAT_EVERY_S`` (a replaced or removed file leaves the mapped inode whole,
+    so that can wait; a truncation cannot)."""
+
+    STAT_EVERY_S = 0.2
 
     def __init__(self, store_dir: Path, psize: int) -> None:
         self.path = Path(store_dir) / "data.mdb"
@@ -101,22 +110,29 @@ class MappedFile:
         st = os.fstat(self.fd)
         self.ident = (st.st_dev, st.st_ino)
         self.psize = psize
+        self._good_size = -1            # the size at the last check that passed
+        self._stat_at = time.monotonic()
 
     def problem(self, env: lmdb.Environment) -> str | None:
         """Why reading ``env`` now could crash or read the wrong file ("replaced" / "removed" /
         a truncation), or None. Meta pages are only looked at once the file holds them."""
         size = os.fstat(self.fd).st_size
-        try:
-            cur = os.stat(self.path)
-        except FileNotFoundError:
-            return "removed"
-        if (cur.st_dev, cur.st_ino) != self.ident:
-            return "replaced"
-        need = 2 * self.psize
-        if size >= need:
-            need = max(need, (env.info()["last_pgno"] + 1) * self.psize)
-        if size < need:
-            return f"truncated ({size} bytes, the store needs {need})"
+        if size != self._good_size:
+            need = 2 * self.psize
+            if size >= need:
+                need = max(need, (env.info()["last_pgno"] + 1) * self.psize)
+            if size < need:
+                return f"truncated ({size} bytes, the store needs {need})"
+            self._good_size = size
+        now = time.monotonic()
+        if now - self._stat_at >= self.STAT_EVERY_S:
+            try:
+                cur = os.stat(self.path)
+            except FileNotFoundError:
+                return "removed"
+            if (cur.st_dev, cur.st_ino) != self.ident:
+                return "replaced"
+            self._stat_at = now
         return None
 
     def close(self) -> None:
