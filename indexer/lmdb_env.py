@@ -117,23 +117,25 @@ class MappedFile:
         """Why reading ``env`` now could crash or read the wrong file ("replaced" / "removed" /
         a truncation), or None. Meta pages are only looked at once the file holds them."""
         size = os.fstat(self.fd).st_size
+        truncated = None
         if size != self._good_size:
             need = 2 * self.psize
             if size >= need:
                 need = max(need, (env.info()["last_pgno"] + 1) * self.psize)
             if size < need:
-                return f"truncated ({size} bytes, the store needs {need})"
-            self._good_size = size
+                truncated = f"truncated ({size} bytes, the store needs {need})"
+            else:
+                self._good_size = size
         now = time.monotonic()
-        if now - self._stat_at >= self.STAT_EVERY_S:
-            try:
+        if truncated or now - self._stat_at >= self.STAT_EVERY_S:
+            try:                        # a truncated inode may since have been replaced: adopt that
                 cur = os.stat(self.path)
             except FileNotFoundError:
                 return "removed"
             if (cur.st_dev, cur.st_ino) != self.ident:
                 return "replaced"
             self._stat_at = now
-        return None
+        return truncated
 
     def close(self) -> None:
         os.close(self.fd)
