@@ -18,7 +18,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="app.py", description="Search image indexes (built by `python -m indexer build`) in a "
-        "browser (Gradio) or over HTTP (POST /api/search). Binds 127.0.0.1 unless --host says otherwise.")
+        "browser (Gradio) or over HTTP (POST /api/search). Binds 127.0.0.1 unless --host says otherwise. "
+        "Uploads go to a temp folder of this app ($GRADIO_TEMP_DIR/das-retrieval-app-PORT, default base "
+        "/tmp/das-retrieval-UID), emptied at start-up.")
     p.add_argument("--index", action="append", type=Path, default=[], metavar="DIR",
                    help="index directory; repeat to compare several side by side (e.g. baseline and DAS)")
     p.add_argument("--name", action="append", default=None, metavar="NAME",

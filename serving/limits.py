@@ -121,6 +121,7 @@ class RequestGuard:
                     await JSONResponse({"error": AUTH_MESSAGE}, status_code=401,
                                        headers={**AUTH_HEADERS, **close})(scope, receive, send)
                     return
+                self.throttle.succeeded(client)
                 logged_in = True
             else:
                 await JSONResponse({"error": AUTH_MESSAGE}, status_code=401,
