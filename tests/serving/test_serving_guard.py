@@ -6,6 +6,7 @@ is bounded by bytes or a generous deadline, never asserted as a speed."""
 from __future__ import annotations
 
 import base64
+import os
 import re
 import socket
 import time
@@ -238,6 +239,11 @@ def fresh(pretrained_index, tmp_path_factory, free_port, start_app):
     foreign = root / "gradio-tmp" / "someone-else" / "keep.txt"
     foreign.parent.mkdir(parents=True)
     foreign.write_text("not ours")
+    earlier = app_temp_dir(1, root / "gradio-tmp")            # a run on another port, long gone
+    earlier.mkdir()
+    (earlier / ".das-retrieval.lock").touch()
+    (earlier / "tmpold").write_bytes(b"\0" * 1000)
+    os.utime(earlier, (time.time() - 3600, time.time() - 3600))
     args = ["--index", pretrained_index, "--auth", f"{AUTH[0]}:{AUTH[1]}", "--max-upload-mb", 1]
     with start_app(args, root, port, auth=AUTH) as (url, _):
         yield url, ours, foreign
@@ -247,6 +253,7 @@ def test_startup_empties_only_the_apps_own_temp_folder(fresh):
     url, ours, foreign = fresh
     left = [p.name for p in ours.rglob("*") if p.is_file() and not p.name.startswith(".das-retrieval")]
     assert left == [], f"left from the previous run: {left}"
+    assert not (ours.parent / "das-retrieval-app-1").exists(), "an earlier run's folder on another port stayed"
     assert foreign.read_text() == "not ours"
 
 
