@@ -18,7 +18,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="app.py", description="Search image indexes (built by `python -m indexer build`) in a "
-        "browser (Gradio) or over HTTP (POST /api/search). Binds 127.0.0.1 unless --host says otherwise.")
+        "browser (Gradio) or over HTTP (POST /api/search). Binds 127.0.0.1 unless --host says otherwise. "
+        "Uploads go to a temp folder of this app ($GRADIO_TEMP_DIR/das-retrieval-app-PORT, default base "
+        "/tmp/das-retrieval-UID), emptied at start-up.")
     p.add_argument("--index", action="append", type=Path, default=[], metavar="DIR",
                    help="index directory; repeat to compare several side by side (e.g. baseline and DAS)")
     p.add_argument("--name", action="append", default=None, metavar="NAME",
@@ -59,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # before gradio is imported: our own temp folder, emptied of what a previous run left
+    from serving.tempdir import claim_temp_dir
+
+    temp_dir, removed = claim_temp_dir(args.port)
+    if removed:
+        print(f"app.py: removed {removed} leftover temp entries from {temp_dir}", file=sys.stderr)
     from serving import Searcher
     from serving.demo import ensure_demo_index
 
@@ -95,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
               f"port can search the gallery", file=sys.stderr)
     print(f"Serving {', '.join(searcher.names)} on http://{args.host}:{args.port} "
           f"(UI at /, JSON API at /api/search)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    from serving.http_protocol import GuardedH11Protocol
+
+    # GuardedH11Protocol: request heads must arrive in time (slow-header clients are dropped)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=GuardedH11Protocol,
+                timeout_keep_alive=5)
     return 0
 
 

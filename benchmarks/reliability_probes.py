@@ -29,6 +29,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import reliability_guard_probes as G  # noqa: E402  (issue 19's server-guard probes)
 CALTECH = REPO.parent / "shared" / "data" / "caltech101-dev" / "images"
 AUTH = ("probe", "probe-pass")
 MB = 1024 * 1024
@@ -113,10 +115,23 @@ def build_index(root: Path) -> Path:
     return out
 
 
-def start_app(idx: Path, root: Path) -> tuple[str, subprocess.Popen]:
+_QUERY: list[bytes] = []
+
+
+def start_app(idx: Path, root: Path, extra: list[str] | None = None, seed_leftover: bool = False
+              ) -> tuple[str, subprocess.Popen]:
+    """app.py on ``idx`` (named probe) [+ ``extra`` args]; ``seed_leftover`` puts a 10 MB file in
+    the app's own temp folder first (a killed server's upload), which start-up should remove."""
     port = _free_port()
-    log = open(root / "server.log", "w")
+    if seed_leftover:
+        from serving.tempdir import app_temp_dir
+
+        folder = app_temp_dir(port, root / "gradio-tmp")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tmpleftover").write_bytes(b"\0" * 10_485_760)
+    log = open(root / "server.log", "a")
     proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--index", str(idx), "--name", "probe",
+                             *(extra or []),
                              "--port", str(port), "--auth", ":".join(AUTH), "--max-upload-mb", "1"],
                             env={**ENV, "GRADIO_TEMP_DIR": str(root / "gradio-tmp")}, cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -270,7 +285,6 @@ def damage_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
                      "; ".join(obs) + f" (app.py: \"...{msg[-110:]}\")"))
     return rows
 
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-write", action="store_true")
@@ -278,16 +292,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         idx = build_index(root)
-        url, proc = start_app(idx, root)
+        _QUERY.append(next((idx.parent / "gallery").rglob("*.jpg")).read_bytes())
+        url, proc = start_app(idx, root, seed_leftover=True)
         try:
-            rows = server_probes(url, idx, root) + live_add_probe(url, idx, root)
-            rows += decode_probes(url, proc, root)
+            seeded = next((root / "gradio-tmp").rglob("das-retrieval-app-*")) / "tmpleftover"
+            rows = (server_probes(url, idx, root) + G.upload_leftover_probes(url, root, seeded)
+                    + G.login_page_probe(url, idx) + G.connection_probes(url) + G.api_limit_probes(url, _QUERY[0])
+                    + live_add_probe(url, idx, root) + decode_probes(url, proc, root)
+                    + G.throttle_probe(url))      # last: it locks this client's address out
         finally:
             proc.terminate()            # by PID: the server this script started
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        rows += G.store_damage_probe(idx, root, start_app, _QUERY[0])
         rows += damage_probes(idx, root)
         rows += writer_probes(idx, root)
     load = os.getloadavg()[0]

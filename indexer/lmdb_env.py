@@ -12,11 +12,21 @@ writes). When the writer grows the map past the reader's mapping, LMDB refuses n
 transactions with ``MapResizedError``; the remedy, ``set_mapsize(0)`` (adopt the new size), may
 only run while no transaction of this process is open. :class:`ReadGate` provides exactly that:
 reads share it, a remap takes it alone.
+
+A file truncated *after* it was mapped is the other danger: the first read of a page past the
+new end kills the whole process with SIGBUS. So every read-only transaction first checks the
+file (:class:`MappedFile`: an ``fstat`` of the mapped inode against the last page LMDB's meta
+says is in use, and a ``stat`` of the path for a file replaced or removed) and refuses with
+:class:`StoreUnavailable` instead of touching it; a replaced file is adopted (the environment
+reopened) once it passes :func:`check_lmdb`. Measured cost: a few microseconds per read
+(RELIABILITY.md). What remains is a race: a truncation between the check and the read, or
+during a long transaction, still hits SIGBUS; the window is one transaction.
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,10 +65,14 @@ class ReadGate:
 
     def remap(self, env: lmdb.Environment, path: Path) -> None:
         """Adopt the map size another process grew the file to, once no read is open here."""
+        self.alone(lambda: env.set_mapsize(0), path, "the gallery store grew during a read; retry")
+
+    def alone(self, fn: Callable[[], Any], path: Path, nested: str) -> None:
+        """Run ``fn`` once no read of this process is open (or return once another thread did)."""
         if getattr(self._local, "depth", 0):
             # This thread itself holds an open read (a nested read): remapping now would pull
             # the map from under it. Rare; the caller's request fails cleanly and can be retried.
-            raise IndexerError(f"{path}: the gallery store grew during a read; retry")
+            raise IndexerError(f"{path}: {nested}")
         with self._cond:
             if self._remapping:             # another thread is already doing it: wait for it
                 while self._remapping:
@@ -68,10 +82,63 @@ class ReadGate:
             try:
                 while self._readers:
                     self._cond.wait()
-                env.set_mapsize(0)
+                fn()
             finally:
                 self._remapping = False
                 self._cond.notify_all()
+
+
+class StoreUnavailable(IndexerError):
+    """The store's file was truncated, replaced or removed under this process: not read."""
+
+
+class MappedFile:
+    """``data.mdb`` as this process mapped it: an open descriptor of the same inode, so that a
+    size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement.
+
+    Kept cheap because it runs before every read: LMDB's meta (what the file must hold) is only
+    consulted when the size changed since the last good check (a truncation changes it; a writer
+    that commits without growing the file only uses pages the file has), and the path is looked
+    up at most every ``STAT_EVERY_S`` (a replaced or removed file leaves the mapped inode whole,
+    so that can wait; a truncation cannot)."""
+
+    STAT_EVERY_S = 0.2
+
+    def __init__(self, store_dir: Path, psize: int) -> None:
+        self.path = Path(store_dir) / "data.mdb"
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.psize = psize
+        self._good_size = -1            # the size at the last check that passed
+        self._stat_at = time.monotonic()
+
+    def problem(self, env: lmdb.Environment) -> str | None:
+        """Why reading ``env`` now could crash or read the wrong file ("replaced" / "removed" /
+        a truncation), or None. Meta pages are only looked at once the file holds them."""
+        size = os.fstat(self.fd).st_size
+        truncated = None
+        if size != self._good_size:
+            need = 2 * self.psize
+            if size >= need:
+                need = max(need, (env.info()["last_pgno"] + 1) * self.psize)
+            if size < need:
+                truncated = f"truncated ({size} bytes, the store needs {need})"
+            else:
+                self._good_size = size
+        now = time.monotonic()
+        if truncated or now - self._stat_at >= self.STAT_EVERY_S:
+            try:                        # a truncated inode may since have been replaced: adopt that
+                cur = os.stat(self.path)
+            except FileNotFoundError:
+                return "removed"
+            if (cur.st_dev, cur.st_ino) != self.ident:
+                return "replaced"
+            self._stat_at = now
+        return truncated
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 @dataclass
@@ -81,6 +148,9 @@ class SharedEnv:
     readonly: bool
     refs: int = 1
     gate: ReadGate = field(default_factory=ReadGate)
+    mapped: MappedFile | None = None                   # read-only environments: the checked file
+    spec: tuple = ()                                   # (map_size, names, dupsort) to reopen with
+    closed: bool = False                               # replaced file: old env closed, new not open
 
 
 _ENVS: dict[tuple[int, str], SharedEnv] = {}     # (pid, realpath) -> environment
@@ -102,6 +172,7 @@ def acquire(path: Path, *, readonly: bool, map_size: int, names: Sequence[str],
             shared.refs += 1
             return shared
         shared = _open(path, readonly, map_size, names, dupsort)
+        shared.spec = (map_size, tuple(names), tuple(dupsort))
         _ENVS[key] = shared
         return shared
 
@@ -128,7 +199,8 @@ def _open(path: Path, readonly: bool, map_size: int, names: Sequence[str],
         env.close()
         raise IndexerError(f"{path}: not a gallery store ({str(e).splitlines()[0]}); "
                            "rebuild the index with `python -m indexer build`") from None
-    return SharedEnv(env, dbs, readonly)
+    mapped = MappedFile(path, env.stat()["psize"]) if readonly else None
+    return SharedEnv(env, dbs, readonly, mapped=mapped)
 
 
 def release(path: Path) -> None:
@@ -140,12 +212,18 @@ def release(path: Path) -> None:
         shared.refs -= 1
         if shared.refs <= 0:
             del _ENVS[key]
-            shared.env.close()
+            if not shared.closed:
+                shared.env.close()
+                if shared.mapped is not None:
+                    shared.mapped.close()
 
 
 @contextmanager
 def read_txn(shared: SharedEnv, path: Path) -> Iterator[lmdb.Transaction]:
-    """A read transaction of a read-only environment, remapping first if the map has grown."""
+    """A read transaction of a read-only environment, remapping first if the map has grown;
+    StoreUnavailable (never a read) when the file is not what was mapped (see the module doc)."""
+    if shared.mapped is not None:
+        _check_mapped(shared, path)
     for _ in range(3):
         with shared.gate.reading():
             try:
@@ -158,6 +236,40 @@ def read_txn(shared: SharedEnv, path: Path) -> Iterator[lmdb.Transaction]:
                 return
         shared.gate.remap(shared.env, path)
     raise IndexerError(f"{path}: the gallery store keeps growing past its map; retry")
+
+
+def _check_mapped(shared: SharedEnv, path: Path) -> None:
+    mapped = shared.mapped
+    problem = "replaced" if shared.closed else mapped.problem(shared.env)   # type: ignore[union-attr]
+    if problem is None:
+        return
+    data = path / "data.mdb"
+    if problem == "replaced":
+        try:
+            check_lmdb(path)            # the new file must be sound before it is mapped
+            shared.gate.alone(lambda: _adopt(shared, path), path, "the gallery store was replaced during a read; retry")
+            return
+        except IndexerError as e:
+            raise StoreUnavailable(f"{data}: replaced under the running process, and the new file cannot be "
+                                   f"used ({str(e).split(': ', 1)[-1]})") from None
+    raise StoreUnavailable(f"{data}: {problem} under the running process; not read (a read could crash it); "
+                           f"restore the file or rebuild the index with `python -m indexer build`")
+
+
+def _adopt(shared: SharedEnv, path: Path) -> None:
+    """Swap a replaced file's environment in (called with no read of this process open).
+    py-lmdb opens a path once per process, so the old environment is closed first."""
+    if not shared.closed:
+        if shared.mapped is None or shared.mapped.problem(shared.env) != "replaced":
+            return                  # another thread adopted it already
+        shared.env.close()
+        shared.mapped.close()
+        shared.closed = True
+    map_size, names, dupsort = shared.spec
+    new = _open(path, True, map_size, names, dupsort)
+    shared.env, shared.mapped, shared.closed = new.env, new.mapped, False
+    shared.dbs.clear()
+    shared.dbs.update(new.dbs)      # stores hold this dict: they see the new handles
 
 
 class LmdbStore:
@@ -201,6 +313,8 @@ class LmdbStore:
                     shared = acquire(self.path, readonly=self.readonly, map_size=self._map_size,
                                      names=self.NAMES, dupsort=self.DUPSORT)
                     self._shared, self._dbs, self._pid, self._env = shared, shared.dbs, os.getpid(), shared.env
+        if self._shared is not None and self._shared.env is not self._env:
+            self._env = self._shared.env    # the file was replaced and reopened (_adopt)
         return self._env
 
     def close(self) -> None:

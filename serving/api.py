@@ -8,7 +8,8 @@
 
 Errors are JSON ``{"error": message}`` with 400 (bad value), 401 (auth), 404 (unknown index,
 id or endpoint), 405, 413 (upload too large), 415 (not an image) or 503 (health: an index is
-not served as it is on disk); no response ever carries a stack trace. Auth and the body size
+not served as it is on disk, or its store was damaged under the running server); no response
+ever carries a stack trace or an absolute server path (serving.redact). Auth and the body size
 cap are enforced before the body is read (serving.limits). Nothing here reads a path the client
 sends: thumbnails come from the LMDB store by id.
 """
@@ -21,9 +22,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from indexer import IndexerError
+
 from .limits import RequestGuard
+from .redact import Redactor
 from .results import RequestError, UnknownIdError, check_k
 from .searcher import Searcher
+from .session import GradioSessions
+from .throttle import LoginThrottle
 from .uploads import DEFAULT_MAX_UPLOAD_BYTES, decode_upload, too_large
 
 # Multipart overhead allowed on top of the image itself before the body is refused unread.
@@ -31,9 +37,17 @@ _FORM_OVERHEAD = 64 * 1024
 
 
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
-                   max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
+                   max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+                   sessions: GradioSessions | None = None) -> FastAPI:
     """Register /api/* on ``app`` (call before mounting Gradio at "/", which catches the rest),
-    and the request guard (auth for /api/*, body cap for everything) in front of the whole app."""
+    and the request guard (auth for /api/*, body cap for everything) in front of the whole app.
+    ``sessions``: Gradio's logins, once mounted (serving.server fills it in)."""
+    redact = Redactor(searcher.directories)
+
+    @app.exception_handler(IndexerError)            # a store truncated/replaced under us, ...
+    async def _unavailable(request: Request, exc: IndexerError) -> JSONResponse:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return JSONResponse({"error": redact.text(msg)}, status_code=503)
 
     @app.exception_handler(RequestError)            # UploadError too: 400, 413, 415
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -55,11 +69,11 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         return JSONResponse({"error": problems or "invalid request"}, status_code=400)
 
     app.add_middleware(RequestGuard, max_bytes=max_upload_bytes + _FORM_OVERHEAD, limit=max_upload_bytes,
-                       auth=auth)
+                       auth=auth, throttle=LoginThrottle(), sessions=sessions)
 
     @app.get("/api/health")
     def health() -> JSONResponse:
-        problems = searcher.health()
+        problems = {n: redact.text(p) for n, p in searcher.health().items()}
         if problems:
             return JSONResponse({"status": "unhealthy", "error": "; ".join(problems.values()),
                                  "indexes": searcher.names, "problems": problems}, status_code=503)
@@ -67,7 +81,7 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
 
     @app.get("/api/indexes")
     def indexes() -> list[dict[str, Any]]:
-        return [searcher.describe(n) for n in searcher.names]
+        return [redact.description(searcher.describe(n)) for n in searcher.names]
 
     @app.post("/api/search")
     def search(request: Request, image: UploadFile | None = File(None), k: str = Form("10"),

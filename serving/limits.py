@@ -4,32 +4,61 @@ One pure ASGI middleware (not BaseHTTPMiddleware, so Gradio's streaming routes p
 
 * ``/api/*`` with ``--auth``: HTTP basic credentials are checked from the headers, before the
   route (and FastAPI's form parsing) sees the request, so a stranger's 60 MB body is never read.
+* Failed logins (wrong basic credentials, a refused Gradio ``/login`` form) are counted per client
+  address; past 10 a minute the address gets 429 + Retry-After with an exponential back-off
+  (serving.throttle).
 * Every request: a Content-Length above the cap is answered 413 unread; a body without one
   (chunked) is counted while the app reads it and answered 413 the moment it passes the cap, so
   nothing is spooled to disk beyond the cap. Gradio's own upload route applies the same limit
   (its ``max_file_size``); this cap also bounds its JSON routes.
+* A body must arrive within a deadline (short without a login), else 408.
+* Any answer given while the request body is still unread carries ``Connection: close``: the
+  server (uvicorn/h11) would otherwise read and discard the rest of the body (GBs) to reuse the
+  connection.
+* The cut-off, the deadline and a client disconnect mid-body are raised into the app as
+  Starlette's ``MultiPartException``: that is the error Gradio's upload parser cleans up after
+  (it deletes the temp files it has written), so no refused or aborted upload leaves a file.
+* Gradio's page routes for a visitor without a login: ``gradio_api_info`` is stripped
+  (serving.session), so the login page says nothing about the index.
 * ``/api/*``: an unexpected error becomes a JSON 500 without a trace.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
 import secrets
+import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.formparsers import MultiPartException
 
+from .session import GradioSessions, UnsafePage, strip_api_info
+from .throttle import LoginThrottle
 from .uploads import too_large
 
 log = logging.getLogger(__name__)
 
 AUTH_HEADERS = {"WWW-Authenticate": 'Basic realm="das-retrieval"'}
 AUTH_MESSAGE = "authentication required (HTTP basic auth, the --auth user and password)"
+# Seconds a request body may take to arrive: without a login (the /login form, refused routes)
+# a slow client is dropped soon; a logged-in upload of the 10 MB cap gets room for a slow link.
+ANON_BODY_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 120.0
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(MultiPartException):
     """Raised into the app from ``receive`` once the body passes the cap."""
+
+
+class BodyTimeout(MultiPartException):
+    """Raised into the app from ``receive`` when the body is not in by its deadline."""
+
+
+class BodyAborted(MultiPartException):
+    """Raised into the app from ``receive`` when the client leaves before its body is in."""
 
 
 def basic_auth_ok(headers: dict[bytes, bytes], auth: tuple[str, str]) -> bool:
@@ -47,56 +76,129 @@ def basic_auth_ok(headers: dict[bytes, bytes], auth: tuple[str, str]) -> bool:
     return bool(sep) and ok_user and ok_pw
 
 
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    length = headers.get(b"content-length", b"0").strip()
+    return b"transfer-encoding" in headers or (length.isdigit() and int(length) > 0)
+
+
 class RequestGuard:
     """See the module docstring. ``max_bytes``: the body cap; ``limit``: the upload limit the
     413 message names (the cap adds room for multipart headers)."""
 
-    def __init__(self, app: Any, *, max_bytes: int, limit: int, auth: tuple[str, str] | None = None):
+    def __init__(self, app: Any, *, max_bytes: int, limit: int, auth: tuple[str, str] | None = None,
+                 throttle: LoginThrottle | None = None, sessions: GradioSessions | None = None,
+                 body_timeout: float = BODY_TIMEOUT_S, anon_body_timeout: float = ANON_BODY_TIMEOUT_S):
         self.app = app
         self.max_bytes = max_bytes
         self.limit = limit
         self.auth = auth
+        self.throttle = throttle or LoginThrottle()
+        self.sessions = sessions or GradioSessions()
+        self.body_timeout = body_timeout
+        self.anon_body_timeout = anon_body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        api = scope["path"].startswith("/api/") or scope["path"] == "/api"
+        path, method = scope["path"], scope.get("method", "GET")
+        api = path.startswith("/api/") or path == "/api"
         headers = dict(scope.get("headers") or [])
-        if api and self.auth is not None and not basic_auth_ok(headers, self.auth):
-            await JSONResponse({"error": AUTH_MESSAGE}, status_code=401, headers=AUTH_HEADERS)(scope, receive, send)
-            return
+        has_body = _has_body(headers)
+        client = (scope.get("client") or ("unknown",))[0]
+        login_form = method == "POST" and path.rstrip("/") == "/login" and self.auth is not None
+        close = {"Connection": "close"} if has_body else {}
+
+        logged_in = self.auth is None
+        if api and self.auth is not None:
+            if b"authorization" in headers:             # a login attempt: throttled, counted
+                wait = self.throttle.retry_after(client)
+                if wait:
+                    await self._too_many(scope, receive, send, wait, close)
+                    return
+                if not basic_auth_ok(headers, self.auth):
+                    self.throttle.failed(client)
+                    await JSONResponse({"error": AUTH_MESSAGE}, status_code=401,
+                                       headers={**AUTH_HEADERS, **close})(scope, receive, send)
+                    return
+                self.throttle.succeeded(client)
+                logged_in = True
+            else:
+                await JSONResponse({"error": AUTH_MESSAGE}, status_code=401,
+                                   headers={**AUTH_HEADERS, **close})(scope, receive, send)
+                return
+        if login_form:
+            wait = self.throttle.retry_after(client)
+            if wait:
+                await self._too_many(scope, receive, send, wait, close)
+                return
+        if not logged_in:
+            logged_in = self.sessions.logged_in(headers)
         length = headers.get(b"content-length", b"").decode("latin-1").strip()
         if length.isdigit() and int(length) > self.max_bytes:
             await self._refuse(scope, receive, send, int(length))
             return
+        sanitize = (not logged_in and not api and self.auth is not None and method in ("GET", "HEAD"))
 
         seen = 0
-        exceeded = False
+        body_done = not has_body
+        failed: str | None = None           # "413" / "408" / "gone": the guard answers, not the app
         started = False
+        held: list[dict] = []               # a page being sanitised: its messages, held back
+        deadline = time.monotonic() + (self.body_timeout if logged_in else self.anon_body_timeout)
 
         async def _receive() -> dict:
-            nonlocal seen, exceeded
-            message = await receive()
+            nonlocal seen, body_done, failed
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                failed = "408"
+                raise BodyTimeout("the request body did not arrive in time") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    body_done = True
                 if seen > self.max_bytes:
-                    exceeded = True
-                    raise BodyTooLarge()
+                    failed = "413"
+                    raise BodyTooLarge("upload is larger than the limit")
+            elif message["type"] == "http.disconnect":
+                body_done = True
+                failed = "gone"             # nobody to answer; the app cleans up its files
+                raise BodyAborted("the client left before sending its whole body")
             return message
 
         async def _send(message: dict) -> None:
             nonlocal started
-            if exceeded:            # the app's own answer to the cut body is replaced by the 413
+            if failed:                      # the app's own answer to the cut body is replaced
                 return
             if message["type"] == "http.response.start":
                 started = True
+                status = message["status"]
+                if login_form:
+                    if status == 200:
+                        self.throttle.succeeded(client)
+                    elif status in (400, 401, 422):
+                        self.throttle.failed(client)
+                if not body_done:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+                ctype = dict(message.get("headers", [])).get(b"content-type", b"")
+                if sanitize and ctype.startswith(b"text/html"):
+                    held.append(message)
+                    return
+            elif held:
+                held.append(message)
+                if not message.get("more_body", False):
+                    await self._send_sanitized(held, send)
+                return
             await send(message)
 
         try:
             await self.app(scope, _receive, _send)
-        except BodyTooLarge:
-            pass
+        except MultiPartException:
+            if not failed:
+                raise
         except Exception:
             if not api:
                 raise
@@ -104,8 +206,29 @@ class RequestGuard:
             if not started:
                 await JSONResponse({"error": "internal server error"}, status_code=500)(scope, receive, send)
             return
-        if exceeded and not started:
+        if failed == "413" and not started:
             await self._refuse(scope, receive, send, None)
+        elif failed == "408" and not started:
+            await JSONResponse({"error": "the request body did not arrive in time"}, status_code=408,
+                               headers={"Connection": "close"})(scope, receive, send)
+
+    async def _send_sanitized(self, held: list[dict], send: Any) -> None:
+        start, body = held[0], b"".join(m.get("body", b"") for m in held[1:])
+        try:
+            body = strip_api_info(body)
+        except UnsafePage:
+            log.error("a page for a visitor without a login still embeds gradio_api_info; withheld")
+            start = {**start, "status": 500, "headers": [(b"content-type", b"text/plain")]}
+            body = b"page withheld: it would show the index before login"
+        hdrs = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        hdrs.append((b"content-length", str(len(body)).encode()))
+        await send({**start, "headers": hdrs})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _too_many(self, scope: dict, receive: Any, send: Any, wait: int, close: dict) -> None:
+        resp = JSONResponse({"error": f"too many failed logins from this address; retry in {wait} s"},
+                            status_code=429, headers={"Retry-After": str(wait), **close})
+        await resp(scope, receive, send)
 
     async def _refuse(self, scope: dict, receive: Any, send: Any, size: int | None) -> None:
         # "Connection: close": the rest of the body is never read, so the connection cannot be reused

@@ -23,9 +23,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
+from starlette.routing import Mount  # noqa: E402
 
 from .api import add_api_routes  # noqa: E402
 from .searcher import Searcher  # noqa: E402
+from .session import GradioSessions  # noqa: E402
 from .ui import build_ui  # noqa: E402
 from .uploads import DEFAULT_MAX_UPLOAD_BYTES  # noqa: E402
 
@@ -34,11 +36,14 @@ def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                query_sets: Mapping[str, Path] | None = None) -> FastAPI:
     app = FastAPI(title="das-retrieval", docs_url=None, redoc_url=None, openapi_url=None)
-    add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes)
+    sessions = GradioSessions()
+    add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes, sessions=sessions)
     blocks = build_ui(searcher, query_sets=query_sets, max_upload_bytes=max_upload_bytes)
     blocks.queue(default_concurrency_limit=4)
     app = gr.mount_gradio_app(app, blocks, path="/", auth=auth, max_file_size=max_upload_bytes,
                               show_error=True, footer_links=["api"],
                               app_kwargs={"openapi_url": None, "docs_url": None, "redoc_url": None})
     blocks.has_launched = True      # Gradio's upload-folder check on file inputs (see above)
+    # the guard asks Gradio's app who is logged in (to strip the login page of the api info)
+    sessions.app = next(r.app for r in app.routes if isinstance(r, Mount) and hasattr(r.app, "tokens"))
     return app

@@ -20,12 +20,17 @@ from indexer.index_dir import MANIFEST
 
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
+from .redact import Redactor
 from .render import caption, probe_grid, result_items
 from .results import RequestError, check_k
 from .searcher import Query, Searcher, UnknownIdError
 from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, check_size, decode_upload
 
 GALLERY_LOO = "gallery (leave-one-out)"
+# Most numbers a list field (scales, shift values, k values) may hold: each scale or shift value
+# is one more search per open index (400 values cost 26 CPU-seconds in one request).
+MAX_LIST_VALUES = 16
+P_MAX_TOPK, P_MAX_RANDOM = 64, 6        # the Probes sliders' ranges, checked again server-side
 
 
 def query_image(**kw: Any) -> gr.Image:
@@ -47,12 +52,15 @@ def query_image(**kw: Any) -> gr.Image:
     return comp
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _floats(text: str, what: str, most: int = MAX_LIST_VALUES) -> list[float]:
     text = (text or "").strip()
     if not text:
         return []
+    parts = [t for t in text.replace(";", ",").split(",") if t.strip()]
+    if len(parts) > most:
+        raise RequestError(f"{what}: at most {most} values, got {len(parts)}")
     try:
-        vals = [float(t) for t in text.replace(";", ",").split(",") if t.strip()]
+        vals = [float(t) for t in parts]
     except ValueError:
         raise RequestError(f"{what}: expected comma-separated numbers like '0.5, 2', got {text!r}") from None
     if any(not np.isfinite(v) for v in vals):
@@ -81,8 +89,7 @@ def _describe_md(info: Mapping[str, Any]) -> str:
             ("model", model.get("backbone")), ("model file", model.get("source")),
             ("model sha256", str(model.get("hash", ""))[:16]), ("index type", m.get("index_type")),
             ("nprobe", m.get("nprobe")), ("measured recall@10 (vs exact)", m.get("recall_at_10")),
-            ("target recall", m.get("target_recall")), ("built", m.get("built_at")),
-            ("directory", info.get("directory"))]
+            ("target recall", m.get("target_recall")), ("built", m.get("built_at"))]
     body = "\n".join(f"| {k} | {'—' if v in (None, '') else v} |" for k, v in rows)
     return f"### {info['name']}\n\n| field | value |\n| --- | --- |\n{body}\n"
 
@@ -107,6 +114,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
     names = searcher.names
     query_sets = dict(query_sets or {})
     picks = _pick_choices(searcher)
+    redactor = Redactor(searcher.directories)
     labels = sorted({lab for n in names for lab in searcher.index(n).labels()})
 
     def make_query(img_path: str | None, pick: str | None, label: str | None) -> Query:
@@ -133,7 +141,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             q = make_query(img_path, pick, label)
             kk = int(k)
             out = [result_items(searcher, res.results, q.label) for res in searcher.search_all(q, kk).values()]
-        except (ValueError, UnknownIdError) as e:    # RequestError, UploadError, ImageLoadError
+        except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
         known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
             "label unknown (pick one to see green/red frames)"
@@ -146,11 +154,14 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             q = make_query(img_path, pick, label)
             sc = _floats(scales, "scales")
             sh = _floats(shifts, "shift r_b values")
+            if not 0 <= int(n_random) <= P_MAX_RANDOM or not 1 <= int(topk) <= P_MAX_TOPK:
+                raise RequestError(f"random scalings: expected 0..{P_MAX_RANDOM}, K channels: 1..{P_MAX_TOPK}; "
+                                   f"got {int(n_random)} and {int(topk)}")
             reports = searcher.probe_all(q, int(k), topk=int(topk), scales=sc, n_random=int(n_random),
                                          scale_range=float(r_s), shifts=sh,
                                          shift_label=(shift_label or None) if not q.label else None,
                                          seed=int(seed))
-        except (ValueError, UnknownIdError) as e:
+        except (ValueError, UnknownIdError, IndexerError) as e:
             return fail(e, len(names) + 1)
         grids = [probe_grid(searcher, reports[n]) for n in names]
         table = [[r["index"], r["probe"], round(r["overlap@k"], 3),
@@ -208,9 +219,9 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                 with gr.Column(scale=1):
                     p_query = _query_inputs("probe", picks, labels, height=220, label_text="Query label (optional)")
                     p_k = gr.Slider(1, 20, value=6, step=1, label="k")
-                    p_topk = gr.Slider(1, 64, value=4, step=1, label="K channels scaled (top-K by value)")
+                    p_topk = gr.Slider(1, P_MAX_TOPK, value=4, step=1, label="K channels scaled (top-K by value)")
                     p_scales = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SCALES), label="Scales")
-                    p_nrand = gr.Slider(0, 6, value=0, step=1, label="Random scalings (per channel U[1-r_s, 1+r_s])")
+                    p_nrand = gr.Slider(0, P_MAX_RANDOM, value=0, step=1, label="Random scalings (per channel U[1-r_s, 1+r_s])")
                     p_rs = gr.Slider(0.05, 0.95, value=0.5, step=0.05, label="r_s")
                     p_shifts = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SHIFTS), label="Shift r_b values")
                     p_shift_label = gr.Dropdown(labels, value=None, label="Shift class (when the query's label is unknown)")
@@ -242,7 +253,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
 
         with gr.Tab("Index", id="index"):
             for n in names:
-                info = searcher.describe(n)
+                info = redactor.description(searcher.describe(n))     # no server paths on the page
                 gr.Markdown(_describe_md(info))
                 gr.JSON(info.get("manifest", {}), label=f"{MANIFEST} — {n}")
     return demo

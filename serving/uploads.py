@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from embedder import ImageLoadError, load_image
+from embedder import ImageLoadError, ImageTooLargeError, load_image
 
 from .results import RequestError
 
@@ -66,13 +66,16 @@ def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None
 
 def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                   max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS, min_side: int | None = None) -> Image.Image:
-    """Bytes from a client -> RGB image, or UploadError (413 too large, 415 not an image).
+    """Bytes from a client -> RGB image, or UploadError (413 too large to upload or to decode,
+    415 not an image).
     ``min_side``: decode no larger than this on the shorter side needs (Searcher.decode_side)."""
     if not data:
         raise UploadError(f"{name}: the upload is empty; expected an image file", status=400)
     check_size(len(data), name, max_bytes)
     try:
         return bounded_decode(data, name=name, min_side=min_side, max_pixels=max_pixels)
+    except ImageTooLargeError as e:  # a readable image that needs more memory than decoding may use
+        raise UploadError(str(e), status=413) from None
     except ImageLoadError as e:
         raise UploadError(f"{name}: not a readable image ({e.reason}); expected a PNG, JPEG, "
                           f"WebP, BMP or GIF file", status=415) from None

@@ -144,3 +144,19 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "app.py"), "--help"], capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 0 and "--index" in r.stdout and "--auth" in r.stdout
+
+
+def test_an_image_too_large_to_decode_is_refused_413_before_decoding():
+    """A readable WebP whose decode would cost more than the process's decode budget (libwebp
+    holds ~16 bytes per pixel) is a 413 naming the file and the budget, not a 415 "not an
+    image": the client sent a real image, just too large to decode here."""
+    from embedder.decode_budget import BUDGET
+    from serving.uploads import UploadError, decode_upload
+
+    side = int((BUDGET.capacity / 16) ** 0.5) + 64      # just over the budget for a WebP
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 60, 30)).save(buf, format="WEBP", quality=10)
+    with pytest.raises(UploadError) as err:
+        decode_upload(buf.getvalue(), "big.webp", max_pixels=None, min_side=224)
+    assert err.value.status == 413
+    assert "big.webp" in err.value.message and "budget" in err.value.message

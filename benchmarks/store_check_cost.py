@@ -1,0 +1,157 @@
+"""What the per-read store check (indexer.lmdb_env: fstat/stat before each LMDB read, so a
+data.mdb truncated under a running server is refused instead of killing it with SIGBUS) costs
+on search latency, against the same searches with the check switched off in the same process.
+
+    python benchmarks/store_check_cost.py [--index DIR] [--rounds 6] [--seconds 4] [--k 10]
+                                          [--http-baseline CHECKOUT]
+
+Two query kinds: a gallery id (no embedding: store reads and faiss only, where the check weighs
+most) and an uploaded image (decode + embed + search: what /api/search does). Rounds alternate
+check on / off so both see the same background load; reports p50/p99 per kind and the p50 ratio
+on/off (goal: <= 1.2), and the check's own cost per call. Prints a markdown table.
+
+``--http-baseline CHECKOUT`` adds the whole request path: POST /api/search (1 client, uploads)
+against `app.py` of this checkout and of another one (say a `git worktree` of the previous
+main), both serving the index at once, rounds alternating.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--index", type=Path, default=None,
+                    help="index directory (default: the demo index, built once under indexes/demo)")
+    ap.add_argument("--rounds", type=int, default=6, help="on/off alternations (default 6)")
+    ap.add_argument("--seconds", type=float, default=4.0, help="seconds per kind, round and setting (default 4)")
+    ap.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    ap.add_argument("--http-baseline", type=Path, default=None, metavar="CHECKOUT",
+                    help="also time POST /api/search against app.py of this other checkout (same run)")
+    args = ap.parse_args(argv)
+    if args.http_baseline is not None and not (args.http_baseline / "app.py").is_file():
+        print(f"store_check_cost: --http-baseline {args.http_baseline}: no app.py there", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.seconds <= 0 or not 1 <= args.k <= 1000:
+        print("store_check_cost: --rounds >= 1, --seconds > 0, 1 <= --k <= 1000 expected", file=sys.stderr)
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from indexer import lmdb_env
+    from serving import Searcher
+    from serving.demo import ensure_demo_index
+
+    index_dir = args.index or ensure_demo_index(REPO / "indexes" / "demo")
+    searcher = Searcher.open([index_dir])
+    store = searcher.index().store
+    ids = [int(i) for i in store.ids()[:32]]
+    images = [store.get_bytes(i) for i in ids]
+    real_check = lmdb_env._check_mapped
+
+    def set_check(on: bool) -> None:
+        lmdb_env._check_mapped = real_check if on else (lambda shared, path: None)
+
+    kinds = {"gallery id": lambda j: searcher.search(ids[j % len(ids)], args.k),
+             "uploaded image": lambda j: searcher.search(images[j % len(images)], args.k)}
+    for fn in kinds.values():
+        for j in range(4):
+            fn(j)                                           # warm-up
+    lat: dict[tuple[str, bool], list[float]] = {(k, on): [] for k in kinds for on in (True, False)}
+    for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            set_check(on)
+            for kind, fn in kinds.items():
+                stop, j = time.perf_counter() + args.seconds, 0
+                while time.perf_counter() < stop:
+                    t0 = time.perf_counter()
+                    fn(j)
+                    lat[(kind, on)].append(1000 * (time.perf_counter() - t0))
+                    j += 1
+    set_check(True)
+    shared = store._shared
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        real_check(shared, store.path)
+    per_call_us = 1e6 * (time.perf_counter() - t0) / n
+    rows = []
+    for kind in kinds:
+        on, off = np.array(lat[(kind, True)]), np.array(lat[(kind, False)])
+        rows.append(f"| {kind} | {len(off)} / {len(on)} | {np.percentile(off, 50):.2f} | {np.percentile(on, 50):.2f} | "
+                    f"{np.percentile(off, 99):.2f} | {np.percentile(on, 99):.2f} | "
+                    f"**{np.percentile(on, 50) / np.percentile(off, 50):.3f}** |")
+    if args.http_baseline is not None:
+        rows += http_rows(index_dir, args.http_baseline, images, args)
+    print(f"Command: `python benchmarks/store_check_cost.py{' --index ' + str(args.index) if args.index else ''} "
+          f"--rounds {args.rounds} --seconds {args.seconds} --k {args.k}"
+          f"{' --http-baseline ' + str(args.http_baseline) if args.http_baseline else ''}`  \n"
+          f"Index: {len(searcher.index())} images; bare `Searcher.search` in one process, check on/off "
+          f"alternating; the check alone: {per_call_us:.1f} us per call; load average "
+          f"{os.getloadavg()[0]:.1f} at the end (2 shared cores).\n\n"
+          "| query | searches off / on | p50 off ms | p50 on ms | p99 off ms | p99 on ms | p50 on/off |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n" + "\n".join(rows))
+    return 0
+
+
+def http_rows(index_dir: Path, baseline: Path, images: list[bytes], args: argparse.Namespace) -> list[str]:
+    """p50 of POST /api/search (1 client) on this checkout's app.py vs the baseline checkout's."""
+    import httpx
+
+    procs, urls = [], {}
+    for name, root in (("this checkout", REPO), ("baseline", baseline.resolve())):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs.append(subprocess.Popen([sys.executable, str(root / "app.py"), "--index", str(index_dir),
+                                       "--port", str(port)], cwd=root, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL,
+                                      env={**os.environ, "PYTHONPATH": str(root), "GRADIO_ANALYTICS_ENABLED": "False"}))
+        urls[name] = f"http://127.0.0.1:{port}"
+    try:
+        for url in urls.values():
+            for _ in range(360):
+                try:
+                    if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        lat: dict[str, list[float]] = {n: [] for n in urls}
+        with httpx.Client(timeout=60) as c:
+            for r in tqdm(range(args.rounds), desc="http rounds", file=sys.stderr):
+                for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                    stop, j = time.perf_counter() + args.seconds, 0
+                    while time.perf_counter() < stop:
+                        t0 = time.perf_counter()
+                        resp = c.post(f"{urls[name]}/api/search", files={"image": ("q.jpg", images[j % len(images)])},
+                                      data={"k": str(args.k)})
+                        if resp.status_code == 200:
+                            lat[name].append(1000 * (time.perf_counter() - t0))
+                        j += 1
+    finally:
+        for p in procs:
+            p.terminate()           # by PID: the servers this script started
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    new, old = np.array(lat["this checkout"]), np.array(lat["baseline"])
+    return [f"| POST /api/search, upload (HTTP; off = baseline checkout) | {len(old)} / {len(new)} | "
+            f"{np.percentile(old, 50):.2f} | {np.percentile(new, 50):.2f} | {np.percentile(old, 99):.2f} | "
+            f"{np.percentile(new, 99):.2f} | **{np.percentile(new, 50) / np.percentile(old, 50):.3f}** |"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

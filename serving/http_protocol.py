@@ -1,0 +1,37 @@
+"""uvicorn's h11 protocol with a deadline on request heads.
+
+uvicorn (0.54) closes a connection that stays idle ``timeout_keep_alive`` seconds, but any byte
+received cancels that timer, so a client that sends its headers one byte every few seconds
+holds a connection (and a file descriptor) forever; enough of them starve the server
+(slowloris). Here a connection must deliver each complete request head within
+``HEAD_TIMEOUT_S`` of connecting or of its previous response, else it is closed. Bodies have
+their own deadline in serving.limits (it knows who is logged in).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_TIMEOUT_S = 10.0
+
+
+class GuardedH11Protocol(H11Protocol):
+    head_timeout = HEAD_TIMEOUT_S
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def _arm_head_deadline(self) -> None:
+        self.loop.call_later(self.head_timeout, self._head_deadline, self.cycle)
+
+    def _head_deadline(self, cycle: Any) -> None:
+        # still the cycle of when the deadline was set: no new request head arrived since
+        if self.cycle is cycle and (cycle is None or cycle.response_complete) \
+                and self.transport is not None and not self.transport.is_closing():
+            self.transport.close()

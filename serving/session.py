@@ -1,0 +1,54 @@
+"""Who is logged in to the Gradio UI, and the login page stripped of everything about the index.
+
+Gradio (6.31) renders its page routes ("/", "/gradio_api/runs") for a visitor without a login as
+the login form, but still embeds ``window.gradio_api_info``: the API description, with every
+dropdown choice (class labels, gallery ids and paths) as examples. Gradio has no switch for
+that, so the guard (serving.limits) rewrites those HTML answers for visitors without a session:
+the api-info literal becomes ``null`` (the login form does not use it; after login the page is
+served whole). If a page without a login carries ``gradio_api_info`` in a form this module does
+not recognise (a Gradio upgrade), :func:`strip_api_info` refuses to pass it on (fail closed).
+"""
+from __future__ import annotations
+
+import re
+from http.cookies import CookieError, SimpleCookie
+from typing import Any
+
+_API_INFO = re.compile(rb"(<script>window\.gradio_api_info = )(.*?)(;</script>)", re.S)
+
+
+class GradioSessions:
+    """Checks Gradio's login cookie against the mounted Gradio app's live tokens. ``app`` is set
+    after ``gr.mount_gradio_app`` (the guard is built before the mount)."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    def logged_in(self, headers: dict[bytes, bytes]) -> bool:
+        app = self.app
+        if app is None or (getattr(app, "auth", None) is None and getattr(app, "auth_dependency", None) is None):
+            return app is not None                          # no --auth: everyone is "logged in"
+        raw = headers.get(b"cookie", b"").decode("latin-1")
+        if not raw:
+            return False
+        try:
+            jar = SimpleCookie(raw)
+        except CookieError:
+            return False
+        for name in (f"access-token-{app.cookie_id}", f"access-token-unsecure-{app.cookie_id}"):
+            if name in jar and jar[name].value in app.tokens:
+                return True
+        return False
+
+
+class UnsafePage(Exception):
+    """A page for a visitor without a login that still mentions gradio_api_info."""
+
+
+def strip_api_info(body: bytes) -> bytes:
+    """The page with its ``window.gradio_api_info`` literal replaced by ``null``."""
+    out, n = _API_INFO.subn(rb"\1null\3", body)
+    if b"gradio_api_info = {" in out or (n == 0 and b"window.gradio_api_info" in body
+                                          and b"window.gradio_api_info = null" not in body):
+        raise UnsafePage("the page still embeds gradio_api_info")
+    return out
