@@ -89,8 +89,12 @@ def embeddings(tag: str, files: list[Path], cache: Path, batch_size: int) -> np.
 
 def ingest_rates(tags: list[str], files: list[Path], cache: Path, repeats: int,
                  batch_size: int) -> dict[str, dict[str, float]]:
-    """Best-of-``repeats`` images/s, bare ``embed_iter`` and ``indexer build``, per variant,
-    variants interleaved within each repeat so all see the same neighbours' load."""
+    """Throughput ratios against ``tags[0]``: bare ``embed_iter`` and ``indexer build``.
+
+    Variants run back to back within each repeat, so each ratio compares runs that saw about
+    the same neighbours' load; the median over repeats of these paired ratios is reported, for
+    wall time (images/s) and for the process's CPU time per image (what the work costs, less
+    sensitive to a shared machine)."""
     from embedder import OnnxEmbedder
     from indexer import build_index
     from tqdm import tqdm
@@ -106,20 +110,27 @@ def ingest_rates(tags: list[str], files: list[Path], cache: Path, repeats: int,
         for e in embs.values():   # warm up sessions and the page cache
             for _ in e.embed_iter(((i, str(f)) for i, f in enumerate(files[:64]))):
                 pass
-        rates: dict[str, dict[str, list[float]]] = {t: {"bare": [], "build": []} for t in tags}
+        runs: list[dict[str, dict[str, tuple[float, float]]]] = []
         with tqdm(total=repeats * len(tags) * 2, desc="ingest runs") as bar:
             for r in range(repeats):
-                for t in tags:
-                    t0 = time.perf_counter()
+                run: dict[str, dict[str, tuple[float, float]]] = {}
+                for t in (tags if r % 2 == 0 else tags[::-1]):   # alternate who goes first
+                    w0, c0 = time.perf_counter(), time.process_time()
                     n = sum(len(k) for k, _, _ in embs[t].embed_iter(((i, str(f)) for i, f in enumerate(files))))
-                    rates[t]["bare"].append(n / (time.perf_counter() - t0))
+                    bare = (n / (time.perf_counter() - w0), (time.process_time() - c0) / n)
                     bar.update(1)
-                    t0 = time.perf_counter()
+                    w0, c0 = time.perf_counter(), time.process_time()
                     m = build_index(gallery, tmp / f"idx-{t}-{r}", models[t], batch_size=batch_size,
                                     progress=False, embedder=embs[t])
-                    rates[t]["build"].append(m["count"] / (time.perf_counter() - t0))
+                    build = (m["count"] / (time.perf_counter() - w0), (time.process_time() - c0) / m["count"])
+                    run[t] = {"bare": bare, "build": build}
                     bar.update(1)
-        return {t: {k: max(v) for k, v in d.items()} for t, d in rates.items()}
+                runs.append(run)
+        b = tags[0]
+        return {t: {f"{k}_{kind}": float(np.median([
+                    (run[t][k][0] / run[b][k][0]) if kind == "wall" else (run[b][k][1] / run[t][k][1])
+                    for run in runs])) for k in ("bare", "build") for kind in ("wall", "cpu")}
+                for t in tags}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -149,8 +160,9 @@ def plot(results: dict[str, dict[str, dict[str, float]]], splits: list[str], pat
     plt.close(fig)
 
 
-def section(results, splits, rates, cmd, seconds, baseline: str) -> list[str]:
-    lines = [SECTION, "", f"Command: `{cmd}` ({seconds / 60:.1f} min, load average "
+def section(results, splits, rates, cmd, seconds, baseline: str, n_ingest: int = 0,
+            repeats: int = 0, heading: str = SECTION, png: str = "pretrained_choice.png") -> list[str]:
+    lines = [heading, "", f"Command: `{cmd}` ({seconds / 60:.1f} min, load average "
              f"{os.getloadavg()[0]:.1f} at the end). Splits: cub-dev species sorted by name, "
              "`cub-val` = first 25 (every choice is made there), `cub-test` = last 25 (report "
              "only); `caltech-test` = last 25 caltech101-dev categories, `caltech-all` = all 50 "
@@ -159,7 +171,7 @@ def section(results, splits, rates, cmd, seconds, baseline: str) -> list[str]:
              "from `embedder.metrics.evaluate`, in %.", "",
              "| variant | split | R@1 | R@2 | R@4 | R@8 | NMI | MAP@R | R@1 - " + baseline + " |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for s in splits:
+    for s in [s for s in SPLITS if s in splits]:
         for t, res in results.items():
             if s not in res:
                 continue
@@ -169,21 +181,23 @@ def section(results, splits, rates, cmd, seconds, baseline: str) -> list[str]:
             lines.append(f"| {t} | {s} | {m['R@1']:.2f} | {m['R@2']:.2f} | {m['R@4']:.2f} | "
                          f"{m['R@8']:.2f} | {100 * m['NMI']:.2f} | {m['MAP@R']:.2f} | {delta} |")
     if rates:
-        b = rates.get(baseline)
-        lines += ["", "Throughput on the same cub photos, same run, variants interleaved, best of "
-                  "the repeats (bare `OnnxEmbedder.embed_iter` and `indexer build` end to end, "
-                  f"batch 32); ratios against {baseline}:", "",
-                  "| variant | bare embedding (ratio) | indexer build (ratio) |", "| --- | ---: | ---: |"]
+        lines += ["", f"Throughput on {n_ingest} cub-test photos, same run, variants back to back in "
+                  f"each of {repeats} repeats (order alternating); median over repeats of the paired "
+                  f"ratio against {baseline}. Bare = `OnnxEmbedder.embed_iter`; build = `indexer "
+                  "build` end to end (walk, LMDB, embedding, faiss), batch 32. Wall = images/s; CPU = "
+                  "the inverse of process CPU seconds per image (less sensitive to neighbours' load).", "",
+                  "| variant | bare, wall | bare, CPU | indexer build, wall | indexer build, CPU |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
         for t, r in rates.items():
-            lines.append(f"| {t} | {r['bare'] / b['bare']:.2f}x | {r['build'] / b['build']:.2f}x |"
-                         if b else f"| {t} | - | - |")
-    lines += ["", "![R@1 per variant and split](benchmarks/pretrained_choice.png)"]
+            lines.append(f"| {t} | {r['bare_wall']:.2f}x | {r['bare_cpu']:.2f}x | "
+                         f"{r['build_wall']:.2f}x | {r['build_cpu']:.2f}x |")
+    lines += ["", f"![R@1 per variant and split]({png})"]
     return lines
 
 
 def replace_section(text: str, new: list[str]) -> str:
     lines = text.rstrip("\n").split("\n")
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    start = next((i for i, line in enumerate(lines) if line.strip() == new[0]), None)
     if start is None:
         return "\n".join(lines + [""] + new) + "\n"
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
@@ -205,9 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="ONNX exports and embeddings (outside the repo)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--throughput", type=int, default=0, metavar="N",
-                    help="also measure ingest throughput on the first N cub-test photos (0: skip)")
-    ap.add_argument("--repeats", type=int, default=2, help="throughput repeats (best of)")
+                    help="also measure ingest throughput on N cub-test photos spread over its species (0: skip)")
+    ap.add_argument("--repeats", type=int, default=5, help="throughput repeats (median of paired ratios)")
+    ap.add_argument("--throughput-variants", nargs="+", default=None, metavar="VARIANT",
+                    help="variants whose throughput to measure (default: all; the baseline always)")
     ap.add_argument("--out", type=Path, default=None, help="Markdown file whose section to replace")
+    ap.add_argument("--section", default=SECTION, help=f"heading of that section (default {SECTION!r})")
+    ap.add_argument("--png", default="pretrained_choice.png", help="bar chart file name, next to --out")
     args = ap.parse_args(argv)
     from embedder.pretrained import parse_spec
 
@@ -227,11 +245,19 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     results: dict[str, dict[str, dict[str, float]]] = {t: {} for t in args.variants}
-    for s in args.splits:
+    done: dict[tuple[str, str], tuple[list[Path], np.ndarray]] = {}
+    order = sorted(args.splits, key=lambda s: not s.endswith("-all"))   # "all" first: others slice it
+    for s in order:
         files, labels = split_files(s, args.cub, args.caltech)
         for t in args.variants:
             print(f"{t} on {s} ({len(files)} images) ...", file=sys.stderr, flush=True)
-            x = embeddings(t, files, args.cache, args.batch_size)
+            whole = done.get((t, s.split("-")[0] + "-all"))
+            if whole is not None:   # a part of a split already embedded: no second pass
+                pos = {f: i for i, f in enumerate(whole[0])}
+                x = whole[1][[pos[f] for f in files]]
+            else:
+                x = embeddings(t, files, args.cache, args.batch_size)
+            done[(t, s)] = (files, x)
             m = evaluate(x, labels, map_r=True)
             results[t][s] = {k: (100 * v if k.startswith(("R@", "MAP")) else v) for k, v in m.items()}
             print(f"  {t} {s}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[t][s].items()),
@@ -239,18 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     rates = {}
     if args.throughput:
         files, _ = split_files("cub-test", args.cub, args.caltech)
-        rates = ingest_rates(args.variants, files[:: max(1, len(files) // args.throughput)][:args.throughput],
+        tv = [args.baseline] + [t for t in (args.throughput_variants or args.variants) if t != args.baseline]
+        rates = ingest_rates(tv, files[:: max(1, len(files) // args.throughput)][:args.throughput],
                              args.cache, args.repeats, args.batch_size)
     seconds = time.perf_counter() - t_start
     cmd = "python benchmarks/pretrained_choice.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    lines = section(results, args.splits, rates, cmd, seconds, args.baseline)
+    lines = section(results, args.splits, rates, cmd, seconds, args.baseline, args.throughput,
+                    args.repeats, args.section, args.png)
     print("\n".join(lines))
     if args.out is not None:
         text = args.out.read_text() if args.out.is_file() else ""
         args.out.write_text(replace_section(text, lines))
-        plot(results, args.splits, args.out.parent / "pretrained_choice.png")
-        print(f"wrote {args.out} and {args.out.parent / 'pretrained_choice.png'}", file=sys.stderr)
+        plot(results, args.splits, args.out.parent / args.png)
+        print(f"wrote {args.out} and {args.out.parent / args.png}", file=sys.stderr)
     return 0
 
 

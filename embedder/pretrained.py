@@ -37,6 +37,7 @@ class PretrainedSpec:
     pooling: str = "avg"                   # "avg" | "gem"
     gem_p: float = 3.0                     # GeM exponent (pooling="gem" only)
     input_size: int = 224
+    full: bool = False                     # True: resize the shorter side to input_size (no border crop)
 
     def __post_init__(self) -> None:
         if self.backbone not in LITE_SIZES:
@@ -49,8 +50,10 @@ class PretrainedSpec:
 
     @property
     def resize(self) -> int:
-        """Shorter side before the centre crop: the backbone's own crop ratio (timm's
-        crop_pct) at its native size, 0.875 (224 -> 256) at any other size."""
+        """Shorter side before the centre crop: input_size with ``full``, else the backbone's
+        own crop ratio (timm's crop_pct) at its native size, 0.875 (224 -> 256) at any other."""
+        if self.full:
+            return int(self.input_size)
         native, resize = LITE_SIZES[self.backbone]
         return resize if self.input_size == native else int(round(self.input_size / 0.875))
 
@@ -58,7 +61,7 @@ class PretrainedSpec:
     def tag(self) -> str:
         """Short form, ``lite1-gem3-240`` (what :func:`parse_spec` reads back)."""
         pool = "avg" if self.pooling == "avg" else f"gem{self.gem_p:g}"
-        return f"lite{self.backbone[-1]}-{pool}-{self.input_size}"
+        return f"lite{self.backbone[-1]}-{pool}-{self.input_size}" + ("-full" if self.full else "")
 
     @property
     def model_name(self) -> str:
@@ -66,7 +69,8 @@ class PretrainedSpec:
         if self == LITE0_AVG:  # the name exports had before GeM: old caches stay valid for it
             return "efficientnet_lite0-imagenet-l2-1280"
         pool = "avg" if self.pooling == "avg" else f"gem{self.gem_p:g}"
-        return f"{self.backbone}-imagenet-{pool}-{self.input_size}px-l2-1280"
+        full = "-full" if self.full else ""
+        return f"{self.backbone}-imagenet-{pool}-{self.input_size}px{full}-l2-1280"
 
     def preprocessing(self) -> Preprocessing:
         return Preprocessing(self.input_size, self.resize, TF_MEAN, TF_STD, "RGB")
@@ -89,31 +93,33 @@ class PretrainedSpec:
 
 LITE0_AVG = PretrainedSpec("efficientnet_lite0", "avg", 3.0, 224)
 #: Named training-free embedders; DEFAULT is what `indexer build` and the demo use without --model.
+#: Chosen on the 25 validation species of cub-dev (benchmarks/pretrained_choice.py): the highest
+#: R@1 among Lite0/1/2, average or GeM (p 2-4), 224 px or native, whose `indexer build`
+#: throughput stays >= 0.67x the old default's.
 PRETRAINED: dict[str, PretrainedSpec] = {
     "lite0-avg": LITE0_AVG,                                             # the default until issue 23
-    "lite0-gem": PretrainedSpec("efficientnet_lite0", "gem", 3.0, 224),
-    "lite1-gem": PretrainedSpec("efficientnet_lite1", "gem", 3.0, 240),
-    "lite2-gem": PretrainedSpec("efficientnet_lite2", "gem", 3.0, 260),
+    "lite1-gem4-224": PretrainedSpec("efficientnet_lite1", "gem", 4.0, 224),
 }
-DEFAULT = "lite0-gem"
+DEFAULT = "lite1-gem4-224"
 MODEL_NAME = PRETRAINED[DEFAULT].model_name
 
-_SPEC = re.compile(r"^lite([012])-(avg|gem(\d+(?:\.\d+)?)?)(?:-(\d+))?$")
+_SPEC = re.compile(r"^lite([012])-(avg|gem(\d+(?:\.\d+)?)?)(?:-(\d+))?(-full)?$")
 
 
 def parse_spec(text: str) -> PretrainedSpec:
-    """A name of :data:`PRETRAINED` or ``liteN-{avg|gemP}[-SIZE]`` (e.g. ``lite2-gem4-224``)."""
+    """A name of :data:`PRETRAINED` or ``liteN-{avg|gemP}[-SIZE][-full]`` (e.g. ``lite2-gem4-224``;
+    ``-full``: no border crop)."""
     if text in PRETRAINED:
         return PRETRAINED[text]
     m = _SPEC.match(text)
     if not m:
         raise ValueError(f"unknown pretrained embedder {text!r}; expected one of "
-                         f"{', '.join(PRETRAINED)} or liteN-avg|liteN-gemP[-SIZE], N in 0..2")
+                         f"{', '.join(PRETRAINED)} or liteN-avg|liteN-gemP[-SIZE][-full], N in 0..2")
     backbone = f"efficientnet_lite{m.group(1)}"
     gem = m.group(2) != "avg"
     size = int(m.group(4)) if m.group(4) else LITE_SIZES[backbone][0]
     return PretrainedSpec(backbone, "gem" if gem else "avg",
-                          float(m.group(3)) if gem and m.group(3) else 3.0, size)
+                          float(m.group(3)) if gem and m.group(3) else 3.0, size, bool(m.group(5)))
 
 
 def _spec(name: str | PretrainedSpec | None) -> PretrainedSpec:
