@@ -56,7 +56,7 @@ def test_default_export_metadata(pretrained_onnx):
     assert rt.preprocessing == spec.preprocessing() and rt.dim == 1280 and rt.normalized
 
 
-def _cub_subset(classes: int = 10, per_class: int = 12) -> tuple[list[Path], np.ndarray]:
+def _cub_subset(classes: int = 10, per_class: int = 15) -> tuple[list[Path], np.ndarray]:
     """The first ``per_class`` photos of the last ``classes`` cub-dev species (the test half)."""
     if not CUB.is_dir():
         pytest.fail(f"cub-dev not found at {CUB}")
