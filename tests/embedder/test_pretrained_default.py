@@ -10,7 +10,7 @@ import pytest
 
 from embedder import OnnxEmbedder
 from embedder.metrics import evaluate
-from embedder.pretrained import (DEFAULT, LITE0_AVG, MODEL_NAME, PRETRAINED, PretrainedSpec,
+from embedder.pretrained import (DEFAULT, LITE0_AVG, MODEL_NAME, PRETRAINED,
                                  default_model_path, parse_spec)
 
 REPO = Path(__file__).resolve().parents[2]
