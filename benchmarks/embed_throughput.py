@@ -31,9 +31,13 @@ def _build(name: str):
 
     from embedder import Embedder, EmbedderConfig, pretrained_embedder
 
+    from embedder.pretrained import DEFAULT
+
     torch.manual_seed(0)
-    if name == "efficientnet_lite0":
-        return pretrained_embedder(), "pretrained ImageNet, 1280-d"
+    if name == "efficientnet_lite0":   # the pretrained default before issue 23
+        return pretrained_embedder("lite0-avg"), "pretrained ImageNet, avg, 224 px, 1280-d"
+    if name == "default":              # today's pretrained default (embedder.pretrained.DEFAULT)
+        return pretrained_embedder(DEFAULT), f"pretrained ImageNet, {DEFAULT} (default), 1280-d"
     dim = 64 if name == "small_cnn" else 128
     return Embedder(EmbedderConfig(backbone=name, dim=dim)).eval(), f"random init, {dim}-d"
 
@@ -58,8 +62,10 @@ def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backbones", nargs="+", default=["efficientnet_lite0", "resnet50", "small_cnn"],
-                    choices=["efficientnet_lite0", "resnet18", "resnet34", "resnet50", "small_cnn"])
+    ap.add_argument("--backbones", nargs="+", default=["efficientnet_lite0", "default", "resnet50", "small_cnn"],
+                    choices=["efficientnet_lite0", "default", "resnet18", "resnet34", "resnet50", "small_cnn"],
+                    help="efficientnet_lite0: the old pretrained default (avg pooling); default: "
+                         "embedder.pretrained.DEFAULT; the others random init")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="intra-op thread counts to measure (same for torch and ORT)")
@@ -138,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"({', '.join(f'{r[0]}/{r[2]}t {r[5] / r[4]:.2f}x' for r in b32)})."]
     text = "\n".join(lines) + "\n"
     print(text)
+    # only this section is replaced: the file also holds pretrained_choice.py's section
+    old = args.out.read_text().split("\n") if args.out.is_file() else []
+    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
+    if start is not None:
+        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
+        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
+    elif old:
+        text = "\n".join(old).rstrip("\n") + "\n\n" + text
     args.out.write_text(text)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

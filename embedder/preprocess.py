@@ -28,6 +28,11 @@ TF_STD: tuple[float, ...] = (128 / 255,) * 3
 # small_cnn on grayscale: a neutral centring; BatchNorm after the first conv absorbs the rest.
 GRAY_MEAN: tuple[float, ...] = (0.5,)
 GRAY_STD: tuple[float, ...] = (0.5,)
+# EfficientNet-Lite native (input size, resize): the sizes the TF reference trained and evaluated
+# them at, resize = input / crop_pct as in timm's configs (0.875, 0.882, 0.890).
+LITE_SIZES: dict[str, tuple[int, int]] = {"efficientnet_lite0": (224, 256),
+                                          "efficientnet_lite1": (240, 272),
+                                          "efficientnet_lite2": (260, 292)}
 
 
 @dataclass(frozen=True)
@@ -169,12 +174,13 @@ def preprocessing_for(backbone: str) -> Preprocessing:
     """The preprocessing a backbone was (pre)trained with."""
     if backbone in ("resnet18", "resnet34", "resnet50"):
         return Preprocessing(224, 256, IMAGENET_MEAN, IMAGENET_STD, "RGB")
-    if backbone == "efficientnet_lite0":
-        return Preprocessing(224, 256, TF_MEAN, TF_STD, "RGB")
+    if backbone in LITE_SIZES:
+        size, resize = LITE_SIZES[backbone]
+        return Preprocessing(size, resize, TF_MEAN, TF_STD, "RGB")
     if backbone == "small_cnn":
         # Omniglot-size: 105 px characters resized to 32 and centre-cropped to 28; strokes are
         # thin, so training crops keep most of the glyph and flips stay off (mirrored glyphs
         # are different characters in several alphabets).
         return Preprocessing(28, 32, GRAY_MEAN, GRAY_STD, "L", train_scale=(0.6, 1.0), hflip=False)
     raise ValueError(f"unknown backbone {backbone!r}; expected one of "
-                     "resnet18, resnet34, resnet50, efficientnet_lite0, small_cnn")
+                     "resnet18, resnet34, resnet50, efficientnet_lite0/1/2, small_cnn")

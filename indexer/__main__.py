@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "build and tune the faiss index. Rerun to resume.")
     b.add_argument("gallery", type=Path)
     b.add_argument("--model", type=Path, default=None,
-                   help="exported .onnx embedder (default: the offline pretrained EfficientNet-Lite0)")
+                   help="exported .onnx embedder (default: the offline pretrained ImageNet embedder, "
+                        "embedder.pretrained.DEFAULT; `python -m embedder pretrained --help`)")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")

@@ -122,9 +122,11 @@ def ensure_demo_index(root: str | Path = DEFAULT_DEMO_DIR, *, views: int = 8, qu
     gallery, _ = make_demo_gallery(root, views=views, queries=queries, progress=progress)
     if model is None:
         from embedder import default_model_path
+        from embedder.pretrained import DEFAULT, PRETRAINED
 
-        log("Exporting the offline pretrained embedder (EfficientNet-Lite0, ImageNet) to ONNX "
-            "if not cached yet ...")
+        spec = PRETRAINED[DEFAULT]
+        log(f"Exporting the offline pretrained embedder ({spec.backbone}, ImageNet, {spec.pooling} "
+            f"pooling, {spec.input_size} px) to ONNX if not cached yet ...")
         model = default_model_path()
     log(f"Embedding {gallery} and building the faiss index ...")
     build_index(gallery, index_dir, model=model, progress=progress)

@@ -79,7 +79,7 @@ def small_onnx(tmp_path_factory: pytest.TempPathFactory, omniglot_paths: list[Pa
 
 @pytest.fixture(scope="session")
 def pretrained_onnx() -> Path:
-    """The default pretrained embedder (ImageNet EfficientNet-Lite0, 1280-d), cached in $DAS_CACHE."""
+    """The default pretrained embedder (embedder.pretrained.DEFAULT, 1280-d), cached in $DAS_CACHE."""
     from embedder import default_model_path
 
     return default_model_path()

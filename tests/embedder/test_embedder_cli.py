@@ -34,6 +34,7 @@ def test_help(argv):
     (["export", "no/such/ckpt.pt", "--out", "x.onnx"], "checkpoint file not found"),
     (["info", "{fake}"], "not a loadable ONNX model"),
     (["export", "{fake}", "--out", "x.onnx"], "not a readable PyTorch checkpoint"),
+    (["pretrained", "--name", "lite9-gem"], "unknown pretrained embedder 'lite9-gem'"),
 ])
 def test_bad_input_one_line_error(argv, fragment, tmp_path):
     fake = tmp_path / "fake.bin"

