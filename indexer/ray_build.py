@@ -1,6 +1,8 @@
-"""``indexer build --ray``: one Ray task per shard, then the ordinary merge.
+"""``indexer build --ray``: one walk on the driver, one Ray task per shard, then the merge.
 
-Ray is the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
+The driver walks the gallery once and writes each shard's share to ``DIR/shards/i/files.jsonl``
+(:func:`indexer.walk.split_walk`); a task, and any retry of it, reads only its own list. Ray is
+the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
 inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
 finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
 so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
@@ -23,7 +25,7 @@ from typing import Any, Callable
 
 from .errors import IndexerError
 from .index_dir import IndexDir
-from .walk import walk_gallery
+from .walk import FILE_LIST, read_file_list, split_walk, walk_gallery
 
 SHARDS_DIR = "shards"
 PLAN_FILE = "plan.json"         # shard count, gallery and model of the shards under SHARDS_DIR
@@ -114,7 +116,8 @@ def _fault(spec: str | None, shard: int) -> Callable[[int], None] | None:
 # ---------------------------------------------------------------------------- the task
 def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
                 actor: Any, fault: str | None) -> dict:
-    """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes)."""
+    """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
+    files the driver listed for it in ``shard_dir/files.jsonl`` (no walk of the gallery)."""
     from .build import build_index
     from .model import load_embedder
 
@@ -130,7 +133,7 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
                         threads=opts["threads"])
     m = build_index(gallery, shard_dir, model, shard=(shard, n), batch_size=opts["batch_size"],
                     workers=opts["workers"], device=opts["device"], progress=False, embedder=emb,
-                    on_done=on_done)
+                    on_done=on_done, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
     with report.lock:
         report.flush()
     return m
@@ -180,12 +183,6 @@ def default_shards(nodes: list[dict]) -> int:
     """One shard per GPU of the cluster, else one per node."""
     gpus = int(sum(r.get("GPU", 0) for r in nodes))
     return max(1, gpus or len(nodes))
-
-
-def _count_files(gallery: Path, bar: Any) -> None:
-    """The bar's total, counted on a helper thread while the shards already run."""
-    bar.total = sum(1 for _ in walk_gallery(gallery))
-    bar.refresh()
 
 
 def _check_plan(root: Path, gallery: Path, n: int, model_hash: str) -> None:
@@ -253,6 +250,10 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         shared = IndexDir(root)                     # tasks read the model from the shared path
         shared.copy_model(emb.path, emb.model_hash)
         shared_model = shared.model_file
+        lists = [root / str(i) / FILE_LIST for i in range(n)]
+        for p in lists:
+            p.parent.mkdir(exist_ok=True)
+        listed = split_walk(gallery, lists, progress)        # the one walk of this build
         opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                 "threads": res["num_cpus"], "device": device}
         actor = ray.remote(num_cpus=0)(_Progress).remote(n)
@@ -265,8 +266,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=None, desc=f"indexing ({n} shards on Ray)", unit="img")
-            threading.Thread(target=_count_files, args=(gallery, bar), daemon=True).start()
+            bar = tqdm(total=sum(listed), desc=f"indexing ({n} shards on Ray)", unit="img")
         pending, manifests = list(refs), {}
         try:
             while pending:

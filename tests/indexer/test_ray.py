@@ -31,7 +31,7 @@ from indexer_testlib import copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
 from indexer.index_dir import STORE_DIR  # noqa: E402
-from indexer.walk import shard_of  # noqa: E402
+from indexer.walk import FILE_LIST, read_file_list, shard_of  # noqa: E402
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
 N_CHARS = 30                                           # 600 images, ~300 per shard
@@ -107,6 +107,9 @@ def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, g
         with GalleryStore(out / "shards" / str(i) / STORE_DIR) as st:
             paths = [st.get_meta(int(j))["path"] for j in st.ids()]
         assert paths and all(shard_of(r, 2) == i for r in paths)
+        # the task ingested the list the driver's one walk wrote for it
+        listed = [f.relpath for f in read_file_list(gallery, out / "shards" / str(i) / FILE_LIST)]
+        assert sorted(listed) == sorted(paths)
     merged = Index.open(out)
     assert merged.manifest["shards"] == [[0, 2], [1, 2]]
     assert_same_index(merged, single, gallery)
