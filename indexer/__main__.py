@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     from .build import add_images, build_index, merge_shards, remove_items
     from .walk import parse_shard
 
-    if args.cmd == "build" and (args.ray is not None or args.shards is not None):
+    if args.cmd == "build" and (args.ray is not None or args.shards is not None or args.sharded):
         from .ray_build import build_from_args
 
         _print_index_line(build_from_args(args, index_options(args)), args.out)

@@ -139,6 +139,50 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
     return m
 
 
+def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> int:
+    """The second Ray pass of ``--sharded``: this shard's vectors, read from its own store, into
+    a copy of the trained empty index, written beside the store (``stream.fill``)."""
+    import faiss
+
+    from . import faiss_index as fx
+    from . import stream
+    from .index_dir import STORE_DIR
+    from .shards import PART_FILE
+
+    src = stream.StoreSource(Path(shard_dir) / STORE_DIR, model_hash, dim)
+    try:
+        part = stream.fill(src, faiss.read_index(trained_file), skip)
+    finally:
+        src.close()
+    fx.write_atomic(part, Path(shard_dir) / PART_FILE)
+    return int(part.ntotal)
+
+
+def _fill_with_ray(ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
+                   dim: int, progress: bool) -> Callable[[Path, list], None]:
+    """``build_sharded``'s ``fill_parts``: one Ray task per shard, placed as the ingest tasks."""
+    def fill(trained_file: Path, skip: list) -> None:
+        task = ray.remote(fill_part).options(max_retries=max_retries, retry_exceptions=False, **res)
+        refs = [task.remote(str(d), str(trained_file), sk, model_hash, dim) for d, sk in zip(dirs, skip)]
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(refs), desc="filling the shards' parts (Ray)", unit="shard",
+                  disable=not progress) as bar:
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                try:
+                    ray.get(ready[0])
+                except ray.exceptions.RayError as e:
+                    for p in pending:
+                        ray.cancel(p)
+                    i = refs.index(ready[0])
+                    raise IndexerError(f"filling shard {i}'s part failed: {_one_line(e)}; rerun the "
+                                       "same command to resume") from None
+                bar.update(1)
+    return fill
+
+
 # ---------------------------------------------------------------------------- the driver
 def connect(address: str | None, num_cpus: int | None = None) -> bool:
     """Join a Ray cluster. ``local`` starts a private instance on this machine; ``auto`` finds
@@ -215,10 +259,14 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    address: str | None = "local", shards: int | None = None,
                    max_retries: int = 3, cpus_per_shard: int | None = None,
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
-                   device: str = "auto", progress: bool = True, **merge_opts: Any) -> dict:
+                   device: str = "auto", progress: bool = True, sharded: bool = False,
+                   **merge_opts: Any) -> dict:
     """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
 
-    Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options.
+    Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options. With
+    ``sharded`` the shards stay there as the index's parts (``shard_build.build_sharded``: one
+    training on a sample of their stores, then a second Ray pass in which each shard fills its
+    part), instead of being copied into one store and one index.
     Returns the merged manifest plus ``ray``: shards, attempts per shard, resources per task.
     """
     from .build import merge_shards
@@ -292,11 +340,17 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         finally:
             if bar is not None:
                 bar.close()
+        dirs = [root / str(i) for i in range(n)]
+        if sharded:
+            from .shard_build import build_sharded
+
+            fill = _fill_with_ray(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim), progress)
+            m = build_sharded(dirs, out, device=device, progress=progress, fill_parts=fill, **merge_opts)
     finally:
         if started:
             ray.shutdown()
-    dirs = [root / str(i) for i in range(n)]
-    m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
+    if not sharded:
+        m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
     m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res,
                 "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
                 "seconds": round(time.perf_counter() - t0, 3)}
@@ -317,13 +371,18 @@ def add_arguments(b: Any) -> None:
                         "a retry resumes from what the shard stored")
     b.add_argument("--cpus-per-shard", type=int, default=None, metavar="N",
                    help="with --ray: CPUs each shard task reserves (default: the cluster's CPUs / shards)")
+    b.add_argument("--sharded", action="store_true",
+                   help="with --ray: keep the shards as the index's parts (searched as one, nothing "
+                        "copied), each filled by its own Ray task from a quantizer trained once on a "
+                        "sample of their stores, instead of merging them into one store and index")
 
 
 def build_from_args(args: Any, index_options: dict) -> dict:
     """``indexer build --ray``: check the flags, build, print the shard summary line.
     ``index_options``: the merge's index flags (``indexer.__main__.index_options``)."""
     if args.ray is None:
-        raise ValueError("--shards needs --ray (for one shard by hand use --shard i/n)")
+        raise ValueError(("--sharded" if args.sharded and args.shards is None else "--shards")
+                         + " needs --ray (for one shard by hand use --shard i/n)")
     if args.shard:
         raise ValueError("--shard and --ray exclude each other: --ray builds every shard itself")
     for name, v in (("--batch-size", args.batch_size), ("--workers", args.workers),
@@ -333,7 +392,7 @@ def build_from_args(args: Any, index_options: dict) -> dict:
     m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
-                       progress=not args.quiet, **index_options)
+                       progress=not args.quiet, sharded=args.sharded, **index_options)
     r = m["ray"]
     skipped = int(m.get("ingest", {}).get("skipped", 0))
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
