@@ -234,7 +234,7 @@ def _sources(work: str, shards: int) -> list:
     return [NpySource(Path(work) / f"ids{i}.npy", Path(work) / f"x{i}.npy") for i in range(shards)]
 
 
-def _plan(work: str, shards: str, index_type: str) -> dict:
+def _plan(work: str, shards: str, index_type: str, nlist: str = "0") -> dict:
     """Stage 1, the driver: union of ids, held-out sets, exact answers, selection, training."""
     import pickle
 
@@ -245,7 +245,8 @@ def _plan(work: str, shards: str, index_type: str) -> dict:
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
     t0 = time.perf_counter()
-    p = stream.plan(_sources(work, int(shards)), index_type=index_type, device="cpu")
+    p = stream.plan(_sources(work, int(shards)), index_type=index_type, device="cpu",
+                    nlist=int(nlist) or None)
     sec = time.perf_counter() - t0
     faiss.write_index(p.trained, str(Path(work) / "trained.faiss"))
     trained, p.trained = p.trained, None
@@ -386,14 +387,14 @@ def _baseline(work: str, shards: str) -> dict:
 
 
 def bench_stream(n: int, shards: int, d: int, baseline: bool, work_root: Path | None,
-                 index_type: str) -> list[dict]:
+                 index_type: str, nlist: int = 0) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="stream-bench-", dir=work_root))
     rows = []
     try:
         w, s = str(tmp), str(shards)
         gen = child("_gen", w, str(n), s, str(d))
         print(f"  generated {n:,} x {d} in {shards} shards: {gen}", flush=True)
-        plan = child("_plan", w, s, index_type)
+        plan = child("_plan", w, s, index_type, str(nlist))
         print(f"  plan: {plan}", flush=True)
         fills = [child("_fill", w, s, str(i)) for i in range(shards)]
         print(f"  fill: {fills}", flush=True)
@@ -458,6 +459,9 @@ def main() -> None:
     st.add_argument("--baseline-up-to", type=int, default=2_000_000,
                     help="also run today's merge at sizes up to this (it holds ~3 copies of the vectors)")
     st.add_argument("--index-type", default="auto")
+    st.add_argument("--nlist", type=int, default=0,
+                    help="IVF-Flat with this many lists instead of the measured choice (as `indexer "
+                         "build --nlist`): k-means cost grows with nlist, a budget for 2 cores at 10M")
     st.add_argument("--work", type=Path, default=None, help="scratch folder (default: $TMPDIR)")
     args = ap.parse_args()
     if args.cmd == "stream":
@@ -467,7 +471,7 @@ def main() -> None:
         for n in (int(v) for v in args.sizes.split(",") if v):
             print(f"stream {n:,} ...", flush=True)
             rows += bench_stream(n, args.shards, args.dim, n <= args.baseline_up_to, args.work,
-                                 args.index_type)
+                                 args.index_type, args.nlist)
         cmd = "python benchmarks/scale_bench.py " + shlex.join(sys.argv[1:])
         print("\n".join(stream_table(rows, cmd)))
         print(json.dumps(rows))
