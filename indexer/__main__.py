@@ -215,7 +215,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
                                progress=not args.quiet)
         print(stats.summary())
         print(f"added {m['added']} vectors to shard {m['shard']}; index now holds {m['count']}, "
-              f"{m.get('search_params')} (kept from the build)")
+              f"retuned to {m.get('search_params')}")
         return 0
     m, msgs = remove_sharded(args.index, args.targets)
     print("\n".join(msgs))

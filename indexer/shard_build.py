@@ -109,8 +109,8 @@ def sync_parts(directory: Path, manifest: dict) -> dict:
     """Make each part hold exactly its shard's share of the stores (the first shard that holds
     an id owns it; a held-out id stays in the held part while some store has it), rewrite the
     parts that change and the manifest. Idempotent: it also repairs a crash between a store's
-    commit and its part's rewrite. The search parameters are kept (retuning needs exact answers
-    over every shard: rebuild to retune)."""
+    commit and its part's rewrite. When a part changed, the search parameter is retuned
+    (``retune_sharded``), as ``indexer add/remove`` retune a single index."""
     model_hash, sh = manifest["model"]["hash"], manifest["sharded"]
     dirs = shard_paths(directory, manifest)
     stored = []
@@ -147,9 +147,48 @@ def sync_parts(directory: Path, manifest: dict) -> dict:
         src.close()
     count = int(len(taken))             # the held-out ids still stored, and every shard's share
     files = {**sh.get("files", {}), **_records(directory, changed)}
-    m = IndexDir(directory).write_manifest({**manifest, "count": count,
+    fields = {}
+    if changed and manifest.get("index_type") != "flat":
+        fields = retune_sharded(directory, manifest, [ids for ids, _ in stored], taken)
+    m = IndexDir(directory).write_manifest({**manifest, **fields, "count": count,
                                             "sharded": {**sh, "files": files}, "updated_at": now_utc()})
     return {**m, "added": int(added), "removed": int(removed + len(gone_held))}
+
+
+def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray], ids: np.ndarray,
+                   seed: int = 0) -> dict:
+    """``tuning.retune`` for a sharded index: self-queries drawn from the stores, their exact
+    answers from one streaming pass over the shards (``stream.exact_truth``), the parts searched
+    as one tuned to the target with the same margin."""
+    from .shards import PartsIndex
+    from .tuning import K, _drop_self, holdout, tune
+
+    spec = fx.IndexSpec(**{f: manifest[f] for f in fx.IndexSpec.__dataclass_fields__ if f in manifest})
+    n, dim = len(ids), int(manifest["dim"])
+    m = max(1, len(holdout(n, dim, seed).tune))
+    own = np.sort(np.random.default_rng(seed + 1).choice(ids, size=min(m, n), replace=False))
+    sources = [stream.StoreSource(p / STORE_DIR, manifest["model"]["hash"], dim)
+               for p in shard_paths(directory, manifest)]
+    try:
+        seen, dups = np.zeros(0, np.int64), []
+        for s_ids in per_shard:                    # an id counts once: in the first store holding it
+            dups.append(np.intersect1d(s_ids, seen))
+            seen = np.union1d(seen, s_ids)
+        owner = np.full(len(own), -1, dtype=np.int64)
+        for i, s_ids in enumerate(per_shard):
+            owner[(owner < 0) & np.isin(own, s_ids)] = i
+        q = stream.Rows(own, owner, sources)[np.arange(len(own))]
+        k = min(K, n - 1) if n > 1 else 1
+        truth = _drop_self(stream.exact_truth(sources, q, min(k + 1, n), exclude=np.zeros(0, np.int64),
+                                              dups=dups), own, k)
+    finally:
+        for s in sources:
+            s.close()
+    index = PartsIndex(directory, manifest).cpu_index
+    value, rq = tune(index, spec, q, truth, float(manifest.get("target_recall", 0.95)), own=own)
+    return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
+            "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),
+            "tuning_queries": int(len(own)), "heldout_queries": 0}
 
 
 def add_sharded(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,

@@ -82,6 +82,9 @@ def test_add_and_remove_on_a_sharded_index(built: Path, tmp_path: Path, omniglot
     assert f"added 40 vectors to shard {smallest.resolve()}" in p.stdout, p.stdout
     idx = Index.open(out)
     assert len(idx) == 280 and idx.manifest["count"] == 280
+    # retuned on self-queries (as `indexer add` on one index): no held-out set any more
+    assert idx.manifest["heldout_queries"] == 0 and idx.manifest["tuning_queries"] > 0
+    assert f"retuned to {idx.manifest['search_params']}" in p.stdout
     rel = "new/" + new_files[0].relative_to(extra).as_posix()
     i = idx.id_for_path(rel)
     assert i is not None and idx.meta(i)["path"] == rel
