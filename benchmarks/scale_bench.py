@@ -313,9 +313,14 @@ def _merge(work: str, shards: str) -> dict:
     t0 = time.perf_counter()
     n = stream.merge_ondisk(trained, files, Path(work) / "merged.faiss", fields["search_params"])
     sec = time.perf_counter() - t0
-    size = sum((Path(work) / f).stat().st_size for f in ("merged.faiss", "merged.ivfdata"))
+    # the index's own size: its small file (quantizer, list table) + codes and ids; the .ivfdata
+    # file is larger on paper (each list's capacity is a power of two) but sparse on disk
+    ivf = faiss.extract_index_ivf(trained)
+    own = (Path(work) / "merged.faiss").stat().st_size + n * (ivf.code_size + 8)
+    data = (Path(work) / "merged.ivfdata").stat()
     return {"seconds": sec, "rss_mib": peak_rss_mib(), "anon_mib": rs.done(), "count": n,
-            "index_mib": size / 2 ** 20}
+            "index_mib": own / 2 ** 20, "ivfdata_apparent_mib": data.st_size / 2 ** 20,
+            "ivfdata_allocated_mib": data.st_blocks * 512 / 2 ** 20}
 
 
 def _truth(work: str, shards: str) -> "object":
