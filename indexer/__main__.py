@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train one IVF quantizer over all shards and merge their inverted lists.")
     m.add_argument("shards", type=Path, nargs="+", metavar="SHARD_DIR")
     m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--sharded", action="store_true",
+                   help="leave the shards where they are: train once on a sample of their stores, "
+                        "give each shard its own part of the index, and write a manifest in --out "
+                        "that lists them (searched as one; nothing is copied)")
     index_opts(m)
     common(m)
     wait_opt(m)
@@ -138,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     from .build import add_images, build_index, merge_shards, remove_items, repair_index
     from .walk import parse_shard
 
-    if args.cmd == "build" and (args.ray is not None or args.shards is not None):
+    if args.cmd == "build" and (args.ray is not None or args.shards is not None or args.sharded):
         from .ray_build import build_from_args
 
         _print_index_line(build_from_args(args, index_options(args)), args.out)   # locks --out itself
@@ -159,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             _print_index_line(m, args.out)
         return 0
+    if args.cmd in ("add", "remove", "info") and _sharded(args.index):
+        return _run_sharded(args)
     if args.cmd == "add":
         m, stats = add_images(args.index, args.folder, args.model, prefix=args.prefix,
                               batch_size=args.batch_size, workers=args.workers, device=args.device,
@@ -206,12 +212,55 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "info":
         return _info(args)
+    if args.cmd == "merge" and args.sharded:
+        from .lock import writer_lock
+        from .shard_build import build_sharded
+
+        with writer_lock(args.out, "indexer merge --sharded", wait=args.wait):
+            m = build_sharded(args.shards, args.out, device=args.device, progress=not args.quiet,
+                              **index_options(args))
+        _print_index_line(m, args.out)
+        return 0
     if args.cmd == "merge":
         m = merge_shards(args.shards, args.out, device=args.device, progress=not args.quiet,
                          wait=args.wait, **index_options(args))
         _print_index_line(m, args.out)
         return 0
     raise AssertionError(args.cmd)
+
+
+# ---------------------------------------------------------------------------- sharded indexes
+def _sharded(directory: Path) -> bool:
+    from .shards import is_sharded_dir
+
+    return is_sharded_dir(directory)
+
+
+def _run_sharded(args: argparse.Namespace) -> int:
+    """add / remove / info on a sharded index (indexer.shards): same flags, same output lines."""
+    from .lock import writer_lock
+    from .shard_build import add_sharded, remove_sharded
+    from .shards import print_info
+
+    if args.cmd == "info":
+        from .index_dir import IndexDir
+
+        d = IndexDir(args.index)
+        return print_info(d.path, d.read_manifest(), args.json)
+    if args.cmd == "add":
+        with writer_lock(args.index, "indexer add", wait=args.wait):
+            m, stats = add_sharded(args.index, args.folder, args.model, prefix=args.prefix,
+                                   batch_size=args.batch_size, workers=args.workers,
+                                   device=args.device, progress=not args.quiet)
+        print(stats.summary())
+        print(f"added {m['added']} vectors to shard {m['shard']}; index now holds {m['count']}, "
+              f"retuned to {m.get('search_params')}")
+        return 0
+    with writer_lock(args.index, "indexer remove", wait=args.wait):
+        m, msgs = remove_sharded(args.index, args.targets)
+    print("\n".join(msgs))
+    print(f"index now holds {m['count']}")
+    return 0
 
 
 def _print_index_line(m: dict, out: Path) -> None:

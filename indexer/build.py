@@ -57,12 +57,15 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 workers: int | None = None, device: str = "auto", seed: int = 0,
                 progress: bool = True, embedder: Any = None,
                 max_memory: int | str | None = None,
-                on_done: Callable[[int], None] | None = None, wait: bool = False) -> dict:
+                on_done: Callable[[int], None] | None = None, wait: bool = False,
+                files: Iterable[GalleryFile] | None = None) -> dict:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
 
     Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
     Holds ``out``'s writer lock (:mod:`indexer.lock`; ``wait``: wait for another writer instead
-    of refusing). Returns the manifest.
+    of refusing). ``files``: the entries to ingest, already listed (``indexer build --ray`` hands
+    a shard task its share of the driver's one walk), instead of walking ``gallery``. Returns
+    the manifest.
     """
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
@@ -73,10 +76,12 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
     max_memory = selection.parse_memory(max_memory)     # refuse a bad size before the work
     # The walk stays lazy: ingest consumes it on a helper thread, overlapped with embedding
     # (for a small model, listing a big folder first costs a few percent of the build).
-    files: Iterable[GalleryFile] = walk_gallery(gallery)
-    if shard is not None:
-        files = (f for f in files if shard_of(f.relpath, shard[1]) == shard[0])
+    if files is not None:               # listed by the caller: a shard's share already
+        pass
+    elif shard is not None:
+        files = (f for f in walk_gallery(gallery) if shard_of(f.relpath, shard[1]) == shard[0])
     else:
+        files = walk_gallery(gallery)
         first = next(iter(files), None)
         if first is None:
             raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")

@@ -245,6 +245,10 @@ def set_search_params(index: faiss.Index, params: str) -> None:
     """
     if params:
         faiss.ParameterSpace().set_index_parameters(index, params)
+        if isinstance(index, faiss.IndexShardsIVF) and "quantizer_efSearch=" in params:
+            # the shards' shared quantizer is not one of its parts: ParameterSpace misses it
+            ef = int(params.split("quantizer_efSearch=")[1].split(",")[0])
+            faiss.downcast_index(index.quantizer).hnsw.efSearch = ef
 
 
 def remove(index: faiss.Index, stale: np.ndarray, x: np.ndarray, ids: np.ndarray) -> None:

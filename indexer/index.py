@@ -58,6 +58,10 @@ class Index:
         (image queries need it); ``store`` reuses an open store of the same directory."""
         d = IndexDir(directory)
         manifest = d.read_manifest()
+        if manifest.get("sharded"):         # shards searched where they are: indexer.shards
+            from .shards import ShardedIndex
+
+            return ShardedIndex.open(directory, device=device, check_model=check_model, store=store)
         d.refuse_shard(manifest)
         d.check(manifest, model=check_model)
         try:
@@ -69,7 +73,9 @@ class Index:
         if fi.ntotal != int(manifest["count"]):
             raise IndexerError(f"{d.path}: index holds {fi.ntotal} vectors but the manifest says "
                                f"{manifest['count']}; rerun `indexer build` to repair it")
-        return cls(d.path, manifest, store or GalleryStore(d.store_dir), fi, device)
+        if not isinstance(store, GalleryStore):     # none, or a sharded index's before a rebuild
+            store = GalleryStore(d.store_dir)
+        return cls(d.path, manifest, store, fi, device)
 
     def reopen(self) -> "Index":
         """The directory's current state as a new Index (after ``indexer add/remove``), sharing

@@ -1,6 +1,8 @@
-"""``indexer build --ray``: one Ray task per shard, then the ordinary merge.
+"""``indexer build --ray``: one walk on the driver, one Ray task per shard, then the merge.
 
-Ray is the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
+The driver walks the gallery once and writes each shard's share to ``DIR/shards/i/files.jsonl``
+(:func:`indexer.walk.split_walk`); a task, and any retry of it, reads only its own list. Ray is
+the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
 inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
 finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
 so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
@@ -24,7 +26,7 @@ from typing import Any, Callable
 from .errors import IndexerError
 from .lock import writer_lock
 from .index_dir import IndexDir
-from .walk import walk_gallery
+from .walk import FILE_LIST, read_file_list, split_walk, walk_gallery
 
 SHARDS_DIR = "shards"
 PLAN_FILE = "plan.json"         # shard count, gallery and model of the shards under SHARDS_DIR
@@ -115,7 +117,8 @@ def _fault(spec: str | None, shard: int) -> Callable[[int], None] | None:
 # ---------------------------------------------------------------------------- the task
 def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
                 actor: Any, fault: str | None) -> dict:
-    """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes)."""
+    """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
+    files the driver listed for it in ``shard_dir/files.jsonl`` (no walk of the gallery)."""
     from .build import build_index
     from .model import load_embedder
 
@@ -131,10 +134,54 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
                         threads=opts["threads"])
     m = build_index(gallery, shard_dir, model, shard=(shard, n), batch_size=opts["batch_size"],
                     workers=opts["workers"], device=opts["device"], progress=False, embedder=emb,
-                    on_done=on_done)
+                    on_done=on_done, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
     with report.lock:
         report.flush()
     return m
+
+
+def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> int:
+    """The second Ray pass of ``--sharded``: this shard's vectors, read from its own store, into
+    a copy of the trained empty index, written beside the store (``stream.fill``)."""
+    import faiss
+
+    from . import faiss_index as fx
+    from . import stream
+    from .index_dir import STORE_DIR
+    from .shards import PART_FILE
+
+    src = stream.StoreSource(Path(shard_dir) / STORE_DIR, model_hash, dim)
+    try:
+        part = stream.fill(src, faiss.read_index(trained_file), skip)
+    finally:
+        src.close()
+    fx.write_atomic(part, Path(shard_dir) / PART_FILE)
+    return int(part.ntotal)
+
+
+def _fill_with_ray(ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
+                   dim: int, progress: bool) -> Callable[[Path, list], None]:
+    """``build_sharded``'s ``fill_parts``: one Ray task per shard, placed as the ingest tasks."""
+    def fill(trained_file: Path, skip: list) -> None:
+        task = ray.remote(fill_part).options(max_retries=max_retries, retry_exceptions=False, **res)
+        refs = [task.remote(str(d), str(trained_file), sk, model_hash, dim) for d, sk in zip(dirs, skip)]
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(refs), desc="filling the shards' parts (Ray)", unit="shard",
+                  disable=not progress) as bar:
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                try:
+                    ray.get(ready[0])
+                except ray.exceptions.RayError as e:
+                    for p in pending:
+                        ray.cancel(p)
+                    i = refs.index(ready[0])
+                    raise IndexerError(f"filling shard {i}'s part failed: {_one_line(e)}; rerun the "
+                                       "same command to resume") from None
+                bar.update(1)
+    return fill
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -183,12 +230,6 @@ def default_shards(nodes: list[dict]) -> int:
     return max(1, gpus or len(nodes))
 
 
-def _count_files(gallery: Path, bar: Any) -> None:
-    """The bar's total, counted on a helper thread while the shards already run."""
-    bar.total = sum(1 for _ in walk_gallery(gallery))
-    bar.refresh()
-
-
 def _check_plan(root: Path, gallery: Path, n: int, model_hash: str) -> None:
     """Refuse to resume shards cut differently (or from another gallery or model): shard i of
     2 is not shard i of 3, and a store resumed under the wrong cut would keep foreign images."""
@@ -219,11 +260,16 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    address: str | None = "local", shards: int | None = None,
                    max_retries: int = 3, cpus_per_shard: int | None = None,
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
-                   device: str = "auto", progress: bool = True, wait: bool = False,
+                   device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
                    **merge_opts: Any) -> dict:
     """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
 
-    Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options.
+    Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options. With
+    ``sharded`` the shards stay there as the index's parts (``shard_build.build_sharded``: one
+    training on a sample of their stores, then a second Ray pass in which each shard fills its
+    part), instead of being copied into one store and one index.
+    Holds ``out``'s writer lock (:mod:`indexer.lock`) from once the flags are checked and Ray is
+    there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
     Returns the merged manifest plus ``ray``: shards, attempts per shard, resources per task.
     """
     from .build import merge_shards
@@ -244,8 +290,6 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         raise ValueError(f"--max-retries={max_retries}: expected 0 or more")
     emb = load_embedder(model, device="cpu", batch_size=batch_size)   # fails fast on a bad model
     ray = _ray()
-    # one writer per --out (indexer.lock), taken once the flags are checked and Ray is there;
-    # the merge below re-enters it
     with writer_lock(out, "indexer build --ray", wait=wait):
         started = connect(address, num_cpus)
         try:
@@ -258,6 +302,10 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             shared = IndexDir(root)                     # tasks read the model from the shared path
             shared.copy_model(emb.path, emb.model_hash)
             shared_model = shared.model_file
+            lists = [root / str(i) / FILE_LIST for i in range(n)]
+            for p in lists:
+                p.parent.mkdir(exist_ok=True)
+            listed = split_walk(gallery, lists, progress)        # the one walk of this build
             opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                     "threads": res["num_cpus"], "device": device}
             actor = ray.remote(num_cpus=0)(_Progress).remote(n)
@@ -270,8 +318,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             if progress:
                 from tqdm.auto import tqdm
 
-                bar = tqdm(total=None, desc=f"indexing ({n} shards on Ray)", unit="img")
-                threading.Thread(target=_count_files, args=(gallery, bar), daemon=True).start()
+                bar = tqdm(total=sum(listed), desc=f"indexing ({n} shards on Ray)", unit="img")
             pending, manifests = list(refs), {}
             try:
                 while pending:
@@ -297,11 +344,17 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             finally:
                 if bar is not None:
                     bar.close()
+            dirs = [root / str(i) for i in range(n)]
+            if sharded:
+                from .shard_build import build_sharded
+
+                fill = _fill_with_ray(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim), progress)
+                m = build_sharded(dirs, out, device=device, progress=progress, fill_parts=fill, **merge_opts)
         finally:
             if started:
                 ray.shutdown()
-        dirs = [root / str(i) for i in range(n)]
-        m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
+        if not sharded:
+            m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
         m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res,
                     "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
                     "seconds": round(time.perf_counter() - t0, 3)}
@@ -322,13 +375,18 @@ def add_arguments(b: Any) -> None:
                         "a retry resumes from what the shard stored")
     b.add_argument("--cpus-per-shard", type=int, default=None, metavar="N",
                    help="with --ray: CPUs each shard task reserves (default: the cluster's CPUs / shards)")
+    b.add_argument("--sharded", action="store_true",
+                   help="with --ray: keep the shards as the index's parts (searched as one, nothing "
+                        "copied), each filled by its own Ray task from a quantizer trained once on a "
+                        "sample of their stores, instead of merging them into one store and index")
 
 
 def build_from_args(args: Any, index_options: dict) -> dict:
     """``indexer build --ray``: check the flags, build, print the shard summary line.
     ``index_options``: the merge's index flags (``indexer.__main__.index_options``)."""
     if args.ray is None:
-        raise ValueError("--shards needs --ray (for one shard by hand use --shard i/n)")
+        raise ValueError(("--sharded" if args.sharded and args.shards is None else "--shards")
+                         + " needs --ray (for one shard by hand use --shard i/n)")
     if args.shard:
         raise ValueError("--shard and --ray exclude each other: --ray builds every shard itself")
     for name, v in (("--batch-size", args.batch_size), ("--workers", args.workers),
@@ -338,7 +396,7 @@ def build_from_args(args: Any, index_options: dict) -> dict:
     m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
-                       progress=not args.quiet, wait=args.wait, **index_options)
+                       progress=not args.quiet, wait=args.wait, sharded=args.sharded, **index_options)
     r = m["ray"]
     skipped = int(m.get("ingest", {}).get("skipped", 0))
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "

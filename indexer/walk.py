@@ -98,3 +98,50 @@ def shard_of(relpath: str, n: int) -> int:
     """Stable shard number of a relative path (same on every machine and Python run)."""
     h = hashlib.blake2b(relpath.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(h, "big") % n
+
+
+# ---------------------------------------------------------------------------- one walk, many lists
+FILE_LIST = "files.jsonl"       # a shard's share of the gallery, as the driver's one walk found it
+
+
+def split_walk(root: str | Path, lists: list[Path], progress: bool = False) -> list[int]:
+    """Walk ``root`` once and write each entry to the list of the shard that owns it.
+
+    Why: with one walk per shard task, S tasks put S times the gallery's metadata traffic on
+    the shared filesystem (~25 us a file locally; 40 min a task at 100M files). One line per
+    entry, ``[relpath, problem]`` in JSON, streamed to the S files as the walk goes, so the
+    driver's memory does not grow with the gallery. Each list is written beside its final name
+    and renamed into place (a killed walk leaves the previous lists). Returns the entries per list.
+    """
+    from contextlib import ExitStack
+
+    import json
+
+    from tqdm.auto import tqdm
+
+    from embedder.files import atomic_target
+
+    n = len(lists)
+    counts = [0] * n
+    with ExitStack() as stack:
+        outs = [stack.enter_context(open(stack.enter_context(atomic_target(p)), "w", buffering=1 << 20))
+                for p in lists]
+        for f in tqdm(walk_gallery(root), desc="listing the gallery", unit="file", disable=not progress):
+            i = shard_of(f.relpath, n)
+            outs[i].write(json.dumps([f.relpath, f.problem], ensure_ascii=False) + "\n")
+            counts[i] += 1
+        for o in outs:
+            o.flush()
+    return counts
+
+
+def read_file_list(root: str | Path, path: str | Path) -> Iterator[GalleryFile]:
+    """The entries of a list written by ``split_walk``, in walk order (a shard task, or its
+    retry, reads only its own list: no walk of the gallery)."""
+    import json
+
+    root = Path(root)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            rel, problem = json.loads(line)
+            yield GalleryFile(root / rel, rel, label_of(rel) if rel != "." else None, problem)

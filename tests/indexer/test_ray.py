@@ -31,7 +31,7 @@ from indexer_testlib import copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
 from indexer.index_dir import STORE_DIR  # noqa: E402
-from indexer.walk import shard_of  # noqa: E402
+from indexer.walk import FILE_LIST, read_file_list, shard_of  # noqa: E402
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
 N_CHARS = 30                                           # 600 images, ~300 per shard
@@ -107,6 +107,9 @@ def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, g
         with GalleryStore(out / "shards" / str(i) / STORE_DIR) as st:
             paths = [st.get_meta(int(j))["path"] for j in st.ids()]
         assert paths and all(shard_of(r, 2) == i for r in paths)
+        # the task ingested the list the driver's one walk wrote for it
+        listed = [f.relpath for f in read_file_list(gallery, out / "shards" / str(i) / FILE_LIST)]
+        assert sorted(listed) == sorted(paths)
     merged = Index.open(out)
     assert merged.manifest["shards"] == [[0, 2], [1, 2]]
     assert_same_index(merged, single, gallery)
@@ -139,3 +142,44 @@ def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: s
         for f in files:                                          # no loss: every file is there
             assert st.id_for_path(f.relative_to(gallery).as_posix()) is not None
     assert_same_index(merged, single, gallery)
+
+
+def test_sharded_ray_build_equals_a_single_build(tmp_path: Path, ray_address: str, gallery: Path,
+                                                 small_onnx: Path, single: Index) -> None:
+    """--sharded: the shards stay where their tasks built them, a second Ray pass fills each
+    shard's part from a quantizer trained once, and the parts searched as one answer exactly as
+    the one-process build does."""
+    from indexer.shards import PART_FILE, ShardedIndex
+
+    out = tmp_path / "ray"
+    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
+                "--shards", "2", "--sharded", *FLAGS)
+    assert "attempts per shard: 1, 1" in p.stdout, p.stdout
+    sharded = Index.open(out, check_model=True)
+    assert isinstance(sharded, ShardedIndex)
+    assert sharded.manifest["sharded"]["shards"] == ["shards/0", "shards/1"]
+    assert not (out / STORE_DIR).exists()                      # no store copied
+    parts = [faiss_read(out / "shards" / str(i) / PART_FILE) for i in range(2)]
+    assert all(n > 0 for n in parts) and sum(parts) + sharded.manifest["heldout_queries"] * 2 == len(sharded)
+    ms, mm = single.manifest, sharded.manifest
+    for key in ("index_type", "count", "nlist", "nprobe", "recall_at_10", "dim"):
+        assert mm[key] == ms[key], key
+    ids, x = single.store.all_embeddings(single.model_hash)
+    s1, i1 = single.search_embeddings(x, 10)
+    s2, i2 = sharded.search_embeddings(x, 10)
+    np.testing.assert_allclose(s2, s1, atol=1e-5)
+    # the same ids; only vectors with equal scores may come in another order (the parts' results
+    # are merged by score, a single list is scanned in insertion order)
+    assert same_ranking(s1, i1, s2, i2)
+    assert (i2 == i1).mean() > 0.99
+
+
+def same_ranking(s1: np.ndarray, i1: np.ndarray, s2: np.ndarray, i2: np.ndarray) -> bool:
+    key = lambda s, i: sorted(zip(np.round(-s, 5).tolist(), i.tolist()))   # noqa: E731
+    return all(key(a, b) == key(c, d) for a, b, c, d in zip(s1, i1, s2, i2))
+
+
+def faiss_read(path: Path) -> int:
+    import faiss
+
+    return int(faiss.read_index(str(path), faiss.IO_FLAG_MMAP).ntotal)

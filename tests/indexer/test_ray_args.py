@@ -36,6 +36,7 @@ def test_ray_not_installed_is_one_clear_line(omniglot_gallery: Path, small_onnx:
 def test_bad_ray_flags_are_refused(omniglot_gallery: Path, small_onnx: Path, tmp_path: Path, capsys) -> None:
     base = ["build", omniglot_gallery, "--model", small_onnx, "--out", tmp_path / "o", "--quiet"]
     _one_line_error(capsys, [*base, "--shards", "2"], "--shards needs --ray")
+    _one_line_error(capsys, [*base, "--sharded"], "--sharded needs --ray")
     _one_line_error(capsys, [*base, "--ray", "local", "--shard", "0/2"], "exclude each other")
     _one_line_error(capsys, [*base, "--ray", "local", "--shards", "0"], "--shards=0")
     _one_line_error(capsys, [*base, "--ray", "local", "--cpus-per-shard", "0"], "--cpus-per-shard=0")

@@ -1,0 +1,247 @@
+"""Building, extending and shrinking a sharded index (its layout: :mod:`indexer.shards`).
+
+``build_sharded`` is the streaming build (:mod:`indexer.stream`) over shard directories that
+each hold a store: one training on a sample drawn from the stores, one part per shard (filled
+here, or by Ray tasks on the shards' nodes: ``fill_parts``), tuning on the parts searched as one.
+``add_sharded`` ingests into the shard whose store holds the fewest images (it keeps shards even
+and touches one part), ``remove_sharded`` removes from every shard that holds the target; both
+end in ``sync_parts``, which makes the parts hold exactly what the stores hold.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import faiss
+import numpy as np
+
+from embedder.hashing import file_sha256
+
+from . import faiss_index as fx
+from . import selection, stream
+from .errors import IndexerError
+from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
+from .model import load_embedder
+from .pipeline import IngestStats, ingest
+from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, relative, shard_paths)
+from .store import GalleryStore
+from .walk import walk_gallery
+
+FillParts = Callable[[Path, list[np.ndarray]], None]   # (trained file, skip ids per shard)
+
+
+def _check_shards(dirs: list[IndexDir]) -> list[dict]:
+    manifests = [d.read_manifest() for d in dirs]
+    first = manifests[0]
+    for d, m in zip(dirs, manifests):
+        if m["model"]["hash"] != first["model"]["hash"]:
+            raise IndexerError(f"{d.path}: built with model {m['model']['hash'][:12]}, but {dirs[0].path} "
+                               f"with {first['model']['hash'][:12]}; shards must share one model")
+        if m["dim"] != first["dim"]:
+            raise IndexerError(f"{d.path}: dimension mismatch ({m['dim']} vs {first['dim']})")
+    seen = [(m["shard"]["i"], m["shard"]["n"]) for m in manifests if m.get("shard")]
+    if len(set(seen)) != len(seen):
+        raise IndexerError(f"the same shard is given twice: {seen}")
+    return manifests
+
+
+def _records(out: Path, files: Sequence[Path]) -> dict:
+    """Size and sha256 of each faiss file, checked on open (as ``index.faiss``'s record is)."""
+    return {relative(out, f): {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files}
+
+
+def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
+                  flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
+                  target_recall: float = 0.95, device: str = "auto", seed: int = 0,
+                  progress: bool = True, max_memory: int | str | None = None,
+                  fill_parts: FillParts | None = None) -> dict:
+    """Index shard directories where they are; ``out`` gets the manifest that lists them."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    dirs = [IndexDir(d) for d in shard_dirs]
+    if not dirs:
+        raise IndexerError("a sharded build needs at least one shard directory")
+    manifests = _check_shards(dirs)
+    model, dim = manifests[0]["model"], int(manifests[0]["dim"])
+    sources = [stream.StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
+    try:
+        p = stream.plan(sources, index_type=index_type, flat_threshold=flat_threshold, nlist=nlist,
+                        target=target_recall, max_memory=selection.parse_memory(max_memory),
+                        device=device, seed=seed, progress=progress)
+        out.mkdir(parents=True, exist_ok=True)
+        fx.write_atomic(p.trained, out / TRAINED_FILE)
+        parts = [d.path / PART_FILE for d in dirs]
+        t1 = time.perf_counter()
+        if fill_parts is not None:
+            fill_parts(out / TRAINED_FILE, p.skip)
+        else:
+            from tqdm.auto import tqdm
+
+            for i in tqdm(range(len(dirs)), desc="filling the shards' parts", unit="shard",
+                          disable=not progress):
+                fx.write_atomic(stream.fill(sources[i], p.trained, p.skip[i]), parts[i])
+        p.seconds["fill"] = time.perf_counter() - t1
+    finally:
+        for s in sources:
+            s.close()
+    t1 = time.perf_counter()
+    fields = stream.tune_and_check(p, stream.open_parts(parts, p.trained), target_recall)
+    fx.write_atomic(stream.held_part(p), out / HELD_FILE)
+    p.seconds["tune"] = time.perf_counter() - t1
+    dst = IndexDir(out)
+    dst.copy_model(dirs[0].model_file, model["hash"])
+    dst.write_report([r for d in dirs for r in d.read_report()])
+    skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
+    manifest = {"model": model, **fields,
+                "sharded": {"shards": [relative(out, d.path) for d in dirs], "trained": TRAINED_FILE,
+                            "held": HELD_FILE,
+                            "files": _records(out, [out / TRAINED_FILE, out / HELD_FILE, *parts])},
+                "shards": [[m["shard"]["i"], m["shard"]["n"]] for m in manifests if m.get("shard")],
+                "ingest": {"skipped": skipped}, "report": REPORT,
+                "stage_seconds": {k: round(v, 3) for k, v in p.seconds.items()},
+                "build_seconds": round(time.perf_counter() - t0, 3), "built_at": now_utc()}
+    return dst.write_manifest(manifest)
+
+
+# ---------------------------------------------------------------------------- add / remove
+def sync_parts(directory: Path, manifest: dict) -> dict:
+    """Make each part hold exactly its shard's share of the stores (the first shard that holds
+    an id owns it; a held-out id stays in the held part while some store has it), rewrite the
+    parts that change and the manifest. Idempotent: it also repairs a crash between a store's
+    commit and its part's rewrite. When a part changed, the search parameter is retuned
+    (``retune_sharded``), as ``indexer add/remove`` retune a single index."""
+    model_hash, sh = manifest["model"]["hash"], manifest["sharded"]
+    dirs = shard_paths(directory, manifest)
+    stored = []
+    for p in dirs:
+        src = stream.StoreSource(p / STORE_DIR, model_hash, int(manifest["dim"]))
+        stored.append((src.ids(), src))
+    held_file = directory / sh["held"]
+    held = faiss.read_index(str(held_file))
+    held_ids = fx.index_ids(held)
+    everywhere = np.unique(np.concatenate([ids for ids, _ in stored])) if stored else np.zeros(0, np.int64)
+    gone_held = np.setdiff1d(held_ids, everywhere)
+    changed = []
+    if len(gone_held):
+        held.remove_ids(gone_held)
+        fx.write_atomic(held, held_file)
+        changed.append(held_file)
+    taken = np.intersect1d(held_ids, everywhere)
+    added = removed = 0
+    for p, (ids, src) in zip(dirs, stored):
+        want = np.setdiff1d(ids, taken)
+        taken = np.union1d(taken, want)
+        part_file = p / PART_FILE
+        part = faiss.read_index(str(part_file))
+        have = fx.index_ids(part)
+        stale, new = np.setdiff1d(have, want), np.setdiff1d(want, have)
+        if len(stale) or len(new):
+            if len(stale):
+                part.remove_ids(stale)
+            if len(new):
+                fx.add(part, src.get(new), new)
+            fx.write_atomic(part, part_file)
+            changed.append(part_file)
+            added, removed = added + len(new), removed + len(stale)
+        src.close()
+    count = int(len(taken))             # the held-out ids still stored, and every shard's share
+    files = {**sh.get("files", {}), **_records(directory, changed)}
+    fields = {}
+    if changed and manifest.get("index_type") != "flat":
+        fields = retune_sharded(directory, manifest, [ids for ids, _ in stored], taken)
+    m = IndexDir(directory).write_manifest({**manifest, **fields, "count": count,
+                                            "sharded": {**sh, "files": files}, "updated_at": now_utc()})
+    return {**m, "added": int(added), "removed": int(removed + len(gone_held))}
+
+
+def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray], ids: np.ndarray,
+                   seed: int = 0) -> dict:
+    """``tuning.retune`` for a sharded index: self-queries drawn from the stores, their exact
+    answers from one streaming pass over the shards (``stream.exact_truth``), the parts searched
+    as one tuned to the target with the same margin."""
+    from .shards import PartsIndex
+    from .tuning import K, _drop_self, holdout, tune
+
+    spec = fx.IndexSpec(**{f: manifest[f] for f in fx.IndexSpec.__dataclass_fields__ if f in manifest})
+    n, dim = len(ids), int(manifest["dim"])
+    m = max(1, len(holdout(n, dim, seed).tune))
+    own = np.sort(np.random.default_rng(seed + 1).choice(ids, size=min(m, n), replace=False))
+    sources = [stream.StoreSource(p / STORE_DIR, manifest["model"]["hash"], dim)
+               for p in shard_paths(directory, manifest)]
+    try:
+        seen, dups = np.zeros(0, np.int64), []
+        for s_ids in per_shard:                    # an id counts once: in the first store holding it
+            dups.append(np.intersect1d(s_ids, seen))
+            seen = np.union1d(seen, s_ids)
+        owner = np.full(len(own), -1, dtype=np.int64)
+        for i, s_ids in enumerate(per_shard):
+            owner[(owner < 0) & np.isin(own, s_ids)] = i
+        q = stream.Rows(own, owner, sources)[np.arange(len(own))]
+        k = min(K, n - 1) if n > 1 else 1
+        truth = _drop_self(stream.exact_truth(sources, q, min(k + 1, n), exclude=np.zeros(0, np.int64),
+                                              dups=dups), own, k)
+    finally:
+        for s in sources:
+            s.close()
+    index = PartsIndex(directory, manifest).cpu_index
+    value, rq = tune(index, spec, q, truth, float(manifest.get("target_recall", 0.95)), own=own)
+    return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
+            "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),
+            "tuning_queries": int(len(own)), "heldout_queries": 0}
+
+
+def add_sharded(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
+                prefix: str = "", batch_size: int = 32, workers: int | None = None,
+                device: str = "auto", progress: bool = True) -> tuple[dict, IngestStats]:
+    """``indexer add`` on a sharded index: into the shard whose store holds the fewest images."""
+    d, folder = IndexDir(directory), Path(folder)
+    if not folder.is_dir():
+        raise IndexerError(f"{folder}: folder not found")
+    manifest = d.read_manifest()
+    check_files(d.path, manifest)
+    path = Path(model) if model is not None else d.model_file
+    emb = load_embedder(path, device=device, batch_size=batch_size)
+    d.check_embedder(emb, manifest, path)
+    files = list(walk_gallery(folder, prefix=prefix))
+    if not files:
+        raise IndexerError(f"{folder}: no images to add")
+    dirs = shard_paths(d.path, manifest)
+    sizes = []
+    for p in dirs:
+        with GalleryStore(p / STORE_DIR) as st:
+            sizes.append(len(st))
+    target = dirs[int(np.argmin(sizes))]
+    with GalleryStore(target / STORE_DIR, readonly=False) as store:
+        stats = ingest(store, files, emb, workers=workers, progress=progress)
+    d.write_report(stats.skipped)
+    m = sync_parts(d.path, manifest)
+    return {**m, "shard": str(target)}, stats
+
+
+def remove_sharded(directory: str | Path, targets: Sequence[str]) -> tuple[dict, list[str]]:
+    """``indexer remove`` on a sharded index: every target (id or relative path) is looked up in
+    every shard first (an unknown one refuses the whole command, nothing removed), then removed
+    from each shard that holds it."""
+    d = IndexDir(directory)
+    manifest = d.read_manifest()
+    check_files(d.path, manifest)
+    stores = [GalleryStore(p / STORE_DIR, readonly=False) for p in shard_paths(d.path, manifest)]
+    try:
+        for t in targets:
+            if not any(s.id_for_path(t) is not None or (t.isdigit() and int(t) in s) for s in stores):
+                raise IndexerError(f"{t}: no such id or path in {d.path}")
+        msgs = []
+        for t in targets:
+            for p, s in zip(shard_paths(d.path, manifest), stores):
+                if s.id_for_path(t) is not None:
+                    i, gone = s.remove_path(t)  # type: ignore[misc]
+                    msgs.append(f"removed {t} (id {i}) from {p}" if gone else
+                                f"removed path {t} from {p}; its content (id {i}) stays under another path")
+                elif t.isdigit() and int(t) in s:
+                    s.remove_id(int(t))
+                    msgs.append(f"removed id {t} from {p}")
+    finally:
+        for s in stores:
+            s.close()
+    return sync_parts(d.path, manifest), msgs

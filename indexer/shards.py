@@ -1,0 +1,212 @@
+"""A sharded index: the shards stay where they were built, one manifest lists them, and they
+are searched as one.
+
+Layout (``indexer build --ray --sharded`` or ``indexer merge --sharded``)::
+
+    OUT/manifest.json     the index's manifest, plus "sharded": {"shards": [...], "trained", "held"}
+    OUT/trained.faiss     the trained empty index: the coarse quantizer all parts share
+    OUT/held.faiss        the held-out tuning/check vectors (a small part of their own)
+    OUT/model.onnx
+    SHARD/store.lmdb      each shard's gallery store, where its task wrote it
+    SHARD/part.faiss      its vectors in a copy of the trained index (``stream.fill``)
+
+Shard paths are stored relative to OUT when they are inside it (the directory can move), else
+absolute. ``Index.open`` opens such a directory as a :class:`ShardedIndex`, which is an
+:class:`indexer.Index` whose faiss index is the parts as one (``stream.as_one``: one shared
+quantizer, so results equal one merged index's) and whose store reads each id from the shard
+that holds it (:class:`ShardedStore`), so serving, ``indexer search`` and ``eval`` need nothing
+else.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import faiss
+import numpy as np
+
+from . import faiss_index as fx
+from . import stream
+from .errors import IndexerError
+from .index import Index
+from .index_dir import IndexDir, STORE_DIR
+from .store import GalleryStore
+from .validate import check_faiss_file, check_lmdb, check_model_file, damaged, faiss_reason
+
+PART_FILE = "part.faiss"
+TRAINED_FILE = "trained.faiss"
+HELD_FILE = "held.faiss"
+
+
+def is_sharded(manifest: dict) -> bool:
+    return bool(manifest.get("sharded"))
+
+
+def is_sharded_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a sharded index (``indexer add/remove/info`` dispatch on it)."""
+    d = IndexDir(directory)
+    return d.exists() and is_sharded(d.read_manifest())
+
+
+def shard_paths(directory: Path, manifest: dict) -> list[Path]:
+    return [(directory / p) for p in manifest["sharded"]["shards"]]
+
+
+def relative(directory: Path, shard: Path) -> str:
+    """How the manifest names a shard: relative to the index directory when inside it."""
+    try:
+        return Path(shard).resolve().relative_to(directory.resolve()).as_posix()
+    except ValueError:
+        return str(Path(shard).resolve())
+
+
+def check_files(directory: Path, manifest: dict, verify_hash: bool = True) -> None:
+    """Every store and faiss file the manifest lists, before anything maps one (one line each)."""
+    recs = manifest["sharded"].get("files", {})
+    for s in shard_paths(directory, manifest):
+        check_lmdb(s / STORE_DIR)
+    for rel, rec in recs.items():
+        check_faiss_file(directory / rel, rec, verify_hash=verify_hash)
+
+
+# ---------------------------------------------------------------------------- reading
+class ShardedStore:
+    """The read side of ``GalleryStore`` over several shard stores: an id is read from the first
+    shard that holds it (content in two shards is indexed once, by the first: ``stream.union``)."""
+
+    def __init__(self, dirs: Sequence[Path]) -> None:
+        self.stores = [GalleryStore(d / STORE_DIR) for d in dirs]
+        self.path = dirs[0] / STORE_DIR if dirs else None
+
+    def _owner(self, id: int) -> GalleryStore:
+        for s in self.stores:
+            if id in s:
+                return s
+        raise KeyError(f"id {id} is not in any shard store ({len(self.stores)} shards)")
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.stores)
+
+    def __contains__(self, id: object) -> bool:
+        return any(id in s for s in self.stores)
+
+    def get_meta(self, id: int) -> dict:
+        return self._owner(int(id)).get_meta(int(id))
+
+    def get_bytes(self, id: int) -> bytes:
+        return self._owner(int(id)).get_bytes(int(id))
+
+    def get_embeddings(self, model_hash: str, ids: Sequence[int]) -> np.ndarray:
+        rows = [self._owner(int(i)).get_embeddings(model_hash, [int(i)])[0] for i in ids]
+        return np.stack(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+
+    def id_for_path(self, rel_path: str) -> int | None:
+        for s in self.stores:
+            i = s.id_for_path(rel_path)
+            if i is not None:
+                return i
+        return None
+
+    def labels(self) -> list[str]:
+        return sorted({lab for s in self.stores for lab in s.labels()})
+
+    def ids_for_label(self, label: str) -> list[int]:
+        seen: dict[int, None] = {}
+        for s in self.stores:
+            seen.update(dict.fromkeys(s.ids_for_label(label)))
+        return list(seen)
+
+    def models(self) -> list[str]:
+        return sorted({m for s in self.stores for m in s.models()})
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+
+class PartsIndex:
+    """``SearchableIndex``'s face (search, ntotal, d) over the parts searched as one."""
+
+    def __init__(self, directory: Path, manifest: dict) -> None:
+        sh = manifest["sharded"]
+        try:
+            self.trained = faiss.read_index(str(directory / sh["trained"]))
+            files = [p / PART_FILE for p in shard_paths(directory, manifest)] + [directory / sh["held"]]
+            self.cpu_index = stream.open_parts(files, self.trained)
+        except RuntimeError as e:
+            raise damaged(directory, f"faiss cannot read a part ({faiss_reason(e)})") from None
+        fx.set_search_params(self.cpu_index, manifest.get("search_params") or "")
+        self.index, self.gpu = self.cpu_index, False
+        self.d, self.ntotal = self.cpu_index.d, int(self.cpu_index.ntotal)
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        return self.cpu_index.search(q, max(1, min(int(k), max(1, self.ntotal))))
+
+
+class ShardedIndex(Index):
+    """An opened sharded index directory: an ``Index`` in every way serving uses."""
+
+    @classmethod
+    def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
+             store: Any = None) -> "ShardedIndex":
+        d = IndexDir(directory)
+        manifest = d.read_manifest()
+        if not is_sharded(manifest):
+            raise IndexerError(f"{d.path}: not a sharded index")
+        check_files(d.path, manifest)
+        if check_model:
+            check_model_file(d.model_file, manifest["model"]["hash"])
+        fi = PartsIndex(d.path, manifest)
+        d.check_index_dim(fi.d, manifest)
+        if fi.ntotal != int(manifest["count"]):
+            raise IndexerError(f"{d.path}: its parts hold {fi.ntotal} vectors but the manifest says "
+                               f"{manifest['count']}; rerun the build to repair it")
+        dirs = shard_paths(d.path, manifest)
+        if not (isinstance(store, ShardedStore) and [s.path for s in store.stores]
+                == [p / STORE_DIR for p in dirs]):
+            store = ShardedStore(dirs)
+        return cls(d.path, manifest, store, fi, device)
+
+    @property
+    def shards(self) -> list[Path]:
+        return shard_paths(self.directory, self.manifest)
+
+
+def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
+    """``indexer info`` on a sharded index: the manifest, then one line per shard."""
+    import json
+
+    check_files(directory, manifest)
+    check_model_file(IndexDir(directory).model_file, manifest["model"]["hash"])
+    facts = info(directory, manifest)
+    if as_json:
+        print(json.dumps({"manifest": manifest, **facts}, indent=2))
+        return 0
+    m, mod = manifest, manifest["model"]
+    print(f"index:    {directory} (sharded: {len(facts['shards'])} shards searched as one)")
+    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
+    print(f"faiss:    {m['index_type']} ({m.get('factory')}), {m['count']} vectors, metric {m['metric']}")
+    if m.get("search_params"):
+        print(f"search:   {m['search_params']}" + (f", nlist {m['nlist']}" if m.get("nlist") else ""))
+        print(f"recall:   @10 vs exact {m['recall_at_10']} on {m.get('heldout_queries', 0)} held-out "
+              f"queries, target {m['target_recall']}")
+    for i, s in enumerate(facts["shards"]):
+        print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
+    print(f"held-out: {facts['held']} vectors in {m['sharded']['held']}")
+    print(f"checksum: {len(m['sharded'].get('files', {}))} faiss files, sizes and sha256 verified")
+    print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
+          f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
+    return 0
+
+
+def info(directory: Path, manifest: dict) -> dict:
+    """Per shard: where it is and how many images its store and its part hold (``indexer info``)."""
+    out = []
+    for p in shard_paths(directory, manifest):
+        with GalleryStore(p / STORE_DIR) as st:
+            items = len(st)
+        part = faiss.read_index(str(p / PART_FILE), faiss.IO_FLAG_MMAP)
+        out.append({"path": str(p), "images": items, "vectors": int(part.ntotal)})
+    return {"shards": out, "held": int(faiss.read_index(
+        str(directory / manifest["sharded"]["held"]), faiss.IO_FLAG_MMAP).ntotal)}

@@ -1,0 +1,402 @@
+"""The streaming build: train once on a sample drawn from the shards, fill each shard apart, and
+combine the filled shards on disk, so that no process ever holds all the vectors.
+
+Today's merge (``build.merge_shards``) gathers every vector on one node (about three copies of
+N x d x 4 bytes). Here the driver holds only the ids of the union (8 bytes a vector, what an
+inverted list stores anyway) and fixed-size samples:
+
+1. ``plan``: the union of the shards' ids, the held-out tuning/check sets and the training
+   sample, picked by position in the id-sorted union exactly as ``selection.build`` picks them
+   in one process, so the index equals the one-process build of the same type; the type chosen
+   by the same measurement (``selection.select``, on the same sample), among the types whose
+   inverted lists can be merged (IVF-Flat, IVF-HNSW, IVF-SQ8, IVF-PQ; the refine wrappers keep
+   every exact vector in memory, which is what this path avoids); the exact answers of the
+   held-out queries by one streaming pass over the shards.
+2. ``fill``: each shard adds its own vectors to a copy of the trained empty index (a Ray task
+   on the node that holds the shard).
+3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``faiss.IndexShardsIVF``
+   over memory-mapped shard files, one shared quantizer), then the held-out vectors become one
+   more small part (``held_part``).
+4. ``merge_ondisk``: optionally, one IVF index whose lists live in a file (faiss's
+   ``OnDiskInvertedLists``), written list by list.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import faiss
+import numpy as np
+
+from . import faiss_index as fx
+from .errors import IndexerError
+from .selection import SELECT_FROM, candidates, select
+from .store import GalleryStore
+from .tuning import K, Holdout, clears, holdout, recalls, tune
+
+CHUNK = 65_536
+
+
+# ---------------------------------------------------------------------------- where vectors come from
+class Source(Protocol):
+    """One shard's vectors: its ids ascending, its vectors in chunks, and by id."""
+
+    dim: int
+
+    def ids(self) -> np.ndarray: ...
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    def get(self, ids: np.ndarray) -> np.ndarray: ...
+
+
+class StoreSource:
+    """A shard's LMDB store: the embeddings of one model, read in chunks (never all at once)."""
+
+    def __init__(self, store_dir: str | Path, model_hash: str, dim: int) -> None:
+        self.store = GalleryStore(store_dir)
+        self.model_hash, self.dim = model_hash, int(dim)
+
+    def ids(self) -> np.ndarray:
+        with self.store._read() as txn:
+            meta = self.store._db("meta")
+            out = [int.from_bytes(k, "big") for k, _ in self.store._scan(txn, self.model_hash)
+                   if txn.get(k, db=meta) is not None]
+        return np.array(out, dtype=np.int64)
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        ids, rows = [], []
+        with self.store._read() as txn:
+            meta = self.store._db("meta")
+            for k, v in self.store._scan(txn, self.model_hash, values=True):
+                if txn.get(k, db=meta) is None:
+                    continue
+                ids.append(int.from_bytes(k, "big"))
+                rows.append(np.frombuffer(v, dtype=np.float32))
+                if len(ids) == size:
+                    yield np.array(ids, dtype=np.int64), np.stack(rows)
+                    ids, rows = [], []
+        if ids:
+            yield np.array(ids, dtype=np.int64), np.stack(rows)
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ArraySource:
+    """(ids ascending, vectors) already in arrays, e.g. ``np.load(..., mmap_mode="r")``: the
+    benchmark's synthetic shards, and tests."""
+
+    def __init__(self, ids: np.ndarray, x: np.ndarray) -> None:
+        self._ids, self.x, self.dim = np.asarray(ids, dtype=np.int64), x, int(x.shape[1])
+
+    def ids(self) -> np.ndarray:
+        return self._ids
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for s in range(0, len(self._ids), size):
+            yield self._ids[s:s + size], np.ascontiguousarray(self.x[s:s + size], dtype=np.float32)
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.x[np.searchsorted(self._ids, ids)], dtype=np.float32)
+
+    def close(self) -> None:
+        pass
+
+
+class Rows:
+    """The id-sorted union of the shards as a lazy array: ``rows[positions]`` fetches those
+    vectors from the shards that own them. ``selection.select`` takes it in place of the
+    gallery matrix, so the candidates are measured on the very sample a one-process build uses."""
+
+    def __init__(self, ids: np.ndarray, owner: np.ndarray, sources: Sequence[Source]) -> None:
+        self.ids, self.owner, self.sources = ids, owner, sources
+        self.shape = (len(ids), sources[0].dim)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), self.shape[1]), dtype=np.float32)
+        own = self.owner[rows]
+        for s in np.unique(own):
+            m = own == s
+            out[m] = self.sources[int(s)].get(self.ids[rows[m]])
+        return out
+
+
+def union(sources: Sequence[Source]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """(ids of the union ascending, owning shard of each, per shard the ids it must skip): the
+    same content in two shards (two paths) is indexed once, by the first shard that has it."""
+    per = [s.ids() for s in sources]
+    all_ids = np.concatenate(per) if per else np.zeros(0, np.int64)
+    shard = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, p in enumerate(per)])
+    order = np.lexsort((shard, all_ids))             # by id, then shard: the first owner first
+    all_ids, shard = all_ids[order], shard[order]
+    first = np.ones(len(all_ids), dtype=bool)
+    first[1:] = all_ids[1:] != all_ids[:-1]
+    dups = [all_ids[~first & (shard == i)] for i in range(len(sources))]
+    return all_ids[first], shard[first], dups
+
+
+# ---------------------------------------------------------------------------- 1. plan
+@dataclass
+class Plan:
+    """What the driver decided: the spec, the trained empty index, the held-out queries."""
+
+    spec: fx.IndexSpec
+    trained: faiss.Index
+    ids: np.ndarray                 # the union, ascending
+    owner: np.ndarray
+    skip: list[np.ndarray]          # per shard: held-out ids it owns + duplicates it must skip
+    held_query_ids: np.ndarray      # ids of [qt; qc]
+    qt: np.ndarray                  # tuning queries (vectors)
+    qc: np.ndarray                  # check queries
+    truth: np.ndarray               # exact top-k ids of [qt; qc] among the non-held vectors
+    tiny: bool
+    fields: dict                    # manifest fields known so far (selection table, train)
+    seconds: dict
+
+
+def streamable(spec: fx.IndexSpec) -> bool:
+    """Types whose shards fill apart and search (or merge) as one: IVF lists, or exact Flat."""
+    return spec.mergeable and spec.index_type in ("flat", "ivf", "ivfhnsw", "sq8", "ivfpq")
+
+
+def plan(sources: Sequence[Source], *, index_type: str = "auto",
+         flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
+         target: float = 0.95, max_memory: int | None = None, device: str = "auto", seed: int = 0,
+         progress: bool = False) -> Plan:
+    """Step 1, on the driver: mirrors ``selection.build`` up to the trained empty index."""
+    t = {"union": time.perf_counter()}
+    ids, owner, dups = union(sources)
+    n, dim = len(ids), sources[0].dim
+    if n == 0:
+        raise IndexerError("the shards hold no images")
+    x = Rows(ids, owner, sources)
+    t["union"] = time.perf_counter() - t["union"]
+    fields: dict = {}
+    if index_type == "flat" or (index_type == "auto" and n < flat_threshold):
+        spec = fx.choose_spec(n, dim, "flat")
+        empty = np.zeros(0, np.int64)
+        return Plan(spec, fx.train(spec, np.zeros((0, dim), np.float32), dim), ids, owner,
+                    list(dups), empty, np.zeros((0, dim), np.float32),
+                    np.zeros((0, dim), np.float32), np.zeros((0, K), np.int64), True, fields, t)
+    t0 = time.perf_counter()
+    ho = holdout(n, dim, seed)
+    tiny = len(ho.tune) == 0
+    if tiny:
+        ho = Holdout(np.arange(n), np.arange(n), np.arange(n))
+    k = min(K, len(ho.rows))
+    qt, qc = x[ho.tune], x[ho.check]
+    held = np.zeros(0, np.int64) if tiny else ids[ho.held]
+    truth = exact_truth(sources, np.concatenate([qt, qc]), k, exclude=held, dups=dups)
+    t["truth"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if index_type == "auto":
+        if n >= SELECT_FROM and not nlist:
+            specs = [s for s in candidates(n, dim, max_memory) if streamable(s)]
+            sel = select(x, ids, ho, target, max_memory=max_memory, seed=seed, device=device,
+                         specs=specs, progress=progress)
+            spec = sel.spec
+            fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
+        else:
+            spec = fx.choose_spec(n, dim, "ivf", nlist=nlist)
+    else:
+        spec = fx.choose_spec(n, dim, index_type, flat_threshold, nlist)
+        if not streamable(spec):
+            raise IndexerError(f"index type {index_type}: its shards cannot be filled apart "
+                               "(refine wrappers and HNSW graphs hold every vector in one "
+                               "process); use ivf, ivfhnsw, sq8 or ivfpq")
+    t["select"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    train_rows = ho.rows[fx.training_sample(len(ho.rows), spec, seed)]
+    trained = fx.train(spec, x[train_rows], dim, device=device, seed=seed)
+    t["train"] = time.perf_counter() - t0
+    fields.update(train_points=int(len(train_rows)), train_seconds=round(t["train"], 3))
+    skip = [np.union1d(d, held[owner[ho.held] == i]) if not tiny else d
+            for i, d in enumerate(dups)]
+    held_q = np.zeros(0, np.int64) if tiny else np.concatenate([ids[ho.tune], ids[ho.check]])
+    return Plan(spec, trained, ids, owner, skip, held_q, qt, qc, truth, tiny, fields, t)
+
+
+def exact_truth(sources: Sequence[Source], q: np.ndarray, k: int, *, exclude: np.ndarray,
+                dups: Sequence[np.ndarray]) -> np.ndarray:
+    """Exact top-k ids of ``q`` over every shard's vectors but ``exclude`` and duplicates, in
+    one streaming pass (faiss's ResultHeap keeps the best k across chunks)."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    heap = faiss.ResultHeap(len(q), k, keep_max=True)
+    for s, src in enumerate(sources):
+        drop = np.union1d(exclude, dups[s])
+        for cids, cx in src.chunks():
+            keep = ~np.isin(cids, drop)
+            if not keep.all():
+                cids, cx = cids[keep], cx[keep]
+            if not len(cids):
+                continue
+            D, I = faiss.knn(q, cx, min(k, len(cids)), metric=faiss.METRIC_INNER_PRODUCT)
+            heap.add_result(D, np.where(I >= 0, cids[np.maximum(I, 0)], -1))
+    heap.finalize()
+    return heap.I
+
+
+# ---------------------------------------------------------------------------- 2. fill
+def fill(source: Source, trained: faiss.Index, skip: np.ndarray) -> faiss.Index:
+    """Step 2, per shard: its vectors (but ``skip``) in a copy of the trained empty index."""
+    index = faiss.clone_index(trained)
+    for cids, cx in source.chunks():
+        keep = ~np.isin(cids, skip)
+        if keep.any():
+            fx.add(index, cx[keep], cids[keep])
+    return index
+
+
+def held_part(p: Plan) -> faiss.Index:
+    """The held-out vectors (tuning + check queries) in a copy of the trained index: one more
+    part, added after tuning (a one-process build adds them to its index at the same point)."""
+    index = faiss.clone_index(p.trained)
+    if len(p.held_query_ids):
+        fx.add(index, np.concatenate([p.qt, p.qc]), p.held_query_ids)
+    return index
+
+
+# ---------------------------------------------------------------------------- 3. search as one
+def open_parts(paths: Sequence[str | Path], trained: faiss.Index, mmap: bool = True) -> faiss.Index:
+    """Shard index files searched as one index: ``IndexShardsIVF`` (one shared coarse quantizer,
+    so a query is assigned to its lists once, not once per shard) for IVF types, ``IndexShards``
+    for Flat. Files are memory-mapped: the page cache, not this process, holds the lists."""
+    flags = faiss.IO_FLAG_MMAP if mmap else 0
+    parts = [faiss.read_index(str(p), flags) for p in paths]
+    return as_one(parts, trained)
+
+
+def as_one(parts: Sequence[faiss.Index], trained: faiss.Index) -> faiss.Index:
+    if fx._is_ivf(trained):
+        ivf = faiss.extract_index_ivf(trained)
+        sh = faiss.IndexShardsIVF(ivf.quantizer, ivf.nlist, False, False)
+    else:
+        sh = faiss.IndexShards(trained.d, False, False)
+    sh.metric_type = trained.metric_type
+    for part in parts:
+        sh.add_shard(part)
+    sh.referenced_objects = [*parts, trained]     # faiss's own way to keep what C++ does not own
+    return sh
+
+
+def tune_and_check(p: Plan, index: faiss.Index, target: float) -> dict:
+    """Step 3: ``selection.build``'s tuning on the shards searched as one (held-out vectors not
+    in it yet), and its manifest fields. Returns the fields; the index is left tuned."""
+    spec, n, dim = p.spec, len(p.ids), p.trained.d
+    if spec.index_type == "flat":
+        return {**spec.to_dict(), "nprobe": 0, "search_params": "", "recall_at_10": 1.0,
+                "target_recall": target, "count": n, "dim": int(dim), "metric": "inner_product",
+                "train_points": 0, "train_seconds": 0.0}
+    nt = len(p.qt)
+    value, rq_tune = tune(index, spec, p.qt, p.truth[:nt], target)
+    params = spec.search_params(value)
+    rq_check = recalls(index.search(np.ascontiguousarray(p.qc), p.truth.shape[1])[1], p.truth[nt:])
+    fields = {**spec.to_dict(), "nprobe": int(value) if spec.nlist else 0, "search_params": params,
+              "recall_at_10": round(float(rq_check.mean()), 4),
+              "tuning_recall_at_10": round(float(rq_tune.mean()), 4),
+              "tuning_queries": int(nt), "heldout_queries": int(len(p.qc)),
+              "target_recall": target, "count": n, "dim": int(dim), "metric": "inner_product",
+              **{k: v for k, v in p.fields.items()}}
+    if rq_check.mean() < target:
+        fields["warning"] = (f"recall@10 on held-out queries {rq_check.mean():.3f} < target {target}"
+                             + (f" even at {spec.param} = its maximum ({spec.index_type} loses "
+                                "precision); use --index-type ivf" if not clears(rq_tune, target) else ""))
+    return fields
+
+
+# ---------------------------------------------------------------------------- 4. one index on disk
+def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_index: str | Path,
+                 params: str = "") -> int:
+    """Combine filled parts into one IVF index whose lists live in ``out_index`` + ``.ivfdata``
+    (faiss's ``OnDiskInvertedLists``); read it back with ``read_ondisk``. Returns the count.
+
+    Hand-written rather than ``faiss.contrib.ondisk.merge_ondisk``: that one maps every part and
+    the output into the merging process and copies through the maps, so its peak RSS is about
+    twice the index (measured: 1,056 MiB for a 498 MiB index at 1M x 128), which grows with N on
+    one node. Here faiss allocates the lists (``resize``, in one pre-sized file), the codes and
+    ids go in with ``os.pwrite`` (the page cache, not this process, holds them) and one part is
+    mapped at a time, so the peak is about the largest part, not the index.
+    """
+    out_index = Path(out_index)
+    data = out_index.with_suffix(".ivfdata")
+    data.unlink(missing_ok=True)
+    if not fx._is_ivf(trained):
+        raise IndexerError(f"{trained}: only IVF indexes merge on disk")
+    index = faiss.clone_index(trained)
+    ivf = faiss.extract_index_ivf(index)
+    nlist, code_size = ivf.nlist, ivf.code_size
+    sizes = np.zeros(nlist, dtype=np.int64)
+    for f in part_files:                     # list sizes only: the lists stay on disk
+        part = faiss.read_index(str(f), faiss.IO_FLAG_MMAP)     # (owns inv: keep it alive)
+        inv = faiss.extract_index_ivf(part).invlists
+        sizes += np.array([inv.list_size(l) for l in range(nlist)], dtype=np.int64)
+        del part, inv
+    cap = np.where(sizes > 0, 2 ** np.ceil(np.log2(np.maximum(sizes, 1))).astype(np.int64), 0)
+    il = faiss.OnDiskInvertedLists(nlist, code_size, str(data))
+    il.update_totsize(int(max(32, (cap * (code_size + 8)).sum())))   # one file, one map
+    for l in np.nonzero(sizes)[0]:
+        il.resize(int(l), int(sizes[l]))     # faiss picks the slot (capacity: a power of two)
+    where = [(il.lists.at(int(l)).offset, il.lists.at(int(l)).capacity) for l in range(nlist)]
+    done = np.zeros(nlist, dtype=np.int64)
+    fd = os.open(data, os.O_WRONLY)
+    try:
+        for f in part_files:
+            part = faiss.read_index(str(f), faiss.IO_FLAG_MMAP)
+            inv = faiss.extract_index_ivf(part).invlists
+            for l in range(nlist):
+                n = inv.list_size(l)
+                if not n:
+                    continue
+                off, capacity = where[l]
+                codes = faiss.rev_swig_ptr(inv.get_codes(l), n * code_size)
+                ids = faiss.rev_swig_ptr(inv.get_ids(l), n)
+                os.pwrite(fd, codes, off + int(done[l]) * code_size)
+                os.pwrite(fd, ids, off + capacity * code_size + int(done[l]) * 8)
+                done[l] += n
+            del part, inv                    # unmapped: its pages leave this process
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    ivf.replace_invlists(il, True)
+    il.this.disown()
+    index.ntotal = ivf.ntotal = int(sizes.sum())
+    fx.set_search_params(index, params)
+    fx.write_atomic(index, out_index)
+    return int(index.ntotal)
+
+
+def read_ondisk(path: str | Path) -> faiss.Index:
+    """An index written by ``merge_ondisk``: its ``.ivfdata`` is found beside it (wherever the
+    directory has moved) and memory-mapped."""
+    return faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
+
+
+def build_in_process(sources: Sequence[Source], workdir: str | Path, *, target: float = 0.95,
+                     progress: bool = False, **plan_opts) -> tuple[faiss.Index, dict, list[Path]]:
+    """Steps 1-3 in this process (the Ray build runs step 2 as tasks): the part files
+    ``workdir/part-<i>.faiss`` (and ``held.faiss``), and the parts opened as one, tuned."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    p = plan(sources, target=target, progress=progress, **plan_opts)
+    files = []
+    for i, src in enumerate(sources):
+        files.append(workdir / f"part-{i}.faiss")
+        fx.write_atomic(fill(src, p.trained, p.skip[i]), files[-1])
+    index = open_parts(files, p.trained)
+    fields = tune_and_check(p, index, target)
+    files.append(workdir / "held.faiss")
+    fx.write_atomic(held_part(p), files[-1])
+    index = open_parts(files, p.trained)
+    fx.set_search_params(index, fields["search_params"])
+    return index, fields, files

@@ -1,0 +1,124 @@
+"""A sharded index (shards left where they were built, one manifest listing them, searched as one)
+answers exactly as the merged index of the same shards, and add / remove / info / eval work on it."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from indexer_testlib import copy_characters, run_cli
+from indexer import Index
+from indexer.shards import ShardedIndex
+from serving.searcher import Searcher
+
+FLAGS = ["--quiet", "--flat-threshold", "100"]          # IVF: where "searched as one" can go wrong
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path, small_onnx: Path) -> Path:
+    root = tmp_path_factory.mktemp("sharded")
+    for i in range(2):
+        run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
+                "--out", root / f"s{i}", *FLAGS)
+    run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *FLAGS)
+    return root
+
+
+def sharded_copy(built: Path, tmp: Path) -> tuple[Path, Path]:
+    """Fresh shard directories (add/remove change them) and their sharded index."""
+    for i in range(2):
+        shutil.copytree(built / f"s{i}", tmp / f"s{i}")
+    run_cli("merge", "--sharded", tmp / "s0", tmp / "s1", "--out", tmp / "idx", *FLAGS)
+    return tmp / "idx", tmp
+
+
+def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, omniglot_gallery: Path) -> None:
+    out, _ = sharded_copy(built, tmp_path)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["sharded"]["shards"] == [str((tmp_path / "s0").resolve()), str((tmp_path / "s1").resolve())]
+    assert not (out / "store.lmdb").exists() and not (out / "index.faiss").exists()   # nothing copied
+    merged, sharded = Index.open(built / "merged"), Index.open(out, check_model=True)
+    assert isinstance(sharded, ShardedIndex) and not isinstance(merged, ShardedIndex)
+    mm, ms = merged.manifest, sharded.manifest
+    assert ms["index_type"] == mm["index_type"] == "ivf"
+    for key in ("count", "nlist", "nprobe", "search_params", "recall_at_10", "dim"):
+        assert ms[key] == mm[key], key
+    ids, x = merged.store.all_embeddings(merged.model_hash)
+    assert len(sharded) == len(ids) == 240
+    s1, i1 = merged.search_embeddings(x, 10)                 # every gallery image as a query
+    s2, i2 = sharded.search_embeddings(x, 10)
+    np.testing.assert_array_equal(i2, i1)
+    np.testing.assert_allclose(s2, s1, atol=1e-5)
+    for j in ids[::7]:                                       # metadata and bytes from the shard
+        assert sharded.meta(int(j)) == merged.meta(int(j))
+        assert sharded.image_bytes(int(j)) == merged.image_bytes(int(j))
+    assert sharded.labels() == merged.labels() and sharded.stored() == merged.stored()
+    # the same through serving: Searcher opens it as it opens any index directory
+    a = Searcher.open([built / "merged"], names=["m"])
+    b = Searcher.open([out], names=["s"], check_model=True)
+    for j in ids[::11]:
+        ra, rb = a.search(int(j), 5, thumbnails=True), b.search(int(j), 5, thumbnails=True)
+        assert [(r.id, r.path, r.label, round(r.score, 5)) for r in ra.results] == \
+               [(r.id, r.path, r.label, round(r.score, 5)) for r in rb.results]
+        assert b.thumbnail_png("s", rb.results[0].id) == a.thumbnail_png("m", ra.results[0].id)
+    # eval through the CLI: the same recall
+    ea = json.loads(run_cli("eval", "--queries", omniglot_gallery, "--index", built / "merged", "--json").stdout)
+    eb = json.loads(run_cli("eval", "--queries", omniglot_gallery, "--index", out, "--json").stdout)
+    assert ea["recall"] == eb["recall"] and eb["queries"] == 240
+    info = run_cli("info", "--index", out).stdout
+    assert "sharded: 2 shards" in info and info.count("images stored") == 2, info
+
+
+def test_add_and_remove_on_a_sharded_index(built: Path, tmp_path: Path, omniglot_root: Path) -> None:
+    out, tmp = sharded_copy(built, tmp_path)
+    sizes = [len(Index.open(out).store.stores[i]) for i in range(2)]
+    smallest = tmp / f"s{int(np.argmin(sizes))}"
+    extra = tmp / "extra"
+    new_files = copy_characters(omniglot_root, extra, 2, skip_chars=40)
+    p = run_cli("add", extra, "--index", out, "--prefix", "new")
+    assert f"added 40 vectors to shard {smallest.resolve()}" in p.stdout, p.stdout
+    idx = Index.open(out)
+    assert len(idx) == 280 and idx.manifest["count"] == 280
+    # retuned on self-queries (as `indexer add` on one index): no held-out set any more
+    assert idx.manifest["heldout_queries"] == 0 and idx.manifest["tuning_queries"] > 0
+    assert f"retuned to {idx.manifest['search_params']}" in p.stdout
+    rel = "new/" + new_files[0].relative_to(extra).as_posix()
+    i = idx.id_for_path(rel)
+    assert i is not None and idx.meta(i)["path"] == rel
+    s, found = idx.search_embeddings(idx.embeddings([i]), 1)
+    assert found[0, 0] == i                                  # the new image finds itself
+    # remove one path and one id; an unknown target refuses the whole command
+    other = int(idx.ids_for_label(idx.labels()[0])[0])
+    bad = run_cli("remove", rel, "no/such.png", "--index", out, check=False)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        f"indexer remove: error: no/such.png: no such id or path in {out}"], bad.stderr
+    assert len(Index.open(out)) == 280
+    run_cli("remove", rel, str(other), "--index", out)
+    idx = Index.open(out)
+    assert len(idx) == 278 and idx.id_for_path(rel) is None and other not in idx
+    _, x = Index.open(built / "merged").store.all_embeddings(idx.model_hash)
+    found = idx.search_embeddings(x, 20)[1]
+    assert i not in found and other not in found
+
+
+def test_sharded_index_is_healthy_and_has_one_writer(built: Path, tmp_path: Path, omniglot_root: Path) -> None:
+    """The count check (indexer info / /api/health) understands a sharded index (its parts
+    against the manifest, not a missing index.faiss), and its writers take the directory's lock
+    like every other writer: a second one is refused naming the holder."""
+    from indexer import check_counts, writer_lock
+
+    out, tmp = sharded_copy(built, tmp_path)
+    c = check_counts(out)
+    assert c.ok and c.faiss == c.manifest == 240, c.message
+    assert Searcher.open([out], names=["s"]).health() == {}
+    extra = tmp / "extra"
+    copy_characters(omniglot_root, extra, 1, skip_chars=40)
+    with writer_lock(out, "test holder"):
+        p = run_cli("add", extra, "--index", out, check=False)
+        q = run_cli("remove", "nothing", "--index", out, check=False)
+    for r in (p, q):
+        assert r.returncode == 1 and "is being written by pid" in r.stderr, r.stderr
+    assert len(Index.open(out)) == 240
