@@ -65,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     from serving.tempdir import claim_temp_dir
 
     temp_dir, removed = claim_temp_dir(args.port)
-    if removed:
-        print(f"app.py: removed {removed} leftover temp entries from {temp_dir}", file=sys.stderr)
     from serving import Searcher
     from serving.demo import ensure_demo_index
 
@@ -92,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"app.py: cannot open index: {msg}", file=sys.stderr)
         return 1
 
+    if removed:   # said once the indexes opened: a failed start stays one line
+        print(f"app.py: removed {removed} leftover temp entries from {temp_dir}", file=sys.stderr)
     import uvicorn
 
     from serving.server import create_app
