@@ -101,7 +101,9 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         pooled_fn = lambda x: split.suffix.pooled(split.prefix(x))  # noqa: E731
     else:
         pre = build_preprocessing(cfg)
-        kw = dict(seed=cfg.seed, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
+        # The crops are data, not part of a run: every seed reads the same cache (seed 0) and
+        # draws its own sequence of views from it (CachedViews).
+        kw = dict(seed=0, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
                   threads=max(1, cfg.workers or torch.get_num_threads()))
         acts = trunk_activations(split.prefix, train_full, pre, what=f"{cfg.backbone}-{cfg.trainable}",
                                  views=cfg.trunk_views, **kw)
