@@ -33,6 +33,9 @@ from benchmarks.frozen_table2 import TABLE2, _label, plot, summarise  # noqa: E4
 from benchmarks.paired import fmt_interval  # noqa: E402
 
 QUICK = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
+#: --quick's shorter schedule: 18 runs x 6 epochs of the cached CPU recipe (~20 s per epoch on
+#: 2 free cores) plus the one-off trunk cache stay under an hour; --set epochs=... overrides it.
+QUICK_SCHEDULE = {"epochs": 6, "lr_milestones": [4, 5]}
 METRICS = ("R@1", "NMI", "MAP@R")
 
 
@@ -43,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="recipe (TOML) every run starts from")
     p.add_argument("--root", default=None, help="class-folder dataset (default: the config's)")
     p.add_argument("--quick", action="store_true",
-                   help=f"CPU grid: {', '.join(QUICK)} x seeds 0 1 2")
+                   help=f"CPU grid: {', '.join(QUICK)} x seeds 0 1 2, 6 epochs")
     p.add_argument("--methods", nargs="+", default=None, help="loss:sampler pairs (default "
                    "Table 2's seven)")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0-4 (0-2 --quick)")
@@ -69,6 +72,8 @@ def _run_config(args, method: str, variant: str, seed: int, out: Path):
                    "out": str(out / "runs" / f"{loss}-{miner}-{variant}-s{seed}")})
     if args.root:
         values["root"] = args.root
+    if args.quick:                  # fits an hour on 2 cores (BENCHMARKS.md)
+        values.update(QUICK_SCHEDULE)
     values.update(dict(parse_override(o) for o in args.overrides))
     values["eval_every"] = values.get("epochs", 300)            # last epoch only
     if args.validation:
