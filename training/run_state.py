@@ -78,7 +78,9 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
     if split is not None:
         backbone, head = split.backbone_params, split.head_params
     else:
-        head_ids = {id(p) for p in model.head.parameters()} if cfg.backbone_lr > 0 else set()
+        head = getattr(model, "head", None)       # an Embedder's embedding layer
+        head_ids = ({id(p) for p in head.parameters()} if cfg.backbone_lr > 0 and head is not None
+                    else set())
         head = [p for p in model.parameters() if p.requires_grad and id(p) in head_ids]
         backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
         if not head_ids:                      # one group, as before backbone_lr existed
