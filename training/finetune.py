@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from .config import TrainConfig
 from .data import ImageDataset
 
-__all__ = ["Inputs", "carve_validation", "pca_directions", "prepare_inputs"]
+__all__ = ["Inputs", "cache_name", "carve_validation", "pca_directions", "prepare_inputs"]
 
 
 @dataclass
@@ -85,6 +85,16 @@ def init_head_pca(model: nn.Module, pooled: torch.Tensor) -> None:
     model.head.bias.copy_((-w @ mean).to(model.head.bias))
 
 
+def cache_name(cfg: TrainConfig) -> str:
+    """What the frozen prefix computes, for the trunk cache's name and key: the backbone and the
+    cut, plus the pooling when the prefix ends with it (``"head"``). The head's width and init
+    are not in it, so runs that differ only there share one cache."""
+    name = f"{cfg.backbone}-{cfg.trainable}"
+    if cfg.trainable == "head":
+        name += f"-{cfg.pooling}" + (f"{cfg.gem_p:g}" if cfg.pooling == "gem" else "")
+    return name
+
+
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
                    fresh: bool) -> Inputs:
     """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init."""
@@ -105,14 +115,14 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         # draws its own sequence of views from it (CachedViews).
         kw = dict(seed=0, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
                   threads=max(1, cfg.workers or torch.get_num_threads()))
-        acts = trunk_activations(split.prefix, train_full, pre, what=f"{cfg.backbone}-{cfg.trainable}",
+        acts = trunk_activations(split.prefix, train_full, pre, what=cache_name(cfg),
                                  views=cfg.trunk_views, **kw)
         train_in = CachedViews(acts, train.labels, train=True, seed=cfg.seed, rows=rows_t)
         if rows_v is not None:
             eval_in = CachedViews(acts, evaluate.labels, train=False, rows=rows_v)
         else:
-            test_acts = trunk_activations(split.prefix, test, pre,
-                                          what=f"{cfg.backbone}-{cfg.trainable}", views=0, **kw)
+            test_acts = trunk_activations(split.prefix, test, pre, what=cache_name(cfg),
+                                          views=0, **kw)
             eval_in = CachedViews(test_acts, test.labels, train=False)
         net = split.suffix
         pooled_fn = split.suffix.pooled

@@ -204,3 +204,23 @@ def test_optimizer_groups_and_warmup(tmp_path, cub_root):
     with pytest.raises(ValueError, match="7 stages"):
         RunState.build(TrainConfig(**{**cfg.to_dict(), "trainable": "last:8"}),
                        np.array([0, 0, 1, 1]), 2, torch.device("cpu"), None)
+
+
+def test_cache_name_separates_what_the_prefix_computes(tmp_path, cub_root):
+    """The pooled features of a head-only run depend on the pooling; stage activations do not
+    depend on the head, so runs that differ only in the head share a cache."""
+    from training.finetune import cache_name
+
+    cfg = _cfg(cub_root, tmp_path / "r", trainable="head")
+    names = {cache_name(_replaced(cfg, pooling=p)) for p in ("avg", "gem", "avgmax")}
+    assert len(names) == 3
+    assert cache_name(_replaced(cfg, pooling="gem", gem_p=4.0)) not in names
+    last = _cfg(cub_root, tmp_path / "r", trainable="last:2")
+    assert cache_name(last) == cache_name(_replaced(last, dim=512, pooling="avg",
+                                                              head_init="random"))
+
+
+def _replaced(cfg, **kw):
+    from training.config import replace
+
+    return replace(cfg, **kw)
