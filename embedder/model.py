@@ -225,7 +225,11 @@ class Embedder(nn.Module):
         return self
 
     def features(self, x: Tensor) -> Tensor:
-        fmap = self.backbone(x)
+        return self.pool(self.backbone(x))
+
+    def pool(self, fmap: Tensor) -> Tensor:
+        """(B, C, H, W) feature map -> (B, C) pooled features (training/stages.py runs the
+        backbone in parts and calls this on the last part's map)."""
         if self.config.pooling == "gem":
             return gem(fmap, float(self.config.gem_p))
         pooled = F.adaptive_avg_pool2d(fmap, 1)
@@ -233,9 +237,13 @@ class Embedder(nn.Module):
             pooled = pooled + F.adaptive_max_pool2d(fmap, 1)
         return torch.flatten(pooled, 1)
 
-    def forward(self, x: Tensor) -> Tensor:
-        z = self.head(self.features(x))
+    def embed(self, pooled: Tensor) -> Tensor:
+        """Pooled features -> embedding (head, then L2 normalisation when configured)."""
+        z = self.head(pooled)
         return F.normalize(z, p=2.0, dim=1) if self.config.normalize else z
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.embed(self.features(x))
 
     def extra_repr(self) -> str:
         return f"config={self.config}, preprocessing={self.preprocessing}"

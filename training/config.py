@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -36,6 +37,7 @@ DAS_PRESET_LOSSES: dict[str, dict[str, dict[str, Any]]] = {
     "robust": {"contrastive": {"das_detach": True}},
 }
 AMP_MODES = ("auto", "off", "bf16", "fp16")
+HEAD_INITS = ("random", "pca")
 #: `das_bank_dtype` names -> the torch dtype DAS stores its transformation bank in. Kept as
 #: strings here so that config.py (and `--help`) does not import torch.
 BANK_DTYPES = ("float32", "float16", "bfloat16")
@@ -43,6 +45,21 @@ BANK_DTYPES = ("float32", "float16", "bfloat16")
 
 class ConfigError(ValueError):
     """A config file or override that does not describe a valid TrainConfig."""
+
+
+_LAST = re.compile(r"^last:(\d+)$")
+
+
+def parse_trainable(value: str) -> tuple[str, int]:
+    """``"all"`` -> ("all", 0), ``"head"`` -> ("head", 0), ``"last:N"`` -> ("last", N);
+    anything else raises ValueError with the accepted forms."""
+    if value in ("all", "head"):
+        return value, 0
+    m = _LAST.match(value or "")
+    if m and int(m.group(1)) >= 1:
+        return "last", int(m.group(1))
+    raise ValueError(f"trainable={value!r}: expected 'all', 'head' or 'last:N' (N >= 1 backbone "
+                     f"stages)")
 
 
 @dataclass
@@ -60,12 +77,26 @@ class TrainConfig:
     # --- model ---
     backbone: str = "resnet50"  # resnet18|resnet34|resnet50|efficientnet_lite0|small_cnn
     dim: int = 128  # embedding dimension
-    pooling: str = "avg"  # avg | avgmax
+    pooling: str = "avg"  # avg | avgmax | gem
+    gem_p: float = 3.0  # GeM exponent (pooling = "gem")
     pretrained: bool = True  # ImageNet weights for the backbone (needs them available)
     frozen_bn: bool = False  # keep BatchNorm statistics and affine params fixed
     sync_bn: bool = True  # DDP on CUDA: BatchNorm statistics over the global batch
     input_size: int = 0  # network input size in px (0 = the backbone's default)
     resize: int = 0  # eval: shorter side before the centre crop (0 = keep the backbone ratio)
+    # --- fine-tuning (training/stages.py, training/trunk_cache.py) ---
+    # Which part trains: "all" (the paper), "last:N" (the last N backbone stages, pooling and
+    # head; earlier stages frozen in eval mode), "head" (the embedding layer on frozen features).
+    trainable: str = "all"  # all | last:N | head
+    backbone_lr: float = 0.0  # Adam lr of the trainable backbone stages (0 = lr); the head uses lr
+    warmup_epochs: int = 0  # linear lr warm-up over the first N epochs (lr x (e+1)/(N+1))
+    head_init: str = "random"  # random | pca (top-d principal directions of the training images' pooled features)
+    trunk_cache: bool = False  # cache the frozen stages' activations on disk (fp16); epochs run only the trainable stages
+    trunk_views: int = 3  # random training crops per image in the trunk cache (plus the centre crop)
+    cache_dir: str = ""  # trunk cache folder ("" = <das cache>/trunk_cache)
+    # > 0: train on the other training classes and evaluate on the last N training classes,
+    # never on the test split: how a recipe's settings are chosen.
+    validation_classes: int = 0  # hold out the last N training classes as the evaluation set (0 = use the test split)
     # --- loss / sampler / DAS ---
     loss: str = "triplet"  # contrastive|triplet|margin|lifted|npair|multisimilarity|softmax|arcface
     miner: str = "distance"  # random|semihard|softhard|distance|none
@@ -143,8 +174,27 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr!r}: expected a positive number")
+        self._validate_finetune()
         self._validate_das()
         return self
+
+    def _validate_finetune(self) -> None:
+        try:
+            kind, _ = parse_trainable(self.trainable)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.head_init not in HEAD_INITS:
+            raise ConfigError(f"head_init={self.head_init!r}: expected one of {', '.join(HEAD_INITS)}")
+        if self.backbone_lr < 0:
+            raise ConfigError(f"backbone_lr={self.backbone_lr!r}: expected >= 0 (0 = lr)")
+        for name in ("warmup_epochs", "trunk_views", "validation_classes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
+        if self.trunk_cache and kind == "all":
+            raise ConfigError("trunk_cache=true needs frozen stages to cache: set trainable to "
+                              "'last:N' or 'head'")
+        if self.head_init == "pca" and self.dim <= 0:
+            raise ConfigError("head_init='pca' needs an embedding layer (dim > 0)")
 
     def _validate_das(self) -> None:
         """DAS options, checked here so a bad config file fails before data or models load."""

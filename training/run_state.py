@@ -18,6 +18,7 @@ from . import distributed as D
 from .batching import ClassBalancedBatchSampler
 from .config import TrainConfig
 from .data import ImageDataset, Split, load_splits
+from .stages import StageSplit, split_stages
 from .step import build_criterion, build_das
 
 
@@ -56,7 +57,7 @@ def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
     pre = build_preprocessing(cfg)
     return Embedder(EmbedderConfig(backbone=cfg.backbone, dim=cfg.dim, pooling=cfg.pooling,
                                    normalize=normalize, pretrained=cfg.pretrained,
-                                   frozen_bn=cfg.frozen_bn), pre)
+                                   frozen_bn=cfg.frozen_bn, gem_p=cfg.gem_p), pre)
 
 
 def build_components(cfg: TrainConfig, num_classes: int):
@@ -69,16 +70,48 @@ def build_components(cfg: TrainConfig, num_classes: int):
     return model, criterion, das
 
 
-def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module):
-    """Adam over the model at `lr`, plus the criterion's own groups (betas, proxies) at theirs."""
-    groups: list[dict] = [{"params": [p for p in model.parameters() if p.requires_grad],
-                           "lr": cfg.lr, "name": "model"}]
+def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
+                    split: StageSplit | None = None):
+    """Adam over the trainable part of the model, plus the criterion's own groups (betas,
+    proxies) at theirs. The embedding layer trains at `lr`, the backbone at `backbone_lr` when
+    set (the paper's trunk/head split); frozen stages (`split`) are in no group."""
+    if split is not None:
+        backbone, head = split.backbone_params, split.head_params
+    else:
+        head = getattr(model, "head", None)       # an Embedder's embedding layer
+        head_ids = ({id(p) for p in head.parameters()} if cfg.backbone_lr > 0 and head is not None
+                    else set())
+        head = [p for p in model.parameters() if p.requires_grad and id(p) in head_ids]
+        backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+        if not head_ids:                      # one group, as before backbone_lr existed
+            head, backbone = backbone, []
+    groups: list[dict] = [{"params": [p for p in head if p.requires_grad], "lr": cfg.lr,
+                           "name": "model"}]
+    if backbone:
+        groups.append({"params": [p for p in backbone if p.requires_grad],
+                       "lr": cfg.backbone_lr or cfg.lr, "name": "backbone"})
     extra = criterion.param_groups() if hasattr(criterion, "param_groups") else []
     groups += [{**g, "params": list(g["params"]), "name": g.get("name", f"criterion{i}")}
                for i, g in enumerate(extra)]
     opt = torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=cfg.milestones(), gamma=cfg.lr_gamma)
+    if cfg.warmup_epochs <= 0:
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=cfg.milestones(),
+                                                     gamma=cfg.lr_gamma)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _WarmupSteps(cfg))
     return opt, sched
+
+
+class _WarmupSteps:
+    """lr factor of epoch e: linear warm-up (e + 1) / (W + 1) for e < W, times lr_gamma per
+    milestone passed (MultiStepLR's schedule). A class, not a lambda, so it pickles."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.warmup, self.milestones, self.gamma = cfg.warmup_epochs, cfg.milestones(), cfg.lr_gamma
+
+    def __call__(self, e: int) -> float:
+        warm = (e + 1) / (self.warmup + 1) if e < self.warmup else 1.0
+        return warm * self.gamma ** sum(m <= e for m in self.milestones)
 
 
 @dataclass
@@ -93,6 +126,7 @@ class RunState:
     scaler: torch.amp.GradScaler
     sampler: ClassBalancedBatchSampler       # the global batch sampler (not a rank's slice)
     device: torch.device
+    split: StageSplit | None = None          # frozen/trainable cut (None: everything trains)
     epoch: int = 0
     global_step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -106,17 +140,18 @@ class RunState:
         """Everything freshly initialised from ``cfg.seed`` and placed on ``device``."""
         D.seed_everything(cfg.seed)
         model, criterion, das = build_components(cfg, num_classes)
+        split = split_stages(model, cfg.trainable)
         model.to(device)
         if cfg.channels_last and device.type == "cuda":
             model.to(memory_format=torch.channels_last)
         criterion.to(device)
         if das is not None:
             das.to(device)
-        opt, sched = build_optimizer(cfg, model, criterion)
+        opt, sched = build_optimizer(cfg, model, criterion, split)
         scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
         sampler = ClassBalancedBatchSampler(train_labels, batch_size=cfg.batch_size,
                                             per_class=cfg.per_class, seed=cfg.seed, drop_last=True)
-        return cls(model, criterion, das, opt, sched, scaler, sampler, device)
+        return cls(model, criterion, das, opt, sched, scaler, sampler, device, split)
 
     def record_best(self, epoch: int, metrics: dict[str, float]) -> bool:
         """Note epoch ``epoch``'s evaluation; True when its R@1 is the best so far (save best.pt)."""

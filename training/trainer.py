@@ -23,6 +23,7 @@ from . import distributed as D
 from .config import TrainConfig
 from .data import ImageDataset, Split
 from .device import amp_dtype, resolve_device
+from .finetune import carve_validation, prepare_inputs
 from .report import AUX_COLUMNS, EpochLogger
 from .run_state import RunState, build_datasets
 from .step import aux_weight, compute_loss, step_seed
@@ -61,7 +62,7 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
         for x, _ in DataLoader(dataset, batch_size=cfg.eval_batch_size, shuffle=False,
                                num_workers=cfg.workers):
             x = x.to(device, non_blocking=True)
-            if cfg.channels_last and device.type == "cuda":
+            if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             if autocast_dtype is not None:
                 with torch.autocast(device_type=device.type, dtype=autocast_dtype):
@@ -87,6 +88,8 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
     device, opt, scaler = state.device, state.optimizer, state.scaler
     aux_w = aux_weight(cfg)
     loader.batch_sampler.set_epoch(epoch)
+    if hasattr(loader.dataset, "set_epoch"):   # cached trunk: which stored view of each image
+        loader.dataset.set_epoch(epoch)
     n_batches = len(loader.batch_sampler)
     if cfg.steps_per_epoch > 0:
         n_batches = min(n_batches, cfg.steps_per_epoch)
@@ -98,7 +101,7 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
         if n_steps >= n_batches:
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if cfg.channels_last and device.type == "cuda":
+        if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         parts: dict[str, torch.Tensor] = {}
         loss = compute_loss(net, state.criterion, state.das, x, y, info=info,
@@ -140,10 +143,14 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
     return row
 
 
-def _distribute(state: RunState, cfg: TrainConfig, info: D.DistInfo) -> nn.Module:
-    """The module the steps run (``state.model`` itself, or its DDP wrapper)."""
+def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: D.DistInfo) -> nn.Module:
+    """The module the steps run (`net`: ``state.model`` or its trainable part), or its DDP
+    wrapper."""
     if not info.enabled:
-        return state.model
+        return net
+    if net is not state.model:      # frozen stages: their BN is in eval mode anyway
+        return nn.parallel.DistributedDataParallel(
+            net, device_ids=[state.device.index] if state.device.type == "cuda" else None)
     if cfg.sync_bn and state.device.type == "cuda" and not cfg.frozen_bn:
         # in place, reusing the same Parameters (the optimiser keeps them) and buffers, so
         # checkpoints still load into a plain Embedder
@@ -177,21 +184,24 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
-    train_ds, test_ds = build_datasets(cfg, train_split, test_split)
+    train_full, test_full = build_datasets(cfg, train_split, test_split)
+    train_ds, test_ds, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
+    resuming = cfg.resume and last_path.is_file()
+    inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)
     batches = D.RankSlice(state.sampler, info) if info.enabled else state.sampler
     # Not persistent: fresh workers each epoch take their seeds from the global torch RNG, which
     # the checkpoint restores, so a resumed run augments exactly like an uninterrupted one.
-    loader = DataLoader(train_ds, batch_sampler=batches, num_workers=cfg.workers,
+    loader = DataLoader(inputs.train, batch_sampler=batches, num_workers=cfg.workers,
                         pin_memory=device.type == "cuda")
-    net = _distribute(state, cfg, info)
-    if cfg.resume and last_path.is_file():
+    net = _distribute(state, inputs.net, cfg, info)
+    if resuming:
         state.load_state_dict(torch.load(last_path, map_location=device, weights_only=True))
         if info.is_main:
             print(f"resumed from {last_path} at epoch {state.epoch}")
     logger = EpochLogger(run_dir, cfg, aux=aux_weight(cfg) is not None) if info.is_main else None
     if state.epoch == 0 and info.is_main and cfg.eval_initial and not state.history:
-        state.initial_metrics = evaluate_model(state.model, test_ds, cfg, device, ac_dtype)
+        state.initial_metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype)
         state.history.append({"epoch": 0, "steps": 0, "loss": "", "lr": cfg.lr, "seconds": 0.0,
                               **state.initial_metrics})
     D.barrier(info)
@@ -200,7 +210,7 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     for epoch in range(state.epoch, cfg.epochs):
         row = train_one_epoch(state, net, loader, cfg, epoch, info, ac_dtype)
         if info.is_main and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
-            metrics = evaluate_model(state.model, test_ds, cfg, device, ac_dtype)
+            metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype)
             row.update(metrics)
             if state.record_best(epoch + 1, metrics):
                 save_checkpoint(best_path, state.model, epoch=epoch + 1, metrics=metrics,

@@ -97,7 +97,9 @@ def test_config_parses_and_builds(path):
     loss.backward()
     assert emb.grad is not None
     opt, sched = build_optimizer(cfg, torch.nn.Linear(2, 2), criterion)
-    assert opt.defaults["weight_decay"] == cfg.weight_decay and sched.milestones
+    assert opt.defaults["weight_decay"] == cfg.weight_decay
+    # MultiStepLR, or with a warm-up the same milestones inside a LambdaLR factor
+    assert sched.milestones if cfg.warmup_epochs == 0 else sched.lr_lambdas[0].milestones
 
 
 def test_include_override_and_set_values(tmp_path):

@@ -1,0 +1,139 @@
+"""What a fine-tuning run feeds its steps: images or cached trunk activations, the network that
+runs on them, the validation carve-out, and the PCA start of the embedding layer.
+
+The trainer has one loop; this module decides what flows through it. With ``trainable = "all"``
+images go through the whole Embedder, as in the paper. With frozen stages
+(training/stages.py) images go through the frozen prefix without gradients and then the
+trainable suffix; with ``trunk_cache = true`` the prefix's outputs come from disk
+(training/trunk_cache.py) and only the suffix runs. ``trainable = "head"`` with the cache is
+the former frozen-feature head loop: pooled features once, a linear head on top.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .config import TrainConfig
+from .data import ImageDataset
+
+__all__ = ["Inputs", "cache_name", "carve_validation", "pca_directions", "prepare_inputs"]
+
+
+@dataclass
+class Inputs:
+    """What the loop draws from and runs."""
+
+    train: Dataset          # images or cached activations, with `.labels`
+    evaluate: Dataset       # the evaluation set in the same form
+    net: nn.Module          # the module a step (and evaluation) runs on those inputs
+    train_images: ImageDataset   # the training images (class names)
+    eval_images: ImageDataset    # the evaluation images (ONNX parity check)
+
+
+def carve_validation(train: ImageDataset, test: ImageDataset, n: int
+                     ) -> tuple[ImageDataset, ImageDataset, np.ndarray | None, np.ndarray | None]:
+    """(train, evaluation, train rows, evaluation rows): with ``n > 0`` the last `n` training
+    classes become the evaluation set (eval transform) and the test split is never read; rows
+    index the full training split (for its trunk cache). ``n = 0``: (train, test, None, None)."""
+    if n <= 0:
+        return train, test, None, None
+    split = train.split
+    if n >= split.num_classes:
+        raise ValueError(f"validation_classes={n}: the training split has only "
+                         f"{split.num_classes} classes (keep at least one to train on)")
+    keep = split.num_classes - n
+    rows_t = np.flatnonzero(split.labels < keep)
+    rows_v = np.flatnonzero(split.labels >= keep)
+    tr = ImageDataset(split.class_range(0, keep), train.transform, train.mode, train.cache)
+    va = ImageDataset(split.class_range(keep, n), test.transform, test.mode, train.cache)
+    return tr, va, rows_t, rows_v
+
+
+def pca_directions(features: np.ndarray | torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k principal directions (k, D), mean (D,)) in float32, sign-fixed; eigh of the
+    D x D covariance in float64 (cheaper than an SVD of N x D for D = 1280)."""
+    x = torch.as_tensor(np.asarray(features), dtype=torch.float64)
+    if k > min(x.shape):
+        raise ValueError(f"head_init='pca': dim={k} exceeds the {min(x.shape)} principal "
+                         f"directions of {x.shape[0]} training features of width {x.shape[1]}")
+    mean = x.mean(0)
+    xc = x - mean
+    _, vecs = torch.linalg.eigh(xc.T @ xc)
+    w = vecs[:, -k:].flip(1).T                                   # descending variance
+    w = w * torch.sign(w.sum(1, keepdim=True) + 1e-12)            # deterministic signs
+    return w.float().contiguous(), mean.float()
+
+
+@torch.no_grad()
+def _pooled(fn, dataset: Dataset, batch_size: int, device: torch.device) -> torch.Tensor:
+    out = [fn(x.to(device)).float().cpu() for x, _ in DataLoader(dataset, batch_size=batch_size)]
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def init_head_pca(model: nn.Module, pooled: torch.Tensor) -> None:
+    """Embedding layer := projection on the top-d principal directions of the training images'
+    pooled features (bias = -W mean): the untrained embedder then ranks images as the centred
+    pooled features do, and training starts from the pretrained ranking instead of from a random
+    projection that first has to rediscover it."""
+    w, mean = pca_directions(pooled, model.head.out_features)
+    model.head.weight.copy_(w.to(model.head.weight))
+    model.head.bias.copy_((-w @ mean).to(model.head.bias))
+
+
+def cache_name(cfg: TrainConfig) -> str:
+    """What the frozen prefix computes, for the trunk cache's name and key: the backbone and the
+    cut, plus the pooling when the prefix ends with it (``"head"``). The head's width and init
+    are not in it, so runs that differ only there share one cache."""
+    name = f"{cfg.backbone}-{cfg.trainable}"
+    if cfg.trainable == "head":
+        name += f"-{cfg.pooling}" + (f"{cfg.gem_p:g}" if cfg.pooling == "gem" else "")
+    return name
+
+
+def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
+                   fresh: bool) -> Inputs:
+    """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init."""
+    from .run_state import build_preprocessing
+    from .trunk_cache import CachedViews, trunk_activations
+
+    train, evaluate, rows_t, rows_v = carve_validation(train_full, test, cfg.validation_classes)
+    split, model, device = state.split, state.model, state.device
+    if split is None:
+        net, train_in, eval_in = model, train, evaluate
+        pooled_fn = model.features
+    elif not cfg.trunk_cache:
+        net, train_in, eval_in = split.network, train, evaluate
+        pooled_fn = lambda x: split.suffix.pooled(split.prefix(x))  # noqa: E731
+    else:
+        pre = build_preprocessing(cfg)
+        # The crops are data, not part of a run: every seed reads the same cache (seed 0) and
+        # draws its own sequence of views from it (CachedViews).
+        kw = dict(seed=0, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
+                  threads=max(1, cfg.workers or torch.get_num_threads()))
+        acts = trunk_activations(split.prefix, train_full, pre, what=cache_name(cfg),
+                                 views=cfg.trunk_views, **kw)
+        train_in = CachedViews(acts, train.labels, train=True, seed=cfg.seed, rows=rows_t)
+        if rows_v is not None:
+            eval_in = CachedViews(acts, evaluate.labels, train=False, rows=rows_v)
+        else:
+            test_acts = trunk_activations(split.prefix, test, pre, what=cache_name(cfg),
+                                          views=0, **kw)
+            eval_in = CachedViews(test_acts, test.labels, train=False)
+        net = split.suffix
+        pooled_fn = split.suffix.pooled
+    if fresh and cfg.head_init == "pca":
+        if cfg.trunk_cache:
+            centre = CachedViews(train_in.acts, train_in.labels, train=False, rows=train_in.rows)
+        else:   # the training images through the eval transform (centre crops)
+            centre = ImageDataset(train.split, evaluate.transform, train.mode, train.cache)
+        was = net.training
+        net.eval()
+        model.eval()
+        init_head_pca(model, _pooled(pooled_fn, centre, cfg.eval_batch_size, device))
+        net.train(was)
+    return Inputs(train_in, eval_in, net, train, evaluate)

@@ -1,0 +1,155 @@
+"""Which parts of the embedder train: the backbone cut into stages, a frozen prefix and a
+trainable suffix (``TrainConfig.trainable``).
+
+Fine-tuning a pretrained network the way timm / pytorch-metric-learning users do it means
+choosing how deep the gradient goes: ``"all"`` (the paper: the whole network), ``"last:N"`` (the
+last N backbone stages plus the pooling and the head) or ``"head"`` (only the embedding layer,
+on frozen pooled features). Stages:
+
+* EfficientNet / EfficientNet-Lite (timm): stem = ``conv_stem`` + ``bn1``; stages = the
+  ``blocks`` (7 MBConv stages), the last one carrying ``conv_head`` + ``bn2`` with it;
+* ResNet (torchvision): stem = ``conv1`` ... ``maxpool``; stages = ``layer1`` .. ``layer4``.
+
+The frozen prefix always runs in eval mode without gradients (its BatchNorm statistics are the
+ImageNet ones), so its output for an image is a fixed function of the image: that is what lets
+training/trunk_cache.py compute it once. Both parts share the Embedder's modules, so the
+checkpoint and the ONNX export are always the whole network.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .config import parse_trainable
+
+__all__ = ["StageSplit", "parse_trainable", "split_stages", "stage_modules"]
+
+def stage_modules(backbone: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(stem modules, [stage, ...]) of a backbone built by `embedder.model.build_backbone`, in
+    forward order; each stage is a list-free module (a Sequential where it has several parts)."""
+    net = getattr(backbone, "net", None)
+    if net is not None and hasattr(net, "blocks") and hasattr(net, "conv_stem"):   # timm EfficientNet
+        stages: list[nn.Module] = list(net.blocks)
+        stages[-1] = nn.Sequential(stages[-1], net.conv_head, net.bn2)
+        return [net.conv_stem, net.bn1], stages
+    if net is not None and hasattr(net, "layer4"):                                    # torchvision ResNet
+        return [net.conv1, net.bn1, net.relu, net.maxpool], [net.layer1, net.layer2, net.layer3,
+                                                             net.layer4]
+    raise ValueError(f"trainable='last:N' needs an EfficientNet or ResNet backbone; "
+                     f"{type(backbone).__name__} has no stages (use 'all' or 'head')")
+
+
+class _Tail(nn.Module):
+    """Trainable suffix: the remaining stages, the Embedder's pooling and head."""
+
+    def __init__(self, model: nn.Module, stages: list[nn.Module], pooled_input: bool) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.embedder_head = model.head
+        # not registered as a submodule: the Embedder owns these; we only call its methods
+        object.__setattr__(self, "_model", model)
+        self.pooled_input = pooled_input
+
+    def forward(self, a: Tensor) -> Tensor:
+        if not self.pooled_input:
+            for s in self.stages:
+                a = s(a)
+            a = self._model.pool(a)
+        return self._model.embed(a)
+
+    def pooled(self, a: Tensor) -> Tensor:
+        """Pooled features (no head) of prefix activations: what a PCA head is fitted on."""
+        if self.pooled_input:
+            return a
+        for s in self.stages:
+            a = s(a)
+        return self._model.pool(a)
+
+    def train(self, mode: bool = True) -> "_Tail":
+        super().train(mode)
+        if mode and getattr(self._model, "_frozen_bn", False):
+            for m in self.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
+
+
+class _Prefix(nn.Module):
+    """Frozen prefix: image -> activations (or pooled features), always eval, never grad."""
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], pooled_output: bool) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+        object.__setattr__(self, "_model", model)
+        self.pooled_output = pooled_output
+
+    @torch.no_grad()
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pooled_output:
+            return self._model.features(x)
+        for m in self.parts:
+            x = m(x)
+        return x
+
+    def train(self, mode: bool = True) -> "_Prefix":
+        return super().train(False)
+
+
+class _Staged(nn.Module):
+    """prefix then suffix, the network a step runs when images (not cached activations) come in."""
+
+    def __init__(self, prefix: _Prefix, suffix: _Tail) -> None:
+        super().__init__()
+        self.prefix, self.suffix = prefix, suffix
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.suffix(self.prefix(x))
+
+    def train(self, mode: bool = True) -> "_Staged":
+        self.training = mode
+        self.suffix.train(mode)
+        self.prefix.train(False)
+        return self
+
+
+@dataclass
+class StageSplit:
+    """The embedder cut at the frozen/trainable boundary (``trainable != "all"``)."""
+
+    trainable: str
+    prefix: _Prefix                 # frozen: images -> activations / pooled features
+    suffix: _Tail                   # trainable: activations -> embeddings
+    backbone_params: list[nn.Parameter]   # trainable backbone parameters (backbone_lr)
+    head_params: list[nn.Parameter]       # the embedding layer (lr)
+
+    @property
+    def network(self) -> nn.Module:
+        """The whole network as a step runs it on images (prefix without gradients)."""
+        return _Staged(self.prefix, self.suffix)
+
+
+def split_stages(model: nn.Module, trainable: str) -> StageSplit | None:
+    """Freeze everything before the trainable part (``requires_grad = False``, eval mode) and
+    return the split, or None for ``"all"`` (nothing frozen; the caller runs `model` itself)."""
+    kind, n = parse_trainable(trainable)
+    if kind == "all":
+        return None
+    head_params = list(model.head.parameters())
+    if kind == "head":
+        prefix = _Prefix(model, [model.backbone], pooled_output=True)
+        suffix = _Tail(model, [], pooled_input=True)
+    else:
+        stem, stages = stage_modules(model.backbone)
+        if n > len(stages):
+            raise ValueError(f"trainable={trainable!r}: {model.config.backbone} has "
+                             f"{len(stages)} stages (use 'all' to train the stem too)")
+        prefix = _Prefix(model, stem + stages[:-n], pooled_output=False)
+        suffix = _Tail(model, stages[-n:], pooled_input=False)
+    for p in prefix.parameters():
+        p.requires_grad_(False)
+    prefix.eval()
+    head_ids = {id(p) for p in head_params}
+    backbone_params = [p for p in suffix.parameters() if p.requires_grad and id(p) not in head_ids]
+    return StageSplit(trainable, prefix, suffix, backbone_params, head_params)

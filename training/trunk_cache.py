@@ -1,0 +1,136 @@
+"""The frozen stages' activations, computed once per image and per augmented view, on disk.
+
+With ``trainable = "last:N"`` or ``"head"`` the frozen prefix (training/stages.py) is a fixed
+function of the image: it runs in eval mode with ImageNet BatchNorm statistics and no gradients.
+On a CPU it is also most of the cost of a step (EfficientNet-Lite0's first five stages run at
+112-14 px). So it runs once here, over the centre crop (view 0, what evaluation sees) and
+``views`` random training crops of every image (the paper's augmentation: random resized crop
++ flip, drawn from a generator seeded per (seed, image), so the views do not depend on batch
+order or threads), and the activations are stored as an fp16 ``.npy`` memmap of shape
+``(1 + views, N, *activation)``; an epoch then runs only the trainable stages on one of the
+stored views of each image.
+
+Key: a hash of the prefix's weights, the trainable spec, the preprocessing, the views and seed,
+and every image's path, size and mtime; a rerun with the same model, data and views reuses the
+file (an added or rewritten image, other weights or another cut give a new file). Files are
+written to a temporary name and renamed, so a reader never sees half a cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from embedder.files import atomic_target
+
+__all__ = ["CachedViews", "cache_key", "trunk_activations"]
+
+
+def _default_dir() -> Path:
+    from embedder.pretrained import cache_dir
+
+    return cache_dir() / "trunk_cache"
+
+
+def cache_key(prefix: nn.Module, what: str, preprocessing, views: int, seed: int,
+              paths: list[Path]) -> str:
+    """Hash of everything the cached activations depend on (see the module docstring)."""
+    h = hashlib.sha256(f"{what}\0{preprocessing!r}\0views={views}\0seed={seed}\n".encode())
+    for name, t in prefix.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for p in paths:
+        st = os.stat(p)
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:20]
+
+
+@torch.no_grad()
+def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, views: int = 0,
+                      seed: int = 0,
+                      cache_dir: str | os.PathLike | None = None, batch_size: int = 32,
+                      threads: int = 2, progress: bool = True) -> np.ndarray:
+    """(1 + views, N, *shape) fp16 activations of `prefix` for every image of `dataset` (an
+    `ImageDataset`: its ``image(i)`` decodes, its split's paths key the cache); view 0 is the
+    eval centre crop of `preprocessing`, views 1.. its random training crops. Returns a
+    read-only memmap of the cached file."""
+    from tqdm.auto import tqdm
+
+    pre = preprocessing
+    paths = [Path(p) for p in dataset.split.paths]
+    key = cache_key(prefix, what, pre, views, seed, paths)
+    out_dir = Path(cache_dir) if cache_dir else _default_dir()
+    out = out_dir / f"{what.replace(':', '')}-{len(paths)}x{1 + views}-{key}.npy"
+    if out.is_file():
+        return np.load(out, mmap_mode="r")
+    eval_t, train_t = pre.eval_transform(), pre.train_transform()
+    prefix.eval()
+    device = next(iter(prefix.parameters())).device
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arr = None
+    with atomic_target(out) as tmp, ThreadPoolExecutor(max_workers=max(1, threads)) as pool, \
+            torch.random.fork_rng(devices=[]):          # the crops never move the run's RNG
+        bar = tqdm(total=len(paths), desc=f"caching {what} activations ({1 + views} views)",
+                   disable=not progress)
+        for s in range(0, len(paths), batch_size):
+            idx = list(range(s, min(s + batch_size, len(paths))))
+            imgs = list(pool.map(dataset.image, idx))
+            xs = []
+            for i, img in zip(idx, imgs):
+                xs.append(eval_t(img))
+                torch.manual_seed(seed * 1_000_003 + i)
+                xs += [train_t(img) for _ in range(views)]
+            a = prefix(torch.stack(xs).to(device)).float().cpu()
+            a = a.reshape(len(idx), 1 + views, *a.shape[1:]).transpose(0, 1)
+            if arr is None:
+                arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                                shape=(1 + views, len(paths), *a.shape[2:]))
+            arr[:, s:s + len(idx)] = a.numpy().astype(np.float16)
+            bar.update(len(idx))
+        bar.close()
+        arr.flush()
+        del arr
+        (out_dir / f"{out.stem}.json").write_text(json.dumps(
+            {"what": what, "views": views, "seed": seed, "images": len(paths),
+             "preprocessing": repr(pre)}))
+    return np.load(out, mmap_mode="r")
+
+
+class CachedViews(Dataset):
+    """(activation, label) pairs from a cache: a random stored view per image and epoch when
+    training (``train=True``; view 0, the centre crop, included), view 0 otherwise.
+
+    The view of image i in epoch e is a pure function of (seed, e, i), so a resumed run sees the
+    same views as an uninterrupted one without any state to save."""
+
+    def __init__(self, acts: np.ndarray, labels: np.ndarray, *, train: bool, seed: int = 0,
+                 rows: np.ndarray | None = None) -> None:
+        self.acts, self.train, self.seed = acts, train, int(seed)
+        self.rows = np.arange(acts.shape[1]) if rows is None else np.asarray(rows)
+        self._labels = np.asarray(labels)
+        if len(self._labels) != len(self.rows):
+            raise ValueError(f"{len(self._labels)} labels for {len(self.rows)} cached rows")
+        self._view = np.zeros(len(self.rows), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.train and self.acts.shape[0] > 1:
+            rng = np.random.default_rng([self.seed, int(epoch)])
+            self._view = rng.integers(0, self.acts.shape[0], len(self.rows))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        a = np.asarray(self.acts[self._view[i], self.rows[i]], dtype=np.float32)
+        return torch.from_numpy(a), int(self._labels[i])
