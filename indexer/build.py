@@ -218,6 +218,23 @@ def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | 
 
 
 # ---------------------------------------------------------------------------- merge
+def check_shards(dirs: Sequence[IndexDir]) -> list[dict]:
+    """The shards' manifests, refusing shards of different models or widths and a shard given
+    twice (one line each); `indexer merge` and the sharded index (shard_build) both start here."""
+    manifests = [d.read_manifest() for d in dirs]
+    first = manifests[0]
+    for d, m in zip(dirs, manifests):
+        if m["model"]["hash"] != first["model"]["hash"]:
+            raise IndexerError(f"{d.path}: built with model {m['model']['hash'][:12]}, but {dirs[0].path} with "
+                               f"{first['model']['hash'][:12]}; shards must share one model")
+        if m["dim"] != first["dim"]:
+            raise IndexerError(f"{d.path}: dimension mismatch ({m['dim']} vs {first['dim']})")
+    seen = [(m["shard"]["i"], m["shard"]["n"]) for m in manifests if m.get("shard")]
+    if len(set(seen)) != len(seen):
+        raise IndexerError(f"the same shard is given twice: {seen}")
+    return manifests
+
+
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
                  flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
                  target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
@@ -234,18 +251,9 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
     dirs = [IndexDir(d) for d in shard_dirs]
     if not dirs:
         raise IndexerError("merge needs at least one shard directory")
-    manifests = [d.read_manifest() for d in dirs]
+    manifests = check_shards(dirs)
     first = manifests[0]
-    for d, m in zip(dirs, manifests):
-        if m["model"]["hash"] != first["model"]["hash"]:
-            raise IndexerError(f"{d.path}: built with model {m['model']['hash'][:12]}, but {dirs[0].path} with "
-                               f"{first['model']['hash'][:12]}; shards must share one model")
-        if m["dim"] != first["dim"]:
-            raise IndexerError(f"{d.path}: dimension mismatch ({m['dim']} vs {first['dim']})")
-    shards = [(m.get("shard") or {}) for m in manifests]
-    seen = [(s["i"], s["n"]) for s in shards if s]
-    if len(set(seen)) != len(seen):
-        raise IndexerError(f"the same shard is given twice: {seen}")
+    seen = [(m["shard"]["i"], m["shard"]["n"]) for m in manifests if m.get("shard")]
     model_hash = first["model"]["hash"]
     stores = [GalleryStore(d.store_dir) for d in dirs]
     parts = [s.all_embeddings(model_hash) for s in stores]

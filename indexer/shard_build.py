@@ -20,6 +20,7 @@ from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
 from . import selection, stream
+from .build import check_shards
 from .errors import IndexerError
 from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
 from .model import load_embedder
@@ -29,21 +30,6 @@ from .store import GalleryStore
 from .walk import walk_gallery
 
 FillParts = Callable[[Path, list[np.ndarray]], None]   # (trained file, skip ids per shard)
-
-
-def _check_shards(dirs: list[IndexDir]) -> list[dict]:
-    manifests = [d.read_manifest() for d in dirs]
-    first = manifests[0]
-    for d, m in zip(dirs, manifests):
-        if m["model"]["hash"] != first["model"]["hash"]:
-            raise IndexerError(f"{d.path}: built with model {m['model']['hash'][:12]}, but {dirs[0].path} "
-                               f"with {first['model']['hash'][:12]}; shards must share one model")
-        if m["dim"] != first["dim"]:
-            raise IndexerError(f"{d.path}: dimension mismatch ({m['dim']} vs {first['dim']})")
-    seen = [(m["shard"]["i"], m["shard"]["n"]) for m in manifests if m.get("shard")]
-    if len(set(seen)) != len(seen):
-        raise IndexerError(f"the same shard is given twice: {seen}")
-    return manifests
 
 
 def _records(out: Path, files: Sequence[Path]) -> dict:
@@ -62,7 +48,7 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
     dirs = [IndexDir(d) for d in shard_dirs]
     if not dirs:
         raise IndexerError("a sharded build needs at least one shard directory")
-    manifests = _check_shards(dirs)
+    manifests = check_shards(dirs)
     model, dim = manifests[0]["model"], int(manifests[0]["dim"])
     sources = [stream.StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
     try:
