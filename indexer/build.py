@@ -186,20 +186,28 @@ def remove_items(directory: str | Path, targets: Sequence[str], *, wait: bool = 
         return _remove_items(d, targets)
 
 
+def remove_target(store: GalleryStore, t: str, where: str = "") -> str | None:
+    """Remove ``t`` (a stored path, else an id) from ``store``: the message to print, or None
+    when the store holds neither. ``where``: " from SHARD" for a sharded index's messages."""
+    if store.id_for_path(t) is not None:
+        i, gone = store.remove_path(t)  # type: ignore[misc]
+        return (f"removed {t} (id {i}){where}" if gone else
+                f"removed path {t}{where}; its content (id {i}) stays under another path")
+    if t.isdigit() and int(t) in store:
+        store.remove_id(int(t))
+        return f"removed id {t}{where}"
+    return None
+
+
 def _remove_items(d: IndexDir, targets: Sequence[str]) -> tuple[dict, list[str]]:
     manifest = d.read_manifest()          # read under the lock: the latest writer's
     msgs = []
     with GalleryStore(d.store_dir, readonly=False) as store:
         for t in targets:
-            if store.id_for_path(t) is not None:
-                i, gone = store.remove_path(t)  # type: ignore[misc]
-                msgs.append(f"removed {t} (id {i})" if gone else
-                            f"removed path {t}; its content (id {i}) stays under another path")
-            elif t.isdigit() and int(t) in store:
-                store.remove_id(int(t))
-                msgs.append(f"removed id {t}")
-            else:
+            msg = remove_target(store, t)
+            if msg is None:
                 raise IndexerError(f"{t}: no such id or path in {d.path}")
+            msgs.append(msg)
         return sync_index(d, manifest, store), msgs
 
 

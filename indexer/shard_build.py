@@ -20,7 +20,7 @@ from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
 from . import selection, stream
-from .build import check_shards
+from .build import check_shards, remove_target
 from .errors import IndexerError
 from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
 from .model import load_embedder
@@ -220,13 +220,9 @@ def remove_sharded(directory: str | Path, targets: Sequence[str]) -> tuple[dict,
         msgs = []
         for t in targets:
             for p, s in zip(shard_paths(d.path, manifest), stores):
-                if s.id_for_path(t) is not None:
-                    i, gone = s.remove_path(t)  # type: ignore[misc]
-                    msgs.append(f"removed {t} (id {i}) from {p}" if gone else
-                                f"removed path {t} from {p}; its content (id {i}) stays under another path")
-                elif t.isdigit() and int(t) in s:
-                    s.remove_id(int(t))
-                    msgs.append(f"removed id {t} from {p}")
+                msg = remove_target(s, t, f" from {p}")
+                if msg is not None:
+                    msgs.append(msg)
     finally:
         for s in stores:
             s.close()
