@@ -15,6 +15,8 @@ import numpy as np
 from sklearn.metrics import normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 
+from .knn import drop_self, exact_knn
+
 __all__ = ["knn", "recall_at_k", "recall_at_k_of_labels", "map_at_r", "cluster_scores", "pair_f1", "evaluate"]
 
 
@@ -55,22 +57,13 @@ def knn(queries, gallery, k: int, *, exclude_self: bool = False,
                          f"{' minus the query itself' if exclude_self else ''})")
     if block < 1:
         raise ValueError(f"block={block}: expected >= 1")
-    index = faiss.IndexFlatL2(g.shape[1])
-    index.add(g)
     kk = k + 1 if exclude_self else k
     dist = np.empty((q.shape[0], k), dtype=np.float32)
     ids = np.empty((q.shape[0], k), dtype=np.int64)
     for s in range(0, q.shape[0], block):
-        d_b, i_b = index.search(q[s:s + block], kk)
+        d_b, i_b = exact_knn(q[s:s + block], [g], kk)
         if exclude_self:
-            own = np.arange(s, s + len(i_b))[:, None]
-            is_self = i_b == own
-            # drop the query itself; if ties pushed it out of the k+1, drop the last one
-            drop = np.where(is_self.any(1), is_self.argmax(1), kk - 1)
-            keep = np.ones_like(is_self)
-            keep[np.arange(len(i_b)), drop] = False
-            d_b = d_b[keep].reshape(len(i_b), k)
-            i_b = i_b[keep].reshape(len(i_b), k)
+            i_b, d_b = drop_self(i_b, np.arange(s, s + len(i_b)), k, d_b)
         dist[s:s + len(i_b)], ids[s:s + len(i_b)] = d_b, i_b
     return dist, ids
 
@@ -98,7 +91,7 @@ def recall_at_k(neighbor_labels: np.ndarray, query_labels: np.ndarray,
     return out
 
 
-def recall_at_k_of_labels(neighbour_labels: Sequence[Sequence[Hashable | None]],
+def recall_at_k_of_labels(neighbor_labels: Sequence[Sequence[Hashable | None]],
                           query_labels: Sequence[Hashable], ks: Iterable[int]) -> dict[int, float]:
     """R@k on labels as an index returns them: any hashable labels, one list per query in rank
     order, shorter than max(ks) when fewer neighbours were found.
@@ -107,13 +100,13 @@ def recall_at_k_of_labels(neighbour_labels: Sequence[Sequence[Hashable | None]],
     unlabelled one (None) and a label no query has all become -1, which equals no query's code.
     """
     ks = [int(k) for k in ks]
-    if len(neighbour_labels) != len(query_labels):
-        raise ValueError(f"{len(neighbour_labels)} neighbour lists for {len(query_labels)} queries")
+    if len(neighbor_labels) != len(query_labels):
+        raise ValueError(f"{len(neighbor_labels)} neighbour lists for {len(query_labels)} queries")
     codes: dict[Hashable, int] = {}
     q = np.array([codes.setdefault(lab, len(codes)) for lab in query_labels], dtype=np.int64)
     width = max([*ks, 1])
     nl = np.full((len(q), width), -1, dtype=np.int64)
-    for i, row in enumerate(neighbour_labels):
+    for i, row in enumerate(neighbor_labels):
         for j, lab in enumerate(row[:width]):
             if lab is not None:
                 nl[i, j] = codes.get(lab, -1)

@@ -55,15 +55,15 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
     if not keys:
         raise IndexerError(f"{queries}: no query image could be read ({len(skipped)} skipped)")
     scores, ids = index.search_embeddings(np.concatenate(embs), min(kmax + 1, len(index)))
-    neighbour_labels: list[list[str | None]] = []
+    neighbor_labels: list[list[str | None]] = []
     self_matches = 0
     for (_, _, own_id), row in zip(keys, ids):
         row = [int(i) for i in row if i >= 0]
         if own_id in row:
             self_matches += 1
             row.remove(own_id)
-        neighbour_labels.append([_label(index, i) for i in row[:kmax]])
-    rec = recall_at_k_of_labels(neighbour_labels, [lab for _, lab, _ in keys], [k for k in ks if k <= kmax])
+        neighbor_labels.append([_label(index, i) for i in row[:kmax]])
+    rec = recall_at_k_of_labels(neighbor_labels, [lab for _, lab, _ in keys], [k for k in ks if k <= kmax])
     return {"recall": {int(k): float(v) for k, v in rec.items()}, "queries": len(keys),
             "self_matches": self_matches, "skipped": skipped}
 

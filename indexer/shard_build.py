@@ -146,8 +146,10 @@ def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray],
     """``tuning.retune`` for a sharded index: self-queries drawn from the stores, their exact
     answers from one streaming pass over the shards (``stream.exact_truth``), the parts searched
     as one tuned to the target with the same margin."""
+    from embedder.knn import drop_self
+
     from .shards import PartsIndex
-    from .tuning import K, _drop_self, holdout, tune
+    from .tuning import K, holdout, tune
 
     spec = fx.IndexSpec(**{f: manifest[f] for f in fx.IndexSpec.__dataclass_fields__ if f in manifest})
     n, dim = len(ids), int(manifest["dim"])
@@ -165,8 +167,8 @@ def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray],
             owner[(owner < 0) & np.isin(own, s_ids)] = i
         q = stream.Rows(own, owner, sources)[np.arange(len(own))]
         k = min(K, n - 1) if n > 1 else 1
-        truth = _drop_self(stream.exact_truth(sources, q, min(k + 1, n), exclude=np.zeros(0, np.int64),
-                                              dups=dups), own, k)
+        truth = drop_self(stream.exact_truth(sources, q, min(k + 1, n), exclude=np.zeros(0, np.int64),
+                                             dups=dups), own, k)[0]
     finally:
         for s in sources:
             s.close()

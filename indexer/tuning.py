@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import faiss
 import numpy as np
-from faiss.contrib.exhaustive_search import knn_ground_truth
 
-from . import faiss_index as fx
+from embedder import knn
+
+from . import faiss_index
 
 K = 10                      # recall@10 is what the target is about
 MAX_QUERIES = 1_000         # per held-out set (tuning, check)
@@ -54,17 +55,10 @@ def holdout(n: int, dim: int, seed: int = 0) -> Holdout:
 
 def exact_knn(x: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int,
               block: int = 65_536) -> np.ndarray:
-    """Exact top-k by inner product over ``x[rows]``, as positions in ``rows``.
-
-    Blocks of rows are copied one at a time (faiss.contrib's knn_ground_truth), so leaving a
-    few rows out of a 1M x 512 gallery does not copy the other 2 GB.
-    """
-    def blocks():
-        for s in range(0, len(rows), block):
-            yield np.ascontiguousarray(x[rows[s:s + block]], dtype=np.float32)
-
-    q = np.ascontiguousarray(queries, dtype=np.float32)
-    return knn_ground_truth(q, blocks(), k, faiss.METRIC_INNER_PRODUCT)[1]
+    """Exact top-k by inner product over ``x[rows]``, as positions in ``rows``; ``x[rows]`` is
+    copied a block at a time (:func:`embedder.knn.exact_knn`)."""
+    blocks = (x[rows[s:s + block]] for s in range(0, len(rows), block))
+    return knn.exact_knn(queries, blocks, k, "ip")[1]
 
 
 def recalls(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
@@ -81,17 +75,8 @@ def clears(rq: np.ndarray, target: float) -> bool:
     return bool(rq.mean() - Z * rq.std(ddof=1) * math.sqrt(2 / len(rq)) >= target)
 
 
-def _drop_self(found: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
-    """Each row's ids without the query's own id, first k (padded with -1)."""
-    out = np.full((len(found), k), -1, dtype=np.int64)
-    for r, (row, o) in enumerate(zip(found, own)):
-        row = row[row != o][:k]
-        out[r, :len(row)] = row
-    return out
-
-
 # ---------------------------------------------------------------------------- tuning and timing
-def tune(index: faiss.Index, spec: fx.IndexSpec, queries: np.ndarray, truth: np.ndarray,
+def tune(index: faiss.Index, spec: faiss_index.IndexSpec, queries: np.ndarray, truth: np.ndarray,
          target: float, *, own: np.ndarray | None = None) -> tuple[int, np.ndarray]:
     """Smallest value of ``spec.param`` whose recall@k clears ``target`` (see ``clears``).
 
@@ -108,11 +93,11 @@ def tune(index: faiss.Index, spec: fx.IndexSpec, queries: np.ndarray, truth: np.
 
     def measure(v: int) -> np.ndarray:
         if v not in cache:
-            fx.set_search_params(index, spec.search_params(v))
+            faiss_index.set_search_params(index, spec.search_params(v))
             if own is None:
                 found = index.search(queries, k)[1]
             else:
-                found = _drop_self(index.search(queries, k + 1)[1], own, k)
+                found = knn.drop_self(index.search(queries, k + 1)[1], own, k)[0]
             cache[v] = recalls(found, truth)
         return cache[v]
 
@@ -131,7 +116,7 @@ def tune(index: faiss.Index, spec: fx.IndexSpec, queries: np.ndarray, truth: np.
         else:
             lo = mid
     rq = measure(hi)
-    fx.set_search_params(index, spec.search_params(hi))
+    faiss_index.set_search_params(index, spec.search_params(hi))
     return hi, rq
 
 
@@ -161,13 +146,14 @@ def retune(index: faiss.Index, manifest: dict, x: np.ndarray, ids: np.ndarray, t
            *, seed: int = 0) -> dict:
     """After ``indexer add/remove``: retune on self-queries (own id dropped from both answers),
     with the same margin; there is no held-out set any more, so ``heldout_queries`` is 0."""
-    spec = fx.IndexSpec(**{f: manifest[f] for f in fx.IndexSpec.__dataclass_fields__ if f in manifest})
+    fields = faiss_index.IndexSpec.__dataclass_fields__
+    spec = faiss_index.IndexSpec(**{f: manifest[f] for f in fields if f in manifest})
     n, dim = x.shape
     m = max(1, len(holdout(n, dim, seed).tune))
     q_rows = np.sort(np.random.default_rng(seed + 1).choice(n, size=min(m, n), replace=False))
     k = min(K, n - 1) if n > 1 else 1
     own = ids[q_rows]
-    truth = _drop_self(ids[exact_knn(x, np.arange(n), x[q_rows], min(k + 1, n))], own, k)
+    truth = knn.drop_self(ids[exact_knn(x, np.arange(n), x[q_rows], min(k + 1, n))], own, k)[0]
     value, rq = tune(index, spec, x[q_rows], truth, target, own=own)
     return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
             "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),

@@ -68,6 +68,8 @@ def make_demo_gallery(out: str | Path, *, views: int = 8, queries: int = 2, size
     import torch
     from tqdm import tqdm
 
+    from embedder import load_image
+
     if views < 2 or queries < 0:
         raise ValueError(f"views >= 2 and queries >= 0 expected, got views={views}, queries={queries}")
     out = Path(out)
@@ -79,14 +81,7 @@ def make_demo_gallery(out: str | Path, *, views: int = 8, queries: int = 2, size
     bar = tqdm(total=total, desc="demo gallery: augmenting scikit-image photos", unit="img",
                disable=not progress, file=sys.stderr)
     for cls, files in photos.items():
-        srcs = []
-        for f in files:
-            with Image.open(f) as im:
-                if im.mode in ("RGBA", "LA", "P"):
-                    im = im.convert("RGBA")
-                    bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                    im = Image.alpha_composite(bg, im)
-                srcs.append(im.convert("RGB"))
+        srcs = [load_image(f) for f in files]   # transparency composited on white, as indexed
         for split, n, d in (("g", views, gallery), ("q", queries, qdir)):
             if n == 0:
                 continue

@@ -10,7 +10,7 @@ from PIL import Image
 
 from indexer import Hit
 
-from . import probes as P
+from . import probes
 
 MAX_K = 1000
 
@@ -60,6 +60,15 @@ class Query:
     name: str = "query"
     _emb: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
+    def embedding(self, index: str) -> np.ndarray | None:
+        """The query's embedding in ``index``'s space once a Searcher has computed it, else None."""
+        return self._emb.get(index)
+
+    def keep_embedding(self, index: str, v: np.ndarray) -> np.ndarray:
+        """Remember the query's embedding in ``index``'s space (float32), so it is computed once."""
+        self._emb[index] = np.asarray(v, dtype=np.float32)
+        return self._emb[index]
+
 
 @dataclass
 class Result(Hit):
@@ -107,7 +116,7 @@ class ProbeReport:
     index: str
     query: Query
     k: int
-    rows: list[P.ProbeRow]
+    rows: list[probes.ProbeRow]
     results: dict[str, list[Result]]      # row name -> results (for thumbnails)
     notes: list[str] = field(default_factory=list)
 

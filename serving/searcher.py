@@ -20,11 +20,12 @@ from PIL import Image
 
 from embedder import ImageLoadError
 from embedder.images import DEFAULT_MAX_PIXELS
+from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from indexer import Index, IndexDir, check_counts
 from indexer.index_dir import INDEX_FILE, MANIFEST, STORE_DIR
 
-from . import probes as P
+from . import probes
 from .reload import IndexWatcher
 from .results import ProbeReport, Query, RequestError, Result, SearchResult, UnknownIdError, check_k
 from .thumbs import ThumbnailCache, framed
@@ -167,7 +168,7 @@ class Searcher:
     def embed(self, q: Query, index: str | None = None) -> np.ndarray:
         """The query's embedding in ``index``'s space, cached on the query."""
         index = index or self.default
-        if index not in q._emb:
+        if q.embedding(index) is None:
             idx = self.index(index)
             v = None
             if self._own(q, index):
@@ -177,8 +178,8 @@ class Searcher:
                     v = None
             if v is None:
                 v = idx.embedder.embed([self.query_image(q)])[0]
-            q._emb[index] = np.asarray(v, dtype=np.float32)
-        return q._emb[index]
+            q.keep_embedding(index, v)
+        return q.embedding(index)
 
     def _own(self, q: Query, index: str) -> bool:
         """Whether the gallery query is an item of ``index``: ids are content hashes, so the same
@@ -202,7 +203,9 @@ class Searcher:
         exclude = list(exclude) if exclude is not None else [None] * len(emb)
         extra = 1 if any(e is not None for e in exclude) else 0
         scores, ids = idx.search_embeddings(emb, min(k + extra, len(idx)))
-        rows = [[h for h in idx.hits(scores[r], ids[r]) if h.id != exclude[r]][:k] for r in range(len(emb))]
+        own = [-1 if e is None else e for e in exclude]      # ids are >= 0: -1 drops nothing
+        ids, scores = drop_self(ids, np.array(own, dtype=np.int64), ids.shape[1], scores)
+        rows = [idx.hits(scores[r], ids[r])[:k] for r in range(len(emb))]
         return [[Result(h.id, h.score, h.label, h.path, index,
                         self.thumbnail(index, h.id) if thumbnails else None) for h in row] for row in rows]
 
@@ -222,11 +225,11 @@ class Searcher:
         qs = [self.query(q) for q in queries]
         if not qs:
             return []
-        todo = [q for q in qs if index not in q._emb and not self._own(q, index)]
+        todo = [q for q in qs if q.embedding(index) is None and not self._own(q, index)]
         if todo:
             embs = self.index(index).embedder.embed([self.query_image(q) for q in todo])
             for q, v in zip(todo, embs):
-                q._emb[index] = np.asarray(v, dtype=np.float32)
+                q.keep_embedding(index, v)
         emb = np.stack([self.embed(q, index) for q in qs])
         excl = [self._exclude(q, index, exclude_self) for q in qs]
         rows = self.nearest(emb, k, index=index, exclude=excl, thumbnails=thumbnails)
@@ -262,8 +265,8 @@ class Searcher:
         return int(ids[a]), int(ids[b])
 
     def probe(self, query: Query | ImageSource | int, k: int = 6, *, index: str | None = None,
-              topk: int = 4, scales: Sequence[float] | None = P.DEFAULT_SCALES, n_random: int = 0,
-              scale_range: float = 0.5, shifts: Sequence[float] = P.DEFAULT_SHIFTS,
+              topk: int = 4, scales: Sequence[float] | None = probes.DEFAULT_SCALES, n_random: int = 0,
+              scale_range: float = 0.5, shifts: Sequence[float] = probes.DEFAULT_SHIFTS,
               shift_label: str | None = None, seed: int | None = 0,
               thumbnails: bool = False) -> ProbeReport:
         """Semantic scaling and shifting probes (supp. section L) for one query on one index."""
@@ -278,7 +281,7 @@ class Searcher:
         kinds: list[str] = []
         embs: list[np.ndarray] = []
         if scales or n_random:
-            e, n = P.semantic_scaling(v, topk=topk, scales=scales, n_random=n_random,
+            e, n = probes.semantic_scaling(v, topk=topk, scales=scales, n_random=n_random,
                                       scale_range=scale_range, seed=seed)
             embs.append(e); names += n; kinds += ["scaling"] * len(n)
         label = q.label if (q.label is not None and shift_label is None) else shift_label
@@ -294,7 +297,7 @@ class Searcher:
                                  f"gallery images besides the query")
                 else:
                     ga, gb = self.index(index).embeddings(list(pair))
-                    e, n = P.semantic_shifting(v, ga, gb, shifts=shifts)
+                    e, n = probes.semantic_shifting(v, ga, gb, shifts=shifts)
                     embs.append(e)
                     names += [f"{x} ({label})" for x in n]
                     notes.append(f"semantic shifting on {index}: difference of gallery images "
@@ -303,7 +306,7 @@ class Searcher:
         all_emb = np.concatenate([v[None]] + embs) if embs else v[None]
         rows = self.nearest(all_emb, k, index=index, exclude=[excl] * len(all_emb), thumbnails=thumbnails)
         orig = rows[0]
-        table = P.stability_rows([r.id for r in orig], [r.score for r in orig], [r.label for r in orig],
+        table = probes.stability_rows([r.id for r in orig], [r.score for r in orig], [r.label for r in orig],
                                  [(nm, kd, [r.id for r in rs], [r.score for r in rs], [r.label for r in rs])
                                   for nm, kd, rs in zip(names, kinds, rows[1:])],
                                  k, q.label)
