@@ -1,7 +1,7 @@
 """Where DAS puts its copies, measured: copy-to-source distances against the embedding's own
 intra-/inter-class distances, and what the distance-weighted sampler then draws.
 
-    python benchmarks/das_geometry.py --root ../shared/data/caltech101-dev/images
+    python -m benchmarks.das_geometry --root ../shared/data/caltech101-dev/images
 
 Embeddings: the frozen EfficientNet-Lite0 features of the training classes through the
 untrained PCA head (d = 128, L2), i.e. a realistic point cloud; class-balanced batches (2 per
@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SETTINGS = {
     "paper (r_s = r_b = 0.01)": {},
@@ -46,9 +45,7 @@ def measure(emb_all, labels_all, das_opts: dict, batches: int, warmup: int, seed
     import numpy as np
     import torch
 
-    from training.batching import ClassBalancedBatchSampler
-    from training.config import load_config
-    from training.miners import AuthorsDistanceMiner
+    from training import ClassBalancedBatchSampler, build_miner, load_config
     from training.step import build_das
 
     n_cls = int(labels_all.max()) + 1
@@ -56,7 +53,7 @@ def measure(emb_all, labels_all, das_opts: dict, batches: int, warmup: int, seed
     das = build_das(cfg, n_cls, True)
     sampler = ClassBalancedBatchSampler(labels_all, batch_size=2 * min(56, n_cls), per_class=2,
                                         seed=seed)
-    miner = AuthorsDistanceMiner(generator=torch.Generator().manual_seed(seed))
+    miner = build_miner("distance", "authors", generator=torch.Generator().manual_seed(seed))
     stats: dict[str, list] = {k: [] for k in ("copy", "intra", "inter", "nearer_other",
                                               "own_pos", "copy_neg", "d_an_das", "d_an_base")}
     done = 0

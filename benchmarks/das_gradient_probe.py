@@ -1,6 +1,6 @@
 """How DAS changes the training step: the head's gradient with and without DAS on the same batches.
 
-    python benchmarks/das_gradient_probe.py --root ../shared/data/omniglot --method triplet:distance
+    python -m benchmarks.das_gradient_probe --root ../shared/data/omniglot --method triplet:distance
 
 The PCA-initialised head on frozen features of the first half of the training classes (the
 frozen benchmark's --validation setting); for each DAS setting, the gradient of
@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SETTINGS = {
     "paper": {},
@@ -40,8 +39,7 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from training.batching import ClassBalancedBatchSampler
-    from training.config import load_config
+    from training import ClassBalancedBatchSampler, load_config
     from training.distributed import DistInfo
     from training.frozen import build_head
     from training.frozen_features import frozen_splits

@@ -1,6 +1,6 @@
 """What DAS costs: the module per step, a full training step with and without it, bank memory.
 
-    python benchmarks/das_overhead.py
+    python -m benchmarks.das_overhead
 
 (a) DAS forward in training mode (FRM + bank update + T copies) at B = 112, T = 3 for
     d in {128, 512} and C in {98 (CARS), 11,318 (SOP)}, on CPU and on CUDA when present (on
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,7 +88,7 @@ def _module_and_batches(device, C: int, d: int, B: int, T: int, backend: str, gr
     import torch
     import torch.nn.functional as F
 
-    from training.das import DAS
+    from training import DAS
 
     das = DAS(C, d, num_produce=T, seed=0, backend=backend, graph=graph).to(device).train()
     g = torch.Generator().manual_seed(0)
@@ -151,9 +150,8 @@ def time_full_step(device, args, backbone: str, px: int, loss_name: str, miner: 
     """Median wall and process-CPU seconds per full step without and with DAS (alternating)."""
     import torch
 
-    from embedder.model import Embedder, EmbedderConfig
-    from training.das import DAS
-    from training.losses import build_loss
+    from embedder import Embedder, EmbedderConfig
+    from training import DAS, build_loss
 
     torch.manual_seed(0)
     crit = build_loss(loss_name, num_classes=num_classes, dim=args.dim, miner=miner)
@@ -205,7 +203,7 @@ def main(argv=None) -> int:
         import torch
         from tqdm import tqdm
 
-        from training.das import DAS
+        from training import DAS
     except ImportError as e:
         print(f"das_overhead: missing dependency: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Memory of decoding large uploads, per format: the previous decoder vs the bounded one.
 
-    python benchmarks/decode_memory.py [--megapixels 36] [--concurrent 1 4] [--bursts 1]
+    python -m benchmarks.decode_memory [--megapixels 36] [--concurrent 1 4] [--bursts 1]
                                        [--formats ...] [--old-ref 7c84ca7] [--no-write]
 
 Makes one camera-size image (default 7360 x 4912 = 36 MP, under the 40 MP upload cap) from a
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 FORMATS = {   # name -> (file name, how the base RGB photo is saved)
     "JPEG": "x.jpg", "PNG RGB": "rgb.png", "PNG RGBA": "rgba.png", "PNG palette": "pal.png",
@@ -61,8 +60,7 @@ def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) 
     """Runs in its own process; returns the figures as a dict."""
     import numpy as np
 
-    from embedder import ImageLoadError, OnnxEmbedder, default_model_path
-    from embedder.images import load_image
+    from embedder import ImageLoadError, OnnxEmbedder, default_model_path, load_image
     from serving.uploads import DEFAULT_MAX_UPLOAD_PIXELS, UploadError, decode_upload
 
     old = _old_images(old_module) if mode == "old" else None
@@ -162,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         runs = [(f, n, m) for f in a.formats for n in a.concurrent for m in ("old", "new")]
         for fmt, n, mode in tqdm(runs, desc="runs", unit="run"):
-            out = subprocess.run([sys.executable, __file__, "--worker", mode, str(images[fmt]), str(old_module),
-                                  "--concurrent", str(n), "--bursts", str(a.bursts)], env=env,
-                                 capture_output=True, text=True)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.decode_memory", "--worker", mode,
+                                  str(images[fmt]), str(old_module), "--concurrent", str(n),
+                                  "--bursts", str(a.bursts)], env=env, cwd=REPO, capture_output=True, text=True)
             if out.returncode != 0:      # e.g. killed for memory: a row that says so
                 r = {"mode": mode, "concurrent": n, "error": f"exit {out.returncode}: "
                      + (out.stderr.strip().splitlines() or ["?"])[-1][:120]}
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(rows: list[dict], a: argparse.Namespace, w: int, h: int, load: float | None = None) -> str:
     conc = " ".join(map(str, a.concurrent))
-    head = (f"Command: `python benchmarks/decode_memory.py --megapixels {a.megapixels:g} --concurrent {conc} "
+    head = (f"Command: `python -m benchmarks.decode_memory --megapixels {a.megapixels:g} --concurrent {conc} "
             f"--bursts {a.bursts}`  \n"
             f"Upload: {w} x {h} ({w * h / 1e6:.1f} MP) made from scikit-image's hubble_deep_field.jpg, saved in "
             f"each format; {a.bursts} burst(s) of N simultaneous uploads, each decoded, preprocessed and "

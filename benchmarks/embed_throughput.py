@@ -5,7 +5,7 @@ the ratio ORT/torch is measured on one machine at one moment; absolute numbers o
 CPU move with the neighbours' load, the ratio much less. Decoding is excluded: this measures
 the network. Writes a Markdown table (with the command) to benchmarks/RESULTS-embedder.md.
 
-    python benchmarks/embed_throughput.py --threads 2 --min-time 3
+    python -m benchmarks.embed_throughput --threads 2 --min-time 3
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -83,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from embedder.export import default_parity_images, export_onnx
-    from embedder.images import load_image
+    from embedder import default_parity_images, export_onnx, load_image
 
     photos = default_parity_images()
     rows = []
@@ -120,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     tqdm.write(f"{name} threads={threads} batch={bs}: torch {t_rate:.1f} img/s, "
                                f"ORT {o_rate:.1f} img/s ({o_rate / t_rate:.2f}x)")
 
-    cmd = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0]).relative_to(REPO))
-                                                        if Path(sys.argv[0]).is_absolute() else sys.argv[0],
-                                                        *(argv if argv is not None else sys.argv[1:])])
+    cmd = "python -m benchmarks.embed_throughput " + shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [
         "## Embedder throughput: torch eager vs onnxruntime (CPU)",
         "",

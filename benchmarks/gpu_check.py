@@ -1,12 +1,12 @@
 """One command that checks the project on a CUDA machine, measures the GPU goals, and prints
 one summary with a PASS/FAIL line per check and per goal, each with its figure.
 
-    python benchmarks/gpu_check.py                 # on a machine with a GPU (~4-6 min on an H100)
-    python benchmarks/gpu_check.py --device cpu --quick --skip-tests   # the plumbing, on CPU
+    python -m benchmarks.gpu_check                 # on a machine with a GPU (~4-6 min on an H100)
+    python -m benchmarks.gpu_check --device cpu --quick --skip-tests   # the plumbing, on CPU
 
 On the GPU machine lent through the `device` tool: ``../shared/tools/device-prep.sh`` here,
 then run with carry [".device-carry"] and the command
-``source .device-carry/env.sh && python benchmarks/gpu_check.py --out $OUT/gpu_check`` (the
+``source .device-carry/env.sh && python -m benchmarks.gpu_check --out $OUT/gpu_check`` (the
 logs, the benchmark's table and JSON and the summary then come back with the reply).
 
 Steps, each reported as a row of the summary (also written to OUT/summary.txt; CI has no GPU:
@@ -244,7 +244,7 @@ def bench_goals(figures: dict, device: str) -> list[tuple[str, bool | None, str]
 
 def step_bench(args, env) -> tuple[bool, str, list[tuple[str, bool | None, str]]]:
     table, figs = args.out / "das_overhead.md", args.out / "das_overhead.json"
-    cmd = [sys.executable, "benchmarks/das_overhead.py", "--devices", args.device,
+    cmd = [sys.executable, "-m", "benchmarks.das_overhead", "--devices", args.device,
            "--out", str(table), "--json", str(figs)]
     if args.quick:
         cmd += ["--module-steps", "5", "--steps", "2", "--warmup", "1",

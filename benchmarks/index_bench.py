@@ -2,9 +2,9 @@
 
 Run from the repository root:
 
-    python benchmarks/index_bench.py --out benchmarks/RESULTS-indexer.md
-    python benchmarks/index_bench.py --skip-synthetic --ingest-images 400 --out benchmarks/RESULTS-indexer.md
-    python benchmarks/index_bench.py --sizes '' --wide '' --skip-ingest \
+    python -m benchmarks.index_bench --out benchmarks/RESULTS-indexer.md
+    python -m benchmarks.index_bench --skip-synthetic --ingest-images 400 --out benchmarks/RESULTS-indexer.md
+    python -m benchmarks.index_bench --sizes '' --wide '' --skip-ingest \
         --autofaiss-python /tmp/afenv/bin/python --out benchmarks/RESULTS-indexer.md
 
 The second form reruns only the ingest part and the third only the low-rank part; each replaces
@@ -13,10 +13,10 @@ any hand-written notes. The Ray row
 (one process vs ``indexer build --ray local --shards 2``) starts Ray, so it runs in a private
 network namespace and, alone, replaces only its own section:
 
-    unshare -n sh -c 'ip link set lo up && python benchmarks/index_bench.py --skip-synthetic \
+    unshare -n sh -c 'ip link set lo up && python -m benchmarks.index_bench --skip-synthetic \
         --skip-ingest --ray-images 400 --out benchmarks/RESULTS-indexer.md'
 
-Part 1 builds the index exactly as ``indexer build`` does (``indexer.build.make_index``: index
+Part 1 builds the index exactly as ``indexer build`` does (``indexer.selection.build``: index
 type chosen by measurement on a sample, search parameter tuned to recall@10 >= 0.95 vs exact on
 held-out gallery vectors) on clustered synthetic unit vectors, then measures on 1000 fresh
 queries (not gallery vectors): recall@10 vs exact search, and queries/s at the tuned setting
@@ -45,7 +45,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 SPREAD = 1.2        # noise norm relative to the unit class centre: cosine to the centre ~0.64
@@ -105,9 +104,7 @@ def qps(index, q: np.ndarray, k: int = 10, min_seconds: float = 1.0) -> float:
 def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     import faiss
 
-    from indexer import faiss_index as fx
-    from indexer import tuning
-    from indexer.build import make_index
+    from indexer import faiss_index, selection, tuning
 
     rng = np.random.default_rng(seed)
     centres = class_centres(n, d, rng)
@@ -115,10 +112,10 @@ def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     q = clustered(nq, d, seed + 2, centres)
     ids = np.sort(rng.choice(2 ** 53, size=n, replace=False)).astype(np.int64)
     t0 = time.perf_counter()
-    index, fields = make_index(ids, x, device="cpu")
+    index, fields = selection.build(ids, x, device="cpu")
     build = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
-        fx.write_atomic(index, Path(tmp) / "i.faiss")
+        faiss_index.write_atomic(index, Path(tmp) / "i.faiss")
         size = (Path(tmp) / "i.faiss").stat().st_size
     flat = faiss.IndexFlatIP(d)
     flat.add(x)
@@ -230,12 +227,11 @@ def autofaiss_build(python: str, x: np.ndarray, tmp: Path, timeout: float) -> tu
 
 def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str | None = None,
             autofaiss_timeout: float = 900) -> list[dict]:
-    """Rows for one low-rank gallery: ours (``make_index``, as ``indexer build``) and, if given,
+    """Rows for one low-rank gallery: ours (``selection.build``, as ``indexer build``) and, if given,
     autofaiss's default; Flat's queries/s measured in the same rounds as each index's."""
     import faiss
 
-    from indexer import tuning
-    from indexer.build import make_index
+    from indexer import selection, tuning
 
     faiss.omp_set_num_threads(2)
     law = low_rank_law(d, seed)
@@ -263,7 +259,7 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
             del index
     gc.collect()
     t0 = time.perf_counter()
-    index, fields = make_index(ids, x, device="cpu", progress=False)
+    index, fields = selection.build(ids, x, device="cpu", progress=False)
     build = time.perf_counter() - t0
     recall = tuning.recalls(index.search(q, 10)[1], truth).mean()
     t = timed_batches({"flat": flat, "index": lambda: index.search(q, 10)}, per_round={"index": 5})
@@ -538,7 +534,7 @@ def main() -> None:
     ray_rows = ray_rows_for(args.ray_images, args.ingest_repeats) if args.ray_images else []
     total = time.perf_counter() - t_start
 
-    cmd = "python benchmarks/index_bench.py " + shlex.join(sys.argv[1:])
+    cmd = "python -m benchmarks.index_bench " + shlex.join(sys.argv[1:])
     if ray_rows and not rows and not ing:
         text = "\n".join(ray_section(ray_rows, cmd, total, args.ingest_repeats)) + "\n"
         if args.out and args.out.exists():

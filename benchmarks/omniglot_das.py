@@ -1,6 +1,6 @@
 """Baseline vs DAS on Omniglot with held-out classes, on CPU: same config and seeds, paired.
 
-    python benchmarks/omniglot_das.py --root ../shared/data/omniglot
+    python -m benchmarks.omniglot_das --root ../shared/data/omniglot
 
 For each loss:sampler pair (default: triplet [distance-weighted], margin [distance-weighted]
 and multi-similarity), trains the small_cnn embedder from scratch with and without DAS for
@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks.paired import fmt_interval, parse_variants, t_interval  # noqa: E402
+from benchmarks.paired import fmt_interval, parse_variants, t_interval
 
 METRICS = ("R@1", "R@2", "R@4", "R@8", "NMI", "F1")
 
@@ -199,7 +198,7 @@ def validation_splits(root, classes: int):
 
 def _run(job) -> dict:
     """One training run (in a worker process with --workers > 1)."""
-    from training.trainer import train
+    from training import train
 
     args, method, das, seed = job
     cfg = _config(args, method, das, seed)
@@ -249,7 +248,7 @@ def main(argv=None) -> int:
             q = _config(args, m, v, args.seeds[0])
             diff = ", ".join(f"{k[4:]} = {getattr(q, k)}" for k in keys if getattr(q, k) != getattr(p, k))
             das_text += f" ({v} with {m}: {diff})" if diff else ""
-    command = ("python benchmarks/omniglot_das.py " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
+    command = ("python -m benchmarks.omniglot_das " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, list]] = {}

@@ -9,9 +9,9 @@ NMI, MAP@R). Images are embedded the way users get them: each variant is exporte
 embedder.pretrained (parity-checked) and run by embedder.runtime.OnnxEmbedder with its own
 preprocessing. Embeddings are cached per (variant, image list) under --cache (outside the repo).
 
-    python benchmarks/pretrained_choice.py --splits cub-val \\
+    python -m benchmarks.pretrained_choice --splits cub-val \\
         --variants lite0-avg-224 lite0-gem3-224 lite1-gem3-240 lite2-gem3-260
-    python benchmarks/pretrained_choice.py --throughput 400 --out benchmarks/RESULTS-embedder.md \\
+    python -m benchmarks.pretrained_choice --throughput 400 --out benchmarks/RESULTS-embedder.md \\
         --variants lite0-avg-224 lite1-gem3-240
 
 With --out, the section "## The default embedder (training-free)" of that file is replaced
@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SHARED = Path(os.environ.get("DAS_SHARED", REPO.parent / "shared")) / "data"
 SPLITS = ("cub-val", "cub-test", "caltech-test", "caltech-all")
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = ingest_rates(tv, files[:: max(1, len(files) // args.throughput)][:args.throughput],
                              args.cache, args.repeats, args.batch_size)
     seconds = time.perf_counter() - t_start
-    cmd = "python benchmarks/pretrained_choice.py " + " ".join(
+    cmd = "python -m benchmarks.pretrained_choice " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     lines = section(results, args.splits, rates, cmd, seconds, args.baseline, args.throughput,
                     args.repeats, args.section, args.png)

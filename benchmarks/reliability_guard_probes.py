@@ -32,6 +32,31 @@ def _raw(url: str) -> socket.socket:
     return socket.create_connection((u.hostname, u.port), timeout=30)
 
 
+def trickle(url: str, head: bytes, seconds: float) -> tuple[bool, bytes, float]:
+    """A slow client: send ``head``, then one byte a second for up to ``seconds``.
+    Returns (whether the server closed the connection, what it answered, seconds it took);
+    the one copy of this loop, shared with tests/serving/test_serving_guard.py."""
+    sock = _raw(url)
+    sock.sendall(head)
+    t0, got, closed = time.monotonic(), b"", False
+    while time.monotonic() - t0 < seconds:
+        try:
+            sock.sendall(b"a")
+            sock.settimeout(1)
+            d = sock.recv(4096)
+            got += d
+            if not d:
+                closed = True
+                break
+        except socket.timeout:
+            continue
+        except OSError:
+            closed = True
+            break
+    sock.close()
+    return closed, got, time.monotonic() - t0
+
+
 def upload_leftover_probes(url: str, root: Path, seeded: Path) -> list[tuple[str, str, str]]:
     """Oversized and aborted chunked uploads to Gradio's upload route, logged in; the leftover
     seeded into the app's temp folder before it started."""
@@ -134,25 +159,8 @@ def connection_probes(url: str) -> list[tuple[str, str, str]]:
     for what, head in (("slow request head (1 byte/s), no login", b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: "),
                        ("slow `/login` body (1 byte/s of 1,000)", b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: "
                         b"application/x-www-form-urlencoded\r\nContent-Length: 1000\r\n\r\nusername=")):
-        sock = _raw(url)
-        sock.sendall(head)
-        t0, got, closed = time.perf_counter(), b"", False
-        while time.perf_counter() - t0 < 40:
-            try:
-                sock.sendall(b"a")
-                sock.settimeout(1)
-                d = sock.recv(4096)
-                got += d
-                if not d:
-                    closed = True
-                    break
-            except socket.timeout:
-                continue
-            except OSError:
-                closed = True
-                break
-        sock.close()
-        rows.append((what, "dropped within ~10 s", (f"closed after {time.perf_counter() - t0:.0f} s"
+        closed, got, secs = trickle(url, head, 40)
+        rows.append((what, "dropped within ~10 s", (f"closed after {secs:.0f} s"
                                                      + (f" ({got.split(b' ')[1].decode()})" if got else ""))
                      if closed else "still open after 40 s"))
     return rows

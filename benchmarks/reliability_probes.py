@@ -1,6 +1,6 @@
 """The hostile-but-fair probes of issue 13, run against a real `python app.py`; one table row each.
 
-    python benchmarks/reliability_probes.py [--no-write]
+    python -m benchmarks.reliability_probes [--no-write]
 
 Builds a small index (4 Caltech-101 classes x 6 photos from ../shared/data, the offline
 pretrained embedder) in a temporary folder, serves it on a free 127.0.0.1 port with --auth and
@@ -28,9 +28,7 @@ from urllib.parse import urlparse
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-import reliability_guard_probes as G  # noqa: E402  (issue 19's server-guard probes)
+from benchmarks import reliability_guard_probes as guard_probes   # issue 19's server-guard probes
 CALTECH = REPO.parent / "shared" / "data" / "caltech101-dev" / "images"
 AUTH = ("probe", "probe-pass")
 MB = 1024 * 1024
@@ -296,21 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         url, proc = start_app(idx, root, seed_leftover=True)
         try:
             seeded = next((root / "gradio-tmp").rglob("das-retrieval-app-*")) / "tmpleftover"
-            rows = (server_probes(url, idx, root) + G.upload_leftover_probes(url, root, seeded)
-                    + G.login_page_probe(url, idx) + G.connection_probes(url) + G.api_limit_probes(url, _QUERY[0])
+            rows = (server_probes(url, idx, root) + guard_probes.upload_leftover_probes(url, root, seeded)
+                    + guard_probes.login_page_probe(url, idx) + guard_probes.connection_probes(url)
+                    + guard_probes.api_limit_probes(url, _QUERY[0])
                     + live_add_probe(url, idx, root) + decode_probes(url, proc, root)
-                    + G.throttle_probe(url))      # last: it locks this client's address out
+                    + guard_probes.throttle_probe(url))      # last: it locks this client's address out
         finally:
             proc.terminate()            # by PID: the server this script started
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        rows += G.store_damage_probe(idx, root, start_app, _QUERY[0])
+        rows += guard_probes.store_damage_probe(idx, root, start_app, _QUERY[0])
         rows += damage_probes(idx, root)
         rows += writer_probes(idx, root)
     load = os.getloadavg()[0]
-    text = ("Command: `python benchmarks/reliability_probes.py`  \n"
+    text = ("Command: `python -m benchmarks.reliability_probes`  \n"
             f"Server: `app.py --auth ... --max-upload-mb 1` on 127.0.0.1, 24-photo index (4 Caltech-101 classes), "
             f"pretrained embedder; load average {load:.1f} at the end (2 shared cores).\n\n"
             "| probe | expected | observed |\n| --- | --- | --- |\n"
@@ -383,29 +382,38 @@ def _cli(*args: object) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+def _writer_copy(idx: Path, d: Path) -> Path:
+    """A copy of the probe index for one writer probe (its LMDB lock file left behind)."""
+    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    return d
+
+
+def _info(d: Path) -> str:
+    """What `indexer info` and the count check say of ``d`` after a writer probe."""
+    from indexer import check_counts
+
+    return f"info exit {_cli('info', '--index', d).returncode}: {check_counts(d).message}"
+
+
 def writer_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
     """Two `indexer add` at once; kill -9 of the lock holder; an index whose counts disagree."""
-    from indexer import check_counts
-    from indexer.lock import holder, is_locked
+    from indexer import holder, is_locked
 
     rows = []
     a = _copy_classes(root / "w-a", 20, 4, 10)
     b = _copy_classes(root / "w-b", 24, 4, 10)
-    d = root / "w1"
-    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    d = _writer_copy(idx, root / "w1")
     procs = [subprocess.Popen([sys.executable, "-m", "indexer", "add", str(f), "--index", str(d), "--quiet"],
                               env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for f in (a, b)]
     outs = [p.communicate(timeout=600) for p in procs]
     codes = [p.returncode for p in procs]
     refusal = next((o[1].strip() for p, o in zip(procs, outs) if p.returncode == 1), "")
-    info = _cli("info", "--index", d)
     rows.append(("two `indexer add` at once into one index",
                  "one exits 1 with one line naming the other's pid; the other's images all indexed; info exit 0",
                  f"exit codes {codes}; \"{refusal.replace(str(d), 'DIR')}\" ({len(refusal.splitlines())} line); "
-                 f"info exit {info.returncode}: {check_counts(d).message}"))
-    d = root / "w2"
-    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+                 + _info(d)))
+    d = _writer_copy(idx, root / "w2")
     p = subprocess.Popen([sys.executable, "-m", "indexer", "add", str(a), "--index", str(d), "--quiet"],
                          env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not (is_locked(d) and (holder(d) or {}).get("pid") == p.pid) and p.poll() is None:
@@ -413,13 +421,10 @@ def writer_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
     p.kill()                                        # SIGKILL, by PID: the add this script started
     p.wait()
     nxt = _cli("add", b, "--index", d, "--quiet")
-    info = _cli("info", "--index", d)
     rows.append(("kill -9 of an `indexer add` holding the lock",
                  "the lock goes with it; the next writer proceeds; counts agree after it",
-                 f"killed: exit {p.returncode}; next add exit {nxt.returncode}; info exit {info.returncode}: "
-                 f"{check_counts(d).message}"))
-    d = root / "w3"
-    shutil.copytree(idx, d, ignore=shutil.ignore_patterns("lock.mdb"))
+                 f"killed: exit {p.returncode}; next add exit {nxt.returncode}; " + _info(d)))
+    d = _writer_copy(idx, root / "w3")
     damage = ("import hashlib, sys\nfrom indexer import GalleryStore\nfrom indexer.store import NewItem\n"
               "with GalleryStore(sys.argv[1], readonly=False) as st:\n    m = st.models()[0]; i = int(st.ids()[0])\n"
               "    data = st.get_bytes(i) + b'x'\n    st.put_items([NewItem('x/x.jpg', 'x', data, "

@@ -2,9 +2,9 @@
 
 Run from the repository root, under ``nice -n 10`` (the machine is shared):
 
-    python benchmarks/scale_bench.py walk --files 1000000 --shards 8
-    python benchmarks/scale_bench.py stream --sizes 1000000,2000000 --baseline-up-to 2000000
-    python benchmarks/scale_bench.py stream --sizes 10000000 --baseline-up-to 0
+    python -m benchmarks.scale_bench walk --files 1000000 --shards 8
+    python -m benchmarks.scale_bench stream --sizes 1000000,2000000 --baseline-up-to 2000000
+    python -m benchmarks.scale_bench stream --sizes 10000000 --baseline-up-to 0
 
 ``walk`` makes a synthetic tree of empty ``.jpg`` files (1,000 per folder) and times, each in
 its own process (peak RSS is that process's ``ru_maxrss``): what the build did before (every
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def peak_rss_mib() -> float:
@@ -38,7 +37,8 @@ def peak_rss_mib() -> float:
 def child(fn: str, *args: str) -> dict:
     """Run ``fn`` of this file in a fresh process; its JSON result (time, peak RSS)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, __file__, "_child", fn, *args], capture_output=True, text=True, env=env)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.scale_bench", "_child", fn, *args], capture_output=True,
+                       text=True, env=env, cwd=REPO)
     if p.returncode != 0:
         raise SystemExit(f"{fn} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -112,7 +112,7 @@ def bench_walk(files: int, shards: int, keep: Path | None) -> list[str]:
         return [
             f"Walk of a synthetic tree of {before_count['files']:,} empty .jpg files (1,000 per folder, "
             f"warm dentry cache), {shards} shards; each row its own process; load average "
-            f"{os.getloadavg()[0]:.1f}. Command: `python benchmarks/scale_bench.py walk --files {files} "
+            f"{os.getloadavg()[0]:.1f}. Command: `python -m benchmarks.scale_bench walk --files {files} "
             f"--shards {shards}`.", "",
             "| stage | files | seconds | peak RSS MiB |", "|---|---:|---:|---:|",
             f"| before: one shard task's walk (whole tree, keeps 1/{shards}) | {before_task['files']:,} | "
@@ -208,8 +208,7 @@ def _gen(work: str, n: str, shards: str, d: str) -> dict:
     """The synthetic shards: the low-rank generator of index_bench.py, in chunks of 250k."""
     import numpy as np
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from index_bench import low_rank, low_rank_law
+    from benchmarks.index_bench import low_rank, low_rank_law
 
     n, shards, d = int(n), int(shards), int(d)
     law = low_rank_law(d, 0)
@@ -262,8 +261,7 @@ def _fill(work: str, shards: str, i: str) -> dict:
 
     import faiss
 
-    from indexer import faiss_index as fx
-    from indexer import stream
+    from indexer import faiss_index, stream
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -272,7 +270,7 @@ def _fill(work: str, shards: str, i: str) -> dict:
     trained = faiss.read_index(str(Path(work) / "trained.faiss"))
     t0 = time.perf_counter()
     index = stream.fill(_sources(work, int(shards))[int(i)], trained, p.skip[int(i)])
-    fx.write_atomic(index, Path(work) / f"part-{i}.faiss")
+    faiss_index.write_atomic(index, Path(work) / f"part-{i}.faiss")
     return {"seconds": time.perf_counter() - t0, "rss_mib": peak_rss_mib(), "anon_mib": rs.done()}
 
 
@@ -282,8 +280,7 @@ def _tune(work: str, shards: str) -> dict:
 
     import faiss
 
-    from indexer import faiss_index as fx
-    from indexer import stream
+    from indexer import faiss_index, stream
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -293,7 +290,7 @@ def _tune(work: str, shards: str) -> dict:
     files = [Path(work) / f"part-{i}.faiss" for i in range(int(shards))]
     t0 = time.perf_counter()
     fields = stream.tune_and_check(p, stream.open_parts(files, p.trained), 0.95)
-    fx.write_atomic(stream.held_part(p), Path(work) / "held.faiss")
+    faiss_index.write_atomic(stream.held_part(p), Path(work) / "held.faiss")
     (Path(work) / "fields.json").write_text(json.dumps({k: v for k, v in fields.items() if k != "candidates"}))
     return {"seconds": time.perf_counter() - t0, "rss_mib": peak_rss_mib(), "anon_mib": rs.done(),
             "params": fields["search_params"], "heldout_recall": fields["recall_at_10"]}
@@ -339,11 +336,9 @@ def _eval(work: str, shards: str) -> dict:
     on-disk index and of the shards searched as one; queries/s of both, interleaved."""
     import faiss
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from index_bench import timed_batches
+    from benchmarks.index_bench import timed_batches
 
-    from indexer import faiss_index as fx
-    from indexer import stream, tuning
+    from indexer import faiss_index, stream, tuning
 
     faiss.omp_set_num_threads(2)
     fields = json.loads((Path(work) / "fields.json").read_text())
@@ -351,7 +346,7 @@ def _eval(work: str, shards: str) -> dict:
     trained = faiss.read_index(str(Path(work) / "trained.faiss"))
     files = [Path(work) / f"part-{i}.faiss" for i in range(int(shards))] + [Path(work) / "held.faiss"]
     sharded = stream.open_parts(files, trained)
-    fx.set_search_params(sharded, fields["search_params"])
+    faiss_index.set_search_params(sharded, fields["search_params"])
     merged = stream.read_ondisk(Path(work) / "merged.faiss")
     r_m = tuning.recalls(merged.search(q, 10)[1], truth).mean()
     r_s = tuning.recalls(sharded.search(q, 10)[1], truth).mean()
@@ -364,13 +359,12 @@ def _eval(work: str, shards: str) -> dict:
 
 def _baseline(work: str, shards: str) -> dict:
     """Today's merge, as ``build.merge_shards`` does it: every shard's vectors loaded, one
-    concatenated copy, ``make_index(..., parts=...)`` (the type chosen among all candidates);
+    concatenated copy, ``selection.build(..., parts=...)`` (the type chosen among all candidates);
     fresh recall@10 on the same queries."""
     import faiss
     import numpy as np
 
-    from indexer import tuning
-    from indexer.build import make_index
+    from indexer import selection, tuning
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -380,7 +374,7 @@ def _baseline(work: str, shards: str) -> dict:
     order = np.argsort(all_ids, kind="stable")
     all_ids = all_ids[order]
     x = np.concatenate([p[1] for p in parts])[order]
-    index, fields = make_index(all_ids, x, device="cpu", parts=parts)
+    index, fields = selection.build(all_ids, x, device="cpu", parts=parts)
     sec = time.perf_counter() - t0
     anon = rs.done()
     del x, parts
@@ -477,7 +471,7 @@ def main() -> None:
             print(f"stream {n:,} ...", flush=True)
             rows += bench_stream(n, args.shards, args.dim, n <= args.baseline_up_to, args.work,
                                  args.index_type, args.nlist)
-        cmd = "python benchmarks/scale_bench.py " + shlex.join(sys.argv[1:])
+        cmd = "python -m benchmarks.scale_bench " + shlex.join(sys.argv[1:])
         print("\n".join(stream_table(rows, cmd)))
         print(json.dumps(rows))
         return

@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    python benchmarks/scaling_inputs.py --out benchmarks/RESULTS-scaling.md
+    python -m benchmarks.scaling_inputs --out benchmarks/RESULTS-scaling.md
 
 On the same cores and in the same run (so the ratios hold under load), with the default
 embedder (EfficientNet-Lite0, 224 px, 1280-d):
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 DATA = REPO.parent / "shared" / "data"
 
 
@@ -112,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     r = run(args.images, args.repeats)
-    text = report(r, "python benchmarks/scaling_inputs.py " + " ".join(sys.argv[1:]), time.perf_counter() - t0)
+    text = report(r, "python -m benchmarks.scaling_inputs " + " ".join(sys.argv[1:]), time.perf_counter() - t0)
     print(text)
     if args.out:
         args.out.write_text(text)

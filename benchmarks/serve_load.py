@@ -1,6 +1,6 @@
 """Bounded load on the HTTP search endpoint, next to bare Searcher.search calls in the same run.
 
-    python benchmarks/serve_load.py [--index DIR] [--clients 8] [--duration 30] [--rounds 3] [--k 10]
+    python -m benchmarks.serve_load [--index DIR] [--clients 8] [--duration 30] [--rounds 3] [--k 10]
 
 Starts `python app.py` on a free 127.0.0.1 port (stopped by PID at the end), then measures:
   * bare      Searcher.search in this process, 1 thread and --clients threads (the baseline);
@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _show(p: Path) -> str:
@@ -33,14 +32,47 @@ def _show(p: Path) -> str:
         return str(p)
 
 
-def _free_port() -> int:
+def start_app(index_dir: Path, root: Path = REPO) -> tuple[subprocess.Popen, str]:
+    """``root``'s app.py serving ``index_dir`` on a free 127.0.0.1 port: (process, url). The
+    caller stops it by PID (:func:`stop_app`); :func:`wait_healthy` waits for it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(root / "app.py"), "--index", str(index_dir), "--port", str(port)],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(root), "GRADIO_ANALYTICS_ENABLED": "False"})
+    return proc, f"http://127.0.0.1:{port}"
 
 
-def run_load(fn, images: list[bytes], clients: int, duration: float) -> dict:
-    """``clients`` threads call fn(image) back to back for ``duration`` s; returns stats."""
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 180) -> str | None:
+    """None once GET /api/health answers 200, else why not (the app exited, or the time ran out)."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            return f"app.py did not start in {seconds:.0f} s"
+        time.sleep(0.5)
+    return f"app.py exited with {proc.returncode}"
+
+
+def stop_app(proc: subprocess.Popen) -> None:
+    proc.terminate()                # by PID: the server this script started
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_load(fn, images: list, clients: int, duration: float) -> dict:
+    """``clients`` threads call fn(image) back to back for ``duration`` s, ``images`` round robin;
+    returns stats (a false answer or an exception counts as an error, not as a latency)."""
     lat: list[list[float]] = [[] for _ in range(clients)]
     errors = [0] * clients
     stop = time.perf_counter() + duration
@@ -103,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
 
-    from serving import Searcher
-    from serving.demo import ensure_demo_index
+    from serving import Searcher, ensure_demo_index
 
     index_dir = args.index or ensure_demo_index(REPO / "indexes" / "demo")
     if not (index_dir / "manifest.json").is_file():
@@ -123,27 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     for d in images[:4]:
         bare(d)  # warm-up: session initialisation
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--index", str(index_dir), "--port", str(port)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_app(index_dir)
     parts: dict[str, list[dict]] = {k: [] for k in ("bare1", "bareN", "http1", "httpN")}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                print(f"serve_load: app.py exited with {proc.returncode}", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                print("serve_load: app.py did not start in 180 s", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        if (why := wait_healthy(proc, url)) is not None:
+            print(f"serve_load: {why}", file=sys.stderr)
+            return 1
         local = threading.local()
 
         def http(data: bytes) -> bool:
@@ -164,18 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             parts["bareN"].append(run_load(bare, images, args.clients, args.baseline_duration / args.rounds))
             parts["httpN"].append(run_load(http, images, args.clients, args.duration / args.rounds))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_app(proc)
     rows = [("bare Searcher.search", merge(parts["bare1"])),
             (f"bare Searcher.search, {args.clients} threads", merge(parts["bareN"])),
             ("HTTP POST /api/search, 1 client", merge(parts["http1"])),
             (f"HTTP POST /api/search, {args.clients} clients", merge(parts["httpN"]))]
 
-    cmd = " ".join(["python benchmarks/serve_load.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = " ".join(["python -m benchmarks.serve_load", *(argv if argv is not None else sys.argv[1:])])
     r1 = rows[2][1]["p50"] / rows[0][1]["p50"]
     rn = rows[3][1]["p50"] / rows[1][1]["p50"]
     lines = [

@@ -2,7 +2,7 @@
 data.mdb truncated under a running server is refused instead of killing it with SIGBUS) costs
 on search latency, against the same searches with the check switched off in the same process.
 
-    python benchmarks/store_check_cost.py [--index DIR] [--rounds 6] [--seconds 4] [--k 10]
+    python -m benchmarks.store_check_cost [--index DIR] [--rounds 6] [--seconds 4] [--k 10]
                                           [--http-baseline CHECKOUT]
 
 Two query kinds: a gallery id (no embedding: store reads and faiss only, where the check weighs
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +25,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.serve_load import run_load, start_app, stop_app, wait_healthy
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from indexer import lmdb_env
-    from serving import Searcher
-    from serving.demo import ensure_demo_index
+    from serving import Searcher, ensure_demo_index
 
     index_dir = args.index or ensure_demo_index(REPO / "indexes" / "demo")
     searcher = Searcher.open([index_dir])
@@ -63,22 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     def set_check(on: bool) -> None:
         lmdb_env._check_mapped = real_check if on else (lambda shared, path: None)
 
-    kinds = {"gallery id": lambda j: searcher.search(ids[j % len(ids)], args.k),
-             "uploaded image": lambda j: searcher.search(images[j % len(images)], args.k)}
-    for fn in kinds.values():
-        for j in range(4):
-            fn(j)                                           # warm-up
+    def search(q) -> bool:
+        searcher.search(q, args.k)
+        return True
+
+    kinds = {"gallery id": ids, "uploaded image": images}
+    for queries in kinds.values():
+        for q in queries[:4]:
+            search(q)                                       # warm-up
     lat: dict[tuple[str, bool], list[float]] = {(k, on): [] for k in kinds for on in (True, False)}
     for r in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             set_check(on)
-            for kind, fn in kinds.items():
-                stop, j = time.perf_counter() + args.seconds, 0
-                while time.perf_counter() < stop:
-                    t0 = time.perf_counter()
-                    fn(j)
-                    lat[(kind, on)].append(1000 * (time.perf_counter() - t0))
-                    j += 1
+            for kind, queries in kinds.items():
+                lat[(kind, on)] += run_load(search, queries, 1, args.seconds)["lat_ms"]
     set_check(True)
     shared = store._shared
     n = 20000
@@ -94,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"**{np.percentile(on, 50) / np.percentile(off, 50):.3f}** |")
     if args.http_baseline is not None:
         rows += http_rows(index_dir, args.http_baseline, images, args)
-    print(f"Command: `python benchmarks/store_check_cost.py{' --index ' + str(args.index) if args.index else ''} "
+    print(f"Command: `python -m benchmarks.store_check_cost{' --index ' + str(args.index) if args.index else ''} "
           f"--rounds {args.rounds} --seconds {args.seconds} --k {args.k}"
           f"{' --http-baseline ' + str(args.http_baseline) if args.http_baseline else ''}`  \n"
           f"Index: {len(searcher.index())} images; bare `Searcher.search` in one process, check on/off "
@@ -109,44 +105,23 @@ def http_rows(index_dir: Path, baseline: Path, images: list[bytes], args: argpar
     """p50 of POST /api/search (1 client) on this checkout's app.py vs the baseline checkout's."""
     import httpx
 
-    procs, urls = [], {}
-    for name, root in (("this checkout", REPO), ("baseline", baseline.resolve())):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs.append(subprocess.Popen([sys.executable, str(root / "app.py"), "--index", str(index_dir),
-                                       "--port", str(port)], cwd=root, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL,
-                                      env={**os.environ, "PYTHONPATH": str(root), "GRADIO_ANALYTICS_ENABLED": "False"}))
-        urls[name] = f"http://127.0.0.1:{port}"
+    started = {name: start_app(index_dir, root) for name, root in (("this checkout", REPO),
+                                                                     ("baseline", baseline.resolve()))}
     try:
-        for url in urls.values():
-            for _ in range(360):
-                try:
-                    if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-        lat: dict[str, list[float]] = {n: [] for n in urls}
+        for proc, url in started.values():
+            if (why := wait_healthy(proc, url)) is not None:
+                raise RuntimeError(f"store_check_cost: {why} ({url})")
+        lat: dict[str, list[float]] = {n: [] for n in started}
         with httpx.Client(timeout=60) as c:
             for r in tqdm(range(args.rounds), desc="http rounds", file=sys.stderr):
-                for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
-                    stop, j = time.perf_counter() + args.seconds, 0
-                    while time.perf_counter() < stop:
-                        t0 = time.perf_counter()
-                        resp = c.post(f"{urls[name]}/api/search", files={"image": ("q.jpg", images[j % len(images)])},
-                                      data={"k": str(args.k)})
-                        if resp.status_code == 200:
-                            lat[name].append(1000 * (time.perf_counter() - t0))
-                        j += 1
+                for name in (list(started) if r % 2 == 0 else list(started)[::-1]):
+                    url = started[name][1]
+                    lat[name] += run_load(lambda im: c.post(f"{url}/api/search", files={"image": ("q.jpg", im)},
+                                                            data={"k": str(args.k)}).status_code == 200,
+                                          images, 1, args.seconds)["lat_ms"]
     finally:
-        for p in procs:
-            p.terminate()           # by PID: the servers this script started
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for proc, _ in started.values():
+            stop_app(proc)
     new, old = np.array(lat["this checkout"]), np.array(lat["baseline"])
     return [f"| POST /api/search, upload (HTTP; off = baseline checkout) | {len(old)} / {len(new)} | "
             f"{np.percentile(old, 50):.2f} | {np.percentile(new, 50):.2f} | {np.percentile(old, 99):.2f} | "

@@ -17,13 +17,18 @@ _EXPORTS = {
     "export_onnx": "export", "ParityError": "errors",
     "OnnxEmbedder": "runtime", "ModelLoadError": "errors",
     "default_model_path": "pretrained", "pretrained_embedder": "pretrained",
+    "default_parity_images": "export",
 }
-__all__ = sorted(_EXPORTS)
+# Modules of plain functions that are public as a whole (the shared kNN, the retrieval metrics,
+# the table of pretrained backbones).
+PUBLIC_MODULES = ("knn", "metrics", "pretrained")
+__all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import load_checkpoint, save_checkpoint
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
-    from .export import export_onnx
+    from . import knn, metrics, pretrained
+    from .export import default_parity_images, export_onnx
     from .hashing import file_sha256
     from .images import ImageLoadError, ImageTooLargeError, load_image
     from .model import Embedder, EmbedderConfig
@@ -37,8 +42,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
+    if name in PUBLIC_MODULES:
+        return import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(__all__))

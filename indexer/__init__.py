@@ -1,7 +1,9 @@
 """The indexer: an LMDB gallery store plus a faiss index tuned to a recall target.
 
 ``python -m indexer --help`` for the command line; ``Index.open(dir).search(images, k)`` from
-Python (what serving uses).
+Python (what serving uses). The modules in ``PUBLIC_MODULES`` are flat modules of plain
+functions on arrays and files (faiss.contrib style), public as a whole: what tools and
+benchmarks build on besides the names below.
 """
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from .consistency import CountCheck, check_counts
 from .errors import IndexerError
 from .index import Hit, Index
 from .index_dir import IndexDir
-from .lock import IndexBusyError, writer_lock
+from .lock import IndexBusyError, holder, is_locked, writer_lock
 from .store import GalleryStore
 
 __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
            "merge_shards", "repair_index", "IndexerError", "check_counts", "CountCheck",
-           "writer_lock", "IndexBusyError"]
+           "writer_lock", "IndexBusyError", "holder", "is_locked"]
+PUBLIC_MODULES = ["faiss_index", "selection", "tuning", "stream", "walk", "ray_build"]
+__all__ += PUBLIC_MODULES

@@ -7,7 +7,12 @@ demand so that library users of Searcher do not pay for Gradio.
 from __future__ import annotations
 
 from . import probes
+from .demo import ensure_demo_index
 from .searcher import ProbeReport, Query, RequestError, Result, Searcher, SearchResult, UnknownIdError
 
 __all__ = ["Searcher", "probes", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",
-           "RequestError"]
+           "RequestError", "ensure_demo_index"]
+# Public as whole modules, imported on demand (``from serving import server``): the web app,
+# upload decoding and the app's temp folder.
+PUBLIC_MODULES = ["server", "uploads", "tempdir"]
+__all__ += PUBLIC_MODULES

@@ -4,18 +4,16 @@ choice, same tuning, same answers; and its on-disk merge reads back from whereve
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import faiss
 import numpy as np
 import pytest
 
+from benchmarks.index_bench import low_rank, low_rank_law
 from indexer import selection, stream
 from indexer.errors import IndexerError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from index_bench import low_rank, low_rank_law  # noqa: E402
 
 N, D = 14_000, 32
 

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from benchmarks.reliability_guard_probes import trickle
 from test_serving_hostile import _login, gradio_call
 
 MB = 1024 * 1024
@@ -262,25 +263,7 @@ def test_slow_clients_without_a_login_are_dropped(fresh):
     for head in (b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ",                       # never-ending header
                  b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
                  b"Content-Length: 1000\r\n\r\nusername="):                       # never-ending body
-        sock = _socket(url)
-        sock.sendall(head)
-        closed, answer = False, b""
-        deadline = time.monotonic() + 45
-        while time.monotonic() < deadline:
-            try:
-                sock.sendall(b"a")
-                sock.settimeout(1)
-                data = sock.recv(4096)
-                answer += data
-                if data == b"":
-                    closed = True
-                    break
-            except socket.timeout:
-                continue
-            except OSError:
-                closed = True
-                break
-        sock.close()
+        closed, answer, _ = trickle(url, head, 45)
         assert closed, f"{head[:20]!r}...: a client sending a byte a second was still connected after 45 s"
         assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
