@@ -1,7 +1,7 @@
 """Densely-Anchored Sampling (DAS, ECCV 2022): DFS + MTS as one plug-in module.
 
 `emb, lab = das(emb, lab)` sits between the embedder and any miner/loss. It follows
-docs/das-spec.md (the authors' code where the paper is vague):
+../shared/docs/das-spec.md (the authors' code where the paper is vague):
 
 * order: FRM update, bank update, then T copies per real embedding;
 * DFS: FRM ``P`` (C x d) counts each real embedding's signed top-K channels; a class's mask is
