@@ -19,15 +19,13 @@ _EXPORTS = {
     "default_model_path": "pretrained", "pretrained_embedder": "pretrained",
     "default_parity_images": "export",
 }
-# Modules of plain functions that are public as a whole (the shared kNN, the retrieval metrics,
-# the table of pretrained backbones).
 PUBLIC_MODULES = ("knn", "metrics", "pretrained")
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 
 if TYPE_CHECKING:  # pragma: no cover
+    from . import knn, metrics, pretrained
     from .checkpoint import load_checkpoint, save_checkpoint
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
-    from . import knn, metrics, pretrained
     from .export import default_parity_images, export_onnx
     from .hashing import file_sha256
     from .images import ImageLoadError, ImageTooLargeError, load_image

@@ -27,28 +27,24 @@ def exact_knn(queries: np.ndarray, gallery_blocks: Iterable[np.ndarray], k: int,
     """
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}: expected one of {sorted(METRICS)}")
-    q = np.ascontiguousarray(queries, dtype=np.float32)
     blocks = (np.ascontiguousarray(b, dtype=np.float32) for b in gallery_blocks)
-    return knn_ground_truth(q, blocks, k, METRICS[metric])
+    return knn_ground_truth(np.ascontiguousarray(queries, dtype=np.float32), blocks, k, METRICS[metric])
 
 
 def drop_self(ids: np.ndarray, own: np.ndarray, k: int,
               scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each row of ``ids`` without its query's own id ``own[r]``, its first ``k`` kept, padded
-    with -1 (``scores``, aligned with ``ids``, with NaN): (ids, scores or None), both (N, k).
+    """Each row of ``ids`` without its query's own id ``own[r]`` (its first occurrence), the first
+    ``k`` kept, padded with -1 (``scores``, aligned with ``ids``, with NaN): (ids, scores or None).
 
     By id, not by distance, so a duplicate image (another id at distance 0) still counts as a
-    neighbour. A row that does not hold its query (ties pushed it out, or ``own[r]`` is -1 for
-    "no query to drop") just keeps its first k.
+    neighbour; a row without its query (ties pushed it out; ``own[r]`` -1: none to drop) keeps
+    its first k.
     """
     ids = np.asarray(ids)
-    own = np.asarray(own).reshape(-1, 1)
-    is_self = ids == own
-    keep = np.ones(ids.shape, dtype=bool)
-    rows = np.flatnonzero(is_self.any(1))
-    keep[rows, is_self[rows].argmax(1)] = False
-    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]     # kept entries first, in rank order
-    kept = np.take_along_axis(keep, order, 1)
+    is_self = ids == np.asarray(own).reshape(-1, 1)
+    first = is_self & (np.cumsum(is_self, axis=1) == 1)
+    order = np.argsort(first, axis=1, kind="stable")[:, :k]      # the others first, in rank order
+    kept = ~np.take_along_axis(first, order, 1)
 
     def pick(a: np.ndarray, fill) -> np.ndarray:
         out = np.full((len(a), k), fill, dtype=a.dtype)

@@ -1,9 +1,7 @@
 """The indexer: an LMDB gallery store plus a faiss index tuned to a recall target.
 
 ``python -m indexer --help`` for the command line; ``Index.open(dir).search(images, k)`` from
-Python (what serving uses). The modules in ``PUBLIC_MODULES`` are flat modules of plain
-functions on arrays and files (faiss.contrib style), public as a whole: what tools and
-benchmarks build on besides the names below.
+Python (what serving uses).
 """
 from __future__ import annotations
 
@@ -17,6 +15,6 @@ from .store import GalleryStore
 
 __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
            "merge_shards", "repair_index", "IndexerError", "check_counts", "CountCheck",
-           "writer_lock", "IndexBusyError", "holder", "is_locked"]
-PUBLIC_MODULES = ["faiss_index", "selection", "tuning", "stream", "walk", "ray_build"]
-__all__ += PUBLIC_MODULES
+           "writer_lock", "IndexBusyError", "holder", "is_locked",
+           # modules of plain functions (faiss.contrib style), public as a whole
+           "faiss_index", "selection", "tuning", "stream", "walk", "ray_build"]

@@ -12,6 +12,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from embedder.knn import drop_self
+
 from .errors import IndexerError
 from .index import Index
 from .store import id_for_sha256
@@ -55,14 +57,9 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
     if not keys:
         raise IndexerError(f"{queries}: no query image could be read ({len(skipped)} skipped)")
     scores, ids = index.search_embeddings(np.concatenate(embs), min(kmax + 1, len(index)))
-    neighbor_labels: list[list[str | None]] = []
-    self_matches = 0
-    for (_, _, own_id), row in zip(keys, ids):
-        row = [int(i) for i in row if i >= 0]
-        if own_id in row:
-            self_matches += 1
-            row.remove(own_id)
-        neighbor_labels.append([_label(index, i) for i in row[:kmax]])
+    own = np.array([own_id for _, _, own_id in keys], dtype=np.int64)    # a query the gallery holds
+    self_matches = int((ids == own[:, None]).any(1).sum())
+    neighbor_labels = [[_label(index, int(i)) for i in row if i >= 0] for row in drop_self(ids, own, kmax)[0]]
     rec = recall_at_k_of_labels(neighbor_labels, [lab for _, lab, _ in keys], [k for k in ks if k <= kmax])
     return {"recall": {int(k): float(v) for k, v in rec.items()}, "queries": len(keys),
             "self_matches": self_matches, "skipped": skipped}

@@ -11,8 +11,5 @@ from .demo import ensure_demo_index
 from .searcher import ProbeReport, Query, RequestError, Result, Searcher, SearchResult, UnknownIdError
 
 __all__ = ["Searcher", "probes", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",
-           "RequestError", "ensure_demo_index"]
-# Public as whole modules, imported on demand (``from serving import server``): the web app,
-# upload decoding and the app's temp folder.
-PUBLIC_MODULES = ["server", "uploads", "tempdir"]
-__all__ += PUBLIC_MODULES
+           "RequestError", "ensure_demo_index",
+           "server", "uploads", "tempdir"]   # modules, imported on demand (`from serving import server`)

@@ -58,16 +58,7 @@ class Query:
     label: str | None = None
     path: str | None = None
     name: str = "query"
-    _emb: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-
-    def embedding(self, index: str) -> np.ndarray | None:
-        """The query's embedding in ``index``'s space once a Searcher has computed it, else None."""
-        return self._emb.get(index)
-
-    def keep_embedding(self, index: str, v: np.ndarray) -> np.ndarray:
-        """Remember the query's embedding in ``index``'s space (float32), so it is computed once."""
-        self._emb[index] = np.asarray(v, dtype=np.float32)
-        return self._emb[index]
+    embeddings: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # per index (Searcher.embed)
 
 
 @dataclass

@@ -168,7 +168,7 @@ class Searcher:
     def embed(self, q: Query, index: str | None = None) -> np.ndarray:
         """The query's embedding in ``index``'s space, cached on the query."""
         index = index or self.default
-        if q.embedding(index) is None:
+        if index not in q.embeddings:
             idx = self.index(index)
             v = None
             if self._own(q, index):
@@ -178,8 +178,8 @@ class Searcher:
                     v = None
             if v is None:
                 v = idx.embedder.embed([self.query_image(q)])[0]
-            q.keep_embedding(index, v)
-        return q.embedding(index)
+            q.embeddings[index] = np.asarray(v, dtype=np.float32)
+        return q.embeddings[index]
 
     def _own(self, q: Query, index: str) -> bool:
         """Whether the gallery query is an item of ``index``: ids are content hashes, so the same
@@ -225,11 +225,11 @@ class Searcher:
         qs = [self.query(q) for q in queries]
         if not qs:
             return []
-        todo = [q for q in qs if q.embedding(index) is None and not self._own(q, index)]
+        todo = [q for q in qs if index not in q.embeddings and not self._own(q, index)]
         if todo:
             embs = self.index(index).embedder.embed([self.query_image(q) for q in todo])
             for q, v in zip(todo, embs):
-                q.keep_embedding(index, v)
+                q.embeddings[index] = np.asarray(v, dtype=np.float32)
         emb = np.stack([self.embed(q, index) for q in qs])
         excl = [self._exclude(q, index, exclude_self) for q in qs]
         rows = self.nearest(emb, k, index=index, exclude=excl, thumbnails=thumbnails)
