@@ -19,11 +19,10 @@ _EXPORTS = {
     "default_model_path": "pretrained", "pretrained_embedder": "pretrained",
     "default_parity_images": "export",
 }
-PUBLIC_MODULES = ("knn", "metrics", "pretrained")
+PUBLIC_MODULES = ("knn", "metrics", "pretrained")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import knn, metrics, pretrained
     from .checkpoint import load_checkpoint, save_checkpoint
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .export import default_parity_images, export_onnx
@@ -40,8 +39,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
-    if name in PUBLIC_MODULES:
-        return import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
