@@ -107,7 +107,7 @@ def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
 
     from indexer import faiss_index as fx
     from indexer import tuning
-    from indexer.build import make_index
+    from indexer.selection import build as make_index
 
     rng = np.random.default_rng(seed)
     centres = class_centres(n, d, rng)
@@ -235,7 +235,7 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
     import faiss
 
     from indexer import tuning
-    from indexer.build import make_index
+    from indexer.selection import build as make_index
 
     faiss.omp_set_num_threads(2)
     law = low_rank_law(d, seed)

@@ -370,7 +370,7 @@ def _baseline(work: str, shards: str) -> dict:
     import numpy as np
 
     from indexer import tuning
-    from indexer.build import make_index
+    from indexer.selection import build as make_index
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
