@@ -40,26 +40,20 @@ def _parser() -> argparse.ArgumentParser:
                              "whose codes alone exceed it are not even built")
         sp.add_argument("--seed", type=int, default=0)
 
-    def opts(sp: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
-        """The options several commands share, defined once each."""
-        for name in names:
-            if name == "index":
-                sp.add_argument("--index", type=Path, default=Path(DEFAULT_DIR),
-                                help=f"index directory (default {DEFAULT_DIR})")
-            elif name == "device":
-                sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                                help="faiss/onnxruntime device (GPU when available with auto)")
-            elif name == "quiet":
-                sp.add_argument("--quiet", action="store_true", help="no progress bars")
-            elif name == "ingest":
-                sp.add_argument("--batch-size", type=int, default=32)
-                sp.add_argument("--workers", type=int, default=None, help="image decoding threads")
-            elif name == "json":
-                sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
-            elif name == "wait":
-                sp.add_argument("--wait", action="store_true",
-                                help="if another process is writing this index directory, wait for "
-                                     "it to finish (default: exit 1 naming its pid)")
+    shared = {      # the options several commands take, each defined once
+        "--index": dict(type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})"),
+        "--device": dict(choices=("auto", "cpu", "cuda"), default="auto",
+                         help="faiss/onnxruntime device (GPU when available with auto)"),
+        "--quiet": dict(action="store_true", help="no progress bars"),
+        "--batch-size": dict(type=int, default=32),
+        "--workers": dict(type=int, default=None, help="image decoding threads"),
+        "--json": dict(action="store_true", help="print JSON instead of a table"),
+        "--wait": dict(action="store_true", help="if another process is writing this index directory, "
+                       "wait for it to finish (default: exit 1 naming its pid)")}
+
+    def opts(sp: argparse.ArgumentParser, *flags: str) -> argparse.ArgumentParser:
+        for flag in flags:
+            sp.add_argument(flag, **shared[flag])
         return sp
 
     b = sub.add_parser("build", help="ingest a gallery folder and build its index",
@@ -72,42 +66,42 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
-    _ray_arguments(opts(b, "ingest"))
+    _ray_arguments(opts(b, "--batch-size", "--workers"))
     index_opts(b)
-    opts(b, "device", "quiet", "wait")
+    opts(b, "--device", "--quiet", "--wait")
 
-    a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), "index")
+    a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), "--index")
     a.add_argument("folder", type=Path)
     a.add_argument("--model", type=Path, default=None,
                    help="must be the model the index was built with (default: the index's copy)")
     a.add_argument("--prefix", default="", help="prefix for the stored relative paths (and labels)")
-    opts(a, "ingest", "device", "quiet", "wait")
+    opts(a, "--batch-size", "--workers", "--device", "--quiet", "--wait")
 
     r = sub.add_parser("remove", help="remove images by id or stored relative path")
     r.add_argument("targets", nargs="+", metavar="ID|PATH")
-    opts(r, "index", "wait")
+    opts(r, "--index", "--wait")
 
     opts(sub.add_parser("repair", help="bring index.faiss and the manifest in step with the store",
                         description="What `info` names when the store, index.faiss and the manifest "
                                     "disagree on the image count: embeds stored images the index's "
                                     "model has not embedded, adds/drops faiss vectors to match the "
                                     "store, retunes, rewrites the manifest. Needs no gallery folder."),
-         "index", "ingest", "device", "quiet", "wait")
+         "--index", "--batch-size", "--workers", "--device", "--quiet", "--wait")
 
     s = sub.add_parser("search", help="the k nearest gallery images of a query image")
     s.add_argument("image", type=Path)
     s.add_argument("-k", type=int, default=10)
-    opts(s, "index", "json", "device")
+    opts(s, "--index", "--json", "--device")
 
     e = sub.add_parser("eval", help="Recall@k on a labelled query folder")
     e.add_argument("--queries", type=Path, required=True, help="query folder, one sub-folder per label")
     e.add_argument("-k", type=int, nargs="+", default=[1, 2, 4, 8])
-    opts(e, "index", "json", "device")
+    opts(e, "--index", "--json", "--device")
 
     opts(sub.add_parser("info", help="what an index directory holds",
                         description="Prints what an index directory holds; exits 1 when the store, "
                                     "index.faiss and the manifest disagree on the image count "
-                                    "(naming `indexer repair`)."), "index", "json")
+                                    "(naming `indexer repair`)."), "--index", "--json")
 
     m = sub.add_parser("merge", help="merge shard directories into one index",
                        description="Train one IVF quantizer over all shards and merge their inverted lists.")
@@ -118,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                         "give each shard its own part of the index, and write a manifest in --out "
                         "that lists them (searched as one; nothing is copied)")
     index_opts(m)
-    opts(m, "device", "quiet", "wait")
+    opts(m, "--device", "--quiet", "--wait")
     return p
 
 

@@ -3,17 +3,15 @@
 Every writer (build, add/remove/repair, merge, the sharded and the Ray builds) makes a
 :class:`Manifest` and every reader goes through :meth:`Manifest.read`, so a key that is not a
 field here cannot be written, and a manifest whose fields have the wrong shape is refused in
-one line before anything trusts it. Fields a writer left out stay out of the JSON (``ABSENT``,
-not ``null``): manifests written before a field existed read back unchanged, and keys written by
-a newer version are kept (``extra``) and written back as they were.
+one line before anything trusts it. Fields not recorded (None) stay out of the JSON: manifests
+written before a field existed read back unchanged, and keys written by a newer version are
+kept (``extra``) and written back as they were.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
-
 from embedder.files import atomic_target
 
 from .errors import IndexerError
@@ -22,57 +20,44 @@ FORMAT = "das-index/1"
 DEFAULT_TARGET_RECALL = 0.95    # recall@10 vs exact search that the search parameter is tuned to
 
 
-class _Absent:
-    """A field the manifest does not hold (distinct from a recorded ``null``)."""
-
-    def __repr__(self) -> str:
-        return "ABSENT"
-
-    def __bool__(self) -> bool:
-        return False
-
-
-ABSENT: Any = _Absent()
-
-
 @dataclass
 class Manifest:
-    """The keys of ``manifest.json``; see ``indexer info`` for how each is shown."""
+    """The keys of ``manifest.json``; ``indexer info`` shows them. None: not recorded."""
 
-    model: dict                     # model_info(): hash, file, source, dim, normalized, backbone, ...
+    model: dict                             # model_info(): hash, file, source, dim, backbone, ...
     dim: int
-    count: int                      # vectors in the index (a shard: images in its store)
-    index_type: Any = ABSENT        # None for a shard (a store, no index)
-    factory: Any = ABSENT           # the faiss.index_factory string (IndexSpec)
-    nlist: Any = ABSENT
-    pq_m: Any = ABSENT
-    k_factor: Any = ABSENT
-    metric: Any = ABSENT
-    nprobe: Any = ABSENT
-    search_params: Any = ABSENT     # faiss.ParameterSpace string tuned to the target
-    recall_at_10: Any = ABSENT      # measured on held-out gallery vectors
-    tuning_recall_at_10: Any = ABSENT
-    tuning_queries: Any = ABSENT
-    heldout_queries: Any = ABSENT
-    target_recall: Any = ABSENT
-    train_points: Any = ABSENT
-    train_seconds: Any = ABSENT
-    max_memory: Any = ABSENT        # bytes, when the build had a budget
-    candidates: Any = ABSENT        # the selection's table (selection.select)
-    selection_seconds: Any = ABSENT
-    warning: Any = ABSENT
-    index_file: Any = ABSENT        # {"bytes", "sha256"} of index.faiss, compared on open
-    gallery: Any = ABSENT
-    ingest: Any = ABSENT            # IngestStats, "skipped" as a count
-    report: Any = ABSENT            # report.jsonl: the skipped files and why
-    shard: Any = ABSENT             # {"i", "n"}: a shard directory, merged before searching
-    merged_from: Any = ABSENT
-    shards: Any = ABSENT            # [[i, n], ...] of the shards an index was built from
-    sharded: Any = ABSENT           # a sharded index: {"shards", "trained", "held", "files"}
-    stage_seconds: Any = ABSENT
-    build_seconds: Any = ABSENT
-    built_at: Any = ABSENT
-    updated_at: Any = ABSENT
+    count: int                              # vectors in the index (a shard: images in its store)
+    index_type: str | None = None           # always written; None: a shard (a store, no index)
+    factory: str | None = None              # faiss.index_factory string (IndexSpec)
+    nlist: int | None = None
+    pq_m: int | None = None
+    k_factor: int | None = None
+    metric: str | None = None
+    nprobe: int | None = None
+    search_params: str | None = None        # faiss.ParameterSpace string tuned to the target
+    recall_at_10: float | None = None       # measured on held-out gallery vectors
+    tuning_recall_at_10: float | None = None
+    tuning_queries: int | None = None
+    heldout_queries: int | None = None
+    target_recall: float | None = None
+    train_points: int | None = None
+    train_seconds: float | None = None
+    max_memory: int | None = None           # bytes, when the build had a budget
+    candidates: list | None = None          # the selection's table (selection.select)
+    selection_seconds: float | None = None
+    warning: str | None = None
+    index_file: dict | None = None          # {"bytes", "sha256"} of index.faiss, compared on open
+    gallery: str | None = None
+    ingest: dict | None = None              # IngestStats, "skipped" as a count
+    report: str | None = None               # report.jsonl: the skipped files and why
+    shard: dict | None = None               # {"i", "n"}: a shard, merged before it is searched
+    merged_from: list | None = None
+    shards: list | None = None              # [[i, n], ...]: the shards it was built from
+    sharded: dict | None = None             # a sharded index: {"shards", "trained", "held", "files"}
+    stage_seconds: dict | None = None
+    build_seconds: float | None = None
+    built_at: str | None = None
+    updated_at: str | None = None
     format: str = FORMAT
     extra: dict = field(default_factory=dict, repr=False)   # keys of a newer version, kept as read
 
@@ -96,9 +81,9 @@ class Manifest:
         return m  # type: ignore[return-value]
 
     def to_dict(self) -> dict:
-        """The JSON object, without the absent fields."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name != "extra" and getattr(self, f.name) is not ABSENT}
+        """The JSON object, without the fields not recorded."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"
+               and (getattr(self, f.name) is not None or f.name == "index_type")}
         return {**self.extra, **out}
 
     # -- the file ---------------------------------------------------------------------------
@@ -132,6 +117,6 @@ def _problem(d: dict, m: Manifest | None) -> str:
             return f"{name} {v!r} is not a count"
     for name, keys in (("index_file", ()), ("shard", ("i", "n")), ("sharded", ("shards", "trained", "held"))):
         v = getattr(m, name)
-        if v not in (ABSENT, None) and not (isinstance(v, dict) and all(k in v for k in keys)):
+        if v is not None and not (isinstance(v, dict) and all(k in v for k in keys)):
             return f"{name} is not an object with {'/'.join(keys) or 'fields'}"
     return ""

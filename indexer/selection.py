@@ -251,9 +251,7 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
                                f"needs {_mib(n * (4 * dim + 8))}; use --index-type sq8 or pqfsr8")
         index = fx.train(spec, x[:0], dim)
         _fill(index, spec, x, ids, np.arange(n), parts, np.zeros(0, dtype=np.int64))
-        return index, {**spec.to_dict(), "nprobe": 0, "search_params": "", "recall_at_10": 1.0,
-                       "target_recall": target, "count": int(index.ntotal), "dim": int(dim),
-                       "metric": "inner_product", "train_points": 0, "train_seconds": 0.0}
+        return index, index_fields(spec, int(index.ntotal), dim, target)
     ho = holdout(n, dim, seed)
     tiny = len(ho.tune) == 0
     if tiny:                        # a handful of vectors: tune on the gallery itself
@@ -283,17 +281,11 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
         index = faiss.clone_index(empty)
         _fill(index, spec, x, ids, ho.rows, parts, np.zeros(0, np.int64) if tiny else ids[ho.held])
     value, rq_tune = tune(index, spec, qt, truth[:len(qt)], target)
-    params = spec.search_params(value)
     rq_check = recalls(index.search(np.ascontiguousarray(qc, dtype=np.float32), k)[1], truth[len(qt):])
     if not tiny:
         fx.add(index, x[ho.held], ids[ho.held])
-    fields = {**spec.to_dict(), "nprobe": int(value) if spec.nlist else 0, "search_params": params,
-              "recall_at_10": round(float(rq_check.mean()), 4),
-              "tuning_recall_at_10": round(float(rq_tune.mean()), 4),
-              "tuning_queries": int(len(qt)), "heldout_queries": int(len(qc)),
-              "target_recall": target, "count": int(index.ntotal), "dim": int(dim),
-              "metric": "inner_product", "train_points": int(len(train_rows)),
-              "train_seconds": round(t_train, 3)}
+    fields = {**index_fields(spec, int(index.ntotal), dim, target, value, rq_tune, rq_check),
+              "train_points": int(len(train_rows)), "train_seconds": round(t_train, 3)}
     if max_memory is not None:
         fields["max_memory"] = int(max_memory)
         size = serialized_bytes(index) if sel is None else None
@@ -302,11 +294,25 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
                                f"{_mib(size)}; use --index-type auto or a larger budget")
     if sel is not None:
         fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
+    return index, fields
+
+
+def index_fields(spec: fx.IndexSpec, n: int, dim: int, target: float, value: int = 0,
+                 rq_tune: np.ndarray | None = None, rq_check: np.ndarray | None = None) -> dict:
+    """The manifest fields of an index tuned to ``target`` (``rq_*``: recall@10 per tuning and
+    per held-out query; None: exact Flat), shared by this build and the streaming one."""
+    fields = {**spec.to_dict(), "target_recall": target, "count": n, "dim": int(dim), "metric": "inner_product"}
+    if rq_check is None or rq_tune is None:
+        return {**fields, "nprobe": 0, "search_params": "", "recall_at_10": 1.0, "train_points": 0,
+                "train_seconds": 0.0}
+    fields.update(nprobe=int(value) if spec.nlist else 0, search_params=spec.search_params(value),
+                  recall_at_10=round(float(rq_check.mean()), 4), tuning_queries=int(len(rq_tune)),
+                  tuning_recall_at_10=round(float(rq_tune.mean()), 4), heldout_queries=int(len(rq_check)))
     if rq_check.mean() < target:
         fields["warning"] = (f"recall@10 on held-out queries {rq_check.mean():.3f} < target {target}"
                              + (f" even at {spec.param} = its maximum ({spec.index_type} loses "
                                 "precision); use --index-type ivf" if not clears(rq_tune, target) else ""))
-    return index, fields
+    return fields
 
 
 def _fill(index: faiss.Index, spec: fx.IndexSpec, x: np.ndarray, ids: np.ndarray, rows: np.ndarray,
