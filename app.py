@@ -48,11 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
     if args.name is not None and len(args.name) != len(args.index):
         p.error(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
-    from indexer.index_dir import MANIFEST, IndexDir
-
-    for d in args.index:
-        if not IndexDir(d).exists():
-            p.error(f"--index {d}: not an index directory (no {MANIFEST}); build one with `python -m indexer build`")
     for d in args.queries:
         if not d.is_dir():
             p.error(f"--queries {d}: not a directory (expected <DIR>/<label>/<images>)")
@@ -61,6 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from embedder.cli import fail, one_line
+    from indexer import IndexDir, IndexerError
+
+    try:    # before anything is started or emptied: a wrong --index is one line, exit 1
+        for d in args.index:
+            IndexDir(d).require()
+    except IndexerError as e:
+        return fail("app.py", e)
     # before gradio is imported: our own temp folder, emptied of what a previous run left
     from serving.tempdir import claim_temp_dir
 
@@ -76,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             indexes = [ensure_demo_index(args.demo_dir)]
         except Exception as e:  # a failed demo build is reported in one line, not a traceback
-            print(f"app.py: could not build the demo index in {args.demo_dir}: {e}", file=sys.stderr)
-            return 1
+            return fail("app.py", f"could not build the demo index in {args.demo_dir}: {one_line(e)}")
         qdir = args.demo_dir / "queries"
         if qdir.is_dir():
             queries.setdefault("demo queries", qdir)
@@ -86,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         # incomplete directory stops the start with one line, not a 500 at the first upload
         searcher = Searcher.open(indexes, names=names, device=args.device, check_model=True)
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"app.py: cannot open index: {msg}", file=sys.stderr)
-        return 1
+        return fail("app.py", f"cannot open index: {one_line(e)}")
 
     if removed:   # said once the indexes opened: a failed start stays one line
         print(f"app.py: removed {removed} leftover temp entries from {temp_dir}", file=sys.stderr)

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .cli import fail
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .images import ImageLoadError
 
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (CheckpointError, ModelLoadError, ImageLoadError, ParityError,
             PretrainedWeightsUnavailable, FileNotFoundError, PermissionError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return fail("python -m embedder", e)
 
 
 if __name__ == "__main__":

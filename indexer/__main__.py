@@ -16,8 +16,8 @@ DEFAULT_DIR = "indexes/default"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import ray_build
     from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
+    from .manifest import DEFAULT_TARGET_RECALL
 
     p = argparse.ArgumentParser(prog="python -m indexer",
                                 description="LMDB gallery store + faiss index tuned to a recall target.")
@@ -31,22 +31,30 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--flat-threshold", type=int, default=DEFAULT_FLAT_THRESHOLD, metavar="N",
                         help=f"gallery size from which auto uses IVF (default {DEFAULT_FLAT_THRESHOLD})")
         sp.add_argument("--nlist", type=int, default=None, help="IVF lists (default: from the gallery size)")
-        sp.add_argument("--target-recall", type=float, default=0.95,
-                        help="recall@10 vs exact search that nprobe is tuned to reach (default 0.95)")
+        sp.add_argument("--target-recall", type=float, default=DEFAULT_TARGET_RECALL,
+                        help="recall@10 vs exact search that nprobe is tuned to reach "
+                             f"(default {DEFAULT_TARGET_RECALL})")
         sp.add_argument("--max-memory", default=None, metavar="SIZE",
                         help="memory budget for the index, e.g. 4G or 512M (default: no limit; "
-                             "the build holds the gallery's vectors in memory anyway)")
+                             "the build holds the gallery's vectors in memory anyway); index types "
+                             "whose codes alone exceed it are not even built")
         sp.add_argument("--seed", type=int, default=0)
 
-    def wait_opt(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--wait", action="store_true",
-                        help="if another process is writing this index directory, wait for it "
-                             "to finish (default: exit 1 naming its pid)")
+    shared = {      # the options several commands take, each defined once
+        "--index": dict(type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})"),
+        "--device": dict(choices=("auto", "cpu", "cuda"), default="auto",
+                         help="faiss/onnxruntime device (GPU when available with auto)"),
+        "--quiet": dict(action="store_true", help="no progress bars"),
+        "--batch-size": dict(type=int, default=32),
+        "--workers": dict(type=int, default=None, help="image decoding threads"),
+        "--json": dict(action="store_true", help="print JSON instead of a table"),
+        "--wait": dict(action="store_true", help="if another process is writing this index directory, "
+                       "wait for it to finish (default: exit 1 naming its pid)")}
 
-    def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="faiss/onnxruntime device (GPU when available with auto)")
-        sp.add_argument("--quiet", action="store_true", help="no progress bars")
+    def opts(sp: argparse.ArgumentParser, *flags: str) -> argparse.ArgumentParser:
+        for flag in flags:
+            sp.add_argument(flag, **shared[flag])
+        return sp
 
     b = sub.add_parser("build", help="ingest a gallery folder and build its index",
                        description="Walk GALLERY (labels = sub-folders), store and embed every image, "
@@ -58,60 +66,42 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
-    b.add_argument("--batch-size", type=int, default=32)
-    b.add_argument("--workers", type=int, default=None, help="image decoding threads")
-    ray_build.add_arguments(b)
+    _ray_arguments(opts(b, "--batch-size", "--workers"))
     index_opts(b)
-    common(b)
-    wait_opt(b)
+    opts(b, "--device", "--quiet", "--wait")
 
-    a = sub.add_parser("add", help="add the images of a folder to an existing index")
+    a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), "--index")
     a.add_argument("folder", type=Path)
-    a.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
     a.add_argument("--model", type=Path, default=None,
                    help="must be the model the index was built with (default: the index's copy)")
     a.add_argument("--prefix", default="", help="prefix for the stored relative paths (and labels)")
-    a.add_argument("--batch-size", type=int, default=32)
-    a.add_argument("--workers", type=int, default=None)
-    common(a)
-    wait_opt(a)
+    opts(a, "--batch-size", "--workers", "--device", "--quiet", "--wait")
 
     r = sub.add_parser("remove", help="remove images by id or stored relative path")
     r.add_argument("targets", nargs="+", metavar="ID|PATH")
-    r.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
-    wait_opt(r)
+    opts(r, "--index", "--wait")
 
-    rp = sub.add_parser("repair", help="bring index.faiss and the manifest in step with the store",
+    opts(sub.add_parser("repair", help="bring index.faiss and the manifest in step with the store",
                         description="What `info` names when the store, index.faiss and the manifest "
                                     "disagree on the image count: embeds stored images the index's "
                                     "model has not embedded, adds/drops faiss vectors to match the "
-                                    "store, retunes, rewrites the manifest. Needs no gallery folder.")
-    rp.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
-    rp.add_argument("--batch-size", type=int, default=32)
-    rp.add_argument("--workers", type=int, default=None)
-    common(rp)
-    wait_opt(rp)
+                                    "store, retunes, rewrites the manifest. Needs no gallery folder."),
+         "--index", "--batch-size", "--workers", "--device", "--quiet", "--wait")
 
     s = sub.add_parser("search", help="the k nearest gallery images of a query image")
     s.add_argument("image", type=Path)
     s.add_argument("-k", type=int, default=10)
-    s.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
-    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    opts(s, "--index", "--json", "--device")
 
     e = sub.add_parser("eval", help="Recall@k on a labelled query folder")
     e.add_argument("--queries", type=Path, required=True, help="query folder, one sub-folder per label")
-    e.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
     e.add_argument("-k", type=int, nargs="+", default=[1, 2, 4, 8])
-    e.add_argument("--json", action="store_true")
-    e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    opts(e, "--index", "--json", "--device")
 
-    i = sub.add_parser("info", help="what an index directory holds",
-                       description="Prints what an index directory holds; exits 1 when the store, "
-                                   "index.faiss and the manifest disagree on the image count "
-                                   "(naming `indexer repair`).")
-    i.add_argument("--index", type=Path, default=Path(DEFAULT_DIR))
-    i.add_argument("--json", action="store_true")
+    opts(sub.add_parser("info", help="what an index directory holds",
+                        description="Prints what an index directory holds; exits 1 when the store, "
+                                    "index.faiss and the manifest disagree on the image count "
+                                    "(naming `indexer repair`)."), "--index", "--json")
 
     m = sub.add_parser("merge", help="merge shard directories into one index",
                        description="Train one IVF quantizer over all shards and merge their inverted lists.")
@@ -122,9 +112,50 @@ def _parser() -> argparse.ArgumentParser:
                         "give each shard its own part of the index, and write a manifest in --out "
                         "that lists them (searched as one; nothing is copied)")
     index_opts(m)
-    common(m)
-    wait_opt(m)
+    opts(m, "--device", "--quiet", "--wait")
     return p
+
+
+def _ray_arguments(b: argparse.ArgumentParser) -> None:
+    """``indexer build``'s Ray options (``indexer.ray_build``)."""
+    b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS|auto|local",
+                   help="build the shards as Ray tasks and merge them: `local` starts Ray on this "
+                        "machine, `auto` joins the cluster `ray start` runs here, HOST:PORT a head "
+                        "node. Gallery and --out must be paths every node can read")
+    b.add_argument("--shards", type=int, default=None, metavar="N",
+                   help="with --ray: shard count (default: one per GPU of the cluster, else one per node)")
+    b.add_argument("--max-retries", type=int, default=3, metavar="N",
+                   help="with --ray: retries of a shard task whose worker died (default 3); "
+                        "a retry resumes from what the shard stored")
+    b.add_argument("--cpus-per-shard", type=int, default=None, metavar="N",
+                   help="with --ray: CPUs each shard task reserves (default: the cluster's CPUs / shards)")
+    b.add_argument("--sharded", action="store_true",
+                   help="with --ray: keep the shards as the index's parts (searched as one, nothing "
+                        "copied), each filled by its own Ray task from a quantizer trained once on a "
+                        "sample of their stores, instead of merging them into one store and index")
+
+
+def _build_with_ray(args: argparse.Namespace) -> dict:
+    """``indexer build --ray``: the flags only --ray takes, the build, the shard summary line."""
+    from .ray_build import SHARDS_DIR, build_with_ray
+
+    if args.ray is None:
+        raise ValueError(("--sharded" if args.sharded and args.shards is None else "--shards")
+                         + " needs --ray (for one shard by hand use --shard i/n)")
+    if args.shard:
+        raise ValueError("--shard and --ray exclude each other: --ray builds every shard itself")
+    m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
+                       max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
+                       batch_size=args.batch_size, workers=args.workers, device=args.device,
+                       progress=not args.quiet, wait=args.wait, sharded=args.sharded,
+                       **index_options(args))
+    r = m["ray"]
+    skipped = int(m.get("ingest", {}).get("skipped", 0))
+    print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
+          f"{r['num_cpus']} CPU per task; attempts per shard: {', '.join(map(str, r['attempts']))}), "
+          f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m['report']})" if skipped else "")
+          + f"; shards kept in {Path(args.out) / SHARDS_DIR}")
+    return m
 
 
 def index_options(args: argparse.Namespace) -> dict:
@@ -143,13 +174,11 @@ def _run(args: argparse.Namespace) -> int:
     from .walk import parse_shard
 
     if args.cmd == "build" and (args.ray is not None or args.shards is not None or args.sharded):
-        from .ray_build import build_from_args
-
-        _print_index_line(build_from_args(args, index_options(args)), args.out)   # locks --out itself
+        _print_index_line(_build_with_ray(args), args.out)   # locks --out itself
         return 0
+    for flag in ("batch_size", "workers"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag, None))
     if args.cmd == "build":
-        _positive("--batch-size", args.batch_size)
-        _positive("--workers", args.workers)
         shard = parse_shard(args.shard) if args.shard else None
         m = build_index(args.gallery, args.out, args.model, shard=shard, batch_size=args.batch_size,
                         workers=args.workers, device=args.device, progress=not args.quiet,
@@ -178,8 +207,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"index now holds {m['count']}")
         return 0
     if args.cmd == "repair":
-        _positive("--batch-size", args.batch_size)
-        _positive("--workers", args.workers)
         m = repair_index(args.index, batch_size=args.batch_size, workers=args.workers,
                          device=args.device, progress=not args.quiet, wait=args.wait)
         print(f"repaired: embedded {m['embedded']}, added {m['added']} and dropped {m['removed']} "
@@ -345,6 +372,8 @@ def _print_candidates(m: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from embedder.cli import fail
+
     from .errors import IndexerError
 
     import lmdb
@@ -352,11 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (IndexerError, ValueError, OSError, KeyError, lmdb.Error) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, KeyError):
-            msg = str(e.args[0]) if e.args else msg
-        print(f"indexer {args.cmd}: error: {msg}", file=sys.stderr)
-        return 1
+        return fail(f"indexer {args.cmd}", e)
     except KeyboardInterrupt:
         print(f"indexer {args.cmd}: interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130

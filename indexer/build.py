@@ -5,51 +5,42 @@ import dataclasses
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import faiss
 import numpy as np
+
+from embedder.images import IMAGE_SUFFIXES
 
 from . import faiss_index as fx
 from . import selection, tuning
 from .errors import IndexerError
 from .index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
 from .lock import writer_lock
+from .manifest import DEFAULT_TARGET_RECALL, Manifest
 from .model import load_embedder, model_info
 from .pipeline import IngestStats, embed_missing, ingest
 from .store import GalleryStore
 from .walk import GalleryFile, shard_of, walk_gallery
 
-DEFAULT_TARGET_RECALL = 0.95
-
-
-# ---------------------------------------------------------------------------- faiss from a store
-def make_index(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
-               flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-               target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
-               seed: int = 0, trained: faiss.Index | None = None,
-               parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
-               max_memory: int | str | None = None, progress: bool = False) -> tuple[faiss.Index, dict]:
-    """Choose, train, fill and tune an index over (ids ascending, x). Returns (index, manifest fields).
-
-    See ``selection.build``: the type is chosen by measurement above ``flat_threshold`` (unless
-    ``index_type`` forces one), and the recall reported is measured on held-out gallery vectors.
-    With ``parts`` (shards' (ids, x)), each part is added to its own copy of the trained empty
-    index and the copies are merged with ``merge_from``: the path ``indexer merge`` takes.
-    """
-    return selection.build(ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                           nlist=nlist, target=target_recall,
-                           max_memory=selection.parse_memory(max_memory), device=device,
-                           seed=seed, trained=trained, parts=parts, progress=progress)
-
-
-def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> dict:
-    fx.write_atomic(index, d.index_file)
-    return d.write_manifest({"model": model, **fields, **extra, "index_file": d.index_record(),
-                             "built_at": now_utc()})
-
-
 # ---------------------------------------------------------------------------- build
+def gallery_files(gallery: str | Path, shard: tuple[int, int] | None = None) -> Iterator[GalleryFile]:
+    """Every build's one gallery check (``indexer build``, ``--shard``, ``--ray``): a folder
+    holding at least one image-named entry (the embedder's ``IMAGE_SUFFIXES``). Returns the walk
+    (shard ``i`` of ``n``'s share of it) still lazy: ingest consumes it on a helper thread,
+    overlapped with embedding (for a small model, listing a big folder first costs a few
+    percent of the build)."""
+    gallery = Path(gallery)
+    if not gallery.is_dir():
+        raise IndexerError(f"{gallery}: gallery folder not found")
+    files = walk_gallery(gallery)
+    first = next(files, None)
+    if first is None:
+        raise IndexerError(f"{gallery}: empty gallery (no {'/'.join(sorted(IMAGE_SUFFIXES))} files)")
+    files = itertools.chain([first], files)
+    return files if shard is None else (f for f in files if shard_of(f.relpath, shard[1]) == shard[0])
+
+
 def build_index(gallery: str | Path, out: str | Path, model: str | Path | None = None, *,
                 index_type: str = "auto", flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD,
                 nlist: int | None = None, target_recall: float = DEFAULT_TARGET_RECALL,
@@ -63,29 +54,14 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
 
     Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
     Holds ``out``'s writer lock (:mod:`indexer.lock`; ``wait``: wait for another writer instead
-    of refusing). ``files``: the entries to ingest, already listed (``indexer build --ray`` hands
-    a shard task its share of the driver's one walk), instead of walking ``gallery``. Returns
-    the manifest.
+    of refusing). ``files``: the entries to ingest, already listed and checked (``indexer build
+    --ray`` hands a shard task its share of the driver's one walk), instead of walking
+    ``gallery``. Returns the manifest.
     """
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
-    if not gallery.is_dir():
-        raise IndexerError(f"{gallery}: gallery folder not found")
-    if not 0 < target_recall <= 1:
-        raise IndexerError(f"target recall {target_recall}: expected 0 < target <= 1")
-    max_memory = selection.parse_memory(max_memory)     # refuse a bad size before the work
-    # The walk stays lazy: ingest consumes it on a helper thread, overlapped with embedding
-    # (for a small model, listing a big folder first costs a few percent of the build).
-    if files is not None:               # listed by the caller: a shard's share already
-        pass
-    elif shard is not None:
-        files = (f for f in walk_gallery(gallery) if shard_of(f.relpath, shard[1]) == shard[0])
-    else:
-        files = walk_gallery(gallery)
-        first = next(iter(files), None)
-        if first is None:
-            raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")
-        files = itertools.chain([first], files)
+    files = gallery_files(gallery, shard) if files is None else files
+    max_memory = selection.check_options(index_type, target_recall, max_memory)  # before the work
     emb = embedder or load_embedder(model, device=device, batch_size=batch_size)
     with writer_lock(out, "indexer build", wait=wait):
         out.mkdir(parents=True, exist_ok=True)
@@ -97,18 +73,24 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         d.copy_model(emb.path, emb.model_hash)
         extra = {"gallery": str(gallery.resolve()), "ingest": _stats_dict(stats), "report": REPORT}
         if shard is not None:
-            extra["shard"] = {"i": shard[0], "n": shard[1]}
-            return d.write_manifest({"model": model_info(emb, MODEL_FILE), "dim": int(emb.dim),
-                                     "count": int(len(ids)), "index_type": None,
-                                     "build_seconds": round(time.perf_counter() - t0, 3), **extra})
+            return d.write_manifest(Manifest(
+                model=model_info(emb, MODEL_FILE), dim=int(emb.dim), count=int(len(ids)), index_type=None,
+                shard={"i": shard[0], "n": shard[1]}, build_seconds=round(time.perf_counter() - t0, 3),
+                **extra))
         if len(ids) == 0:
             raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
                                f"reasons in {d.report_file})")
-        index, fields = make_index(ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                                   nlist=nlist, target_recall=target_recall, device=device, seed=seed,
-                                   max_memory=max_memory, progress=progress)
+        index, fields = selection.build(ids, x, index_type=index_type, flat_threshold=flat_threshold,
+                                        nlist=nlist, target_recall=target_recall, device=device,
+                                        seed=seed, max_memory=max_memory, progress=progress)
         extra["build_seconds"] = round(time.perf_counter() - t0, 3)
         return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra)
+
+
+def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> dict:
+    fx.write_atomic(index, d.index_file)
+    return d.write_manifest(Manifest(model=model, **fields, **extra, index_file=d.index_record(),
+                                     built_at=now_utc()))
 
 
 def _stats_dict(stats: IngestStats) -> dict:
@@ -256,6 +238,7 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
     """
     t0 = time.perf_counter()
     out = Path(out)
+    max_memory = selection.check_options(index_type, target_recall, max_memory)
     dirs = [IndexDir(d) for d in shard_dirs]
     if not dirs:
         raise IndexerError("merge needs at least one shard directory")
@@ -286,9 +269,9 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
                 dst.copy_from(s, model_hash)
                 s.close()
         dst_dir.copy_model(dirs[0].model_file, model_hash)
-        index, fields = make_index(all_ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                                   nlist=nlist, target_recall=target_recall, device=device, seed=seed,
-                                   parts=parts, max_memory=max_memory, progress=progress)
+        index, fields = selection.build(all_ids, x, index_type=index_type, flat_threshold=flat_threshold,
+                                        nlist=nlist, target_recall=target_recall, device=device,
+                                        seed=seed, parts=parts, max_memory=max_memory, progress=progress)
         skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
         dst_dir.write_report([r for d in dirs for r in d.read_report()])
         extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": seen,

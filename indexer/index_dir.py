@@ -20,9 +20,9 @@ from embedder.files import atomic_target
 from embedder.hashing import file_sha256
 
 from .errors import IndexerError
+from .manifest import FORMAT, Manifest
 from .validate import check_faiss_file, check_lmdb, check_model_file, read_faiss
 
-FORMAT = "das-index/1"
 MANIFEST = "manifest.json"
 INDEX_FILE = "index.faiss"
 STORE_DIR = "store.lmdb"
@@ -62,24 +62,24 @@ class IndexDir:
         """Whether a manifest is there (the cheap "is this an index directory" test)."""
         return self.manifest_file.is_file()
 
-    # -- the manifest ---------------------------------------------------------------------
-    def read_manifest(self) -> dict:
-        path = self.manifest_file
-        if not path.exists():
-            raise IndexerError(f"{self.path}: no index here (missing {MANIFEST}); run `indexer build` first")
-        try:
-            m = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise IndexerError(f"{path}: unreadable manifest ({e})") from None
-        if not isinstance(m, dict) or m.get("format") != FORMAT:
-            raise IndexerError(f"{path}: not a {FORMAT} manifest")
-        return m
+    def require(self) -> "IndexDir":
+        """The one refusal of a path that is no index directory (the indexer's commands, the
+        searcher and app.py all say it in these words). Returns ``self``."""
+        if not self.exists():
+            raise IndexerError(f"{self.path}: not an index directory (no index here: missing "
+                               f"{MANIFEST}); build one with `python -m indexer build`")
+        return self
 
-    def write_manifest(self, manifest: dict) -> dict:
-        """Write (last, atomically) and return the manifest as a reader will see it."""
-        with atomic_target(self.manifest_file) as tmp, open(tmp, "w") as f:
-            json.dump({**manifest, "format": FORMAT}, f, indent=2, sort_keys=True)
-            f.write("\n")
+    # -- the manifest (its schema: indexer.manifest.Manifest) --------------------------------
+    def read_manifest(self) -> dict:
+        return Manifest.read(self.require().manifest_file).to_dict()
+
+    def write_manifest(self, manifest: Manifest | dict) -> dict:
+        """Write (last, atomically) and return the manifest as a reader will see it. A dict is
+        checked against the schema first: a key that is not a ``Manifest`` field is refused."""
+        if isinstance(manifest, dict):
+            manifest = Manifest.from_dict({**manifest, "format": FORMAT}, where=self.manifest_file)
+        manifest.write(self.manifest_file)
         return self.read_manifest()
 
     # -- the other files ------------------------------------------------------------------

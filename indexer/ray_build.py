@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import IndexerError
-from .lock import writer_lock
 from .index_dir import IndexDir
-from .walk import FILE_LIST, read_file_list, split_walk, walk_gallery
+from .lock import writer_lock
+from .manifest import DEFAULT_TARGET_RECALL
+from .selection import check_options
+from .walk import FILE_LIST, read_file_list, split_walk
 
 SHARDS_DIR = "shards"
 PLAN_FILE = "plan.json"         # shard count, gallery and model of the shards under SHARDS_DIR
@@ -267,25 +269,24 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
     Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options. With
     ``sharded`` the shards stay there as the index's parts (``shard_build.build_sharded``: one
     training on a sample of their stores, then a second Ray pass in which each shard fills its
-    part), instead of being copied into one store and one index.
-    Holds ``out``'s writer lock (:mod:`indexer.lock`) from once the flags are checked and Ray is
-    there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
+    part), instead of being copied into one store and one index. Every input is checked (the
+    same checks as ``build_index``) before Ray starts.
+    Holds ``out``'s writer lock (:mod:`indexer.lock`) from once the inputs are checked and Ray
+    is there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
     Returns the merged manifest plus ``ray``: shards, attempts per shard, resources per task.
     """
-    from .build import merge_shards
+    from .build import gallery_files, merge_shards
     from .model import load_embedder
 
     t0 = time.perf_counter()
     gallery, out = Path(gallery).resolve(), Path(out).resolve()
-    if not gallery.is_dir():
-        raise IndexerError(f"{gallery}: gallery folder not found")
-    if next(iter(walk_gallery(gallery)), None) is None:
-        raise IndexerError(f"{gallery}: empty gallery (no .jpg/.jpeg/.png/.webp/.bmp/.gif/.tiff files)")
-    target = merge_opts.get("target_recall", 0.95)
-    if not 0 < target <= 1:
-        raise IndexerError(f"target recall {target}: expected 0 < target <= 1")
-    if shards is not None and shards < 1:
-        raise ValueError(f"--shards={shards}: expected a positive integer")
+    gallery_files(gallery)
+    check_options(merge_opts.get("index_type", "auto"),
+                  merge_opts.get("target_recall", DEFAULT_TARGET_RECALL), merge_opts.get("max_memory"))
+    for name, v in (("--shards", shards), ("--cpus-per-shard", cpus_per_shard),
+                    ("--batch-size", batch_size), ("--workers", workers)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v}: expected a positive integer")
     if max_retries < 0:
         raise ValueError(f"--max-retries={max_retries}: expected 0 or more")
     emb = load_embedder(model, device="cpu", batch_size=batch_size)   # fails fast on a bad model
@@ -296,55 +297,10 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             nodes = alive_nodes(ray)
             n = shards or default_shards(nodes)
             res = plan_resources(nodes, n, cpus_per_shard)
-            root = out / SHARDS_DIR
-            root.mkdir(parents=True, exist_ok=True)
-            _check_plan(root, gallery, n, emb.model_hash)
-            shared = IndexDir(root)                     # tasks read the model from the shared path
-            shared.copy_model(emb.path, emb.model_hash)
-            shared_model = shared.model_file
-            lists = [root / str(i) / FILE_LIST for i in range(n)]
-            for p in lists:
-                p.parent.mkdir(exist_ok=True)
-            listed = split_walk(gallery, lists, progress)        # the one walk of this build
             opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                     "threads": res["num_cpus"], "device": device}
-            actor = ray.remote(num_cpus=0)(_Progress).remote(n)
-            ray.get(actor.state.remote())               # up before any task reports to it
-            task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
-            fault = os.environ.get(FAULT_ENV)
-            refs = {task.remote(str(gallery), str(root / str(i)), str(shared_model), i, n, opts, actor, fault): i
-                    for i in range(n)}
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=sum(listed), desc=f"indexing ({n} shards on Ray)", unit="img")
-            pending, manifests = list(refs), {}
-            try:
-                while pending:
-                    ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-                    for r in ready:
-                        i = refs[r]
-                        try:
-                            manifests[i] = ray.get(r)
-                        except ray.exceptions.RayError as e:
-                            for p in pending:
-                                ray.cancel(p)
-                            attempts = ray.get(actor.state.remote())[1][i]
-                            raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
-                                               f"{_one_line(e)}; rerun the same command to resume") from None
-                    if bar is not None:
-                        bar.n = sum(ray.get(actor.state.remote())[0])
-                        bar.refresh()
-                attempts = ray.get(actor.state.remote())[1]
-                if bar is not None:      # the shards' own counts are the final word
-                    bar.n = sum(int(mm["ingest"]["found"]) for mm in manifests.values())
-                    bar.total = max(bar.total or 0, bar.n)
-                    bar.refresh()
-            finally:
-                if bar is not None:
-                    bar.close()
-            dirs = [root / str(i) for i in range(n)]
+            dirs, found, attempts = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n, res,
+                                                   opts, max_retries, progress)
             if sharded:
                 from .shard_build import build_sharded
 
@@ -355,52 +311,56 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                 ray.shutdown()
         if not sharded:
             m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
-        m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res,
-                    "found": sum(int(mm["ingest"]["found"]) for mm in manifests.values()),
+        m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                     "seconds": round(time.perf_counter() - t0, 3)}
         return m
 
 
-# ---------------------------------------------------------------------------- command line
-def add_arguments(b: Any) -> None:
-    """``indexer build``'s Ray options (the parser is built in ``__main__``)."""
-    b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS|auto|local",
-                   help="build the shards as Ray tasks and merge them: `local` starts Ray on this "
-                        "machine, `auto` joins the cluster `ray start` runs here, HOST:PORT a head "
-                        "node. Gallery and --out must be paths every node can read")
-    b.add_argument("--shards", type=int, default=None, metavar="N",
-                   help="with --ray: shard count (default: one per GPU of the cluster, else one per node)")
-    b.add_argument("--max-retries", type=int, default=3, metavar="N",
-                   help="with --ray: retries of a shard task whose worker died (default 3); "
-                        "a retry resumes from what the shard stored")
-    b.add_argument("--cpus-per-shard", type=int, default=None, metavar="N",
-                   help="with --ray: CPUs each shard task reserves (default: the cluster's CPUs / shards)")
-    b.add_argument("--sharded", action="store_true",
-                   help="with --ray: keep the shards as the index's parts (searched as one, nothing "
-                        "copied), each filled by its own Ray task from a quantizer trained once on a "
-                        "sample of their stores, instead of merging them into one store and index")
+def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: dict, opts: dict,
+                   max_retries: int, progress: bool) -> tuple[list[Path], int, list[int]]:
+    """The Ray pass: the one walk split into ``n`` file lists under ``root``, one ``build_shard``
+    task each. Returns (shard directories, files found, attempts per shard)."""
+    root.mkdir(parents=True, exist_ok=True)
+    _check_plan(root, gallery, n, emb.model_hash)
+    shared = IndexDir(root)                     # tasks read the model from the shared path
+    shared.copy_model(emb.path, emb.model_hash)
+    dirs = [root / str(i) for i in range(n)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    listed = split_walk(gallery, [d / FILE_LIST for d in dirs], progress)   # the one walk of this build
+    actor = ray.remote(num_cpus=0)(_Progress).remote(n)
+    ray.get(actor.state.remote())               # up before any task reports to it
+    task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
+    fault = os.environ.get(FAULT_ENV)
+    refs = {task.remote(str(gallery), str(d), str(shared.model_file), i, n, opts, actor, fault): i
+            for i, d in enumerate(dirs)}
+    from tqdm.auto import tqdm
+
+    with tqdm(total=sum(listed), desc=f"indexing ({n} shards on Ray)", unit="img",
+              disable=not progress) as bar:
+        manifests = _wait_all(ray, refs, actor, n, bar)
+        found = sum(int(m["ingest"]["found"]) for m in manifests.values())
+        bar.n, bar.total = found, max(bar.total or 0, found)   # the shards' own counts are the final word
+        bar.refresh()
+    return dirs, found, ray.get(actor.state.remote())[1]
 
 
-def build_from_args(args: Any, index_options: dict) -> dict:
-    """``indexer build --ray``: check the flags, build, print the shard summary line.
-    ``index_options``: the merge's index flags (``indexer.__main__.index_options``)."""
-    if args.ray is None:
-        raise ValueError(("--sharded" if args.sharded and args.shards is None else "--shards")
-                         + " needs --ray (for one shard by hand use --shard i/n)")
-    if args.shard:
-        raise ValueError("--shard and --ray exclude each other: --ray builds every shard itself")
-    for name, v in (("--batch-size", args.batch_size), ("--workers", args.workers),
-                    ("--cpus-per-shard", args.cpus_per_shard)):
-        if v is not None and v < 1:
-            raise ValueError(f"{name}={v}: expected a positive integer")
-    m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
-                       max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
-                       batch_size=args.batch_size, workers=args.workers, device=args.device,
-                       progress=not args.quiet, wait=args.wait, sharded=args.sharded, **index_options)
-    r = m["ray"]
-    skipped = int(m.get("ingest", {}).get("skipped", 0))
-    print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
-          f"{r['num_cpus']} CPU per task; attempts per shard: {', '.join(map(str, r['attempts']))}), "
-          f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m['report']})" if skipped else "")
-          + f"; shards kept in {Path(args.out) / SHARDS_DIR}")
-    return m
+def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, dict]:
+    """Each shard's manifest once all tasks ended, the bar following the actor's counts; the
+    first task that fails for good cancels the rest and ends in one line."""
+    pending, manifests = list(refs), {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        for r in ready:
+            i = refs[r]
+            try:
+                manifests[i] = ray.get(r)
+            except ray.exceptions.RayError as e:
+                for p in pending:
+                    ray.cancel(p)
+                attempts = ray.get(actor.state.remote())[1][i]
+                raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
+                                   f"{_one_line(e)}; rerun the same command to resume") from None
+        bar.n = sum(ray.get(actor.state.remote())[0])
+        bar.refresh()
+    return manifests

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import faiss_index as fx
 from .errors import IndexerError
+from .manifest import DEFAULT_TARGET_RECALL
 from .tuning import K, Holdout, clears, exact_knn, holdout, measure_qps, recalls, tune
 
 SELECT_FROM = 10_000        # smaller galleries forced past Flat get IVF-Flat: timings would be noise
@@ -36,6 +37,27 @@ TIE = 0.10                  # within 10% of the fastest counts as a tie: the ear
 
 def serialized_bytes(index: faiss.Index) -> int:
     return int(faiss.serialize_index(index).size)
+
+
+def predicted_bytes(spec: fx.IndexSpec, n: int, dim: int) -> int:
+    """A lower bound of ``spec``'s size over ``n`` vectors, from its factory string alone: the
+    codes (``faiss.contrib.factory_tools.get_code_size``, which reads the factory grammar, so
+    it is not re-derived here) plus the IVF centroids, without ids or list overhead. A candidate
+    above the budget by this bound cannot fit, so it is never built."""
+    from faiss.contrib.factory_tools import get_code_size
+
+    key = spec.factory.removeprefix("IDMap2,").removesuffix("np")     # ids / training flags: no code
+    return n * get_code_size(dim, key) + (spec.nlist or 0) * dim * 4
+
+
+def check_options(index_type: str, target_recall: float, max_memory: int | str | None) -> int | None:
+    """The one check of the index flags every build entry takes (build, --shard, --ray, merge):
+    refused before any work, in one line. Returns ``max_memory`` in bytes."""
+    if index_type not in fx.INDEX_TYPES:
+        raise IndexerError(f"index type {index_type!r}: expected one of {', '.join(fx.INDEX_TYPES)}")
+    if not 0 < target_recall <= 1:
+        raise IndexerError(f"target recall {target_recall}: expected 0 < target <= 1")
+    return parse_memory(max_memory)
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -134,6 +156,10 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
 
     for i, spec in enumerate(tqdm(specs, desc="choosing the index", unit="candidate",
                                   disable=not progress)):
+        least = predicted_bytes(spec, n, dim)
+        if max_memory is not None and least > max_memory:     # cannot fit: not worth building
+            table.append(_unbuilt(spec, least))
+            continue
         s_spec = scaled(spec, len(rows), n) if not whole else spec
         if last is not None and last[0] == s_spec.factory:     # only a search parameter differs
             index, empty, build_s = last[1:]
@@ -164,11 +190,19 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
                       "fits_memory": max_memory is None or memory <= max_memory})
         if whole and table[-1]["meets_target"] and table[-1]["fits_memory"]:
             built[i] = index
-    del index, last
+    last = None         # frees the last candidate built (unless it is the one kept)
     chosen = choose(table, max_memory)
     for i, row in enumerate(table):
         row["chosen"] = i == chosen
     return Selection(specs[chosen], table, built.get(chosen), time.perf_counter() - t_start)
+
+
+def _unbuilt(spec: fx.IndexSpec, least: int) -> dict:
+    """The table row of a candidate whose predicted size is over the budget (never built)."""
+    return {"index_type": spec.index_type, "factory": spec.factory, "sample_factory": None,
+            "search_params": "", "recall_at_10": 0.0, "qps": 0.0, "rank_qps": 0.0,
+            "memory_bytes": int(least), "build_seconds": 0.0, "meets_target": False,
+            "fits_memory": False, "built": False}
 
 
 def choose(table: list[dict], max_memory: int | None = None) -> int:
@@ -190,18 +224,21 @@ def choose(table: list[dict], max_memory: int | None = None) -> int:
 # ---------------------------------------------------------------------------- build
 def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
           flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-          target: float = 0.95, max_memory: int | None = None, device: str = "auto",
-          seed: int = 0, trained: faiss.Index | None = None,
+          target_recall: float = DEFAULT_TARGET_RECALL, max_memory: int | str | None = None,
+          device: str = "auto", seed: int = 0, trained: faiss.Index | None = None,
           parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
           progress: bool = False) -> tuple[faiss.Index, dict]:
-    """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x).
+    """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x):
+    what ``indexer build`` and ``merge`` do once the vectors are in hand.
 
-    Returns (index, manifest fields). With ``parts`` (shards' (ids, x)) each part fills its own
-    copy of the trained index and the copies are merged, where faiss can merge that type.
+    The type is chosen by measurement above ``flat_threshold`` (unless ``index_type`` forces
+    one), and the recall reported is measured on held-out gallery vectors. Returns (index,
+    manifest fields). With ``parts`` (shards' (ids, x)) each part fills its own copy of the
+    trained index and the copies are merged with ``merge_from`` where faiss can merge that type.
     """
     n, dim = x.shape
-    if index_type not in fx.INDEX_TYPES:
-        raise IndexerError(f"index type {index_type!r}: expected one of {', '.join(fx.INDEX_TYPES)}")
+    target = target_recall
+    max_memory = check_options(index_type, target, max_memory)
     if n <= 0:
         raise IndexerError("cannot build an index of an empty gallery")
     if max_memory is not None and max_memory < n * dim:
@@ -214,9 +251,7 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
                                f"needs {_mib(n * (4 * dim + 8))}; use --index-type sq8 or pqfsr8")
         index = fx.train(spec, x[:0], dim)
         _fill(index, spec, x, ids, np.arange(n), parts, np.zeros(0, dtype=np.int64))
-        return index, {**spec.to_dict(), "nprobe": 0, "search_params": "", "recall_at_10": 1.0,
-                       "target_recall": target, "count": int(index.ntotal), "dim": int(dim),
-                       "metric": "inner_product", "train_points": 0, "train_seconds": 0.0}
+        return index, index_fields(spec, int(index.ntotal), dim, target)
     ho = holdout(n, dim, seed)
     tiny = len(ho.tune) == 0
     if tiny:                        # a handful of vectors: tune on the gallery itself
@@ -246,17 +281,11 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
         index = faiss.clone_index(empty)
         _fill(index, spec, x, ids, ho.rows, parts, np.zeros(0, np.int64) if tiny else ids[ho.held])
     value, rq_tune = tune(index, spec, qt, truth[:len(qt)], target)
-    params = spec.search_params(value)
     rq_check = recalls(index.search(np.ascontiguousarray(qc, dtype=np.float32), k)[1], truth[len(qt):])
     if not tiny:
         fx.add(index, x[ho.held], ids[ho.held])
-    fields = {**spec.to_dict(), "nprobe": int(value) if spec.nlist else 0, "search_params": params,
-              "recall_at_10": round(float(rq_check.mean()), 4),
-              "tuning_recall_at_10": round(float(rq_tune.mean()), 4),
-              "tuning_queries": int(len(qt)), "heldout_queries": int(len(qc)),
-              "target_recall": target, "count": int(index.ntotal), "dim": int(dim),
-              "metric": "inner_product", "train_points": int(len(train_rows)),
-              "train_seconds": round(t_train, 3)}
+    fields = {**index_fields(spec, int(index.ntotal), dim, target, value, rq_tune, rq_check),
+              "train_points": int(len(train_rows)), "train_seconds": round(t_train, 3)}
     if max_memory is not None:
         fields["max_memory"] = int(max_memory)
         size = serialized_bytes(index) if sel is None else None
@@ -265,11 +294,25 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
                                f"{_mib(size)}; use --index-type auto or a larger budget")
     if sel is not None:
         fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
+    return index, fields
+
+
+def index_fields(spec: fx.IndexSpec, n: int, dim: int, target: float, value: int = 0,
+                 rq_tune: np.ndarray | None = None, rq_check: np.ndarray | None = None) -> dict:
+    """The manifest fields of an index tuned to ``target`` (``rq_*``: recall@10 per tuning and
+    per held-out query; None: exact Flat), shared by this build and the streaming one."""
+    fields = {**spec.to_dict(), "target_recall": target, "count": n, "dim": int(dim), "metric": "inner_product"}
+    if rq_check is None or rq_tune is None:
+        return {**fields, "nprobe": 0, "search_params": "", "recall_at_10": 1.0, "train_points": 0,
+                "train_seconds": 0.0}
+    fields.update(nprobe=int(value) if spec.nlist else 0, search_params=spec.search_params(value),
+                  recall_at_10=round(float(rq_check.mean()), 4), tuning_queries=int(len(rq_tune)),
+                  tuning_recall_at_10=round(float(rq_tune.mean()), 4), heldout_queries=int(len(rq_check)))
     if rq_check.mean() < target:
         fields["warning"] = (f"recall@10 on held-out queries {rq_check.mean():.3f} < target {target}"
                              + (f" even at {spec.param} = its maximum ({spec.index_type} loses "
                                 "precision); use --index-type ivf" if not clears(rq_tune, target) else ""))
-    return index, fields
+    return fields
 
 
 def _fill(index: faiss.Index, spec: fx.IndexSpec, x: np.ndarray, ids: np.ndarray, rows: np.ndarray,

@@ -23,6 +23,7 @@ from . import selection, stream
 from .build import check_shards, remove_target
 from .errors import IndexerError
 from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
+from .manifest import DEFAULT_TARGET_RECALL
 from .model import load_embedder
 from .pipeline import IngestStats, ingest
 from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, relative, shard_paths)
@@ -39,7 +40,7 @@ def _records(out: Path, files: Sequence[Path]) -> dict:
 
 def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
                   flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-                  target_recall: float = 0.95, device: str = "auto", seed: int = 0,
+                  target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto", seed: int = 0,
                   progress: bool = True, max_memory: int | str | None = None,
                   fill_parts: FillParts | None = None) -> dict:
     """Index shard directories where they are; ``out`` gets the manifest that lists them."""
@@ -53,7 +54,8 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
     sources = [stream.StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
     try:
         p = stream.plan(sources, index_type=index_type, flat_threshold=flat_threshold, nlist=nlist,
-                        target=target_recall, max_memory=selection.parse_memory(max_memory),
+                        target=target_recall,
+                        max_memory=selection.check_options(index_type, target_recall, max_memory),
                         device=device, seed=seed, progress=progress)
         out.mkdir(parents=True, exist_ok=True)
         fx.write_atomic(p.trained, out / TRAINED_FILE)
@@ -173,7 +175,7 @@ def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray],
         for s in sources:
             s.close()
     index = PartsIndex(directory, manifest).cpu_index
-    value, rq = tune(index, spec, q, truth, float(manifest.get("target_recall", 0.95)), own=own)
+    value, rq = tune(index, spec, q, truth, float(manifest.get("target_recall", DEFAULT_TARGET_RECALL)), own=own)
     return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
             "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),
             "tuning_queries": int(len(own)), "heldout_queries": 0}

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import faiss_index as fx
 from .errors import IndexerError
-from .selection import SELECT_FROM, candidates, select
+from .selection import SELECT_FROM, candidates, index_fields, select
 from .store import GalleryStore
 from .tuning import K, Holdout, clears, holdout, recalls, tune
 
@@ -295,24 +295,11 @@ def tune_and_check(p: Plan, index: faiss.Index, target: float) -> dict:
     in it yet), and its manifest fields. Returns the fields; the index is left tuned."""
     spec, n, dim = p.spec, len(p.ids), p.trained.d
     if spec.index_type == "flat":
-        return {**spec.to_dict(), "nprobe": 0, "search_params": "", "recall_at_10": 1.0,
-                "target_recall": target, "count": n, "dim": int(dim), "metric": "inner_product",
-                "train_points": 0, "train_seconds": 0.0}
+        return index_fields(spec, n, dim, target)
     nt = len(p.qt)
     value, rq_tune = tune(index, spec, p.qt, p.truth[:nt], target)
-    params = spec.search_params(value)
     rq_check = recalls(index.search(np.ascontiguousarray(p.qc), p.truth.shape[1])[1], p.truth[nt:])
-    fields = {**spec.to_dict(), "nprobe": int(value) if spec.nlist else 0, "search_params": params,
-              "recall_at_10": round(float(rq_check.mean()), 4),
-              "tuning_recall_at_10": round(float(rq_tune.mean()), 4),
-              "tuning_queries": int(nt), "heldout_queries": int(len(p.qc)),
-              "target_recall": target, "count": n, "dim": int(dim), "metric": "inner_product",
-              **{k: v for k, v in p.fields.items()}}
-    if rq_check.mean() < target:
-        fields["warning"] = (f"recall@10 on held-out queries {rq_check.mean():.3f} < target {target}"
-                             + (f" even at {spec.param} = its maximum ({spec.index_type} loses "
-                                "precision); use --index-type ivf" if not clears(rq_tune, target) else ""))
-    return fields
+    return {**index_fields(spec, n, dim, target, value, rq_tune, rq_check), **p.fields}
 
 
 # ---------------------------------------------------------------------------- 4. one index on disk

@@ -23,7 +23,6 @@ from embedder.images import DEFAULT_MAX_PIXELS
 from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from indexer import Index, IndexDir, check_counts
-from indexer.index_dir import INDEX_FILE, MANIFEST, STORE_DIR
 
 from . import probes
 from .reload import IndexWatcher
@@ -68,9 +67,7 @@ class Searcher:
         opened: dict[str, Index] = {}
         paths: dict[str, Path] = {}
         for i, d in enumerate(dirs):
-            if not IndexDir(d).exists():
-                raise FileNotFoundError(f"{d}: not an index directory (expected {MANIFEST}, "
-                                        f"{INDEX_FILE} and {STORE_DIR}/ in it)")
+            IndexDir(d).require()
             name = names[i] if names is not None else _index_name(d, set(opened))
             if name in opened:
                 raise ValueError(f"names: duplicate index name {name!r}")

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from embedder.cli import fail, one_line
+
     parser = build_parser()
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
@@ -62,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail("python -m training", e, 2)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
@@ -77,13 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(cfg)
     except expected as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail("python -m training", e)
     except Exception as e:  # noqa: BLE001 - one line for the user; details with DAS_DEBUG=1
         if os.environ.get("DAS_DEBUG"):
             raise
-        print(f"error: {type(e).__name__}: {e} (set DAS_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 1
+        return fail("python -m training", f"{type(e).__name__}: {one_line(e)} (set DAS_DEBUG=1 for the traceback)")
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 speaks for the run
         return 0
     best = result.best_metrics.get("R@1")

@@ -119,7 +119,7 @@ def test_write_atomic_keeps_old_file_on_failure(tmp_path: Path) -> None:
 @pytest.mark.parametrize("index_type", ["sq8", "ivfpq"])
 def test_compressed_options_report_the_recall_they_reach(index_type: str) -> None:
     """SQ8 / IVF-PQ for large galleries: tuned like IVF-Flat, and honest when the target is out of reach."""
-    from indexer.build import make_index
+    from indexer.selection import build as make_index
 
     x = clustered(10_000, 32, centers=100, spread=0.5)
     ids = np.arange(10_000, dtype=np.int64)

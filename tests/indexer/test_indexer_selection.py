@@ -17,7 +17,7 @@ from indexer import faiss_index as fx
 from indexer import tuning
 from indexer import selection
 from indexer.__main__ import _print_candidates
-from indexer.build import make_index
+from indexer.selection import build as make_index
 from indexer.errors import IndexerError
 from indexer.index_dir import IndexDir
 

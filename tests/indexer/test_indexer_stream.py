@@ -47,7 +47,7 @@ def test_streamed_index_equals_the_one_process_build(gallery, tmp_path: Path) ->
     # timings; a one-process build of the chosen type must then be the very same index)
     only = [s.factory for s in selection.candidates(N, D) if stream.streamable(s)]
     assert [c["factory"] for c in fields["candidates"]] == only and fields["factory"] in only
-    one, f1 = selection.build(ids, x, target=0.95, flat_threshold=5_000, device="cpu",
+    one, f1 = selection.build(ids, x, target_recall=0.95, flat_threshold=5_000, device="cpu",
                               index_type=fields["index_type"], nlist=fields["nlist"])
     for key in ("factory", "search_params", "recall_at_10", "tuning_recall_at_10", "train_points", "count"):
         assert fields[key] == f1[key], key
