@@ -52,6 +52,8 @@ def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(t
                        for j in range(0, len(test), 32)]).numpy()
     want = evaluate(e, test.labels, ks=(1,), clustering=False)["R@1"]
     assert result.initial_metrics["R@1"] == pytest.approx(want, abs=1e-6)
+    # the evaluation classes, in the split's order, for a gallery of exactly them (README)
+    assert (result.run_dir / "eval_classes.txt").read_text().splitlines() == test.split.classes
     # the last stage moved, nothing earlier did; the embedding is the 1280-d pooled feature
     after = torch.load(result.last_checkpoint, weights_only=True)["state_dict"]
     before = ref.state_dict()
