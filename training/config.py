@@ -76,7 +76,7 @@ class TrainConfig:
     workers: int = 0  # DataLoader worker processes
     # --- model ---
     backbone: str = "resnet50"  # resnet18|resnet34|resnet50|efficientnet_lite0|small_cnn
-    dim: int = 128  # embedding dimension
+    dim: int = 128  # embedding dimension (0 = no embedding layer: the pooled features, L2-normalised)
     pooling: str = "avg"  # avg | avgmax | gem
     gem_p: float = 3.0  # GeM exponent (pooling = "gem")
     pretrained: bool = True  # ImageNet weights for the backbone (needs them available)
@@ -165,10 +165,12 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
-        positive = ("epochs", "batch_size", "per_class", "dim", "eval_every", "eval_batch_size")
+        positive = ("epochs", "batch_size", "per_class", "eval_every", "eval_batch_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected a positive integer")
+        if self.dim < 0:
+            raise ConfigError(f"dim={self.dim!r}: expected an integer >= 0 (0 = no embedding layer)")
         if self.batch_size % self.per_class:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
@@ -193,6 +195,8 @@ class TrainConfig:
         if self.trunk_cache and kind == "all":
             raise ConfigError("trunk_cache=true needs frozen stages to cache: set trainable to "
                               "'last:N' or 'head'")
+        if kind == "head" and self.dim == 0:
+            raise ConfigError("trainable='head' with dim=0: there is no embedding layer to train")
         if self.head_init == "pca" and self.dim <= 0:
             raise ConfigError("head_init='pca' needs an embedding layer (dim > 0)")
 

@@ -7,6 +7,7 @@ tensors and plain lists so ``torch.load(weights_only=True)`` reads it.
 """
 from __future__ import annotations
 
+
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,10 +64,13 @@ def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
 def build_components(cfg: TrainConfig, num_classes: int):
     """(model, criterion, das or None) -- what a config must be able to build without any data
     (the configs test walks every file through this)."""
-    criterion = build_criterion(cfg, num_classes)
+    model = build_model(cfg)
+    # dim = 0 (no embedding layer): the loss and DAS work on the pooled features' width.
+    sized = cfg if cfg.dim else dataclasses.replace(cfg, dim=model.dim)
+    criterion = build_criterion(sized, num_classes)
     normalize = bool(getattr(criterion, "normalize", True))
-    model = build_model(cfg, normalize)
-    das = build_das(cfg, num_classes, normalize) if cfg.das else None
+    model.config.normalize = normalize       # N-pair and lifted train unnormalised embeddings
+    das = build_das(sized, num_classes, normalize) if cfg.das else None
     return model, criterion, das
 
 

@@ -186,6 +186,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
 
     train_full, test_full = build_datasets(cfg, train_split, test_split)
     train_ds, test_ds, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)
+    if info.is_main:   # the split's own order (natural, case-insensitive), for galleries of it
+        (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     resuming = cfg.resume and last_path.is_file()
     inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)

@@ -1,0 +1,79 @@
+"""dim = 0: fine-tuning without an embedding layer, on real cub-dev photos (3 species, 64 px).
+
+Why it exists: on fine-grained photos a new embedding layer (random or PCA) starts below the
+pretrained pooled features it sits on (issue 23: -1.1 R@1 for a PCA head of 128 on cub-dev
+validation species); with no layer, epoch 0 IS the training-free embedder and training moves the
+last stages only."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CUB = REPO.parent / "shared" / "data" / "cub-dev" / "images"
+
+
+def _cfg(out, **kw):
+    from training.config import TrainConfig
+
+    if not CUB.is_dir():
+        pytest.fail(f"cub-dev not found at {CUB}")
+    base = dict(dataset="folder", root=str(CUB), max_classes=3, backbone="efficientnet_lite0",
+                pretrained=True, pooling="gem", gem_p=4.0, dim=0, trainable="last:1",
+                trunk_cache=True, trunk_views=1, frozen_bn=True, loss="multisimilarity",
+                miner="none", das=True, das_preset="robust", epochs=1, lr=1e-3,
+                backbone_lr=1e-3, batch_size=6, per_class=2, input_size=64, steps_per_epoch=2,
+                eval_clustering=False, tensorboard=False, progress=False, device="cpu",
+                amp="off", seed=1, out=str(out), cache_dir=str(out.parent / "cache"),
+                parity_images=2)
+    base.update(kw)
+    return TrainConfig(**base).validate()
+
+
+def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(tmp_path):
+    from embedder import Embedder, EmbedderConfig, OnnxEmbedder
+    from training import train
+
+    cfg = _cfg(tmp_path / "run")
+    result = train(cfg)
+    # epoch 0 ranks exactly as the pretrained GeM features of the same network (no layer between)
+    from training.run_state import build_datasets, build_preprocessing
+
+    _, test = build_datasets(cfg)
+    ref = Embedder(EmbedderConfig(backbone="efficientnet_lite0", dim=0, pooling="gem", gem_p=4.0,
+                                  pretrained=True), build_preprocessing(cfg)).eval()
+    from embedder.metrics import evaluate
+
+    with torch.no_grad():
+        e = torch.cat([ref(torch.stack([test[i][0] for i in range(j, min(j + 32, len(test)))]))
+                       for j in range(0, len(test), 32)]).numpy()
+    want = evaluate(e, test.labels, ks=(1,), clustering=False)["R@1"]
+    assert result.initial_metrics["R@1"] == pytest.approx(want, abs=1e-6)
+    # the evaluation classes, in the split's order, for a gallery of exactly them (README)
+    assert (result.run_dir / "eval_classes.txt").read_text().splitlines() == test.split.classes
+    # the last stage moved, nothing earlier did; the embedding is the 1280-d pooled feature
+    after = torch.load(result.last_checkpoint, weights_only=True)["state_dict"]
+    before = ref.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(k.startswith("backbone.net.blocks.6.") for k in changed)
+    assert all(k.startswith(("backbone.net.blocks.6.", "backbone.net.conv_head.",
+                             "backbone.net.bn2.")) for k in changed), sorted(changed)[:5]
+    assert not any(k.startswith("head.") for k in after)
+    onnx = OnnxEmbedder(result.onnx_path, device="cpu")
+    assert onnx.dim == 1280
+    v = onnx.embed([test.image(0)])
+    assert v.shape == (1, 1280) and np.isclose(np.linalg.norm(v), 1.0, atol=1e-4)
+
+
+def test_dim_0_is_refused_where_nothing_would_train(tmp_path):
+    from training.config import ConfigError
+
+    with pytest.raises(ConfigError, match="dim=0"):
+        _cfg(tmp_path / "run", trainable="head")
+    with pytest.raises(ConfigError, match="dim=-1"):
+        _cfg(tmp_path / "run", dim=-1)
+    with pytest.raises(ConfigError, match="head_init='pca'"):
+        _cfg(tmp_path / "run", head_init="pca")
