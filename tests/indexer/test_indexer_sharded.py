@@ -122,3 +122,31 @@ def test_sharded_index_is_healthy_and_has_one_writer(built: Path, tmp_path: Path
     for r in (p, q):
         assert r.returncode == 1 and "is being written by pid" in r.stderr, r.stderr
     assert len(Index.open(out)) == 240
+
+
+def test_a_shard_that_received_no_file_is_valid(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    """`--ray --shards 8` on a small gallery leaves some shards with no file: their (empty)
+    store and part must not stop the sharded index from building, opening, searching, adding."""
+    from indexer.walk import shard_of, walk_gallery
+
+    gallery = tmp_path / "g"
+    copy_characters(omniglot_root, gallery, 1, per_char=3)
+    got = {shard_of(f.relpath, 8) for f in walk_gallery(gallery)}
+    full, empty = min(got), min(set(range(8)) - got)
+    for i in (full, empty):
+        run_cli("build", gallery, "--model", small_onnx, "--shard", f"{i}/8", "--out", tmp_path / f"s{i}", "--quiet")
+    out = tmp_path / "idx"
+    run_cli("merge", "--sharded", tmp_path / f"s{empty}", tmp_path / f"s{full}", "--out", out, "--quiet")
+    idx = Index.open(out, check_model=True)
+    n = sum(1 for f in walk_gallery(gallery) if shard_of(f.relpath, 8) == full)
+    assert len(idx) == idx.manifest["count"] == n
+    ids, x = idx.store.stores[1].all_embeddings(idx.model_hash)
+    assert idx.search_embeddings(x, 1)[1][:, 0].tolist() == ids.tolist()
+    info = run_cli("info", "--index", out).stdout
+    assert f"shard 0:  {(tmp_path / f's{empty}').resolve()}: 0 images stored, 0 vectors" in info, info
+    # `indexer add` goes to the emptiest shard: the one that had no file
+    extra = tmp_path / "extra"
+    copy_characters(omniglot_root, extra, 1, per_char=2, skip_chars=3)
+    p = run_cli("add", extra, "--index", out)
+    assert f"added 2 vectors to shard {(tmp_path / f's{empty}').resolve()}" in p.stdout, p.stdout
+    assert len(Index.open(out)) == n + 2
