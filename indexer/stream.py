@@ -237,7 +237,9 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
     ndup = total - n                  # positions of duplicates are dropped: draw that many more
     held_pos = draw(rng, total, total if tiny else 2 * m + ndup)
     rest = total - len(held_pos)
-    sel_pos = held_pos if tiny else draw(rng, total, min(rest, SAMPLE_CAP + 1), exclude=held_pos)
+    measure = index_type == "auto" and n >= SELECT_FROM and not nlist
+    sel_pos = held_pos if tiny or not measure else draw(rng, total, min(rest, SAMPLE_CAP + 1),
+                                                        exclude=held_pos)
     sam = Sample(sources, counts, dups, np.union1d(held_pos, sel_pos))
     held_pos, sel_pos = sam.kept(held_pos), sam.kept(sel_pos)
     if not tiny and len(held_pos) > 2 * m:
@@ -255,7 +257,7 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
     t["truth"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if index_type == "auto":
-        if n >= SELECT_FROM and not nlist:
+        if measure:
             specs = [s for s in candidates(n, dim, max_memory) if streamable(s)]
             # select() measures on ho.rows (a sample of SAMPLE_CAP of them when longer): handing
             # it SAMPLE_CAP + 1 sampled rows of a View of n rows keeps its scaling to n

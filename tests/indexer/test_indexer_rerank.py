@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from indexer_testlib import run_cli
-from indexer import Index, rerank, tuning
+from indexer import Index, rerank
 from indexer.errors import IndexerError
 from serving.searcher import Searcher
 
@@ -36,15 +36,34 @@ def ram_bytes(idx: Index) -> int:
     return rerank.in_ram_bytes(len(idx), 4 * idx.dim, int(m["nlist"]), idx.dim)
 
 
+def gallery(idx: Index) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ascending, vectors) of every image of a single or sharded index's store(s)."""
+    stores = getattr(idx.store, "stores", [idx.store])
+    parts = [s.all_embeddings(idx.model_hash) for s in stores]
+    ids, x = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    ids, first = np.unique(ids, return_index=True)
+    return ids, x[first]
+
+
 def exact_top(x: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
     return ids[np.argsort(-(q @ x.T), axis=1, kind="stable")[:, :k]]
+
+
+def tie_recall(found: np.ndarray, x: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) -> float:
+    """recall@k against exact search, counting an image whose score ties the k-th (within float
+    error) as found: untrained embeddings of look-alike glyphs tie, and which of two tied images
+    comes 10th depends on the order of a sum."""
+    s = q @ x.T
+    kth = -np.sort(-s, axis=1)[:, k - 1]
+    got = np.take_along_axis(s, np.searchsorted(ids, np.where(found >= 0, found, ids[0])), axis=1)
+    return float(np.minimum(((got >= kth[:, None] - 1e-6) & (found >= 0)).sum(axis=1), k).mean() / k)
 
 
 def check_against_exact(codes: Index, ram: Index, k: int = 10) -> float:
     """Every gallery image as a query: the answer is the exact top-k of its candidates; where
     they hold the exact top-k of the gallery, it is that; recall@k vs exact >= the in-RAM
     index's at the same nprobe. Returns the share of queries whose candidates held it."""
-    ids, x = ram.store.all_embeddings(ram.model_hash)
+    ids, x = gallery(ram)
     q = x / np.linalg.norm(x, axis=1, keepdims=True)
     _, got = codes.search_embeddings(x, k)
     _, in_ram = ram.search_embeddings(x, k)
@@ -55,12 +74,14 @@ def check_against_exact(codes: Index, ram: Index, k: int = 10) -> float:
     for r in range(len(q)):
         c = cand[r][cand[r] >= 0]
         xc = x[np.searchsorted(ids, c)]
-        assert got[r].tolist() == c[np.argsort(-(xc @ q[r]), kind="stable")[:k]].tolist(), r
-        if set(exact[r]) <= set(c):             # the same k images, up to ties in score
+        score = lambda found: np.sort(x[np.searchsorted(ids, found)] @ q[r])  # noqa: E731
+        best = c[np.argsort(-(xc @ q[r]), kind="stable")[:k]]       # up to ties in score:
+        np.testing.assert_allclose(score(got[r]), score(best), atol=1e-6, err_msg=str(r))
+        assert set(got[r]) <= set(c)
+        if set(exact[r]) <= set(c):             # the same k images as exact search
             held += 1
-            score = lambda found: np.sort(x[np.searchsorted(ids, found)] @ q[r])  # noqa: E731
             np.testing.assert_allclose(score(got[r]), score(exact[r]), atol=1e-6, err_msg=str(r))
-    assert tuning.recalls(got, exact).mean() >= tuning.recalls(in_ram, exact).mean()
+    assert tie_recall(got, x, ids, q, k) >= tie_recall(in_ram, x, ids, q, k)
     return held / len(q)
 
 
@@ -92,7 +113,7 @@ def test_codes_only_sharded_index_reads_every_shard_store(built: Path, tmp_path:
     a = Searcher.open([built / "sharded"], names=["ram"])
     b = Searcher.open([built / "sharded"], names=["codes"], max_memory=ram_bytes(ram) // 2)
     assert b.describe("codes")["memory"]["codes"] == "SQ8" and a.describe("ram")["memory"] is None
-    ids, _ = ram.store.all_embeddings(ram.model_hash)
+    ids, _ = gallery(ram)
     for j in ids[::13]:
         ra, rb = a.search(int(j), 5), b.search(int(j), 5, thumbnails=True)
         assert [r.id for r in ra.results] == [r.id for r in rb.results]
@@ -105,12 +126,15 @@ def test_an_image_removed_from_the_store_is_not_answered(built: Path, tmp_path: 
     codes = Index.open(tmp_path / "idx", max_memory=ram_bytes(ram) // 2)
     ids, x = ram.store.all_embeddings(ram.model_hash)
     gone = int(codes.search_embeddings(x[:1], 1)[1][0, 0])
-    from indexer import GalleryStore
-
-    with GalleryStore(tmp_path / "idx" / "store.lmdb", readonly=False) as st:   # as a crash mid-remove
-        assert st.remove_id(gone)
+    # removed by another process: this one's codes still hold it until it reloads the index
+    run_cli("remove", str(gone), "--index", tmp_path / "idx")
+    assert gone in codes.faiss.candidates(x[:1] / np.linalg.norm(x[:1]), 10)[0]
     scores, found = codes.search_embeddings(x[:1], 10)
     assert gone not in found[0] and (found[0] >= 0).all()
+    # what the server's watcher does next: the new state, codes only again
+    new = codes.reopen()
+    assert isinstance(new.faiss, rerank.ReRanked) and new.max_memory == codes.max_memory
+    assert len(new) == len(ram) - 1 and gone not in new.faiss.candidates(x[:1] / np.linalg.norm(x[:1]), 10)[0]
 
 
 def test_cli_search_and_eval_with_max_memory(built: Path, omniglot_gallery: Path) -> None:
@@ -137,5 +161,5 @@ def test_app_refuses_a_bad_max_memory(built: Path, capsys: pytest.CaptureFixture
 
     assert app.parse_args(["--index", str(built / "merged"), "--max-memory", "64M"]).max_memory == 64 * 2 ** 20
     with pytest.raises(SystemExit) as e:
-        app.parse_args(["--index", str(built / "merged"), "--max-memory", "-3G"])
-    assert e.value.code == 2 and "--max-memory: memory size '-3G': expected a positive size" in capsys.readouterr().err
+        app.parse_args(["--index", str(built / "merged"), "--max-memory", "0"])
+    assert e.value.code == 2 and "--max-memory: memory size '0': expected a positive size" in capsys.readouterr().err
