@@ -538,7 +538,6 @@ def _serve_gen(work: str, n: str, d: str, nlist: str) -> dict:
 def _serve(work: str, mode: str, nprobe: str) -> dict:
     """One serving process: the whole IVF-Flat index in RAM (``ram``), or its codes (``SQ8``,
     ``PQ32``, ...) re-ranked from the store, as ``Index.open(max_memory=...)`` serves them."""
-    import gc
 
     import faiss
     import numpy as np
@@ -550,6 +549,8 @@ def _serve(work: str, mode: str, nprobe: str) -> dict:
     q, truth = np.load(Path(work) / "q.npy"), np.load(Path(work) / "truth.npy")
     path = str(Path(work) / "index.faiss")
     t0 = time.perf_counter()
+    import gc
+
     if mode == "ram":
         index = faiss.read_index(path)
         index.nprobe = int(nprobe)
@@ -561,7 +562,7 @@ def _serve(work: str, mode: str, nprobe: str) -> dict:
         vectors = rerank.store_vectors(store, (Path(work) / "model").read_text())
         r = rerank.codes_only(mapped, vectors, 1, codec=mode)
         del mapped
-        gc.collect()
+        rerank.release_freed()                     # as Index.open(max_memory=...) does
         search = r.search
     load_s = time.perf_counter() - t0
     found = search(q, 10)[1]                       # warm: every probed list touched once
@@ -570,6 +571,7 @@ def _serve(work: str, mode: str, nprobe: str) -> dict:
         t1 = time.perf_counter()
         search(q, 10)
         times.append(time.perf_counter() - t1)
+    gc.collect()
     return {"mode": mode, "load_seconds": load_s, "recall": float(tuning.recalls(found, truth).mean()),
             "qps": len(q) / min(times), "peak_rss_mib": peak_rss_mib(), **_status()}
 

@@ -29,7 +29,8 @@ from .errors import IndexerError
 RERANK_FACTOR = 10          # k' = 10 k candidates from the codes (the top 100 for k = 10)
 TRAIN_POINTS = 65_536       # codec training sample (SQ ranges, PQ codebooks: 256 x 39 at least)
 CHUNK = 65_536              # rows of a Flat index re-encoded at a time
-BLOCK = 256                 # queries re-ranked at a time (a block gathers 256 x k' x d floats)
+BLOCK = 64                  # queries re-ranked at a time (a block gathers 64 x k' x d floats:
+                            # small, so that what a block frees goes back rather than pile up)
 Vectors = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]   # ids -> (found ids, their rows)
 
 
@@ -204,8 +205,11 @@ class ReRanked:
 
 
 def choose_codec(ntotal: int, dim: int, nlist: int, budget: int) -> str:
-    """The most accurate codec whose index fits ``budget`` bytes; one line when none does."""
+    """The most accurate codec whose index fits ``budget`` bytes; one line when none does.
+    PQ needs 256 training points a codebook: below that only SQ codes are offered."""
     for name, size in codecs(dim):
+        if name.startswith("PQ") and ntotal < 256:
+            continue
         if in_ram_bytes(ntotal, size, nlist, dim) <= budget:
             return name
     name, size = codecs(dim)[-1]
@@ -252,8 +256,23 @@ def serve_codes(idx: Any, max_memory: int | str) -> Any:
     r = codes_only(idx.faiss.cpu_index, store_vectors(idx.store, idx.model_hash), budget)
     if r is not None:
         idx.faiss = r
+        release_freed()
     idx.max_memory = budget
     return idx
+
+
+def release_freed() -> None:
+    """Hand the re-encoding's freed buffers back to the OS (glibc's ``malloc_trim``): glibc keeps
+    freed heap memory below its raised mmap threshold, which would count in the RSS this node
+    promises to keep small. A no-op where there is no glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def describe(fi: Any) -> str:

