@@ -598,10 +598,10 @@ def serve_table(r: dict, cmd: str) -> list[str]:
            "its own process, memory read from /proc/self/status after 4 batches of 1000 fresh "
            "queries (RssAnon: the process's own; RssFile: mapped pages of the store and index "
            f"files, which the kernel can drop). Load average {r['load']:.1f}. Command: `{cmd}`.", "",
-           "| serving | load s | RssAnon MiB | RssFile MiB | VmRSS MiB | peak RSS MiB | VmRSS saved vs in-RAM "
+           "| serving | load s | RssAnon MiB | RssFile MiB | VmRSS MiB | peak RSS MiB | RssAnon saved vs in-RAM "
            "/ vectors' size | recall@10 | q/s vs in-RAM |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
-        saved = (base["VmRSS"] - row["VmRSS"]) / r["gen"]["vectors_mib"]
+        saved = (base["RssAnon"] - row["RssAnon"]) / r["gen"]["vectors_mib"]
         name = "whole IVF-Flat index in RAM" if row["mode"] == "ram" else f"{row['mode']} codes + re-rank of 10k from LMDB"
         out.append(f"| {name} | {row['load_seconds']:.1f} | {row['RssAnon']:,.0f} | {row['RssFile']:,.0f} | "
                    f"{row['VmRSS']:,.0f} | {row['peak_rss_mib']:,.0f} | {saved:.2f} | {row['recall']:.4f} | "
