@@ -277,12 +277,13 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
     t["select"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     del sam
-    train = Sample(sources, counts, dups,
-                   draw(np.random.default_rng(seed), total, _train_size(spec),
-                        exclude=np.zeros(0, np.int64) if tiny else held_pos))
-    trained = fx.train(spec, train.x, dim, device=device, seed=seed)
+    t_rng, want = np.random.default_rng(seed), _train_size(spec)
+    train = Sample(sources, counts, dups, draw(t_rng, total, want + ndup,
+                                               exclude=np.zeros(0, np.int64) if tiny else held_pos))
+    x_train = train.x if len(train.x) <= want else train.x[np.sort(t_rng.choice(len(train.x), want, replace=False))]
+    trained = fx.train(spec, x_train, dim, device=device, seed=seed)
     t["train"] = time.perf_counter() - t0
-    fields.update(train_points=int(len(train.x)), train_seconds=round(t["train"], 3))
+    fields.update(train_points=int(len(x_train)), train_seconds=round(t["train"], 3))
     owner = train.shard_of(np.concatenate([tune_pos, check_pos]))
     skip = [d if tiny else np.union1d(d, held[owner == i]) for i, d in enumerate(dups)]
     return Plan(spec, trained, n, skip, held, qt, qc, truth, tiny, fields, t)
