@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MB (default 10)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the embedder and faiss run (default auto)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="RAM budget per index, e.g. 2G: a larger index is served from codes (SQ8/SQ4/PQ) "
+                        "whose top 10 x k candidates are re-ranked with exact vectors read from its "
+                        "store (default: the whole index in RAM)")
     args = p.parse_args(argv)
     if args.auth is not None:
         user, sep, pw = args.auth.partition(":")
@@ -48,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
     if args.name is not None and len(args.name) != len(args.index):
         p.error(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
+    from indexer.errors import IndexerError
+    from indexer.selection import parse_memory
+
+    try:
+        args.max_memory = parse_memory(args.max_memory)
+    except IndexerError as e:
+        p.error(f"--max-memory: {e}")
     for d in args.queries:
         if not d.is_dir():
             p.error(f"--queries {d}: not a directory (expected <DIR>/<label>/<images>)")
@@ -86,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # every index file is checked here (store, faiss checksum, model.onnx): a damaged or
         # incomplete directory stops the start with one line, not a 500 at the first upload
-        searcher = Searcher.open(indexes, names=names, device=args.device, check_model=True)
+        searcher = Searcher.open(indexes, names=names, device=args.device, check_model=True,
+                                 max_memory=args.max_memory)
     except Exception as e:
         return fail("app.py", f"cannot open index: {one_line(e)}")
 

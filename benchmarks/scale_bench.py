@@ -169,7 +169,7 @@ class NpySource:
     def __init__(self, ids_path: str | Path, x_path: str | Path) -> None:
         import numpy as np
 
-        self._ids = np.load(ids_path)
+        self._ids = np.load(ids_path, mmap_mode="r")    # read a chunk at a time, never whole
         self.path = str(x_path)
         with open(self.path, "rb") as f:
             major, _ = np.lib.format.read_magic(f)
@@ -180,7 +180,23 @@ class NpySource:
         self.row = 4 * self.dim
 
     def ids(self):
-        return self._ids
+        import numpy as np
+
+        return np.array(self._ids)
+
+    def id_chunks(self, size: int = 65_536):
+        import numpy as np
+
+        for s in range(0, self.n, size):
+            yield np.array(self._ids[s:s + size])
+
+    def count(self) -> int:
+        return int(self.n)
+
+    def sample(self, positions):
+        import numpy as np
+
+        return np.array(self._ids[positions]), self._rows(positions)
 
     def chunks(self, size: int = 65_536):
         import numpy as np
@@ -190,18 +206,22 @@ class NpySource:
             for s in range(0, self.n, size):
                 m = min(size, self.n - s)
                 x = np.fromfile(f, dtype=np.float32, count=m * self.dim).reshape(m, self.dim)
-                yield self._ids[s:s + m], x
+                yield np.array(self._ids[s:s + m]), x
 
-    def get(self, ids):
+    def _rows(self, pos):
         import numpy as np
 
-        pos = np.searchsorted(self._ids, ids)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             raw = b"".join(os.pread(fd, self.row, self.offset + int(p) * self.row) for p in pos)
         finally:
             os.close(fd)
         return np.frombuffer(raw, dtype=np.float32).reshape(len(pos), self.dim).copy()
+
+    def get(self, ids):
+        import numpy as np
+
+        return self._rows(np.searchsorted(self._ids, ids))
 
 
 def _gen(work: str, n: str, shards: str, d: str) -> dict:
@@ -386,7 +406,7 @@ def _baseline(work: str, shards: str) -> dict:
 
 
 def bench_stream(n: int, shards: int, d: int, baseline: bool, work_root: Path | None,
-                 index_type: str, nlist: int = 0) -> list[dict]:
+                 index_type: str, nlist: int = 0, only_plan: bool = False) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="stream-bench-", dir=work_root))
     rows = []
     try:
@@ -395,6 +415,8 @@ def bench_stream(n: int, shards: int, d: int, baseline: bool, work_root: Path | 
         print(f"  generated {n:,} x {d} in {shards} shards: {gen}", flush=True)
         plan = child("_plan", w, s, index_type, str(nlist))
         print(f"  plan: {plan}", flush=True)
+        if only_plan:
+            return [{"n": n, "d": d, "shards": shards, "plan": plan, "load": os.getloadavg()[0]}]
         fills = [child("_fill", w, s, str(i)) for i in range(shards)]
         print(f"  fill: {fills}", flush=True)
         tune = child("_tune", w, s)
@@ -412,6 +434,18 @@ def bench_stream(n: int, shards: int, d: int, baseline: bool, work_root: Path | 
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def plan_table(rows: list[dict], cmd: str) -> list[str]:
+    out = [f"The driver's plan alone (census, held-out sets, exact answers, training), its own "
+           f"process; peak RSS = `ru_maxrss`, anon = sampled peak `RssAnon`. Command: `{cmd}`.", "",
+           "| n x d (shards) | index | plan s | peak RSS MiB | anon MiB | stage s |", "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        pl = r["plan"]
+        st = ", ".join(f"{k} {v:.0f}" for k, v in pl["stages"].items())
+        out.append(f"| {r['n']:,} x {r['d']} ({r['shards']}) | {pl['spec']} | {pl['seconds']:.0f} | "
+                   f"{pl['rss_mib']:,.0f} | {pl['anon_mib']:,.0f} | {st} |")
+    return out
 
 
 def stream_table(rows: list[dict], cmd: str) -> list[str]:
@@ -441,6 +475,134 @@ def stream_table(rows: list[dict], cmd: str) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------------- codes-only serving
+def _status() -> dict:
+    """This process's memory now (VmRSS, RssAnon: its own; RssFile: mapped file pages) in MiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k = line.split(":")[0]
+            if k in ("VmRSS", "RssAnon", "RssFile"):
+                out[k] = int(line.split()[1]) / 1024
+    return out
+
+
+def _serve_gen(work: str, n: str, d: str, nlist: str) -> dict:
+    """A real gallery store (LMDB, one tiny image record + its embedding per vector) and an
+    IVF-Flat index of the same low-rank vectors; exact answers of 1000 fresh queries."""
+    import hashlib
+
+    import faiss
+    import numpy as np
+    from tqdm import tqdm
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from index_bench import low_rank, low_rank_law
+
+    from indexer import faiss_index as fx
+    from indexer.store import GalleryStore, NewItem
+
+    n, d, nlist = int(n), int(d), int(nlist)
+    faiss.omp_set_num_threads(2)
+    law = low_rank_law(d, 0)
+    x = low_rank(n, law, 1)
+    model = hashlib.sha256(b"scale-bench").hexdigest()
+    t0 = time.perf_counter()
+    ids = np.zeros(n, np.int64)
+    with GalleryStore(Path(work) / "store", readonly=False, map_size=2 ** 31) as st:
+        for s in tqdm(range(0, n, 20_000), desc="writing the store", unit="batch"):
+            items = [NewItem(f"g/{i}.png", None, b"", hashlib.sha256(str(i).encode()).hexdigest(), 1, 1)
+                     for i in range(s, min(n, s + 20_000))]
+            ids[s:s + len(items)] = [it.id for it in items]
+            st.put_items(items, x[s:s + len(items)], model)
+    store_s = time.perf_counter() - t0
+    spec = fx.choose_spec(n, d, "ivf", nlist=nlist)
+    index = fx.train(spec, x[fx.training_sample(n, spec)], d, device="cpu")
+    fx.add(index, x, ids)
+    faiss.write_index(index, str(Path(work) / "index.faiss"))
+    q = low_rank(1000, law, seed=2)
+    truth = ids[faiss.knn(q, x, 10, metric=faiss.METRIC_INNER_PRODUCT)[1]]
+    np.save(Path(work) / "q.npy", q)
+    np.save(Path(work) / "truth.npy", truth)
+    (Path(work) / "model").write_text(model)
+    return {"store_seconds": store_s, "vectors_mib": n * d * 4 / 2 ** 20,
+            "store_mib": (Path(work) / "store" / "data.mdb").stat().st_size / 2 ** 20}
+
+
+def _serve(work: str, mode: str, nprobe: str) -> dict:
+    """One serving process: the whole IVF-Flat index in RAM (``ram``), or its codes (``SQ8``,
+    ``PQ32``, ...) re-ranked from the store, as ``Index.open(max_memory=...)`` serves them."""
+
+    import faiss
+    import numpy as np
+
+    from indexer import rerank, tuning
+    from indexer.store import GalleryStore
+
+    faiss.omp_set_num_threads(2)
+    q, truth = np.load(Path(work) / "q.npy"), np.load(Path(work) / "truth.npy")
+    path = str(Path(work) / "index.faiss")
+    t0 = time.perf_counter()
+    import gc
+
+    if mode == "ram":
+        index = faiss.read_index(path)
+        index.nprobe = int(nprobe)
+        search = index.search
+    else:
+        mapped = faiss.read_index(path, faiss.IO_FLAG_MMAP)
+        mapped.nprobe = int(nprobe)
+        store = GalleryStore(Path(work) / "store")
+        vectors = rerank.store_vectors(store, (Path(work) / "model").read_text())
+        r = rerank.codes_only(mapped, vectors, 1, codec=mode)
+        del mapped
+        rerank.release_freed()                     # as Index.open(max_memory=...) does
+        search = r.search
+    load_s = time.perf_counter() - t0
+    found = search(q, 10)[1]                       # warm: every probed list touched once
+    times = []
+    for _ in range(3):
+        t1 = time.perf_counter()
+        search(q, 10)
+        times.append(time.perf_counter() - t1)
+    gc.collect()
+    return {"mode": mode, "load_seconds": load_s, "recall": float(tuning.recalls(found, truth).mean()),
+            "qps": len(q) / min(times), "peak_rss_mib": peak_rss_mib(), **_status()}
+
+
+def bench_serve(n: int, d: int, nlist: int, nprobe: int, codecs: list[str], work_root: Path | None) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-", dir=work_root))
+    try:
+        gen = child("_serve_gen", str(tmp), str(n), str(d), str(nlist))
+        print(f"  gallery: {gen}", flush=True)
+        rows = []
+        for mode in ["ram", *codecs]:
+            rows.append(child("_serve", str(tmp), mode, str(nprobe)))
+            print(f"  {rows[-1]}", flush=True)
+        return {"n": n, "d": d, "nlist": nlist, "nprobe": nprobe, "gen": gen, "rows": rows,
+                "load": os.getloadavg()[0]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def serve_table(r: dict, cmd: str) -> list[str]:
+    base = r["rows"][0]
+    out = [f"Serving {r['n']:,} x {r['d']} (IVF{r['nlist']},Flat, nprobe {r['nprobe']}; vectors "
+           f"{r['gen']['vectors_mib']:,.0f} MiB, LMDB store {r['gen']['store_mib']:,.0f} MiB): each mode "
+           "its own process, memory read from /proc/self/status after 4 batches of 1000 fresh "
+           "queries (RssAnon: the process's own; RssFile: mapped pages of the store and index "
+           f"files, which the kernel can drop). Load average {r['load']:.1f}. Command: `{cmd}`.", "",
+           "| serving | load s | RssAnon MiB | RssFile MiB | VmRSS MiB | peak RSS MiB | RssAnon saved vs in-RAM "
+           "/ vectors' size | recall@10 | q/s vs in-RAM |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        saved = (base["RssAnon"] - row["RssAnon"]) / r["gen"]["vectors_mib"]
+        name = "whole IVF-Flat index in RAM" if row["mode"] == "ram" else f"{row['mode']} codes + re-rank of 10k from LMDB"
+        out.append(f"| {name} | {row['load_seconds']:.1f} | {row['RssAnon']:,.0f} | {row['RssFile']:,.0f} | "
+                   f"{row['VmRSS']:,.0f} | {row['peak_rss_mib']:,.0f} | {saved:.2f} | {row['recall']:.4f} | "
+                   f"{row['qps'] / base['qps']:.2f}x |")
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "_child":
         print(json.dumps(globals()[sys.argv[2]](*sys.argv[3:])))
@@ -462,7 +624,23 @@ def main() -> None:
                     help="IVF-Flat with this many lists instead of the measured choice (as `indexer "
                          "build --nlist`): k-means cost grows with nlist, a budget for 2 cores at 10M")
     st.add_argument("--work", type=Path, default=None, help="scratch folder (default: $TMPDIR)")
+    st.add_argument("--only-plan", action="store_true",
+                    help="generate and run the driver's plan only (its peak RSS against N)")
+    sv = sub.add_parser("serve", help="a codes-only serving process (--max-memory) vs the index in RAM")
+    sv.add_argument("--size", type=int, default=1_000_000)
+    sv.add_argument("--dim", type=int, default=128)
+    sv.add_argument("--nlist", type=int, default=1024)
+    sv.add_argument("--nprobe", type=int, default=16)
+    sv.add_argument("--codecs", default="SQ8,PQ32", help="codes to serve, comma-separated")
+    sv.add_argument("--work", type=Path, default=None, help="scratch folder (default: $TMPDIR)")
     args = ap.parse_args()
+    if args.cmd == "serve":
+        import shlex
+
+        r = bench_serve(args.size, args.dim, args.nlist, args.nprobe, args.codecs.split(","), args.work)
+        print("\n".join(serve_table(r, "python benchmarks/scale_bench.py " + shlex.join(sys.argv[1:]))))
+        print(json.dumps(r))
+        return
     if args.cmd == "stream":
         import shlex
 
@@ -470,8 +648,12 @@ def main() -> None:
         for n in (int(v) for v in args.sizes.split(",") if v):
             print(f"stream {n:,} ...", flush=True)
             rows += bench_stream(n, args.shards, args.dim, n <= args.baseline_up_to, args.work,
-                                 args.index_type, args.nlist)
+                                 args.index_type, args.nlist, args.only_plan)
         cmd = "python -m benchmarks.scale_bench " + shlex.join(sys.argv[1:])
+        if args.only_plan:
+            print("\n".join(plan_table(rows, cmd)))
+            print(json.dumps(rows))
+            return
         print("\n".join(stream_table(rows, cmd)))
         print(json.dumps(rows))
         return

@@ -92,11 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("image", type=Path)
     s.add_argument("-k", type=int, default=10)
     opts(s, "--index", "--json", "--device")
+    serve_memory_opt(s)
 
     e = sub.add_parser("eval", help="Recall@k on a labelled query folder")
     e.add_argument("--queries", type=Path, required=True, help="query folder, one sub-folder per label")
     e.add_argument("-k", type=int, nargs="+", default=[1, 2, 4, 8])
     opts(e, "--index", "--json", "--device")
+    serve_memory_opt(e)
 
     opts(sub.add_parser("info", help="what an index directory holds",
                         description="Prints what an index directory holds; exits 1 when the store, "
@@ -158,6 +160,15 @@ def _build_with_ray(args: argparse.Namespace) -> dict:
     return m
 
 
+def serve_memory_opt(sp: argparse.ArgumentParser) -> None:
+    """``--max-memory`` of the commands that search (and of app.py): indexer.rerank."""
+    sp.add_argument("--max-memory", default=None, metavar="SIZE",
+                    help="hold at most SIZE (e.g. 2G) of index in RAM: an index larger than that is "
+                         "read memory-mapped and re-encoded to codes (SQ8, SQ4 or PQ, the most "
+                         "accurate that fits), and each query's top 10 x k candidates are re-ranked "
+                         "with the exact vectors read from the store (default: the whole index in RAM)")
+
+
 def index_options(args: argparse.Namespace) -> dict:
     """The ``index_opts`` flags as keyword arguments of build_index / merge_shards."""
     return {k: getattr(args, k) for k in ("index_type", "flat_threshold", "nlist", "target_recall",
@@ -216,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
         from .index import Index
 
         _positive("-k", args.k)
-        idx = Index.open(args.index, device=args.device, check_model=True)
+        idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory)
         hits = idx.search([args.image], args.k)[0]
         if args.json:
             print(json.dumps([h.__dict__ for h in hits], indent=2))
@@ -228,7 +239,8 @@ def _run(args: argparse.Namespace) -> int:
         from .evaluate import evaluate_queries
         from .index import Index
 
-        res = evaluate_queries(Index.open(args.index, device=args.device, check_model=True), args.queries, args.k)
+        res = evaluate_queries(Index.open(args.index, device=args.device, check_model=True,
+                                          max_memory=args.max_memory), args.queries, args.k)
         if args.json:
             print(json.dumps(res, indent=2))
         else:

@@ -287,16 +287,16 @@ class SearchableIndex:
     """
 
     def __init__(self, path: str | Path, nprobe: int = 0, device: str = "auto",
-                 search_params: str = "") -> None:
+                 search_params: str = "", mmap: bool = False) -> None:
         self.path = Path(path)
-        cpu = faiss.read_index(str(path))
+        cpu = faiss.read_index(str(path), faiss.IO_FLAG_MMAP if mmap else 0)   # mmap: rerank.py
         set_nprobe(cpu, nprobe) if _is_ivf(cpu) else None    # manifests without search_params
         set_search_params(cpu, search_params)
         self.cpu_index = cpu
         self.index = cpu
         self.gpu = False
         self._lock = threading.Lock()
-        if use_gpu(device):
+        if use_gpu(device) and not mmap:      # mmap: about to be re-encoded (rerank.py)
             try:    # code path for GPU machines; untestable on the CPU-only CI
                 self.index = faiss.index_cpu_to_all_gpus(cpu)
                 self.gpu = True

@@ -49,13 +49,26 @@ class Index:
         self._device = device
         self._embedder: Any = None
         self._lock = threading.Lock()
+        self.max_memory: int | None = None      # set by Index.open(max_memory=...): codes only
 
     @classmethod
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
-             store: GalleryStore | None = None) -> "Index":
+             store: GalleryStore | None = None, max_memory: int | str | None = None) -> "Index":
         """Open an index directory after checking its files (:mod:`indexer.validate`): a damaged
         one fails with one line naming the file. ``check_model`` also requires ``model.onnx``
-        (image queries need it); ``store`` reuses an open store of the same directory."""
+        (image queries need it); ``store`` reuses an open store of the same directory.
+        ``max_memory``: hold only the index's codes within that budget and re-rank from the
+        store (:mod:`indexer.rerank`); the files are then read memory-mapped."""
+        if max_memory is not None:
+            from .rerank import serve_codes
+
+            mapped = cls._open(directory, device=device, check_model=check_model, store=store, mmap=True)
+            return serve_codes(mapped, max_memory)
+        return cls._open(directory, device=device, check_model=check_model, store=store)
+
+    @classmethod
+    def _open(cls, directory: str | Path, *, device: str, check_model: bool, store: GalleryStore | None,
+              mmap: bool = False) -> "Index":
         d = IndexDir(directory)
         manifest = d.read_manifest()
         if manifest.get("sharded"):         # shards searched where they are: indexer.shards
@@ -66,7 +79,7 @@ class Index:
         d.check(manifest, model=check_model)
         try:
             fi = SearchableIndex(d.index_file, int(manifest.get("nprobe") or 0), device,
-                                 manifest.get("search_params") or "")
+                                 manifest.get("search_params") or "", mmap=mmap)
         except RuntimeError as e:           # faiss's reader: a multi-line C++ message
             raise damaged(d.index_file, f"faiss cannot read it ({faiss_reason(e)})") from None
         d.check_index_dim(fi.d, manifest)
@@ -81,7 +94,7 @@ class Index:
         """The directory's current state as a new Index (after ``indexer add/remove``), sharing
         this one's store and, when the model is unchanged, its loaded embedder. This Index stays
         usable, so requests already running on it finish undisturbed."""
-        new = Index.open(self.directory, device=self._device, store=self.store)
+        new = Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory)
         if new.model_hash == self.model_hash and new.dim == self.dim:
             new._embedder = self._embedder
         return new

@@ -2,16 +2,16 @@
 combine the filled shards on disk, so that no process ever holds all the vectors.
 
 Today's merge (``build.merge_shards``) gathers every vector on one node (about three copies of
-N x d x 4 bytes). Here the driver holds only the ids of the union (8 bytes a vector, what an
-inverted list stores anyway) and fixed-size samples:
+N x d x 4 bytes). Here the driver holds counts and fixed-size samples (``indexer.shard_sample``):
 
-1. ``plan``: the union of the shards' ids, the held-out tuning/check sets and the training
-   sample, picked by position in the id-sorted union exactly as ``selection.build`` picks them
-   in one process, so the index equals the one-process build of the same type; the type chosen
-   by the same measurement (``selection.select``, on the same sample), among the types whose
-   inverted lists can be merged (IVF-Flat, IVF-HNSW, IVF-SQ8, IVF-PQ; the refine wrappers keep
-   every exact vector in memory, which is what this path avoids); the exact answers of the
-   held-out queries by one streaming pass over the shards.
+1. ``plan``: the shards' counts and cross-shard duplicates (a k-way merge of their sorted id
+   streams), the held-out tuning/check sets and the training sample, drawn by position in the
+   shards' concatenation and read by each shard at its own positions; the type chosen by the
+   measurement of a one-process build (``selection.select``, on such a sample) among the types
+   whose inverted lists can be merged (IVF-Flat, IVF-HNSW, IVF-SQ8, IVF-PQ; the refine wrappers
+   keep every exact vector in memory, which is what this path avoids); the exact answers of the
+   held-out queries by one streaming pass over the shards. The samples are as random as a
+   one-process build's but not the same rows, so the index is as good, not identical.
 2. ``fill``: each shard adds its own vectors to a copy of the trained empty index (a Ray task
    on the node that holds the shard).
 3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``faiss.IndexShardsIVF``
@@ -33,22 +33,28 @@ import numpy as np
 
 from . import faiss_index as fx
 from .errors import IndexerError
-from .selection import SELECT_FROM, candidates, index_fields, select
+from .manifest import DEFAULT_TARGET_RECALL
+from .selection import SAMPLE_CAP, SELECT_FROM, candidates, index_fields, select
+from .shard_sample import Sample, View, census, draw
 from .store import GalleryStore
-from .tuning import K, Holdout, clears, holdout, recalls, tune
+from .tuning import GT_BUDGET, MAX_QUERIES, K, Holdout, clears, recalls, tune
 
 CHUNK = 65_536
 
 
 # ---------------------------------------------------------------------------- where vectors come from
 class Source(Protocol):
-    """One shard's vectors: its ids ascending, its vectors in chunks, and by id."""
+    """One shard's vectors: its ids ascending (all at once, or in chunks, or just how many), its
+    vectors in chunks, by id, and at given positions of its id order (a sample)."""
 
     dim: int
 
     def ids(self) -> np.ndarray: ...
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]: ...
+    def count(self) -> int: ...
     def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
     def get(self, ids: np.ndarray) -> np.ndarray: ...
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class StoreSource:
@@ -59,11 +65,36 @@ class StoreSource:
         self.model_hash, self.dim = model_hash, int(dim)
 
     def ids(self) -> np.ndarray:
+        parts = list(self.id_chunks())
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        """The ids ascending (LMDB keys are big-endian ids), ``size`` at a time."""
+        out: list[int] = []
         with self.store._read() as txn:
             meta = self.store._db("meta")
-            out = [int.from_bytes(k, "big") for k, _ in self.store._scan(txn, self.model_hash)
-                   if txn.get(k, db=meta) is not None]
-        return np.array(out, dtype=np.int64)
+            for k, _ in self.store._scan(txn, self.model_hash):
+                if txn.get(k, db=meta) is not None:
+                    out.append(int.from_bytes(k, "big"))
+                    if len(out) == size:
+                        yield np.array(out, dtype=np.int64)
+                        out = []
+        if out:
+            yield np.array(out, dtype=np.int64)
+
+    def count(self) -> int:
+        return sum(len(c) for c in self.id_chunks())
+
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vectors) at ``positions`` (ascending) of the id order: one pass over the keys."""
+        positions = np.asarray(positions, dtype=np.int64)
+        got, at = [], 0
+        for c in self.id_chunks():
+            lo, hi = np.searchsorted(positions, [at, at + len(c)])
+            got.append(c[positions[lo:hi] - at])
+            at += len(c)
+        ids = np.concatenate(got) if got else np.zeros(0, np.int64)
+        return ids, self.get(ids)
 
     def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         ids, rows = [], []
@@ -99,6 +130,18 @@ class ArraySource:
     def ids(self) -> np.ndarray:
         return self._ids
 
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        for s in range(0, len(self._ids), size):
+            yield np.asarray(self._ids[s:s + size], dtype=np.int64)
+
+    def count(self) -> int:
+        return len(self._ids)
+
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        return (np.asarray(self._ids[positions], dtype=np.int64),
+                np.ascontiguousarray(self.x[positions], dtype=np.float32))
+
     def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for s in range(0, len(self._ids), size):
             yield self._ids[s:s + size], np.ascontiguousarray(self.x[s:s + size], dtype=np.float32)
@@ -111,9 +154,8 @@ class ArraySource:
 
 
 class Rows:
-    """The id-sorted union of the shards as a lazy array: ``rows[positions]`` fetches those
-    vectors from the shards that own them. ``selection.select`` takes it in place of the
-    gallery matrix, so the candidates are measured on the very sample a one-process build uses."""
+    """Given ids and their owning shards as a lazy array: ``rows[positions]`` fetches those
+    vectors from the shards that own them (the self-queries of ``shard_build.retune_sharded``)."""
 
     def __init__(self, ids: np.ndarray, owner: np.ndarray, sources: Sequence[Source]) -> None:
         self.ids, self.owner, self.sources = ids, owner, sources
@@ -132,29 +174,15 @@ class Rows:
         return out
 
 
-def union(sources: Sequence[Source]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """(ids of the union ascending, owning shard of each, per shard the ids it must skip): the
-    same content in two shards (two paths) is indexed once, by the first shard that has it."""
-    per = [s.ids() for s in sources]
-    all_ids = np.concatenate(per) if per else np.zeros(0, np.int64)
-    shard = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, p in enumerate(per)])
-    order = np.lexsort((shard, all_ids))             # by id, then shard: the first owner first
-    all_ids, shard = all_ids[order], shard[order]
-    first = np.ones(len(all_ids), dtype=bool)
-    first[1:] = all_ids[1:] != all_ids[:-1]
-    dups = [all_ids[~first & (shard == i)] for i in range(len(sources))]
-    return all_ids[first], shard[first], dups
-
-
 # ---------------------------------------------------------------------------- 1. plan
 @dataclass
 class Plan:
-    """What the driver decided: the spec, the trained empty index, the held-out queries."""
+    """What the driver decided: the spec, the trained empty index, the held-out queries. It
+    holds counts and samples only (``indexer.shard_sample``), nothing per gallery vector."""
 
     spec: fx.IndexSpec
     trained: faiss.Index
-    ids: np.ndarray                 # the union, ascending
-    owner: np.ndarray
+    count: int                      # vectors in the index: every shard's, duplicates once
     skip: list[np.ndarray]          # per shard: held-out ids it owns + duplicates it must skip
     held_query_ids: np.ndarray      # ids of [qt; qc]
     qt: np.ndarray                  # tuning queries (vectors)
@@ -170,41 +198,73 @@ def streamable(spec: fx.IndexSpec) -> bool:
     return spec.mergeable and spec.index_type in ("flat", "ivf", "ivfhnsw", "sq8", "ivfpq")
 
 
+def _heldout_size(n: int, dim: int) -> int:
+    """``tuning.holdout``'s size rule (up to MAX_QUERIES a set, 10% of a small gallery, fewer
+    for a large wide one), without its permutation of all n rows."""
+    return min(MAX_QUERIES, n // 10, max(250, int(GT_BUDGET / (2 * max(n, 1) * dim))))
+
+
+def _train_size(spec: fx.IndexSpec) -> int:
+    """How many points ``faiss_index.training_sample`` trains ``spec`` on (same rule)."""
+    return max(spec.nlist * fx.TRAIN_POINTS_PER_CENTROID,
+               (fx.PQFS_TRAIN_POINTS if spec.k_factor else fx.PQ_TRAIN_POINTS) if spec.pq_m else 0)
+
+
 def plan(sources: Sequence[Source], *, index_type: str = "auto",
          flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-         target: float = 0.95, max_memory: int | None = None, device: str = "auto", seed: int = 0,
+         target: float = DEFAULT_TARGET_RECALL, max_memory: int | None = None, device: str = "auto", seed: int = 0,
          progress: bool = False) -> Plan:
-    """Step 1, on the driver: mirrors ``selection.build`` up to the trained empty index."""
-    t = {"union": time.perf_counter()}
-    ids, owner, dups = union(sources)
-    n, dim = len(ids), sources[0].dim
+    """Step 1, on the driver: ``selection.build``'s steps up to the trained empty index (held-out
+    sets, exact answers, choice by measurement, training), on samples each shard reads at its
+    own positions, so the driver's memory is the samples' and does not grow with N."""
+    t = {"census": time.perf_counter()}
+    counts, dups = census(sources)
+    total, dim = sum(counts), sources[0].dim
+    n = total - sum(len(d) for d in dups)
     if n == 0:
         raise IndexerError("the shards hold no images")
-    x = Rows(ids, owner, sources)
-    t["union"] = time.perf_counter() - t["union"]
+    t["census"] = time.perf_counter() - t["census"]
     fields: dict = {}
     if index_type == "flat" or (index_type == "auto" and n < flat_threshold):
         spec = fx.choose_spec(n, dim, "flat")
         empty = np.zeros(0, np.int64)
-        return Plan(spec, fx.train(spec, np.zeros((0, dim), np.float32), dim), ids, owner,
-                    list(dups), empty, np.zeros((0, dim), np.float32),
-                    np.zeros((0, dim), np.float32), np.zeros((0, K), np.int64), True, fields, t)
+        return Plan(spec, fx.train(spec, np.zeros((0, dim), np.float32), dim), n, list(dups), empty,
+                    np.zeros((0, dim), np.float32), np.zeros((0, dim), np.float32),
+                    np.zeros((0, K), np.int64), True, fields, t)
     t0 = time.perf_counter()
-    ho = holdout(n, dim, seed)
-    tiny = len(ho.tune) == 0
+    rng = np.random.default_rng(seed + 7)
+    m = _heldout_size(n, dim)
+    tiny = m == 0
+    ndup = total - n                  # positions of duplicates are dropped: draw that many more
+    held_pos = draw(rng, total, total if tiny else 2 * m + ndup)
+    rest = total - len(held_pos)
+    measure = index_type == "auto" and n >= SELECT_FROM and not nlist
+    sel_pos = held_pos if tiny or not measure else draw(rng, total, min(rest, SAMPLE_CAP + 1),
+                                                        exclude=held_pos)
+    sam = Sample(sources, counts, dups, np.union1d(held_pos, sel_pos))
+    held_pos, sel_pos = sam.kept(held_pos), sam.kept(sel_pos)
+    if not tiny and len(held_pos) > 2 * m:
+        held_pos = np.sort(rng.choice(held_pos, 2 * m, replace=False))
     if tiny:
-        ho = Holdout(np.arange(n), np.arange(n), np.arange(n))
-    k = min(K, len(ho.rows))
-    qt, qc = x[ho.tune], x[ho.check]
-    held = np.zeros(0, np.int64) if tiny else ids[ho.held]
+        tune_pos = check_pos = held_pos
+    else:
+        split = rng.permutation(len(held_pos))
+        tune_pos, check_pos = np.sort(held_pos[split[:m]]), np.sort(held_pos[split[m:]])
+    qt, qc = sam.x[sam.rows(tune_pos)], sam.x[sam.rows(check_pos)]
+    held = (np.zeros(0, np.int64) if tiny else          # in the order of [qt; qc]
+            np.concatenate([sam.ids[sam.rows(tune_pos)], sam.ids[sam.rows(check_pos)]]))
+    k = min(K, n - len(held))
     truth = exact_truth(sources, np.concatenate([qt, qc]), k, exclude=held, dups=dups)
     t["truth"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if index_type == "auto":
-        if n >= SELECT_FROM and not nlist:
+        if measure:
             specs = [s for s in candidates(n, dim, max_memory) if streamable(s)]
-            sel = select(x, ids, ho, target, max_memory=max_memory, seed=seed, device=device,
-                         specs=specs, progress=progress)
+            # select() measures on ho.rows (a sample of SAMPLE_CAP of them when longer): handing
+            # it SAMPLE_CAP + 1 sampled rows of a View of n rows keeps its scaling to n
+            ho = Holdout(tune_pos, check_pos, sel_pos)
+            sel = select(View(sam, n), View(sam, n, ids=True), ho, target, max_memory=max_memory,
+                         seed=seed, device=device, specs=specs, progress=progress)
             spec = sel.spec
             fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
         else:
@@ -217,14 +277,17 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
                                "process); use ivf, ivfhnsw, sq8 or ivfpq")
     t["select"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    train_rows = ho.rows[fx.training_sample(len(ho.rows), spec, seed)]
-    trained = fx.train(spec, x[train_rows], dim, device=device, seed=seed)
+    del sam
+    t_rng, want = np.random.default_rng(seed), _train_size(spec)
+    train = Sample(sources, counts, dups, draw(t_rng, total, want + ndup,
+                                               exclude=np.zeros(0, np.int64) if tiny else held_pos))
+    x_train = train.x if len(train.x) <= want else train.x[np.sort(t_rng.choice(len(train.x), want, replace=False))]
+    trained = fx.train(spec, x_train, dim, device=device, seed=seed)
     t["train"] = time.perf_counter() - t0
-    fields.update(train_points=int(len(train_rows)), train_seconds=round(t["train"], 3))
-    skip = [np.union1d(d, held[owner[ho.held] == i]) if not tiny else d
-            for i, d in enumerate(dups)]
-    held_q = np.zeros(0, np.int64) if tiny else np.concatenate([ids[ho.tune], ids[ho.check]])
-    return Plan(spec, trained, ids, owner, skip, held_q, qt, qc, truth, tiny, fields, t)
+    fields.update(train_points=int(len(x_train)), train_seconds=round(t["train"], 3))
+    owner = train.shard_of(np.concatenate([tune_pos, check_pos]))
+    skip = [d if tiny else np.union1d(d, held[owner == i]) for i, d in enumerate(dups)]
+    return Plan(spec, trained, n, skip, held, qt, qc, truth, tiny, fields, t)
 
 
 def exact_truth(sources: Sequence[Source], q: np.ndarray, k: int, *, exclude: np.ndarray,
@@ -293,7 +356,7 @@ def as_one(parts: Sequence[faiss.Index], trained: faiss.Index) -> faiss.Index:
 def tune_and_check(p: Plan, index: faiss.Index, target: float) -> dict:
     """Step 3: ``selection.build``'s tuning on the shards searched as one (held-out vectors not
     in it yet), and its manifest fields. Returns the fields; the index is left tuned."""
-    spec, n, dim = p.spec, len(p.ids), p.trained.d
+    spec, n, dim = p.spec, p.count, p.trained.d
     if spec.index_type == "flat":
         return index_fields(spec, n, dim, target)
     nt = len(p.qt)
@@ -369,7 +432,7 @@ def read_ondisk(path: str | Path) -> faiss.Index:
     return faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
 
 
-def build_in_process(sources: Sequence[Source], workdir: str | Path, *, target: float = 0.95,
+def build_in_process(sources: Sequence[Source], workdir: str | Path, *, target: float = DEFAULT_TARGET_RECALL,
                      progress: bool = False, **plan_opts) -> tuple[faiss.Index, dict, list[Path]]:
     """Steps 1-3 in this process (the Ray build runs step 2 as tasks): the part files
     ``workdir/part-<i>.faiss`` (and ``held.faiss``), and the parts opened as one, tuned."""

@@ -56,9 +56,12 @@ class Searcher:
 
     @classmethod
     def open(cls, directories: Sequence[str | Path] | str | Path, *, names: Sequence[str] | None = None,
-             device: str = "auto", check_model: bool = False, **kw: Any) -> "Searcher":
+             device: str = "auto", check_model: bool = False, max_memory: int | str | None = None,
+             **kw: Any) -> "Searcher":
         """Open each index directory read-only; names default to the directory names.
-        ``check_model`` also requires each directory's model.onnx (what a server needs)."""
+        ``check_model`` also requires each directory's model.onnx (what a server needs).
+        ``max_memory``: each index holds at most that much in RAM, as codes re-ranked with the
+        exact vectors of its store (``indexer.rerank``; kept across reloads)."""
         if isinstance(directories, (str, Path)):
             directories = [directories]
         dirs = [Path(d) for d in directories]
@@ -71,7 +74,7 @@ class Searcher:
             name = names[i] if names is not None else _index_name(d, set(opened))
             if name in opened:
                 raise ValueError(f"names: duplicate index name {name!r}")
-            opened[name] = Index.open(d, device=device, check_model=check_model)
+            opened[name] = Index.open(d, device=device, check_model=check_model, max_memory=max_memory)
             paths[name] = d
         return cls(opened, directories=paths, **kw)
 
@@ -320,7 +323,8 @@ class Searcher:
         index = index or self.default
         idx = self.index(index)
         return {"name": index, "directory": str(self.directories.get(index, "")), "size": len(idx),
-                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest}
+                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest,
+                "memory": getattr(idx.faiss, "summary", None)}   # codes only: indexer.rerank
 
 
 def _decode_side(manifest: dict) -> int:

@@ -1,5 +1,6 @@
 """A sharded index (shards left where they were built, one manifest listing them, searched as one)
-answers exactly as the merged index of the same shards, and add / remove / info / eval work on it."""
+answers exactly as its parts merged into one index, as well as today's merge of the same shards,
+and add / remove / info / eval work on it."""
 from __future__ import annotations
 
 import json
@@ -44,14 +45,29 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
     assert isinstance(sharded, ShardedIndex) and not isinstance(merged, ShardedIndex)
     mm, ms = merged.manifest, sharded.manifest
     assert ms["index_type"] == mm["index_type"] == "ivf"
-    for key in ("count", "nlist", "nprobe", "search_params", "recall_at_10", "dim"):
+    for key in ("count", "nlist", "dim"):
         assert ms[key] == mm[key], key
     ids, x = merged.store.all_embeddings(merged.model_hash)
     assert len(sharded) == len(ids) == 240
-    s1, i1 = merged.search_embeddings(x, 10)                 # every gallery image as a query
-    s2, i2 = sharded.search_embeddings(x, 10)
+    # the parts searched as one answer exactly as the one index they merge into (on disk) ...
+    import faiss
+
+    from indexer import stream
+
+    sh = ms["sharded"]
+    parts = [Path(p) / "part.faiss" for p in sh["shards"]] + [out / sh["held"]]
+    trained = faiss.read_index(str(out / sh["trained"]))
+    stream.merge_ondisk(trained, parts, tmp_path / "one.faiss", ms["search_params"])
+    one = stream.read_ondisk(tmp_path / "one.faiss")
+    q = x / np.linalg.norm(x, axis=1, keepdims=True)
+    s2, i2 = sharded.search_embeddings(x, 10)                # every gallery image as a query
+    s1, i1 = one.search(q, 10)
     np.testing.assert_array_equal(i2, i1)
     np.testing.assert_allclose(s2, s1, atol=1e-5)
+    # ... and as well as today's merge (trained on other samples: the plan draws them per shard)
+    exact = ids[np.argsort(-(q @ x.T), axis=1, kind="stable")[:, :10]]
+    rec = lambda found: float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, exact)]))  # noqa: E731
+    assert rec(i2) >= rec(merged.search_embeddings(x, 10)[1]) - 0.03
     for j in ids[::7]:                                       # metadata and bytes from the shard
         assert sharded.meta(int(j)) == merged.meta(int(j))
         assert sharded.image_bytes(int(j)) == merged.image_bytes(int(j))
@@ -59,15 +75,20 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
     # the same through serving: Searcher opens it as it opens any index directory
     a = Searcher.open([built / "merged"], names=["m"])
     b = Searcher.open([out], names=["s"], check_model=True)
+    pos = {int(i): r for r, i in enumerate(ids)}
     for j in ids[::11]:
-        ra, rb = a.search(int(j), 5, thumbnails=True), b.search(int(j), 5, thumbnails=True)
-        assert [(r.id, r.path, r.label, round(r.score, 5)) for r in ra.results] == \
-               [(r.id, r.path, r.label, round(r.score, 5)) for r in rb.results]
-        assert b.thumbnail_png("s", rb.results[0].id) == a.thumbnail_png("m", ra.results[0].id)
-    # eval through the CLI: the same recall
+        rb = b.search(int(j), 5, thumbnails=True)
+        want = [int(i) for i in i2[pos[int(j)]] if i != j][:5]
+        assert [r.id for r in rb.results] == want
+        for r in rb.results:
+            assert (r.path, r.label) == (merged.meta(r.id)["path"], merged.meta(r.id)["label"])
+        assert b.thumbnail_png("s", rb.results[0].id) == a.thumbnail_png("m", rb.results[0].id)
+    # eval through the CLI: about the same recall as today's merge
     ea = json.loads(run_cli("eval", "--queries", omniglot_gallery, "--index", built / "merged", "--json").stdout)
     eb = json.loads(run_cli("eval", "--queries", omniglot_gallery, "--index", out, "--json").stdout)
-    assert ea["recall"] == eb["recall"] and eb["queries"] == 240
+    assert eb["queries"] == 240
+    for k, v in ea["recall"].items():
+        assert abs(eb["recall"][k] - v) <= 0.03, (k, v, eb["recall"][k])
     info = run_cli("info", "--index", out).stdout
     assert "sharded: 2 shards" in info and info.count("images stored") == 2, info
 
@@ -122,3 +143,31 @@ def test_sharded_index_is_healthy_and_has_one_writer(built: Path, tmp_path: Path
     for r in (p, q):
         assert r.returncode == 1 and "is being written by pid" in r.stderr, r.stderr
     assert len(Index.open(out)) == 240
+
+
+def test_a_shard_that_received_no_file_is_valid(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    """`--ray --shards 8` on a small gallery leaves some shards with no file: their (empty)
+    store and part must not stop the sharded index from building, opening, searching, adding."""
+    from indexer.walk import shard_of, walk_gallery
+
+    gallery = tmp_path / "g"
+    copy_characters(omniglot_root, gallery, 1, per_char=3)
+    got = {shard_of(f.relpath, 8) for f in walk_gallery(gallery)}
+    full, empty = min(got), min(set(range(8)) - got)
+    for i in (full, empty):
+        run_cli("build", gallery, "--model", small_onnx, "--shard", f"{i}/8", "--out", tmp_path / f"s{i}", "--quiet")
+    out = tmp_path / "idx"
+    run_cli("merge", "--sharded", tmp_path / f"s{empty}", tmp_path / f"s{full}", "--out", out, "--quiet")
+    idx = Index.open(out, check_model=True)
+    n = sum(1 for f in walk_gallery(gallery) if shard_of(f.relpath, 8) == full)
+    assert len(idx) == idx.manifest["count"] == n
+    ids, x = idx.store.stores[1].all_embeddings(idx.model_hash)
+    assert idx.search_embeddings(x, 1)[1][:, 0].tolist() == ids.tolist()
+    info = run_cli("info", "--index", out).stdout
+    assert f"shard 0:  {(tmp_path / f's{empty}').resolve()}: 0 images stored, 0 vectors" in info, info
+    # `indexer add` goes to the emptiest shard: the one that had no file
+    extra = tmp_path / "extra"
+    copy_characters(omniglot_root, extra, 1, per_char=2, skip_chars=3)
+    p = run_cli("add", extra, "--index", out)
+    assert f"added 2 vectors to shard {(tmp_path / f's{empty}').resolve()}" in p.stdout, p.stdout
+    assert len(Index.open(out)) == n + 2
