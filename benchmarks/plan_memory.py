@@ -1,6 +1,6 @@
 """The streaming build's driver plan, alone, on a checkout of your choice: its peak RSS against N.
 
-    python benchmarks/plan_memory.py --repo CHECKOUT --work DIR --nlist 256 --max-queries 100
+    python -m benchmarks.plan_memory --repo CHECKOUT --work DIR --nlist 256 --max-queries 100
 
 ``DIR`` holds shards made by ``scale_bench.py _child _gen DIR N 4 128`` (the low-rank
 generator); the plan runs with the ``scale_bench.py`` of CHECKOUT, so that the code before a

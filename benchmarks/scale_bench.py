@@ -497,10 +497,10 @@ def _serve_gen(work: str, n: str, d: str, nlist: str) -> dict:
     from tqdm import tqdm
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from index_bench import low_rank, low_rank_law
+    from benchmarks.index_bench import low_rank, low_rank_law
 
     from indexer import faiss_index as fx
-    from indexer.store import GalleryStore, NewItem
+    from indexer import GalleryStore, NewItem
 
     n, d, nlist = int(n), int(d), int(nlist)
     faiss.omp_set_num_threads(2)
@@ -537,7 +537,7 @@ def _serve(work: str, mode: str, nprobe: str) -> dict:
     import numpy as np
 
     from indexer import rerank, tuning
-    from indexer.store import GalleryStore
+    from indexer import GalleryStore
 
     faiss.omp_set_num_threads(2)
     q, truth = np.load(Path(work) / "q.npy"), np.load(Path(work) / "truth.npy")
@@ -638,7 +638,7 @@ def main() -> None:
         import shlex
 
         r = bench_serve(args.size, args.dim, args.nlist, args.nprobe, args.codecs.split(","), args.work)
-        print("\n".join(serve_table(r, "python benchmarks/scale_bench.py " + shlex.join(sys.argv[1:]))))
+        print("\n".join(serve_table(r, "python -m benchmarks.scale_bench " + shlex.join(sys.argv[1:]))))
         print(json.dumps(r))
         return
     if args.cmd == "stream":

@@ -11,10 +11,10 @@ from .errors import IndexerError
 from .index import Hit, Index
 from .index_dir import IndexDir
 from .lock import IndexBusyError, holder, is_locked, writer_lock
-from .store import GalleryStore
+from .store import GalleryStore, NewItem
 
 __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
-           "merge_shards", "repair_index", "IndexerError", "check_counts", "CountCheck",
+           "merge_shards", "repair_index", "IndexerError", "check_counts", "CountCheck", "NewItem",
            "writer_lock", "IndexBusyError", "holder", "is_locked",
            # modules of plain functions (faiss.contrib style), public as a whole
-           "faiss_index", "selection", "tuning", "stream", "walk", "ray_build"]
+           "faiss_index", "selection", "tuning", "stream", "walk", "ray_build", "rerank"]
