@@ -70,18 +70,20 @@ def test_config_parses_and_builds(path):
     cfg = load_config(path)
     assert cfg.root and cfg.out.startswith("runs/")
     n_cls = TRAIN_CLASSES[cfg.dataset]
-    criterion = build_criterion(cfg, n_cls)
+    # dim = 0 (no embedding layer): the loss and DAS are sized by the pooled features' width
+    sized = cfg if cfg.dim else dataclasses.replace(cfg, dim=_model_out_dim(cfg, True)[0])
+    criterion = build_criterion(sized, n_cls)
     dim, norm = _model_out_dim(cfg, criterion.normalize)
-    assert dim == cfg.dim
+    assert dim == sized.dim
     assert (abs(norm - 1) < 1e-4) == criterion.normalize
-    das = build_das(cfg, n_cls, criterion.normalize) if cfg.das else None
+    das = build_das(sized, n_cls, criterion.normalize) if cfg.das else None
     # one step's worth of the loss on a class-balanced batch, through DAS when on
     sampler = ClassBalancedBatchSampler(np.repeat(np.arange(n_cls), cfg.per_class * 2),
                                         batch_size=cfg.batch_size, per_class=cfg.per_class, seed=0)
     batch = next(iter(sampler))
     labels = torch.as_tensor(np.repeat(np.arange(n_cls), cfg.per_class * 2)[batch])
     torch.manual_seed(0)
-    emb = torch.randn(len(batch), cfg.dim, requires_grad=True)
+    emb = torch.randn(len(batch), sized.dim, requires_grad=True)
     e = torch.nn.functional.normalize(emb, dim=1) if criterion.normalize else emb
     if das is not None:
         assert (das.dfs, das.mts, das.topk) == (cfg.das_dfs, cfg.das_mts, cfg.das_topk)
