@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FeatureSplit", "head_run_config", "frozen_splits", "pca_head"]
+__all__ = ["FeatureSplit", "dataset_kind", "head_run_config", "frozen_splits", "pca_head"]
 
 
 @dataclass

@@ -5,8 +5,9 @@ The trainer has one loop; this module decides what flows through it. With ``trai
 images go through the whole Embedder, as in the paper. With frozen stages
 (training/stages.py) images go through the frozen prefix without gradients and then the
 trainable suffix; with ``trunk_cache = true`` the prefix's outputs come from disk
-(training/trunk_cache.py) and only the suffix runs. ``trainable = "head"`` with the cache is
-the former frozen-feature head loop: pooled features once, a linear head on top.
+(training/trunk_cache.py) and only the suffix runs. ``trainable = "head"`` with the cache and
+``head_input = "l2"`` is the frozen-feature benchmark (benchmarks/frozen_table2.py): the gallery
+embedder's pooled features once (float32), a linear head on top.
 """
 from __future__ import annotations
 
