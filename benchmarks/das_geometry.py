@@ -100,12 +100,11 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from training.frozen import build_head
-    from training.frozen_features import frozen_splits
+    from benchmarks.frozen_features import frozen_splits, pca_head
 
     torch.set_num_threads(1)
     train, _ = frozen_splits(args.root, progress=False)
-    head = build_head("pca", train, 128, True)
+    head = pca_head(train, 128)
     with torch.no_grad():
         emb = head(torch.from_numpy(train.features))
     labels = torch.from_numpy(train.labels)

@@ -41,8 +41,7 @@ def main(argv=None) -> int:
 
     from training import ClassBalancedBatchSampler, load_config
     from training.distributed import DistInfo
-    from training.frozen import build_head
-    from training.frozen_features import frozen_splits
+    from benchmarks.frozen_features import frozen_splits, pca_head
     from training.step import aux_weight, build_criterion, build_das, compute_loss
 
     torch.set_num_threads(1)
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
     x_all, y_all = torch.from_numpy(train.features), torch.from_numpy(train.labels)
     loss, _, miner = args.method.partition(":")
     base = {"loss": loss, "miner": miner or "none", "dim": 128, "seed": 0}
-    head = build_head("pca", train, 128, True)
+    head = pca_head(train, 128)
     sampler = ClassBalancedBatchSampler(train.labels, batch_size=2 * min(56, half), per_class=2)
     batches = [torch.as_tensor(b) for b in sampler][:args.batches]
 

@@ -3,19 +3,23 @@
     python benchmarks/frozen_table2.py --root ../shared/data/caltech101-dev/images
     python benchmarks/frozen_table2.py --root ../shared/data/omniglot
 
-Features of the offline pretrained embedder (ImageNet EfficientNet-Lite0, 1280-d) are computed
-once per dataset and cached (training/frozen_features.py); a d = 128 head is then trained on
-them with exactly the trainer's step (training/frozen.py -> step.compute_loss: DAS, miner,
-loss, Adam groups, class-balanced batches with 2 images per class) for each loss/sampler pair,
-with and without DAS, over paired seeds. Reported: the untrained frozen features, every
-trained row (R@1, NMI, MAP@R, mean over seeds) and, per pair, the paired R@1 / NMI / MAP@R
-difference DAS - baseline with its 95% t-interval; a PNG plots the R@1 intervals.
+Every run is the trainer (`training.train`) with ``trainable = "head"``: the pooled features of
+a training-free ImageNet embedder (`--model`, default the gallery default of
+`embedder.pretrained`) are computed once per dataset into the trainer's trunk cache (this
+process builds it before forking the runs), L2-normalised before the head (``head_input =
+"l2"``, so the head sees what `indexer build` stores), and a d = 128 head is trained on them with
+the trainer's loop: DAS, miner, loss, Adam groups, class-balanced batches with 2 images per
+class, for each loss/sampler pair, with and without DAS, over paired seeds. Reported: the
+untrained frozen features, every trained row (R@1, NMI, MAP@R, mean over seeds) and, per pair,
+the paired R@1 / NMI / MAP@R difference DAS - baseline with its 95% t-interval; a PNG plots the
+R@1 intervals.
 
 Classes: `--root` is a folder of class folders (sorted, first half train, second half test)
 or an Omniglot root (first 20 alphabets train, last 10 test). `--validation` never touches the
 test classes: it trains on the first half of the training classes and evaluates on the second
-half, which is how the head, lr and epochs were chosen. Runs are independent processes'
-work (`--workers`, one torch thread each) and deterministic in their seed.
+half (the trainer's ``validation_classes``), which is how the head, lr and epochs were chosen.
+Runs are independent processes' work (`--workers`, one torch thread each) and deterministic in
+their seed.
 """
 from __future__ import annotations
 
@@ -67,12 +71,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="DAS runs with these TrainConfig fields on top of --preset, instead of "
                         "the one 'DAS' run per pair (repeatable); each is paired with the baseline")
-    p.add_argument("--head", default="pca", choices=["pca", "residual", "linear"])
+    p.add_argument("--model", default=None, help="training-free embedder whose pooled features "
+                   "the heads train on (embedder.pretrained name, e.g. lite0-avg; default: the "
+                   "gallery default)")
+    p.add_argument("--head", default="pca", choices=["pca", "random"],
+                   help="initial embedding layer (the trainer's head_init)")
     p.add_argument("--epochs", type=int, default=None, help="default: per dataset, see DEFAULTS")
     p.add_argument("--lr", type=float, default=None, help="default: per dataset")
     p.add_argument("--weight-decay", type=float, default=None, help="default: per dataset")
     p.add_argument("--views", type=int, default=None,
-                   help="augmented crops per training image (0 = centre crop only)")
+                   help="augmented crops per training image in the cache (0 = centre crop only)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--per-class", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=0,
@@ -86,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "training them again, e.g. the baselines of an earlier grid (runs are "
                         "deterministic in their seed)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cache", default=None, help="feature cache (default $DAS_CACHE/frozen_features)")
+    p.add_argument("--cache", default=None,
+                   help="trunk cache folder (default $DAS_CACHE/trunk_cache)")
     p.add_argument("--out", default=None, help="run folder (default bench_out/frozen_table2/<name>)")
     p.add_argument("--results", default=None,
                    help="Markdown file for the tables (default <out>/results.md)")
@@ -106,41 +115,40 @@ _DATA: dict = {}
 
 
 def _load(args) -> dict:
-    """Features once per process (parent before forking workers)."""
+    """The parsed splits and the settings once per process (the parent, before forking)."""
     if not _DATA:
-        from training.frozen_features import frozen_splits
+        from benchmarks.frozen_features import dataset_kind
+        from training.data import load_splits
 
-        root = Path(args.root)
-        kind = "omniglot" if (root / "images_background").is_dir() else "folder"
+        kind = dataset_kind(args.root)
+        train, test = load_splits(kind, args.root, max_classes=args.max_classes)
+        val = train.num_classes - train.num_classes // 2 if args.validation else 0
+        n_train = train.num_classes - val
         defaults = DEFAULTS[kind]
         views = args.views if args.views is not None else defaults["views"]
-        train, test = frozen_splits(root, cache=args.cache, views=views,
-                                    max_classes=args.max_classes)
-        if args.validation:
-            half = train.num_classes // 2
-            train, test = (train.subset_classes(list(range(half))),
-                           train.subset_classes(list(range(half, train.num_classes))))
-        _DATA.update(train=train, test=test, kind=kind, defaults=defaults, views=views)
+        _DATA.update(train=train, test=test, kind=kind, defaults=defaults, views=views,
+                     validation_classes=val, n_train=n_train)
     return _DATA
 
 
-def _config(args, method: str, variant: str, seed: int):
+def _config(args, method: str, variant: str, seed: int, out: str = "-"):
     """The TrainConfig of one run: head-training defaults, the pair, the variant, --set."""
-    from training.config import load_config, parse_override
+    from benchmarks.frozen_features import head_run_config
+    from training.config import parse_override
 
     data = _load(args)
     d = data["defaults"]
     loss, _, miner = method.partition(":")
-    n_cls = data["train"].num_classes
-    values = {"dataset": "folder", "root": "-", "backbone": "small_cnn", "pretrained": False,
-              "device": "cpu", "amp": "off", "export_onnx": False, "tensorboard": False,
-              "progress": False, "eval_initial": False, "dim": args.dim, "loss": loss,
+    n_cls = data["n_train"]
+    values = {"max_classes": args.max_classes, "validation_classes": data["validation_classes"],
+              "trunk_views": data["views"], "cache_dir": args.cache or "",
+              "head_init": args.head, "dim": args.dim, "loss": loss,
               "miner": miner or "none", "loss_flavour": args.flavour,
               "epochs": args.epochs or d["epochs"], "lr": args.lr or d["lr"],
               "weight_decay": d["weight_decay"] if args.weight_decay is None else args.weight_decay,
               "batch_size": args.batch_size or args.per_class * min(56, n_cls),
               "per_class": args.per_class, "seed": seed, "das": variant != "base",
-              "das_preset": args.preset}
+              "das_preset": args.preset, "threads": 1, "out": out}
     values.update(dict(parse_override(o) for o in args.overrides))
     named = parse_variants(args.variants)
     if variant in named:
@@ -154,22 +162,31 @@ def _config(args, method: str, variant: str, seed: int):
         values[key] = int(val) if key in ("das_num_produce", "das_topk") else float(val)
         if key == "das_scale_range":
             values["das_scale_bounds"] = []          # r_s only means something without bounds
-    return load_config(None, values)
+    values["eval_every"] = values["epochs"]          # metrics of the last epoch only
+    return head_run_config(args.root, model=args.model, **values)
 
 
 def run_job(job) -> dict:
-    """One training run in this process (one torch thread); returns its metrics."""
-    import torch
+    """One training run (the trainer, one torch thread) in a scratch folder; its metrics."""
+    import shutil
+    import tempfile
 
-    from training.frozen import train_head
+    from training import train
 
     args, method, variant, seed = job
-    torch.set_num_threads(1)
-    cfg = _config(args, method, variant, seed)
     data = _load(args)
-    r = train_head(cfg, data["train"], data["test"], head=args.head)
-    return {"method": method, "variant": variant, "seed": seed,
-            "metrics": r["metrics"][cfg.epochs], "seconds": r["seconds"], "steps": r["steps"]}
+    tmp = tempfile.mkdtemp(prefix="frozen_table2-")
+    try:
+        cfg = _config(args, method, variant, seed, out=tmp)
+        t0 = time.perf_counter()
+        r = train(cfg, train_split=data["train"], test_split=data["test"])
+        seconds = time.perf_counter() - t0
+    finally:       # checkpoints of a benchmark run are not kept (the whole backbone, ~20 MB)
+        shutil.rmtree(tmp, ignore_errors=True)
+    keep = {k: v for k, v in r.last_metrics.items()
+            if k.startswith("R@") or k in ("NMI", "F1", "MAP@R")}
+    return {"method": method, "variant": variant, "seed": seed, "metrics": keep,
+            "seconds": seconds, "steps": r.history[-1]["steps"]}
 
 
 def jobs_for(args) -> list[tuple[str, str]]:
@@ -291,7 +308,6 @@ def main(argv=None) -> int:
 
     from training.config import ConfigError
     from training.data import DatasetLayoutError
-    from training.frozen import build_head, evaluate_features
 
     torch.set_num_threads(1)
     root = Path(args.root)
@@ -310,11 +326,22 @@ def main(argv=None) -> int:
     results = Path(args.results or out / "results.md")
     command = "python benchmarks/frozen_table2.py " + shlex.join(
         argv if argv is not None else sys.argv[1:])
-    train, test = data["train"], data["test"]
-    untrained = evaluate_features(test.features, test.labels)
-    head = build_head(args.head, train, args.dim, True)
+    from benchmarks.frozen_features import frozen_splits, pca_head
+    from embedder.metrics import evaluate
+
+    def metrics(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+        return {k: float(v) for k, v in evaluate(emb, labels, ks=(1, 2, 4, 8), clustering=True,
+                                                 seed=0).items()}
+
+    # builds the pooled-feature cache once, here, before the runs fork and read it
+    train, test = frozen_splits(args.root, cfg=probe, progress=True)
+    untrained = metrics(test.features, test.labels)
+    head = pca_head(train, args.dim)
+    if args.head == "random":          # the Linear's own random init, seeded like run 0
+        torch.manual_seed(args.seeds[0])
+        head[0].reset_parameters()
     with torch.no_grad():
-        head0 = evaluate_features(head(torch.from_numpy(test.features)).numpy(), test.labels)
+        head0 = metrics(head(torch.from_numpy(test.features)).numpy(), test.labels)
     das_keys = ("das_num_produce", "das_topk", "das_bank_size", "das_scale_range",
                 "das_scale_bounds", "das_shift_scale", "das_detach", "das_aux_loss",
                 "das_exclude_own_copies")
@@ -326,7 +353,8 @@ def main(argv=None) -> int:
             "setup": (f"{train.num_classes} training classes ({len(train)} images"
                       f"{views_text}), "
                       f"{test.num_classes} {'validation' if args.validation else 'test'} classes "
-                      f"({len(test)} images); frozen EfficientNet-Lite0 features, head {args.head!r} "
+                      f"({len(test)} images); frozen {probe.backbone} features ({probe.pooling} "
+                      f"pooling, {probe.input_size} px, L2-normalised), head {args.head!r} "
                       f"-> d = {args.dim}, {probe.epochs} epochs, Adam lr {probe.lr:g}, weight "
                       f"decay {probe.weight_decay:g}, batch {probe.batch_size} ({probe.per_class} "
                       f"per class), loss flavour {probe.loss_flavour!r}; DAS runs (preset "

@@ -38,6 +38,7 @@ class EmbedderConfig:
     pretrained: bool = False
     frozen_bn: bool = False
     gem_p: float = 3.0           # GeM exponent (pooling="gem" only); 1 = average pooling
+    head_input: str = "raw"      # "l2": L2-normalise the pooled features before the head
 
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:
@@ -48,6 +49,8 @@ class EmbedderConfig:
             raise ValueError(f"dim must be an int >= 0 (0 = no head), got {self.dim!r}")
         if not isinstance(self.gem_p, (int, float)) or isinstance(self.gem_p, bool) or not 1 <= self.gem_p <= 16:
             raise ValueError(f"gem_p must be a number in [1, 16], got {self.gem_p!r}")
+        if self.head_input not in ("raw", "l2"):
+            raise ValueError(f"head_input must be 'raw' or 'l2', got {self.head_input!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,9 +240,14 @@ class Embedder(nn.Module):
             pooled = pooled + F.adaptive_max_pool2d(fmap, 1)
         return torch.flatten(pooled, 1)
 
+    def head_in(self, pooled: Tensor) -> Tensor:
+        """What the head sees: the pooled features, L2-normalised with ``head_input = "l2"`` (a
+        head trained on the training-free gallery embedder's features; its PCA init fits these)."""
+        return F.normalize(pooled, p=2.0, dim=1) if self.config.head_input == "l2" else pooled
+
     def embed(self, pooled: Tensor) -> Tensor:
         """Pooled features -> embedding (head, then L2 normalisation when configured)."""
-        z = self.head(pooled)
+        z = self.head(self.head_in(pooled))
         return F.normalize(z, p=2.0, dim=1) if self.config.normalize else z
 
     def forward(self, x: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ DAS_PRESET_LOSSES: dict[str, dict[str, dict[str, Any]]] = {
 }
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 HEAD_INITS = ("random", "pca")
+HEAD_INPUTS = ("raw", "l2")
 #: `das_bank_dtype` names -> the torch dtype DAS stores its transformation bank in. Kept as
 #: strings here so that config.py (and `--help`) does not import torch.
 BANK_DTYPES = ("float32", "float16", "bfloat16")
@@ -91,6 +92,9 @@ class TrainConfig:
     backbone_lr: float = 0.0  # Adam lr of the trainable backbone stages (0 = lr); the head uses lr
     warmup_epochs: int = 0  # linear lr warm-up over the first N epochs (lr x (e+1)/(N+1))
     head_init: str = "random"  # random | pca (top-d principal directions of the training images' pooled features)
+    # "l2": L2-normalise the pooled features before the embedding layer, so the head sees what
+    # the training-free gallery embedder stores (the frozen-feature benchmark's input).
+    head_input: str = "raw"  # raw | l2
     trunk_cache: bool = False  # cache the frozen stages' activations on disk (fp16); epochs run only the trainable stages
     trunk_views: int = 3  # random training crops per image in the trunk cache (plus the centre crop)
     cache_dir: str = ""  # trunk cache folder ("" = <das cache>/trunk_cache)
@@ -187,6 +191,8 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"head_init={self.head_init!r}: expected one of {', '.join(HEAD_INITS)}")
+        if self.head_input not in HEAD_INPUTS:
+            raise ConfigError(f"head_input={self.head_input!r}: expected one of {', '.join(HEAD_INPUTS)}")
         if self.backbone_lr < 0:
             raise ConfigError(f"backbone_lr={self.backbone_lr!r}: expected >= 0 (0 = lr)")
         for name in ("warmup_epochs", "trunk_views", "validation_classes"):

@@ -5,8 +5,9 @@ The trainer has one loop; this module decides what flows through it. With ``trai
 images go through the whole Embedder, as in the paper. With frozen stages
 (training/stages.py) images go through the frozen prefix without gradients and then the
 trainable suffix; with ``trunk_cache = true`` the prefix's outputs come from disk
-(training/trunk_cache.py) and only the suffix runs. ``trainable = "head"`` with the cache is
-the former frozen-feature head loop: pooled features once, a linear head on top.
+(training/trunk_cache.py) and only the suffix runs. ``trainable = "head"`` with the cache and
+``head_input = "l2"`` is the frozen-feature benchmark (benchmarks/frozen_table2.py): the gallery
+embedder's pooled features once (float32), a linear head on top.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from .config import TrainConfig
 from .data import ImageDataset
 
-__all__ = ["Inputs", "cache_name", "carve_validation", "pca_directions", "prepare_inputs"]
+__all__ = ["Inputs", "cache_name", "cached_activations", "carve_validation", "pca_directions", "prepare_inputs"]
 
 
 @dataclass
@@ -95,11 +96,35 @@ def cache_name(cfg: TrainConfig) -> str:
     return name
 
 
+def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDataset,
+                       test: ImageDataset | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(training activations (1 + trunk_views, N, ...), test activations (1, M, ...) or None)
+    of the frozen prefix from the trunk cache, computed on first use. A benchmark calls this
+    once in its parent process so that every run it forks reads the same files.
+
+    The crops are data, not part of a run: every seed reads the same cache (seed 0) and draws
+    its own sequence of views from it (CachedViews). Pooled features (``trainable = "head"``)
+    are stored in float32: they are small (one vector per view), and fp16 would be the only
+    difference from the gallery embedder's float32 features."""
+    from .run_state import build_preprocessing
+    from .trunk_cache import trunk_activations
+
+    pre = build_preprocessing(cfg)
+    pooled = cfg.trainable == "head"
+    kw = dict(seed=0, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
+              threads=max(1, cfg.workers or torch.get_num_threads()),
+              dtype=np.float32 if pooled else np.float16)
+    what = cache_name(cfg)
+    acts = trunk_activations(prefix, train_full, pre, what=what, views=cfg.trunk_views, **kw)
+    test_acts = (None if test is None else
+                 trunk_activations(prefix, test, pre, what=what, views=0, **kw))
+    return acts, test_acts
+
+
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
                    fresh: bool) -> Inputs:
     """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init."""
-    from .run_state import build_preprocessing
-    from .trunk_cache import CachedViews, trunk_activations
+    from .trunk_cache import CachedViews
 
     train, evaluate, rows_t, rows_v = carve_validation(train_full, test, cfg.validation_classes)
     split, model, device = state.split, state.model, state.device
@@ -110,19 +135,12 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         net, train_in, eval_in = split.network, train, evaluate
         pooled_fn = lambda x: split.suffix.pooled(split.prefix(x))  # noqa: E731
     else:
-        pre = build_preprocessing(cfg)
-        # The crops are data, not part of a run: every seed reads the same cache (seed 0) and
-        # draws its own sequence of views from it (CachedViews).
-        kw = dict(seed=0, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
-                  threads=max(1, cfg.workers or torch.get_num_threads()))
-        acts = trunk_activations(split.prefix, train_full, pre, what=cache_name(cfg),
-                                 views=cfg.trunk_views, **kw)
+        acts, test_acts = cached_activations(cfg, split.prefix, train_full,
+                                             None if rows_v is not None else test)
         train_in = CachedViews(acts, train.labels, train=True, seed=cfg.seed, rows=rows_t)
         if rows_v is not None:
             eval_in = CachedViews(acts, evaluate.labels, train=False, rows=rows_v)
         else:
-            test_acts = trunk_activations(split.prefix, test, pre, what=cache_name(cfg),
-                                          views=0, **kw)
             eval_in = CachedViews(test_acts, test.labels, train=False)
         net = split.suffix
         pooled_fn = split.suffix.pooled
@@ -134,6 +152,6 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         was = net.training
         net.eval()
         model.eval()
-        init_head_pca(model, _pooled(pooled_fn, centre, cfg.eval_batch_size, device))
+        init_head_pca(model, model.head_in(_pooled(pooled_fn, centre, cfg.eval_batch_size, device)))
         net.train(was)
     return Inputs(train_in, eval_in, net, train, evaluate)

@@ -58,7 +58,8 @@ def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
     pre = build_preprocessing(cfg)
     return Embedder(EmbedderConfig(backbone=cfg.backbone, dim=cfg.dim, pooling=cfg.pooling,
                                    normalize=normalize, pretrained=cfg.pretrained,
-                                   frozen_bn=cfg.frozen_bn, gem_p=cfg.gem_p), pre)
+                                   frozen_bn=cfg.frozen_bn, gem_p=cfg.gem_p,
+                                   head_input=cfg.head_input), pre)
 
 
 def build_components(cfg: TrainConfig, num_classes: int):

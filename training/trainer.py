@@ -1,6 +1,8 @@
 """The training loop: paper recipe, DAS in the step, evaluation, exact resume, DDP, export.
 
-One step is `step.compute_loss` (shared with the frozen-feature benchmark): ``emb = model(x)``;
+This is the project's only training loop: the frozen-feature benchmark
+(benchmarks/frozen_table2.py) runs it too, with ``trainable = "head"`` on cached pooled features.
+One step is `step.compute_loss`: ``emb = model(x)``;
 in DDP the global batch is gathered; ``emb, lab = das(emb, y)`` when DAS is on; ``loss =
 criterion(emb, lab)`` (with the authors' aux loss, ``criterion(real rows) + w * criterion(emb,
 lab)``). What a resumed run needs to continue bit-exactly is a `run_state.RunState`, saved as

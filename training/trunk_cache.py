@@ -6,7 +6,8 @@ On a CPU it is also most of the cost of a step (EfficientNet-Lite0's first five 
 112-14 px). So it runs once here, over the centre crop (view 0, what evaluation sees) and
 ``views`` random training crops of every image (the paper's augmentation: random resized crop
 + flip, drawn from a generator seeded per (seed, image), so the views do not depend on batch
-order or threads), and the activations are stored as an fp16 ``.npy`` memmap of shape
+order or threads), and the activations are stored as an fp16 (pooled features: float32)
+``.npy`` memmap of shape
 ``(1 + views, N, *activation)``; an epoch then runs only the trainable stages on one of the
 stored views of each image.
 
@@ -56,14 +57,19 @@ def cache_key(prefix: nn.Module, what: str, preprocessing, views: int, seed: int
 def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, views: int = 0,
                       seed: int = 0,
                       cache_dir: str | os.PathLike | None = None, batch_size: int = 32,
-                      threads: int = 2, progress: bool = True) -> np.ndarray:
-    """(1 + views, N, *shape) fp16 activations of `prefix` for every image of `dataset` (an
+                      threads: int = 2, progress: bool = True,
+                      dtype: type = np.float16) -> np.ndarray:
+    """(1 + views, N, *shape) activations of `prefix` for every image of `dataset` (an
     `ImageDataset`: its ``image(i)`` decodes, its split's paths key the cache); view 0 is the
-    eval centre crop of `preprocessing`, views 1.. its random training crops. Returns a
+    eval centre crop of `preprocessing`, views 1.. its random training crops. Stored as
+    `dtype` (fp16 halves the disk of feature maps; float32 for pooled features). Returns a
     read-only memmap of the cached file."""
     from tqdm.auto import tqdm
 
     pre = preprocessing
+    dtype = np.dtype(dtype)
+    if dtype != np.float16:       # fp16 files keep the names and keys they had
+        what = f"{what}-{dtype.name}"
     paths = [Path(p) for p in dataset.split.paths]
     key = cache_key(prefix, what, pre, views, seed, paths)
     out_dir = Path(cache_dir) if cache_dir else _default_dir()
@@ -90,9 +96,9 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
             a = prefix(torch.stack(xs).to(device)).float().cpu()
             a = a.reshape(len(idx), 1 + views, *a.shape[1:]).transpose(0, 1)
             if arr is None:
-                arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype,
                                                 shape=(1 + views, len(paths), *a.shape[2:]))
-            arr[:, s:s + len(idx)] = a.numpy().astype(np.float16)
+            arr[:, s:s + len(idx)] = a.numpy().astype(dtype)
             bar.update(len(idx))
         bar.close()
         arr.flush()
@@ -132,5 +138,5 @@ class CachedViews(Dataset):
             self._view = rng.integers(0, self.acts.shape[0], len(self.rows))
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        a = np.asarray(self.acts[self._view[i], self.rows[i]], dtype=np.float32)
+        a = np.array(self.acts[self._view[i], self.rows[i]], dtype=np.float32)   # a copy: writable
         return torch.from_numpy(a), int(self._labels[i])

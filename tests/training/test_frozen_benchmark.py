@@ -1,5 +1,6 @@
-"""The frozen-feature benchmark's core on real Caltech-101 photos (3 + 3 classes, 1 epoch):
-features cached once, the head trained through the trainer's step, the grid's paired report."""
+"""The frozen-feature benchmark on real Caltech-101 photos (3 + 3 classes, 1 epoch): pooled
+features cached once (the trainer's trunk cache), the head trained by the trainer itself
+(``trainable = "head"``), the grid's paired report."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,8 @@ def caltech_root() -> Path:
 
 @pytest.fixture(scope="module")
 def splits(caltech_root, pretrained_onnx, tmp_path_factory):
-    from training.frozen_features import frozen_splits
+    sys.path.insert(0, str(REPO))
+    from benchmarks.frozen_features import frozen_splits
 
     cache = tmp_path_factory.mktemp("features")
     train, test = frozen_splits(caltech_root, cache=cache, max_classes=3, progress=False)
@@ -31,7 +33,7 @@ def splits(caltech_root, pretrained_onnx, tmp_path_factory):
 
 
 def test_features_are_computed_once_and_split_by_class(splits, caltech_root, monkeypatch):
-    from training import frozen_features
+    from benchmarks import frozen_features
     from training.data import _natural_key
 
     train, test, cache = splits
@@ -39,32 +41,39 @@ def test_features_are_computed_once_and_split_by_class(splits, caltech_root, mon
     assert train.classes == classes[:3] and test.classes == classes[25:28]
     assert train.features.shape == (len(train), 1280) and test.features.shape[1] == 1280
     np.testing.assert_allclose(np.linalg.norm(train.features, axis=1), 1.0, atol=1e-4)
-    assert len(list(Path(cache).glob("*.npz"))) == 1
+    assert len(list(Path(cache).glob("*.npy"))) == 2          # training and test images
 
     def no_model(*a, **k):
         raise AssertionError("features were recomputed instead of read from the cache")
-    monkeypatch.setattr("embedder.OnnxEmbedder", no_model)
+    monkeypatch.setattr("training.trunk_cache.ThreadPoolExecutor", no_model)
     again, _ = frozen_features.frozen_splits(caltech_root, cache=cache, max_classes=3,
                                              progress=False)
     np.testing.assert_array_equal(again.features, train.features)
 
 
-def test_pca_head_starts_at_the_frozen_ranking_and_training_is_seeded(splits):
-    from training.frozen import build_head, evaluate_features, head_config, train_head
+def test_pca_head_starts_at_the_frozen_ranking_and_training_is_seeded(splits, caltech_root,
+                                                                      tmp_path):
+    # ported from training/frozen.py's train_head to the trainer with trainable = "head"
+    from benchmarks.frozen_features import head_run_config, pca_head
+    from embedder.metrics import evaluate
+    from training import train as run
 
-    train, test, _ = splits
-    raw = evaluate_features(test.features, test.labels)
-    head = build_head("pca", train, 32, True)
+    train, test, cache = splits
+    raw = evaluate(test.features, test.labels, ks=(1,), clustering=False)
+    head = pca_head(train, 32)
     with torch.no_grad():
-        start = evaluate_features(head(torch.from_numpy(test.features)).numpy(), test.labels)
+        start = evaluate(head(torch.from_numpy(test.features)).numpy(), test.labels, ks=(1,),
+                         clustering=False)
     assert abs(start["R@1"] - raw["R@1"]) < 0.1           # a projection, not a scramble
-    cfg = head_config(loss="triplet", miner="distance", das=True, dim=32, epochs=1, lr=1e-3,
-                      batch_size=6, per_class=2, seed=3)
-    a = train_head(cfg, train, test, eval_epochs=[0, 1])
-    b = train_head(cfg, train, test, eval_epochs=[1])
-    assert a["metrics"][1] == b["metrics"][1] and a["steps"] == len(train) // 6
-    assert a["metrics"][0]["R@1"] == pytest.approx(start["R@1"])
-    assert set(a["metrics"][1]) >= {"R@1", "NMI", "MAP@R"}
+    kw = dict(max_classes=3, cache_dir=str(cache), loss="triplet", miner="distance", das=True,
+              dim=32, epochs=1, lr=1e-3, batch_size=6, per_class=2, seed=3)
+    a = run(head_run_config(caltech_root, eval_initial=True, out=str(tmp_path / "a"), **kw))
+    b = run(head_run_config(caltech_root, out=str(tmp_path / "b"), **kw))
+    metrics = ("R@1", "R@2", "R@4", "R@8", "NMI", "F1", "MAP@R")
+    assert [a.last_metrics[k] for k in metrics] == [b.last_metrics[k] for k in metrics]
+    assert a.history[-1]["steps"] == len(train) // 6
+    assert a.initial_metrics["R@1"] == pytest.approx(start["R@1"])
+    assert set(a.last_metrics) >= {"R@1", "NMI", "MAP@R"}
 
 
 def test_tiny_grid_reports_paired_intervals(splits, caltech_root, tmp_path, monkeypatch):
