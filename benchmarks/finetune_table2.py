@@ -1,7 +1,7 @@
 """The paper's Table 2 in the fine-tuning regime on real photos: baseline vs DAS, paired seeds.
 
-    python benchmarks/finetune_table2.py --quick                       # CPU: 3 pairs x 3 seeds
-    python benchmarks/finetune_table2.py --config configs/photos_finetune_gpu.toml --seeds 0 1 2
+    python -m benchmarks.finetune_table2 --quick                       # CPU: 3 pairs x 3 seeds
+    python -m benchmarks.finetune_table2 --config configs/photos_finetune_gpu.toml --seeds 0 1 2
 
 Every run is `python -m training` with a recipe config (default the CPU recipe,
 configs/photos_finetune_cpu.toml: the last EfficientNet-Lite0 stages fine-tuned on a cached
@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks.frozen_table2 import TABLE2, _label, plot, summarise  # noqa: E402
-from benchmarks.paired import fmt_interval  # noqa: E402
+from benchmarks.frozen_table2 import TABLE2, _label, plot, summarise
+from benchmarks.paired import fmt_interval
 
 QUICK = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
 #: --quick's shorter schedule: 18 runs x 6 epochs of the cached CPU recipe (~20 s per epoch on
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
     else:
         free = training_free(probe)
         free_path.write_text(json.dumps(free, indent=1))
-    command = "python benchmarks/finetune_table2.py " + shlex.join(
+    command = "python -m benchmarks.finetune_table2 " + shlex.join(
         argv if argv is not None else sys.argv[1:])
     where = "validation split of the training classes" if args.validation else "held-out test classes"
     meta = {"title": f"{name}: fine-tuning, {where}", "command": command,

@@ -58,10 +58,10 @@ def head_run_config(root: str | os.PathLike, *, model: str | None = None, **kw: 
     (`embedder.pretrained` name, default its DEFAULT): that backbone, pooling and
     preprocessing, ``trainable = "head"`` on the cached pooled features, L2-normalised before
     the head; CPU, no export, no TensorBoard. `kw` sets any other field."""
-    from embedder.pretrained import _spec
+    from embedder.pretrained import resolve_spec
     from training.config import load_config
 
-    spec = _spec(model)
+    spec = resolve_spec(model)
     values = {"dataset": dataset_kind(root), "root": str(root), "backbone": spec.backbone,
               "pretrained": True, "pooling": spec.pooling, "gem_p": float(spec.gem_p),
               "input_size": spec.input_size, "resize": spec.resize, "trainable": "head",

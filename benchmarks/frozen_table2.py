@@ -1,7 +1,7 @@
 """The paper's Table 2 and Table 3 on frozen features of real photos, baseline vs DAS, on CPU.
 
-    python benchmarks/frozen_table2.py --root ../shared/data/caltech101-dev/images
-    python benchmarks/frozen_table2.py --root ../shared/data/omniglot
+    python -m benchmarks.frozen_table2 --root ../shared/data/caltech101-dev/images
+    python -m benchmarks.frozen_table2 --root ../shared/data/omniglot
 
 Every run is the trainer (`training.train`) with ``trainable = "head"``: the pooled features of
 a training-free ImageNet embedder (`--model`, default the gallery default of
@@ -34,9 +34,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks.paired import fmt_interval, parse_variants, t_interval  # noqa: E402
+from benchmarks.paired import fmt_interval, parse_variants, t_interval
 
 # Table 2's seven pairs, then Table 3's samplers that Table 2 lacks (loss:sampler).
 TABLE2 = ["triplet:semihard", "triplet:distance", "contrastive:distance", "margin:distance",
@@ -324,7 +323,7 @@ def main(argv=None) -> int:
     out = Path(args.out or REPO / "bench_out" / "frozen_table2" / name)
     out.mkdir(parents=True, exist_ok=True)
     results = Path(args.results or out / "results.md")
-    command = "python benchmarks/frozen_table2.py " + shlex.join(
+    command = "python -m benchmarks.frozen_table2 " + shlex.join(
         argv if argv is not None else sys.argv[1:])
     from benchmarks.frozen_features import frozen_splits, pca_head
     from embedder.metrics import evaluate

@@ -496,7 +496,6 @@ def _serve_gen(work: str, n: str, d: str, nlist: str) -> dict:
     import numpy as np
     from tqdm import tqdm
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from benchmarks.index_bench import low_rank, low_rank_law
 
     from indexer import faiss_index as fx

@@ -122,7 +122,8 @@ def parse_spec(text: str) -> PretrainedSpec:
                           float(m.group(3)) if gem and m.group(3) else 3.0, size, bool(m.group(5)))
 
 
-def _spec(name: str | PretrainedSpec | None) -> PretrainedSpec:
+def resolve_spec(name: str | PretrainedSpec | None) -> PretrainedSpec:
+    """The spec a name (or None: :data:`DEFAULT`, or a spec itself) stands for."""
     if name is None:
         return PRETRAINED[DEFAULT]
     return name if isinstance(name, PretrainedSpec) else parse_spec(name)
@@ -133,12 +134,12 @@ def cache_dir() -> Path:
 
 
 def weights_path(name: str | PretrainedSpec | None = None) -> Path:
-    return _spec(name).weights_path()
+    return resolve_spec(name).weights_path()
 
 
 def pretrained_embedder(name: str | PretrainedSpec | None = None):
     """The torch embedder of ``name`` (default: :data:`DEFAULT`), in eval mode."""
-    return _spec(name).embedder()
+    return resolve_spec(name).embedder()
 
 
 @contextmanager
@@ -160,14 +161,14 @@ def export_pretrained(name: str | PretrainedSpec | None, out: str | os.PathLike)
     """Export ``name`` to ``out`` (with the parity check); the weights' hash is its source hash."""
     from .export import export_onnx
 
-    spec = _spec(name)
+    spec = resolve_spec(name)
     return export_onnx(spec.embedder(), out, source_hash=file_sha256(spec.weights_path()))
 
 
 def default_model_path(name: str | PretrainedSpec | None = None) -> Path:
     """Path of the exported pretrained embedder ``name`` (default: :data:`DEFAULT`), exporting
     it on first use (~15-30 s on 2 cores)."""
-    spec = _spec(name)
+    spec = resolve_spec(name)
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{spec.model_name}.onnx"
