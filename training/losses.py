@@ -1,13 +1,10 @@
 """The paper's eight losses (supplementary A) behind one `Criterion`, in two flavours.
 
 ``flavour="authors"`` (the default, and what the paper's configs use): each loss and sampler
-as the DAS authors' training framework computes it (training/losses_authors.py,
-training/miners.py), since that code, not the supplementary's equations, produced the
-paper's numbers. The differences that matter: the triplet loss on squared distances averaged
-over all sampled triplets, means over all sampled pairs for contrastive, their N-pair (x/4,
-one positive per anchor) and lifted (per-channel) variants, MS skipping anchors without mined
-pairs, ArcFace without an effective margin; distance-weighted sampling without the upper
-cut-off and random sampling over all triplets. Every one is listed in losses_authors.py.
+as the DAS authors' training framework computes it, since that code, not the supplementary's
+equations, produced the paper's numbers; every difference is listed in
+training/losses_authors.py and training/miners.py. `REGISTRY` holds each loss's module per
+flavour, its defaults and its miner policy.
 
 ``flavour="pml"``: the project's first implementation, kept for comparison and for users of
 pytorch-metric-learning's conventions. pytorch-metric-learning computes six losses with the
@@ -36,7 +33,7 @@ from torch import Tensor, nn
 from . import losses_authors as authors
 from .config import LOSS_FLAVOURS
 from .loss_parts import MeanReducer
-from .miners import MINERS, Triplets, build_miner, pair_masks
+from .miners import MINERS, Triplets, build_miner, draw_uniform, pair_masks
 
 __all__ = ["REGISTRY", "LossSpec", "LOSSES", "DEFAULTS", "Criterion", "MultiSimilarityLoss",
            "NPairLoss", "build_loss"]
@@ -49,19 +46,31 @@ class NPairLoss(nn.Module):
     ``log(1 + sum_{r: y_r != y_a} exp(v_a.v_r - v_a.v_p)) + nu * ||v_a||^2``, averaged.
 
     Every positive of an anchor forms its own (a, p, R) tuple, so with DAS each copy is used.
+    The authors' flavour is the same loss on ``v * scale`` (their 1/4 against overflow) with
+    `one_positive` (ONE uniformly drawn positive per anchor, so the mean runs over anchors with
+    a positive; the regulariser counts only when there is one) and ``reg_power`` 1 (a norm).
     """
 
-    def __init__(self, reg_weight: float = 5e-3) -> None:
+    def __init__(self, reg_weight: float = 5e-3, scale: float = 1.0, one_positive: bool = False,
+                 reg_power: int = 2, generator: torch.Generator | None = None) -> None:
         super().__init__()
-        self.reg_weight = float(reg_weight)
+        self.reg_weight, self.scale, self.reg_power = float(reg_weight), float(scale), reg_power
+        self.one_positive, self.generator = one_positive, generator
 
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
-        sim = embeddings @ embeddings.T
+        z = embeddings * self.scale
+        sim = z @ z.T
         pos, neg = pair_masks(labels)
+        norms = z.norm(dim=1) if self.reg_power == 1 else z.pow(2).sum(dim=1)
+        reg = self.reg_weight * norms.mean()
+        if self.one_positive:
+            drawn = draw_uniform(pos, self.generator)
+            pos = pos & (drawn[:, None] == torch.arange(len(labels), device=labels.device))
+            reg = pos.any().to(z.dtype) * reg
         # A large finite fill (not -inf) keeps gradients finite for anchors without negatives.
         lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), dim=1)
         per_pair = F.softplus(lse_neg[:, None] - sim)        # log(1 + sum_r exp(s_ar - s_ap))
-        return _MEAN(per_pair, pos) + self.reg_weight * embeddings.pow(2).sum(dim=1).mean()
+        return _MEAN(per_pair, pos) + reg
 
 
 class MultiSimilarityLoss(nn.Module):
@@ -143,93 +152,68 @@ class Criterion(nn.Module):
 
     def param_groups(self) -> list[dict]:
         """Extra parameters with their own lr, e.g. ``[{"params": [beta], "lr": 5e-4}]``."""
-        groups = []
-        for attr, lr in self._lrs.items():
-            p = getattr(self.loss, attr)
-            groups.append({"params": [p], "lr": lr, "name": f"{self.name}.{attr}"})
-        return groups
+        return [{"params": [getattr(self.loss, attr)], "lr": lr, "name": f"{self.name}.{attr}"}
+                for attr, lr in self._lrs.items()]
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, flavour={self.flavour!r}, miner={self.miner_name!r}, " \
                f"normalize={self.normalize}, hparams={self.hparams}"
 
 
-#: (hyper-parameters, num_classes, dim) -> the loss module of one flavour.
-Build = Callable[[dict[str, float], int, int], nn.Module]
-
-#: `LossSpec.mining` -> the sampler of ``miner="default"`` (the paper's pairing, Table 2):
-#: "sampler" losses take one of `MINERS`, "own" has its MS mining, "batch" takes no miner.
-_DEFAULT_MINER = {"sampler": "distance", "own": "multisimilarity", "batch": None}
-
-
 @dataclass(frozen=True)
 class LossSpec:
-    """One loss of the paper: its hyper-parameters (supplementary A; any can be overridden by
-    name), its module per flavour, how it pairs rows, whether the embedder (and DAS) should
-    L2-normalise for it, and which of its parameters train at their own learning rate
-    (``{attribute: hyper-parameter holding the lr}``)."""
+    """One loss: its hyper-parameters (supplementary A; named as the modules' keywords), its
+    miner policy, its module per flavour (``(hyper-parameters but lrs, num_classes, dim) ->
+    module``), whether the embedder and DAS L2-normalise for it, and the parameters with their
+    own learning rate (``{attribute: hyper-parameter of the lr}``).
+
+    ``miner`` is the paper's pairing (Table 2), what ``miner="default"`` picks: a `MINERS` name
+    (then any sampler may be chosen), "multisimilarity" (its own MS mining, nothing else), or
+    None (the whole batch, no miner)."""
 
     defaults: dict[str, float]
-    builds: dict[str, Build]
-    mining: str = "batch"
+    miner: str | None
+    builds: dict[str, Callable[[dict[str, float], int, int], nn.Module]]
     normalize: bool = True
     lrs: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def default_miner(self) -> str | None:
-        """The sampler of ``miner="default"``: the paper's pairing (Table 2)."""
-        return _DEFAULT_MINER[self.mining]
-
-
-def _ms(hp: dict[str, float], **flavour: bool) -> MultiSimilarityLoss:
-    return MultiSimilarityLoss(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
-                               epsilon=hp["epsilon"], **flavour)
 
 
 #: The paper's eight losses. "pml" modules are pytorch-metric-learning's where it has the
 #: formula (N-pair and MS are written above: see the module docstring), "authors" ones are
 #: training/losses_authors.py's.
 REGISTRY: dict[str, LossSpec] = {
-    "contrastive": LossSpec({"margin": 1.0}, mining="sampler", builds={
-        "authors": lambda hp, c, d: authors.AuthorsContrastive(margin=hp["margin"]),
+    "contrastive": LossSpec({"margin": 1.0}, "distance", {
+        "authors": lambda hp, c, d: authors.AuthorsContrastive(**hp),
         # pos_margin 0: positives are pulled by D itself (eq. I), not D^2.
         "pml": lambda hp, c, d: losses.ContrastiveLoss(pos_margin=0.0, neg_margin=hp["margin"])}),
-    "triplet": LossSpec({"margin": 0.2}, mining="sampler", builds={
-        "authors": lambda hp, c, d: authors.AuthorsTriplet(margin=hp["margin"]),
-        "pml": lambda hp, c, d: losses.TripletMarginLoss(margin=hp["margin"])}),
-    "margin": LossSpec(
-        {"margin": 0.2, "beta": 1.2, "beta_lr": 5e-4, "nu": 0.0}, mining="sampler",
-        lrs={"beta": "beta_lr"}, builds={
-            "authors": lambda hp, c, d: authors.AuthorsMargin(
-                c, margin=hp["margin"], beta=hp["beta"], nu=hp["nu"]),
-            "pml": lambda hp, c, d: losses.MarginLoss(
-                margin=hp["margin"], nu=hp["nu"], beta=hp["beta"], learn_beta=True, num_classes=c)}),
-    "lifted": LossSpec({"margin": 1.0, "reg_weight": 5e-3}, normalize=False, builds={
-        "authors": lambda hp, c, d: authors.AuthorsLifted(margin=hp["margin"],
-                                                          reg_weight=hp["reg_weight"]),
+    "triplet": LossSpec({"margin": 0.2}, "distance", {
+        "authors": lambda hp, c, d: authors.AuthorsTriplet(**hp),
+        "pml": lambda hp, c, d: losses.TripletMarginLoss(**hp)}),
+    "margin": LossSpec({"margin": 0.2, "beta": 1.2, "beta_lr": 5e-4, "nu": 0.0}, "distance", {
+        "authors": lambda hp, c, d: authors.AuthorsMargin(c, **hp),
+        "pml": lambda hp, c, d: losses.MarginLoss(**hp, learn_beta=True, num_classes=c)},
+        lrs={"beta": "beta_lr"}),
+    "lifted": LossSpec({"margin": 1.0, "reg_weight": 5e-3}, None, {
+        "authors": lambda hp, c, d: authors.AuthorsLifted(**hp),
         "pml": lambda hp, c, d: losses.GeneralizedLiftedStructureLoss(
             neg_margin=hp["margin"], pos_margin=0.0,
             distance=distances.LpDistance(normalize_embeddings=False),
             embedding_regularizer=regularizers.LpRegularizer(p=2, power=2),
-            embedding_reg_weight=hp["reg_weight"])}),
-    "npair": LossSpec({"reg_weight": 5e-3}, normalize=False, builds={
-        "authors": lambda hp, c, d: authors.AuthorsNPair(reg_weight=hp["reg_weight"]),
-        "pml": lambda hp, c, d: NPairLoss(reg_weight=hp["reg_weight"])}),
+            embedding_reg_weight=hp["reg_weight"])}, normalize=False),
+    "npair": LossSpec({"reg_weight": 5e-3}, None, {
+        "authors": lambda hp, c, d: NPairLoss(**hp, scale=0.25, one_positive=True, reg_power=1),
+        "pml": lambda hp, c, d: NPairLoss(**hp)}, normalize=False),
     "multisimilarity": LossSpec(
-        {"alpha": 2.0, "beta": 40.0, "base": 0.5, "epsilon": 0.1}, mining="own", builds={
-            "authors": lambda hp, c, d: _ms(hp, normalize=False, skip_unmined=True),
-            "pml": lambda hp, c, d: _ms(hp)}),
-    "softmax": LossSpec(   # proxy_lr 2e-3 on SOP
-        {"temperature": 0.05, "proxy_lr": 1e-5}, lrs={"W": "proxy_lr"}, builds={
-            "authors": lambda hp, c, d: authors.AuthorsSoftmax(c, d, temperature=hp["temperature"]),
-            "pml": lambda hp, c, d: losses.NormalizedSoftmaxLoss(
-                c, d, temperature=hp["temperature"])}),
-    "arcface": LossSpec(   # margin in radians; PML takes it in degrees
-        {"margin": 0.5, "scale": 16.0, "proxy_lr": 5e-4}, lrs={"W": "proxy_lr"}, builds={
-            "authors": lambda hp, c, d: authors.AuthorsArcFace(c, d, margin=hp["margin"],
-                                                               scale=hp["scale"]),
-            "pml": lambda hp, c, d: losses.ArcFaceLoss(c, d, margin=math.degrees(hp["margin"]),
-                                                       scale=hp["scale"])}),
+        {"alpha": 2.0, "beta": 40.0, "base": 0.5, "epsilon": 0.1}, "multisimilarity", {
+        "authors": lambda hp, c, d: MultiSimilarityLoss(**hp, normalize=False, skip_unmined=True),
+        "pml": lambda hp, c, d: MultiSimilarityLoss(**hp)}),
+    "softmax": LossSpec({"temperature": 0.05, "proxy_lr": 1e-5}, None, {   # proxy_lr 2e-3 on SOP
+        "authors": lambda hp, c, d: authors.AuthorsSoftmax(c, d, **hp),
+        "pml": lambda hp, c, d: losses.NormalizedSoftmaxLoss(c, d, **hp)}, lrs={"W": "proxy_lr"}),
+    "arcface": LossSpec({"margin": 0.5, "scale": 16.0, "proxy_lr": 5e-4}, None, {   # radians
+        "authors": lambda hp, c, d: authors.AuthorsArcFace(c, d, **hp),
+        "pml": lambda hp, c, d: losses.ArcFaceLoss(   # PML takes the margin in degrees
+            c, d, margin=math.degrees(hp["margin"]), scale=hp["scale"])}, lrs={"W": "proxy_lr"}),
 }
 #: Views of the registry: the loss names, and each loss's default hyper-parameters.
 LOSSES = tuple(REGISTRY)
@@ -245,7 +229,7 @@ def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = Non
     (the authors' framework always samples, so its flavour needs a sampler). Multi-similarity
     always uses its own MS mining (miner None or "multisimilarity"); lifted, N-pair and the
     proxy losses use the whole batch and take no miner. ``miner="default"`` picks the paper's
-    pairing (`LossSpec.default_miner`). ``miner_options={...}`` is passed to `build_miner`.
+    pairing (`LossSpec.miner`). ``miner_options={...}`` is passed to `build_miner`.
     """
     if name not in REGISTRY:
         raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")
@@ -262,22 +246,23 @@ def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = Non
     hp = {**spec.defaults, **{k: float(v) for k, v in overrides.items()}}
     miner_name, miner_obj = _miner(name, spec, miner, flavour, miner_options)
     lrs = {attr: hp[key] for attr, key in spec.lrs.items()}
-    return Criterion(name, spec.builds[flavour](hp, num_classes, dim), miner_obj, spec.normalize,
-                     lrs, hp, miner_name, flavour)
+    module_hp = {k: v for k, v in hp.items() if k not in spec.lrs.values()}
+    loss = spec.builds[flavour](module_hp, num_classes, dim)
+    return Criterion(name, loss, miner_obj, spec.normalize, lrs, hp, miner_name, flavour)
 
 
 def _miner(name: str, spec: LossSpec, miner: str | None, flavour: str,
            options: dict[str, Any]) -> tuple[str | None, Any]:
     """(the miner's name, the miner) of `build_loss`'s ``miner`` under the loss's mining."""
-    miner_name = spec.default_miner if miner == "default" else miner
+    miner_name = spec.miner if miner == "default" else miner
     if miner_name in ("none", "all"):
         miner_name = None
-    if spec.mining == "own":
+    if spec.miner == "multisimilarity":
         if miner_name not in (None, "multisimilarity", "ms"):
             raise ValueError(f"loss {name!r} uses its own MS mining (miner None or "
                              f"'multisimilarity'), got {miner!r}")
-        return miner_name or spec.default_miner, None      # MS mining is part of the loss
-    if spec.mining == "batch":
+        return miner_name or spec.miner, None              # MS mining is part of the loss
+    if spec.miner is None:
         if miner_name is not None:
             raise ValueError(f"loss {name!r} uses the whole batch; it takes no miner "
                              f"(got {miner!r})")

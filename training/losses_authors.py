@@ -1,4 +1,4 @@
-"""The eight losses as the DAS authors' training framework computes them (``loss_flavour =
+"""The paper's losses as the DAS authors' training framework computes them (``loss_flavour =
 "authors"``): the code that produced the paper's numbers.
 
 Source: the ``loss/`` package of the released DAS code (lizhaoliu-Lec/DAS), itself Roth et
@@ -36,8 +36,8 @@ pytorch-metric-learning (the ``"pml"`` flavour):
 Sampled losses read `Triplets` (fixed size with a validity mask): invalid rows are weighted 0
 and means divide by the number of valid rows, so nothing here needs a host sync either. The
 distance and the reduction of each are data (training/loss_parts.py), given here with the
-authors' values; their multi-similarity loss is training/losses.py's `MultiSimilarityLoss` with
-``normalize=False, skip_unmined=True`` (the registry there says so).
+authors' values. Their N-pair and multi-similarity losses are training/losses.py's
+`NPairLoss` and `MultiSimilarityLoss` with other arguments (its `REGISTRY` gives them).
 """
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .loss_parts import MeanReducer, NonZeroMeanReducer, PairDistance, Reducer
-from .miners import Triplets, draw_uniform, pair_masks
+from .miners import Triplets, pair_masks
 
 __all__ = ["AuthorsTriplet", "AuthorsContrastive", "AuthorsMargin", "AuthorsLifted",
-           "AuthorsNPair", "AuthorsSoftmax", "AuthorsArcFace"]
+           "AuthorsSoftmax", "AuthorsArcFace"]
 
 _PDIST_EPS = 1e-6      # torch.nn.PairwiseDistance's default eps (added to the difference)
 _MEAN = MeanReducer()
@@ -147,27 +147,6 @@ class AuthorsLifted(nn.Module):
         term = F.relu(torch.logsumexp(self._set_norms(x, pos), 1)
                       + torch.logsumexp(self.margin - self._set_norms(x, neg), 1))
         return _MEAN(term, pos.any(1)) + self.reg_weight * x.norm(dim=1).mean()
-
-
-class AuthorsNPair(nn.Module):
-    """On ``x / 4``: mean over anchors with a positive of ``log(1 + sum_r exp(a.r - a.p))`` with
-    ONE uniformly drawn positive p per anchor and every different-label r, + ``reg_weight *
-    mean_i ||x_i / 4||`` (when any anchor has a positive)."""
-
-    def __init__(self, reg_weight: float = 5e-3, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.reg_weight, self.generator = float(reg_weight), generator
-
-    def forward(self, x: Tensor, labels: Tensor, t: Triplets | None = None) -> Tensor:
-        pos, neg = pair_masks(labels)
-        p = draw_uniform(pos, self.generator)
-        z = x / 4
-        sim = z @ z.T
-        lse = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -math.inf)), dim=1)
-        s_ap = sim.gather(1, p[:, None]).squeeze(1)
-        term = F.softplus(lse - s_ap)                       # log(1 + sum_r exp(s_ar - s_ap))
-        any_anchor = pos.any().to(x.dtype)
-        return _MEAN(term, pos.any(1)) + any_anchor * self.reg_weight * z.norm(dim=1).mean()
 
 
 def _proxies(num_classes: int, dim: int) -> nn.Parameter:

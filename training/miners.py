@@ -258,8 +258,7 @@ class DistanceWeightedMiner(_TripletMiner):
         return torch.exp((log_w - top).clamp(min=-80.0, max=0.0)) * a
 
     def choose(self, dist, pos, neg, dim):
-        negatives = _draw(self._weights(dist, neg, dim), self.generator)
-        return draw_uniform(pos, self.generator), negatives
+        return draw_uniform(pos, self.generator), _draw(self._weights(dist, neg, dim), self.generator)
 
 
 class AuthorsDistanceMiner(_TripletMiner):
