@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PairDistance", "MeanReducer", "NonZeroMeanReducer", "Reducer"]
+__all__ = ["PairDistance", "MeanReducer", "NonZeroMeanReducer"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,3 @@ class NonZeroMeanReducer:
         w = mask.to(terms.dtype).expand_as(terms)
         count = (w * (terms > 0).to(terms.dtype)).sum()
         return (w * terms).sum() / torch.where(count > 0, count, torch.ones_like(count))
-
-
-#: Either reduction; a loss calls it as ``reducer(terms, mask)``.
-Reducer = MeanReducer | NonZeroMeanReducer

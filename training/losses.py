@@ -162,20 +162,16 @@ class Criterion(nn.Module):
 
 @dataclass(frozen=True)
 class LossSpec:
-    """One loss: its hyper-parameters (supplementary A; named as the modules' keywords), its
-    miner policy, its module per flavour (``(hyper-parameters but lrs, num_classes, dim) ->
-    module``), whether the embedder and DAS L2-normalise for it, and the parameters with their
-    own learning rate (``{attribute: hyper-parameter of the lr}``).
+    """One loss of the paper: everything `build_loss` needs to know about it."""
 
-    ``miner`` is the paper's pairing (Table 2), what ``miner="default"`` picks: a `MINERS` name
-    (then any sampler may be chosen), "multisimilarity" (its own MS mining, nothing else), or
-    None (the whole batch, no miner)."""
-
-    defaults: dict[str, float]
+    defaults: dict[str, float]     # supplementary A, named as the modules' keywords
+    #: the paper's pairing (Table 2), what ``miner="default"`` picks: a `MINERS` name (then any
+    #: may be chosen), "multisimilarity" (its own MS mining only) or None (whole batch, no miner)
     miner: str | None
+    #: flavour -> (hyper-parameters but the lrs, num_classes, dim) -> loss module
     builds: dict[str, Callable[[dict[str, float], int, int], nn.Module]]
-    normalize: bool = True
-    lrs: dict[str, str] = field(default_factory=dict)
+    normalize: bool = True         # whether the embedder and DAS L2-normalise for it
+    lrs: dict[str, str] = field(default_factory=dict)   # parameter -> hyper-parameter of its lr
 
 
 #: The paper's eight losses. "pml" modules are pytorch-metric-learning's where it has the

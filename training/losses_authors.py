@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loss_parts import MeanReducer, NonZeroMeanReducer, PairDistance, Reducer
+from .loss_parts import MeanReducer, NonZeroMeanReducer, PairDistance
 from .miners import Triplets, pair_masks
 
 __all__ = ["AuthorsTriplet", "AuthorsContrastive", "AuthorsMargin", "AuthorsLifted",
@@ -66,7 +66,7 @@ class AuthorsTriplet(nn.Module):
     D = squared distance, mean over all valid triplets (PML: plain distance, non-zero mean)."""
 
     def __init__(self, margin: float = 0.2, distance: PairDistance = PairDistance(power=2),
-                 reducer: Reducer = _MEAN) -> None:
+                 reducer: MeanReducer | NonZeroMeanReducer = _MEAN) -> None:
         super().__init__()
         self.margin, self.distance, self.reducer = float(margin), distance, reducer
 
@@ -82,7 +82,7 @@ class AuthorsContrastive(nn.Module):
 
     def __init__(self, margin: float = 1.0, pos_margin: float = 0.0,
                  distance: PairDistance = PairDistance(shift=_PDIST_EPS),
-                 reducer: Reducer = _MEAN) -> None:
+                 reducer: MeanReducer | NonZeroMeanReducer = _MEAN) -> None:
         super().__init__()
         self.neg_margin, self.pos_margin = float(margin), float(pos_margin)
         self.distance, self.reducer = distance, reducer
@@ -100,7 +100,7 @@ class AuthorsMargin(nn.Module):
 
     def __init__(self, num_classes: int, margin: float = 0.2, beta: float = 1.2,
                  nu: float = 0.0, distance: PairDistance = PairDistance(floor=1e-8),
-                 reducer: Reducer = NonZeroMeanReducer()) -> None:
+                 reducer: MeanReducer | NonZeroMeanReducer = NonZeroMeanReducer()) -> None:
         super().__init__()
         self.margin, self.nu = float(margin), float(nu)
         self.distance, self.reducer = distance, reducer
