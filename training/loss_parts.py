@@ -26,10 +26,10 @@ class PairDistance:
     floor: float = 0.0
 
     def __call__(self, a: Tensor, b: Tensor) -> Tensor:
-        diff = a - b + self.shift
+        diff = a - b + self.shift if self.shift else a - b
         if self.power == 1 and not self.floor:
             return diff.norm(dim=1)    # a norm's gradient at 0 is 0, a sqrt's is not finite
-        squared = diff.pow(2).sum(1) + self.floor
+        squared = diff.pow(2).sum(1) + self.floor if self.floor else diff.pow(2).sum(1)
         return squared if self.power == 2 else squared.sqrt()
 
 

@@ -58,19 +58,19 @@ class NPairLoss(nn.Module):
         self.one_positive, self.generator = one_positive, generator
 
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
-        z = embeddings * self.scale
+        z = embeddings * self.scale if self.scale != 1.0 else embeddings
         sim = z @ z.T
         pos, neg = pair_masks(labels)
         norms = z.norm(dim=1) if self.reg_power == 1 else z.pow(2).sum(dim=1)
         reg = self.reg_weight * norms.mean()
-        if self.one_positive:
-            drawn = draw_uniform(pos, self.generator)
-            pos = pos & (drawn[:, None] == torch.arange(len(labels), device=labels.device))
-            reg = pos.any().to(z.dtype) * reg
         # A large finite fill (not -inf) keeps gradients finite for anchors without negatives.
-        lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), dim=1)
-        per_pair = F.softplus(lse_neg[:, None] - sim)        # log(1 + sum_r exp(s_ar - s_ap))
-        return _MEAN(per_pair, pos) + reg
+        lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), 1, keepdim=True)
+        s_ap = sim                                # (N, N): every positive pair counts
+        if self.one_positive:                     # (N, 1): one drawn positive per anchor
+            s_ap = sim.gather(1, draw_uniform(pos, self.generator)[:, None])
+            pos = pos.any(1, keepdim=True)
+            reg = pos.any().to(z.dtype) * reg
+        return _MEAN(F.softplus(lse_neg - s_ap), pos) + reg   # log(1 + sum_r exp(s_ar - s_ap))
 
 
 class MultiSimilarityLoss(nn.Module):
