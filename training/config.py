@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 DATASETS = ("cub", "cars", "sop", "omniglot", "folder")
+#: Loss and sampler flavours (training/losses.py): the DAS authors' framework, or PML's conventions.
 LOSS_FLAVOURS = ("authors", "pml")
 #: Named bundles of DAS options (`das_preset`). "paper" is the spec's defaults (T 3, K 4, Z 10,
 #: r_s = r_b = 0.01, detached copies, no aux loss): exactly TrainConfig's own defaults. "robust"
@@ -39,8 +40,8 @@ DAS_PRESET_LOSSES: dict[str, dict[str, dict[str, Any]]] = {
 AMP_MODES = ("auto", "off", "bf16", "fp16")
 HEAD_INITS = ("random", "pca")
 HEAD_INPUTS = ("raw", "l2")
-#: `das_bank_dtype` names -> the torch dtype DAS stores its transformation bank in. Kept as
-#: strings here so that config.py (and `--help`) does not import torch.
+#: The dtypes DAS may store its transformation bank in (`das_bank_dtype`; `getattr(torch, name)`
+#: is the dtype, and das.DAS accepts exactly these). Strings, so config.py does not import torch.
 BANK_DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .config import BANK_DTYPES
 from .das_bank import update_bank, update_frm
 
 __all__ = ["DAS", "BACKENDS"]
@@ -98,8 +99,8 @@ class DAS(nn.Module):
                 raise ValueError(f"scale_bounds={scale_bounds}: expected 0 < low <= high")
         if shift_scale < 0:
             raise ValueError(f"shift_scale={shift_scale}: expected >= 0")
-        if bank_dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            raise ValueError(f"bank_dtype={bank_dtype}: expected float32, float16 or bfloat16")
+        if bank_dtype not in [getattr(torch, name) for name in BANK_DTYPES]:
+            raise ValueError(f"bank_dtype={bank_dtype}: expected torch.{' | torch.'.join(BANK_DTYPES)}")
         self.num_classes, self.dim = int(num_classes), int(dim)
         self.num_produce, self.topk, self.bank_size = int(num_produce), int(topk), int(bank_size)
         self.scale_range, self.shift_scale = float(scale_range), float(shift_scale)

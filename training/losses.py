@@ -1,13 +1,10 @@
 """The paper's eight losses (supplementary A) behind one `Criterion`, in two flavours.
 
 ``flavour="authors"`` (the default, and what the paper's configs use): each loss and sampler
-as the DAS authors' training framework computes it (training/losses_authors.py,
-training/miners.py), since that code, not the supplementary's equations, produced the
-paper's numbers. The differences that matter: the triplet loss on squared distances averaged
-over all sampled triplets, means over all sampled pairs for contrastive, their N-pair (x/4,
-one positive per anchor) and lifted (per-channel) variants, MS skipping anchors without mined
-pairs, ArcFace without an effective margin; distance-weighted sampling without the upper
-cut-off and random sampling over all triplets. Every one is listed in losses_authors.py.
+as the DAS authors' training framework computes it, since that code, not the supplementary's
+equations, produced the paper's numbers; every difference is listed in
+training/losses_authors.py and training/miners.py. `REGISTRY` holds each loss's module per
+flavour, its defaults and its miner policy.
 
 ``flavour="pml"``: the project's first implementation, kept for comparison and for users of
 pytorch-metric-learning's conventions. pytorch-metric-learning computes six losses with the
@@ -25,43 +22,23 @@ form here gives the same values and gradients (tested) and never syncs with the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import distances, losses, regularizers
 from torch import Tensor, nn
 
-from . import losses_authors as A
-from .miners import FLAVOURS, MINERS, Triplets, _masks, build_miner
+from . import losses_authors as authors
+from .config import LOSS_FLAVOURS
+from .loss_parts import MeanReducer
+from .miners import MINERS, Triplets, build_miner, draw_uniform, pair_masks
 
-__all__ = ["LOSSES", "FLAVOURS", "DEFAULTS", "DEFAULT_MINER", "Criterion", "MultiSimilarityLoss",
+__all__ = ["REGISTRY", "LossSpec", "LOSSES", "DEFAULTS", "Criterion", "MultiSimilarityLoss",
            "NPairLoss", "build_loss"]
 
-LOSSES = ("contrastive", "triplet", "margin", "lifted", "npair", "multisimilarity",
-          "softmax", "arcface")
-
-#: The paper's hyper-parameters (supplementary A); any of them can be overridden by name.
-DEFAULTS: dict[str, dict[str, float]] = {
-    "contrastive": {"margin": 1.0},
-    "triplet": {"margin": 0.2},
-    "margin": {"margin": 0.2, "beta": 1.2, "beta_lr": 5e-4, "nu": 0.0},
-    "lifted": {"margin": 1.0, "reg_weight": 5e-3},
-    "npair": {"reg_weight": 5e-3},
-    "multisimilarity": {"alpha": 2.0, "beta": 40.0, "base": 0.5, "epsilon": 0.1},
-    "softmax": {"temperature": 0.05, "proxy_lr": 1e-5},   # 2e-3 on SOP
-    "arcface": {"margin": 0.5, "scale": 16.0, "proxy_lr": 5e-4},   # margin in radians
-}
-
-#: Sampler used with `build_loss(..., miner="default")`: the paper's pairing (Table 2).
-DEFAULT_MINER: dict[str, str | None] = {
-    "contrastive": "distance", "triplet": "distance", "margin": "distance",
-    "lifted": None, "npair": None, "multisimilarity": "multisimilarity",
-    "softmax": None, "arcface": None,
-}
-
-#: Losses that take one of the four triplet samplers (Table 2 and 3).
-_TRIPLET_SAMPLED = ("contrastive", "triplet", "margin")
+_MEAN = MeanReducer()
 
 
 class NPairLoss(nn.Module):
@@ -69,43 +46,55 @@ class NPairLoss(nn.Module):
     ``log(1 + sum_{r: y_r != y_a} exp(v_a.v_r - v_a.v_p)) + nu * ||v_a||^2``, averaged.
 
     Every positive of an anchor forms its own (a, p, R) tuple, so with DAS each copy is used.
+    The authors' flavour is the same loss on ``v * scale`` (their 1/4 against overflow) with
+    `one_positive` (ONE uniformly drawn positive per anchor, so the mean runs over anchors with
+    a positive; the regulariser counts only when there is one) and ``reg_power`` 1 (a norm).
     """
 
-    def __init__(self, reg_weight: float = 5e-3) -> None:
+    def __init__(self, reg_weight: float = 5e-3, scale: float = 1.0, one_positive: bool = False,
+                 reg_power: int = 2, generator: torch.Generator | None = None) -> None:
         super().__init__()
-        self.reg_weight = float(reg_weight)
+        self.reg_weight, self.scale, self.reg_power = float(reg_weight), float(scale), reg_power
+        self.one_positive, self.generator = one_positive, generator
 
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
-        sim = embeddings @ embeddings.T
-        pos, neg = _masks(labels)
+        z = embeddings * self.scale if self.scale != 1.0 else embeddings
+        sim = z @ z.T
+        pos, neg = pair_masks(labels)
+        norms = z.norm(dim=1) if self.reg_power == 1 else z.pow(2).sum(dim=1)
+        reg = self.reg_weight * norms.mean()
         # A large finite fill (not -inf) keeps gradients finite for anchors without negatives.
-        lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), dim=1)
-        per_pair = F.softplus(lse_neg[:, None] - sim)        # log(1 + sum_r exp(s_ar - s_ap))
-        reg = self.reg_weight * embeddings.pow(2).sum(dim=1).mean()
-        n_pos = pos.sum()
-        pair_loss = torch.where(pos, per_pair, torch.zeros_like(per_pair)).sum()
-        return pair_loss / n_pos.clamp(min=1) + reg
+        lse_neg = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -1e9)), 1, keepdim=True)
+        s_ap = sim                                # (N, N): every positive pair counts
+        if self.one_positive:                     # (N, 1): one drawn positive per anchor
+            s_ap = sim.gather(1, draw_uniform(pos, self.generator)[:, None])
+            pos = pos.any(1, keepdim=True)
+            reg = pos.any().to(z.dtype) * reg
+        return _MEAN(F.softplus(lse_neg - s_ap), pos) + reg   # log(1 + sum_r exp(s_ar - s_ap))
 
 
 class MultiSimilarityLoss(nn.Module):
-    """Eq. (VI) with MS mining (Wang et al.), on masks over the cosine-similarity matrix.
+    """Eq. (VI) with MS mining (Wang et al.), on masks over the similarity matrix.
 
     Mining (on detached similarities): positive q kept if ``S_aq - eps < max_r S_ar``,
     negative r kept if ``S_ar + eps > min_q S_aq``. Loss per anchor:
     ``1/alpha log(1 + sum_q exp(-alpha (S_aq - lambda))) + 1/beta log(1 + sum_r exp(beta (S_ar
     - lambda)))``, averaged over all anchors (PML's reduction). Masks and reductions only:
-    no data-dependent shapes, so no host sync on a GPU.
+    no data-dependent shapes, so no host sync on a GPU. The authors' flavour is the same loss
+    with ``normalize=False`` (S on the embeddings as given, not cosines) and
+    ``skip_unmined=True`` (anchors without a mined positive or negative are left out of the mean).
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 40.0, base: float = 0.5,
-                 epsilon: float = 0.1) -> None:
+                 epsilon: float = 0.1, normalize: bool = True, skip_unmined: bool = False) -> None:
         super().__init__()
         self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+        self.normalize, self.skip_unmined = normalize, skip_unmined
 
     @staticmethod
     def mine(sim: Tensor, labels: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
         """(keep_pos, keep_neg) after MS mining of a similarity matrix."""
-        pos, neg = _masks(labels)
+        pos, neg = pair_masks(labels)
         inf = torch.full_like(sim, math.inf)
         max_neg = torch.where(neg, sim, -inf).amax(dim=1, keepdim=True)
         min_pos = torch.where(pos, sim, inf).amin(dim=1, keepdim=True)
@@ -118,12 +107,12 @@ class MultiSimilarityLoss(nn.Module):
         return torch.logsumexp(torch.cat([z, z.new_zeros(len(z), 1)], dim=1), dim=1)
 
     def forward(self, embeddings: Tensor, labels: Tensor, indices_tuple=None) -> Tensor:
-        x = F.normalize(embeddings, dim=1)
+        x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
         sim = x @ x.T
         keep_pos, keep_neg = self.mine(sim.detach(), labels, self.epsilon)
         pos = self.log1p_sum_exp(-self.alpha * (sim - self.base), keep_pos) / self.alpha
         neg = self.log1p_sum_exp(self.beta * (sim - self.base), keep_neg) / self.beta
-        return (pos + neg).mean()
+        return _MEAN(pos + neg, keep_pos.any(1) & keep_neg.any(1) if self.skip_unmined else None)
 
 
 class Criterion(nn.Module):
@@ -163,15 +152,68 @@ class Criterion(nn.Module):
 
     def param_groups(self) -> list[dict]:
         """Extra parameters with their own lr, e.g. ``[{"params": [beta], "lr": 5e-4}]``."""
-        groups = []
-        for attr, lr in self._lrs.items():
-            p = getattr(self.loss, attr)
-            groups.append({"params": [p], "lr": lr, "name": f"{self.name}.{attr}"})
-        return groups
+        return [{"params": [getattr(self.loss, attr)], "lr": lr, "name": f"{self.name}.{attr}"}
+                for attr, lr in self._lrs.items()]
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, flavour={self.flavour!r}, miner={self.miner_name!r}, " \
                f"normalize={self.normalize}, hparams={self.hparams}"
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss of the paper: everything `build_loss` needs to know about it."""
+
+    defaults: dict[str, float]     # supplementary A, named as the modules' keywords
+    #: the paper's pairing (Table 2), what ``miner="default"`` picks: a `MINERS` name (then any
+    #: may be chosen), "multisimilarity" (its own MS mining only) or None (whole batch, no miner)
+    miner: str | None
+    #: flavour -> (hyper-parameters but the lrs, num_classes, dim) -> loss module
+    builds: dict[str, Callable[[dict[str, float], int, int], nn.Module]]
+    normalize: bool = True         # whether the embedder and DAS L2-normalise for it
+    lrs: dict[str, str] = field(default_factory=dict)   # parameter -> hyper-parameter of its lr
+
+
+#: The paper's eight losses. "pml" modules are pytorch-metric-learning's where it has the
+#: formula (N-pair and MS are written above: see the module docstring), "authors" ones are
+#: training/losses_authors.py's.
+REGISTRY: dict[str, LossSpec] = {
+    "contrastive": LossSpec({"margin": 1.0}, "distance", {
+        "authors": lambda hp, c, d: authors.AuthorsContrastive(**hp),
+        # pos_margin 0: positives are pulled by D itself (eq. I), not D^2.
+        "pml": lambda hp, c, d: losses.ContrastiveLoss(pos_margin=0.0, neg_margin=hp["margin"])}),
+    "triplet": LossSpec({"margin": 0.2}, "distance", {
+        "authors": lambda hp, c, d: authors.AuthorsTriplet(**hp),
+        "pml": lambda hp, c, d: losses.TripletMarginLoss(**hp)}),
+    "margin": LossSpec({"margin": 0.2, "beta": 1.2, "beta_lr": 5e-4, "nu": 0.0}, "distance", {
+        "authors": lambda hp, c, d: authors.AuthorsMargin(c, **hp),
+        "pml": lambda hp, c, d: losses.MarginLoss(**hp, learn_beta=True, num_classes=c)},
+        lrs={"beta": "beta_lr"}),
+    "lifted": LossSpec({"margin": 1.0, "reg_weight": 5e-3}, None, {
+        "authors": lambda hp, c, d: authors.AuthorsLifted(**hp),
+        "pml": lambda hp, c, d: losses.GeneralizedLiftedStructureLoss(
+            neg_margin=hp["margin"], pos_margin=0.0,
+            distance=distances.LpDistance(normalize_embeddings=False),
+            embedding_regularizer=regularizers.LpRegularizer(p=2, power=2),
+            embedding_reg_weight=hp["reg_weight"])}, normalize=False),
+    "npair": LossSpec({"reg_weight": 5e-3}, None, {
+        "authors": lambda hp, c, d: NPairLoss(**hp, scale=0.25, one_positive=True, reg_power=1),
+        "pml": lambda hp, c, d: NPairLoss(**hp)}, normalize=False),
+    "multisimilarity": LossSpec(
+        {"alpha": 2.0, "beta": 40.0, "base": 0.5, "epsilon": 0.1}, "multisimilarity", {
+        "authors": lambda hp, c, d: MultiSimilarityLoss(**hp, normalize=False, skip_unmined=True),
+        "pml": lambda hp, c, d: MultiSimilarityLoss(**hp)}),
+    "softmax": LossSpec({"temperature": 0.05, "proxy_lr": 1e-5}, None, {   # proxy_lr 2e-3 on SOP
+        "authors": lambda hp, c, d: authors.AuthorsSoftmax(c, d, **hp),
+        "pml": lambda hp, c, d: losses.NormalizedSoftmaxLoss(c, d, **hp)}, lrs={"W": "proxy_lr"}),
+    "arcface": LossSpec({"margin": 0.5, "scale": 16.0, "proxy_lr": 5e-4}, None, {   # radians
+        "authors": lambda hp, c, d: authors.AuthorsArcFace(c, d, **hp),
+        "pml": lambda hp, c, d: losses.ArcFaceLoss(   # PML takes the margin in degrees
+            c, d, margin=math.degrees(hp["margin"]), scale=hp["scale"])}, lrs={"W": "proxy_lr"}),
+}
+#: Views of the registry: the loss names, and each loss's default hyper-parameters.
+LOSSES = tuple(REGISTRY)
+DEFAULTS: dict[str, dict[str, float]] = {name: spec.defaults for name, spec in REGISTRY.items()}
 
 
 def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
@@ -183,101 +225,49 @@ def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = Non
     (the authors' framework always samples, so its flavour needs a sampler). Multi-similarity
     always uses its own MS mining (miner None or "multisimilarity"); lifted, N-pair and the
     proxy losses use the whole batch and take no miner. ``miner="default"`` picks the paper's
-    pairing (`DEFAULT_MINER`). ``miner_options={...}`` is passed to `build_miner`.
+    pairing (`LossSpec.miner`). ``miner_options={...}`` is passed to `build_miner`.
     """
-    if name not in LOSSES:
+    if name not in REGISTRY:
         raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")
-    if flavour not in FLAVOURS:
-        raise ValueError(f"flavour={flavour!r}: expected one of {FLAVOURS}")
+    if flavour not in LOSS_FLAVOURS:
+        raise ValueError(f"flavour={flavour!r}: expected one of {LOSS_FLAVOURS}")
     if num_classes < 1 or dim < 1:
         raise ValueError(f"num_classes={num_classes}, dim={dim}: expected both >= 1")
+    spec = REGISTRY[name]
     miner_options = dict(overrides.pop("miner_options", None) or {})
-    unknown = set(overrides) - set(DEFAULTS[name])
+    unknown = set(overrides) - set(spec.defaults)
     if unknown:
         raise ValueError(f"loss {name!r}: unknown option(s) {sorted(unknown)}; "
-                         f"expected some of {sorted(DEFAULTS[name])}")
-    hp = {**DEFAULTS[name], **{k: float(v) for k, v in overrides.items()}}
+                         f"expected some of {sorted(spec.defaults)}")
+    hp = {**spec.defaults, **{k: float(v) for k, v in overrides.items()}}
+    miner_name, miner_obj = _miner(name, spec, miner, flavour, miner_options)
+    lrs = {attr: hp[key] for attr, key in spec.lrs.items()}
+    module_hp = {k: v for k, v in hp.items() if k not in spec.lrs.values()}
+    loss = spec.builds[flavour](module_hp, num_classes, dim)
+    return Criterion(name, loss, miner_obj, spec.normalize, lrs, hp, miner_name, flavour)
 
-    miner_name = DEFAULT_MINER[name] if miner == "default" else miner
+
+def _miner(name: str, spec: LossSpec, miner: str | None, flavour: str,
+           options: dict[str, Any]) -> tuple[str | None, Any]:
+    """(the miner's name, the miner) of `build_loss`'s ``miner`` under the loss's mining."""
+    miner_name = spec.miner if miner == "default" else miner
     if miner_name in ("none", "all"):
         miner_name = None
-    if name == "multisimilarity" and miner_name is None:
-        miner_name = "multisimilarity"
-    if name in _TRIPLET_SAMPLED:
-        if miner_name is not None and miner_name not in MINERS:
-            raise ValueError(f"loss {name!r}: unknown miner {miner!r}; expected one of "
-                             f"{MINERS} or 'none'")
-        if miner_name is None and flavour == "authors":
-            raise ValueError(f"loss {name!r} with flavour 'authors' needs a sampler (one of "
-                             f"{MINERS}): the authors' framework always samples; use "
-                             f"flavour 'pml' for all pairs/triplets of the batch")
-        miner_obj = build_miner(miner_name, flavour, **miner_options)
-    elif name == "multisimilarity":
-        if miner_name not in ("multisimilarity", "ms"):
-            raise ValueError(f"loss 'multisimilarity' uses its own MS mining (miner None or "
+    if spec.miner == "multisimilarity":
+        if miner_name not in (None, "multisimilarity", "ms"):
+            raise ValueError(f"loss {name!r} uses its own MS mining (miner None or "
                              f"'multisimilarity'), got {miner!r}")
-        miner_obj = None                      # MS mining is part of the loss
-    else:
+        return miner_name or spec.miner, None              # MS mining is part of the loss
+    if spec.miner is None:
         if miner_name is not None:
             raise ValueError(f"loss {name!r} uses the whole batch; it takes no miner "
                              f"(got {miner!r})")
-        miner_obj = None
-
-    build = _build_authors if flavour == "authors" else _build_pml
-    loss, normalize, lrs = build(name, hp, num_classes, dim)
-    return Criterion(name, loss, miner_obj, normalize, lrs, hp, miner_name, flavour)
-
-
-def _build_authors(name: str, hp: dict[str, float], num_classes: int, dim: int
-                   ) -> tuple[nn.Module, bool, dict[str, float]]:
-    """(loss module, normalise embeddings?, extra lrs) of the authors' flavour."""
-    if name == "contrastive":
-        return A.AuthorsContrastive(margin=hp["margin"]), True, {}
-    if name == "triplet":
-        return A.AuthorsTriplet(margin=hp["margin"]), True, {}
-    if name == "margin":
-        return (A.AuthorsMargin(num_classes, margin=hp["margin"], beta=hp["beta"], nu=hp["nu"]),
-                True, {"beta": hp["beta_lr"]})
-    if name == "lifted":
-        return A.AuthorsLifted(margin=hp["margin"], reg_weight=hp["reg_weight"]), False, {}
-    if name == "npair":
-        return A.AuthorsNPair(reg_weight=hp["reg_weight"]), False, {}
-    if name == "multisimilarity":
-        return (A.AuthorsMultiSimilarity(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
-                                         epsilon=hp["epsilon"]), True, {})
-    if name == "softmax":
-        return (A.AuthorsSoftmax(num_classes, dim, temperature=hp["temperature"]), True,
-                {"W": hp["proxy_lr"]})
-    return (A.AuthorsArcFace(num_classes, dim, margin=hp["margin"], scale=hp["scale"]), True,
-            {"W": hp["proxy_lr"]})
-
-
-def _build_pml(name: str, hp: dict[str, float], num_classes: int, dim: int
-               ) -> tuple[nn.Module, bool, dict[str, float]]:
-    """(loss module, normalise embeddings?, extra lrs) of the PML flavour."""
-    if name == "contrastive":
-        # pos_margin 0: positives are pulled by D itself (eq. I), not D^2.
-        return losses.ContrastiveLoss(pos_margin=0.0, neg_margin=hp["margin"]), True, {}
-    if name == "triplet":
-        return losses.TripletMarginLoss(margin=hp["margin"]), True, {}
-    if name == "margin":
-        return (losses.MarginLoss(margin=hp["margin"], nu=hp["nu"], beta=hp["beta"],
-                                  learn_beta=True, num_classes=num_classes), True,
-                {"beta": hp["beta_lr"]})
-    if name == "lifted":
-        return (losses.GeneralizedLiftedStructureLoss(
-            neg_margin=hp["margin"], pos_margin=0.0,
-            distance=distances.LpDistance(normalize_embeddings=False),
-            embedding_regularizer=regularizers.LpRegularizer(p=2, power=2),
-            embedding_reg_weight=hp["reg_weight"]), False, {})
-    if name == "npair":
-        return NPairLoss(reg_weight=hp["reg_weight"]), False, {}
-    if name == "multisimilarity":
-        return (MultiSimilarityLoss(alpha=hp["alpha"], beta=hp["beta"], base=hp["base"],
-                                    epsilon=hp["epsilon"]), True, {})
-    if name == "softmax":
-        return (losses.NormalizedSoftmaxLoss(num_classes, dim, temperature=hp["temperature"]),
-                True, {"W": hp["proxy_lr"]})
-    # arcface; PML takes the angular margin in degrees
-    return (losses.ArcFaceLoss(num_classes, dim, margin=math.degrees(hp["margin"]),
-                               scale=hp["scale"]), True, {"W": hp["proxy_lr"]})
+        return None, None
+    if miner_name is not None and miner_name not in MINERS:
+        raise ValueError(f"loss {name!r}: unknown miner {miner!r}; expected one of "
+                         f"{MINERS} or 'none'")
+    if miner_name is None and flavour == "authors":
+        raise ValueError(f"loss {name!r} with flavour 'authors' needs a sampler (one of "
+                         f"{MINERS}): the authors' framework always samples; use "
+                         f"flavour 'pml' for all pairs/triplets of the batch")
+    return miner_name, build_miner(miner_name, flavour, **options)

@@ -1,4 +1,4 @@
-"""The eight losses as the DAS authors' training framework computes them (``loss_flavour =
+"""The paper's losses as the DAS authors' training framework computes them (``loss_flavour =
 "authors"``): the code that produced the paper's numbers.
 
 Source: the ``loss/`` package of the released DAS code (lizhaoliu-Lec/DAS), itself Roth et
@@ -34,7 +34,10 @@ pytorch-metric-learning (the ``"pml"`` flavour):
   ~0). Kept as is, documented in README.
 
 Sampled losses read `Triplets` (fixed size with a validity mask): invalid rows are weighted 0
-and means divide by the number of valid rows, so nothing here needs a host sync either.
+and means divide by the number of valid rows, so nothing here needs a host sync either. The
+distance and the reduction of each are data (training/loss_parts.py), given here with the
+authors' values. Their N-pair and multi-similarity losses are training/losses.py's
+`NPairLoss` and `MultiSimilarityLoss` with other arguments (its `REGISTRY` gives them).
 """
 from __future__ import annotations
 
@@ -44,17 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .miners import Triplets, _masks, _uniform
+from .loss_parts import MeanReducer, NonZeroMeanReducer, PairDistance
+from .miners import Triplets, pair_masks
 
 __all__ = ["AuthorsTriplet", "AuthorsContrastive", "AuthorsMargin", "AuthorsLifted",
-           "AuthorsNPair", "AuthorsMultiSimilarity", "AuthorsSoftmax", "AuthorsArcFace"]
+           "AuthorsSoftmax", "AuthorsArcFace"]
 
 _PDIST_EPS = 1e-6      # torch.nn.PairwiseDistance's default eps (added to the difference)
-
-
-def _weights(t: Triplets, dtype) -> tuple[Tensor, Tensor]:
-    w = t.valid.to(dtype)
-    return w, w.sum().clamp(min=1.0)
+_MEAN = MeanReducer()
 
 
 def _gather(x: Tensor, t: Triplets) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,58 +62,58 @@ def _gather(x: Tensor, t: Triplets) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class AuthorsTriplet(nn.Module):
-    """``mean_t relu(|a-p|^2 - |a-n|^2 + margin)`` over the sampled triplets."""
+    """``reducer_t relu(D(a, p) - D(a, n) + margin)`` over the sampled triplets; the authors':
+    D = squared distance, mean over all valid triplets (PML: plain distance, non-zero mean)."""
 
-    def __init__(self, margin: float = 0.2) -> None:
+    def __init__(self, margin: float = 0.2, distance: PairDistance = PairDistance(power=2),
+                 reducer: MeanReducer | NonZeroMeanReducer = _MEAN) -> None:
         super().__init__()
-        self.margin = float(margin)
+        self.margin, self.distance, self.reducer = float(margin), distance, reducer
 
     def forward(self, x: Tensor, labels: Tensor, t: Triplets) -> Tensor:
         a, p, n = _gather(x, t)
-        w, count = _weights(t, x.dtype)
-        per = F.relu((a - p).pow(2).sum(1) - (a - n).pow(2).sum(1) + self.margin)
-        return (w * per).sum() / count
+        per = F.relu(self.distance(a, p) - self.distance(a, n) + self.margin)
+        return self.reducer(per, t.valid)
 
 
 class AuthorsContrastive(nn.Module):
-    """``mean relu(|a - p + eps| - pos_margin) + mean relu(neg_margin - |a - n + eps|)``."""
+    """``reducer relu(D(a, p) - pos_margin) + reducer relu(neg_margin - D(a, n))``; the authors':
+    ``D = |a - b + eps|`` (torch's PairwiseDistance), means over all valid triplets' pairs."""
 
-    def __init__(self, margin: float = 1.0, pos_margin: float = 0.0) -> None:
+    def __init__(self, margin: float = 1.0, pos_margin: float = 0.0,
+                 distance: PairDistance = PairDistance(shift=_PDIST_EPS),
+                 reducer: MeanReducer | NonZeroMeanReducer = _MEAN) -> None:
         super().__init__()
         self.neg_margin, self.pos_margin = float(margin), float(pos_margin)
+        self.distance, self.reducer = distance, reducer
 
     def forward(self, x: Tensor, labels: Tensor, t: Triplets) -> Tensor:
         a, p, n = _gather(x, t)
-        w, count = _weights(t, x.dtype)
-        d_ap = (a - p + _PDIST_EPS).norm(dim=1)
-        d_an = (a - n + _PDIST_EPS).norm(dim=1)
-        pos = (w * F.relu(d_ap - self.pos_margin)).sum() / count
-        neg = (w * F.relu(self.neg_margin - d_an)).sum() / count
-        return pos + neg
+        pos = self.reducer(F.relu(self.distance(a, p) - self.pos_margin), t.valid)
+        return pos + self.reducer(F.relu(self.neg_margin - self.distance(a, n)), t.valid)
 
 
 class AuthorsMargin(nn.Module):
-    """Wu et al.'s margin loss: ``(sum relu(d_ap - beta + m) + relu(beta - d_an + m)) / #nonzero``
-    with ``d = sqrt(|x-y|^2 + 1e-8)`` and a learnable beta per anchor class (+ nu * sum beta)."""
+    """Wu et al.'s margin loss: terms ``relu(d_ap - beta + m)`` and ``relu(beta - d_an + m)`` with
+    a learnable beta per anchor class, reduced over the non-zero terms (+ nu * sum beta), on
+    ``d = sqrt(|x-y|^2 + 1e-8)``."""
 
     def __init__(self, num_classes: int, margin: float = 0.2, beta: float = 1.2,
-                 nu: float = 0.0) -> None:
+                 nu: float = 0.0, distance: PairDistance = PairDistance(floor=1e-8),
+                 reducer: MeanReducer | NonZeroMeanReducer = NonZeroMeanReducer()) -> None:
         super().__init__()
         self.margin, self.nu = float(margin), float(nu)
+        self.distance, self.reducer = distance, reducer
         self.beta = nn.Parameter(torch.full((num_classes,), float(beta)))
 
     def forward(self, x: Tensor, labels: Tensor, t: Triplets) -> Tensor:
         a, p, n = _gather(x, t)
-        w, _ = _weights(t, x.dtype)
-        d_ap = ((a - p).pow(2).sum(1) + 1e-8).sqrt()
-        d_an = ((a - n).pow(2).sum(1) + 1e-8).sqrt()
         beta = self.beta.index_select(0, labels.index_select(0, t.anchors)).to(x.dtype)
-        pos = F.relu(d_ap - beta + self.margin)
-        neg = F.relu(beta - d_an + self.margin)
-        count = (w * ((pos > 0).to(x.dtype) + (neg > 0).to(x.dtype))).sum()
-        loss = (w * (pos + neg)).sum() / torch.where(count > 0, count, torch.ones_like(count))
+        terms = torch.stack([F.relu(self.distance(a, p) - beta + self.margin),
+                             F.relu(beta - self.distance(a, n) + self.margin)], dim=1)
+        loss = self.reducer(terms, t.valid[:, None])
         if self.nu:
-            loss = loss + self.nu * (w * beta).sum()
+            loss = loss + self.nu * (t.valid.to(x.dtype) * beta).sum()
         return loss
 
 
@@ -143,54 +143,10 @@ class AuthorsLifted(nn.Module):
         return s.clamp_min(1e-30).sqrt()
 
     def forward(self, x: Tensor, labels: Tensor, t: Triplets | None = None) -> Tensor:
-        pos, neg = _masks(labels)
+        pos, neg = pair_masks(labels)
         term = F.relu(torch.logsumexp(self._set_norms(x, pos), 1)
                       + torch.logsumexp(self.margin - self._set_norms(x, neg), 1))
-        w = pos.any(1).to(x.dtype)
-        return (w * term).sum() / w.sum().clamp(min=1.0) + self.reg_weight * x.norm(dim=1).mean()
-
-
-class AuthorsNPair(nn.Module):
-    """On ``x / 4``: mean over anchors with a positive of ``log(1 + sum_r exp(a.r - a.p))`` with
-    ONE uniformly drawn positive p per anchor and every different-label r, + ``reg_weight *
-    mean_i ||x_i / 4||`` (when any anchor has a positive)."""
-
-    def __init__(self, reg_weight: float = 5e-3, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.reg_weight, self.generator = float(reg_weight), generator
-
-    def forward(self, x: Tensor, labels: Tensor, t: Triplets | None = None) -> Tensor:
-        pos, neg = _masks(labels)
-        p = _uniform(pos, self.generator)
-        z = x / 4
-        sim = z @ z.T
-        lse = torch.logsumexp(torch.where(neg, sim, torch.full_like(sim, -math.inf)), dim=1)
-        s_ap = sim.gather(1, p[:, None]).squeeze(1)
-        term = F.softplus(lse - s_ap)                       # log(1 + sum_r exp(s_ar - s_ap))
-        w = pos.any(1).to(x.dtype)
-        any_anchor = (w.sum() > 0).to(x.dtype)
-        return (w * term).sum() / w.sum().clamp(min=1.0) + \
-            any_anchor * self.reg_weight * z.norm(dim=1).mean()
-
-
-class AuthorsMultiSimilarity(nn.Module):
-    """MS loss with MS mining on ``S = x x^T``; anchors without a mined positive or negative
-    are skipped and the mean runs over the others."""
-
-    def __init__(self, alpha: float = 2.0, beta: float = 40.0, base: float = 0.5,
-                 epsilon: float = 0.1) -> None:
-        super().__init__()
-        self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
-
-    def forward(self, x: Tensor, labels: Tensor, t: Triplets | None = None) -> Tensor:
-        from .losses import MultiSimilarityLoss
-
-        sim = x @ x.T
-        keep_pos, keep_neg = MultiSimilarityLoss.mine(sim.detach(), labels, self.epsilon)
-        valid = (keep_pos.any(1) & keep_neg.any(1)).to(x.dtype)
-        pos = MultiSimilarityLoss.log1p_sum_exp(-self.alpha * (sim - self.base), keep_pos) / self.alpha
-        neg = MultiSimilarityLoss.log1p_sum_exp(self.beta * (sim - self.base), keep_neg) / self.beta
-        return (valid * (pos + neg)).sum() / valid.sum().clamp(min=1.0)
+        return _MEAN(term, pos.any(1)) + self.reg_weight * x.norm(dim=1).mean()
 
 
 def _proxies(num_classes: int, dim: int) -> nn.Parameter:

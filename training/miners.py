@@ -48,13 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["MINERS", "FLAVOURS", "Triplets", "build_miner", "RandomMiner", "SemiHardMiner",
+from .config import LOSS_FLAVOURS
+
+__all__ = ["MINERS", "Triplets", "build_miner", "RandomMiner", "SemiHardMiner",
            "SoftHardMiner", "DistanceWeightedMiner", "AuthorsRandomMiner",
-           "AuthorsDistanceMiner", "distance_weighted_log_weights"]
+           "AuthorsDistanceMiner", "distance_weighted_log_weights", "pair_masks", "draw_uniform"]
 
 MINERS = ("random", "semihard", "softhard", "distance")
-#: Loss/sampler flavours: the DAS authors' framework, or this project's PML-based one.
-FLAVOURS = ("authors", "pml")
 
 
 class Triplets(NamedTuple):
@@ -98,11 +98,13 @@ def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.where(total.squeeze(1) > 0, idx.clamp(max=probs.shape[1] - 1), 0)
 
 
-def _uniform(allowed: Tensor, generator: torch.Generator | None) -> Tensor:
+def draw_uniform(allowed: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row, uniform over the row's True columns (0 for an all-False row)."""
     return _draw(allowed.float(), generator)
 
 
-def _masks(labels: Tensor) -> tuple[Tensor, Tensor]:
+def pair_masks(labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(positives, negatives) (N, N) bool masks of a batch's labels; no row is its own positive."""
     same = labels[:, None] == labels[None, :]
     eye = torch.eye(labels.shape[0], dtype=torch.bool, device=labels.device)
     return same & ~eye, ~same                       # positives exclude the index itself
@@ -136,7 +138,7 @@ class _TripletMiner:
             x = embeddings.detach().float()
             if self.needs_normalized:
                 x = F.normalize(x, dim=1)
-            pos, neg = _masks(labels)
+            pos, neg = pair_masks(labels)
             if origin is not None:
                 pos = pos & (origin[:, None] != origin[None, :])
             return self.mine(_pairwise(x), pos, neg, x.shape[1])
@@ -155,7 +157,7 @@ class RandomMiner(_TripletMiner):
     """Random sampling ("pml"): per anchor, positive and negative uniformly from their sets."""
 
     def choose(self, dist, pos, neg, dim):
-        return _uniform(pos, self.generator), _uniform(neg, self.generator)
+        return draw_uniform(pos, self.generator), draw_uniform(neg, self.generator)
 
 
 class AuthorsRandomMiner(_TripletMiner):
@@ -170,8 +172,8 @@ class AuthorsRandomMiner(_TripletMiner):
         cdf = counts.cumsum(0)
         u = torch.rand(n_rows, generator=self.generator, device=dist.device) * cdf[-1]
         a = torch.searchsorted(cdf, u, right=True).clamp_(max=n_rows - 1)
-        p = _uniform(pos.index_select(0, a), self.generator)
-        n = _uniform(neg.index_select(0, a), self.generator)
+        p = draw_uniform(pos.index_select(0, a), self.generator)
+        n = draw_uniform(neg.index_select(0, a), self.generator)
         return Triplets(a, p, n, (cdf[-1] > 0).expand(n_rows))
 
 
@@ -184,10 +186,10 @@ class SemiHardMiner(_TripletMiner):
         self.margin = float(margin)
 
     def choose(self, dist, pos, neg, dim):
-        p = _uniform(pos, self.generator)
+        p = draw_uniform(pos, self.generator)
         d_ap = dist.gather(1, p[:, None])
         semi = neg & (dist > d_ap) & (dist < d_ap + self.margin)
-        return p, _uniform(_prefer(semi, neg), self.generator)
+        return p, draw_uniform(_prefer(semi, neg), self.generator)
 
 
 class SoftHardMiner(_TripletMiner):
@@ -199,8 +201,8 @@ class SoftHardMiner(_TripletMiner):
         inf = torch.full_like(dist, math.inf)
         min_neg = torch.where(neg, dist, inf).min(dim=1, keepdim=True).values
         max_pos = torch.where(pos, dist, -inf).max(dim=1, keepdim=True).values
-        p = _uniform(_prefer(pos & (dist > min_neg), pos), self.generator)
-        n = _uniform(_prefer(neg & (dist < max_pos), neg), self.generator)
+        p = draw_uniform(_prefer(pos & (dist > min_neg), pos), self.generator)
+        n = draw_uniform(_prefer(neg & (dist < max_pos), neg), self.generator)
         return p, n
 
 
@@ -233,7 +235,7 @@ class DistanceWeightedMiner(_TripletMiner):
 
     def probabilities(self, dist: Tensor, labels: Tensor, dim: int) -> Tensor:
         """(N, N) negative-sampling distribution per anchor (rows sum to 1 where any negative)."""
-        _, neg = _masks(labels)
+        _, neg = pair_masks(labels)
         w = self._weights(dist, neg, dim)
         return w / w.sum(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
 
@@ -256,7 +258,7 @@ class DistanceWeightedMiner(_TripletMiner):
         return torch.exp((log_w - top).clamp(min=-80.0, max=0.0)) * a
 
     def choose(self, dist, pos, neg, dim):
-        return _uniform(pos, self.generator), _draw(self._weights(dist, neg, dim), self.generator)
+        return draw_uniform(pos, self.generator), _draw(self._weights(dist, neg, dim), self.generator)
 
 
 class AuthorsDistanceMiner(_TripletMiner):
@@ -285,7 +287,7 @@ class AuthorsDistanceMiner(_TripletMiner):
     def mine(self, dist, pos, neg, dim):
         a = torch.arange(dist.shape[0], device=dist.device)
         n = _draw(self._weights(dist, ~neg, dim), self.generator)
-        p = torch.where(_any_rows(pos).squeeze(1), _uniform(pos, self.generator), a)
+        p = torch.where(_any_rows(pos).squeeze(1), draw_uniform(pos, self.generator), a)
         return Triplets(a, p, n, _any_rows(neg).squeeze(1))
 
 
@@ -305,8 +307,8 @@ def build_miner(name: str | None, flavour: str = "authors", **kw) -> _TripletMin
     ``nonzero_loss_cutoff`` (distance, "pml" only), ``generator`` (all; default: torch's
     global RNG).
     """
-    if flavour not in FLAVOURS:
-        raise ValueError(f"flavour={flavour!r}: expected one of {FLAVOURS}")
+    if flavour not in LOSS_FLAVOURS:
+        raise ValueError(f"flavour={flavour!r}: expected one of {LOSS_FLAVOURS}")
     if name is None or name in ("none", "all"):
         if kw:
             raise ValueError(f"miner None takes no options, got {sorted(kw)}")

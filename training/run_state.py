@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed as D
+from . import distributed
 from .batching import ClassBalancedBatchSampler
 from .config import TrainConfig
 from .data import ImageDataset, Split, load_splits
@@ -143,7 +143,7 @@ class RunState:
     def build(cls, cfg: TrainConfig, train_labels: Any, num_classes: int, device: torch.device,
               autocast_dtype: torch.dtype | None) -> "RunState":
         """Everything freshly initialised from ``cfg.seed`` and placed on ``device``."""
-        D.seed_everything(cfg.seed)
+        distributed.seed_everything(cfg.seed)
         model, criterion, das = build_components(cfg, num_classes)
         split = split_stages(model, cfg.trainable)
         model.to(device)
@@ -174,7 +174,7 @@ class RunState:
                 "das": self.das.state_dict() if self.das is not None else None,
                 "sampler": self.sampler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                "rng": D.rng_state(self.device), "history": self.history,
+                "rng": distributed.rng_state(self.device), "history": self.history,
                 "best_epoch": self.best_epoch, "best_metrics": self.best_metrics,
                 "initial_metrics": self.initial_metrics}
 
@@ -194,4 +194,4 @@ class RunState:
         self.best_epoch, self.best_metrics = int(ck["best_epoch"]), dict(ck["best_metrics"])
         self.initial_metrics = dict(ck.get("initial_metrics") or {})
         self.epoch, self.global_step = int(ck["epoch"]), int(ck["global_step"])
-        D.set_rng_state(ck["rng"], self.device)
+        distributed.set_rng_state(ck["rng"], self.device)

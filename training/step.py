@@ -11,16 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import distributed as D
+from . import distributed
 from .config import TrainConfig
 
-__all__ = ["BANK_TORCH_DTYPES", "aux_weight", "build_criterion", "build_das", "compute_loss",
-           "step_seed"]
-
-
-#: `TrainConfig.das_bank_dtype` -> the dtype DAS stores its bank in.
-BANK_TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                             "bfloat16": torch.bfloat16}
+__all__ = ["aux_weight", "build_criterion", "build_das", "compute_loss", "step_seed"]
 
 
 def build_criterion(cfg: TrainConfig, num_classes: int):
@@ -37,7 +31,7 @@ def build_das(cfg: TrainConfig, num_classes: int, normalize: bool):
                bank_size=cfg.das_bank_size, scale_range=cfg.das_scale_range,
                shift_scale=cfg.das_shift_scale, scale_bounds=cfg.das_scale_bounds_tuple,
                normalize=normalize, detach=cfg.das_detach, dfs=cfg.das_dfs, mts=cfg.das_mts,
-               bank_dtype=BANK_TORCH_DTYPES[cfg.das_bank_dtype], seed=cfg.seed)
+               bank_dtype=getattr(torch, cfg.das_bank_dtype), seed=cfg.seed)
 
 
 def aux_weight(cfg: TrainConfig) -> float | None:
@@ -51,11 +45,19 @@ def aux_weight(cfg: TrainConfig) -> float | None:
 
 
 def step_seed(cfg: TrainConfig, global_step: int) -> int:
+    """The seed of one step's miner/loss RNGs (`distributed.seeded_rng`), equal on every rank.
+
+    ``seed * 1_000_003 + step * 7_919 + 17``, primes both: two (seed, step) pairs meet only if
+    their steps differ by a multiple of 1_000_003, longer than any run, so runs with other seeds
+    never replay a step's draws. The offset keeps step 0 of seed 0 off seed 0 itself, the stream
+    `seed_everything` used to initialise the model; ``% 2**62`` stays inside the 64-bit seeds
+    torch takes. Changing any constant changes every run's draws.
+    """
     return (cfg.seed * 1_000_003 + global_step * 7_919 + 17) % (2**62)
 
 
 def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, x: torch.Tensor,
-                 y: torch.Tensor, *, info: D.DistInfo, seed: int,
+                 y: torch.Tensor, *, info: distributed.DistInfo, seed: int,
                  autocast_dtype: torch.dtype | None = None, aux_weight: float | None = None,
                  parts: dict[str, torch.Tensor] | None = None,
                  exclude_own_copies: bool = False) -> torch.Tensor:
@@ -78,14 +80,14 @@ def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, 
         emb = emb.float()
     else:
         emb = model(x)
-    emb, lab = D.gather_batch(emb, y, info)
+    emb, lab = distributed.gather_batch(emb, y, info)
     n_real = emb.shape[0]
     origin = None
     if das is not None:
         emb, lab = das(emb, lab)
         if exclude_own_copies:  # row r of cat([v, v'_1..v'_T]) comes from real row r % n_real
             origin = torch.arange(emb.shape[0], device=emb.device) % n_real
-    with D.seeded_rng(seed, dev):
+    with distributed.seeded_rng(seed, dev):
         loss = criterion(emb, lab) if origin is None else criterion(emb, lab, origin)
         if parts is not None:
             parts["all"] = loss.detach()

@@ -291,6 +291,19 @@ def test_bad_options(kwargs, match):
         DAS(4, 8, **kwargs)
 
 
+def test_bank_dtypes_are_the_configs_and_the_error_lists_exactly_them():
+    """One list (config.BANK_DTYPES): DAS takes each of them and nothing else, float64
+    included (it was accepted although the message did not name it)."""
+    from training.config import BANK_DTYPES
+
+    for name in BANK_DTYPES:
+        assert DAS(2, 4, bank_dtype=getattr(torch, name)).bank.dtype == getattr(torch, name)
+    with pytest.raises(ValueError) as info:
+        DAS(2, 4, bank_dtype=torch.float64)
+    assert str(info.value) == ("bank_dtype=torch.float64: expected "
+                               + " | ".join(f"torch.{name}" for name in BANK_DTYPES))
+
+
 def test_bad_inputs_name_the_problem():
     das = DAS(4, 8)
     with pytest.raises(ValueError, match=r"labels: expected class ids in \[0, 4\).*\[7\]"):
