@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import distributed as D
+from . import distributed
 from .config import TrainConfig
 from .data import ImageDataset, Split
 from .device import amp_dtype, resolve_device
@@ -60,7 +60,7 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
     was_training = model.training
     model.eval()
     out = []
-    with D.seeded_rng(cfg.seed + 99_991, device):
+    with distributed.seeded_rng(cfg.seed + 99_991, device):
         for x, _ in DataLoader(dataset, batch_size=cfg.eval_batch_size, shuffle=False,
                                num_workers=cfg.workers):
             x = x.to(device, non_blocking=True)
@@ -79,7 +79,7 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
 
 
 def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: TrainConfig,
-                    epoch: int, info: D.DistInfo, autocast_dtype: torch.dtype | None) -> dict[str, Any]:
+                    epoch: int, info: distributed.DistInfo, autocast_dtype: torch.dtype | None) -> dict[str, Any]:
     """One epoch of steps (at most ``cfg.steps_per_epoch``); returns its log row (no metrics).
 
     ``net`` is ``state.model`` or its DDP wrapper; ``loader`` draws from ``state.sampler``
@@ -145,7 +145,7 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
     return row
 
 
-def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: D.DistInfo) -> nn.Module:
+def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: distributed.DistInfo) -> nn.Module:
     """The module the steps run (`net`: ``state.model`` or its trainable part), or its DDP
     wrapper."""
     if not info.enabled:
@@ -173,13 +173,13 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     cfg.validate()
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    info = D.init_from_env("cuda" if (cfg.device.startswith("cuda") or (
+    info = distributed.init_from_env("cuda" if (cfg.device.startswith("cuda") or (
         cfg.device == "auto" and torch.cuda.is_available())) else "cpu")
     device = resolve_device(cfg.device, info)
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size={cfg.batch_size} does not split over {info.world_size} ranks")
     ac_dtype = amp_dtype(cfg.amp, device)
-    D.seed_everything(cfg.seed)
+    distributed.seed_everything(cfg.seed)
     run_dir = Path(cfg.out)
     last_path, best_path = run_dir / "last.pt", run_dir / "best.pt"
     if info.is_main:
@@ -193,7 +193,7 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     resuming = cfg.resume and last_path.is_file()
     inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)
-    batches = D.RankSlice(state.sampler, info) if info.enabled else state.sampler
+    batches = distributed.RankSlice(state.sampler, info) if info.enabled else state.sampler
     # Not persistent: fresh workers each epoch take their seeds from the global torch RNG, which
     # the checkpoint restores, so a resumed run augments exactly like an uninterrupted one.
     loader = DataLoader(inputs.train, batch_sampler=batches, num_workers=cfg.workers,
@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         state.initial_metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype)
         state.history.append({"epoch": 0, "steps": 0, "loss": "", "lr": cfg.lr, "seconds": 0.0,
                               **state.initial_metrics})
-    D.barrier(info)
+    distributed.barrier(info)
 
     net.train()
     for epoch in range(state.epoch, cfg.epochs):
@@ -224,14 +224,14 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         if info.is_main:
             save_checkpoint(last_path, state.model, train_config=cfg.to_dict(), **state.state_dict())
             logger.log(state.history)
-        D.barrier(info)
+        distributed.barrier(info)
     if logger is not None:
         logger.close()
     return _finish(cfg, state, run_dir, train_ds, test_ds, info)
 
 
 def _finish(cfg: TrainConfig, state: RunState, run_dir: Path, train_ds: ImageDataset,
-            test_ds: ImageDataset, info: D.DistInfo) -> TrainResult:
+            test_ds: ImageDataset, info: distributed.DistInfo) -> TrainResult:
     """best.pt (always there), the ONNX export with its parity check, the report; then leave
     the process group."""
     from embedder import export_onnx, file_sha256, load_checkpoint, save_checkpoint
@@ -262,6 +262,6 @@ def _finish(cfg: TrainConfig, state: RunState, run_dir: Path, train_ds: ImageDat
         frm = das.frm.detach().cpu().numpy() if das is not None and hasattr(das, "frm") else None
         result.report = write_report(run_dir, cfg, history, state.best_epoch, state.best_metrics,
                                      state.initial_metrics, frm, train_ds.split.classes)
-    D.barrier(info)
-    D.cleanup(info)
+    distributed.barrier(info)
+    distributed.cleanup(info)
     return result
