@@ -35,6 +35,25 @@ def omniglot_root() -> Path:
     return root
 
 
+def _shared_images(name: str) -> Path:
+    root = REPO.parent / "shared" / "data" / name / "images"
+    if not root.is_dir():
+        pytest.fail(f"{name} not found at {root} (expected <class>/<images> folders)")
+    return root
+
+
+@pytest.fixture(scope="session")
+def cub_root() -> Path:
+    """cub-dev: 50 CUB-200-2011 species, class folders of photos (fine-grained)."""
+    return _shared_images("cub-dev")
+
+
+@pytest.fixture(scope="session")
+def caltech_root() -> Path:
+    """caltech101-dev: 50 Caltech-101 categories, class folders of photos."""
+    return _shared_images("caltech101-dev")
+
+
 @pytest.fixture(scope="session")
 def photo_paths() -> list[Path]:
     """The colour photos scikit-image ships (real images, no download)."""

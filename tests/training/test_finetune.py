@@ -3,21 +3,10 @@ the cached trunk against the full network, the cache's reuse, and the exported O
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-CUB = REPO.parent / "shared" / "data" / "cub-dev" / "images"
-
-
-@pytest.fixture(scope="module")
-def cub_root() -> Path:
-    if not CUB.is_dir():
-        pytest.fail(f"cub-dev not found at {CUB}")
-    return CUB
 
 
 def _cfg(root, out, **kw):

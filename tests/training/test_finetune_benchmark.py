@@ -6,20 +6,16 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CUB = REPO.parent / "shared" / "data" / "cub-dev" / "images"
 
 
-def test_tiny_finetune_grid(tmp_path, monkeypatch):
-    if not CUB.is_dir():
-        pytest.fail(f"cub-dev not found at {CUB}")
+def test_tiny_finetune_grid(cub_root, tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     from benchmarks import finetune_table2
 
     cache, out = tmp_path / "cache", tmp_path / "grid"
-    argv = ["--root", str(CUB), "--methods", "multisimilarity:none", "--seeds", "0", "1",
+    argv = ["--root", str(cub_root), "--methods", "multisimilarity:none", "--seeds", "0", "1",
             "--out", str(out)] + [a for kv in (
                 "max_classes=2", "input_size=64", "epochs=1", "steps_per_epoch=2", "trunk_views=1", "dim=8",
                 "batch_size=4", "per_class=2", f"cache_dir={cache}", "threads=2")

@@ -12,14 +12,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-CALTECH = REPO.parent / "shared" / "data" / "caltech101-dev" / "images"
-
-
-@pytest.fixture(scope="module")
-def caltech_root() -> Path:
-    if not CALTECH.is_dir():
-        pytest.fail(f"caltech101-dev not found at {CALTECH}")
-    return CALTECH
 
 
 @pytest.fixture(scope="module")

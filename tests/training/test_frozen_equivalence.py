@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
-CUB = REPO.parent / "shared" / "data" / "cub-dev" / "images"
 
 
-def test_cached_pooled_features_are_the_gallery_embedders(tmp_path, pretrained_onnx):
+def test_cached_pooled_features_are_the_gallery_embedders(cub_root, tmp_path, pretrained_onnx):
     """The trainer's float32 pooled-feature cache, L2-normalised, equals the ONNX default
     embedder's output for the same photos (what `indexer build` stores), to float noise."""
     sys.path.insert(0, str(REPO))
@@ -26,12 +25,10 @@ def test_cached_pooled_features_are_the_gallery_embedders(tmp_path, pretrained_o
     from embedder import OnnxEmbedder
     from training.data import load_splits
 
-    if not CUB.is_dir():
-        pytest.fail(f"cub-dev not found at {CUB}")
-    train, test = frozen_splits(CUB, cache=tmp_path / "cache", max_classes=1, progress=False)
+    train, test = frozen_splits(cub_root, cache=tmp_path / "cache", max_classes=1, progress=False)
     cached = list((tmp_path / "cache").glob("*.npy"))
     assert len(cached) == 2 and all(np.load(p).dtype == np.float32 for p in cached)
-    tr_split, _ = load_splits("folder", CUB, max_classes=1)
+    tr_split, _ = load_splits("folder", cub_root, max_classes=1)
     emb = OnnxEmbedder(pretrained_onnx, device="cpu")
     onnx = np.concatenate([e for _, e, _ in emb.embed_iter(enumerate(tr_split.paths),
                                                             progress=False)])

@@ -6,22 +6,15 @@ validation species); with no layer, epoch 0 IS the training-free embedder and tr
 last stages only."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-CUB = REPO.parent / "shared" / "data" / "cub-dev" / "images"
 
-
-def _cfg(out, **kw):
+def _cfg(root, out, **kw):
     from training.config import TrainConfig
 
-    if not CUB.is_dir():
-        pytest.fail(f"cub-dev not found at {CUB}")
-    base = dict(dataset="folder", root=str(CUB), max_classes=3, backbone="efficientnet_lite0",
+    base = dict(dataset="folder", root=str(root), max_classes=3, backbone="efficientnet_lite0",
                 pretrained=True, pooling="gem", gem_p=4.0, dim=0, trainable="last:1",
                 trunk_cache=True, trunk_views=1, frozen_bn=True, loss="multisimilarity",
                 miner="none", das=True, das_preset="robust", epochs=1, lr=1e-3,
@@ -33,11 +26,11 @@ def _cfg(out, **kw):
     return TrainConfig(**base).validate()
 
 
-def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(tmp_path):
+def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(cub_root, tmp_path):
     from embedder import Embedder, EmbedderConfig, OnnxEmbedder
     from training import train
 
-    cfg = _cfg(tmp_path / "run")
+    cfg = _cfg(cub_root, tmp_path / "run")
     result = train(cfg)
     # epoch 0 ranks exactly as the pretrained GeM features of the same network (no layer between)
     from training.run_state import build_datasets, build_preprocessing
@@ -68,12 +61,12 @@ def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(t
     assert v.shape == (1, 1280) and np.isclose(np.linalg.norm(v), 1.0, atol=1e-4)
 
 
-def test_dim_0_is_refused_where_nothing_would_train(tmp_path):
+def test_dim_0_is_refused_where_nothing_would_train(cub_root, tmp_path):
     from training.config import ConfigError
 
     with pytest.raises(ConfigError, match="dim=0"):
-        _cfg(tmp_path / "run", trainable="head")
+        _cfg(cub_root, tmp_path / "run", trainable="head")
     with pytest.raises(ConfigError, match="dim=-1"):
-        _cfg(tmp_path / "run", dim=-1)
+        _cfg(cub_root, tmp_path / "run", dim=-1)
     with pytest.raises(ConfigError, match="head_init='pca'"):
-        _cfg(tmp_path / "run", head_init="pca")
+        _cfg(cub_root, tmp_path / "run", head_init="pca")
