@@ -29,3 +29,18 @@ def built_index(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path
     out = tmp_path_factory.mktemp("built") / "idx"
     run_cli("build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet")
     return out
+
+
+@pytest.fixture(scope="session")
+def two_shards(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path, small_onnx: Path) -> Path:
+    """``s0``, ``s1`` (``--shard i/2`` of ``omniglot_gallery``, IVF lists), ``merged`` (``indexer
+    merge``) and ``sharded`` (``merge --sharded``): built once for the sharded and the re-ranking
+    tests; tests must not modify them (copy first)."""
+    root = tmp_path_factory.mktemp("two_shards")
+    flags = ["--quiet", "--flat-threshold", "100"]       # IVF lists: where "as one" can go wrong
+    for i in range(2):
+        run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
+                "--out", root / f"s{i}", *flags)
+    run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *flags)
+    run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *flags)
+    return root

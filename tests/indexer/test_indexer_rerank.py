@@ -16,18 +16,11 @@ from indexer import Index, rerank
 from indexer.errors import IndexerError
 from serving.searcher import Searcher
 
-FLAGS = ["--quiet", "--flat-threshold", "100"]          # IVF-Flat lists: what the codes replace
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path, small_onnx: Path) -> Path:
-    root = tmp_path_factory.mktemp("rerank")
-    for i in range(2):
-        run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
-                "--out", root / f"s{i}", *FLAGS)
-    run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *FLAGS)
-    run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *FLAGS)
-    return root
+def built(two_shards: Path) -> Path:
+    return two_shards           # tests/indexer/conftest.py: built once per session
 
 
 def ram_bytes(idx: Index) -> int:

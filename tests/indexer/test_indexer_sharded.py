@@ -19,13 +19,8 @@ FLAGS = ["--quiet", "--flat-threshold", "100"]          # IVF: where "searched a
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path, small_onnx: Path) -> Path:
-    root = tmp_path_factory.mktemp("sharded")
-    for i in range(2):
-        run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
-                "--out", root / f"s{i}", *FLAGS)
-    run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *FLAGS)
-    return root
+def built(two_shards: Path) -> Path:
+    return two_shards           # tests/indexer/conftest.py: built once per session
 
 
 def sharded_copy(built: Path, tmp: Path) -> tuple[Path, Path]:
