@@ -81,21 +81,22 @@ class Sample:
                  positions: np.ndarray) -> None:
         positions = np.unique(np.asarray(positions, dtype=np.int64))
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        dim = sources[0].dim
-        keep_pos, ids, xs = [], [], []
+        # one array for every shard's rows, filled in place: concatenating per-shard arrays held
+        # the sample twice at its peak (measured: the training sample's read was the plan's peak)
+        self.x = np.empty((len(positions), sources[0].dim), dtype=np.float32)
+        self.ids = np.empty(len(positions), dtype=np.int64)
+        keep = np.ones(len(positions), dtype=bool)
         for s, src in enumerate(sources):
             lo, hi = np.searchsorted(positions, self.starts[s:s + 2])
             if hi == lo:
                 continue
-            p = positions[lo:hi]
-            i, x = src.sample(p - self.starts[s])
-            keep = ~np.isin(i, dups[s])
-            keep_pos.append(p[keep])
-            ids.append(i[keep])
-            xs.append(np.asarray(x, dtype=np.float32)[keep])
-        self.positions = np.concatenate(keep_pos) if keep_pos else np.zeros(0, np.int64)
-        self.ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-        self.x = np.concatenate(xs) if xs else np.zeros((0, dim), np.float32)
+            i, x = src.sample(positions[lo:hi] - self.starts[s])
+            self.ids[lo:hi], self.x[lo:hi] = i, x
+            del x
+            keep[lo:hi] = ~np.isin(i, dups[s])
+        if not keep.all():                   # duplicates of an earlier shard's content: dropped
+            self.x, self.ids = self.x[keep], self.ids[keep]
+        self.positions = positions[keep]
 
     def kept(self, positions: np.ndarray) -> np.ndarray:
         """Those of ``positions`` that were not dropped as duplicates."""

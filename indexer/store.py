@@ -194,17 +194,19 @@ class GalleryStore(LmdbStore):
     def get_embeddings(self, model_hash: str, ids: Sequence[int]) -> np.ndarray:
         """Stored embeddings for ``ids`` (in that order); KeyError names a missing one."""
         mk = _model_key(model_hash)
-        rows = []
-        with self._read() as txn:
+        out: np.ndarray | None = None       # filled in place: a list of rows + np.stack held
+        with self._read() as txn:           # the sample about twice (the streaming plan's peak)
             db = self._db("emb")
-            for i in ids:
+            for j, i in enumerate(ids):
                 raw = txn.get(mk + _k(int(i)), db=db)
                 if raw is None:
                     raise KeyError(f"id {int(i)} has no embedding for model {model_hash[:12]}")
-                rows.append(np.frombuffer(raw, dtype=np.float32))
-        if not rows:
+                if out is None:
+                    out = np.empty((len(ids), len(raw) // 4), dtype=np.float32)
+                out[j] = np.frombuffer(raw, dtype=np.float32)
+        if out is None:
             return np.zeros((0, 0), dtype=np.float32)
-        return np.stack(rows)
+        return out
 
     def all_embeddings(self, model_hash: str, ids: Iterable[int] | None = None
                        ) -> tuple[np.ndarray, np.ndarray]:
