@@ -256,7 +256,7 @@ def _sources(work: str, shards: int) -> list:
     return [NpySource(Path(work) / f"ids{i}.npy", Path(work) / f"x{i}.npy") for i in range(shards)]
 
 
-def _plan(work: str, shards: str, index_type: str, nlist: str = "0") -> dict:
+def _plan(work: str, shards: str, index_type: str, nlist: str = "0", seed: str = "0") -> dict:
     """Stage 1, the driver: union of ids, held-out sets, exact answers, selection, training."""
     import pickle
 
@@ -268,14 +268,16 @@ def _plan(work: str, shards: str, index_type: str, nlist: str = "0") -> dict:
     rs = RssSampler()
     t0 = time.perf_counter()
     p = stream.plan(_sources(work, int(shards)), index_type=index_type, device="cpu",
-                    nlist=int(nlist) or None)
+                    nlist=int(nlist) or None, seed=int(seed))
     sec = time.perf_counter() - t0
     faiss.write_index(p.trained, str(Path(work) / "trained.faiss"))
     trained, p.trained = p.trained, None
     with open(Path(work) / "plan.pkl", "wb") as f:
         pickle.dump(p, f)
     return {"seconds": sec, "rss_mib": peak_rss_mib(), "anon_mib": rs.done(), "stages": p.seconds,
-            "spec": p.spec.factory, "held": len(p.held_query_ids)}
+            "spec": p.spec.factory, "held": len(p.held_query_ids),
+            "train_points": int(p.fields.get("train_points", 0)),
+            "train_sample_mib": p.fields.get("train_points", 0) * p.qt.shape[1] * 4 / 2 ** 20}
 
 
 def _fill(work: str, shards: str, i: str) -> dict:
@@ -408,7 +410,7 @@ def _baseline(work: str, shards: str) -> dict:
             "index_mib": faiss.serialize_index(index).size / 2 ** 20}
 
 
-def _baseline_same(work: str, shards: str) -> dict:
+def _baseline_same(work: str, shards: str, seed: str = "0") -> dict:
     """One process, the streamed build's own type: every vector loaded, ``selection.build`` with
     the index type and nlist the stream chose, tuned on its own held-out queries to the same
     target; fresh recall@10 at its own search parameters and at the stream's. The like-for-like
@@ -429,7 +431,7 @@ def _baseline_same(work: str, shards: str) -> dict:
     all_ids, x = all_ids[order], np.concatenate([p[1] for p in parts])[order]
     t0 = time.perf_counter()
     index, own = selection.build(all_ids, x, index_type=fields["index_type"], nlist=nlist, device="cpu",
-                                 parts=parts)
+                                 parts=parts, seed=int(seed))
     sec = time.perf_counter() - t0
     del x, parts
     q, truth = _truth(work, shards)
@@ -472,6 +474,50 @@ def bench_stream(n: int, shards: int, d: int, baseline: bool, work_root: Path | 
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_parity(n: int, shards: int, d: int, seeds: int, work_root: Path | None) -> list[dict]:
+    """Streamed vs one process, same type, several seeds on the same shards: how far apart the
+    two builds' fresh recall@10 lie next to how far each lies from itself across seeds (the
+    seed draws the held-out tuning queries and the k-means sample of both)."""
+    tmp = Path(tempfile.mkdtemp(prefix="parity-bench-", dir=work_root))
+    rows = []
+    try:
+        w, s = str(tmp), str(shards)
+        child("_gen", w, str(n), s, str(d))
+        for seed in range(seeds):
+            plan = child("_plan", w, s, "auto", "0", str(seed))
+            for i in range(shards):
+                child("_fill", w, s, str(i))
+            tune = child("_tune", w, s)
+            child("_merge", w, s)
+            ev = child("_eval", w, s)
+            same = child("_baseline_same", w, s, str(seed))
+            rows.append({"n": n, "seed": seed, "spec": plan["spec"], "stream_params": tune["params"],
+                         "stream_recall": ev["recall_merged"], **{f"one_{k}": v for k, v in same.items()}})
+            print(f"  seed {seed}: {rows[-1]}", flush=True)
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def parity_table(rows: list[dict], cmd: str) -> list[str]:
+    import numpy as np
+
+    out = [f"Streamed build vs one process of the same type, per seed (fresh recall@10, 1,000 "
+           f"generated queries). Command: `{cmd}`.", "",
+           "| n | seed | index | streamed: params, recall | one process: params, recall | one process at "
+           "the streamed params | streamed - one process (own tuning) | streamed - one process (same params) |",
+           "|---:|---:|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['n']:,} | {r['seed']} | {r['spec']} | {r['stream_params']}, {r['stream_recall']:.4f} | "
+                   f"{r['one_params']}, {r['one_recall']:.4f} | {r['one_recall_at_stream_params']:.4f} | "
+                   f"{r['stream_recall'] - r['one_recall']:+.4f} | "
+                   f"{r['stream_recall'] - r['one_recall_at_stream_params']:+.4f} |")
+    for key, name in (("stream_recall", "streamed"), ("one_recall", "one process")):
+        v = np.array([r[key] for r in rows])
+        out.append(f"\n{name}: mean {v.mean():.4f}, range {v.min():.4f}-{v.max():.4f} over {len(v)} seeds")
+    return out
 
 
 def plan_table(rows: list[dict], cmd: str) -> list[str]:
@@ -666,6 +712,12 @@ def main() -> None:
     st.add_argument("--work", type=Path, default=None, help="scratch folder (default: $TMPDIR)")
     st.add_argument("--only-plan", action="store_true",
                     help="generate and run the driver's plan only (its peak RSS against N)")
+    pa = sub.add_parser("parity", help="streamed vs one process of the same type, over seeds")
+    pa.add_argument("--size", type=int, default=1_000_000)
+    pa.add_argument("--shards", type=int, default=4)
+    pa.add_argument("--dim", type=int, default=128)
+    pa.add_argument("--seeds", type=int, default=3)
+    pa.add_argument("--work", type=Path, default=None, help="scratch folder (default: $TMPDIR)")
     sv = sub.add_parser("serve", help="a codes-only serving process (--max-memory) vs the index in RAM")
     sv.add_argument("--size", type=int, default=1_000_000)
     sv.add_argument("--dim", type=int, default=128)
@@ -680,6 +732,13 @@ def main() -> None:
         r = bench_serve(args.size, args.dim, args.nlist, args.nprobe, args.codecs.split(","), args.work)
         print("\n".join(serve_table(r, "python -m benchmarks.scale_bench " + shlex.join(sys.argv[1:]))))
         print(json.dumps(r))
+        return
+    if args.cmd == "parity":
+        import shlex
+
+        rows = bench_parity(args.size, args.shards, args.dim, args.seeds, args.work)
+        print("\n".join(parity_table(rows, "python -m benchmarks.scale_bench " + shlex.join(sys.argv[1:]))))
+        print(json.dumps(rows))
         return
     if args.cmd == "stream":
         import shlex
