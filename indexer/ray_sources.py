@@ -29,7 +29,13 @@ from .sources import CHUNK, StoreSource
 
 
 def one_line(e: BaseException) -> str:
-    """The first line of what went wrong in a task (the task's own exception, not Ray's wrapper)."""
+    """The first line of what went wrong in a task (the task's own exception, not Ray's wrapper);
+    for an actor whose ``__init__`` raised, Ray keeps only the traceback's text: its last line,
+    without the exception's class."""
+    if getattr(e, "actor_init_failed", False):
+        last = [ln.strip() for ln in str(e).splitlines() if ln.strip()][-1]
+        head, _, rest = last.partition(": ")
+        return rest if rest and head.rsplit(".", 1)[-1].endswith(("Error", "Exception")) else last
     cause = getattr(e, "cause", None) or e
     text = str(cause).strip()
     return text.splitlines()[0] if text else type(cause).__name__
