@@ -6,7 +6,9 @@ the scheduler (placement, GPUs, retries of tasks whose worker or node died); the
 inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
 finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
 so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
-which is why the result equals a single-machine build.
+which is why the result equals a single-machine build. With ``sharded`` the shards stay: the
+plan's reads run in one reader actor per shard (:mod:`indexer.ray_sources`) and a second pass
+fills each shard's part, both on the node whose task built the shard.
 
 Every path (gallery, ``DIR``) must mean the same files on every node: a shared filesystem. Each
 shard's LMDB store has one writer (its task) and is read by the merge only after that task ended.

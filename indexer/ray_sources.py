@@ -145,8 +145,12 @@ class RemoteSource:
         return self._call("where")
 
     def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
-        """The ids in chunks of ``size``; the next chunk is asked for before this one is used."""
-        start, ahead = 0, self.actor.next_ids.remote(0, size)
+        """The ids in chunks of ``size``: the first asked for now (every shard's census stream
+        starts at once), each next one before the current one is used."""
+        return self._id_stream(self.actor.next_ids.remote(0, size), size)
+
+    def _id_stream(self, ahead: Any, size: int) -> Iterator[np.ndarray]:
+        start = 0
         while True:
             ref, ahead = ahead, self.actor.next_ids.remote(start + size, size)
             c = self._get(ref, "next_ids")
