@@ -6,7 +6,9 @@ the scheduler (placement, GPUs, retries of tasks whose worker or node died); the
 inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
 finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
 so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
-which is why the result equals a single-machine build.
+which is why the result equals a single-machine build. With ``sharded`` the shards stay: the
+plan's reads run in one reader actor per shard (:mod:`indexer.ray_sources`) and a second pass
+fills each shard's part, both on the node whose task built the shard.
 
 Every path (gallery, ``DIR``) must mean the same files on every node: a shared filesystem. Each
 shard's LMDB store has one writer (its task) and is read by the merge only after that task ended.
@@ -27,6 +29,7 @@ from .errors import IndexerError
 from .index_dir import IndexDir
 from .lock import writer_lock
 from .manifest import DEFAULT_TARGET_RECALL
+from .ray_sources import one_line as _one_line
 from .selection import check_options
 from .walk import FILE_LIST, read_file_list, split_walk
 
@@ -139,7 +142,9 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
                     on_done=on_done, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
     with report.lock:
         report.flush()
-    return m
+    import ray
+
+    return {**m, "node": ray.get_runtime_context().get_node_id()}   # where the shard now lives
 
 
 def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> int:
@@ -151,8 +156,9 @@ def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim
     from . import stream
     from .index_dir import STORE_DIR
     from .shards import PART_FILE
+    from .sources import StoreSource
 
-    src = stream.StoreSource(Path(shard_dir) / STORE_DIR, model_hash, dim)
+    src = StoreSource(Path(shard_dir) / STORE_DIR, model_hash, dim)
     try:
         part = stream.fill(src, faiss.read_index(trained_file), skip)
     finally:
@@ -161,12 +167,25 @@ def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim
     return int(part.ntotal)
 
 
+def _near(node: str | None) -> dict:
+    """Ray options that run a task or actor on ``node`` (the one whose task built the shard),
+    or elsewhere if that node is gone (soft affinity)."""
+    if not node:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
+
+
 def _fill_with_ray(ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
-                   dim: int, progress: bool) -> Callable[[Path, list], None]:
-    """``build_sharded``'s ``fill_parts``: one Ray task per shard, placed as the ingest tasks."""
+                   dim: int, progress: bool, nodes: list) -> Callable[[Path, list], None]:
+    """``build_sharded``'s ``fill_parts``: one Ray task per shard, with the ingest tasks'
+    resources, on the node whose task built the shard."""
     def fill(trained_file: Path, skip: list) -> None:
-        task = ray.remote(fill_part).options(max_retries=max_retries, retry_exceptions=False, **res)
-        refs = [task.remote(str(d), str(trained_file), sk, model_hash, dim) for d, sk in zip(dirs, skip)]
+        task = ray.remote(fill_part)
+        refs = [task.options(max_retries=max_retries, retry_exceptions=False, **res, **_near(node))
+                .remote(str(d), str(trained_file), sk, model_hash, dim)
+                for d, sk, node in zip(dirs, skip, nodes)]
         from tqdm.auto import tqdm
 
         with tqdm(total=len(refs), desc="filling the shards' parts (Ray)", unit="shard",
@@ -251,13 +270,6 @@ def _check_plan(root: Path, gallery: Path, n: int, model_hash: str) -> None:
     path.write_text(json.dumps(plan, indent=2) + "\n")
 
 
-def _one_line(e: BaseException) -> str:
-    """The first line of what went wrong in a task (the task's own exception, not Ray's wrapper)."""
-    cause = getattr(e, "cause", None) or e
-    text = str(cause).strip()
-    return text.splitlines()[0] if text else type(cause).__name__
-
-
 def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | None = None, *,
                    address: str | None = "local", shards: int | None = None,
                    max_retries: int = 3, cpus_per_shard: int | None = None,
@@ -299,13 +311,25 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             res = plan_resources(nodes, n, cpus_per_shard)
             opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                     "threads": res["num_cpus"], "device": device}
-            dirs, found, attempts = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n, res,
-                                                   opts, max_retries, progress)
+            dirs, found, attempts, where = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n, res,
+                                                          opts, max_retries, progress)
             if sharded:
+                from .ray_sources import open_readers
                 from .shard_build import build_sharded
 
-                fill = _fill_with_ray(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim), progress)
-                m = build_sharded(dirs, out, device=device, progress=progress, fill_parts=fill, **merge_opts)
+                fill = _fill_with_ray(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim),
+                                      progress, where)
+                # the plan's reads run where the shards are (ray_sources), the fill as tasks there
+                readers = open_readers(ray, dirs, emb.model_hash, int(emb.dim), max_retries=max_retries,
+                                       threads=res["num_cpus"], nodes=where)
+                try:
+                    m = build_sharded(dirs, out, device=device, progress=progress, fill_parts=fill,
+                                      sources=readers, **merge_opts)
+                finally:
+                    for r in readers:
+                        r.close()
+                stage = {"census": "next_ids", "samples": "sample", "truth": "knn"}
+                plan_bytes = {k: sum(r.received[v] for r in readers) for k, v in stage.items()}
         finally:
             if started:
                 ray.shutdown()
@@ -313,13 +337,16 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
         m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                     "seconds": round(time.perf_counter() - t0, 3)}
+        if sharded:
+            m["ray"]["plan_bytes"] = plan_bytes      # what the shards' readers sent the driver
         return m
 
 
 def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: dict, opts: dict,
-                   max_retries: int, progress: bool) -> tuple[list[Path], int, list[int]]:
+                   max_retries: int, progress: bool) -> tuple[list[Path], int, list[int], list]:
     """The Ray pass: the one walk split into ``n`` file lists under ``root``, one ``build_shard``
-    task each. Returns (shard directories, files found, attempts per shard)."""
+    task each. Returns (shard directories, files found, attempts per shard, the node that built
+    each shard)."""
     root.mkdir(parents=True, exist_ok=True)
     _check_plan(root, gallery, n, emb.model_hash)
     shared = IndexDir(root)                     # tasks read the model from the shared path
@@ -342,7 +369,8 @@ def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: d
         found = sum(int(m["ingest"]["found"]) for m in manifests.values())
         bar.n, bar.total = found, max(bar.total or 0, found)   # the shards' own counts are the final word
         bar.refresh()
-    return dirs, found, ray.get(actor.state.remote())[1]
+    nodes = [manifests[i].get("node") for i in range(n)]
+    return dirs, found, ray.get(actor.state.remote())[1], nodes
 
 
 def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, dict]:

@@ -20,6 +20,7 @@ from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
 from . import selection, stream
+from .sources import Rows, Source, StoreSource
 from .build import check_shards, remove_target
 from .errors import IndexerError
 from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
@@ -42,8 +43,11 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
                   flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
                   target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto", seed: int = 0,
                   progress: bool = True, max_memory: int | str | None = None,
-                  fill_parts: FillParts | None = None) -> dict:
-    """Index shard directories where they are; ``out`` gets the manifest that lists them."""
+                  fill_parts: FillParts | None = None, sources: Sequence[Source] | None = None) -> dict:
+    """Index shard directories where they are; ``out`` gets the manifest that lists them.
+    ``sources``: the shards as the plan reads them (default: their stores, in this process;
+    ``ray_build`` passes readers on the shards' nodes, ``indexer.ray_sources``), closed once the
+    plan is made when ``fill_parts`` fills the parts elsewhere."""
     t0 = time.perf_counter()
     out = Path(out)
     dirs = [IndexDir(d) for d in shard_dirs]
@@ -51,12 +55,16 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
         raise IndexerError("a sharded build needs at least one shard directory")
     manifests = check_shards(dirs)
     model, dim = manifests[0]["model"], int(manifests[0]["dim"])
-    sources = [stream.StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
+    if sources is None:
+        sources = [StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
     try:
         p = stream.plan(sources, index_type=index_type, flat_threshold=flat_threshold, nlist=nlist,
                         target=target_recall,
                         max_memory=selection.check_options(index_type, target_recall, max_memory),
                         device=device, seed=seed, progress=progress)
+        if fill_parts is not None:         # the plan's reads are done: free the readers now
+            for s in sources:
+                s.close()
         out.mkdir(parents=True, exist_ok=True)
         fx.write_atomic(p.trained, out / TRAINED_FILE)
         parts = [d.path / PART_FILE for d in dirs]
@@ -103,7 +111,7 @@ def sync_parts(directory: Path, manifest: dict) -> dict:
     dirs = shard_paths(directory, manifest)
     stored = []
     for p in dirs:
-        src = stream.StoreSource(p / STORE_DIR, model_hash, int(manifest["dim"]))
+        src = StoreSource(p / STORE_DIR, model_hash, int(manifest["dim"]))
         stored.append((src.ids(), src))
     held_file = directory / sh["held"]
     held = faiss.read_index(str(held_file))
@@ -157,7 +165,7 @@ def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray],
     n, dim = len(ids), int(manifest["dim"])
     m = max(1, len(holdout(n, dim, seed).tune))
     own = np.sort(np.random.default_rng(seed + 1).choice(ids, size=min(m, n), replace=False))
-    sources = [stream.StoreSource(p / STORE_DIR, manifest["model"]["hash"], dim)
+    sources = [StoreSource(p / STORE_DIR, manifest["model"]["hash"], dim)
                for p in shard_paths(directory, manifest)]
     try:
         seen, dups = np.zeros(0, np.int64), []
@@ -167,7 +175,7 @@ def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray],
         owner = np.full(len(own), -1, dtype=np.int64)
         for i, s_ids in enumerate(per_shard):
             owner[(owner < 0) & np.isin(own, s_ids)] = i
-        q = stream.Rows(own, owner, sources)[np.arange(len(own))]
+        q = Rows(own, owner, sources)[np.arange(len(own))]
         k = min(K, n - 1) if n > 1 else 1
         truth = drop_self(stream.exact_truth(sources, q, min(k + 1, n), exclude=np.zeros(0, np.int64),
                                              dups=dups), own, k)[0]

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-CHUNK = 65_536
+from .sources import CHUNK, answers
 
 
 def census(sources: Sequence, size: int = CHUNK) -> tuple[list[int], list[np.ndarray]]:
@@ -86,11 +86,11 @@ class Sample:
         self.x = np.empty((len(positions), sources[0].dim), dtype=np.float32)
         self.ids = np.empty(len(positions), dtype=np.int64)
         keep = np.ones(len(positions), dtype=bool)
-        for s, src in enumerate(sources):
-            lo, hi = np.searchsorted(positions, self.starts[s:s + 2])
-            if hi == lo:
-                continue
-            i, x = src.sample(positions[lo:hi] - self.starts[s])
+        spans = [(s, *np.searchsorted(positions, self.starts[s:s + 2])) for s in range(len(sources))]
+        spans = [(s, lo, hi) for s, lo, hi in spans if hi > lo]
+        # remote shards read their rows at once, in parallel; their answers are taken in turn
+        asks = [(positions[lo:hi] - self.starts[s],) for s, lo, hi in spans]
+        for (s, lo, hi), (i, x) in zip(spans, answers([sources[s] for s, _, _ in spans], "sample", asks)):
             self.ids[lo:hi], self.x[lo:hi] = i, x
             del x
             keep[lo:hi] = ~np.isin(i, dups[s])

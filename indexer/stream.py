@@ -10,23 +10,25 @@ N x d x 4 bytes). Here the driver holds counts and fixed-size samples (``indexer
    measurement of a one-process build (``selection.select``, on such a sample) among the types
    whose inverted lists can be merged (IVF-Flat, IVF-HNSW, IVF-SQ8, IVF-PQ; the refine wrappers
    keep every exact vector in memory, which is what this path avoids); the exact answers of the
-   held-out queries by one streaming pass over the shards. The samples are as random as a
-   one-process build's but not the same rows, so the index is as good, not identical.
+   held-out queries: each shard's own exact top-k (``Source.knn``, one streaming pass where the
+   shard is), merged. The samples are as random as a one-process build's but not the same rows,
+   so the index is as good, not identical. Every read goes through a ``Source``
+   (:mod:`indexer.sources`); under Ray a reader on the shard's node answers it
+   (:mod:`indexer.ray_sources`).
 2. ``fill``: each shard adds its own vectors to a copy of the trained empty index (a Ray task
    on the node that holds the shard).
 3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``faiss.IndexShardsIVF``
    over memory-mapped shard files, one shared quantizer), then the held-out vectors become one
    more small part (``held_part``).
-4. ``merge_ondisk``: optionally, one IVF index whose lists live in a file (faiss's
-   ``OnDiskInvertedLists``), written list by list.
+4. ``merge_ondisk`` (:mod:`indexer.ondisk`): optionally, one IVF index whose lists live in a
+   file (faiss's ``OnDiskInvertedLists``), written list by list.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Sequence
 
 import faiss
 import numpy as np
@@ -34,144 +36,17 @@ import numpy as np
 from . import faiss_index as fx
 from .errors import IndexerError
 from .manifest import DEFAULT_TARGET_RECALL
+from .ondisk import merge_ondisk, read_ondisk
 from .selection import SAMPLE_CAP, SELECT_FROM, candidates, index_fields, select
 from .shard_sample import Sample, View, census, draw
-from .store import GalleryStore
+from .sources import CHUNK, ArraySource, Rows, Source, StoreSource, answers
 from .tuning import GT_BUDGET, MAX_QUERIES, K, Holdout, clears, recalls, tune
 
-CHUNK = 65_536
-
-
-# ---------------------------------------------------------------------------- where vectors come from
-class Source(Protocol):
-    """One shard's vectors: its ids ascending (all at once, or in chunks, or just how many), its
-    vectors in chunks, by id, and at given positions of its id order (a sample)."""
-
-    dim: int
-
-    def ids(self) -> np.ndarray: ...
-    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]: ...
-    def count(self) -> int: ...
-    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
-    def get(self, ids: np.ndarray) -> np.ndarray: ...
-    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-class StoreSource:
-    """A shard's LMDB store: the embeddings of one model, read in chunks (never all at once)."""
-
-    def __init__(self, store_dir: str | Path, model_hash: str, dim: int) -> None:
-        self.store = GalleryStore(store_dir)
-        self.model_hash, self.dim = model_hash, int(dim)
-
-    def ids(self) -> np.ndarray:
-        parts = list(self.id_chunks())
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
-        """The ids ascending (LMDB keys are big-endian ids), ``size`` at a time."""
-        out: list[int] = []
-        with self.store._read() as txn:
-            meta = self.store._db("meta")
-            for k, _ in self.store._scan(txn, self.model_hash):
-                if txn.get(k, db=meta) is not None:
-                    out.append(int.from_bytes(k, "big"))
-                    if len(out) == size:
-                        yield np.array(out, dtype=np.int64)
-                        out = []
-        if out:
-            yield np.array(out, dtype=np.int64)
-
-    def count(self) -> int:
-        return sum(len(c) for c in self.id_chunks())
-
-    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, vectors) at ``positions`` (ascending) of the id order: one pass over the keys."""
-        positions = np.asarray(positions, dtype=np.int64)
-        got, at = [], 0
-        for c in self.id_chunks():
-            lo, hi = np.searchsorted(positions, [at, at + len(c)])
-            got.append(c[positions[lo:hi] - at])
-            at += len(c)
-        ids = np.concatenate(got) if got else np.zeros(0, np.int64)
-        return ids, self.get(ids)
-
-    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        ids, rows = [], []
-        with self.store._read() as txn:
-            meta = self.store._db("meta")
-            for k, v in self.store._scan(txn, self.model_hash, values=True):
-                if txn.get(k, db=meta) is None:
-                    continue
-                ids.append(int.from_bytes(k, "big"))
-                rows.append(np.frombuffer(v, dtype=np.float32))
-                if len(ids) == size:
-                    yield np.array(ids, dtype=np.int64), np.stack(rows)
-                    ids, rows = [], []
-        if ids:
-            yield np.array(ids, dtype=np.int64), np.stack(rows)
-
-    def get(self, ids: np.ndarray) -> np.ndarray:
-        if len(ids) == 0:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
-
-    def close(self) -> None:
-        self.store.close()
-
-
-class ArraySource:
-    """(ids ascending, vectors) already in arrays, e.g. ``np.load(..., mmap_mode="r")``: the
-    benchmark's synthetic shards, and tests."""
-
-    def __init__(self, ids: np.ndarray, x: np.ndarray) -> None:
-        self._ids, self.x, self.dim = np.asarray(ids, dtype=np.int64), x, int(x.shape[1])
-
-    def ids(self) -> np.ndarray:
-        return self._ids
-
-    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
-        for s in range(0, len(self._ids), size):
-            yield np.asarray(self._ids[s:s + size], dtype=np.int64)
-
-    def count(self) -> int:
-        return len(self._ids)
-
-    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        positions = np.asarray(positions, dtype=np.int64)
-        return (np.asarray(self._ids[positions], dtype=np.int64),
-                np.ascontiguousarray(self.x[positions], dtype=np.float32))
-
-    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for s in range(0, len(self._ids), size):
-            yield self._ids[s:s + size], np.ascontiguousarray(self.x[s:s + size], dtype=np.float32)
-
-    def get(self, ids: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(self.x[np.searchsorted(self._ids, ids)], dtype=np.float32)
-
-    def close(self) -> None:
-        pass
-
-
-class Rows:
-    """Given ids and their owning shards as a lazy array: ``rows[positions]`` fetches those
-    vectors from the shards that own them (the self-queries of ``shard_build.retune_sharded``)."""
-
-    def __init__(self, ids: np.ndarray, owner: np.ndarray, sources: Sequence[Source]) -> None:
-        self.ids, self.owner, self.sources = ids, owner, sources
-        self.shape = (len(ids), sources[0].dim)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.int64)
-        out = np.empty((len(rows), self.shape[1]), dtype=np.float32)
-        own = self.owner[rows]
-        for s in np.unique(own):
-            m = own == s
-            out[m] = self.sources[int(s)].get(self.ids[rows[m]])
-        return out
+# re-exported: callers (benchmarks/, tests) name them as ``stream.X``; they live in
+# indexer.sources (where the vectors come from) and indexer.ondisk (the on-disk merge)
+__all__ = ["Plan", "plan", "exact_truth", "fill", "held_part", "open_parts", "as_one", "tune_and_check",
+           "build_in_process", "streamable", "merge_ondisk", "read_ondisk", "Source", "StoreSource",
+           "ArraySource", "Rows", "CHUNK", "MAX_QUERIES"]
 
 
 # ---------------------------------------------------------------------------- 1. plan
@@ -292,20 +167,15 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
 
 def exact_truth(sources: Sequence[Source], q: np.ndarray, k: int, *, exclude: np.ndarray,
                 dups: Sequence[np.ndarray]) -> np.ndarray:
-    """Exact top-k ids of ``q`` over every shard's vectors but ``exclude`` and duplicates, in
-    one streaming pass (faiss's ResultHeap keeps the best k across chunks)."""
+    """Exact top-k ids of ``q`` over every shard's vectors but ``exclude`` and duplicates: each
+    shard searches its own vectors where they are (``Source.knn``, one streaming pass; in
+    parallel when the shards are Ray actors) and only its nq x k answer comes back, merged
+    here with faiss's ResultHeap."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     heap = faiss.ResultHeap(len(q), k, keep_max=True)
-    for s, src in enumerate(sources):
-        drop = np.union1d(exclude, dups[s])
-        for cids, cx in src.chunks():
-            keep = ~np.isin(cids, drop)
-            if not keep.all():
-                cids, cx = cids[keep], cx[keep]
-            if not len(cids):
-                continue
-            D, I = faiss.knn(q, cx, min(k, len(cids)), metric=faiss.METRIC_INNER_PRODUCT)
-            heap.add_result(D, np.where(I >= 0, cids[np.maximum(I, 0)], -1))
+    asks = [(q, k, np.union1d(exclude, dups[s])) for s in range(len(sources))]
+    for D, I in answers(sources, "knn", asks):
+        heap.add_result(np.ascontiguousarray(D, dtype=np.float32), np.ascontiguousarray(I, dtype=np.int64))
     heap.finalize()
     return heap.I
 
@@ -363,73 +233,6 @@ def tune_and_check(p: Plan, index: faiss.Index, target: float) -> dict:
     value, rq_tune = tune(index, spec, p.qt, p.truth[:nt], target)
     rq_check = recalls(index.search(np.ascontiguousarray(p.qc), p.truth.shape[1])[1], p.truth[nt:])
     return {**index_fields(spec, n, dim, target, value, rq_tune, rq_check), **p.fields}
-
-
-# ---------------------------------------------------------------------------- 4. one index on disk
-def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_index: str | Path,
-                 params: str = "") -> int:
-    """Combine filled parts into one IVF index whose lists live in ``out_index`` + ``.ivfdata``
-    (faiss's ``OnDiskInvertedLists``); read it back with ``read_ondisk``. Returns the count.
-
-    Hand-written rather than ``faiss.contrib.ondisk.merge_ondisk``: that one maps every part and
-    the output into the merging process and copies through the maps, so its peak RSS is about
-    twice the index (measured: 1,056 MiB for a 498 MiB index at 1M x 128), which grows with N on
-    one node. Here faiss allocates the lists (``resize``, in one pre-sized file), the codes and
-    ids go in with ``os.pwrite`` (the page cache, not this process, holds them) and one part is
-    mapped at a time, so the peak is about the largest part, not the index.
-    """
-    out_index = Path(out_index)
-    data = out_index.with_suffix(".ivfdata")
-    data.unlink(missing_ok=True)
-    if not fx._is_ivf(trained):
-        raise IndexerError(f"{trained}: only IVF indexes merge on disk")
-    index = faiss.clone_index(trained)
-    ivf = faiss.extract_index_ivf(index)
-    nlist, code_size = ivf.nlist, ivf.code_size
-    sizes = np.zeros(nlist, dtype=np.int64)
-    for f in part_files:                     # list sizes only: the lists stay on disk
-        part = faiss.read_index(str(f), faiss.IO_FLAG_MMAP)     # (owns inv: keep it alive)
-        inv = faiss.extract_index_ivf(part).invlists
-        sizes += np.array([inv.list_size(l) for l in range(nlist)], dtype=np.int64)
-        del part, inv
-    cap = np.where(sizes > 0, 2 ** np.ceil(np.log2(np.maximum(sizes, 1))).astype(np.int64), 0)
-    il = faiss.OnDiskInvertedLists(nlist, code_size, str(data))
-    il.update_totsize(int(max(32, (cap * (code_size + 8)).sum())))   # one file, one map
-    for l in np.nonzero(sizes)[0]:
-        il.resize(int(l), int(sizes[l]))     # faiss picks the slot (capacity: a power of two)
-    where = [(il.lists.at(int(l)).offset, il.lists.at(int(l)).capacity) for l in range(nlist)]
-    done = np.zeros(nlist, dtype=np.int64)
-    fd = os.open(data, os.O_WRONLY)
-    try:
-        for f in part_files:
-            part = faiss.read_index(str(f), faiss.IO_FLAG_MMAP)
-            inv = faiss.extract_index_ivf(part).invlists
-            for l in range(nlist):
-                n = inv.list_size(l)
-                if not n:
-                    continue
-                off, capacity = where[l]
-                codes = faiss.rev_swig_ptr(inv.get_codes(l), n * code_size)
-                ids = faiss.rev_swig_ptr(inv.get_ids(l), n)
-                os.pwrite(fd, codes, off + int(done[l]) * code_size)
-                os.pwrite(fd, ids, off + capacity * code_size + int(done[l]) * 8)
-                done[l] += n
-            del part, inv                    # unmapped: its pages leave this process
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    ivf.replace_invlists(il, True)
-    il.this.disown()
-    index.ntotal = ivf.ntotal = int(sizes.sum())
-    fx.set_search_params(index, params)
-    fx.write_atomic(index, out_index)
-    return int(index.ntotal)
-
-
-def read_ondisk(path: str | Path) -> faiss.Index:
-    """An index written by ``merge_ondisk``: its ``.ivfdata`` is found beside it (wherever the
-    directory has moved) and memory-mapped."""
-    return faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
 
 
 def build_in_process(sources: Sequence[Source], workdir: str | Path, *, target: float = DEFAULT_TARGET_RECALL,

@@ -144,17 +144,24 @@ def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: s
     assert_same_index(merged, single, gallery)
 
 
-def test_sharded_ray_build_equals_a_single_build(tmp_path: Path, ray_address: str, gallery: Path,
-                                                 small_onnx: Path, single: Index) -> None:
+@pytest.fixture(scope="module")
+def ray_sharded(tmp_path_factory: pytest.TempPathFactory, ray_address: str, gallery: Path,
+                small_onnx: Path) -> tuple[Path, str]:
+    """`indexer build --ray --sharded` of the gallery (2 shards), built once: (out, stdout)."""
+    out = tmp_path_factory.mktemp("ray-sharded") / "ray"
+    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
+                "--shards", "2", "--sharded", *FLAGS)
+    return out, p.stdout
+
+
+def test_sharded_ray_build_equals_a_single_build(ray_sharded: tuple[Path, str], single: Index) -> None:
     """--sharded: the shards stay where their tasks built them, a second Ray pass fills each
     shard's part from a quantizer trained once, and the parts searched as one answer as well as
     the one-process build does."""
     from indexer.shards import PART_FILE, ShardedIndex
 
-    out = tmp_path / "ray"
-    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
-                "--shards", "2", "--sharded", *FLAGS)
-    assert "attempts per shard: 1, 1" in p.stdout, p.stdout
+    out, stdout = ray_sharded
+    assert "attempts per shard: 1, 1" in stdout, stdout
     sharded = Index.open(out, check_model=True)
     assert isinstance(sharded, ShardedIndex)
     assert sharded.manifest["sharded"]["shards"] == ["shards/0", "shards/1"]
@@ -176,3 +183,95 @@ def faiss_read(path: Path) -> int:
     import faiss
 
     return int(faiss.read_index(str(path), faiss.IO_FLAG_MMAP).ntotal)
+
+
+def test_plan_reads_run_in_the_shards_readers_and_equal_the_in_process_plan(
+        ray_sharded: tuple[Path, str]) -> None:
+    """The plan made through one Ray reader per shard (census, samples, each shard's exact
+    top-k) is the plan made in this process on the same shard directories, and those reads ran
+    in the readers' processes, not here."""
+    import faiss
+
+    from indexer import stream
+    from indexer.ray_sources import open_readers
+    from indexer.sources import StoreSource
+
+    out, _ = ray_sharded
+    dirs = [out / "shards" / str(i) for i in range(2)]
+    m = json.loads((out / "manifest.json").read_text())
+    model_hash, dim = m["model"]["hash"], int(m["dim"])
+    opts = {"flat_threshold": 100, "device": "cpu", "seed": 3}
+    local_sources = [StoreSource(d / STORE_DIR, model_hash, dim) for d in dirs]
+    try:
+        local = stream.plan(local_sources, **opts)
+    finally:
+        for s in local_sources:
+            s.close()
+    readers = open_readers(ray, dirs, model_hash, dim, max_retries=1)
+    try:
+        remote = stream.plan(readers, **opts)
+        where = [r.where() for r in readers]
+    finally:
+        for r in readers:
+            r.close()
+    assert remote.spec == local.spec and local.spec.index_type == "ivf"
+    assert remote.count == local.count == m["count"] and remote.tiny == local.tiny is False
+    np.testing.assert_array_equal(remote.held_query_ids, local.held_query_ids)
+    assert len(local.held_query_ids) == 2 * m["heldout_queries"]
+    np.testing.assert_array_equal(remote.qt, local.qt)
+    np.testing.assert_array_equal(remote.qc, local.qc)
+    np.testing.assert_array_equal(remote.truth, local.truth)
+    # and it is the exact answer: brute force over both stores but the held-out vectors
+    with GalleryStore(dirs[0] / STORE_DIR) as s0, GalleryStore(dirs[1] / STORE_DIR) as s1:
+        (i0, x0), (i1, x1) = s0.all_embeddings(model_hash), s1.all_embeddings(model_hash)
+    first = ~np.isin(i1, i0)                                   # content in both: shard 0's
+    ids, x = np.concatenate([i0, i1[first]]), np.concatenate([x0, x1[first]])
+    keep = ~np.isin(ids, local.held_query_ids)
+    q = np.concatenate([local.qt, local.qc])
+    want = ids[keep][faiss.knn(q, x[keep], local.truth.shape[1], metric=faiss.METRIC_INNER_PRODUCT)[1]]
+    assert (want == local.truth).mean() > 0.999                # ties in score may swap equal ids
+    for a, b in zip(remote.skip, local.skip):
+        np.testing.assert_array_equal(a, b)
+    nlist = local.spec.nlist
+    cents = [faiss.extract_index_ivf(p.trained).quantizer.reconstruct_n(0, nlist) for p in (remote, local)]
+    np.testing.assert_array_equal(cents[0], cents[1])
+    # every read ran in a reader: two processes, neither this one, each shard's exact answers once
+    pids = {w["pid"] for w in where}
+    assert len(pids) == 2 and os.getpid() not in pids, where
+    for w in where:
+        assert w["calls"]["knn"] == 1 and w["calls"]["sample"] >= 2 and w["calls"]["next_ids"] >= 2, w
+    # what reached the driver: ids, sample rows and nq x k answers, never a shard's vectors in bulk
+    got = {k: sum(r.received[k] for r in readers) for k in ("next_ids", "sample", "knn")}
+    assert got["next_ids"] >= 8 * m["count"] and got["knn"] == 2 * len(local.truth) * local.truth.shape[1] * 12
+    assert "next_chunk" not in readers[0].received
+
+
+def test_a_killed_reader_is_restarted_and_its_stream_goes_on(ray_sharded: tuple[Path, str]) -> None:
+    """A reader whose process dies mid-stream is restarted and the call retried; the id stream
+    still yields every id once (calls carry positions, not state). A shard that cannot be opened
+    fails in one line that names it."""
+    import signal
+
+    from indexer.errors import IndexerError
+    from indexer.ray_sources import open_readers
+    from indexer.sources import StoreSource
+
+    out, _ = ray_sharded
+    d = out / "shards" / "0"
+    m = json.loads((out / "manifest.json").read_text())
+    model_hash, dim = m["model"]["hash"], int(m["dim"])
+    src = StoreSource(d / STORE_DIR, model_hash, dim)
+    want = src.ids()
+    src.close()
+    (reader,) = open_readers(ray, [d], model_hash, dim, max_retries=2)
+    try:
+        chunks, it = [], reader.id_chunks(50)
+        chunks.append(next(it))
+        os.kill(reader.where()["pid"], signal.SIGKILL)
+        chunks += list(it)
+        np.testing.assert_array_equal(np.concatenate(chunks), want)
+        assert reader.where()["pid"] != os.getpid()
+    finally:
+        reader.close()
+    with pytest.raises(IndexerError, match=r"^reading shard 1 for the plan \(where\) failed: .*no gallery store here"):
+        open_readers(ray, [d, out / "no-such-shard"], model_hash, dim, max_retries=0)

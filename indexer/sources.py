@@ -1,0 +1,191 @@
+"""Where the streaming build's vectors come from: one ``Source`` per shard.
+
+The plan (``indexer.stream``) and the fill ask a shard only for what it can answer where it
+lives: its ids in chunks (the census), the rows at given positions (the samples), its own exact
+top-k of the held-out queries (``knn``: the exact answers), its vectors in chunks (its own
+fill). ``StoreSource`` reads a shard's LMDB store in this process; ``ArraySource`` wraps arrays
+(the benchmarks' synthetic shards, tests); ``indexer.ray_sources.RemoteSource`` is the same
+interface answered by a Ray actor on the shard's node, so only ids, counts, sample rows and
+nq x k answers reach the driver.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol, Sequence
+
+import faiss
+import numpy as np
+
+from .store import GalleryStore
+
+CHUNK = 65_536
+
+
+class Source(Protocol):
+    """One shard's vectors: its ids ascending (all at once, or in chunks, or just how many), its
+    vectors in chunks, by id, at given positions of its id order (a sample), and its own exact
+    top-k of some queries."""
+
+    dim: int
+
+    def ids(self) -> np.ndarray: ...
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]: ...
+    def count(self) -> int: ...
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    def get(self, ids: np.ndarray) -> np.ndarray: ...
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def knn_over(chunks: Iterable[tuple[np.ndarray, np.ndarray]], q: np.ndarray, k: int,
+             drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(D, I): the exact inner-product top-k of ``q`` among the chunks' vectors but ``drop``
+    (ids; -1 where fewer than k are left), one chunk in memory at a time (faiss's ResultHeap
+    keeps the best k across chunks)."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    heap = faiss.ResultHeap(len(q), k, keep_max=True)
+    for cids, cx in chunks:
+        keep = ~np.isin(cids, drop)
+        if not keep.all():
+            cids, cx = cids[keep], cx[keep]
+        if not len(cids):
+            continue
+        D, I = faiss.knn(q, cx, min(k, len(cids)), metric=faiss.METRIC_INNER_PRODUCT)
+        heap.add_result(D, np.where(I >= 0, cids[np.maximum(I, 0)], -1))
+    heap.finalize()
+    return heap.D, heap.I
+
+
+def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Iterator[Any]:
+    """``sources[s].method(*args[s])`` for each shard, in shard order. A source that lives
+    elsewhere (it has ``submit``: ``indexer.ray_sources.RemoteSource``) gets its call at once,
+    so the shards work in parallel; the answers are taken one at a time, in order, so the
+    caller can hold one shard's answer at a time. Local sources answer in turn."""
+    started = [src.submit(method, *a) if hasattr(src, "submit") else None
+               for src, a in zip(sources, args)]
+    for src, a, pending in zip(sources, args, started):
+        yield pending.result() if pending is not None else getattr(src, method)(*a)
+
+
+class StoreSource:
+    """A shard's LMDB store: the embeddings of one model, read in chunks (never all at once)."""
+
+    def __init__(self, store_dir: str | Path, model_hash: str, dim: int) -> None:
+        self.store = GalleryStore(store_dir)
+        self.model_hash, self.dim = model_hash, int(dim)
+
+    def ids(self) -> np.ndarray:
+        parts = list(self.id_chunks())
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        """The ids ascending (LMDB keys are big-endian ids), ``size`` at a time."""
+        out: list[int] = []
+        with self.store._read() as txn:
+            meta = self.store._db("meta")
+            for k, _ in self.store._scan(txn, self.model_hash):
+                if txn.get(k, db=meta) is not None:
+                    out.append(int.from_bytes(k, "big"))
+                    if len(out) == size:
+                        yield np.array(out, dtype=np.int64)
+                        out = []
+        if out:
+            yield np.array(out, dtype=np.int64)
+
+    def count(self) -> int:
+        return sum(len(c) for c in self.id_chunks())
+
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vectors) at ``positions`` (ascending) of the id order: one pass over the keys."""
+        positions = np.asarray(positions, dtype=np.int64)
+        got, at = [], 0
+        for c in self.id_chunks():
+            lo, hi = np.searchsorted(positions, [at, at + len(c)])
+            got.append(c[positions[lo:hi] - at])
+            at += len(c)
+        ids = np.concatenate(got) if got else np.zeros(0, np.int64)
+        return ids, self.get(ids)
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        ids, rows = [], []
+        with self.store._read() as txn:
+            meta = self.store._db("meta")
+            for k, v in self.store._scan(txn, self.model_hash, values=True):
+                if txn.get(k, db=meta) is None:
+                    continue
+                ids.append(int.from_bytes(k, "big"))
+                rows.append(np.frombuffer(v, dtype=np.float32))
+                if len(ids) == size:
+                    yield np.array(ids, dtype=np.int64), np.stack(rows)
+                    ids, rows = [], []
+        if ids:
+            yield np.array(ids, dtype=np.int64), np.stack(rows)
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
+
+    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This shard's exact top-k of ``q`` but ``drop``, in one pass over its store."""
+        return knn_over(self.chunks(), q, k, drop)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ArraySource:
+    """(ids ascending, vectors) already in arrays, e.g. ``np.load(..., mmap_mode="r")``: the
+    benchmark's synthetic shards, and tests."""
+
+    def __init__(self, ids: np.ndarray, x: np.ndarray) -> None:
+        self._ids, self.x, self.dim = np.asarray(ids, dtype=np.int64), x, int(x.shape[1])
+
+    def ids(self) -> np.ndarray:
+        return self._ids
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        for s in range(0, len(self._ids), size):
+            yield np.asarray(self._ids[s:s + size], dtype=np.int64)
+
+    def count(self) -> int:
+        return len(self._ids)
+
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        return (np.asarray(self._ids[positions], dtype=np.int64),
+                np.ascontiguousarray(self.x[positions], dtype=np.float32))
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for s in range(0, len(self._ids), size):
+            yield self._ids[s:s + size], np.ascontiguousarray(self.x[s:s + size], dtype=np.float32)
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.x[np.searchsorted(self._ids, ids)], dtype=np.float32)
+
+    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return knn_over(self.chunks(), q, k, drop)
+
+    def close(self) -> None:
+        pass
+
+
+class Rows:
+    """Given ids and their owning shards as a lazy array: ``rows[positions]`` fetches those
+    vectors from the shards that own them (the self-queries of ``shard_build.retune_sharded``)."""
+
+    def __init__(self, ids: np.ndarray, owner: np.ndarray, sources: Sequence[Source]) -> None:
+        self.ids, self.owner, self.sources = ids, owner, sources
+        self.shape = (len(ids), sources[0].dim)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), self.shape[1]), dtype=np.float32)
+        own = self.owner[rows]
+        for s in np.unique(own):
+            m = own == s
+            out[m] = self.sources[int(s)].get(self.ids[rows[m]])
+        return out
