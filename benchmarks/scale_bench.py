@@ -208,6 +208,12 @@ class NpySource:
                 x = np.fromfile(f, dtype=np.float32, count=m * self.dim).reshape(m, self.dim)
                 yield np.array(self._ids[s:s + m]), x
 
+    def knn(self, q, k: int, drop):
+        """This shard's exact top-k of ``q`` (``stream.exact_truth`` asks each shard for it)."""
+        from indexer import sources
+
+        return sources.knn_over(self.chunks(), q, k, drop)
+
     def _rows(self, pos):
         import numpy as np
 

@@ -17,4 +17,5 @@ __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_image
            "merge_shards", "repair_index", "IndexerError", "check_counts", "CountCheck", "NewItem",
            "writer_lock", "IndexBusyError", "holder", "is_locked",
            # modules of plain functions (faiss.contrib style), public as a whole
-           "faiss_index", "selection", "tuning", "stream", "walk", "ray_build", "rerank"]
+           "faiss_index", "selection", "tuning", "stream", "sources", "walk", "ray_build",
+           "rerank"]
