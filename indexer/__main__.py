@@ -365,13 +365,15 @@ def _info(args: argparse.Namespace) -> int:
 
 def _print_candidates(m: dict) -> None:
     """The selection's table (manifests from before it have none: nothing is printed)."""
+    from .errors import size_text
+
     rows = m.get("candidates")
     if not rows:
         return
     print(f"chosen by measurement in {m.get('selection_seconds', 0):.1f}s on a sample "
           f"(q/s: one batch of the tuning queries, Flat's scaled to the gallery size; memory "
           f"extrapolated to the gallery"
-          + (f"; budget {m['max_memory'] / 2 ** 20:.0f} MiB" if m.get("max_memory") else "") + "):")
+          + (f"; budget {size_text(m['max_memory'])}" if m.get("max_memory") else "") + "):")
     print(f"  {'':1} {'type':7} {'factory':32} {'search params':34} {'recall':>6} {'q/s':>9} "
           f"{'MiB':>7} {'build s':>7}")
     for r in rows:

@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 
 from . import faiss_index as fx
-from .errors import IndexerError
+from .errors import IndexerError, size_text
 
 RERANK_FACTOR = 10          # k' = 10 k candidates from the codes (the top 100 for k = 10)
 TRAIN_POINTS = 65_536       # codec training sample (SQ ranges, PQ codebooks: 256 x 39 at least)
@@ -207,15 +207,14 @@ class ReRanked:
 def choose_codec(ntotal: int, dim: int, nlist: int, budget: int) -> str:
     """The most accurate codec whose index fits ``budget`` bytes; one line when none does.
     PQ needs 256 training points a codebook: below that only SQ codes are offered."""
-    for name, size in codecs(dim):
-        if name.startswith("PQ") and ntotal < 256:
-            continue
+    offered = [(name, size) for name, size in codecs(dim) if not (name.startswith("PQ") and ntotal < 256)]
+    for name, size in offered:
         if in_ram_bytes(ntotal, size, nlist, dim) <= budget:
             return name
-    name, size = codecs(dim)[-1]
+    name, size = offered[-1]
     need = in_ram_bytes(ntotal, size, nlist, dim)
-    raise IndexerError(f"--max-memory {budget / 2 ** 20:.0f} MiB: the smallest codes ({name}, "
-                       f"{size} bytes a vector) of {ntotal} vectors need about {need / 2 ** 20:.0f} MiB")
+    raise IndexerError(f"--max-memory {size_text(budget)}: the smallest codes ({name}, "
+                       f"{size} bytes a vector) of {ntotal} vectors need about {size_text(need)}")
 
 
 def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str | None = None,
@@ -232,8 +231,8 @@ def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str 
         if not _is_flat_lists(ivf):
             need = in_ram_bytes(n, code_size, nlist, dim)
             if need > budget:
-                raise IndexerError(f"--max-memory {budget / 2 ** 20:.0f} MiB: this index's own codes "
-                                   f"({code_size} bytes a vector) need about {need / 2 ** 20:.0f} MiB")
+                raise IndexerError(f"--max-memory {size_text(budget)}: this index's own codes "
+                                   f"({code_size} bytes a vector) need about {size_text(need)}")
             return ReRanked(index, vectors, codec=f"the index's own {code_size}-byte", memory_bytes=need,
                             nprobe=nprobe, factor=factor, budget=budget)
     else:
@@ -280,7 +279,7 @@ def describe(fi: Any) -> str:
     s = getattr(fi, "summary", None)
     if not s:
         return "the whole index in RAM"
-    return (f"{s['codes']} codes ({s['memory_bytes'] / 2 ** 20:.0f} MiB), top {s['rerank_factor']} x k "
+    return (f"{s['codes']} codes ({size_text(s['memory_bytes'])}), top {s['rerank_factor']} x k "
             f"re-ranked with exact vectors from the store")
 
 

@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 
 from . import faiss_index as fx
-from .errors import IndexerError
+from .errors import IndexerError, size_text
 from .manifest import DEFAULT_TARGET_RECALL
 from .tuning import K, Holdout, clears, exact_knn, holdout, measure_qps, recalls, tune
 
@@ -212,8 +212,8 @@ def choose(table: list[dict], max_memory: int | None = None) -> int:
     fit = [i for i, r in enumerate(table) if r["fits_memory"]]
     if not fit:
         small = min(table, key=lambda r: r["memory_bytes"])
-        raise IndexerError(f"--max-memory {_mib(max_memory or 0)}: no index type fits; the "
-                           f"smallest, {small['index_type']}, needs about {_mib(small['memory_bytes'])}")
+        raise IndexerError(f"--max-memory {size_text(max_memory or 0)}: no index type fits; the "
+                           f"smallest, {small['index_type']}, needs about {size_text(small['memory_bytes'])}")
     ok = [i for i in fit if table[i]["meets_target"]]
     if not ok:
         return max(fit, key=lambda i: (table[i]["recall_at_10"], -i))
@@ -242,13 +242,13 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
     if n <= 0:
         raise IndexerError("cannot build an index of an empty gallery")
     if max_memory is not None and max_memory < n * dim:
-        raise IndexerError(f"--max-memory {_mib(max_memory)}: {n} x {dim} vectors need at least "
-                           f"{_mib(n * dim)} even as 8-bit codes")
+        raise IndexerError(f"--max-memory {size_text(max_memory)}: {n} x {dim} vectors need at least "
+                           f"{size_text(n * dim)} even as 8-bit codes")
     if index_type == "flat" or (index_type == "auto" and n < flat_threshold):
         spec = fx.choose_spec(n, dim, "flat")
         if max_memory is not None and n * (4 * dim + 8) > max_memory:
-            raise IndexerError(f"--max-memory {_mib(max_memory)}: an exact index of {n} x {dim} "
-                               f"needs {_mib(n * (4 * dim + 8))}; use --index-type sq8 or pqfsr8")
+            raise IndexerError(f"--max-memory {size_text(max_memory)}: an exact index of {n} x {dim} "
+                               f"needs {size_text(n * (4 * dim + 8))}; use --index-type sq8 or pqfsr8")
         index = fx.train(spec, x[:0], dim)
         _fill(index, spec, x, ids, np.arange(n), parts, np.zeros(0, dtype=np.int64))
         return index, index_fields(spec, int(index.ntotal), dim, target)
@@ -290,8 +290,8 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
         fields["max_memory"] = int(max_memory)
         size = serialized_bytes(index) if sel is None else None
         if size is not None and size > max_memory:
-            raise IndexerError(f"--max-memory {_mib(max_memory)}: the {spec.index_type} index needs "
-                               f"{_mib(size)}; use --index-type auto or a larger budget")
+            raise IndexerError(f"--max-memory {size_text(max_memory)}: the {spec.index_type} index needs "
+                               f"{size_text(size)}; use --index-type auto or a larger budget")
     if sel is not None:
         fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
     return index, fields
@@ -330,12 +330,4 @@ def _fill(index: faiss.Index, spec: fx.IndexSpec, x: np.ndarray, ids: np.ndarray
     for s in range(0, len(rows), chunk):
         r = rows[s:s + chunk]
         fx.add(index, x[r], ids[r])
-
-
-def _mib(b: int) -> str:
-    """Bytes for a message: 4.0 KiB, 12.3 MiB, 2.0 GiB."""
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if b >= size:
-            return f"{b / size:.1f} {unit}"
-    return f"{b} B"
 

@@ -181,7 +181,10 @@ def test_cli_search_and_eval_with_max_memory(built: Path, omniglot_gallery: Path
     sa = json.loads(run_cli("search", img, "--index", idx, "--json").stdout)
     sb = json.loads(run_cli("search", img, "--index", idx, "--json", "--max-memory", budget).stdout)
     assert [h["id"] for h in sb] == [h["id"] for h in sa]
-    for bad, why in (("1K", "the smallest codes (PQ8, 8 bytes a vector) of 240 vectors need about"),
+    # the budget in a unit that shows it (not "0 MiB"), and the smallest codes it could have had
+    # (PQ needs 256 points a codebook: 240 vectors get SQ codes only)
+    for bad, why in (("1K", "--max-memory 1.0 KiB: the smallest codes (SQ4, 32 bytes a vector) of 240 "
+                            "vectors need about"),
                      ("lots", "memory size 'lots': expected a number")):
         p = run_cli("eval", "--queries", omniglot_gallery, "--index", idx, "--max-memory", bad, check=False)
         assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and why in p.stderr, p.stderr
