@@ -344,9 +344,9 @@ def _info(args: argparse.Namespace) -> int:
         if m.get("nlist") or m.get("search_params"):
             params = m.get("search_params") or f"nprobe={m['nprobe']}"
             print(f"search:   {params}" + (f", nlist {m['nlist']}" if m.get("nlist") else ""))
-            held = (f"{m['heldout_queries']} held-out queries (tuned on {m.get('tuning_queries')}: "
-                    f"{m.get('tuning_recall_at_10')})" if m.get("heldout_queries") else "tuning queries")
-            print(f"recall:   @10 vs exact {m['recall_at_10']} on {held}, target {m['target_recall']}")
+            from .manifest import recall_text
+
+            print(f"recall:   {recall_text(m)}")
         _print_candidates(m)
         rec = m.get("index_file")
         print(f"checksum: index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec

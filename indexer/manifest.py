@@ -120,3 +120,15 @@ def _problem(d: dict, m: Manifest | None) -> str:
         if v is not None and not (isinstance(v, dict) and all(k in v for k in keys)):
             return f"{name} is not an object with {'/'.join(keys) or 'fields'}"
     return ""
+
+
+def recall_text(m: dict) -> str:
+    """``indexer info``'s recall line, for single and sharded indexes alike: on what queries the
+    recall was measured. After ``add``/``remove`` there is no held-out set any more (the index
+    holds every vector) and the figure is the retuning's, on self-queries."""
+    if m.get("heldout_queries"):
+        on = (f"{m['heldout_queries']} held-out queries (tuned on {m.get('tuning_queries')}: "
+              f"{m.get('tuning_recall_at_10')})")
+    else:
+        on = f"{m.get('tuning_queries') or 0} self-queries (retuned after add/remove)"
+    return f"@10 vs exact {m['recall_at_10']} on {on}, target {m['target_recall']}"

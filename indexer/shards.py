@@ -30,6 +30,7 @@ from . import stream
 from .errors import IndexerError
 from .index import Index
 from .index_dir import IndexDir, STORE_DIR
+from .manifest import recall_text
 from .store import GalleryStore
 from .validate import check_faiss_file, check_lmdb, check_model_file, damaged, faiss_reason
 
@@ -189,8 +190,7 @@ def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
     print(f"faiss:    {m['index_type']} ({m.get('factory')}), {m['count']} vectors, metric {m['metric']}")
     if m.get("search_params"):
         print(f"search:   {m['search_params']}" + (f", nlist {m['nlist']}" if m.get("nlist") else ""))
-        print(f"recall:   @10 vs exact {m['recall_at_10']} on {m.get('heldout_queries', 0)} held-out "
-              f"queries, target {m['target_recall']}")
+        print(f"recall:   {recall_text(m)}")
     for i, s in enumerate(facts["shards"]):
         print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
     print(f"held-out: {facts['held']} vectors in {m['sharded']['held']}")

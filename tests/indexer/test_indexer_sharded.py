@@ -101,6 +101,9 @@ def test_add_and_remove_on_a_sharded_index(built: Path, tmp_path: Path, omniglot
     # retuned on self-queries (as `indexer add` on one index): no held-out set any more
     assert idx.manifest["heldout_queries"] == 0 and idx.manifest["tuning_queries"] > 0
     assert f"retuned to {idx.manifest['search_params']}" in p.stdout
+    # and info says so (it used to print "on 0 held-out queries"), as it does for one index
+    recall = next(ln for ln in run_cli("info", "--index", out).stdout.splitlines() if ln.startswith("recall:"))
+    assert f"on {idx.manifest['tuning_queries']} self-queries (retuned after add/remove)" in recall, recall
     rel = "new/" + new_files[0].relative_to(extra).as_posix()
     i = idx.id_for_path(rel)
     assert i is not None and idx.meta(i)["path"] == rel
