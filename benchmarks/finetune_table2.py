@@ -28,15 +28,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from benchmarks.frozen_table2 import TABLE2, _label, plot, summarise
-from benchmarks.paired import fmt_interval
+from benchmarks.frozen_table2 import TABLE2
+from benchmarks.paired import method_label, plot, row_cells, summarise, table_row
 
 QUICK = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
 #: --quick's schedule: the CPU recipe's own (3 epochs since its second version): 18 runs of
 #: 1.6-1.9 min under load plus the one-off trunk cache stay under an hour; --set epochs=...
 #: overrides it.
 QUICK_SCHEDULE: dict = {}
-METRICS = ("R@1", "NMI", "MAP@R")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -125,11 +124,8 @@ def render(rows, free, meta, done: bool) -> str:
         lines.append(f"| training-free, {name} | - | - | {100 * m['R@1']:.2f} | "
                      f"{100 * m['NMI']:.2f} | {100 * m['MAP@R']:.2f} | | | | | |")
     for r in rows:
-        diff = [fmt_interval(r[f"d{m}"]) if f"d{m}" in r else "" for m in METRICS]
-        wins = f"{r['wins']}/{r['paired']}" if "wins" in r else ""
-        lines.append(f"| {_label(r['method'])} | {'-' if r['variant'] == 'base' else 'DAS'} | "
-                     f"{r['n']} | {r['R@1']:.2f} | {r['NMI']:.2f} | {r['MAP@R']:.2f} | {diff[0]} | "
-                     f"{diff[1]} | {diff[2]} | {wins} | {r['seconds']:.0f} |")
+        lines.append(table_row([method_label(r["method"]), "-" if r["variant"] == "base" else "DAS",
+                                str(r["n"]), *row_cells(r)]))
     return "\n".join(lines) + "\n"
 
 

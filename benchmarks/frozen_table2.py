@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shlex
@@ -35,14 +34,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from benchmarks.paired import fmt_interval, parse_variants, t_interval
+from benchmarks.paired import (method_label, parse_variants, plot, row_cells,
+                               summarise, table_row, variant_label)
 
 # Table 2's seven pairs, then Table 3's samplers that Table 2 lacks (loss:sampler).
 TABLE2 = ["triplet:semihard", "triplet:distance", "contrastive:distance", "margin:distance",
           "lifted:none", "npair:none", "multisimilarity:none"]
 TABLE3 = ["triplet:random", "triplet:softhard", "contrastive:random"]
 ABLATION = "triplet:distance"                    # Table 5: DFS only / MTS only
-METRICS = ("R@1", "NMI", "MAP@R")
 #: supplementary Table III (margin [distance] on CARS) and the main text's K sweep (SOP)
 SWEEPS = {"rs": ("das_scale_range", [0.01, 0.1, 0.2, 0.5]),
           "rb": ("das_shift_scale", [0.001, 0.01, 0.1, 1.0]),
@@ -211,42 +210,6 @@ def jobs_for(args) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------- report
-def _label(method: str) -> str:
-    loss, _, miner = method.partition(":")
-    return f"{loss} [{miner}]" if miner and miner != "none" else loss
-
-
-def _variant_label(variant: str) -> str:
-    if variant.startswith("sweep:"):
-        _, key, val = variant.split(":")
-        return f"DAS, {key} = {val}"
-    return {"base": "-", "dfs_only": "DFS only", "mts_only": "MTS only"}.get(variant, variant)
-
-
-def summarise(runs: list[dict]) -> list[dict]:
-    """Per (method, variant): mean metrics, and paired differences to the method's baseline."""
-    by: dict[tuple[str, str], dict[int, dict]] = {}
-    for r in runs:
-        by.setdefault((r["method"], r["variant"]), {})[r["seed"]] = r
-    rows = []
-    for (method, variant), seeds in by.items():
-        row = {"method": method, "variant": variant, "n": len(seeds),
-               "seconds": sum(r["seconds"] for r in seeds.values()) / len(seeds)}
-        for m in METRICS:
-            row[m] = 100 * sum(r["metrics"][m] for r in seeds.values()) / len(seeds)
-        base = by.get((method, "base"), {})
-        common = sorted(set(seeds) & set(base))
-        if variant != "base" and common:
-            for m in METRICS:
-                diffs = [100 * (seeds[s]["metrics"][m] - base[s]["metrics"][m]) for s in common]
-                row[f"d{m}"] = t_interval(diffs)
-            row["wins"] = sum(seeds[s]["metrics"]["R@1"] > base[s]["metrics"]["R@1"]
-                              for s in common)
-            row["paired"] = len(common)
-        rows.append(row)
-    return rows
-
-
 def render(rows: list[dict], untrained: dict, head0: dict, meta: dict, done: bool) -> str:
     lines = [f"## Frozen features: {meta['title']}", "",
              f"Command (from the repository root): `{meta['command']}`", "",
@@ -261,40 +224,10 @@ def render(rows: list[dict], untrained: dict, head0: dict, meta: dict, done: boo
               f"| untrained head (epoch 0) | - | {100 * head0['R@1']:.2f} | "
               f"{100 * head0['NMI']:.2f} | {100 * head0['MAP@R']:.2f} | | | | | |"]
     for r in rows:
-        diff = [fmt_interval(r[f"d{m}"]) if f"d{m}" in r else "" for m in METRICS]
-        wins = f"{r['wins']}/{r['paired']}" if "wins" in r else ""
-        lines.append(f"| {_label(r['method'])} | {_variant_label(r['variant'])} | "
-                     f"{r['R@1']:.2f} | {r['NMI']:.2f} | {r['MAP@R']:.2f} | {diff[0]} | "
-                     f"{diff[1]} | {diff[2]} | {wins} | {r['seconds']:.1f} |")
+        lines.append(table_row([method_label(r["method"]), variant_label(r["variant"]),
+                                *row_cells(r, ".1f")]))
     lines.append("")
     return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if "dR@1" in r]
-    if not rows:
-        return
-    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
-    for i, r in enumerate(rows):
-        mean, lo, hi = r["dR@1"]
-        color = "tab:green" if lo > 0 else ("tab:red" if hi < 0 else "tab:gray")
-        if not math.isnan(lo):
-            ax.plot([lo, hi], [i, i], color=color, lw=3)
-        ax.plot([mean], [i], "o", color="black")
-    ax.axvline(0, color="black", lw=0.8)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"{_label(r['method'])}, {_variant_label(r['variant'])}" for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("R@1 difference DAS - baseline (points, mean and 95% t-interval)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:

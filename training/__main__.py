@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"best epoch {result.best_epoch}: R@1 {100 * best:.2f}%")
     if result.onnx_path:
         print(f"ONNX model: {result.onnx_path}")
+    if result.skipped:
+        print(f"{len(result.skipped)} unreadable image(s) skipped (list in {result.skipped_file})")
     return 0
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .config import TrainConfig
 from .data import ImageDataset
+from .skips import Readable, SkipLog, UnreadableDataError, drain, filter_collate
 
 __all__ = ["Inputs", "cache_name", "cached_activations", "carve_validation", "pca_directions", "prepare_inputs"]
 
@@ -70,8 +71,12 @@ def pca_directions(features: np.ndarray | torch.Tensor, k: int) -> tuple[torch.T
 
 
 @torch.no_grad()
-def _pooled(fn, dataset: Dataset, batch_size: int, device: torch.device) -> torch.Tensor:
-    out = [fn(x.to(device)).float().cpu() for x, _ in DataLoader(dataset, batch_size=batch_size)]
+def _pooled(fn, dataset: Dataset, batch_size: int, device: torch.device,
+            skips: SkipLog) -> torch.Tensor:
+    loader = DataLoader(Readable(dataset), batch_size=batch_size, collate_fn=filter_collate)
+    out = [fn(x.to(device)).float().cpu() for x, _, _ in drain(loader, skips) if x is not None]
+    if not out:
+        raise UnreadableDataError("head_init='pca': no training image could be decoded")
     return torch.cat(out)
 
 
@@ -97,7 +102,8 @@ def cache_name(cfg: TrainConfig) -> str:
 
 
 def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDataset,
-                       test: ImageDataset | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                       test: ImageDataset | None = None, skips: SkipLog | None = None
+                       ) -> tuple[np.ndarray, np.ndarray | None]:
     """(training activations (1 + trunk_views, N, ...), test activations (1, M, ...) or None)
     of the frozen prefix from the trunk cache, computed on first use. A benchmark calls this
     once in its parent process so that every run it forks reads the same files.
@@ -105,7 +111,10 @@ def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDat
     The crops are data, not part of a run: every seed reads the same cache (seed 0) and draws
     its own sequence of views from it (CachedViews). Pooled features (``trainable = "head"``)
     are stored in float32: they are small (one vector per view), and fp16 would be the only
-    difference from the gallery embedder's float32 features."""
+    difference from the gallery embedder's float32 features.
+
+    Images that could not be decoded go into `skips` (their rows are zero: leave them out);
+    without `skips` the first one raises `ImageLoadError`."""
     from .run_state import build_preprocessing
     from .trunk_cache import trunk_activations
 
@@ -115,17 +124,58 @@ def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDat
               threads=max(1, cfg.workers or torch.get_num_threads()),
               dtype=np.float32 if pooled else np.float16)
     what = cache_name(cfg)
-    acts = trunk_activations(prefix, train_full, pre, what=what, views=cfg.trunk_views, **kw)
+    failed: tuple[dict[int, str] | None, ...] = ({}, {}) if skips is not None else (None, None)
+    acts = trunk_activations(prefix, train_full, pre, what=what, views=cfg.trunk_views,
+                             failed=failed[0], **kw)
     test_acts = (None if test is None else
-                 trunk_activations(prefix, test, pre, what=what, views=0, **kw))
+                 trunk_activations(prefix, test, pre, what=what, views=0, failed=failed[1], **kw))
+    if skips is not None:
+        for ds, rows in ((train_full, failed[0]), (test, failed[1])):
+            for r, why in rows.items():
+                skips.add(ds.split.paths[r], why)
     return acts, test_acts
 
 
+def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, labels: np.ndarray,
+                   which: str, min_per_class: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, labels) of `rows` (None: all of `ds`) without the unreadable images and without
+    classes left with fewer than `min_per_class` readable ones (the batch sampler needs
+    per_class images of every class); a note for each class dropped; an error below 2."""
+    rows = np.arange(len(ds)) if rows is None else np.asarray(rows)
+    ok = skips.readable(ds.split.paths[r] for r in rows)
+    if ok.all():
+        return rows, labels
+    classes = np.unique(labels)
+    counts = {int(c): int(ok[labels == c].sum()) for c in classes}
+    names = {int(y): ds.split.classes[ds.split.labels[r]] for r, y in zip(rows, labels)}
+    for c, n in counts.items():
+        if n == 0:
+            skips.note(f"class {names[c]!r} ({which}): all {int((labels == c).sum())} images "
+                       f"unreadable; dropped")
+        elif n < min_per_class:
+            skips.note(f"class {names[c]!r} ({which}): only {n} readable image(s), fewer than "
+                       f"per_class={min_per_class}; dropped")
+    keep_cls = [c for c, n in counts.items() if n >= min_per_class]
+    if len(keep_cls) < 2:
+        raise UnreadableDataError(
+            f"the {which} split has {len(keep_cls)} class(es) with readable images left after "
+            f"skipping {int((~ok).sum())} unreadable image(s) (first: "
+            f"{next(ds.split.paths[r] for r, k in zip(rows, ok) if not k)}); expected at least 2")
+    ok &= np.isin(labels, keep_cls)
+    return rows[ok], labels[ok]
+
+
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
-                   fresh: bool) -> Inputs:
-    """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init."""
+                   fresh: bool, skips: SkipLog | None = None) -> Inputs:
+    """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init.
+
+    With the trunk cache, the images it could not decode go into `skips` and their rows are
+    left out here (``state.sampler`` is rebuilt over the rows that remain); images are
+    otherwise left out batch by batch as they fail (`filter_collate`)."""
+    from .batching import ClassBalancedBatchSampler
     from .trunk_cache import CachedViews
 
+    skips = SkipLog() if skips is None else skips
     train, evaluate, rows_t, rows_v = carve_validation(train_full, test, cfg.validation_classes)
     split, model, device = state.split, state.model, state.device
     if split is None:
@@ -136,12 +186,19 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         pooled_fn = lambda x: split.suffix.pooled(split.prefix(x))  # noqa: E731
     else:
         acts, test_acts = cached_activations(cfg, split.prefix, train_full,
-                                             None if rows_v is not None else test)
-        train_in = CachedViews(acts, train.labels, train=True, seed=cfg.seed, rows=rows_t)
+                                             None if rows_v is not None else test, skips)
+        rt, yt = _readable_rows(skips, train_full, rows_t, train.labels, "train", cfg.per_class)
+        train_in = CachedViews(acts, yt, train=True, seed=cfg.seed, rows=rt)
+        if len(rt) != len(train):       # the same batches whenever the same rows are left
+            state.sampler = ClassBalancedBatchSampler(yt, batch_size=cfg.batch_size,
+                                                      per_class=cfg.per_class, seed=cfg.seed,
+                                                      drop_last=True)
         if rows_v is not None:
-            eval_in = CachedViews(acts, evaluate.labels, train=False, rows=rows_v)
+            rv, yv = _readable_rows(skips, train_full, rows_v, evaluate.labels, "validation")
+            eval_in = CachedViews(acts, yv, train=False, rows=rv)
         else:
-            eval_in = CachedViews(test_acts, test.labels, train=False)
+            rv, yv = _readable_rows(skips, test, None, test.labels, "test")
+            eval_in = CachedViews(test_acts, yv, train=False, rows=rv)
         net = split.suffix
         pooled_fn = split.suffix.pooled
     if fresh and cfg.head_init == "pca":
@@ -152,6 +209,7 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         was = net.training
         net.eval()
         model.eval()
-        init_head_pca(model, model.head_in(_pooled(pooled_fn, centre, cfg.eval_batch_size, device)))
+        init_head_pca(model, model.head_in(_pooled(pooled_fn, centre, cfg.eval_batch_size, device,
+                                                   skips)))
         net.train(was)
     return Inputs(train_in, eval_in, net, train, evaluate)

@@ -145,8 +145,10 @@ def frm_heatmap(frm: np.ndarray, out: Path, classes: Sequence[str] = (), max_cla
 
 def write_report(run_dir: Path, cfg, history: list[dict[str, Any]], best_epoch: int,
                  best_metrics: dict[str, float], initial_metrics: dict[str, float],
-                 frm: np.ndarray | None, classes: Sequence[str]) -> dict[str, Path]:
-    """Everything a person reads after a run, in the run directory."""
+                 frm: np.ndarray | None, classes: Sequence[str],
+                 skipped: int = 0) -> dict[str, Path]:
+    """Everything a person reads after a run, in the run directory; `skipped` counts the
+    unreadable images left out (listed in skipped.jsonl)."""
     run_dir = Path(run_dir)
     last = next((r for r in reversed(history) if "R@1" in r), {})
     last_epoch = last.get("epoch", 0)
@@ -162,6 +164,8 @@ def write_report(run_dir: Path, cfg, history: list[dict[str, Any]], best_epoch: 
     title = f"{cfg.dataset}: {cfg.backbone} d={cfg.dim}, {cfg.loss}/{cfg.miner_name or '-'}, {das}"
     md = [f"# Run report: {title}", "", f"Best epoch by R@1: **{best_epoch}** of {cfg.epochs}.", "",
           metrics_markdown(rows), "", "![loss and R@1](curves.png)", ""]
+    if skipped:
+        md[4:4] = [f"{skipped} unreadable image(s) left out (see skipped.jsonl).", ""]
     paths = {"markdown": run_dir / "metrics.md", "json": run_dir / "metrics.json",
              "curves": plot_curves(history, run_dir / "curves.png", title)}
     if frm is not None:
@@ -171,5 +175,5 @@ def write_report(run_dir: Path, cfg, history: list[dict[str, Any]], best_epoch: 
     paths["json"].write_text(json.dumps({
         "best_epoch": best_epoch, "best": best_metrics, "initial": initial_metrics,
         "last_epoch": last_epoch, "last": {k: last[k] for k in keys if k in last},
-        "history": history, "config": cfg.to_dict()}, indent=2))
+        "skipped": skipped, "history": history, "config": cfg.to_dict()}, indent=2))
     return paths

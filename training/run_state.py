@@ -19,6 +19,7 @@ from . import distributed
 from .batching import ClassBalancedBatchSampler
 from .config import TrainConfig
 from .data import ImageDataset, Split, load_splits
+from .skips import SkipLog
 from .stages import StageSplit, split_stages
 from .step import build_criterion, build_das
 
@@ -138,6 +139,7 @@ class RunState:
     best_epoch: int = 0
     best_metrics: dict[str, float] = field(default_factory=dict)
     initial_metrics: dict[str, float] = field(default_factory=dict)
+    skips: SkipLog = field(default_factory=SkipLog)    # unreadable images met so far
 
     @classmethod
     def build(cls, cfg: TrainConfig, train_labels: Any, num_classes: int, device: torch.device,
@@ -176,7 +178,7 @@ class RunState:
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "rng": distributed.rng_state(self.device), "history": self.history,
                 "best_epoch": self.best_epoch, "best_metrics": self.best_metrics,
-                "initial_metrics": self.initial_metrics}
+                "initial_metrics": self.initial_metrics, "skipped": self.skips.state_dict()}
 
     def load_state_dict(self, ck: dict[str, Any]) -> None:
         """Restore from a ``last.pt`` dict (model weights under ``state_dict`` included)."""
@@ -193,5 +195,6 @@ class RunState:
         self.history = list(ck["history"])
         self.best_epoch, self.best_metrics = int(ck["best_epoch"]), dict(ck["best_metrics"])
         self.initial_metrics = dict(ck.get("initial_metrics") or {})
+        self.skips.load_state_dict(ck.get("skipped"))
         self.epoch, self.global_step = int(ck["epoch"]), int(ck["global_step"])
         distributed.set_rng_state(ck["rng"], self.device)

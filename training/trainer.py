@@ -28,6 +28,7 @@ from .device import amp_dtype, resolve_device
 from .finetune import carve_validation, prepare_inputs
 from .report import AUX_COLUMNS, EpochLogger
 from .run_state import RunState, build_datasets
+from .skips import Readable, SkipLog, UnreadableDataError, drain, filter_collate
 from .step import aux_weight, compute_loss, step_seed
 
 
@@ -48,21 +49,30 @@ class TrainResult:
     onnx_path: Path | None = None
     report: dict[str, Path] = field(default_factory=dict)
     device: str = ""           # the device trained on, e.g. "cuda:0"
+    skipped: dict[str, str] = field(default_factory=dict)   # unreadable image -> reason
+    skipped_file: Path | None = None                        # <run_dir>/skipped.jsonl
 
 
 @torch.no_grad()
 def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, device: torch.device,
-                   autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+                   autocast_dtype: torch.dtype | None = None,
+                   skips: SkipLog | None = None) -> dict[str, float]:
     """R@k, NMI, F1, MAP@R on the test split (embedder.metrics), without touching the training
-    RNG streams, so evaluating more or less often never changes the trajectory."""
+    RNG streams, so evaluating more or less often never changes the trajectory. Unreadable
+    images are left out (into `skips`); the labels are those of the images embedded."""
     from embedder.metrics import evaluate
 
+    skips = SkipLog() if skips is None else skips
     was_training = model.training
     model.eval()
-    out = []
+    out, labels = [], []
     with distributed.seeded_rng(cfg.seed + 99_991, device):
-        for x, _ in DataLoader(dataset, batch_size=cfg.eval_batch_size, shuffle=False,
-                               num_workers=cfg.workers):
+        loader = DataLoader(Readable(dataset), batch_size=cfg.eval_batch_size, shuffle=False,
+                            num_workers=cfg.workers, collate_fn=filter_collate)
+        for x, y, _ in drain(loader, skips):
+            if x is None:
+                continue
+            labels.append(y.numpy())
             x = x.to(device, non_blocking=True)
             if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -73,7 +83,13 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
                 e = model(x)
             out.append(e.float().cpu().numpy())
         model.train(was_training)
-        metrics = evaluate(np.concatenate(out, axis=0), dataset.labels, ks=tuple(cfg.eval_ks),
+        y_all = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+        if len(np.unique(y_all)) < 2:
+            raise UnreadableDataError(
+                f"evaluation: {len(y_all)} readable image(s) in {len(np.unique(y_all))} class(es) "
+                f"of {len(dataset)} ({len(skips)} unreadable skipped so far); expected images "
+                f"of at least 2 classes")
+        metrics = evaluate(np.concatenate(out, axis=0), y_all, ks=tuple(cfg.eval_ks),
                            clustering=cfg.eval_clustering, seed=cfg.seed)
     return {k: float(v) for k, v in metrics.items()}
 
@@ -97,11 +113,16 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
         n_batches = min(n_batches, cfg.steps_per_epoch)
     bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
                disable=not (cfg.progress and info.is_main))
-    loss_sum, n_steps = 0.0, 0
+    loss_sum, n_steps, n_seen, n_thin = 0.0, 0, 0, 0
     part_sums = {k: 0.0 for k in AUX_COLUMNS}
-    for x, y in loader:
-        if n_steps >= n_batches:
+    for x, y, dropped in drain(loader, state.skips):
+        if n_seen >= n_batches:
             break
+        n_seen += 1
+        if dropped and _too_thin(x, y, info, state.skips):
+            n_thin += 1          # nothing to learn from: no step, the sampler moves on
+            bar.update(1)
+            continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -135,6 +156,11 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / n_steps:.4f}")
     bar.close()
+    if n_steps == 0 and n_thin:
+        raise UnreadableDataError(
+            f"epoch {epoch + 1}: none of its {n_thin} batches had readable images of at least 2 "
+            f"classes ({len(state.skips)} unreadable image(s) skipped, first: "
+            f"{next(iter(state.skips.reasons))}); expected at least 2 readable classes")
     lr_used = opt.param_groups[0]["lr"]
     state.scheduler.step()
     row: dict[str, Any] = {"epoch": epoch + 1, "steps": state.global_step,
@@ -143,6 +169,19 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
     if aux_w is not None:
         row.update({k: v / max(n_steps, 1) for k, v in part_sums.items()})
     return row
+
+
+def _too_thin(x: torch.Tensor | None, y: torch.Tensor | None, info: distributed.DistInfo,
+              skips: SkipLog) -> bool:
+    """A batch that lost unreadable images: True when what is left cannot make a step (no
+    image, or one class: no negatives). In DDP the ranks would gather batches of different
+    sizes, so there it is an error naming the file instead."""
+    if info.enabled:
+        path, why = next(reversed(skips.reasons.items()))
+        raise UnreadableDataError(
+            f"{path}: {why}; a multi-process run cannot leave images out of its batches "
+            f"(fix or remove the file, or use trunk_cache = true, which leaves it out up front)")
+    return x is None or len(torch.unique(y)) < 2
 
 
 def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: distributed.DistInfo) -> nn.Module:
@@ -192,12 +231,14 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     resuming = cfg.resume and last_path.is_file()
-    inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)
+    inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming,
+                            skips=state.skips)
     batches = distributed.RankSlice(state.sampler, info) if info.enabled else state.sampler
     # Not persistent: fresh workers each epoch take their seeds from the global torch RNG, which
     # the checkpoint restores, so a resumed run augments exactly like an uninterrupted one.
-    loader = DataLoader(inputs.train, batch_sampler=batches, num_workers=cfg.workers,
-                        pin_memory=device.type == "cuda")
+    # Unreadable images leave their batch (filter_collate) and are reported at the end.
+    loader = DataLoader(Readable(inputs.train), batch_sampler=batches, num_workers=cfg.workers,
+                        pin_memory=device.type == "cuda", collate_fn=filter_collate)
     net = _distribute(state, inputs.net, cfg, info)
     if resuming:
         state.load_state_dict(torch.load(last_path, map_location=device, weights_only=True))
@@ -205,7 +246,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
             print(f"resumed from {last_path} at epoch {state.epoch}")
     logger = EpochLogger(run_dir, cfg, aux=aux_weight(cfg) is not None) if info.is_main else None
     if state.epoch == 0 and info.is_main and cfg.eval_initial and not state.history:
-        state.initial_metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype)
+        state.initial_metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device,
+                                                   ac_dtype, state.skips)
         state.history.append({"epoch": 0, "steps": 0, "loss": "", "lr": cfg.lr, "seconds": 0.0,
                               **state.initial_metrics})
     distributed.barrier(info)
@@ -214,7 +256,8 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     for epoch in range(state.epoch, cfg.epochs):
         row = train_one_epoch(state, net, loader, cfg, epoch, info, ac_dtype)
         if info.is_main and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
-            metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype)
+            metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype,
+                                     state.skips)
             row.update(metrics)
             if state.record_best(epoch + 1, metrics):
                 save_checkpoint(best_path, state.model, epoch=epoch + 1, metrics=metrics,
@@ -228,6 +271,19 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     if logger is not None:
         logger.close()
     return _finish(cfg, state, run_dir, train_ds, test_ds, info)
+
+
+def _parity_images(test_ds: ImageDataset, picks, skips: SkipLog) -> list:
+    """The ONNX parity check's images: the picked test images that decode."""
+    from embedder import ImageLoadError
+
+    images = []
+    for i in picks:
+        try:
+            images.append(test_ds.image(int(i)))
+        except ImageLoadError as e:
+            skips.add(e.path, e.reason)
+    return images
 
 
 def _finish(cfg: TrainConfig, state: RunState, run_dir: Path, train_ds: ImageDataset,
@@ -244,7 +300,7 @@ def _finish(cfg: TrainConfig, state: RunState, run_dir: Path, train_ds: ImageDat
                          last_metrics=next((r for r in reversed(history) if "R@1" in r), {}),
                          initial_metrics=state.initial_metrics, history=history,
                          best_checkpoint=run_dir / "best.pt", last_checkpoint=run_dir / "last.pt",
-                         device=str(state.device))
+                         device=str(state.device), skipped=dict(state.skips.reasons))
     if info.is_main:
         best_path = result.best_checkpoint
         if not best_path.is_file():  # resumed a finished run whose best.pt was removed
@@ -254,14 +310,22 @@ def _finish(cfg: TrainConfig, state: RunState, run_dir: Path, train_ds: ImageDat
             best_model, _ = load_checkpoint(best_path)
             n = min(cfg.parity_images, len(test_ds))
             picks = np.linspace(0, len(test_ds) - 1, n).round().astype(int) if n else []
-            images = [test_ds.image(int(i)) for i in picks]
+            images = _parity_images(test_ds, picks, state.skips)
             result.onnx_path = export_onnx(best_model, run_dir / "model.onnx",
                                            source_hash=file_sha256(best_path),
                                            parity_images=images)
         das = state.das
         frm = das.frm.detach().cpu().numpy() if das is not None and hasattr(das, "frm") else None
+        skips = state.skips
+        skips.note_dead_classes(train_ds.split, "train")
+        skips.note_dead_classes(test_ds.split, "validation" if cfg.validation_classes else "test")
+        for line in skips.lines():
+            print(line)
+        result.skipped = dict(skips.reasons)
+        result.skipped_file = skips.write(run_dir)
         result.report = write_report(run_dir, cfg, history, state.best_epoch, state.best_metrics,
-                                     state.initial_metrics, frm, train_ds.split.classes)
+                                     state.initial_metrics, frm, train_ds.split.classes,
+                                     skipped=len(skips))
     distributed.barrier(info)
     distributed.cleanup(info)
     return result

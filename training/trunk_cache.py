@@ -15,6 +15,15 @@ Key: a hash of the prefix's weights, the trainable spec, the preprocessing, the 
 and every image's path, size and mtime; a rerun with the same model, data and views reuses the
 file (an added or rewritten image, other weights or another cut give a new file). Files are
 written to a temporary name and renamed, so a reader never sees half a cache.
+
+An image that cannot be decoded (embedder's `ImageLoadError`: truncated, empty, not an image)
+does not stop the build: its rows stay zero and the JSON beside the cache records it as
+``"failed": {row: reason}``; the caller gets the rows through ``failed=`` and leaves them out
+(training/finetune.py). Such a file is never re-checked on a cache hit: the key already holds
+every image's size and mtime, so a file fixed later (rewritten, so a new mtime and almost
+always a new size) gives a new key and a fresh cache, and a hit can only be for the very files
+that failed. Re-checking instead would mean patching rows into a finished file, which the
+write-once, rename-into-place design does not allow.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from embedder.files import atomic_target
+from embedder.images import ImageLoadError
 
 __all__ = ["CachedViews", "cache_key", "trunk_activations"]
 
@@ -48,9 +58,31 @@ def cache_key(prefix: nn.Module, what: str, preprocessing, views: int, seed: int
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     for p in paths:
-        st = os.stat(p)
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        try:
+            st = os.stat(p)
+            h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:             # missing / unreadable: the decode reports it, row skipped
+            h.update(f"{p}\0missing\n".encode())
     return h.hexdigest()[:20]
+
+
+def _decode(dataset, i: int):
+    """The image, or the decode error (recorded, not raised: one bad file is not fatal)."""
+    try:
+        return dataset.image(i)
+    except ImageLoadError as e:
+        return e
+
+
+def _failures(meta: Path, paths: list[Path], failed: dict[int, str] | None) -> None:
+    """Hand the cache's failed rows to the caller; without ``failed=`` the first one is raised
+    (a caller that cannot leave rows out must not read their zeros)."""
+    rows = {int(r): why for r, why in json.loads(meta.read_text()).get("failed", {}).items()}
+    if failed is not None:
+        failed.update(rows)
+    elif rows:
+        r = min(rows)
+        raise ImageLoadError(str(paths[r]), rows[r])
 
 
 @torch.no_grad()
@@ -58,12 +90,15 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
                       seed: int = 0,
                       cache_dir: str | os.PathLike | None = None, batch_size: int = 32,
                       threads: int = 2, progress: bool = True,
-                      dtype: type = np.float16) -> np.ndarray:
+                      dtype: type = np.float16,
+                      failed: dict[int, str] | None = None) -> np.ndarray:
     """(1 + views, N, *shape) activations of `prefix` for every image of `dataset` (an
     `ImageDataset`: its ``image(i)`` decodes, its split's paths key the cache); view 0 is the
     eval centre crop of `preprocessing`, views 1.. its random training crops. Stored as
     `dtype` (fp16 halves the disk of feature maps; float32 for pooled features). Returns a
-    read-only memmap of the cached file."""
+    read-only memmap of the cached file. Rows of images that could not be decoded are zero and
+    go into `failed` ({row: reason}); without it, the first such image raises `ImageLoadError`.
+    """
     from tqdm.auto import tqdm
 
     pre = preprocessing
@@ -74,38 +109,51 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
     key = cache_key(prefix, what, pre, views, seed, paths)
     out_dir = Path(cache_dir) if cache_dir else _default_dir()
     out = out_dir / f"{what.replace(':', '')}-{len(paths)}x{1 + views}-{key}.npy"
-    if out.is_file():
+    meta = out_dir / f"{out.stem}.json"
+    if out.is_file() and meta.is_file():
+        _failures(meta, paths, failed)
         return np.load(out, mmap_mode="r")
     eval_t, train_t = pre.eval_transform(), pre.train_transform()
     prefix.eval()
     device = next(iter(prefix.parameters())).device
     out_dir.mkdir(parents=True, exist_ok=True)
-    arr = None
+    arr, bad = None, {}
     with atomic_target(out) as tmp, ThreadPoolExecutor(max_workers=max(1, threads)) as pool, \
             torch.random.fork_rng(devices=[]):          # the crops never move the run's RNG
         bar = tqdm(total=len(paths), desc=f"caching {what} activations ({1 + views} views)",
                    disable=not progress)
         for s in range(0, len(paths), batch_size):
             idx = list(range(s, min(s + batch_size, len(paths))))
-            imgs = list(pool.map(dataset.image, idx))
-            xs = []
+            imgs = list(pool.map(lambda i: _decode(dataset, i), idx))
             for i, img in zip(idx, imgs):
+                if isinstance(img, ImageLoadError):
+                    bad[i] = img.reason
+            good = [(i, img) for i, img in zip(idx, imgs) if i not in bad]
+            bar.update(len(idx))
+            if not good:
+                continue
+            xs = []
+            for i, img in good:
                 xs.append(eval_t(img))
                 torch.manual_seed(seed * 1_000_003 + i)
                 xs += [train_t(img) for _ in range(views)]
             a = prefix(torch.stack(xs).to(device)).float().cpu()
-            a = a.reshape(len(idx), 1 + views, *a.shape[1:]).transpose(0, 1)
-            if arr is None:
+            a = a.reshape(len(good), 1 + views, *a.shape[1:]).transpose(0, 1)
+            if arr is None:     # a new file reads as zeros where nothing is written
                 arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype,
                                                 shape=(1 + views, len(paths), *a.shape[2:]))
-            arr[:, s:s + len(idx)] = a.numpy().astype(dtype)
-            bar.update(len(idx))
+            arr[:, [i for i, _ in good]] = a.numpy().astype(dtype)
         bar.close()
+        if arr is None:
+            r = min(bad)
+            raise ImageLoadError(str(paths[r]), f"{bad[r]} (and every other image of the "
+                                 f"{len(paths)} to cache is unreadable too)")
         arr.flush()
         del arr
-        (out_dir / f"{out.stem}.json").write_text(json.dumps(
+        meta.write_text(json.dumps(
             {"what": what, "views": views, "seed": seed, "images": len(paths),
-             "preprocessing": repr(pre)}))
+             "preprocessing": repr(pre), "failed": {str(r): why for r, why in sorted(bad.items())}}))
+    _failures(meta, paths, failed)
     return np.load(out, mmap_mode="r")
 
 

@@ -1,0 +1,141 @@
+"""Unreadable images in a training run: found while decoding, left out, reported at the end.
+
+A corrupt image is skipped and reported, never fatal to a run (the indexer treats gallery files
+the same way). Nothing is decoded up front for this: the trunk cache records the rows it could
+not decode (training/trunk_cache.py), and the image DataLoaders carry an item's decode error
+back in its batch (`filter_collate`), so a clean dataset pays nothing. `SkipLog` collects the
+failures by path (the first reason wins) and writes ``skipped.jsonl`` in the run directory, one
+``{"path", "reason"}`` object per file, the format of the indexer's ``report.jsonl``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from embedder.files import atomic_target
+from embedder.images import ImageLoadError
+
+from .data import DatasetLayoutError, Split
+
+__all__ = ["SKIPPED_FILE", "Readable", "SkipLog", "UnreadableDataError", "filter_collate",
+           "drain"]
+
+SKIPPED_FILE = "skipped.jsonl"
+
+
+class UnreadableDataError(DatasetLayoutError):
+    """Too few readable images (or classes) are left to train or evaluate on."""
+
+
+class SkipLog:
+    """The images a run could not decode, by path, plus notes on classes left out because of
+    them. Saved in ``last.pt`` (`state_dict`), so a resumed run still reports what it skipped
+    before the interruption."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, str] = {}
+        self.notes: list[str] = []
+
+    def add(self, path: str | Path, reason: str) -> None:
+        self.reasons.setdefault(str(path), reason)
+
+    def note(self, line: str) -> None:
+        if line not in self.notes:
+            self.notes.append(line)
+
+    def __len__(self) -> int:
+        return len(self.reasons)
+
+    def __contains__(self, path: object) -> bool:
+        return str(path) in self.reasons
+
+    def readable(self, paths: Iterable[str | Path]) -> np.ndarray:
+        """Boolean mask: which of `paths` are not known to be unreadable."""
+        return np.asarray([str(p) not in self.reasons for p in paths], dtype=bool)
+
+    def note_dead_classes(self, split: Split, which: str) -> list[str]:
+        """Note (and return) the classes of `split` whose every image is unreadable."""
+        ok = self.readable(split.paths)
+        dead = [c for i, c in enumerate(split.classes)
+                if (split.labels == i).any() and not ok[split.labels == i].any()]
+        for c in dead:
+            n = int((split.labels == split.classes.index(c)).sum())
+            self.note(f"class {c!r} ({which}): all {n} images unreadable; dropped")
+        return dead
+
+    def lines(self) -> list[str]:
+        """What the run prints at its end: one ``skipped PATH: REASON`` line per file, then the
+        notes on dropped classes."""
+        return [f"skipped {p}: {r}" for p, r in self.reasons.items()] + self.notes
+
+    def write(self, run_dir: str | Path) -> Path:
+        """``skipped.jsonl`` (always written, empty when nothing was skipped, so a rerun in the
+        same directory never leaves an earlier run's list behind)."""
+        path = Path(run_dir) / SKIPPED_FILE
+        with atomic_target(path) as tmp, open(tmp, "w") as f:
+            for p, r in self.reasons.items():
+                f.write(json.dumps({"path": p, "reason": r}) + "\n")
+        return path
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"paths": list(self.reasons), "reasons": list(self.reasons.values()),
+                "notes": list(self.notes)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Merge a saved log into this one (failures found since are kept)."""
+        if not state:
+            return
+        for p, r in zip(state.get("paths", []), state.get("reasons", [])):
+            self.add(p, r)
+        for line in state.get("notes", []):
+            self.note(line)
+
+
+class Readable(Dataset):
+    """`dataset` (an `ImageDataset` or anything with the same ``__getitem__``) whose items are
+    the decode error instead of raising it; `filter_collate` takes them out of the batch."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str):      # labels, split, set_epoch, ... of the wrapped set
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.dataset[i]
+        except ImageLoadError as e:
+            return e
+
+
+def filter_collate(items: list) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                         list[tuple[str, str]]]:
+    """(inputs, labels, [(path, reason), ...]): the readable items collated as usual, the
+    unreadable ones as (path, reason) pairs. Runs in the DataLoader's workers, so the errors
+    travel back with the batch; inputs and labels are None when no item was readable."""
+    bad = [(e.path, e.reason) for e in items if isinstance(e, ImageLoadError)]
+    good = [t for t in items if not isinstance(t, ImageLoadError)]
+    if not good:
+        return None, None, bad
+    x, y = default_collate(good)
+    return x, y, bad
+
+
+def drain(loader: Iterable, log: SkipLog) -> Iterator[tuple[torch.Tensor | None,
+                                                            torch.Tensor | None, int]]:
+    """(inputs, labels, items dropped) of each batch of a `filter_collate` loader; the dropped
+    items go into `log`."""
+    for x, y, bad in loader:
+        for p, r in bad:
+            log.add(p, r)
+        yield x, y, len(bad)
