@@ -4,7 +4,8 @@
     python -m benchmarks.plan_memory --repo . --work DIR --stages [--trim]
 
 ``DIR`` holds shards made by ``scale_bench.py _child _gen DIR N 4 128`` (the low-rank
-generator); the plan runs with the ``scale_bench.py`` of CHECKOUT, so that the code before a
+generator); the plan runs with the ``stream_stages._plan`` of CHECKOUT (``scale_bench._plan`` in
+checkouts before the split), so that the code before a
 change (e.g. ``git archive <commit> | tar -x -C /tmp/before``) and after it plan the very same
 shards. ``--max-queries`` caps the held-out sets (``tuning.MAX_QUERIES``, 1,000 a set by
 default) in both: their exact answers cost a pass over all N vectors per query batch, which
@@ -86,7 +87,9 @@ def main() -> None:
     args = ap.parse_args()
     repo = args.repo.resolve()
     sys.path.insert(0, str(repo))
-    spec = importlib.util.spec_from_file_location("scale_bench_of_repo", repo / "benchmarks" / "scale_bench.py")
+    stages = repo / "benchmarks" / "stream_stages.py"       # older checkouts: all in scale_bench.py
+    stages = stages if stages.exists() else repo / "benchmarks" / "scale_bench.py"
+    spec = importlib.util.spec_from_file_location("stream_stages_of_repo", stages)
     sb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sb)
     from indexer import faiss_index, stream, tuning
