@@ -29,7 +29,7 @@ from .errors import IndexerError
 from .index_dir import IndexDir
 from .lock import writer_lock
 from .manifest import DEFAULT_TARGET_RECALL
-from .ray_sources import one_line as _one_line
+from .ray_sources import task_error
 from .selection import check_options
 from .walk import FILE_LIST, read_file_list, split_walk
 
@@ -199,7 +199,7 @@ def _fill_with_ray(ray: Any, dirs: list[Path], res: dict, max_retries: int, mode
                     for p in pending:
                         ray.cancel(p)
                     i = refs.index(ready[0])
-                    raise IndexerError(f"filling shard {i}'s part failed: {_one_line(e)}; rerun the "
+                    raise IndexerError(f"filling shard {i}'s part failed: {task_error(e)}; rerun the "
                                        "same command to resume") from None
                 bar.update(1)
     return fill
@@ -388,7 +388,7 @@ def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, d
                     ray.cancel(p)
                 attempts = ray.get(actor.state.remote())[1][i]
                 raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
-                                   f"{_one_line(e)}; rerun the same command to resume") from None
+                                   f"{task_error(e)}; rerun the same command to resume") from None
         bar.n = sum(ray.get(actor.state.remote())[0])
         bar.refresh()
     return manifests

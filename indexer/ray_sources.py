@@ -28,7 +28,7 @@ from .errors import IndexerError
 from .sources import CHUNK, StoreSource
 
 
-def one_line(e: BaseException) -> str:
+def task_error(e: BaseException) -> str:
     """The first line of what went wrong in a task (the task's own exception, not Ray's wrapper);
     for an actor whose ``__init__`` raised, Ray keeps only the traceback's text: its last line,
     without the exception's class."""
@@ -131,7 +131,7 @@ class RemoteSource:
             got = self.ray.get(ref)
         except self.ray.exceptions.RayError as e:
             raise IndexerError(f"reading shard {self.shard} for the plan ({what}) failed: "
-                               f"{one_line(e)}; rerun the same command to resume") from None
+                               f"{task_error(e)}; rerun the same command to resume") from None
         self.received[what] += _nbytes(got)
         return got
 
