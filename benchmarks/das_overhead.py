@@ -126,9 +126,11 @@ _LAUNCH_CALL = re.compile(r"^cu(da)?(LaunchKernel|GraphLaunch|Memcpy\w*Async|Mem
 
 
 def count_launches(device, C: int, d: int, backend: str, graph: bool, B: int = 112, T: int = 3,
-                   calls: int = 20) -> tuple[float, float]:
-    """(host launch calls, GPU-side operations) per DAS call, from torch.profiler. A graph
-    replay is one host launch for several GPU-side kernels."""
+                   calls: int = 20) -> tuple[float, float, dict[str, float]]:
+    """(host launch calls, GPU-side operations, host calls by name) per DAS call, from
+    torch.profiler. A graph replay is one host launch for several GPU-side kernels; the names
+    say what else a replay costs (the input copies, and the fills with which torch's
+    graph-safe generator hands each replay its seed and offset)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -139,10 +141,12 @@ def count_launches(device, C: int, d: int, backend: str, graph: bool, B: int = 1
             das(*batches[i % 8])
         _sync(device)
     events = prof.events()
-    host = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU
-               and _LAUNCH_CALL.match(e.name))
+    names: dict[str, float] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and _LAUNCH_CALL.match(e.name):
+            names[e.name] = names.get(e.name, 0.0) + 1.0 / calls
     gpu = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return host / calls, gpu / calls
+    return sum(names.values()), gpu / calls, names
 
 
 def time_full_step(device, args, backbone: str, px: int, loss_name: str, miner: str | None,
@@ -263,12 +267,14 @@ def main(argv=None) -> int:
                       "host-side launch calls / GPU-side operations:", ""]
         for label, backend, graph in CUDA_BACKENDS:
             try:
-                host, gpu = count_launches(cuda[0], 98, 512, backend, graph)
+                host, gpu, names = count_launches(cuda[0], 98, 512, backend, graph)
             except RuntimeError as e:
                 lines.append(f"- {label}: failed: {e}")
                 continue
-            lines.append(f"- {label}: {host:g} / {gpu:g}")
-            figures["launches"].append({"backend": label, "host": host, "gpu": gpu})
+            named = ", ".join(f"{n} x{c:g}" for n, c in sorted(names.items()))
+            lines.append(f"- {label}: {host:g} / {gpu:g} (host calls: {named})")
+            figures["launches"].append({"backend": label, "host": host, "gpu": gpu,
+                                        "names": names})
     goal = [v for k, v in module_ms.items() if k[0] == "cpu" and k[2:4] == (98, 512)]
     if goal:
         med = min(m for m, _, _ in goal)

