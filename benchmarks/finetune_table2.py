@@ -57,7 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the training-free rows (average pooling, GeM)")
     p.add_argument("--out", default=None, help="default bench_out/finetune_table2/<name>")
-    return p.parse_args(argv)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once, each in its own process (a GPU that one small model "
+                        "leaves mostly idle: an H100 trains several Lite1 runs side by side); "
+                        "pair with --set workers=N so that jobs x workers fits the CPUs")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: expected at least 1")
+    return args
 
 
 def _run_config(args, method: str, variant: str, seed: int, out: Path):
@@ -81,6 +88,32 @@ def _run_config(args, method: str, variant: str, seed: int, out: Path):
         train, _ = load_splits(values.get("dataset", "folder"), values["root"])
         values["validation_classes"] = train.num_classes - train.num_classes // 2
     return load_config(None, values)
+
+
+def _one_run(args, method: str, variant: str, seed: int, out: Path) -> dict:
+    """One grid cell, trained; in a worker process of its own under --jobs."""
+    from training import train
+
+    cfg = _run_config(args, method, variant, seed, out)
+    t = time.perf_counter()
+    res = train(cfg)
+    return {"method": method, "variant": variant, "seed": seed, "metrics": res.last_metrics,
+            "seconds": time.perf_counter() - t, "steps": res.history[-1]["steps"]}
+
+
+def _results(args, jobs: list[tuple[str, str, int]], out: Path):
+    """Finished runs as they come: in this process one after another, or --jobs at once in
+    spawned processes (CUDA cannot be shared with forked children)."""
+    if args.jobs == 1:
+        for job in jobs:
+            yield _one_run(args, *job, out)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for fut in as_completed([ex.submit(_one_run, args, *job, out) for job in jobs]):
+            yield fut.result()
 
 
 def training_free(cfg) -> dict[str, dict[str, float]]:
@@ -133,7 +166,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm.auto import tqdm
 
-    from training import train
     from training.config import ConfigError
     from training.data import DatasetLayoutError
 
@@ -176,18 +208,15 @@ def main(argv=None) -> int:
     jobs = [(m, v, s) for m in methods for v in ("base", "DAS") for s in seeds
             if (m, v, s) not in have]
     t0 = time.time()
-    for method, variant, seed in tqdm(jobs, desc="runs"):
-        cfg = _run_config(args, method, variant, seed, out)
-        t = time.perf_counter()
-        res = train(cfg)
-        runs.append({"method": method, "variant": variant, "seed": seed,
-                     "metrics": res.last_metrics, "seconds": time.perf_counter() - t,
-                     "steps": res.history[-1]["steps"]})
+    for run in tqdm(_results(args, jobs, out), total=len(jobs), desc="runs"):
+        runs.append(run)
         runs_path.write_text(json.dumps(runs, indent=1))
         (out / "results.md").write_text(render(summarise(runs), free, meta, False))
     rows = summarise(runs)
     text = render(rows, free, meta, True)
-    text += f"\nWall time: {(time.time() - t0) / 60:.1f} min for {len(jobs)} new runs.\n"
+    text += f"\nWall time: {(time.time() - t0) / 60:.1f} min for {len(jobs)} new runs"
+    text += (f", {args.jobs} at once (s/run is each run's own wall time, shared).\n"
+             if args.jobs > 1 else ".\n")
     (out / "results.md").write_text(text)
     plot(rows, out / "r1_differences.png", meta["title"])
     print(text)

@@ -1,0 +1,81 @@
+"""benchmarks/device_suite.py: the one command a lent GPU runs (issue 30 item 5). CI has no GPU:
+its --dry-run runs the same steps on the CPU with tiny settings, on real cub-dev photos and
+Omniglot; the budget's stop and the refusal without CUDA are checked for real."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import device_suite
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_a_step_past_its_share_is_stopped_with_its_children(tmp_path):
+    """A grid that overruns must not hold the GPU past the loan: the step's whole process
+    group goes, grandchildren included (the grid's worker processes)."""
+    pid_file = tmp_path / "child.pid"
+    proc = device_suite._start(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"],
+                               tmp_path / "step.log")
+    t0 = time.monotonic()
+    codes = device_suite._wait_all({"step": proc}, time.monotonic() + 1.5)
+    assert codes == {"step": 124} and time.monotonic() - t0 < 20
+    child = int(pid_file.read_text())
+    for _ in range(50):     # reaped by init shortly after the kill
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child {child} outlived the stop")
+
+
+def test_a_partial_grid_fails_and_says_how_far_it_got(tmp_path):
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "runs.json").write_text(json.dumps([{"method": "x"}] * 5))
+    row = device_suite.grid_row(tmp_path, 124, 300.0, 12)
+    assert row.ok is False and row.note.startswith("5 of 12 runs, exit 124")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_without_cuda_it_says_so_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_suite"], cwd=REPO,
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--dry-run" in proc.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_on_cpu(tmp_path, cub_root, omniglot_root):
+    """Every step on the CPU: the recipe with its training-free start and ONNX export, the
+    grid with and without DAS in two processes at once, gpu_check's training runs; one
+    summary with a PASS row each and the grid's table."""
+    out = tmp_path / "suite"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.device_suite", "--dry-run",
+                           "--root", str(cub_root), "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, env=_env(), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert summary.count("**PASS**") == 3 and "FAIL" not in summary
+    assert "training-free start R@1" in summary and "-> fine-tuned R@1" in summary
+    assert (out / "recipe" / "model.onnx").is_file()
+    m = json.loads((out / "recipe" / "metrics.json").read_text())
+    assert m["initial"]["R@1"] > 0 and m["last_epoch"] == 1
+    runs = json.loads((out / "grid" / "runs.json").read_text())
+    assert sorted(r["variant"] for r in runs) == ["DAS", "base"]
+    assert "| multisimilarity | DAS | 1 |" in summary
+    assert "training CLI, default device: device cpu" in summary
