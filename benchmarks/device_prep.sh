@@ -58,13 +58,13 @@ for a, c in keep:
 print(f"omniglot: {len(keep)} of {len(chars)} character folders", file=sys.stderr)
 PY
 
-# The data travel as one tar each: the tool counts disk blocks, and 7,000 small files
+# The data travel as one gzipped tar (headers and padding compress away): the tool counts disk blocks, and 7,000 small files
 # (Omniglot's PNGs take 4 KiB blocks for ~500 bytes each) cost 20 MiB more than their bytes.
-tar -C .device-carry/shared -cf .device-carry/data.tar data && rm -rf .device-carry/shared
+tar -C .device-carry/shared -czf .device-carry/data.tgz data && rm -rf .device-carry/shared
 
 cat > .device-carry/env.sh <<'SH'
 # sourced on the GPU machine from the project root
-mkdir -p .device-carry/shared && tar -C .device-carry/shared -xf .device-carry/data.tar
+mkdir -p .device-carry/shared && tar -C .device-carry/shared -xzf .device-carry/data.tgz
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .device-carry/whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
 python3 -c "import tarfile,sys; tarfile.open('.device-carry/faiss.tar.xz').extractall('/tmp/site', filter='tar')" || echo "faiss unpack failed" >&2
 ln -sfn "$PWD/.device-carry/shared" ../shared
