@@ -142,7 +142,8 @@ def sync_parts(directory: Path, manifest: dict) -> dict:
             added, removed = added + len(new), removed + len(stale)
         src.close()
     count = int(len(taken))             # the held-out ids still stored, and every shard's share
-    files = {**sh.get("files", {}), **_records(directory, changed)}
+    old = {relative(directory, directory / k): v for k, v in sh.get("files", {}).items()}  # absolute
+    files = {**old, **_records(directory, changed)}     # keys of older manifests: named as now
     fields = {}
     if changed and manifest.get("index_type") != "flat":
         fields = retune_sharded(directory, manifest, [ids for ids, _ in stored], taken)

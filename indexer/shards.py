@@ -10,8 +10,9 @@ Layout (``indexer build --ray --sharded`` or ``indexer merge --sharded``)::
     SHARD/store.lmdb      each shard's gallery store, where its task wrote it
     SHARD/part.faiss      its vectors in a copy of the trained index (``stream.fill``)
 
-Shard paths are stored relative to OUT when they are inside it (the directory can move), else
-absolute. ``Index.open`` opens such a directory as a :class:`ShardedIndex`, which is an
+Shard paths are stored relative to OUT (``relative``: through ``..`` for shards beside it, so
+the directory and its shards can move together and the manifest holds no server path), absolute
+only when they share nothing with OUT but the root; ``serving.redact`` cuts those from answers. ``Index.open`` opens such a directory as a :class:`ShardedIndex`, which is an
 :class:`indexer.Index` whose faiss index is the parts as one (``stream.as_one``: one shared
 quantizer, so results equal one merged index's) and whose store reads each id from the shard
 that holds it (:class:`ShardedStore`), so serving, ``indexer search`` and ``eval`` need nothing
@@ -19,6 +20,7 @@ else.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,11 +56,18 @@ def shard_paths(directory: Path, manifest: dict) -> list[Path]:
 
 
 def relative(directory: Path, shard: Path) -> str:
-    """How the manifest names a shard: relative to the index directory when inside it."""
+    """How the manifest names a shard (or a file in one): relative to the index directory when
+    inside it; relative through ``..`` when both lie under one folder other than the root (shards
+    beside the index move with it, and the manifest names no server path); else absolute."""
+    d, s = Path(directory).resolve(), Path(shard).resolve()
     try:
-        return Path(shard).resolve().relative_to(directory.resolve()).as_posix()
+        return s.relative_to(d).as_posix()
     except ValueError:
-        return str(Path(shard).resolve())
+        pass
+    common = Path(os.path.commonpath([d, s]))
+    if common == Path(common.anchor):           # nothing shared but "/": keep it absolute
+        return str(s)
+    return Path(os.path.relpath(s, d)).as_posix()
 
 
 def check_files(directory: Path, manifest: dict, verify_hash: bool = True) -> None:
