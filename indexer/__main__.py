@@ -255,7 +255,11 @@ def _run(args: argparse.Namespace) -> int:
         from .lock import writer_lock
         from .shard_build import build_sharded
 
-        with writer_lock(args.out, "indexer merge --sharded", wait=args.wait):
+        from contextlib import ExitStack
+
+        with ExitStack() as held:       # the shard folders too: their part.faiss is (re)written
+            for d in [args.out, *[s for s in args.shards if Path(s).is_dir()]]:
+                held.enter_context(writer_lock(d, "indexer merge --sharded", wait=args.wait))
             m = build_sharded(args.shards, args.out, device=args.device, progress=not args.quiet,
                               **index_options(args))
         _print_index_line(m, args.out)

@@ -27,7 +27,8 @@ from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
 from .manifest import DEFAULT_TARGET_RECALL
 from .model import load_embedder
 from .pipeline import IngestStats, ingest
-from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, relative, shard_paths)
+from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, claim_parts, record_owner, relative,
+                     shard_paths)
 from .store import GalleryStore
 from .walk import walk_gallery
 
@@ -54,6 +55,7 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
     if not dirs:
         raise IndexerError("a sharded build needs at least one shard directory")
     manifests = check_shards(dirs)
+    claim_parts(out, [d.path for d in dirs])      # another sharded index's parts: refused
     model, dim = manifests[0]["model"], int(manifests[0]["dim"])
     if sources is None:
         sources = [StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
@@ -97,7 +99,9 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
                 "ingest": {"skipped": skipped}, "report": REPORT,
                 "stage_seconds": {k: round(v, 3) for k, v in p.seconds.items()},
                 "build_seconds": round(time.perf_counter() - t0, 3), "built_at": now_utc()}
-    return dst.write_manifest(manifest)
+    written = dst.write_manifest(manifest)
+    record_owner(out, [d.path for d in dirs])
+    return written
 
 
 # ---------------------------------------------------------------------------- add / remove

@@ -20,6 +20,7 @@ else.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -77,6 +78,56 @@ def check_files(directory: Path, manifest: dict, verify_hash: bool = True) -> No
         check_lmdb(s / STORE_DIR)
     for rel, rec in recs.items():
         check_faiss_file(directory / rel, rec, verify_hash=verify_hash)
+
+
+def describe_changed(directory: Path, f: Path, size: int, recorded: int) -> str:
+    """The one line for a part file that is not the one this index was built with."""
+    owner = part_owner(f.parent) if f.name == PART_FILE else None
+    by = (f"; the sharded index {owner} was built over the same shard folder since and rewrote it"
+          if owner is not None and owner != Path(directory).resolve() else "")
+    return (f"{f}: overwritten since the sharded index {directory} was built ({size} bytes, its "
+            f"manifest records {recorded}){by}; rebuild with `python -m indexer merge --sharded "
+            f"... --out {directory}`")
+
+
+# ---------------------------------------------------------------------------- part ownership
+OWNER_FILE = "part.owner"     # in a shard folder: the sharded index whose part.faiss this is
+
+
+def part_owner(shard: Path) -> Path | None:
+    """The sharded index that last wrote ``shard``'s part.faiss (its resolved directory), if any."""
+    try:
+        return Path(json.loads((Path(shard) / OWNER_FILE).read_text())["index"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def claim_parts(out: Path, shards: Sequence[Path]) -> None:
+    """Refuse to build ``out`` over shards whose part belongs to another sharded index that
+    still lists them (filling the parts again would rewrite the files that index searches and
+    checks), in one line; otherwise nothing. ``record_owner`` marks them once built."""
+    me = Path(out).resolve()
+    for s in shards:
+        owner = part_owner(s)
+        if owner is None or owner == me or not (owner / "manifest.json").is_file():
+            continue
+        try:
+            m = IndexDir(owner).read_manifest()
+        except IndexerError:
+            continue                                    # not a readable index any more: free
+        if is_sharded(m) and Path(s).resolve() in [p.resolve() for p in shard_paths(owner, m)]:
+            raise IndexerError(f"{s}: its {PART_FILE} belongs to the sharded index {owner}, which "
+                               f"searches it; building {out} over the same shard folder would "
+                               f"rewrite it under that index: merge into {owner} again, or copy "
+                               "the shard folders first")
+
+
+def record_owner(out: Path, shards: Sequence[Path]) -> None:
+    from embedder.files import atomic_target
+
+    for s in shards:
+        with atomic_target(Path(s) / OWNER_FILE) as tmp:
+            Path(tmp).write_text(json.dumps({"index": str(Path(out).resolve())}) + "\n")
 
 
 # ---------------------------------------------------------------------------- reading
@@ -187,12 +238,21 @@ def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
     """``indexer info`` on a sharded index: the manifest, then one line per shard."""
     import json
 
+    import sys
+
+    from .consistency import check_counts
+
     check_files(directory, manifest)
     check_model_file(IndexDir(directory).model_file, manifest["model"]["hash"])
     facts = info(directory, manifest)
+    counts = check_counts(directory)          # the single index's promise: exit 1 when they differ
     if as_json:
-        print(json.dumps({"manifest": manifest, **facts}, indent=2))
-        return 0
+        print(json.dumps({"manifest": manifest, **facts, "counts": {
+            **{k: getattr(counts, k) for k in ("store", "embedded", "faiss", "manifest", "busy")},
+            "ok": counts.ok, "message": counts.message}}, indent=2))
+        if not counts.ok:
+            print(f"indexer info: error: {counts.message}", file=sys.stderr)
+        return 0 if counts.ok else 1
     m, mod = manifest, manifest["model"]
     print(f"index:    {directory} (sharded: {len(facts['shards'])} shards searched as one)")
     print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
@@ -206,6 +266,10 @@ def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
     print(f"checksum: {len(m['sharded'].get('files', {}))} faiss files, sizes and sha256 verified")
     print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
           f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
+    print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
+    if not counts.ok:
+        print(f"indexer info: error: {counts.message}", file=sys.stderr)
+        return 1
     return 0
 
 
