@@ -92,6 +92,19 @@ class StoreUnavailable(IndexerError):
     """The store's file was truncated, replaced or removed under this process: not read."""
 
 
+# What LMDB raises for pages that are not what their parents say (garbage written inside the
+# file, not a truncation): a request that meets one answers 503 naming the file, not 500.
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.PanicError,
+          lmdb.InvalidError)
+
+
+def damaged_store(path: Path, e: BaseException, db: str = "") -> StoreUnavailable:
+    of = f" of database {db!r}" if db else ""
+    return StoreUnavailable(f"{Path(path) / 'data.mdb'}: damaged: LMDB cannot read a page{of} ({e}); "
+                            "restore the file or rebuild the index with `python -m indexer build` "
+                            "(`python -m indexer info --deep` walks the whole store)")
+
+
 class MappedFile:
     """``data.mdb`` as this process mapped it: an open descriptor of the same inode, so that a
     size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement.
@@ -337,13 +350,33 @@ class LmdbStore:
         """A read transaction. In a writer, reads and writes from several threads (the ingest
         reader thread and the committing thread) are serialised, because growing the map is
         only allowed while no transaction of this process is open."""
-        if self._txn_lock is None:      # read-only: survives a writer growing the map
-            self.env  # noqa: B018 - opens lazily
-            with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
-                yield txn
-        else:
-            with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
-                yield txn
+        try:
+            if self._txn_lock is None:      # read-only: survives a writer growing the map
+                self.env  # noqa: B018 - opens lazily
+                with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
+                    yield txn
+            else:
+                with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
+                    yield txn
+        except DAMAGE as e:
+            raise damaged_store(self.path, e) from None
+
+    def walk(self) -> dict[str, int]:
+        """Read every record of every database, values included (``indexer info --deep``):
+        name -> records. Garbage inside the file (which the open-time checks, reading only the
+        meta pages, cannot see) fails here in one line naming the file and the database. Reads
+        the whole file: seconds per GB, so only on request."""
+        out = {}
+        for name in self.NAMES:
+            n = 0
+            with self._read() as txn:
+                try:
+                    for _, v in txn.cursor(self._db(name)):
+                        n += len(v) >= 0
+                except DAMAGE as e:
+                    raise damaged_store(self.path, e, name) from None
+            out[name] = n
+        return out
 
     def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         """Run ``fn`` in one write transaction; on MDB_MAP_FULL double the map and retry.
@@ -359,6 +392,8 @@ class LmdbStore:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except DAMAGE as e:
+                    raise damaged_store(self.path, e) from None
 
     @property
     def map_size(self) -> int:
