@@ -96,6 +96,9 @@ class StoreUnavailable(IndexerError):
 # file, not a truncation): a request that meets one answers 503 naming the file, not 500.
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.PanicError,
           lmdb.InvalidError)
+# A read transaction whose page fetch met such a page is flagged failed inside LMDB, and some
+# calls then report only that (MDB_BAD_TXN): in a read, nothing else marks a transaction so.
+READ_DAMAGE = (*DAMAGE, lmdb.BadTxnError)
 
 
 def damaged_store(path: Path, e: BaseException, db: str = "") -> StoreUnavailable:
@@ -358,8 +361,18 @@ class LmdbStore:
             else:
                 with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
                     yield txn
-        except DAMAGE as e:
+        except READ_DAMAGE as e:
             raise damaged_store(self.path, e) from None
+
+    def probe(self) -> None:
+        """Read the first record of every database (the pages from each root down: a few page
+        reads, cheap enough for each health request); garbage there fails in one line."""
+        with self._read() as txn:
+            for name in self.NAMES:
+                try:
+                    txn.cursor(self._db(name)).first()
+                except READ_DAMAGE as e:
+                    raise damaged_store(self.path, e, name) from None
 
     def walk(self) -> dict[str, int]:
         """Read every record of every database, values included (``indexer info --deep``):
@@ -373,7 +386,7 @@ class LmdbStore:
                 try:
                     for _, v in txn.cursor(self._db(name)):
                         n += len(v) >= 0
-                except DAMAGE as e:
+                except READ_DAMAGE as e:
                     raise damaged_store(self.path, e, name) from None
             out[name] = n
         return out

@@ -112,15 +112,15 @@ def _problem(d: dict, m: Manifest | None) -> str:
     if m is None:
         return f"missing {', '.join(k for k in ('model', 'dim', 'count') if k not in d)}"
     if not isinstance(m.model, dict) or not isinstance(m.model.get("hash"), str):
-        return "model.hash is not a string"
+        return "key 'model.hash' is not a string"
     for name in ("dim", "count"):
         v = getattr(m, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            return f"{name} {v!r} is not a count"
+            return f"key {name!r}: {_short(v)} is not a count"
     for name, keys in (("index_file", ()), ("shard", ("i", "n")), ("sharded", ("shards", "trained", "held"))):
         v = getattr(m, name)
         if v is not None and not (isinstance(v, dict) and all(k in v for k in keys)):
-            return f"{name} is not an object with {'/'.join(keys) or 'fields'}"
+            return f"key {name!r} is not an object with {'/'.join(keys) or 'fields'}"
     return _wrong_type(m) or _wrong_nested(m)
 
 

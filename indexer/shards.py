@@ -180,6 +180,10 @@ class ShardedStore:
     def models(self) -> list[str]:
         return sorted({m for s in self.stores for m in s.models()})
 
+    def probe(self) -> None:
+        for s in self.stores:
+            s.probe()
+
     def close(self) -> None:
         for s in self.stores:
             s.close()

@@ -10,17 +10,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
-from indexer_testlib import REPO, run_cli
+from indexer_testlib import REPO, run_cli, serve_app
 from indexer import check_counts
 from indexer.lock import writer_lock
 
@@ -56,38 +53,9 @@ def kinds(built_index: Path, two_shards: Path, tmp_path_factory) -> Iterator[dic
 @pytest.fixture(scope="module")
 def app(kinds: dict[str, Path], tmp_path_factory, free_port) -> Iterator[str]:
     """One real ``app.py`` serving the four kinds within ``--max-memory``; stopped by PID."""
-    log_dir = tmp_path_factory.mktemp("kinds-app")
-    port = free_port()
-    args = [a for k in KINDS for a in ("--index", kinds[k], "--name", k)]
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO), "GRADIO_TEMP_DIR": str(log_dir / "gradio-tmp")}
-    log = open(log_dir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), *map(str, args), "--max-memory", BUDGET,
-                             "--host", "127.0.0.1", "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"app.py exited {proc.returncode}:\n{(log_dir / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/api/health", timeout=2).status_code in (200, 503):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"app.py did not come up:\n{(log_dir / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    args = [a for k in KINDS for a in ("--index", kinds[k], "--name", k)] + ["--max-memory", BUDGET]
+    with serve_app(args, tmp_path_factory.mktemp("kinds-app"), free_port()) as (url, _):
         yield url
-    finally:
-        proc.terminate()            # by PID: only the server started here
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
 
 
 def _first_image(d: Path) -> tuple[int, str]:

@@ -1,0 +1,162 @@
+"""Issue 28's notes on the indexer side: a manifest of the wrong shape, garbage inside a store,
+two sharded indexes over the same shard folders, and class folders that are symlinks. Each
+ends in one line naming the file (and the key), or is handled as a careful tool would."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from indexer_testlib import garbage_inside, run_cli, serve_app
+from indexer import IndexerError, check_counts
+
+
+def _one_line(p, *needles: str) -> str:
+    assert p.returncode != 0, p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def _image(gallery: Path) -> Path:
+    return next(iter(sorted(gallery.rglob("*.png"))))
+
+
+# ---------------------------------------------------------------------------- the manifest
+@pytest.mark.parametrize("key,value", [("nprobe", "abc"), ("count", "240"), ("search_params", 8),
+                                       ("index_file", {"bytes": "x"})])
+def test_manifest_of_the_wrong_type_is_refused_naming_file_and_key(built_index: Path, tmp_path: Path,
+                                                                   omniglot_gallery: Path, key: str,
+                                                                   value: object) -> None:
+    d = tmp_path / "idx"
+    shutil.copytree(built_index, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m[key] = value
+    (d / "manifest.json").write_text(json.dumps(m))
+    for args in (["info", "--index", d], ["search", "--index", d, _image(omniglot_gallery)]):
+        _one_line(run_cli(*args, check=False), str(d / "manifest.json"), repr(key))
+    from serving import Searcher
+
+    with pytest.raises(IndexerError, match=f"manifest.json.*'{key}'"):
+        Searcher.open([d], names=["x"])
+
+
+def test_deeply_nested_manifest_is_one_line(built_index: Path, tmp_path: Path) -> None:
+    d = tmp_path / "idx"
+    shutil.copytree(built_index, d)
+    (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    _one_line(run_cli("info", "--index", d, check=False), str(d / "manifest.json"), "nested too deep")
+
+
+# ---------------------------------------------------------------------------- the store
+def test_info_deep_names_garbage_inside_the_store(built_index: Path, tmp_path: Path) -> None:
+    """4 KB pages of garbage written inside data.mdb (its size unchanged, its meta pages intact):
+    the open-time checks cannot see it; ``info --deep`` reads every record and says so."""
+    d = tmp_path / "idx"
+    shutil.copytree(built_index, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    assert "every record read" in run_cli("info", "--index", d, "--deep").stdout
+    data = d / "store.lmdb" / "data.mdb"
+    size = data.stat().st_size
+    garbage_inside(data)
+    assert data.stat().st_size == size
+    _one_line(run_cli("info", "--index", d, "--deep", check=False), str(data), "damaged")
+
+
+def test_garbage_inside_a_served_store_answers_503_naming_the_file(built_index: Path, tmp_path: Path,
+                                                                    free_port) -> None:
+    """Written in place under the running app (same inode, same size: nothing a stat sees), a
+    request that reads a damaged page is refused 503 naming data.mdb, and the server lives."""
+    d = tmp_path / "idx"
+    shutil.copytree(built_index, d, ignore=shutil.ignore_patterns("lock.mdb"))
+    with serve_app(["--index", d, "--name", "x"], tmp_path, free_port()) as (url, proc):
+        import httpx
+
+        from indexer import Index
+
+        idx = Index.open(d)
+        some = int(idx.store.all_embeddings(idx.model_hash)[0][0])
+        idx.store.close()
+        search = lambda: httpx.post(f"{url}/api/search", data={"index": "x", "id": str(some), "k": "3"},  # noqa: E731
+                                    timeout=60)
+        assert search().status_code == 200
+        garbage_inside(d / "store.lmdb" / "data.mdb")
+        r = search()
+        assert r.status_code == 503 and "store.lmdb/data.mdb: damaged" in r.json()["error"], r.text
+        assert str(d) not in r.text                                  # named, not located
+        h = httpx.get(f"{url}/api/health", timeout=60)
+        assert h.status_code == 503 and "data.mdb: damaged" in h.json()["error"], h.text
+        assert proc.poll() is None
+
+
+# ---------------------------------------------------------------------------- shard folders
+def test_second_sharded_index_over_the_same_shards_is_refused(two_shards: Path, tmp_path: Path) -> None:
+    for i in range(2):
+        shutil.copytree(two_shards / f"s{i}", tmp_path / f"s{i}")
+    s0, s1 = tmp_path / "s0", tmp_path / "s1"
+    run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet")
+    before = (s0 / "part.faiss").read_bytes()
+    p = run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "b", "--quiet", "--index-type", "ivf",
+                check=False)
+    _one_line(p, str(s0), "belongs to the sharded index", str((tmp_path / "a").resolve()))
+    assert (s0 / "part.faiss").read_bytes() == before and check_counts(tmp_path / "a").ok
+    run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet")   # its own: a rebuild
+    assert check_counts(tmp_path / "a").ok
+
+    from indexer.lock import writer_lock
+
+    with writer_lock(s1, "test: a shard being rebuilt"):      # a shard folder being written
+        p = run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet", check=False)
+    _one_line(p, str(s1), "being written", "test: a shard being rebuilt")
+
+
+def test_health_names_an_overwritten_part(two_shards: Path, tmp_path: Path) -> None:
+    """What the refusal above prevents, done by hand (the owner record removed): the served
+    index's health names the rewritten part and who rewrote it, not a count mismatch."""
+    for i in range(2):
+        shutil.copytree(two_shards / f"s{i}", tmp_path / f"s{i}")
+    s0, s1 = tmp_path / "s0", tmp_path / "s1"
+    run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet", "--flat-threshold", "100")
+    from serving import Searcher
+
+    searcher = Searcher.open([tmp_path / "a"], names=["a"])
+    assert searcher.health() == {}
+    (s0 / "part.owner").unlink()
+    (s1 / "part.owner").unlink()
+    run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "b", "--quiet")      # Flat parts now
+    problem = searcher.health()["a"]
+    assert "part.faiss: overwritten since the sharded index" in problem, problem
+    assert "counts differ" not in problem and str((tmp_path / "b").resolve()) in problem
+    with pytest.raises(IndexerError, match="overwritten"):
+        check_counts(tmp_path / "a")
+
+
+# ---------------------------------------------------------------------------- the gallery walk
+def test_symlinked_class_folders_are_followed_once(omniglot_gallery: Path, small_onnx: Path,
+                                                    tmp_path: Path) -> None:
+    """As `find -L` / `rsync -L`: linked folders are indexed under the link's name; a link back
+    up (a loop) or a second link to a walked folder is named in the report, not walked."""
+    classes = sorted(p for p in omniglot_gallery.rglob("*") if p.is_dir() and any(p.glob("*.png")))[:2]
+    g = tmp_path / "gallery"
+    g.mkdir()
+    (g / "a_first").symlink_to(classes[0], target_is_directory=True)     # walked in name order
+    (g / "b_second").symlink_to(classes[1], target_is_directory=True)
+    (g / "c_again").symlink_to(classes[0], target_is_directory=True)
+    (g / "d_loop").symlink_to(g, target_is_directory=True)
+    out = tmp_path / "idx"
+    p = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    m = json.loads((out / "manifest.json").read_text())
+    n = len(list(classes[0].glob("*.png"))) + len(list(classes[1].glob("*.png")))
+    assert m["count"] == n, p.stdout
+    from indexer import Index
+
+    idx = Index.open(out)
+    assert sorted(idx.labels()) == ["a_first", "b_second"]
+    report = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
+    named = {r["path"] for r in report if "not followed" in r["reason"]}
+    assert named == {"c_again", "d_loop"}, report
+    idx.store.close()
