@@ -108,6 +108,27 @@ def damaged_store(path: Path, e: BaseException, db: str = "") -> StoreUnavailabl
                             "(`python -m indexer info --deep` walks the whole store)")
 
 
+class DiskFullError(IndexerError):
+    """A write transaction failed with the store's disk full. LMDB reports the failed page
+    writes of a commit as EIO ("mdb_txn_commit: Input/output error"), so the full disk is told
+    by the free space left. ``need``: an estimate of what the whole command needs, filled in
+    by the command that knows (``needing``)."""
+
+    def __init__(self, data: Path, free: int, given: int, need: int | None = None) -> None:
+        self.data, self.free, self.given, self.need = data, free, given, need
+        mb = lambda n: f"{n / 2 ** 20:.1f} MB"   # noqa: E731
+        needs = f"needs about {mb(need)}, " if need else ""
+        back = f"; the failed write's {mb(given)} given back" if given else ""
+        super().__init__(f"no space left on device: {data} ({needs}{mb(free)} free{back}); free some "
+                         "space and rerun the same command (it resumes where it stopped)")
+
+    def needing(self, need: int) -> "DiskFullError":
+        return DiskFullError(self.data, self.free, self.given, need)
+
+
+FULL_DISK_SLACK = 1 << 20      # less free than this after a failed write: the disk is full
+
+
 class MappedFile:
     """``data.mdb`` as this process mapped it: an open descriptor of the same inode, so that a
     size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement.
@@ -407,6 +428,30 @@ class LmdbStore:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
                 except DAMAGE as e:
                     raise damaged_store(self.path, e) from None
+                except lmdb.Error as e:
+                    raise self._write_failed(e) from None
+
+    def _write_failed(self, e: lmdb.Error) -> IndexerError:
+        """A failed write transaction, told in one line. On a full disk, the pages it wrote past
+        the last committed page are given back (the file is cut to the committed size: no
+        reader sees those pages, and the writer lock keeps other writers out), so the failed
+        command leaves the disk as it found it."""
+        import shutil
+
+        data = self.path / "data.mdb"
+        try:
+            free = shutil.disk_usage(self.path).free
+            committed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+            size = data.stat().st_size
+        except (OSError, lmdb.Error):
+            return IndexerError(f"{data}: write failed ({str(e).splitlines()[0]})")
+        if free >= FULL_DISK_SLACK and "No space" not in str(e):
+            return IndexerError(f"{data}: write failed ({str(e).splitlines()[0]})")
+        given = 0
+        if size > committed:
+            os.truncate(data, committed)
+            given = size - committed
+        return DiskFullError(data, free + given, given)
 
     @property
     def map_size(self) -> int:

@@ -21,7 +21,8 @@ from embedder.hashing import file_sha256
 from . import faiss_index as fx
 from . import selection, stream
 from .sources import Rows, Source, StoreSource
-from .build import check_shards, remove_target
+from .build import check_shards, remove_target, space_needed
+from .lmdb_env import DiskFullError
 from .errors import IndexerError
 from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
 from .manifest import DEFAULT_TARGET_RECALL
@@ -216,7 +217,10 @@ def add_sharded(directory: str | Path, folder: str | Path, model: str | Path | N
             sizes.append(len(st))
     target = dirs[int(np.argmin(sizes))]
     with GalleryStore(target / STORE_DIR, readonly=False) as store:
-        stats = ingest(store, files, emb, workers=workers, progress=progress)
+        try:
+            stats = ingest(store, files, emb, workers=workers, progress=progress)
+        except DiskFullError as e:
+            raise e.needing(space_needed(files, emb.dim, target / PART_FILE)) from None
     d.write_report(stats.skipped)
     m = sync_parts(d.path, manifest)
     return {**m, "shard": str(target)}, stats

@@ -160,3 +160,59 @@ def test_symlinked_class_folders_are_followed_once(omniglot_gallery: Path, small
     named = {r["path"] for r in report if "not followed" in r["reason"]}
     assert named == {"c_again", "d_loop"}, report
     idx.store.close()
+
+
+# ---------------------------------------------------------------------------- a full disk
+FULL_DISK_SCRIPT = r"""
+set -u
+mount -t tmpfs -o size=4m tmpfs "$MNT" || exit 77
+"$PY" -m indexer build "$SMALL" --model "$MODEL" --out "$MNT/idx" --quiet >/dev/null 2>&1 || exit 78
+avail=$(df -k --output=avail "$MNT" | tail -1)
+dd if=/dev/zero of="$MNT/fill" bs=1k count=$((avail - 150)) 2>/dev/null
+stat -c %s "$MNT/idx/store.lmdb/data.mdb" > "$OUT/before"
+df -k --output=avail "$MNT" | tail -1 > "$OUT/free_before"
+"$PY" -m indexer add --index "$MNT/idx" "$BIG" --quiet 2> "$OUT/add.err"; echo $? > "$OUT/add.rc"
+stat -c %s "$MNT/idx/store.lmdb/data.mdb" > "$OUT/after"
+df -k --output=avail "$MNT" | tail -1 > "$OUT/free_after"
+rm "$MNT/fill"
+"$PY" -m indexer add --index "$MNT/idx" "$BIG" --quiet > /dev/null 2> "$OUT/resume.err"; echo $? > "$OUT/resume.rc"
+"$PY" -m indexer info --index "$MNT/idx" --deep --json > "$OUT/info.json" 2> "$OUT/info.err"
+exit 0
+"""
+
+
+def test_full_disk_during_add_says_so_and_gives_back_the_failed_write(omniglot_gallery: Path, small_onnx: Path,
+                                                                       tmp_path: Path) -> None:
+    """A 4 MB tmpfs in a private mount namespace (root, or a user namespace where allowed),
+    filled to 150 KB free before `indexer add` of 200 images: one line naming data.mdb with
+    the space needed, data.mdb back to its size before the add (the failed transaction's pages
+    given back), free space as it was, and the same command resumes once space is freed."""
+    import subprocess
+    import sys
+
+    classes = sorted(p for p in omniglot_gallery.rglob("*") if p.is_dir() and any(p.glob("*.png")))
+    small, mnt, out = tmp_path / "small", tmp_path / "mnt", tmp_path / "out"
+    for d in (small, mnt, out):
+        d.mkdir()
+    (small / "c").symlink_to(classes[0], target_is_directory=True)
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "2",
+           "MNT": str(mnt), "OUT": str(out), "PY": sys.executable, "SMALL": str(small),
+           "BIG": str(omniglot_gallery), "MODEL": str(small_onnx)}
+    try:
+        p = subprocess.run([*unshare, "sh", "-c", FULL_DISK_SCRIPT], env=env, capture_output=True, text=True,
+                           timeout=600)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1): cannot make a small filesystem here")
+    if p.returncode == 77 or (p.returncode != 0 and p.stderr.startswith("unshare:")):
+        pytest.skip(f"cannot mount a small tmpfs here ({(p.stderr or '').strip()[:200]})")
+    assert p.returncode == 0 and (out / "add.rc").exists(), p.stderr[-2000:]
+    err = (out / "add.err").read_text().strip().splitlines()
+    assert (out / "add.rc").read_text().strip() == "1" and len(err) == 1, err
+    assert "no space left on device: " in err[0] and "/store.lmdb/data.mdb (needs about " in err[0], err[0]
+    assert "given back" in err[0], err[0]
+    assert (out / "after").read_text() == (out / "before").read_text()          # given back
+    assert int((out / "free_after").read_text()) >= int((out / "free_before").read_text()) - 8
+    assert (out / "resume.rc").read_text().strip() == "0", (out / "resume.err").read_text()
+    info = json.loads((out / "info.json").read_text())
+    assert info["counts"]["ok"] and info["manifest"]["count"] == 240, info["counts"]
