@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -216,3 +217,63 @@ def test_full_disk_during_add_says_so_and_gives_back_the_failed_write(omniglot_g
     assert (out / "resume.rc").read_text().strip() == "0", (out / "resume.err").read_text()
     info = json.loads((out / "info.json").read_text())
     assert info["counts"]["ok"] and info["manifest"]["count"] == 240, info["counts"]
+
+
+# ---------------------------------------------------------------------------- Ray without its GCS
+def _netns_without_loopback() -> list[str]:
+    """`unshare -n` (a network namespace whose lo stays down: no 127.0.0.1), or skip."""
+    import shutil as sh
+    import subprocess
+
+    if sh.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    prefix = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-r", "-n"]
+    if subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot create a network namespace here")
+    return prefix
+
+
+def test_ray_local_without_loopback_is_one_line(omniglot_gallery: Path, small_onnx: Path, tmp_path: Path) -> None:
+    """Ray's GCS lives on 127.0.0.1: with loopback down it used to log "Failed to connect to
+    GCS" every 30 s forever. Refused before Ray starts."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    p = subprocess.run([*_netns_without_loopback(), sys.executable, "-m", "indexer", "build", omniglot_gallery,
+                        "--model", small_onnx, "--out", tmp_path / "idx", "--ray", "local", "--quiet"],
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                       capture_output=True, text=True, timeout=300)
+    _one_line(p, "--ray local", "loopback", "GCS")
+
+
+@pytest.mark.slow
+def test_ray_init_that_never_returns_is_bounded(tmp_path: Path) -> None:
+    """Past the loopback check (forced here), a `ray.init` that cannot reach its GCS is given
+    up after DAS_RAY_CONNECT_TIMEOUT_S with one line, and the Ray processes it started are
+    stopped (none is left whose parent was the driver)."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    code = ("import indexer.ray_build as rb, os; rb.loopback_works = lambda: True; "
+            "print('pid', os.getpid(), flush=True); rb.connect('local', 1)")
+    p = subprocess.run([*_netns_without_loopback(), sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+                            "DAS_RAY_CONNECT_TIMEOUT_S": "20"}, timeout=240)
+    assert p.returncode == 1, p.stderr[-2000:]
+    ours = [line for line in p.stderr.splitlines() if line.startswith("indexer build: error:")]
+    assert len(ours) == 1 and "Ray did not come up in 20 s" in ours[0], p.stderr[-2000:]
+    driver = int(p.stdout.split()[1])
+    import time
+
+    time.sleep(1)
+    left = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if re.search(rf"session_[0-9_-]+_{driver}\b", cmd):     # Ray's session folder names the driver
+            left.append(cmd[:160])
+    assert not left, left
