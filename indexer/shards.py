@@ -53,7 +53,8 @@ def is_sharded_dir(directory: str | Path) -> bool:
 
 
 def shard_paths(directory: Path, manifest: dict) -> list[Path]:
-    return [(directory / p) for p in manifest["sharded"]["shards"]]
+    """The shard folders (absolute, ``..`` folded: ``relative`` may name them through it)."""
+    return [Path(os.path.normpath(Path(directory).absolute() / p)) for p in manifest["sharded"]["shards"]]
 
 
 def relative(directory: Path, shard: Path) -> str:
