@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -266,8 +265,9 @@ def _give_up(address: str) -> None:
     one started stopped (by PID: this process's descendants), and exit 1. ``ray.init`` blocks
     in C++ and cannot be interrupted from Python, and Ray's exit handlers would wait on the
     same GCS, hence the hard exit."""
-    print(f"indexer build: error: --ray {address}: Ray did not come up in {connect_timeout():.0f} s "
-          "(it cannot reach its GCS; see Ray's log lines above); giving up", file=sys.stderr, flush=True)
+    # the library prints nothing, except this last line of a process about to end hard
+    os.write(2, (f"indexer build: error: --ray {address}: Ray did not come up in {connect_timeout():.0f} s "
+                 "(it cannot reach its GCS; see Ray's log lines above); giving up\n").encode())
     for pid in _descendants(os.getpid()):
         try:
             os.kill(pid, 9)
