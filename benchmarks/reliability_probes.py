@@ -29,6 +29,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 from benchmarks import reliability_guard_probes as guard_probes   # issue 19's server-guard probes
+from benchmarks import reliability_index_probes as index_probes   # issue 28: sharded index, hostile files
 CALTECH = REPO.parent / "shared" / "data" / "caltech101-dev" / "images"
 AUTH = ("probe", "probe-pass")
 MB = 1024 * 1024
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += guard_probes.store_damage_probe(idx, root, start_app, _QUERY[0])
         rows += damage_probes(idx, root)
         rows += writer_probes(idx, root)
+        rows += index_probes.round3_rows(idx, root, start_app, AUTH)
     load = os.getloadavg()[0]
     text = ("Command: `python -m benchmarks.reliability_probes`  \n"
             f"Server: `app.py --auth ... --max-upload-mb 1` on 127.0.0.1, 24-photo index (4 Caltech-101 classes), "

@@ -100,10 +100,15 @@ def _parser() -> argparse.ArgumentParser:
     opts(e, "--index", "--json", "--device")
     serve_memory_opt(e)
 
-    opts(sub.add_parser("info", help="what an index directory holds",
-                        description="Prints what an index directory holds; exits 1 when the store, "
-                                    "index.faiss and the manifest disagree on the image count "
-                                    "(naming `indexer repair`)."), "--index", "--json")
+    i = sub.add_parser("info", help="what an index directory holds",
+                       description="Prints what an index directory holds; exits 1 when the store, "
+                                   "index.faiss and the manifest disagree on the image count "
+                                   "(naming `indexer repair`).")
+    opts(i, "--index", "--json")
+    i.add_argument("--deep", action="store_true",
+                   help="also read every record of the gallery store(s), values included, and "
+                        "exit 1 naming the file if LMDB cannot read one (garbage inside data.mdb "
+                        "that the cheap open-time checks cannot see; reads the whole store)")
 
     m = sub.add_parser("merge", help="merge shard directories into one index",
                        description="Train one IVF quantizer over all shards and merge their inverted lists.")
@@ -255,7 +260,11 @@ def _run(args: argparse.Namespace) -> int:
         from .lock import writer_lock
         from .shard_build import build_sharded
 
-        with writer_lock(args.out, "indexer merge --sharded", wait=args.wait):
+        from contextlib import ExitStack
+
+        with ExitStack() as held:       # the shard folders too: their part.faiss is (re)written
+            for d in [args.out, *[s for s in args.shards if Path(s).is_dir()]]:
+                held.enter_context(writer_lock(d, "indexer merge --sharded", wait=args.wait))
             m = build_sharded(args.shards, args.out, device=args.device, progress=not args.quiet,
                               **index_options(args))
         _print_index_line(m, args.out)
@@ -283,9 +292,14 @@ def _run_sharded(args: argparse.Namespace) -> int:
 
     if args.cmd == "info":
         from .index_dir import IndexDir
+        from .shards import shard_paths
 
         d = IndexDir(args.index)
-        return print_info(d.path, d.read_manifest(), args.json)
+        m = d.read_manifest()
+        if args.deep:
+            for p in shard_paths(d.path, m):
+                _walk_store(p / "store.lmdb", args.json)
+        return print_info(d.path, m, args.json)
     if args.cmd == "add":
         with writer_lock(args.index, "indexer add", wait=args.wait):
             m, stats = add_sharded(args.index, args.folder, args.model, prefix=args.prefix,
@@ -321,6 +335,8 @@ def _info(args: argparse.Namespace) -> int:
     d = IndexDir(args.index)
     m = d.read_manifest()
     d.check(m, model=not m.get("shard"))                   # a damaged file ends here, in one line
+    if args.deep:
+        _walk_store(d.store_dir, args.json)
     if not m.get("shard") and not m.get("index_file"):     # no checksum recorded: let faiss read it
         read_faiss(d.index_file)
     with GalleryStore(d.store_dir) as st:
@@ -361,6 +377,18 @@ def _info(args: argparse.Namespace) -> int:
         print(f"indexer info: error: {counts.message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _walk_store(store_dir: Path, as_json: bool) -> None:
+    """``info --deep``: every record of the store read (``LmdbStore.walk``); raises, in one line
+    naming the file and the database, at the first page LMDB cannot read."""
+    from .store import GalleryStore
+
+    with GalleryStore(store_dir) as st:
+        counts = st.walk()
+    if not as_json:
+        print(f"deep:     {store_dir}: every record read ({sum(counts.values())} in "
+              f"{len(counts)} databases)")
 
 
 def _print_candidates(m: dict) -> None:

@@ -16,6 +16,7 @@ from . import faiss_index as fx
 from . import selection, tuning
 from .errors import IndexerError
 from .index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
+from .lmdb_env import DiskFullError
 from .lock import writer_lock
 from .manifest import DEFAULT_TARGET_RECALL, Manifest
 from .model import load_embedder, model_info
@@ -153,9 +154,28 @@ def add_images(directory: str | Path, folder: str | Path, model: str | Path | No
         if not files:
             raise IndexerError(f"{folder}: no images to add")
         with GalleryStore(d.store_dir, readonly=False) as store:
-            stats = ingest(store, files, emb, workers=workers, progress=progress)
+            try:
+                stats = ingest(store, files, emb, workers=workers, progress=progress)
+            except DiskFullError as e:
+                raise e.needing(space_needed(files, emb.dim, d.index_file)) from None
             d.write_report(stats.skipped)
             return sync_index(d, manifest, store), stats
+
+
+def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None = None) -> int:
+    """About what adding ``files`` takes on disk: their bytes (the store keeps each image), an
+    embedding and ~1 KB of keys and page slack each, and a second copy of ``index_file`` (the
+    index is rewritten beside itself, then renamed). An upper bound where content repeats."""
+    total = 0
+    for f in files:
+        if f.problem is None:
+            try:
+                total += f.abspath.stat().st_size + 4 * dim + 1024
+            except OSError:
+                pass
+    if index_file is not None and index_file.exists():
+        total += index_file.stat().st_size + len(files) * (4 * dim + 8)
+    return int(total)
 
 
 def remove_items(directory: str | Path, targets: Sequence[str], *, wait: bool = False

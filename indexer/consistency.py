@@ -39,6 +39,7 @@ class CountCheck:
     faiss: int = 0          # vectors in index.faiss
     manifest: int = 0       # the manifest's "count"
     busy: bool = False
+    faiss_name: str = "index.faiss"     # a sharded index: "its parts"
 
     @property
     def ok(self) -> bool:
@@ -51,12 +52,12 @@ class CountCheck:
         if self.ok:
             extra = (f" ({self.store - self.embedded} stored images have no embedding by this "
                      "model)" if self.store != self.embedded else "")
-            return f"counts agree: {self.faiss} images in the store, index.faiss and the manifest{extra}"
+            return f"counts agree: {self.faiss} images in the store, {self.faiss_name} and the manifest{extra}"
         lost = self.embedded - self.faiss
         what = (f"; {lost} stored images can never be found" if lost > 0 else
-                f"; {-lost} vectors in index.faiss have no stored image" if lost < 0 else "")
+                f"; {-lost} vectors in {self.faiss_name} have no stored image" if lost < 0 else "")
         return (f"index {self.directory}: counts differ: the store holds {self.store} images "
-                f"({self.embedded} embedded by the index's model), index.faiss {self.faiss} "
+                f"({self.embedded} embedded by the index's model), {self.faiss_name} {self.faiss} "
                 f"vectors, the manifest says {self.manifest}{what}; repair with "
                 f"`{repair_command(self.directory)}`")
 
@@ -115,8 +116,28 @@ def _check_sharded(d: IndexDir, manifest: dict, stamp: object) -> CountCheck:
     from .shards import PART_FILE, shard_paths
 
     files = [p / PART_FILE for p in shard_paths(d.path, manifest)] + [d.path / manifest["sharded"]["held"]]
+    _check_sizes(d.path, manifest)
     n = sum(faiss_ntotal(f) for f in files)
     if is_locked(d.path) or manifest_stamp(d.path) != stamp:
         return CountCheck(d.path, busy=True)
-    return CountCheck(d.path, store=n, embedded=n, faiss=n, manifest=int(manifest["count"]))
+    return CountCheck(d.path, store=n, embedded=n, faiss=n, manifest=int(manifest["count"]),
+                      faiss_name="its parts")
 
+
+
+def _check_sizes(directory: Path, manifest: dict) -> None:
+    """Each faiss file of a sharded index has the size its manifest records (a ``stat`` each:
+    cheap enough for every health request; the sha256 is compared on open). A part rewritten
+    by another ``indexer merge --sharded`` over the same shard folder is named as such, not as
+    a count mismatch that ``repair`` would not mend."""
+    from .shards import describe_changed
+
+    for rel, rec in (manifest["sharded"].get("files") or {}).items():
+        f = directory / rel
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise IndexerError(f"{f}: missing (the sharded index {directory} lists it); rebuild "
+                               "with `python -m indexer merge --sharded`") from None
+        if size != int(rec.get("bytes", size)):
+            raise IndexerError(describe_changed(directory, f, size, int(rec["bytes"])))

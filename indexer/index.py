@@ -179,7 +179,9 @@ class Index:
         return self.store.ids_for_label(label)
 
     def stored(self) -> int:
-        """How many images the store holds: a real LMDB read (``len(self)`` is faiss's count)."""
+        """How many images the store holds: a real LMDB read (``len(self)`` is faiss's count),
+        after reading each database's first record (garbage there: StoreUnavailable)."""
+        self.store.probe()
         return len(self.store)
 
     def close(self) -> None:

@@ -92,6 +92,43 @@ class StoreUnavailable(IndexerError):
     """The store's file was truncated, replaced or removed under this process: not read."""
 
 
+# What LMDB raises for pages that are not what their parents say (garbage written inside the
+# file, not a truncation): a request that meets one answers 503 naming the file, not 500.
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.PanicError,
+          lmdb.InvalidError)
+# A read transaction whose page fetch met such a page is flagged failed inside LMDB, and some
+# calls then report only that (MDB_BAD_TXN): in a read, nothing else marks a transaction so.
+READ_DAMAGE = (*DAMAGE, lmdb.BadTxnError)
+
+
+def damaged_store(path: Path, e: BaseException, db: str = "") -> StoreUnavailable:
+    of = f" of database {db!r}" if db else ""
+    return StoreUnavailable(f"{Path(path) / 'data.mdb'}: damaged: LMDB cannot read a page{of} ({e}); "
+                            "restore the file or rebuild the index with `python -m indexer build` "
+                            "(`python -m indexer info --deep` walks the whole store)")
+
+
+class DiskFullError(IndexerError):
+    """A write transaction failed with the store's disk full. LMDB reports the failed page
+    writes of a commit as EIO ("mdb_txn_commit: Input/output error"), so the full disk is told
+    by the free space left. ``need``: an estimate of what the whole command needs, filled in
+    by the command that knows (``needing``)."""
+
+    def __init__(self, data: Path, free: int, given: int, need: int | None = None) -> None:
+        self.data, self.free, self.given, self.need = data, free, given, need
+        mb = lambda n: f"{n / 2 ** 20:.1f} MB"   # noqa: E731
+        needs = f"needs about {mb(need)}, " if need else ""
+        back = f"; the failed write's {mb(given)} given back" if given else ""
+        super().__init__(f"no space left on device: {data} ({needs}{mb(free)} free{back}); free some "
+                         "space and rerun the same command (it resumes where it stopped)")
+
+    def needing(self, need: int) -> "DiskFullError":
+        return DiskFullError(self.data, self.free, self.given, need)
+
+
+FULL_DISK_SLACK = 1 << 20      # less free than this after a failed write: the disk is full
+
+
 class MappedFile:
     """``data.mdb`` as this process mapped it: an open descriptor of the same inode, so that a
     size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement.
@@ -337,13 +374,43 @@ class LmdbStore:
         """A read transaction. In a writer, reads and writes from several threads (the ingest
         reader thread and the committing thread) are serialised, because growing the map is
         only allowed while no transaction of this process is open."""
-        if self._txn_lock is None:      # read-only: survives a writer growing the map
-            self.env  # noqa: B018 - opens lazily
-            with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
-                yield txn
-        else:
-            with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
-                yield txn
+        try:
+            if self._txn_lock is None:      # read-only: survives a writer growing the map
+                self.env  # noqa: B018 - opens lazily
+                with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
+                    yield txn
+            else:
+                with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
+                    yield txn
+        except READ_DAMAGE as e:
+            raise damaged_store(self.path, e) from None
+
+    def probe(self) -> None:
+        """Read the first record of every database (the pages from each root down: a few page
+        reads, cheap enough for each health request); garbage there fails in one line."""
+        with self._read() as txn:
+            for name in self.NAMES:
+                try:
+                    txn.cursor(self._db(name)).first()
+                except READ_DAMAGE as e:
+                    raise damaged_store(self.path, e, name) from None
+
+    def walk(self) -> dict[str, int]:
+        """Read every record of every database, values included (``indexer info --deep``):
+        name -> records. Garbage inside the file (which the open-time checks, reading only the
+        meta pages, cannot see) fails here in one line naming the file and the database. Reads
+        the whole file: seconds per GB, so only on request."""
+        out = {}
+        for name in self.NAMES:
+            n = 0
+            with self._read() as txn:
+                try:
+                    for _, v in txn.cursor(self._db(name)):
+                        n += len(v) >= 0
+                except READ_DAMAGE as e:
+                    raise damaged_store(self.path, e, name) from None
+            out[name] = n
+        return out
 
     def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         """Run ``fn`` in one write transaction; on MDB_MAP_FULL double the map and retry.
@@ -359,6 +426,32 @@ class LmdbStore:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except DAMAGE as e:
+                    raise damaged_store(self.path, e) from None
+                except lmdb.Error as e:
+                    raise self._write_failed(e) from None
+
+    def _write_failed(self, e: lmdb.Error) -> IndexerError:
+        """A failed write transaction, told in one line. On a full disk, the pages it wrote past
+        the last committed page are given back (the file is cut to the committed size: no
+        reader sees those pages, and the writer lock keeps other writers out), so the failed
+        command leaves the disk as it found it."""
+        import shutil
+
+        data = self.path / "data.mdb"
+        try:
+            free = shutil.disk_usage(self.path).free
+            committed = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+            size = data.stat().st_size
+        except (OSError, lmdb.Error):
+            return IndexerError(f"{data}: write failed ({str(e).splitlines()[0]})")
+        if free >= FULL_DISK_SLACK and "No space" not in str(e):
+            return IndexerError(f"{data}: write failed ({str(e).splitlines()[0]})")
+        given = 0
+        if size > committed:
+            os.truncate(data, committed)
+            given = size - committed
+        return DiskFullError(data, free + given, given)
 
     @property
     def map_size(self) -> int:

@@ -94,6 +94,8 @@ class Manifest:
             d = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise IndexerError(f"{path}: unreadable manifest ({e})") from None
+        except RecursionError:       # a hostile file: nested deeper than the parser's stack
+            raise IndexerError(f"{path}: unreadable manifest (JSON nested too deep)") from None
         return cls.from_dict(d, where=path, strict=False)
 
     def write(self, path: str | Path) -> None:
@@ -110,16 +112,70 @@ def _problem(d: dict, m: Manifest | None) -> str:
     if m is None:
         return f"missing {', '.join(k for k in ('model', 'dim', 'count') if k not in d)}"
     if not isinstance(m.model, dict) or not isinstance(m.model.get("hash"), str):
-        return "model.hash is not a string"
+        return "key 'model.hash' is not a string"
     for name in ("dim", "count"):
         v = getattr(m, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            return f"{name} {v!r} is not a count"
+            return f"key {name!r}: {_short(v)} is not a count"
     for name, keys in (("index_file", ()), ("shard", ("i", "n")), ("sharded", ("shards", "trained", "held"))):
         v = getattr(m, name)
         if v is not None and not (isinstance(v, dict) and all(k in v for k in keys)):
-            return f"{name} is not an object with {'/'.join(keys) or 'fields'}"
+            return f"key {name!r} is not an object with {'/'.join(keys) or 'fields'}"
+    return _wrong_type(m) or _wrong_nested(m)
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "dict": (dict,), "list": (list,)}
+
+
+def _wrong_type(m: Manifest) -> str:
+    """The first field whose value is not of its annotated type (``"nprobe": "abc"`` would
+    otherwise reach ``int()`` in a searcher and fail there, naming neither file nor key)."""
+    for f in fields(m):
+        if f.name == "extra":
+            continue
+        v = getattr(m, f.name)
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if v is None and "None" in kinds:
+            continue
+        ok = tuple(t for k in kinds for t in _TYPES.get(k, ()))
+        if ok and (not isinstance(v, ok) or isinstance(v, bool)):
+            want = " or ".join(k for k in kinds if k != "None")
+            return f"key {f.name!r}: {_short(v)} is not {'an' if want[0] in 'aeiou' else 'a'} {want}"
     return ""
+
+
+def _wrong_nested(m: Manifest) -> str:
+    """The nested records readers index into: the shard folders and faiss file records."""
+    if m.index_file is not None and not _is_record(m.index_file):
+        return f"key 'index_file': {_short(m.index_file)} is not a {{bytes, sha256}} record"
+    if m.shard is not None and not all(_is_int(m.shard.get(k)) for k in ("i", "n")):
+        return f"key 'shard': {_short(m.shard)} is not {{i, n}} counts"
+    if m.sharded is not None:
+        sh = m.sharded
+        if not (isinstance(sh["shards"], list) and all(isinstance(p, str) for p in sh["shards"])):
+            return f"key 'sharded.shards': {_short(sh['shards'])} is not a list of folders"
+        for k in ("trained", "held"):
+            if not isinstance(sh[k], str):
+                return f"key 'sharded.{k}': {_short(sh[k])} is not a file name"
+        files = sh.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(k, str) and _is_record(v) for k, v in files.items()):
+            return f"key 'sharded.files': {_short(files)} is not file -> {{bytes, sha256}} records"
+    if m.search_params and not all("=" in p for p in m.search_params.split(",")):
+        return f"key 'search_params': {m.search_params[:40]!r} is not name=value[,name=value]"
+    return ""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_record(v: object) -> bool:
+    return isinstance(v, dict) and (not v or (_is_int(v.get("bytes")) and isinstance(v.get("sha256"), str)))
+
+
+def _short(v: object) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def recall_text(m: dict) -> str:

@@ -214,8 +214,15 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    local = address in (None, "local")
+    if local and not loopback_works():
+        raise IndexerError("--ray local: this machine's loopback (127.0.0.1) accepts no connection, so "
+                           "Ray could never reach its own GCS; bring it up (`ip link set lo up`) and rerun")
+    watchdog = threading.Timer(connect_timeout(), _give_up, args=(address or "local",))
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        if address in (None, "local"):
+        if local:
             ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                      logging_level="WARNING")
         else:
@@ -223,7 +230,69 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise IndexerError(f"--ray {address}: cannot connect to a Ray cluster: {msg}") from None
+    finally:
+        watchdog.cancel()
     return True
+
+
+CONNECT_TIMEOUT_S = 180.0   # Ray starts in ~5 s here, ~30 s on a loaded 2-core machine
+
+
+def connect_timeout() -> float:
+    """How long ``ray.init`` may take (``DAS_RAY_CONNECT_TIMEOUT_S``, default 180 s): Ray itself
+    retries an unreachable GCS forever, logging a line every 30 s."""
+    try:
+        return float(os.environ.get("DAS_RAY_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S))
+    except ValueError:
+        return CONNECT_TIMEOUT_S
+
+
+def loopback_works() -> bool:
+    """Whether a TCP connection to 127.0.0.1 succeeds (a network namespace whose ``lo`` is down
+    has no loopback: Ray's local processes could not reach each other)."""
+    try:
+        with socket.socket() as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            with socket.create_connection(srv.getsockname(), timeout=5):
+                return True
+    except OSError:
+        return False
+
+
+def _give_up(address: str) -> None:
+    """The watchdog's end of a ``ray.init`` that never returns: one line, the Ray processes this
+    one started stopped (by PID: this process's descendants), and exit 1. ``ray.init`` blocks
+    in C++ and cannot be interrupted from Python, and Ray's exit handlers would wait on the
+    same GCS, hence the hard exit."""
+    # the library prints nothing, except this last line of a process about to end hard
+    os.write(2, (f"indexer build: error: --ray {address}: Ray did not come up in {connect_timeout():.0f} s "
+                 "(it cannot reach its GCS; see Ray's log lines above); giving up\n").encode())
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    os._exit(1)
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 def alive_nodes(ray: Any) -> list[dict]:

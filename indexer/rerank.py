@@ -50,8 +50,10 @@ def in_ram_bytes(ntotal: int, code_size: int, nlist: int, dim: int) -> int:
 
 
 def _ivf_parts(index: faiss.Index) -> list[faiss.Index]:
-    """The IVF indexes whose lists make up ``index`` (the parts of an IndexShardsIVF)."""
-    if isinstance(index, faiss.IndexShardsIVF):
+    """The indexes whose lists make up ``index``: the parts of a sharded index searched as one
+    (``IndexShardsIVF`` of IVF parts; ``IndexShards`` of ``IDMap2,Flat`` parts, a small sharded
+    gallery), else the index itself."""
+    if isinstance(index, (faiss.IndexShardsIVF, faiss.IndexShards)):
         return [faiss.downcast_index(index.at(i)) for i in range(index.count())]
     return [index]
 

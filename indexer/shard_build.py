@@ -21,13 +21,15 @@ from embedder.hashing import file_sha256
 from . import faiss_index as fx
 from . import selection, stream
 from .sources import Rows, Source, StoreSource
-from .build import check_shards, remove_target
+from .build import check_shards, remove_target, space_needed
+from .lmdb_env import DiskFullError
 from .errors import IndexerError
 from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
 from .manifest import DEFAULT_TARGET_RECALL
 from .model import load_embedder
 from .pipeline import IngestStats, ingest
-from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, relative, shard_paths)
+from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, claim_parts, record_owner, relative,
+                     shard_paths)
 from .store import GalleryStore
 from .walk import walk_gallery
 
@@ -54,6 +56,7 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
     if not dirs:
         raise IndexerError("a sharded build needs at least one shard directory")
     manifests = check_shards(dirs)
+    claim_parts(out, [d.path for d in dirs])      # another sharded index's parts: refused
     model, dim = manifests[0]["model"], int(manifests[0]["dim"])
     if sources is None:
         sources = [StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
@@ -97,7 +100,9 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
                 "ingest": {"skipped": skipped}, "report": REPORT,
                 "stage_seconds": {k: round(v, 3) for k, v in p.seconds.items()},
                 "build_seconds": round(time.perf_counter() - t0, 3), "built_at": now_utc()}
-    return dst.write_manifest(manifest)
+    written = dst.write_manifest(manifest)
+    record_owner(out, [d.path for d in dirs])
+    return written
 
 
 # ---------------------------------------------------------------------------- add / remove
@@ -142,7 +147,8 @@ def sync_parts(directory: Path, manifest: dict) -> dict:
             added, removed = added + len(new), removed + len(stale)
         src.close()
     count = int(len(taken))             # the held-out ids still stored, and every shard's share
-    files = {**sh.get("files", {}), **_records(directory, changed)}
+    old = {relative(directory, directory / k): v for k, v in sh.get("files", {}).items()}  # absolute
+    files = {**old, **_records(directory, changed)}     # keys of older manifests: named as now
     fields = {}
     if changed and manifest.get("index_type") != "flat":
         fields = retune_sharded(directory, manifest, [ids for ids, _ in stored], taken)
@@ -211,7 +217,10 @@ def add_sharded(directory: str | Path, folder: str | Path, model: str | Path | N
             sizes.append(len(st))
     target = dirs[int(np.argmin(sizes))]
     with GalleryStore(target / STORE_DIR, readonly=False) as store:
-        stats = ingest(store, files, emb, workers=workers, progress=progress)
+        try:
+            stats = ingest(store, files, emb, workers=workers, progress=progress)
+        except DiskFullError as e:
+            raise e.needing(space_needed(files, emb.dim, target / PART_FILE)) from None
     d.write_report(stats.skipped)
     m = sync_parts(d.path, manifest)
     return {**m, "shard": str(target)}, stats

@@ -10,8 +10,9 @@ Layout (``indexer build --ray --sharded`` or ``indexer merge --sharded``)::
     SHARD/store.lmdb      each shard's gallery store, where its task wrote it
     SHARD/part.faiss      its vectors in a copy of the trained index (``stream.fill``)
 
-Shard paths are stored relative to OUT when they are inside it (the directory can move), else
-absolute. ``Index.open`` opens such a directory as a :class:`ShardedIndex`, which is an
+Shard paths are stored relative to OUT (``relative``: through ``..`` for shards beside it, so
+the directory and its shards can move together and the manifest holds no server path), absolute
+only when they share nothing with OUT but the root; ``serving.redact`` cuts those from answers. ``Index.open`` opens such a directory as a :class:`ShardedIndex`, which is an
 :class:`indexer.Index` whose faiss index is the parts as one (``stream.as_one``: one shared
 quantizer, so results equal one merged index's) and whose store reads each id from the shard
 that holds it (:class:`ShardedStore`), so serving, ``indexer search`` and ``eval`` need nothing
@@ -19,6 +20,8 @@ else.
 """
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -50,15 +53,23 @@ def is_sharded_dir(directory: str | Path) -> bool:
 
 
 def shard_paths(directory: Path, manifest: dict) -> list[Path]:
-    return [(directory / p) for p in manifest["sharded"]["shards"]]
+    """The shard folders (absolute, ``..`` folded: ``relative`` may name them through it)."""
+    return [Path(os.path.normpath(Path(directory).absolute() / p)) for p in manifest["sharded"]["shards"]]
 
 
 def relative(directory: Path, shard: Path) -> str:
-    """How the manifest names a shard: relative to the index directory when inside it."""
+    """How the manifest names a shard (or a file in one): relative to the index directory when
+    inside it; relative through ``..`` when both lie under one folder other than the root (shards
+    beside the index move with it, and the manifest names no server path); else absolute."""
+    d, s = Path(directory).resolve(), Path(shard).resolve()
     try:
-        return Path(shard).resolve().relative_to(directory.resolve()).as_posix()
+        return s.relative_to(d).as_posix()
     except ValueError:
-        return str(Path(shard).resolve())
+        pass
+    common = Path(os.path.commonpath([d, s]))
+    if common == Path(common.anchor):           # nothing shared but "/": keep it absolute
+        return str(s)
+    return Path(os.path.relpath(s, d)).as_posix()
 
 
 def check_files(directory: Path, manifest: dict, verify_hash: bool = True) -> None:
@@ -68,6 +79,56 @@ def check_files(directory: Path, manifest: dict, verify_hash: bool = True) -> No
         check_lmdb(s / STORE_DIR)
     for rel, rec in recs.items():
         check_faiss_file(directory / rel, rec, verify_hash=verify_hash)
+
+
+def describe_changed(directory: Path, f: Path, size: int, recorded: int) -> str:
+    """The one line for a part file that is not the one this index was built with."""
+    owner = part_owner(f.parent) if f.name == PART_FILE else None
+    by = (f"; the sharded index {owner} was built over the same shard folder since and rewrote it"
+          if owner is not None and owner != Path(directory).resolve() else "")
+    return (f"{f}: overwritten since the sharded index {directory} was built ({size} bytes, its "
+            f"manifest records {recorded}){by}; rebuild with `python -m indexer merge --sharded "
+            f"... --out {directory}`")
+
+
+# ---------------------------------------------------------------------------- part ownership
+OWNER_FILE = "part.owner"     # in a shard folder: the sharded index whose part.faiss this is
+
+
+def part_owner(shard: Path) -> Path | None:
+    """The sharded index that last wrote ``shard``'s part.faiss (its resolved directory), if any."""
+    try:
+        return Path(json.loads((Path(shard) / OWNER_FILE).read_text())["index"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def claim_parts(out: Path, shards: Sequence[Path]) -> None:
+    """Refuse to build ``out`` over shards whose part belongs to another sharded index that
+    still lists them (filling the parts again would rewrite the files that index searches and
+    checks), in one line; otherwise nothing. ``record_owner`` marks them once built."""
+    me = Path(out).resolve()
+    for s in shards:
+        owner = part_owner(s)
+        if owner is None or owner == me or not (owner / "manifest.json").is_file():
+            continue
+        try:
+            m = IndexDir(owner).read_manifest()
+        except IndexerError:
+            continue                                    # not a readable index any more: free
+        if is_sharded(m) and Path(s).resolve() in [p.resolve() for p in shard_paths(owner, m)]:
+            raise IndexerError(f"{s}: its {PART_FILE} belongs to the sharded index {owner}, which "
+                               f"searches it; building {out} over the same shard folder would "
+                               f"rewrite it under that index: merge into {owner} again, or copy "
+                               "the shard folders first")
+
+
+def record_owner(out: Path, shards: Sequence[Path]) -> None:
+    from embedder.files import atomic_target
+
+    for s in shards:
+        with atomic_target(Path(s) / OWNER_FILE) as tmp:
+            Path(tmp).write_text(json.dumps({"index": str(Path(out).resolve())}) + "\n")
 
 
 # ---------------------------------------------------------------------------- reading
@@ -119,6 +180,10 @@ class ShardedStore:
 
     def models(self) -> list[str]:
         return sorted({m for s in self.stores for m in s.models()})
+
+    def probe(self) -> None:
+        for s in self.stores:
+            s.probe()
 
     def close(self) -> None:
         for s in self.stores:
@@ -178,12 +243,21 @@ def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
     """``indexer info`` on a sharded index: the manifest, then one line per shard."""
     import json
 
+    import sys
+
+    from .consistency import check_counts
+
     check_files(directory, manifest)
     check_model_file(IndexDir(directory).model_file, manifest["model"]["hash"])
     facts = info(directory, manifest)
+    counts = check_counts(directory)          # the single index's promise: exit 1 when they differ
     if as_json:
-        print(json.dumps({"manifest": manifest, **facts}, indent=2))
-        return 0
+        print(json.dumps({"manifest": manifest, **facts, "counts": {
+            **{k: getattr(counts, k) for k in ("store", "embedded", "faiss", "manifest", "busy")},
+            "ok": counts.ok, "message": counts.message}}, indent=2))
+        if not counts.ok:
+            print(f"indexer info: error: {counts.message}", file=sys.stderr)
+        return 0 if counts.ok else 1
     m, mod = manifest, manifest["model"]
     print(f"index:    {directory} (sharded: {len(facts['shards'])} shards searched as one)")
     print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
@@ -197,6 +271,10 @@ def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
     print(f"checksum: {len(m['sharded'].get('files', {}))} faiss files, sizes and sha256 verified")
     print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
           f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
+    print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
+    if not counts.ok:
+        print(f"indexer info: error: {counts.message}", file=sys.stderr)
+        return 1
     return 0
 
 

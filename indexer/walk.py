@@ -37,9 +37,12 @@ def label_of(relpath: str) -> str | None:
 def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
     """Yield every image-named entry under ``root`` in sorted order.
 
-    Symlinked directories are not followed (no loops); a symlinked file is read through.
-    Entries with an image suffix that are not regular files are yielded with ``problem`` set,
-    so the build can name them in its report.
+    Symlinked directories are followed, as ``find -L`` and ``rsync -L`` do (a user who links
+    photo folders into a gallery means them to be indexed), each directory once: one already
+    walked, by its (st_dev, st_ino), is not walked again, so a link to an ancestor cannot loop;
+    such a link is yielded with ``problem`` set (the build's report names it). A symlinked file
+    is read through. Entries with an image suffix that are not regular files are yielded with
+    ``problem`` set, so the build can name them in its report.
     """
     root = Path(root)
     if not root.is_dir():
@@ -50,6 +53,8 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
         r = p.relative_to(root).as_posix()
         return f"{prefix}/{r}" if prefix else r
 
+    st = root.stat()
+    visited = {(st.st_dev, st.st_ino)}
     stack = [root]
     while stack:
         d = stack.pop()
@@ -63,12 +68,22 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
         for e in entries:
             p = Path(e.path)
             image_name = is_image_name(e.name)
-            if e.is_dir(follow_symlinks=False):
+            if e.is_dir(follow_symlinks=True):
                 if image_name:
                     r = rel(p)
                     yield GalleryFile(p, r, label_of(r), "unreadable: is a directory, not an image file")
-                else:
-                    subdirs.append(p)
+                    continue
+                try:
+                    t = e.stat(follow_symlinks=True)
+                except OSError:
+                    continue
+                if (t.st_dev, t.st_ino) in visited:        # a link back up, or to a folder walked
+                    r = rel(p)
+                    yield GalleryFile(p, r, label_of(r), "not followed: a symlink to a directory "
+                                      f"already walked ({os.path.realpath(p)}): a loop or a second link")
+                    continue
+                visited.add((t.st_dev, t.st_ino))
+                subdirs.append(p)
                 continue
             if not image_name:
                 continue

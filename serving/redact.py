@@ -14,14 +14,41 @@ def _is_abs(s: str) -> bool:
     return len(s) > 1 and (s.startswith("/") or (len(s) > 2 and s[1] == ":" and s[2] in "/\\"))
 
 
+def _is_outside(s: str) -> bool:
+    """A path naming something outside the index directory: absolute, or relative through
+    ``..`` (a sharded index's shards beside it: ``../../home/alice/shards/0`` is no better)."""
+    return "\n" not in s and (_is_abs(s) or s == ".." or s.startswith("../") or s.startswith("..\\"))
+
+
+def _public_keys(keys: list[str]) -> dict[str, str]:
+    """Each key that is an outside path -> the fewest last components that keep the keys
+    distinct (``/srv/s0/part.faiss`` and ``/srv/s1/part.faiss`` -> ``s0/part.faiss``,
+    ``s1/part.faiss``): a manifest's ``sharded.files`` is keyed by path."""
+    out = {k: k for k in keys if not (isinstance(k, str) and _is_outside(k))}
+    outside = [k for k in keys if k not in out]
+    parts = {k: [p for p in k.replace("\\", "/").split("/") if p not in ("", "..", ".")] for k in outside}
+    for k in outside:
+        n = 1
+        while True:
+            name = "/".join(parts[k][-n:]) or "?"
+            clash = [o for o in outside if o != k and "/".join(parts[o][-n:]) == name] or name in out.values()
+            if not clash or n >= len(parts[k]):
+                break
+            n += 1
+        out[k] = name if name not in out.values() else f"{name} ({len(out)})"
+    return out
+
+
 def public_value(obj: Any) -> Any:
-    """A manifest (or any JSON value) with each absolute path string cut to its last part."""
+    """A manifest (or any JSON value) with each path to outside the index directory (absolute,
+    or relative through ``..``) cut to its last part, in keys as well as in values."""
     if isinstance(obj, dict):
-        return {k: public_value(v) for k, v in obj.items()}
+        names = _public_keys(list(obj))
+        return {names[k]: public_value(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [public_value(v) for v in obj]
-    if isinstance(obj, str) and _is_abs(obj) and "\n" not in obj:
-        return Path(obj).name or obj
+    if isinstance(obj, str) and _is_outside(obj):
+        return Path(obj.replace("\\", "/")).name or obj
     return obj
 
 
@@ -31,14 +58,15 @@ class Redactor:
     def __init__(self, directories: Mapping[str, Path]) -> None:
         pairs = []
         for name, d in directories.items():
-            for form in {str(Path(d)), str(Path(d).resolve()), os.path.abspath(d)}:
-                if _is_abs(form):
-                    pairs.append((form, name))
+            for where, path in [(f"index {name!r}", d), *_shards(name, d)]:
+                for form in {str(Path(path)), str(Path(path).resolve()), os.path.abspath(path)}:
+                    if _is_abs(form):
+                        pairs.append((form, where))
         self._pairs = sorted(pairs, key=lambda p: -len(p[0]))     # longest first
 
     def text(self, msg: str) -> str:
-        for form, name in self._pairs:
-            msg = msg.replace(form + os.sep, f"index {name!r} ").replace(form, f"index {name!r}")
+        for form, where in self._pairs:
+            msg = msg.replace(form + os.sep, f"{where} ").replace(form, where)
         return msg
 
     def description(self, info: dict) -> dict:
@@ -46,3 +74,18 @@ class Redactor:
         out = {k: v for k, v in info.items() if k != "directory"}
         out["manifest"] = public_value(info.get("manifest") or {})
         return out
+
+
+def _shards(name: str, directory: Path) -> list[tuple[str, Path]]:
+    """("index NAME shard I", its folder) for each shard of a sharded index (its shards lie
+    outside its directory: messages about their files must not name them either)."""
+    from indexer.index_dir import IndexDir
+    from indexer.shards import is_sharded, shard_paths
+
+    try:
+        manifest = IndexDir(directory).read_manifest()
+    except Exception:       # noqa: BLE001 - a damaged index: health says so; nothing to add here
+        return []
+    if not is_sharded(manifest):
+        return []
+    return [(f"index {name!r} shard {i}", p) for i, p in enumerate(shard_paths(Path(directory), manifest))]

@@ -8,7 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,3 +39,64 @@ def copy_characters(omniglot_root: Path, dst: Path, n_chars: int, per_char: int 
             shutil.copy2(f, d / f.name)
             out.append(d / f.name)
     return out
+
+
+@contextmanager
+def serve_app(args: list, log_dir: Path, port: int, timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real ``python app.py ARGS`` on 127.0.0.1:PORT (tests/serving has its own, in its
+    conftest, which this folder cannot import); stopped by PID. Yields (base URL, process)."""
+    import httpx
+
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO), "GRADIO_TEMP_DIR": str(log_dir / "gradio-tmp")}
+    log = log_dir / "server.log"
+    with open(log, "w") as lf:
+        proc = subprocess.Popen([sys.executable, str(REPO / "app.py"), *map(str, args), "--host", "127.0.0.1",
+                                 "--port", str(port)], cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"app.py exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/api/health", timeout=2).status_code in (200, 503):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"app.py did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()                # by PID: only the server started here
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def garbage_inside(data: Path, page: int = 4096) -> int:
+    """Overwrite with garbage every page of an LMDB file but its two meta pages and the main
+    database's root (the page naming the store's databases, so that the store still opens):
+    its size is unchanged. LMDB's layout (lmdb.h, 64-bit): a meta page is a 16-byte page
+    header, then magic, version, address, mapsize (24 bytes), then two 48-byte MDB_db records
+    (free, main) whose last 8 bytes are the root page, then last_pgno and txnid. Returns the
+    pages overwritten."""
+    import struct
+
+    raw = data.read_bytes()
+    metas = [raw[i * page:(i + 1) * page] for i in (0, 1)]
+    txn = [struct.unpack_from("<Q", m, 16 + 24 + 2 * 48 + 8)[0] for m in metas]
+    main_root = struct.unpack_from("<Q", metas[int(txn[1] > txn[0])], 16 + 24 + 48 + 40)[0]
+    n = 0
+    with open(data, "r+b") as f:
+        for p in range(2, len(raw) // page):
+            if p != main_root:
+                f.seek(p * page)
+                f.write(bytes([0xA5]) * page)
+                n += 1
+    return n

@@ -40,7 +40,7 @@ def test_manifests_written_before_the_schema_read_and_rewrite_unchanged(name: st
 @pytest.mark.parametrize("broken, why", [
     ({"format": FORMAT, "model": {"hash": "ab"}}, "missing dim, count"),
     ({"format": FORMAT, "model": "ab", "dim": 64, "count": 3}, "model.hash"),
-    ({"format": FORMAT, "model": {"hash": "ab"}, "dim": "64", "count": 3}, "dim '64'"),
+    ({"format": FORMAT, "model": {"hash": "ab"}, "dim": "64", "count": 3}, "key 'dim': '64'"),
     ({"format": FORMAT, "model": {"hash": "ab"}, "dim": 64, "count": 3, "shard": [0, 2]}, "shard"),
     ({"format": "das-index/0", "model": {"hash": "ab"}, "dim": 64, "count": 3}, "format"),
 ])

@@ -1,0 +1,150 @@
+"""Every promise of the single index, held by the merged and the sharded index too (issue 28):
+the same checks run over a single Flat index, a merged IVF index, a sharded IVF index whose
+shards lie beside it, and a sharded Flat index whose shards lie under another top folder (its
+manifest then names them by absolute path). Lock, counts, ``info``, ``--max-memory`` (CLI and
+app) and health with no server path in the API's answers, against one real ``app.py`` serving
+all four."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from indexer_testlib import REPO, run_cli, serve_app
+from indexer import check_counts
+from indexer.lock import writer_lock
+
+KINDS = ("single", "merged", "sharded", "sharded_flat")
+BUDGET = "30K"      # below every kind's full index (240 x 64-d: 62 KB), above its SQ8 codes (17 KB)
+
+
+def _outside_root() -> Path:
+    """A folder that shares nothing but "/" with pytest's tmp folders: shards there are named
+    by absolute path in the manifest (what `merge --sharded` of shards elsewhere writes)."""
+    tmp = Path(tempfile.gettempdir()).resolve().parts[1]
+    for top in ("/dev/shm", "/var/tmp", str(REPO.parent)):
+        p = Path(top)
+        if p.is_dir() and os.access(p, os.W_OK) and p.resolve().parts[1] != tmp:
+            return p
+    pytest.skip("no writable folder outside the temp folder's top level")
+
+
+@pytest.fixture(scope="module")
+def kinds(built_index: Path, two_shards: Path, tmp_path_factory) -> Iterator[dict[str, Path]]:
+    outside = Path(tempfile.mkdtemp(prefix="das-kinds-", dir=_outside_root()))
+    try:
+        for i in range(2):          # shards of its own: a sharded index owns its shards' parts
+            shutil.copytree(two_shards / f"s{i}", outside / f"f{i}")
+        flat = tmp_path_factory.mktemp("kinds") / "sharded_flat"
+        run_cli("merge", "--sharded", outside / "f0", outside / "f1", "--out", flat, "--quiet")
+        yield {"single": built_index, "merged": two_shards / "merged", "sharded": two_shards / "sharded",
+               "sharded_flat": flat}
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def app(kinds: dict[str, Path], tmp_path_factory, free_port) -> Iterator[str]:
+    """One real ``app.py`` serving the four kinds within ``--max-memory``; stopped by PID."""
+    args = [a for k in KINDS for a in ("--index", kinds[k], "--name", k)] + ["--max-memory", BUDGET]
+    with serve_app(args, tmp_path_factory.mktemp("kinds-app"), free_port()) as (url, _):
+        yield url
+
+
+def _first_image(d: Path) -> tuple[int, str]:
+    """(id, gallery-relative path) of one image the index holds."""
+    from indexer import Index
+
+    idx = Index.open(d)
+    try:
+        store = getattr(idx.store, "stores", [idx.store])[0]      # a sharded index: its first shard's
+        i = int(store.all_embeddings(idx.model_hash)[0][0])
+        return i, idx.meta(i)["path"]
+    finally:
+        idx.store.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_counts_agree(kinds: dict[str, Path], kind: str) -> None:
+    c = check_counts(kinds[kind])
+    assert c.ok and not c.busy and c.faiss == c.manifest == 240, c.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_info_reports_counts_and_exits_zero(kinds: dict[str, Path], kind: str) -> None:
+    p = run_cli("info", "--index", kinds[kind])
+    assert "240 vectors" in p.stdout and "counts:   counts agree: 240" in p.stdout, p.stdout
+    j = json.loads(run_cli("info", "--index", kinds[kind], "--json").stdout)
+    assert j["manifest"]["count"] == 240 and j["counts"]["ok"] and j["counts"]["faiss"] == 240
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_second_writer_is_refused_in_one_line(kinds: dict[str, Path], kind: str,
+                                                 omniglot_gallery: Path) -> None:
+    d = kinds[kind]
+    folder = next(p for p in sorted(omniglot_gallery.rglob("*")) if p.is_dir() and any(p.glob("*.png")))
+    with writer_lock(d, "test: another writer"):
+        assert check_counts(d).busy                 # counts not compared while a writer works
+        p = run_cli("add", "--index", d, folder, "--quiet", check=False)
+    assert p.returncode != 0
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "being written" in err[0] and "test: another writer" in err[0], p.stderr
+    assert check_counts(d).ok and check_counts(d).faiss == 240      # nothing was written
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_max_memory_search_through_the_cli(kinds: dict[str, Path], kind: str, omniglot_gallery: Path) -> None:
+    _, path = _first_image(kinds[kind])          # every kind indexes omniglot_gallery
+    p = run_cli("search", "--index", kinds[kind], "--max-memory", BUDGET, "-k", "3", "--json",
+                omniglot_gallery / path, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    hits = json.loads(p.stdout)
+    assert hits[0]["path"] == path and hits[0]["score"] > 0.999
+
+
+def test_app_serves_every_kind_healthy_within_max_memory(app: str) -> None:
+    h = httpx.get(f"{app}/api/health", timeout=60)
+    assert h.status_code == 200 and h.json()["indexes"] == list(KINDS), h.text
+    listed = {i["name"]: i for i in httpx.get(f"{app}/api/indexes", timeout=60).json()}
+    for kind in KINDS:      # each held as codes within the budget, re-ranked from its store(s)
+        assert listed[kind]["size"] == 240 and listed[kind]["memory"], (kind, listed[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_app_answers_by_id_under_max_memory(app: str, kinds: dict[str, Path], kind: str) -> None:
+    i, path = _first_image(kinds[kind])
+    r = httpx.post(f"{app}/api/search", data={"index": kind, "id": str(i), "k": "3"}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = [h["id"] for h in r.json()["results"]]
+    from indexer import Index
+
+    full = Index.open(kinds[kind])               # the whole index in RAM: what the codes re-rank to
+    try:
+        store = getattr(full.store, "stores", [full.store])[0]
+        want = [int(j) for j in full.search_embeddings(store.get_embeddings(full.model_hash, [i]), 4)[1][0]]
+    finally:
+        full.store.close()
+    assert got == [j for j in want if j != i][:3], (got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_server_path_in_api_answers(app: str, kinds: dict[str, Path], kind: str) -> None:
+    """Keys as well as values: a sharded index's manifest keys its faiss files by path."""
+    m = json.loads((kinds[kind] / "manifest.json").read_text())
+    if kind == "sharded_flat":      # the case that leaked: shards outside --out, absolute keys
+        assert any(k.startswith("/") for k in m["sharded"]["files"]), m["sharded"]["files"]
+    listed = next(i for i in httpx.get(f"{app}/api/indexes", timeout=60).json() if i["name"] == kind)
+    text = json.dumps(listed) + httpx.get(f"{app}/api/health", timeout=60).text
+    for d in [kinds[kind], *[Path(p) for p in re.findall(r'"(/[^"]+)"', json.dumps(m))]]:
+        assert str(Path(d).resolve().parent) not in text
+    assert not re.findall(r'"(/[^"]*|\.\./[^"]*)"', text), text[:3000]
+    assert listed["manifest"]["count"] == 240
+    if m.get("sharded"):            # the records are still there, under names, one per file
+        assert len(listed["manifest"]["sharded"]["files"]) == len(m["sharded"]["files"])
