@@ -80,6 +80,16 @@ def test_trains_with_das_cache_off_and_on_and_exports(cub_root, tmp_path, weight
     pre = json.loads(onnx.metadata["preprocessing"])
     assert onnx.metadata["backbone"] == name and pre["interpolation"] == "bicubic"
     assert pre["input_size"] == SIZE and onnx.dim == 16
+    # `python -m embedder export best.pt` rebuilds the model from the checkpoint alone (the
+    # weights file it started from is recorded, not read) and gives the served embeddings
+    from embedder import load_checkpoint
+
+    model, _ = load_checkpoint(tmp_path / "cache1" / "best.pt")
+    assert model.config.weights == str(weights[arch])
+    img = sorted(cub_root.rglob("*.jpg"))[0]
+    with torch.no_grad():
+        ref = model(torch.from_numpy(onnx.prepare(img)[None])).numpy()
+    np.testing.assert_allclose(onnx.embed([img]), ref, atol=1e-4)
 
 
 def _gallery(cub_root: Path, out: Path, per_class: int = 5) -> Path:
