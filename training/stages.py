@@ -51,14 +51,21 @@ def stage_modules(backbone: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
         stages = list(net.stages)
         stages[-1] = nn.Sequential(stages[-1], net.norm_pre)
         return [net.stem], stages
-    if net is not None and all(hasattr(net, a) for a in ("patch_embed", "_pos_embed", "blocks",
-                                                         "norm", "norm_pre")):   # timm ViT
+    if net is not None and _is_timm_vit(net):       # DINOv2, CLIP, SigLIP, DeiT, ... (not EVA: RoPE)
         stages = list(net.blocks)
         stages[-1] = nn.Sequential(stages[-1], net.norm)
         return [_VitStem(net)], stages
     raise ValueError(f"trainable='last:N' needs an EfficientNet, ResNet, ConvNeXt or ViT "
                      f"backbone; {type(net or backbone).__name__} has no stages here (use 'all' "
                      f"or 'head')")
+
+
+def _is_timm_vit(net: nn.Module) -> bool:
+    try:
+        from timm.models.vision_transformer import VisionTransformer
+    except ImportError:         # pragma: no cover - timm is a dependency
+        return False
+    return isinstance(net, VisionTransformer)
 
 
 class _VitStem(nn.Module):

@@ -149,3 +149,24 @@ def test_layer_decay_groups_lr_by_depth(tmp_path):
     assert lr_of[id(net.blocks[4].mlp.fc1.weight)] == pytest.approx(0.5e-4)
     assert id(net.blocks[3].mlp.fc1.weight) not in lr_of                 # frozen
     assert not net.blocks[3].mlp.fc1.weight.requires_grad and not net.pos_embed.requires_grad
+
+
+@pytest.mark.parametrize("arch,trainable", [("test_vit", "last:2"), ("test_convnext", "last:1")])
+def test_frozen_prefix_then_trainable_suffix_is_the_whole_network(arch, trainable):
+    """What the trunk cache stores (tokens after block L-N, a ConvNeXt stage's input) followed by
+    the trained part gives the embedder's own output."""
+    from embedder import Embedder, EmbedderConfig
+    from training.stages import split_stages
+
+    torch.manual_seed(0)
+    model = Embedder(EmbedderConfig(backbone=f"timm:{arch}", dim=8, pooling="model",
+                                    pretrained=False)).eval()
+    split = split_stages(model, trainable)
+    x = torch.randn(2, 3, 160, 160)
+    with torch.no_grad():
+        acts = split.prefix(x)
+        assert torch.allclose(split.suffix.eval()(acts), model(x), atol=1e-5)
+    if arch == "test_vit":
+        assert acts.shape == (2, 101, 64)            # class token + 10 x 10 patches
+        assert not any(p.requires_grad for p in model.backbone.net.blocks[3].parameters())
+        assert all(p.requires_grad for p in model.backbone.net.blocks[4].parameters())
