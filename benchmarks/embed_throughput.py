@@ -37,6 +37,18 @@ def _build(name: str):
         return pretrained_embedder("lite0-avg"), "pretrained ImageNet, avg, 224 px, 1280-d"
     if name == "default":              # today's pretrained default (embedder.pretrained.DEFAULT)
         return pretrained_embedder(DEFAULT), f"pretrained ImageNet, {DEFAULT} (default), 1280-d"
+    if name.startswith("timm:"):       # issue 29: any timm model, training-free form, at 224 px
+        import dataclasses
+
+        from embedder.preprocess import preprocessing_for
+
+        pre = preprocessing_for(name)
+        if pre.input_size != 224:
+            pre = dataclasses.replace(pre, input_size=224,
+                                      resize=round(224 * pre.resize / pre.input_size))
+        pooling = "cls" if "dinov2" in name else "model"
+        model = Embedder(EmbedderConfig(backbone=name, dim=0, pooling=pooling), pre).eval()
+        return model, f"random init, {pooling} pooling, 224 px, {model.dim}-d"
     dim = 64 if name == "small_cnn" else 128
     return Embedder(EmbedderConfig(backbone=name, dim=dim)).eval(), f"random init, {dim}-d"
 
@@ -62,9 +74,9 @@ def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[f
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backbones", nargs="+", default=["efficientnet_lite0", "default", "resnet50", "small_cnn"],
-                    choices=["efficientnet_lite0", "default", "resnet18", "resnet34", "resnet50", "small_cnn"],
                     help="efficientnet_lite0: the old pretrained default (avg pooling); default: "
-                         "embedder.pretrained.DEFAULT; the others random init")
+                         "embedder.pretrained.DEFAULT; resnet18|34|50, small_cnn and timm:NAME "
+                         "(e.g. timm:vit_small_patch14_dinov2.lvd142m, at 224 px) random init")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="intra-op thread counts to measure (same for torch and ORT)")
@@ -74,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-time", type=float, default=1.5, help="seconds per measurement")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
     args = ap.parse_args(argv)
+    known = {"efficientnet_lite0", "default", "resnet18", "resnet34", "resnet50", "small_cnn"}
+    bad = [b for b in args.backbones if b not in known and not b.startswith("timm:")]
+    if bad:
+        print(f"error: --backbones {bad[0]!r}: expected one of {', '.join(sorted(known))} or "
+              "timm:NAME", file=sys.stderr)
+        return 2
     if min(args.threads) < 1 or args.min_time <= 0 or min(args.batch_sizes) < 1:
         print("error: --threads, --min-time and --batch-sizes must be positive", file=sys.stderr)
         return 2

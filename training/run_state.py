@@ -60,7 +60,7 @@ def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
     return Embedder(EmbedderConfig(backbone=cfg.backbone, dim=cfg.dim, pooling=cfg.pooling,
                                    normalize=normalize, pretrained=cfg.pretrained,
                                    frozen_bn=cfg.frozen_bn, gem_p=cfg.gem_p,
-                                   head_input=cfg.head_input), pre)
+                                   head_input=cfg.head_input, weights=cfg.weights), pre)
 
 
 def build_components(cfg: TrainConfig, num_classes: int):
@@ -85,15 +85,17 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
         backbone, head = split.backbone_params, split.head_params
     else:
         head = getattr(model, "head", None)       # an Embedder's embedding layer
-        head_ids = ({id(p) for p in head.parameters()} if cfg.backbone_lr > 0 and head is not None
-                    else set())
+        head_ids = ({id(p) for p in head.parameters()}
+                    if (cfg.backbone_lr > 0 or cfg.layer_decay) and head is not None else set())
         head = [p for p in model.parameters() if p.requires_grad and id(p) in head_ids]
         backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
         if not head_ids:                      # one group, as before backbone_lr existed
             head, backbone = backbone, []
     groups: list[dict] = [{"params": [p for p in head if p.requires_grad], "lr": cfg.lr,
                            "name": "model"}]
-    if backbone:
+    if backbone and cfg.layer_decay:
+        groups += _layer_decay_groups(cfg, model, [p for p in backbone if p.requires_grad])
+    elif backbone:
         groups.append({"params": [p for p in backbone if p.requires_grad],
                        "lr": cfg.backbone_lr or cfg.lr, "name": "backbone"})
     extra = criterion.param_groups() if hasattr(criterion, "param_groups") else []
@@ -106,6 +108,34 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
     else:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _WarmupSteps(cfg))
     return opt, sched
+
+
+def _layer_decay_groups(cfg: TrainConfig, model: nn.Module, params: list[nn.Parameter]
+                        ) -> list[dict]:
+    """The trainable backbone parameters in timm's layer-decay groups
+    (``timm.optim.param_groups_layer_decay``: layers from the model's ``group_matcher``, no
+    weight decay on biases and norms), each at ``(backbone_lr or lr) x lr_scale``: timm's
+    schedulers apply ``lr_scale`` themselves, torch's (used here) need it in the group's lr."""
+    from timm.optim import param_groups_layer_decay
+
+    net = getattr(model.backbone, "net", None)
+    if net is None or not hasattr(net, "group_matcher"):
+        raise ValueError(f"layer_decay: {cfg.backbone} has no timm layer groups")
+    wanted = {id(p) for p in params}
+    base = cfg.backbone_lr or cfg.lr
+    groups, seen = [], set()
+    for g in param_groups_layer_decay(net, weight_decay=cfg.weight_decay,
+                                      layer_decay=cfg.layer_decay):
+        ps = [p for p in g["params"] if id(p) in wanted]
+        seen.update(id(p) for p in ps)
+        if ps:
+            groups.append({"params": ps, "lr": base * g["lr_scale"],
+                           "weight_decay": g["weight_decay"],
+                           "name": f"backbone x{g['lr_scale']:.4g}"})
+    rest = [p for p in params if id(p) not in seen]     # none for timm models; kept if any
+    if rest:
+        groups.append({"params": rest, "lr": base, "name": "backbone"})
+    return groups
 
 
 class _WarmupSteps:

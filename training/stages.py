@@ -8,7 +8,15 @@ on frozen pooled features). Stages:
 
 * EfficientNet / EfficientNet-Lite (timm): stem = ``conv_stem`` + ``bn1``; stages = the
   ``blocks`` (7 MBConv stages), the last one carrying ``conv_head`` + ``bn2`` with it;
-* ResNet (torchvision): stem = ``conv1`` ... ``maxpool``; stages = ``layer1`` .. ``layer4``.
+* ResNet (torchvision or timm): stem = ``conv1`` ... ``maxpool``; stages = ``layer1`` .. ``layer4``;
+* ConvNeXt (timm): stem = ``stem``; stages = the 4 ``stages``, the last carrying ``norm_pre``;
+* ViT (timm ``VisionTransformer`` and kin): stem = patch embedding + position embedding (+ the
+  class/register tokens); stages = the transformer ``blocks``, the last carrying the final
+  ``norm``: ``last:N`` trains the last N blocks and the final norm, and the trunk cache stores
+  the tokens after block L-N.
+
+timm has no API to run a model from an intermediate layer on (``forward_intermediates`` only
+returns them), hence the per-family lists here; other architectures train ``all`` or ``head``.
 
 The frozen prefix always runs in eval mode without gradients (its BatchNorm statistics are the
 ImageNet ones), so its output for an image is a fixed function of the image: that is what lets
@@ -30,15 +38,51 @@ def stage_modules(backbone: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
     """(stem modules, [stage, ...]) of a backbone built by `embedder.model.build_backbone`, in
     forward order; each stage is a list-free module (a Sequential where it has several parts)."""
     net = getattr(backbone, "net", None)
+    stages: list[nn.Module]
     if net is not None and hasattr(net, "blocks") and hasattr(net, "conv_stem"):   # timm EfficientNet
-        stages: list[nn.Module] = list(net.blocks)
+        stages = list(net.blocks)
         stages[-1] = nn.Sequential(stages[-1], net.conv_head, net.bn2)
         return [net.conv_stem, net.bn1], stages
-    if net is not None and hasattr(net, "layer4"):                                    # torchvision ResNet
-        return [net.conv1, net.bn1, net.relu, net.maxpool], [net.layer1, net.layer2, net.layer3,
-                                                             net.layer4]
-    raise ValueError(f"trainable='last:N' needs an EfficientNet or ResNet backbone; "
-                     f"{type(backbone).__name__} has no stages (use 'all' or 'head')")
+    if net is not None and hasattr(net, "layer4"):                # torchvision / timm ResNet
+        act = net.relu if hasattr(net, "relu") else net.act1
+        return [net.conv1, net.bn1, act, net.maxpool], [net.layer1, net.layer2, net.layer3,
+                                                        net.layer4]
+    if net is not None and all(hasattr(net, a) for a in ("stem", "stages", "norm_pre")):  # ConvNeXt
+        stages = list(net.stages)
+        stages[-1] = nn.Sequential(stages[-1], net.norm_pre)
+        return [net.stem], stages
+    if net is not None and _is_timm_vit(net):       # DINOv2, CLIP, SigLIP, DeiT, ... (not EVA: RoPE)
+        stages = list(net.blocks)
+        stages[-1] = nn.Sequential(stages[-1], net.norm)
+        return [_VitStem(net)], stages
+    raise ValueError(f"trainable='last:N' needs an EfficientNet, ResNet, ConvNeXt or ViT "
+                     f"backbone; {type(net or backbone).__name__} has no stages here (use 'all' "
+                     f"or 'head')")
+
+
+def _is_timm_vit(net: nn.Module) -> bool:
+    try:
+        from timm.models.vision_transformer import VisionTransformer
+    except ImportError:         # pragma: no cover - timm is a dependency
+        return False
+    return isinstance(net, VisionTransformer)
+
+
+class _VitStem(nn.Module):
+    """A timm ViT's ``forward_features`` up to its first block: patch embedding, position
+    embedding with the class/register tokens, ``norm_pre``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.patch_embed, self.patch_drop, self.norm_pre = net.patch_embed, net.patch_drop, net.norm_pre
+        for name in ("pos_embed", "cls_token", "reg_token"):   # shared with the model: frozen
+            if isinstance(getattr(net, name, None), nn.Parameter):   # and in the cache key
+                setattr(self, name, getattr(net, name))
+        object.__setattr__(self, "_net", net)    # _pos_embed is the model's own method
+
+    def forward(self, x: Tensor) -> Tensor:
+        net = self._net
+        return self.norm_pre(self.patch_drop(net._pos_embed(self.patch_embed(x))))
 
 
 class _Tail(nn.Module):
@@ -48,6 +92,7 @@ class _Tail(nn.Module):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.embedder_head = model.head
+        self.pool_params = nn.ParameterList()   # the backbone's own pooling head (split_stages)
         # not registered as a submodule: the Embedder owns these; we only call its methods
         object.__setattr__(self, "_model", model)
         self.pooled_input = pooled_input
@@ -152,4 +197,14 @@ def split_stages(model: nn.Module, trainable: str) -> StageSplit | None:
     prefix.eval()
     head_ids = {id(p) for p in head_params}
     backbone_params = [p for p in suffix.parameters() if p.requires_grad and id(p) not in head_ids]
+    # The backbone's own pooling head (pooling = "model": a ViT's fc_norm / attention pool,
+    # ConvNeXt's head norm) sits after the last stage: it trains with it; unused otherwise.
+    placed = {id(p) for p in prefix.parameters()} | {id(p) for p in suffix.parameters()}
+    rest = [p for p in model.backbone.parameters() if id(p) not in placed]
+    for p in rest:
+        if model.config.pooling == "model" and kind == "last":
+            backbone_params.append(p)
+            suffix.pool_params.append(p)
+        else:
+            p.requires_grad_(False)
     return StageSplit(trainable, prefix, suffix, backbone_params, head_params)

@@ -1,0 +1,77 @@
+"""Training-free embedders from any timm backbone (``python -m embedder pretrained --backbone
+timm:NAME [--weights PATH] --pooling P``): the backbone's pooled features, no embedding layer,
+L2-normalised, exported to ONNX with the parity check like the default Lite embedder
+(embedder/pretrained.py, whose ``default_model_path`` / ``export_pretrained`` take a
+:class:`TimmSpec` as they take a :class:`~embedder.pretrained.PretrainedSpec`).
+
+The cached export's file name encodes the model, pooling, input size and where the weights came
+from (the hub, or the first 12 hex digits of the weights file's SHA-256), so other weights never
+reuse an old export.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from .hashing import file_sha256
+from .preprocess import Preprocessing
+from .timm_backbone import check_weights_file, is_timm, model_name, timm_preprocessing
+
+
+@dataclass(frozen=True)
+class TimmSpec:
+    """A training-free embedder from a timm backbone: weights from the hub (``weights=""``) or a
+    local file, a pooling (``model``: the model's own head-less output), an input size (0: the
+    model's own)."""
+
+    backbone: str                 # "timm:<model name>"
+    weights: str = ""             # local weights file ("" = timm's source, the hub)
+    pooling: str = "model"        # model | cls | mean | gem (ViTs); model | avg | avgmax | gem | mean (CNNs)
+    gem_p: float = 3.0
+    input_size: int = 0           # 0 = the pretrained config's
+
+    def __post_init__(self) -> None:
+        if not is_timm(self.backbone):
+            raise ValueError(f"--backbone must be timm:<model name>, got {self.backbone!r}")
+        model_name(self.backbone)                  # one line on an unknown name
+        if self.weights:
+            check_weights_file(self.weights)
+        if self.input_size and not 32 <= int(self.input_size) <= 1024:
+            raise ValueError(f"input_size must be 0 (the model's own) or in [32, 1024], got "
+                             f"{self.input_size!r}")
+
+    @cached_property
+    def _weights_sha(self) -> str:
+        return file_sha256(Path(self.weights).expanduser()) if self.weights else ""
+
+    def preprocessing(self) -> Preprocessing:
+        pre = timm_preprocessing(self.backbone)
+        if self.input_size and self.input_size != pre.input_size:
+            import dataclasses
+
+            resize = round(self.input_size * pre.resize / pre.input_size)
+            pre = dataclasses.replace(pre, input_size=int(self.input_size),
+                                      resize=max(resize, int(self.input_size)))
+        return pre
+
+    @property
+    def model_name(self) -> str:
+        """File stem of the cached export."""
+        pool = f"gem{self.gem_p:g}" if self.pooling == "gem" else self.pooling
+        src = f"w{self._weights_sha[:12]}" if self.weights else "hub"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", model_name(self.backbone))
+        return f"timm-{name}-{pool}-{self.preprocessing().input_size}px-{src}-l2"
+
+    def source_hash(self) -> str:
+        """The weights file's SHA-256, or the hub model it came from."""
+        return self._weights_sha or f"timm-hub:{model_name(self.backbone)}"
+
+    def embedder(self):
+        """The torch embedder (pooled features, L2-normalised), in eval mode."""
+        from .model import Embedder, EmbedderConfig
+
+        cfg = EmbedderConfig(backbone=self.backbone, dim=0, pooling=self.pooling, normalize=True,
+                             pretrained=True, gem_p=float(self.gem_p), weights=self.weights)
+        return Embedder(cfg, preprocessing=self.preprocessing()).eval()
