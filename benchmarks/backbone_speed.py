@@ -39,7 +39,7 @@ def _build(backbone: str, pooling: str):
     import torch
 
     from embedder import Embedder, EmbedderConfig, pretrained_embedder
-    from embedder.preprocess import preprocessing_for
+    from embedder import preprocessing_for
 
     torch.manual_seed(0)
     if backbone == "default":

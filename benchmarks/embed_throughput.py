@@ -40,7 +40,7 @@ def _build(name: str):
     if name.startswith("timm:"):       # issue 29: any timm model, training-free form, at 224 px
         import dataclasses
 
-        from embedder.preprocess import preprocessing_for
+        from embedder import preprocessing_for
 
         pre = preprocessing_for(name)
         if pre.input_size != 224:

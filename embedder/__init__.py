@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Embedder": "model", "EmbedderConfig": "model", "PretrainedWeightsUnavailable": "errors",
-    "Preprocessing": "preprocess",
+    "Preprocessing": "preprocess", "preprocessing_for": "preprocess",
     "load_image": "images", "ImageLoadError": "images", "ImageTooLargeError": "images",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "CheckpointError": "errors",
     "file_sha256": "hashing",
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .hashing import file_sha256
     from .images import ImageLoadError, ImageTooLargeError, load_image
     from .model import Embedder, EmbedderConfig
-    from .preprocess import Preprocessing
+    from .preprocess import Preprocessing, preprocessing_for
     from .pretrained import default_model_path, pretrained_embedder
     from .runtime import OnnxEmbedder
 
