@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import decode_budget as budget
+from .containers import FormatRefused, open_image
 
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -152,9 +153,9 @@ def load_image(
                                  "expected a path, bytes or a PIL image")
         if empty:
             raise ImageLoadError(label, "empty file (0 bytes)")
-        with Image.open(fp) as im:
+        with open_image(fp) as im:      # only accepted formats; icons sized by their real frame
             _check_pixels(im, max_pixels, label)
-            if min_side and im.format == "JPEG" and min(im.size) >= 2 * min_side:
+            if min_side and im.format in ("JPEG", "MPO") and min(im.size) >= 2 * min_side:
                 im.draft(im.mode, (min_side, min_side))   # scale 1/2, 1/4 or 1/8, >= min_side
             if min_side:
                 size = len(data) if isinstance(fp, io.BytesIO) else fp.stat().st_size
@@ -164,6 +165,8 @@ def load_image(
             return _reduced(to_mode(oriented if oriented is not None else im, mode), min_side)
     except ImageLoadError:
         raise
+    except FormatRefused as e:
+        raise ImageLoadError(label, str(e)) from e
     except UnidentifiedImageError as e:
         raise ImageLoadError(label, "not an image (unrecognised format)") from e
     except Image.DecompressionBombError as e:
