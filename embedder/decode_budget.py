@@ -34,7 +34,9 @@ SMALL_DECODE = 16 * 2 ** 20       # below this a decode is not worth a strip loo
 
 _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
 HIGH_DEPTH = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
-_WEBP_BYTES = 16                  # measured: libwebp's two canvases + the frame as bytes + image
+# measured: libwebp's two RGBA canvases + the frame handed over as bytes (images._webp_first_frame
+# reads those bytes in strips; Pillow's own load adds a fourth frame, 16 bytes a pixel)
+_WEBP_BYTES = 12
 
 
 def frame_bytes(mode: str, size: tuple[int, int]) -> int:

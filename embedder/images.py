@@ -207,6 +207,14 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
                    f"decode budget is {budget.BUDGET.capacity / 2 ** 20:.0f} MB, so {im.format} "
                    f"{im.mode} images are accepted up to {cap:.1f} MP")
     with budget.BUDGET.reserve(need):
+        if im.format == "WEBP" and hasattr(im, "_decoder"):
+            try:
+                out, orientation = _webp_first_frame(im, mode, factor)
+            finally:
+                im.close()
+            if need > budget.SMALL_DECODE:
+                budget.release_freed_memory()
+            return _orient(out, orientation)
         try:
             im.load()                  # full decode here, so truncated files fail inside this function
             orientation = im.getexif().get(0x0112, 1)   # after load: PNG may keep EXIF after IDAT
@@ -219,6 +227,33 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
     if need > budget.SMALL_DECODE:
         budget.release_freed_memory()
     return _orient(out, orientation)
+
+
+def _webp_first_frame(im: Image.Image, mode: str, factor: int) -> tuple[Image.Image, int]:
+    """A WebP's first frame, converted and shrunk a strip at a time, and its EXIF orientation.
+
+    Why by hand: Pillow decodes every WebP through libwebp's animation decoder, which composes
+    the frame on two RGBA canvases of its own, hands it over as a bytes copy, and Pillow then
+    decodes that copy into a third RGBA frame (16 bytes a pixel in all). Here the decoder is
+    asked for the frame (``_decoder.get_next()``: what Pillow's own ``load`` calls first; 12
+    bytes a pixel at that moment), dropped at once (its canvases go), and the bytes are read a
+    strip at a time through a zero-copy view (``Image.frombuffer``), so the third frame never
+    exists. Pillow without ``_decoder`` takes the plain path (:func:`_bounded`).
+    """
+    orientation = im.getexif().get(0x0112, 1)
+    got = im._decoder.get_next()
+    del im._decoder                                  # libwebp's canvases are freed here
+    if got is None:
+        raise OSError("failed to decode the first frame of the WebP file")
+    data = got[0]
+    rawmode = im.rawmode                             # "RGBA" or "RGBX"
+    frame = Image.frombuffer(rawmode, im.size, data, "raw", rawmode, 0, 1)
+    frame.info = dict(im.info)
+    if rawmode == "RGBX":
+        rows = lambda y0, y1: frame.crop((0, y0, frame.size[0], y1)).convert("RGB")  # noqa: E731
+    else:
+        rows = lambda y0, y1: frame.crop((0, y0, frame.size[0], y1))  # noqa: E731
+    return _strips(frame, mode, factor, rows), orientation
 
 
 def frame_too_big(im: Image.Image) -> bool:
