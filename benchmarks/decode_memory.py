@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old-ref", default="7c84ca7", help="git revision of the previous decoder (default 7c84ca7)")
     p.add_argument("--webp-megapixels", type=float, default=None,
                    help="make the WebP files this size instead (WebP's own cap is lower than the upload "
-                        "cap: 13.9 MP with the default budget)")
+                        "cap: 10.5 MP with the default budget)")
     p.add_argument("--modes", nargs="+", default=["old", "new"], choices=["old", "new"],
                    help="which decoders to run (default both)")
     p.add_argument("--no-write", action="store_true", help="print only; do not write RESULTS-decode.md/PNG")
