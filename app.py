@@ -1,6 +1,7 @@
 """Web app for DAS image retrieval: Gradio UI + JSON API on one local server.
 
     python app.py [--index DIR ...] [--host 127.0.0.1] [--port 7860] [--auth USER:PASS]
+                  [--forwarded-allow-ips IPS] [--upload-max-age SECONDS]
 
 With no --index and no index in ./indexes/demo, builds a demo index from the photos scikit-image
 ships (augmented views, offline pretrained embedder) so a fresh machine shows it working.
@@ -34,6 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demo-dir", type=Path, default=Path("indexes") / "demo",
                    help="where the demo index is found or built when no --index is given (default indexes/demo)")
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MB (default 10)")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="comma-separated addresses (or networks) of reverse proxies whose X-Forwarded-For / "
+                        "X-Forwarded-Proto headers are believed, e.g. 127.0.0.1 for a proxy on this machine "
+                        "(default: none: the TCP peer is the client, for the login throttle too, and any "
+                        "X-Forwarded-For a client sends is ignored)")
+    p.add_argument("--upload-max-age", type=int, default=900, metavar="SECONDS",
+                   help="uploads and cached results are deleted this long after they were written "
+                        "(checked every min(60, SECONDS/2) s; default 900: an upload never used in a "
+                        "search is gone within about 16 minutes)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the embedder and faiss run (default auto)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
@@ -50,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--port: expected 1..65535, got {args.port}")
     if args.max_upload_mb <= 0:
         p.error(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
+    if args.upload_max_age < 2:
+        p.error(f"--upload-max-age: expected at least 2 seconds, got {args.upload_max_age}")
+    if args.forwarded_allow_ips is not None:
+        ips = [x.strip() for x in args.forwarded_allow_ips.split(",") if x.strip()]
+        if not ips:
+            p.error("--forwarded-allow-ips: expected addresses such as 127.0.0.1 or 10.0.0.0/8, got nothing")
+        args.forwarded_allow_ips = ips
     if args.name is not None and len(args.name) != len(args.index):
         p.error(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
     from indexer.errors import IndexerError
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from serving.server import create_app
 
     app = create_app(searcher, auth=args.auth, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
-                     query_sets=queries)
+                     query_sets=queries, upload_max_age=args.upload_max_age)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.auth is None:
         print(f"app.py: warning: listening on {args.host} without --auth: anyone who can reach this "
               f"port can search the gallery", file=sys.stderr)
@@ -117,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
           f"(UI at /, JSON API at /api/search)", file=sys.stderr, flush=True)
     from serving.http_protocol import GuardedH11Protocol
 
-    # GuardedH11Protocol: request heads must arrive in time (slow-header clients are dropped)
+    # GuardedH11Protocol: request heads must arrive in time (slow-header clients are dropped).
+    # proxy_headers: uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise, so any
+    # local client could pick its own address (and a fresh one per guess past the login
+    # throttle); only the proxies named by --forwarded-allow-ips are believed.
+    trusted = args.forwarded_allow_ips
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=GuardedH11Protocol,
-                timeout_keep_alive=5)
+                timeout_keep_alive=5, proxy_headers=trusted is not None, forwarded_allow_ips=trusted or [])
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode_memory [--megapixels 36] [--concurrent 1 4] [--bursts 1]
                                        [--formats ...] [--old-ref 7c84ca7] [--no-write]
+                                       [--webp-megapixels MP] [--modes old new]
 
 Makes one camera-size image (default 7360 x 4912 = 36 MP, under the 40 MP upload cap) from a
 real photo (scikit-image's hubble_deep_field.jpg) and saves it in every format Pillow opens:
@@ -18,6 +19,12 @@ each followed by the embedder's preprocessing and a real embedding (pretrained E
 onnxruntime, 1 thread), as a search request does. Reports RSS before the bursts, the peak and
 RSS after them (MB), refusals and seconds per burst; writes benchmarks/RESULTS-decode.md and
 benchmarks/decode_memory.png unless --no-write.
+
+Issue 28 adds containers (``--formats "ICO PNG" "CUR PNG" MPO "WebP anim" "GIF anim" APNG``):
+an icon whose directory says 256 x 256 around a 12000 x 12000 PNG, and two-frame MPO, GIF, APNG
+and WebP files at their caps; and per-burst figures: with ``--bursts 3`` each burst's own peak
+(the high-water mark is reset before it) and RSS after it, both against RSS before the first
+burst: one process serving burst after burst, as a long-running app does.
 """
 from __future__ import annotations
 
@@ -38,7 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 FORMATS = {   # name -> (file name, how the base RGB photo is saved)
     "JPEG": "x.jpg", "PNG RGB": "rgb.png", "PNG RGBA": "rgba.png", "PNG palette": "pal.png",
     "WebP": "x.webp", "GIF": "x.gif", "TIFF": "x.tif", "TIFF LZW": "lzw.tif", "BMP": "x.bmp",
+    # issue 28: containers whose frame is another format, or one of several frames
+    "ICO PNG": "icon.ico", "CUR PNG": "cursor.cur", "MPO": "x.mpo", "WebP anim": "anim.webp",
+    "GIF anim": "anim.gif", "APNG": "anim.png",
 }
+CONTAINERS = ["ICO PNG", "CUR PNG", "MPO", "WebP anim", "GIF anim", "APNG"]
+WEBP = ("WebP", "WebP anim")         # made at --webp-megapixels (just under WebP's own cap)
+ICON_SIDE = 12000                    # the issue's icon: "256x256" in its directory, 12000^2 PNG inside
 
 
 def _status_mb(field: str) -> float:
@@ -50,10 +63,33 @@ def _status_mb(field: str) -> float:
 
 
 def _old_images(path: str):
+    """The old decoder: ``path`` is its images.py, alone (before issue 19) or inside a package
+    folder holding the embedder modules it imports relatively (``old_embedder/``)."""
+    folder = Path(path).parent
+    if (folder / "__init__.py").exists():
+        sys.path.insert(0, str(folder.parent))
+        return importlib.import_module(f"{folder.name}.images")
     spec = importlib.util.spec_from_file_location("old_images", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
+
+
+def _write_old(ref: str, tmp: Path) -> Path:
+    """embedder/images.py at ``ref`` (and the modules beside it that it imports) as a package."""
+    pkg = tmp / "old_embedder"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in ("images.py", "decode_budget.py", "containers.py"):
+        out = subprocess.run(["git", "show", f"{ref}:embedder/{name}"], cwd=REPO, capture_output=True, text=True)
+        if out.returncode == 0:
+            (pkg / name).write_text(out.stdout)
+    return pkg / "images.py"
+
+
+def _reset_peak() -> None:
+    """VmHWM back to the current RSS (Linux clear_refs 5), so each burst's peak is its own."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) -> dict:
@@ -84,9 +120,14 @@ def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) 
             outcomes.append(f"ok {img.size[0]}x{img.size[1]}")
         except (ImageLoadError, UploadError) as e:
             outcomes.append(f"refused: {e}")
+        except Exception as e:  # noqa: BLE001 - the old decoder's own ImageLoadError (another class)
+            refused = any(c.__name__ == "ImageLoadError" for c in type(e).__mro__)
+            outcomes.append(f"{'refused' if refused else 'error'}: {e}")
 
-    times = []
+    times, per_burst = [], []
+    peak = before
     for _ in range(bursts):
+        _reset_peak()
         threads = [threading.Thread(target=one) for _ in range(concurrent)]
         t0 = time.perf_counter()
         for t in threads:
@@ -94,26 +135,44 @@ def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) 
         for t in threads:
             t.join()
         times.append(time.perf_counter() - t0)
-    gc.collect()
-    time.sleep(0.5)
-    return {"mode": mode, "concurrent": concurrent, "before_mb": before, "peak_mb": _status_mb("VmHWM"),
+        burst_peak = _status_mb("VmHWM")
+        gc.collect()
+        time.sleep(0.5)
+        per_burst.append((burst_peak - before, _status_mb("VmRSS") - before))   # each vs the start
+        peak = max(peak, burst_peak)
+    return {"mode": mode, "concurrent": concurrent, "before_mb": before, "peak_mb": peak,
             "after_mb": _status_mb("VmRSS"), "burst_s": float(np.median(times)),
             "refused": sum(o.startswith("refused") for o in outcomes),
-            "outcome": sorted(set(o[:400] for o in outcomes))}
+            "outcome": sorted(set(o[:400] for o in outcomes)), "per_burst": per_burst}
 
 
-def make_images(out: Path, megapixels: float, names: list[str]) -> dict[str, Path]:
+def make_images(out: Path, megapixels: float, names: list[str], webp_megapixels: float | None = None
+                ) -> dict[str, Path]:
     import numpy as np
     from PIL import Image
     from skimage import data_dir
 
-    w = int(round((megapixels * 1e6 * 1.5) ** 0.5))      # 3:2, a camera's aspect
-    h = int(round(w / 1.5))
-    base = Image.open(Path(data_dir) / "hubble_deep_field.jpg").convert("RGB").resize((w, h), Image.BICUBIC)
+    from benchmarks.container_files import ico_around, multi_frame, png_rows
+
+    bases: dict[float, Image.Image] = {}
+
+    def base_at(mp: float) -> Image.Image:
+        if mp not in bases:
+            bw = int(round((mp * 1e6 * 1.5) ** 0.5))      # 3:2, a camera's aspect
+            bases[mp] = Image.open(Path(data_dir) / "hubble_deep_field.jpg").convert("RGB").resize(
+                (bw, int(round(bw / 1.5))), Image.BICUBIC)
+        return bases[mp]
+
     paths = {}
     for name in names:
         p = out / FORMATS[name]
-        if name == "PNG RGBA":
+        base = base_at(webp_megapixels if name in WEBP and webp_megapixels else megapixels)
+        w, h = base.size
+        if name in ("ICO PNG", "CUR PNG"):
+            p.write_bytes(ico_around(png_rows(ICON_SIDE, ICON_SIDE, grey=128), cursor=name == "CUR PNG"))
+        elif name in ("MPO", "GIF anim", "APNG", "WebP anim"):
+            p.write_bytes(multi_frame(base, {"GIF anim": "GIF", "WebP anim": "WebP"}.get(name, name)))
+        elif name == "PNG RGBA":
             rgba = base.copy()
             rgba.putalpha(Image.fromarray((np.add.outer(np.arange(h), np.arange(w)) % 256).astype(np.uint8)))
             rgba.save(p)
@@ -128,6 +187,8 @@ def make_images(out: Path, megapixels: float, names: list[str]) -> dict[str, Pat
         else:
             base.save(p)
         paths[name] = p
+        if name in WEBP or name in ("ICO PNG", "CUR PNG"):
+            print(f"{name}: {Image.open(p).size if name in WEBP else (ICON_SIDE, ICON_SIDE)}", flush=True)
         print(f"made {p.name}: {p.stat().st_size / 1e6:.1f} MB", flush=True)
     return paths
 
@@ -141,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS), metavar="FORMAT",
                    help=f"default: all of {', '.join(FORMATS)}")
     p.add_argument("--old-ref", default="7c84ca7", help="git revision of the previous decoder (default 7c84ca7)")
+    p.add_argument("--webp-megapixels", type=float, default=None,
+                   help="make the WebP files this size instead (WebP's own cap is lower than the upload "
+                        "cap: 10.5 MP with the default budget)")
+    p.add_argument("--modes", nargs="+", default=["old", "new"], choices=["old", "new"],
+                   help="which decoders to run (default both)")
     p.add_argument("--no-write", action="store_true", help="print only; do not write RESULTS-decode.md/PNG")
     p.add_argument("--worker", nargs=3, metavar=("MODE", "PATH", "OLD"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -152,13 +218,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        old_module = Path(tmp) / "old_images.py"
-        old_module.write_text(subprocess.run(["git", "show", f"{a.old_ref}:embedder/images.py"], cwd=REPO,
-                                             check=True, capture_output=True, text=True).stdout)
-        images = make_images(Path(tmp), a.megapixels, a.formats)
-        w, h = Image.open(images[a.formats[0]]).size
+        old_module = _write_old(a.old_ref, Path(tmp))
+        images = make_images(Path(tmp), a.megapixels, a.formats, a.webp_megapixels)
+        w, h = Image.open(images[a.formats[0]]).size if a.formats[0] not in ("ICO PNG", "CUR PNG") else (0, 0)
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        runs = [(f, n, m) for f in a.formats for n in a.concurrent for m in ("old", "new")]
+        runs = [(f, n, m) for f in a.formats for n in a.concurrent for m in ("old", "new") if m in a.modes]
         for fmt, n, mode in tqdm(runs, desc="runs", unit="run"):
             out = subprocess.run([sys.executable, "-m", "benchmarks.decode_memory", "--worker", mode,
                                   str(images[fmt]), str(old_module), "--concurrent", str(n),
@@ -181,27 +245,46 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(rows: list[dict], a: argparse.Namespace, w: int, h: int, load: float | None = None) -> str:
     conc = " ".join(map(str, a.concurrent))
+    extra = ""
+    if a.formats != list(FORMATS)[:9]:
+        extra += " --formats " + " ".join(f'"{f}"' if " " in f else f for f in a.formats)
+    if a.webp_megapixels:
+        extra += f" --webp-megapixels {a.webp_megapixels:g}"
+    if a.old_ref != "7c84ca7":
+        extra += f" --old-ref {a.old_ref}"
+    if a.modes != ["old", "new"]:
+        extra += " --modes " + " ".join(a.modes)
+    what_size = f"{w} x {h} ({w * h / 1e6:.1f} MP)" if w else f"{a.megapixels:g} MP"
+    if a.webp_megapixels:
+        what_size += f", WebP at {a.webp_megapixels:g} MP"
+    if any(f in ("ICO PNG", "CUR PNG") for f in a.formats):
+        what_size += (f"; ICO/CUR: a {ICON_SIDE} x {ICON_SIDE} PNG inside a directory that says 256 x 256 "
+                      "(the issue's icon)")
     head = (f"Command: `python -m benchmarks.decode_memory --megapixels {a.megapixels:g} --concurrent {conc} "
-            f"--bursts {a.bursts}`  \n"
-            f"Upload: {w} x {h} ({w * h / 1e6:.1f} MP) made from scikit-image's hubble_deep_field.jpg, saved in "
+            f"--bursts {a.bursts}{extra}`  \n"
+            f"Upload: {what_size} made from scikit-image's hubble_deep_field.jpg, saved in "
             f"each format; {a.bursts} burst(s) of N simultaneous uploads, each decoded, preprocessed and "
             f"embedded (pretrained EfficientNet-Lite0, onnxruntime, 1 thread); one fresh process per run; "
             f"old = embedder/images.py at {a.old_ref}; load average "
             f"{os.getloadavg()[0] if load is None else load:.1f} at the end "
             f"(2 shared cores). Goal: peak - before < 200 MB at N = 4, after - before < 50 MB.\n\n"
-            "| format | file MB | N | run | RSS before MB | peak - before MB | after - before MB | s per burst | outcome |\n"
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |\n")
+            "| format | file MB | N | run | RSS before MB | peak - before MB | after - before MB | s per burst | outcome |"
+            + (" per burst: peak / after - before MB |" if a.bursts > 1 else "") + "\n"
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |" + (" --- |" if a.bursts > 1 else "") + "\n")
     body = ""
     for r in rows:
         if "error" in r:
             body += f"| {r['format']} | {r['file_mb']:.1f} | {r['concurrent']} | {r['mode']} | | | | | {r['error']} |\n"
             continue
-        msg = r["outcome"][0]
-        what = (f"{r['refused']}/{r['concurrent'] * a.bursts} refused: "
-                + msg[msg.find("needs about"):].split(", so ")[0] if r["refused"] else msg)
+        msg = r["outcome"][0] if r["outcome"] else "no outcome recorded"
+        reason = msg[msg.find("needs about"):].split(", so ")[0] if "needs about" in msg else \
+            msg.split(": ", 2)[-1][:110]
+        what = f"{r['refused']}/{r['concurrent'] * a.bursts} refused: " + reason if r["refused"] else msg
+        bursts = (" " + ", ".join(f"{p:.0f} / {q:.0f}" for p, q in r.get("per_burst", [])) + " |"
+                  if a.bursts > 1 else "")
         body += (f"| {r['format']} | {r['file_mb']:.1f} | {r['concurrent']} | {r['mode']} | {r['before_mb']:.0f} | "
                  f"{r['peak_mb'] - r['before_mb']:.0f} | {r['after_mb'] - r['before_mb']:.0f} | {r['burst_s']:.2f} | "
-                 f"{what.replace('|', '/')} |\n")
+                 f"{what.replace('|', '/')} |{bursts}\n")
     new4 = [r for r in rows if r["mode"] == "new" and r["concurrent"] == max(a.concurrent) and "error" not in r]
     tail = ""
     if new4:

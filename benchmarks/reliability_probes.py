@@ -30,6 +30,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 from benchmarks import reliability_guard_probes as guard_probes   # issue 19's server-guard probes
 from benchmarks import reliability_index_probes as index_probes   # issue 28: sharded index, hostile files
+from benchmarks import reliability_client_probes as client_probes  # issue 28: XFF, Host, streams, icons
 CALTECH = REPO.parent / "shared" / "data" / "caltech101-dev" / "images"
 AUTH = ("probe", "probe-pass")
 MB = 1024 * 1024
@@ -299,13 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                     + guard_probes.login_page_probe(url, idx) + guard_probes.connection_probes(url)
                     + guard_probes.api_limit_probes(url, _QUERY[0])
                     + live_add_probe(url, idx, root) + decode_probes(url, proc, root)
-                    + guard_probes.throttle_probe(url))      # last: it locks this client's address out
+                    + client_probes.container_upload_probes(url, proc, root)
+                    + client_probes.webp_burst_probe(url, proc, root)
+                    + client_probes.stream_probes(url) + client_probes.host_header_probe(url, _QUERY[0])
+                    + guard_probes.throttle_probe(url)       # last: it locks this client's address out
+                    + client_probes.forwarded_for_probe(url))   # (and this one needs it locked out)
         finally:
             proc.terminate()            # by PID: the server this script started
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        rows += client_probes.proxy_server_probes(idx, root, start_app)
         rows += guard_probes.store_damage_probe(idx, root, start_app, _QUERY[0])
         rows += damage_probes(idx, root)
         rows += writer_probes(idx, root)

@@ -12,6 +12,7 @@ _EXPORTS = {
     "Embedder": "model", "EmbedderConfig": "model", "PretrainedWeightsUnavailable": "errors",
     "Preprocessing": "preprocess", "preprocessing_for": "preprocess",
     "load_image": "images", "ImageLoadError": "images", "ImageTooLargeError": "images",
+    "open_image": "containers",
     "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "CheckpointError": "errors",
     "file_sha256": "hashing",
     "export_onnx": "export", "ParityError": "errors",
@@ -24,6 +25,7 @@ __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import load_checkpoint, save_checkpoint
+    from .containers import open_image
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .export import default_parity_images, export_onnx
     from .hashing import file_sha256

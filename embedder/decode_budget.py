@@ -13,7 +13,9 @@ before a single pixel is decoded (:class:`embedder.images.ImageTooLargeError`).
 The costs per pixel are measured (``benchmarks/decode_memory.py``, peak RSS of one decode in
 a fresh process): 4.1 bytes for an RGB/RGBA PNG, BMP or TIFF (Pillow stores RGB as 4 bytes),
 1.1 for palette and greyscale images, 6.3 for an LZW TIFF of 2.2 compressed bytes per pixel
-(libtiff maps the file), 16.1 for WebP.
+(libtiff maps the file), 16.1 for WebP through Pillow's ``load``; 12 for WebP read the way
+``images._webp_first_frame`` reads it (issue 28: libwebp's frame in strips, no fourth copy),
+which is still charged 16 (see ``_WEBP_BYTES``).
 """
 from __future__ import annotations
 
@@ -27,14 +29,19 @@ from typing import Iterator
 from PIL import Image
 
 # What decoding may hold at once per process. 160 MiB: a 40-megapixel RGB(A) frame (the upload
-# cap) fits, so every format but WebP is accepted up to the cap; an operator with more memory
+# cap) fits, so every format but WebP (10.5 MP) is accepted up to the cap; an operator with more memory
 # (or less) sets DAS_DECODE_BUDGET_MB.
 DEFAULT_DECODE_BUDGET = 160 * 2 ** 20
 SMALL_DECODE = 16 * 2 ** 20       # below this a decode is not worth a strip loop or a heap trim
 
 _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
 HIGH_DEPTH = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
-_WEBP_BYTES = 16                  # measured: libwebp's two canvases + the frame as bytes + image
+# What a WebP is charged: 12 bytes a pixel measured for the decode (libwebp's two RGBA canvases +
+# the frame handed over as bytes, which images._webp_first_frame reads in strips; Pillow's own
+# load adds a fourth frame: 16), plus 4 of headroom: on a live server, 4 WebPs of 13.8 MP at once
+# (what 12 alone would admit) peaked at +186..237 MB, over the 200 MB goal, while at 10.4 MP
+# (what 16 admits, the cap before issue 28) they peak at +116..123 (RELIABILITY.md).
+_WEBP_BYTES = 16
 
 
 def frame_bytes(mode: str, size: tuple[int, int]) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import decode_budget as budget
+from .containers import FormatRefused, open_image
 
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -152,9 +153,9 @@ def load_image(
                                  "expected a path, bytes or a PIL image")
         if empty:
             raise ImageLoadError(label, "empty file (0 bytes)")
-        with Image.open(fp) as im:
+        with open_image(fp) as im:      # only accepted formats; icons sized by their real frame
             _check_pixels(im, max_pixels, label)
-            if min_side and im.format == "JPEG" and min(im.size) >= 2 * min_side:
+            if min_side and im.format in ("JPEG", "MPO") and min(im.size) >= 2 * min_side:
                 im.draft(im.mode, (min_side, min_side))   # scale 1/2, 1/4 or 1/8, >= min_side
             if min_side:
                 size = len(data) if isinstance(fp, io.BytesIO) else fp.stat().st_size
@@ -164,6 +165,8 @@ def load_image(
             return _reduced(to_mode(oriented if oriented is not None else im, mode), min_side)
     except ImageLoadError:
         raise
+    except FormatRefused as e:
+        raise ImageLoadError(label, str(e)) from e
     except UnidentifiedImageError as e:
         raise ImageLoadError(label, "not an image (unrecognised format)") from e
     except Image.DecompressionBombError as e:
@@ -204,6 +207,14 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
                    f"decode budget is {budget.BUDGET.capacity / 2 ** 20:.0f} MB, so {im.format} "
                    f"{im.mode} images are accepted up to {cap:.1f} MP")
     with budget.BUDGET.reserve(need):
+        if im.format == "WEBP" and hasattr(im, "_decoder"):
+            try:
+                out, orientation = _webp_first_frame(im, mode, factor)
+            finally:
+                im.close()
+            if need > budget.SMALL_DECODE:
+                budget.release_freed_memory()
+            return _orient(out, orientation)
         try:
             im.load()                  # full decode here, so truncated files fail inside this function
             orientation = im.getexif().get(0x0112, 1)   # after load: PNG may keep EXIF after IDAT
@@ -216,6 +227,33 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
     if need > budget.SMALL_DECODE:
         budget.release_freed_memory()
     return _orient(out, orientation)
+
+
+def _webp_first_frame(im: Image.Image, mode: str, factor: int) -> tuple[Image.Image, int]:
+    """A WebP's first frame, converted and shrunk a strip at a time, and its EXIF orientation.
+
+    Why by hand: Pillow decodes every WebP through libwebp's animation decoder, which composes
+    the frame on two RGBA canvases of its own, hands it over as a bytes copy, and Pillow then
+    decodes that copy into a third RGBA frame (16 bytes a pixel in all). Here the decoder is
+    asked for the frame (``_decoder.get_next()``: what Pillow's own ``load`` calls first; 12
+    bytes a pixel at that moment), dropped at once (its canvases go), and the bytes are read a
+    strip at a time through a zero-copy view (``Image.frombuffer``), so the third frame never
+    exists. Pillow without ``_decoder`` takes the plain path (:func:`_bounded`).
+    """
+    orientation = im.getexif().get(0x0112, 1)
+    got = im._decoder.get_next()
+    del im._decoder                                  # libwebp's canvases are freed here
+    if got is None:
+        raise OSError("failed to decode the first frame of the WebP file")
+    data = got[0]
+    rawmode = im.rawmode                             # "RGBA" or "RGBX"
+    frame = Image.frombuffer(rawmode, im.size, data, "raw", rawmode, 0, 1)
+    frame.info = dict(im.info)
+    if rawmode == "RGBX":
+        rows = lambda y0, y1: frame.crop((0, y0, frame.size[0], y1)).convert("RGB")  # noqa: E731
+    else:
+        rows = lambda y0, y1: frame.crop((0, y0, frame.size[0], y1))  # noqa: E731
+    return _strips(frame, mode, factor, rows), orientation
 
 
 def frame_too_big(im: Image.Image) -> bool:

@@ -33,18 +33,20 @@ def header_size(data: bytes) -> tuple[int, int]:
 
     PNG (the common gallery format, and Omniglot's) is read straight from its IHDR chunk, which
     is what PIL reports too, without opening the image a second time; other formats go
-    through PIL's lazy open. (0, 0) when the header is unreadable: the decode names the reason.
+    through the decoder's guarded lazy open (embedder.containers). (0, 0) when the header is unreadable: the decode names the reason.
     """
     if len(data) >= 24 and data[:8] == _PNG_SIG:
         tag, w, h = _PNG_IHDR.unpack_from(data, 12)
         if tag == b"IHDR" and w > 0 and h > 0:
             return w, h
-    from PIL import Image
+    from embedder import open_image
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(data)) as im:
+            # the decoder's own open: refused formats and lying icons are never opened (Pillow's
+            # ICO plugin decodes its frame inside Image.open)
+            with open_image(io.BytesIO(data)) as im:
                 return im.size
     except Exception:  # noqa: BLE001 - the embedder's load_image names the real reason
         return (0, 0)

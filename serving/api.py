@@ -101,7 +101,8 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         # else id or path: a gallery image, looked up in LMDB, never opened
         query = searcher.query(img, id=id, path=path, index=name, name=qname)
         res = searcher.search(query, kk, index=name)
-        base = str(request.base_url).rstrip("/")
+        # relative to the server, never built from the Host header (a client-chosen name)
+        base = request.scope.get("root_path", "").rstrip("/")
         return {"index": name, "k": kk, "query": {"name": query.name, "id": query.id, "label": query.label},
                 "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{name}/{r.id}"}
                             for r in res.results]}

@@ -21,6 +21,11 @@ One pure ASGI middleware (not BaseHTTPMiddleware, so Gradio's streaming routes p
 * Gradio's page routes for a visitor without a login: ``gradio_api_info`` is stripped
   (serving.session), so the login page says nothing about the index.
 * ``/api/*``: an unexpected error becomes a JSON 500 without a trace.
+* Gradio's long-lived streams (``/gradio_api/heartbeat/<any>``, ``queue/data``, ``stream/``,
+  ``call/``): with ``--auth``, refused (401) without a login (Gradio serves its heartbeat to
+  anyone, forever: 3,000 held open cost 3,019 file handles and +120 MB); and at most
+  ``MAX_STREAMS_PER_CLIENT`` open at once per client address, logged in or not (429 past that).
+  A browser tab holds one heartbeat and, while a search runs, one queue stream.
 """
 from __future__ import annotations
 
@@ -47,6 +52,9 @@ AUTH_MESSAGE = "authentication required (HTTP basic auth, the --auth user and pa
 # a slow client is dropped soon; a logged-in upload of the 10 MB cap gets room for a slow link.
 ANON_BODY_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 120.0
+MAX_STREAMS_PER_CLIENT = 16
+_STREAM_PREFIXES = ("/gradio_api/heartbeat/", "/gradio_api/queue/data", "/gradio_api/stream/",
+                    "/gradio_api/call/")
 
 
 class BodyTooLarge(MultiPartException):
@@ -87,8 +95,11 @@ class RequestGuard:
 
     def __init__(self, app: Any, *, max_bytes: int, limit: int, auth: tuple[str, str] | None = None,
                  throttle: LoginThrottle | None = None, sessions: GradioSessions | None = None,
-                 body_timeout: float = BODY_TIMEOUT_S, anon_body_timeout: float = ANON_BODY_TIMEOUT_S):
+                 body_timeout: float = BODY_TIMEOUT_S, anon_body_timeout: float = ANON_BODY_TIMEOUT_S,
+                 max_streams: int = MAX_STREAMS_PER_CLIENT):
         self.app = app
+        self.max_streams = max_streams
+        self._streams: dict[str, int] = {}      # client address -> streams open now
         self.max_bytes = max_bytes
         self.limit = limit
         self.auth = auth
@@ -98,6 +109,32 @@ class RequestGuard:
         self.anon_body_timeout = anon_body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_STREAM_PREFIXES):
+            await self._stream(scope, receive, send)
+            return
+        await self._guard(scope, receive, send)
+
+    async def _stream(self, scope: dict, receive: Any, send: Any) -> None:
+        """A long-lived Gradio stream: a login first (with --auth), a bounded number per client."""
+        client = (scope.get("client") or ("unknown",))[0]
+        if self.auth is not None and not self.sessions.logged_in(dict(scope.get("headers") or [])):
+            await JSONResponse({"error": "log in first (this stream needs a session)"}, status_code=401,
+                               headers={"Connection": "close"})(scope, receive, send)
+            return
+        if self._streams.get(client, 0) >= self.max_streams:
+            await JSONResponse({"error": f"too many open streams from this address (at most "
+                                         f"{self.max_streams}); close some first"}, status_code=429,
+                               headers={"Retry-After": "15"})(scope, receive, send)
+            return
+        self._streams[client] = self._streams.get(client, 0) + 1
+        try:
+            await self._guard(scope, receive, send)
+        finally:
+            left = self._streams.pop(client) - 1          # the table holds open streams only
+            if left:
+                self._streams[client] = left
+
+    async def _guard(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

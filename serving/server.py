@@ -34,12 +34,16 @@ from .uploads import DEFAULT_MAX_UPLOAD_BYTES  # noqa: E402
 
 def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-               query_sets: Mapping[str, Path] | None = None) -> FastAPI:
+               query_sets: Mapping[str, Path] | None = None, upload_max_age: int = 900) -> FastAPI:
+    """``upload_max_age``: seconds after which Gradio deletes an upload or a cached result
+    (checked every min(60, age / 2) s), so uploads never used in a search do not pile up."""
     app = FastAPI(title="das-retrieval", docs_url=None, redoc_url=None, openapi_url=None)
     sessions = GradioSessions()
     add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes, sessions=sessions)
     blocks = build_ui(searcher, query_sets=query_sets, max_upload_bytes=max_upload_bytes)
     blocks.queue(default_concurrency_limit=4)
+    # read by mount_gradio_app: replaces build_ui's default (an hour), so an upload lives minutes
+    blocks.delete_cache = (max(1, min(60, upload_max_age // 2)), upload_max_age)
     app = gr.mount_gradio_app(app, blocks, path="/", auth=auth, max_file_size=max_upload_bytes,
                               show_error=True, footer_links=["api"],
                               app_kwargs={"openapi_url": None, "docs_url": None, "redoc_url": None})

@@ -6,8 +6,10 @@ exponentially growing time (1 s, 2 s, 4 s, ... up to ``max_block`` s). While blo
 login attempt from the address (right or wrong) is answered 429 with Retry-After and not even
 checked, so guessing stops paying. A success, or ``window`` x 15 s without failures, forgets the
 address. The table is bounded (oldest entries dropped), so spoofed-looking address churn cannot
-grow memory without limit. Addresses are the TCP peer's: behind a proxy every client shares one
-(the proxy should then rate-limit itself).
+grow memory without limit. Addresses are the TCP peer's: an ``X-Forwarded-For`` header is only
+believed from the proxies named by ``app.py --forwarded-allow-ips`` (none by default), so a
+client cannot pick a fresh address per guess. Behind a proxy that is not named, every client
+shares the proxy's address (the proxy should then rate-limit itself).
 """
 from __future__ import annotations
 

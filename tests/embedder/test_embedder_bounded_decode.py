@@ -128,12 +128,40 @@ def test_over_budget_images_are_refused_before_decoding(photo, kind, small_budge
 
 
 def test_webp_is_accepted_only_below_its_measured_cap(photo):
-    """WebP costs 16 bytes a pixel (libwebp's animation decoder): with the default budget a
-    1.5 MP WebP decodes, a 40 MP one would need 640 MB and is refused."""
+    """WebP is charged 16 bytes a pixel (12 measured for libwebp's animation decoder and the frame
+    it hands over, 4 of headroom): with the default budget a 1.5 MP WebP decodes, a 40 MP one
+    would need 640 MB and is refused."""
     data = _encode(photo, "WebP")
     assert MIN_SIDE <= min(load_image(data, min_side=MIN_SIDE).size) < 2 * MIN_SIDE
     assert decode_budget.decode_bytes(Image.open(io.BytesIO(data))) == 1500 * 1000 * 16
     assert 40_000_000 * 16 > decode_budget.DEFAULT_DECODE_BUDGET > 40_000_000 * 4
+
+
+@pytest.mark.parametrize("kind", ["lossy RGB", "lossless RGBA"])
+def test_webp_frame_is_read_in_strips_not_decoded_again(photo, kind, monkeypatch):
+    """Issue 28: Pillow's WebP ``load`` copies libwebp's frame into a fourth full-size RGBA frame;
+    the bounded path reads libwebp's frame a strip at a time instead (Pillow's load never runs)
+    and gives the very pixels of the whole-image decode + reduce (alpha composited on white)."""
+    buf = io.BytesIO()
+    if kind == "lossy RGB":
+        photo.save(buf, "WEBP", quality=90)
+    else:
+        rgba = photo.copy()
+        rgba.putalpha(Image.fromarray((np.add.outer(np.arange(1000), np.arange(1500)) % 256).astype(np.uint8)))
+        rgba.save(buf, "WEBP", lossless=True)
+    data = buf.getvalue()
+    refs = {m: _whole_image(data, m) for m in ("RGB", "L")}           # Pillow's own decode
+    from PIL import WebPImagePlugin
+
+    def whole_frame_decode(self):
+        raise AssertionError("Pillow's WebP load ran: a full-size copy of the frame was made")
+
+    monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "load", whole_frame_decode)
+    monkeypatch.setattr(decode_budget, "SMALL_DECODE", 64 * 2 ** 10)
+    for mode, ref in refs.items():
+        img = load_image(data, mode=mode, min_side=MIN_SIDE, name=kind)
+        assert img.size == ref.size and np.array_equal(np.asarray(img), np.asarray(ref)), (kind, mode)
+    assert decode_budget.BUDGET.used == 0
 
 
 def test_concurrent_large_decodes_take_turns(photo, monkeypatch):

@@ -42,3 +42,24 @@ def test_build_skips_over_budget_images_and_indexes_the_rest(tmp_path: Path, omn
     with GalleryStore(out / "store.lmdb") as st:
         assert st.id_for_path("big/photo.bmp") is not None and st.id_for_path("big/palette.png") is not None
     assert run_cli("info", "--index", out).returncode == 0
+
+
+def test_build_skips_an_icon_wrapping_a_huge_png_named_png(tmp_path: Path, omniglot_root: Path, small_onnx: Path):
+    """Issue 28: four 140 KB ICO files named .png whose directory says 256x256 around a
+    12000x12000 PNG (Pillow's ICO plugin decodes its frame inside Image.open: 550 MB each) are
+    skipped with the reason, from the headers; the rest is indexed and the build exits 0."""
+    from benchmarks.container_files import ico_around, png_rows
+
+    gallery = tmp_path / "gallery"
+    copy_characters(omniglot_root, gallery, 1)                        # 20 ordinary images
+    (gallery / "icons").mkdir()
+    icon = ico_around(png_rows(12000, 12000))
+    for i in range(4):
+        (gallery / "icons" / f"icon{i}.png").write_bytes(icon)
+    out = tmp_path / "idx"
+    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--quiet")
+    assert p.returncode == 0 and "20 new" in p.stdout and "4 skipped" in p.stdout, p.stdout + p.stderr
+    report = {r["path"]: r["reason"] for r in map(json.loads, (out / "report.jsonl").read_text().splitlines())}
+    assert set(report) == {f"icons/icon{i}.png" for i in range(4)}, report
+    for reason in report.values():
+        assert reason.startswith("ICO frame is a 12000x12000 PNG but the icon's directory says 256x256"), reason

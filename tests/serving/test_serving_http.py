@@ -34,7 +34,7 @@ def test_search_endpoint_returns_results_and_thumbnails(server, demo_dirs):
         assert [x["score"] for x in res] == sorted((x["score"] for x in res), reverse=True)
         assert set(res[0]) >= {"id", "score", "label", "path", "thumbnail"}
         assert res[0]["label"] == label
-        t = c.get(res[0]["thumbnail"])
+        t = c.get(url + res[0]["thumbnail"])           # relative to the server
         assert t.status_code == 200 and t.headers["content-type"] == "image/png"
         assert Image.open(io.BytesIO(t.content)).size[0] > 0
         # the other index, and a query by gallery id (left out of its own results)

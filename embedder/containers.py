@@ -1,0 +1,112 @@
+"""Which image formats the decoder opens, decided from the first bytes, before Pillow's open.
+
+Why this exists: ``Image.open`` is lazy for most formats (it reads a header; pixels come at
+``load``), which is what lets :mod:`embedder.decode_budget` size a decode before it happens.
+But not for every plugin Pillow registers: the ICO plugin decodes the largest frame inside
+``open``, and that frame may be a PNG of any size whatever the icon's directory claims (a
+420 KB icon "256x256" holding a 12000x12000 PNG cost 550 MB before any check could run); FLI
+decodes in ``open`` too, EPS runs Ghostscript at ``load``, PSD/ICNS/DDS/... each bring their
+own decoder that nothing here has measured. So:
+
+* only the formats the project serves and indexes are opened at all (:data:`ACCEPTED`: what
+  ``IMAGE_SUFFIXES`` names, plus MPO, a JPEG with extra frames that Pillow opens as JPEG, and
+  ICO/CUR icons); any other file is refused unopened, named by Pillow's own format sniffers
+  (the ``_accept`` prefix checks it runs inside ``open``, so no magic table is copied here);
+* an ICO's frame is sized from the frame's own header (PNG IHDR or the bitmap's header, read
+  with Pillow's parsers, which read headers only) and refused when it is larger than the
+  directory says, before ``Image.open`` decodes it. A truthful icon is at most 256x256.
+
+The other containers are sized from their real frame by Pillow's ``open`` already, which is
+what the decode budget reads: MPO's first frame is a plain JPEG (its SOF), a GIF's logical
+screen is grown to the first frame's extent, APNG frames must fit the IHDR canvas, animated
+WebP frames must fit the VP8X canvas (libwebp's demuxer checks), a TIFF's first IFD is its
+image and JPEG-in-TIFF strips are sized by the IFD's tags (libtiff checks the JPEG stream
+against them); only the first frame is ever decoded (``tests/embedder/test_embedder_containers.py``
+pins each of these).
+"""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import BinaryIO, Union
+
+from PIL import Image
+
+# Pillow format names the decoder opens. MPO (multi-picture JPEG) opens through the JPEG plugin.
+ACCEPTED: tuple[str, ...] = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF", "ICO", "CUR")
+ACCEPTED_TEXT = "JPEG, PNG, WebP, GIF, BMP, TIFF or ICO"
+_PREFIX = 16                       # what Image.open hands each plugin's sniffer
+
+
+class FormatRefused(ValueError):
+    """A file the decoder will not open; ``str(e)`` is the reason (without the file name)."""
+
+
+def sniff(prefix: bytes) -> str | None:
+    """The Pillow format whose own sniffer accepts ``prefix`` (the first 16 bytes), or None."""
+    Image.init()
+    for fmt in Image.ID:
+        factory, accept = Image.OPEN[fmt]
+        try:
+            if accept is not None and accept(prefix):
+                return fmt
+        except Exception:  # noqa: BLE001 - a sniffer choking on a short prefix means "not mine"
+            continue
+    return None
+
+
+def _icon_frame(fp: BinaryIO) -> tuple[str, tuple[int, int], tuple[int, int]]:
+    """(frame kind, real size, size the directory claims) of the frame Pillow's ICO ``open``
+    decodes (the first entry after its own sort: the largest claimed). Headers only."""
+    from PIL import BmpImagePlugin, IcoImagePlugin, PngImagePlugin
+
+    ico = IcoImagePlugin.IcoFile(fp)                 # reads the directory, nothing else
+    entry = ico.entry[0]
+    fp.seek(entry.offset)
+    magic = fp.read(8)
+    fp.seek(entry.offset)
+    if magic == PngImagePlugin._MAGIC:
+        frame = PngImagePlugin.PngImageFile(fp)       # chunks up to the first IDAT
+        return "PNG", frame.size, entry.dim
+    frame = BmpImagePlugin.DibImageFile(fp)           # the bitmap header
+    return "bitmap", (frame.size[0], frame.size[1] // 2), entry.dim   # XOR image + AND mask
+
+
+def check_icon(fp: BinaryIO) -> None:
+    """Raise :class:`FormatRefused` if the ICO in ``fp`` (at its start) holds a frame larger
+    than its directory says; ``fp`` is left where it was."""
+    start = fp.tell()
+    try:
+        kind, (w, h), (dw, dh) = _icon_frame(fp)
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError) as e:
+        raise FormatRefused(f"ICO file with an unreadable frame header ({type(e).__name__}: {e})") from e
+    finally:
+        fp.seek(start)
+    if w > dw or h > dh or w <= 0 or h <= 0:
+        raise FormatRefused(
+            f"ICO frame is a {w}x{h} {kind} but the icon's directory says {dw}x{dh}; an icon "
+            "frame is decoded whole as it is opened, so one larger than its directory entry is "
+            "refused before decoding")
+
+
+def open_image(fp: Union[str, os.PathLike, io.BytesIO]) -> Image.Image:
+    """``Image.open(fp)`` limited to :data:`ACCEPTED`, after the checks above; raises
+    :class:`FormatRefused` for a refused format or icon, Pillow's own errors otherwise."""
+    if isinstance(fp, (str, os.PathLike)):
+        with open(fp, "rb") as f:
+            fmt = sniff(f.read(_PREFIX))
+            if fmt == "ICO":
+                f.seek(0)
+                check_icon(f)
+    else:
+        start = fp.tell()
+        fmt = sniff(fp.read(_PREFIX))
+        fp.seek(start)
+        if fmt == "ICO":
+            check_icon(fp)
+    if fmt is not None and fmt not in ACCEPTED:
+        raise FormatRefused(f"{fmt} image: not an accepted format (expected {ACCEPTED_TEXT}); "
+                            "refused unopened")
+    opened_by = [f for f in ACCEPTED if f in Image.OPEN]     # MPO has no opener of its own
+    return Image.open(Path(fp) if isinstance(fp, (str, os.PathLike)) else fp, formats=opened_by)
