@@ -80,6 +80,17 @@ def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery):
     assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == before
 
 
+def test_int8_index_is_searched_with_its_int8_model(int8_index, cub_gallery):
+    """What the app and `indexer search` do: open the index (model checked) and embed a query
+    with the index's own int8 copy; a gallery photo finds itself first."""
+    out, _ = int8_index
+    _, files, _ = cub_gallery
+    r = _run("indexer", "search", files[5], "-k", "3", "--index", out, "--json")
+    assert r.returncode == 0, r.stderr
+    hits = json.loads(r.stdout)
+    assert hits[0]["path"].endswith(files[5].name) and hits[0]["score"] > 0.99
+
+
 def test_int8_retrieves_like_fp32(int8_index, cub_gallery, pretrained_onnx):
     """Same photos through both models: embeddings nearly parallel, ranking quality kept."""
     _, files, labels = cub_gallery
