@@ -68,6 +68,10 @@ def test_build_int8_indexes_with_the_quantised_default(int8_index, pretrained_on
     assert json.loads(meta["preprocessing"]) == json.loads(fp32.metadata["preprocessing"])
     assert manifest["model"]["dim"] == 1280 and manifest["model"]["normalized"] and manifest["count"] == 96
     assert _int8_weights(out / "model.onnx") > 50 and _int8_weights(pretrained_onnx) == 0
+    # the stem convolution (reads the pixels) stays float: its weights are not int8
+    assert len(q["float_nodes"]) == 1
+    weights = {t.name: t.data_type for t in onnx.load(str(out / "model.onnx")).graph.initializer}
+    assert weights["backbone.net.conv_stem.weight"] == onnx.TensorProto.FLOAT
 
 
 def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery):
