@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "QDQ quantisation, calibrated on your images)",
                        description="Write an int8 copy of MODEL (QDQ, per-channel int8 weights, uint8 "
                                    "activations calibrated on images of DIR with the model's own "
-                                   "preprocessing; metadata carried over). About 2x the images/s of "
-                                   "fp32 on an AVX2/VNNI CPU; use it with `indexer build --model`.")
+                                   "preprocessing; metadata carried over). The network runs about 2x "
+                                   "as fast as fp32 on an AVX-512 VNNI CPU; use it with "
+                                   "`indexer build --model`.")
     q.add_argument("model", type=Path, help="fp32 .onnx embedder (export/pretrained)")
     q.add_argument("--calibration", type=Path, required=True, metavar="DIR",
                    help="folder of images like the gallery's (searched recursively)")

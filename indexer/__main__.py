@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--int8", action="store_true",
                    help="embed with the int8 version of --model (default: of the default embedder), "
                         "quantised once on 256 of the gallery's images and cached in $DAS_CACHE/int8 "
-                        "(`python -m embedder quantize --help`); about 2x the images/s")
+                        "(`python -m embedder quantize --help`); the network runs ~2x as fast, "
+                        "the whole build ~1.6x (BENCHMARKS.md)")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")

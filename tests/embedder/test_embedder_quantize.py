@@ -106,6 +106,16 @@ def test_int8_retrieves_like_fp32(int8_index, cub_gallery, pretrained_onnx):
     assert abs(ra["R@1"] - rb["R@1"]) <= 3 / len(files) and abs(ra["MAP@R"] - rb["MAP@R"]) <= 0.02, (ra, rb)
 
 
+@pytest.mark.parametrize("module,argv,fragment", [
+    ("embedder", ["quantize", "--help"], "--calibration DIR"),
+    ("indexer", ["build", "--help"], "--int8"),
+    ("embedder", ["pretrained", "--help"], "lite0+lite1-gem4"),
+])
+def test_help_names_the_new_options(module, argv, fragment):
+    r = _run(module, *argv)
+    assert r.returncode == 0 and fragment in r.stdout
+
+
 def test_quantize_cli_skips_a_corrupt_image_and_carries_metadata(small_onnx, omniglot_paths, tmp_path):
     calib = tmp_path / "calib"
     calib.mkdir()
