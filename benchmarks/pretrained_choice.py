@@ -87,8 +87,11 @@ def embeddings(tag: str, files: list[Path], cache: Path, batch_size: int) -> np.
 
 
 def ingest_rates(tags: list[str], files: list[Path], cache: Path, repeats: int,
-                 batch_size: int) -> dict[str, dict[str, float]]:
-    """Throughput ratios against ``tags[0]``: bare ``embed_iter`` and ``indexer build``.
+                 batch_size: int, models: dict[str, Path] | None = None,
+                 bare: bool = True) -> dict[str, dict[str, float]]:
+    """Throughput ratios against ``tags[0]``: bare ``embed_iter`` and ``indexer build``
+    (``models``: the ONNX file of each tag, default its pretrained export; ``bare=False``: the
+    build only).
 
     Variants run back to back within each repeat, so each ratio compares runs that saw about
     the same neighbours' load; the median over repeats of these paired ratios is reported, for
@@ -104,31 +107,34 @@ def ingest_rates(tags: list[str], files: list[Path], cache: Path, repeats: int,
         for f in files:   # a real class-folder gallery of cub photos
             (gallery / f.parent.name).mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, gallery / f.parent.name / f.name)
-        models = {t: model_for(t, cache) for t in tags}
+        models = {t: (models or {}).get(t) or model_for(t, cache) for t in tags}
         embs = {t: OnnxEmbedder(m, batch_size=batch_size) for t, m in models.items()}
         for e in embs.values():   # warm up sessions and the page cache
             for _ in e.embed_iter(((i, str(f)) for i, f in enumerate(files[:64]))):
                 pass
         runs: list[dict[str, dict[str, tuple[float, float]]]] = []
-        with tqdm(total=repeats * len(tags) * 2, desc="ingest runs") as bar:
+        with tqdm(total=repeats * len(tags) * (2 if bare else 1), desc="ingest runs") as bar:
             for r in range(repeats):
                 run: dict[str, dict[str, tuple[float, float]]] = {}
                 for t in (tags if r % 2 == 0 else tags[::-1]):   # alternate who goes first
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    n = sum(len(k) for k, _, _ in embs[t].embed_iter(((i, str(f)) for i, f in enumerate(files))))
-                    bare = (n / (time.perf_counter() - w0), (time.process_time() - c0) / n)
-                    bar.update(1)
+                    if bare:
+                        w0, c0 = time.perf_counter(), time.process_time()
+                        n = sum(len(k) for k, _, _ in embs[t].embed_iter(((i, str(f)) for i, f in enumerate(files))))
+                        run.setdefault(t, {})["bare"] = (n / (time.perf_counter() - w0),
+                                                         (time.process_time() - c0) / n)
+                        bar.update(1)
                     w0, c0 = time.perf_counter(), time.process_time()
                     m = build_index(gallery, tmp / f"idx-{t}-{r}", models[t], batch_size=batch_size,
                                     progress=False, embedder=embs[t])
                     build = (m["count"] / (time.perf_counter() - w0), (time.process_time() - c0) / m["count"])
-                    run[t] = {"bare": bare, "build": build}
+                    run.setdefault(t, {})["build"] = build
                     bar.update(1)
                 runs.append(run)
         b = tags[0]
         return {t: {f"{k}_{kind}": float(np.median([
                     (run[t][k][0] / run[b][k][0]) if kind == "wall" else (run[b][k][1] / run[t][k][1])
-                    for run in runs])) for k in ("bare", "build") for kind in ("wall", "cpu")}
+                    for run in runs])) for k in (("bare", "build") if bare else ("build",))
+                    for kind in ("wall", "cpu")}
                 for t in tags}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

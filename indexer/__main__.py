@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", type=Path, default=None,
                    help="exported .onnx embedder (default: the offline pretrained ImageNet embedder, "
                         "embedder.pretrained.DEFAULT; `python -m embedder pretrained --help`)")
+    b.add_argument("--int8", action="store_true",
+                   help="embed with the int8 version of --model (default: of the default embedder), "
+                        "quantised once on 256 of the gallery's images and cached in $DAS_CACHE/int8 "
+                        "(`python -m embedder quantize --help`); the network runs ~2x as fast, "
+                        "the whole build ~1.6x (BENCHMARKS.md)")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
@@ -142,6 +147,21 @@ def _ray_arguments(b: argparse.ArgumentParser) -> None:
                         "sample of their stores, instead of merging them into one store and index")
 
 
+def _int8_model(args: argparse.Namespace) -> Path:
+    """``indexer build --int8``: the int8 version of --model (or the default), calibrated on the
+    gallery (embedder.quantize.int8_model_path; the same gallery gives the same file, so a rerun
+    resumes)."""
+    from embedder import default_model_path
+    from embedder.quantize import int8_model_path
+
+    from .model import load_embedder
+
+    fp32 = load_embedder(args.model, device="cpu").path if args.model else default_model_path()
+    if not args.gallery.is_dir():
+        raise ValueError(f"{args.gallery}: gallery folder not found")
+    return int8_model_path(fp32, args.gallery, progress=not args.quiet)
+
+
 def _build_with_ray(args: argparse.Namespace) -> dict:
     """``indexer build --ray``: the flags only --ray takes, the build, the shard summary line."""
     from .ray_build import SHARDS_DIR, build_with_ray
@@ -189,6 +209,8 @@ def _run(args: argparse.Namespace) -> int:
     from .build import add_images, build_index, merge_shards, remove_items, repair_index
     from .walk import parse_shard
 
+    if args.cmd == "build" and args.int8:
+        args.model = _int8_model(args)
     if args.cmd == "build" and (args.ray is not None or args.shards is not None or args.sharded):
         _print_index_line(_build_with_ray(args), args.out)   # locks --out itself
         return 0

@@ -1,0 +1,58 @@
+"""Several embedders as one: their L2-normalised embeddings concatenated, scaled by 1/sqrt(n).
+
+Why: two frozen ImageNet backbones see a photo differently, and the concatenation of their
+unit-length GeM features ranks cub-dev species better than either alone (issue 30; BENCHMARKS.md
+"Two backbones in one embedder"). Scaling by 1/sqrt(n) keeps the result unit-length, so inner
+product = cosine = the mean of the parts' cosines, and the indexer and search service treat it
+like any other normalised embedder. The parts must share one preprocessing: the exported ONNX
+file has one input, prepared once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .model import Embedder
+
+
+@dataclass(frozen=True)
+class ConcatConfig:
+    """What an export records as the model's ``config``: the parts' own configs, in order."""
+
+    parts: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    normalize: bool = True
+
+    @property
+    def backbone(self) -> str:
+        return "+".join(p["backbone"] for p in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "concat", "parts": [dict(p) for p in self.parts], "normalize": self.normalize}
+
+
+class ConcatEmbedder(nn.Module):
+    """``cat(e_1(x), ..., e_n(x)) / sqrt(n)`` of L2-normalised embedders sharing a preprocessing."""
+
+    def __init__(self, parts: Sequence[Embedder]) -> None:
+        super().__init__()
+        if len(parts) < 2:
+            raise ValueError(f"a concatenated embedder needs at least two parts, got {len(parts)}")
+        pre = parts[0].preprocessing
+        for p in parts:
+            if not p.config.normalize:
+                raise ValueError(f"every part must L2-normalise its output ({p.config.backbone} does not)")
+            if p.preprocessing != pre:
+                raise ValueError(f"parts must share one preprocessing: {p.config.backbone} has "
+                                 f"{p.preprocessing}, the first part {pre}")
+        self.parts = nn.ModuleList(parts)
+        self.preprocessing = pre
+        self.dim = sum(p.dim for p in parts)
+        self.scale = 1.0 / math.sqrt(len(parts))
+        self.config = ConcatConfig(tuple(p.config.to_dict() for p in parts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1) * self.scale

@@ -1,0 +1,250 @@
+"""int8 embedders: onnxruntime static quantisation (QDQ) of an exported embedder.
+
+Why: on a CPU with AVX-512 VNNI (or AVX2) onnxruntime runs int8 convolutions about twice as
+fast as fp32 ones, and indexing a gallery is almost all convolution. The recipe, chosen by
+measurement on cub-dev validation species (BENCHMARKS.md "int8 embedders"):
+
+- QDQ format (QuantizeLinear/DequantizeLinear pairs that onnxruntime fuses into QLinearConv),
+  per-channel int8 weights, uint8 activations (the U8S8 kernels VNNI runs natively);
+- only ``Conv``, ``Clip`` (ReLU6) and ``Add`` (the residuals) are quantised, and not the stem
+  convolution that reads the pixels (:func:`input_convs`). Quantising the Conv
+  alone puts its output's scale on the pre-ReLU6 range, many times wider than the [0, 6] that
+  matters (cosine to fp32 fell to 0.75); with Clip quantised too onnxruntime folds the ReLU6
+  into the conv's output range. GeM pooling (x^p), the mean and the L2 normalisation stay float:
+  they cost nothing and powers amplify rounding;
+- activation ranges calibrated on a few hundred images of the user's own gallery, prepared with
+  the model's own preprocessing (what it will see), min/max per tensor.
+
+onnxruntime's own tools do the work (``quant_pre_process`` then ``quantize_static``); this
+module only feeds them real images and carries the embedder's metadata (preprocessing, dim,
+normalisation) over, adding a ``quantization`` entry, so every consumer (indexer, app) reads the
+int8 file like the fp32 one. A final check compares int8 and fp32 embeddings of calibration
+images and refuses (QuantizationError) a model whose cosine to fp32 is implausibly low.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import ModelLoadError
+from .files import atomic_target
+from .hashing import file_sha256
+from .images import IMAGE_SUFFIXES, ImageLoadError
+
+DEFAULT_IMAGES = 256
+QUANTIZED_OPS = ("Conv", "Clip", "Add")
+#: a quantised model whose mean cosine to fp32 on calibration images is below this is broken
+#: (measured: 0.99+ for EfficientNet-Lite with the recipe above, 0.75 without Clip)
+MIN_MEAN_COSINE = 0.95
+QUANT_FORMAT = "qdq-u8s8-per-channel-float-stem"
+
+
+class QuantizationError(ValueError):
+    """The calibration images or the quantised model are unusable (one-line message)."""
+
+
+@dataclass
+class QuantizeReport:
+    """What :func:`quantize_embedder` did: the file, the calibration images, the int8/fp32 check."""
+
+    out: Path
+    calibration_images: int
+    skipped: list[tuple[str, str]]
+    mean_cosine: float
+    min_cosine: float
+
+
+def calibration_files(folder: str | os.PathLike, n: int = DEFAULT_IMAGES) -> list[Path]:
+    """Up to ``n`` image files of ``folder`` (recursive), spread evenly over its sorted file list,
+    so every sub-folder (class) of a gallery contributes; deterministic."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise QuantizationError(f"{root}: calibration folder not found (expected a folder of images)")
+    if n < 1:
+        raise QuantizationError(f"calibration image count must be >= 1, got {n}")
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise QuantizationError(f"{root}: no images (expected files ending in "
+                                f"{', '.join(sorted(IMAGE_SUFFIXES))})")
+    step = len(files) / min(n, len(files))
+    return [files[int(i * step)] for i in range(min(n, len(files)))]
+
+
+def is_quantized(meta: dict[str, str]) -> bool:
+    return "quantization" in meta
+
+
+def input_convs(proto: Any) -> list[str]:
+    """Names of the Conv nodes that read the model's input (each backbone's stem): they stay
+    float. On cub-dev validation species the int8 default kept R@1 0.14 and MAP@R 0.06 points
+    more with its stem in float (the raw pixels' rounding is the first error every later layer
+    carries; the stem is ~2% of the network's multiply-adds)."""
+    inputs = {i.name for i in proto.graph.input}
+    return [n.name for n in proto.graph.node if n.op_type == "Conv" and n.input and n.input[0] in inputs]
+
+
+def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: list[tuple[str, str]],
+             progress: bool) -> Iterator[np.ndarray]:
+    """Preprocessed (N, C, H, W) batches of ``files`` with the model's own preprocessing;
+    unreadable images are skipped and recorded in ``skipped`` (path, reason)."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(files), desc="calibrating", unit="img")
+    batch: list[np.ndarray] = []
+    try:
+        for f in files:
+            try:
+                batch.append(embedder.prepare(f))
+            except ImageLoadError as e:
+                skipped.append((str(f), e.reason))
+            if bar is not None:
+                bar.update(1)
+            if len(batch) == batch_size:
+                yield np.stack(batch)
+                batch = []
+        if batch:
+            yield np.stack(batch)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+class _Reader:
+    """onnxruntime's CalibrationDataReader over preprocessed batches (kept for the final check)."""
+
+    def __init__(self, input_name: str, batches: Iterator[np.ndarray], keep: int) -> None:
+        self.input_name, self.batches, self.keep = input_name, batches, keep
+        self.kept: list[np.ndarray] = []
+        self.seen = 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        x = next(self.batches, None)
+        if x is None:
+            return None
+        self.seen += len(x)
+        if sum(len(k) for k in self.kept) < self.keep:
+            self.kept.append(x)
+        return {self.input_name: x}
+
+    def rewind(self) -> None:  # quantize_static calls it only for multi-pass calibrators
+        pass
+
+
+def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike | Sequence[Path],
+                      out: str | os.PathLike, *, images: int = DEFAULT_IMAGES, batch_size: int = 16,
+                      progress: bool = False, check_images: int = 32,
+                      log: Callable[[str], None] | None = None) -> QuantizeReport:
+    """Write the int8 (QDQ) version of the exported embedder ``model`` to ``out``.
+
+    ``calibration``: a folder (up to ``images`` of its images are used, spread over it) or a
+    list of image files. Corrupt images are skipped and reported; none at all is an error.
+    The output keeps ``model``'s metadata plus ``quantization`` (JSON: format, ops, image count,
+    the fp32 file's sha256) and is only moved into place after the int8/fp32 check.
+    """
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from .runtime import OnnxEmbedder
+
+    model, out = Path(model), Path(out)
+    fp32 = OnnxEmbedder(model, device="cpu", batch_size=batch_size)   # ModelLoadError if not ours
+    if is_quantized(fp32.metadata):
+        raise ModelLoadError(model, "already quantised (metadata 'quantization'); quantise the fp32 export")
+    files = (list(calibration) if isinstance(calibration, (list, tuple))
+             else calibration_files(calibration, images))
+    if not files:
+        raise QuantizationError("no calibration images given")
+    skipped: list[tuple[str, str]] = []
+    batches = _batches(fp32, files, batch_size, skipped, progress)
+    first = next(batches, None)   # before onnxruntime sees an empty reader
+    if first is None:
+        raise QuantizationError(f"none of the {len(files)} calibration images could be read "
+                                f"(first: {skipped[0][0]}: {skipped[0][1]})")
+    reader = _Reader(fp32.input_name, itertools.chain([first], batches), check_images)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="das-quantize-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        # symbolic shape inference trips over the Expand of the L2 normalisation; onnx's own
+        # shape inference is enough for Conv/Clip/Add
+        quant_pre_process(str(model), str(pre), skip_symbolic_shape=True)
+        stems = input_convs(onnx.load(str(pre)))
+        with atomic_target(out, suffix=".onnx") as tmp_out:
+            quantize_static(str(pre), tmp_out, reader, quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=stems,
+                            # min/max calibration keeps only per-batch minima and maxima
+                            calibrate_method=CalibrationMethod.MinMax)
+            proto = onnx.load(tmp_out)
+            meta = dict(fp32.metadata)
+            meta["quantization"] = json.dumps({
+                "format": QUANT_FORMAT, "ops": list(QUANTIZED_OPS), "float_nodes": stems,
+                "calibration": "minmax",
+                "calibration_images": reader.seen, "fp32_sha256": fp32.model_hash})
+            del proto.metadata_props[:]
+            for k, v in meta.items():
+                entry = proto.metadata_props.add()
+                entry.key, entry.value = k, v
+            onnx.save(proto, tmp_out)
+            mean_cos, min_cos = _check(fp32, tmp_out, np.concatenate(reader.kept)[:check_images])
+            if mean_cos < MIN_MEAN_COSINE:
+                raise QuantizationError(
+                    f"{model}: the int8 model's embeddings differ from fp32 (mean cosine "
+                    f"{mean_cos:.3f} on calibration images, expected >= {MIN_MEAN_COSINE}); "
+                    "not written")
+    report = QuantizeReport(out, reader.seen, skipped, mean_cos, min_cos)
+    if log is not None:
+        for path, why in skipped:
+            log(f"skipped {path}: {why}")
+    return report
+
+
+def _check(fp32: Any, int8_path: str, x: np.ndarray) -> tuple[float, float]:
+    """(mean, min) cosine between fp32 and int8 embeddings of the same preprocessed images."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(int8_path, so, providers=["CPUExecutionProvider"])
+    a = fp32.embed_arrays(x)
+    b = np.concatenate([sess.run(None, {fp32.input_name: x[i:i + 16]})[0] for i in range(0, len(x), 16)])
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
+    return float(cos.mean()), float(cos.min())
+
+
+def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
+                    images: int = DEFAULT_IMAGES, progress: bool = False) -> Path:
+    """The int8 version of ``model`` calibrated on ``calibration`` (a folder), made once into
+    ``$DAS_CACHE/int8/`` (what ``indexer build --int8`` uses). The file name holds the fp32
+    model's hash and a hash of the calibration files (relative paths and sizes), so rerunning a
+    build on the same gallery (to resume it) gets the same int8 model and keeps its embeddings."""
+    from .pretrained import _lock, cache_dir
+    from .runtime import read_metadata
+
+    model = Path(model)
+    if is_quantized(read_metadata(model)):
+        return model
+    files = calibration_files(calibration, images)
+    root = Path(calibration)
+    listing = "\n".join(f"{f.relative_to(root).as_posix()}\t{f.stat().st_size}" for f in files)
+    import hashlib
+
+    key = hashlib.sha256(f"{file_sha256(model)}\n{listing}".encode()).hexdigest()[:16]
+    directory = cache_dir() / "int8"
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{model.stem}-int8-{key}.onnx"
+    if out.is_file():
+        return out
+    with _lock(directory / f".{out.stem}.lock"):
+        if not out.is_file():
+            quantize_embedder(model, files, out, progress=progress)
+    return out

@@ -1,0 +1,154 @@
+"""int8 embedders (issue 30): `python -m embedder quantize` and `indexer build --int8`.
+
+Real parts only: the shipped pretrained embedder quantised by onnxruntime on real cub-dev
+photos, a real index built with it, retrieval compared with the fp32 model on the same photos.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from embedder import OnnxEmbedder
+from embedder.hashing import file_sha256
+from embedder.metrics import evaluate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(module: str, *args: object) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=600)
+
+
+def _int8_weights(path: Path) -> int:
+    """How many int8 weight tensors the graph holds (0 for an fp32 model)."""
+    return sum(t.data_type == onnx.TensorProto.INT8 for t in onnx.load(str(path)).graph.initializer)
+
+
+@pytest.fixture(scope="session")
+def cub_gallery(tmp_path_factory, cub_root) -> tuple[Path, list[Path], np.ndarray]:
+    """The first 12 photos of the last 8 cub-dev species (test half), as a class-folder gallery."""
+    root = tmp_path_factory.mktemp("int8-gallery") / "gallery"
+    files, labels = [], []
+    for i, d in enumerate(sorted(p for p in cub_root.iterdir() if p.is_dir())[-8:]):
+        (root / d.name).mkdir(parents=True)
+        for f in sorted(d.glob("*.jpg"))[:12]:
+            shutil.copy2(f, root / d.name / f.name)
+            files.append(root / d.name / f.name)
+            labels.append(i)
+    return root, files, np.array(labels)
+
+
+@pytest.fixture(scope="session")
+def int8_index(cub_gallery, pretrained_onnx, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`indexer build --int8` of the gallery (quantises the default embedder on it)."""
+    out = tmp_path_factory.mktemp("int8-index") / "idx"
+    r = _run("indexer", "build", cub_gallery[0], "--out", out, "--int8", "--quiet")
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_build_int8_indexes_with_the_quantised_default(int8_index, pretrained_onnx):
+    out, _ = int8_index
+    manifest = json.loads((out / "manifest.json").read_text())
+    meta = manifest["model"]["metadata"]
+    q = json.loads(meta["quantization"])
+    fp32 = OnnxEmbedder(pretrained_onnx)
+    # the int8 model is the default's, with its preprocessing carried over
+    assert q["fp32_sha256"] == fp32.model_hash and q["calibration_images"] == 96
+    assert json.loads(meta["preprocessing"]) == json.loads(fp32.metadata["preprocessing"])
+    assert manifest["model"]["dim"] == 1280 and manifest["model"]["normalized"] and manifest["count"] == 96
+    assert _int8_weights(out / "model.onnx") > 50 and _int8_weights(pretrained_onnx) == 0
+    # the stem convolution (reads the pixels) stays float: its weights are not int8
+    assert len(q["float_nodes"]) == 1
+    weights = {t.name: t.data_type for t in onnx.load(str(out / "model.onnx")).graph.initializer}
+    assert weights["backbone.net.conv_stem.weight"] == onnx.TensorProto.FLOAT
+
+
+def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery):
+    """Same gallery -> same calibration -> same int8 file: nothing is embedded again."""
+    out, first = int8_index
+    before = json.loads((out / "manifest.json").read_text())["model"]["hash"]
+    r = _run("indexer", "build", cub_gallery[0], "--out", out, "--int8", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "0 new, 96 unchanged" in r.stdout
+    assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == before
+
+
+def test_int8_index_is_searched_with_its_int8_model(int8_index, cub_gallery):
+    """What the app and `indexer search` do: open the index (model checked) and embed a query
+    with the index's own int8 copy; a gallery photo finds itself first."""
+    out, _ = int8_index
+    _, files, _ = cub_gallery
+    r = _run("indexer", "search", files[5], "-k", "3", "--index", out, "--json")
+    assert r.returncode == 0, r.stderr
+    hits = json.loads(r.stdout)
+    assert hits[0]["path"].endswith(files[5].name) and hits[0]["score"] > 0.99
+
+
+def test_int8_retrieves_like_fp32(int8_index, cub_gallery, pretrained_onnx):
+    """Same photos through both models: embeddings nearly parallel, ranking quality kept."""
+    _, files, labels = cub_gallery
+    a = OnnxEmbedder(pretrained_onnx).embed(files)
+    b = OnnxEmbedder(int8_index[0] / "model.onnx").embed(files)
+    cos = (a * b).sum(1)
+    assert cos.mean() > 0.98 and np.allclose(np.linalg.norm(b, axis=1), 1, atol=1e-4)
+    ra, rb = evaluate(a, labels, clustering=False), evaluate(b, labels, clustering=False)
+    assert abs(ra["R@1"] - rb["R@1"]) <= 3 / len(files) and abs(ra["MAP@R"] - rb["MAP@R"]) <= 0.02, (ra, rb)
+
+
+@pytest.mark.parametrize("module,argv,fragment", [
+    ("embedder", ["quantize", "--help"], "--calibration DIR"),
+    ("indexer", ["build", "--help"], "--int8"),
+    ("embedder", ["pretrained", "--help"], "lite0+lite1-gem4"),
+])
+def test_help_names_the_new_options(module, argv, fragment):
+    r = _run(module, *argv)
+    assert r.returncode == 0 and fragment in r.stdout
+
+
+def test_quantize_cli_skips_a_corrupt_image_and_carries_metadata(small_onnx, omniglot_paths, tmp_path):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for f in omniglot_paths[:12]:
+        shutil.copy2(f, calib / f"{f.parent.name}-{f.name}")
+    (calib / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    out = tmp_path / "small-int8.onnx"
+    r = _run("embedder", "quantize", small_onnx, "--calibration", calib, "--out", out, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "broken.png" in r.stderr and "1 skipped" in r.stdout and "12 images" in r.stdout
+    meta = OnnxEmbedder(out).metadata
+    fp32 = OnnxEmbedder(small_onnx).metadata
+    assert {k: v for k, v in meta.items() if k != "quantization"} == fp32
+    assert json.loads(meta["quantization"])["fp32_sha256"] == file_sha256(small_onnx)
+    assert _int8_weights(out) > 0
+    # an int8 model is not quantised twice
+    r = _run("embedder", "quantize", out, "--calibration", calib, "--out", tmp_path / "again.onnx")
+    assert r.returncode == 1 and "already quantised" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("missing", "calibration folder not found"),
+    ("empty", "no images"),
+    ("corrupt", "none of the 2 calibration images could be read"),
+])
+def test_quantize_bad_calibration_one_line_error(case, fragment, small_onnx, tmp_path):
+    calib = tmp_path / "calib"
+    if case != "missing":
+        calib.mkdir()
+    if case == "corrupt":
+        (calib / "a.jpg").write_bytes(b"not a jpeg")
+        (calib / "b.png").write_bytes(b"")
+    out = tmp_path / "q.onnx"
+    r = _run("embedder", "quantize", small_onnx, "--calibration", calib, "--out", out, "--quiet")
+    assert r.returncode == 1 and fragment in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
