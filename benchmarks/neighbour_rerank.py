@@ -137,12 +137,14 @@ def leave_one_out(x: np.ndarray, y: np.ndarray, k: int, alpha: float, depth: int
             "dba (no guard: inflated)": metrics(y[unguarded], y, r)}
 
 
-def grid() -> dict[str, dict]:
+def grid(ks=(2, 3, 4, 5, 6, 8), alphas=(0.0, 1.0, 3.0, 5.0, 10.0), extras: bool = True) -> dict[str, dict]:
     """The methods tried on validation species."""
     g: dict[str, dict] = {"plain": {"kind": "plain"}}
-    for k in (2, 3, 4, 5, 6, 8):
-        for a in (0.0, 1.0, 3.0, 5.0, 10.0):
+    for k in ks:
+        for a in alphas:
             g[f"dba k={k} a={a:g} full"] = {"kind": "dba-full", "k": k, "alpha": a}
+    if not extras:
+        return g
     for depth in (20, 50, 100):
         g[f"dba k=3 a=3 served depth={depth}"] = {"kind": "dba", "k": 3, "alpha": 3.0, "depth": depth}
     for m in (1, 2, 3, 5):
@@ -179,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--alpha", type=float, default=3.0)
     ap.add_argument("--depth", type=int, default=100)
+    ap.add_argument("--seeds", type=int, default=len(SEEDS), help="held-out splits (default 3)")
+    ap.add_argument("--grid-k", type=int, nargs="+", default=None, metavar="K",
+                    help="only a DBA grid over these k (and --grid-alpha), full search")
+    ap.add_argument("--grid-alpha", type=float, nargs="+", default=[0.0, 1.0, 3.0, 5.0, 10.0])
     ap.add_argument("--cache", type=Path, default=Path("/tmp/das-neighbour-rerank"))
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -187,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     lines: list[str] = []
     for s in args.splits:
         x, y = embed_split(s, args.cache)
-        methods = grid() if (args.grid or s == "cub-val") else chosen(args.k, args.alpha, args.depth)
+        if args.grid_k:
+            methods = grid(args.grid_k, args.grid_alpha, extras=False)
+        else:
+            methods = grid() if (args.grid or s == "cub-val") else chosen(args.k, args.alpha, args.depth)
         depth_out = int(max(np.bincount(y))) + 8           # deep enough for MAP@R
-        h = heldout(x, y, methods, depth_out)
+        h = heldout(x, y, methods, depth_out, seeds=tuple(range(args.seeds)))
         loo = leave_one_out(x, y, args.k, args.alpha, args.depth, depth_out)
         all_res[s] = {"heldout": h, "leave_one_out": loo, "n": len(y), "classes": int(len(np.unique(y)))}
         lines += table(f"{s}: held-out halves ({len(y)} photos, {len(np.unique(y))} classes, "
-                       f"mean of {len(SEEDS)} splits)", h)
+                       f"mean of {args.seeds} splits)", h)
         lines += table(f"{s}: leave-one-out (DBA k={args.k}, alpha={args.alpha:g}, depth {args.depth})", loo)
     print("\n".join(lines))
     print(f"({time.time() - t0:.0f} s; command: python -m benchmarks.neighbour_rerank {' '.join(sys.argv[1:] if argv is None else argv)})")
