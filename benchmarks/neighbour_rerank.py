@@ -72,12 +72,11 @@ def metrics(ranked_labels: np.ndarray, q_labels: np.ndarray, r: np.ndarray) -> d
 
 def alpha_qe(q: np.ndarray, g: np.ndarray, m: int, alpha: float) -> np.ndarray:
     """q + sum of its top-m gallery vectors weighted sim^alpha, normalised."""
-    from embedder.vectors import l2_normalize
-
     s = q @ g.T
     top = _ranked(s, m)
     w = np.maximum(np.take_along_axis(s, top, 1), 0) ** alpha
-    return l2_normalize(q + np.einsum("nm,nmd->nd", w, g[top]))
+    out = q + np.einsum("nm,nmd->nd", w, g[top])
+    return (out / np.linalg.norm(out, axis=1, keepdims=True)).astype(np.float32)
 
 
 def heldout(x: np.ndarray, y: np.ndarray, methods: dict, depth_out: int, seeds=SEEDS) -> dict:
