@@ -3,7 +3,10 @@ and alpha query expansion, chosen on cub-dev validation species, reported on its
 on caltech101-dev (issue 30, item 3).
 
     python -m benchmarks.neighbour_rerank --splits cub-val            # the grid; choose here
-    python -m benchmarks.neighbour_rerank --splits cub-test caltech-all --k 3 --alpha 3  # report
+    python -m benchmarks.neighbour_rerank --splits cub-val --seeds 10 \
+        --grid-k 3 4 5 6 8 10 12 --grid-alpha 3 5 7 10 15                   # finer, 10 splits
+    python -m benchmarks.neighbour_rerank --splits cub-val cub-test caltech-all caltech-test \
+        --chosen --seeds 10 --k 8 --alpha 5                                  # report
 
 Splits as benchmarks.pretrained_choice (species sorted by name: first half validation, second
 half test; caltech101-dev all categories). Embeddings: the shipped default embedder, computed
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", nargs="+", default=["cub-val"],
                     choices=["cub-val", "cub-test", "caltech-test", "caltech-all"])
     ap.add_argument("--grid", action="store_true", help="the whole grid (default on cub-val only)")
+    ap.add_argument("--chosen", action="store_true",
+                    help="only plain, the chosen --k/--alpha (served and full) and QE, on every split")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--alpha", type=float, default=3.0)
     ap.add_argument("--depth", type=int, default=100)
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.grid_k:
             methods = grid(args.grid_k, args.grid_alpha, extras=False)
         else:
-            methods = grid() if (args.grid or s == "cub-val") else chosen(args.k, args.alpha, args.depth)
+            methods = grid() if (args.grid or (s == "cub-val" and not args.chosen)) \
+                else chosen(args.k, args.alpha, args.depth)
         depth_out = int(max(np.bincount(y))) + 8           # deep enough for MAP@R
         h = heldout(x, y, methods, depth_out, seeds=tuple(range(args.seeds)))
         loo = leave_one_out(x, y, args.k, args.alpha, args.depth, depth_out)

@@ -94,7 +94,7 @@ def test_add_and_remove_keep_the_fresh_build_state(tmp_path: Path, gallery8: Pat
     run_cli("build", fresh_gallery, "--model", small_onnx, "--out", fresh, "--dba", "--quiet")
     _same(_state(idx), _state(fresh))
     info = run_cli("info", "--index", idx).stdout
-    assert "rerank:   DBA, k=3" in info and "counts agree" in info
+    assert f"rerank:   DBA, k={neighbours.DEFAULT_K}" in info and "counts agree" in info
 
 
 def test_manifest_records_and_checks_the_file(tmp_path: Path, dba_index: Path, gallery8: Path) -> None:
@@ -102,7 +102,8 @@ def test_manifest_records_and_checks_the_file(tmp_path: Path, dba_index: Path, g
     shutil.copytree(dba_index, idx)
     m = json.loads((idx / "manifest.json").read_text())
     rec = m["neighbours"]
-    assert (rec["method"], rec["k"], rec["alpha"], rec["depth"]) == ("dba", 3, 3.0, 100)
+    assert (rec["method"], rec["k"], rec["alpha"], rec["depth"]) == \
+        ("dba", neighbours.DEFAULT_K, neighbours.DEFAULT_ALPHA, neighbours.DEFAULT_DEPTH)
     assert rec["bytes"] == (idx / neighbours.NEIGHBOURS_FILE).stat().st_size
     data = bytearray((idx / neighbours.NEIGHBOURS_FILE).read_bytes())
     data[-100] ^= 0xFF                                          # one flipped byte
@@ -155,7 +156,7 @@ def test_leave_one_out_guard_answers_as_without_the_query(tmp_path: Path, dba_in
     checked = 0
     for r in range(0, len(ids), 7):
         e = int(ids[r])
-        if not (idx.neighbours.nbr[:, :2] == e).any():
+        if not (idx.neighbours.nbr[:, :idx.neighbours.params.k - 1] == e).any():
             continue
         copy = tmp_path / f"wo{r}"
         shutil.copytree(dba_index, copy)
