@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search", help="the k nearest gallery images of a query image")
     s.add_argument("image", type=Path)
     s.add_argument("-k", type=int, default=10)
+    s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
+                   help="DBA re-ranking (auto: on for an index built with --dba)")
     opts(s, "--index", "--json", "--device")
     serve_memory_opt(s)
 
@@ -276,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
 
         _positive("-k", args.k)
         idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory)
-        hits = idx.search([args.image], args.k)[0]
+        hits = idx.search([args.image], args.k, dba={"auto": None, "on": True, "off": False}[args.dba])[0]
         if args.json:
             print(json.dumps([h.__dict__ for h in hits], indent=2))
         else:

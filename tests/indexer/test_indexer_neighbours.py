@@ -122,6 +122,10 @@ def test_rebuild_without_dba_drops_it(tmp_path: Path, gallery8: Path, dba_index:
     assert not (idx / neighbours.NEIGHBOURS_FILE).exists()
     with pytest.raises(ValueError, match="built without DBA"):
         Index.open(idx).search_embeddings(np.ones((1, 64), np.float32), 3, dba=True)
+    img = next((gallery8 / "all").rglob("*.png"))
+    p = run_cli("search", img, "--index", idx, "--dba", "on", check=False)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "built without DBA" in p.stderr
+    assert run_cli("search", img, "--index", idx, "--dba", "off", "-k", "2").stdout.count("label=") == 2
     p = run_cli("build", gallery8 / "all", "--out", idx, "--dba-k", "4", check=False)
     assert p.returncode == 1 and "need --dba" in p.stderr
     p = run_cli("build", gallery8 / "all", "--out", idx, "--dba", "--dba-k", "1", check=False)
