@@ -248,7 +248,10 @@ def rerank(nb: Neighbourhoods, q: np.ndarray, cand: np.ndarray, k: int,
             hit = np.nonzero((nb.nbr[rows, :kk - 1] == e).any(1))[0]
             if len(hit):
                 a = a.copy()
-                a[hit] = _without(nb, rows[hit], e, vectors)
+                try:
+                    a[hit] = _without(nb, rows[hit], e, vectors)
+                except KeyError:    # a neighbour removed since this snapshot: keep the vectors
+                    pass
         s = a @ q[r]
         top = np.argsort(-s, kind="stable")[:k]
         out_ids[r, :len(top)] = c[top]
