@@ -217,7 +217,12 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                     s_status = gr.Markdown(elem_id="search-status")
                     s_gals = [gr.Gallery(label=f"Results — {n}", columns=4, height="auto", object_fit="contain",
                                          elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
-            s_btn.click(do_search, [*s_query, s_k, s_dba], [s_status, *s_gals], api_name="search")
+            # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
+            # inputs for programs written against it (each index's default: DBA where built with
+            # it), through a trigger the page does not show.
+            s_btn.click(do_search, [*s_query, s_k, s_dba], [s_status, *s_gals], api_name="search_dba")
+            gr.Button(visible=False, elem_id="search-api").click(
+                do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
         with gr.Tab("Probes", id="probes"):
             gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "

@@ -77,11 +77,14 @@ def test_ui_checkbox(dba_server, dba_index):
     gid = idx.ids_for_label(idx.labels()[0])[0]
     client = Client(dba_server + "/", verbose=False)
     for checked in (True, False):
-        status, dba_gal, small_gal = client.predict(None, str(gid), None, 4, checked, api_name="/search")
+        status, dba_gal, small_gal = client.predict(None, str(gid), None, 4, checked, api_name="/search_dba")
         assert "⚠" not in status, status
         want = _expected(dba_index, gid, 4, checked)
         labels = {i: idx.meta(i).get("label") for i, _ in want}
         assert [g["caption"] for g in dba_gal] == [f"{labels[i]} · {s:.3f}" for i, s in want]
         assert len(small_gal) == 4              # the index without DBA answers plainly either way
-    status, *_ = client.predict(None, str(gid), None, 4, api_name="/search")    # checkbox left out
+    # "/search" keeps its four inputs (the index's default: DBA here)
+    status, dba_gal, _ = client.predict(None, str(gid), None, 4, api_name="/search")
     assert "⚠" not in status
+    want = _expected(dba_index, gid, 4, True)
+    assert [g["caption"] for g in dba_gal] == [f"{idx.meta(i).get('label')} · {s:.3f}" for i, s in want]
