@@ -94,10 +94,10 @@ class Neighbourhoods:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Row of each id (-1 for an id not held, e.g. faiss's -1 padding)."""
         ids = np.asarray(ids, dtype=np.int64)
-        pos = np.searchsorted(self.ids, ids)
-        pos = np.minimum(pos, max(len(self.ids) - 1, 0))
-        ok = (len(self.ids) > 0) & (self.ids[pos] == ids) if len(self.ids) else np.zeros(ids.shape, bool)
-        return np.where(ok, pos, -1)
+        if not len(self.ids):
+            return np.full(ids.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return np.where(self.ids[pos] == ids, pos, -1)
 
     # -- the file ---------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
