@@ -18,4 +18,4 @@ __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_image
            "writer_lock", "IndexBusyError", "holder", "is_locked",
            # modules of plain functions (faiss.contrib style), public as a whole
            "faiss_index", "selection", "tuning", "stream", "sources", "walk", "ray_build",
-           "rerank"]
+           "rerank", "neighbours"]

@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
     _ray_arguments(opts(b, "--batch-size", "--workers"))
     index_opts(b)
+    dba_opts(b)
     opts(b, "--device", "--quiet", "--wait")
 
     a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), "--index")
@@ -96,12 +97,29 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search", help="the k nearest gallery images of a query image")
     s.add_argument("image", type=Path)
     s.add_argument("-k", type=int, default=10)
+    s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
+                   help="DBA re-ranking (auto: on for an index built with --dba)")
     opts(s, "--index", "--json", "--device")
     serve_memory_opt(s)
 
-    e = sub.add_parser("eval", help="Recall@k on a labelled query folder")
-    e.add_argument("--queries", type=Path, required=True, help="query folder, one sub-folder per label")
+    e = sub.add_parser("eval", help="Recall@k on a labelled query folder, or leave-one-out",
+                       description="Recall@k of the index on a labelled query folder (photos the "
+                                   "gallery does not hold: a held-out split; a query the gallery "
+                                   "does hold is left out of its own results), or --leave-one-out: "
+                                   "each labelled gallery item queries the others. For an index "
+                                   "built with --dba both settings are reported; a query that is a "
+                                   "gallery item is scored as if the gallery did not hold it (its "
+                                   "neighbours' DBA vectors are rebuilt without it).")
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--queries", type=Path, help="query folder, one sub-folder per label")
+    src.add_argument("--leave-one-out", action="store_true",
+                     help="query with the gallery's own labelled items (their stored vectors)")
+    e.add_argument("--max-queries", type=int, default=None, metavar="N",
+                   help="with --leave-one-out: a random sample of N items (default: all)")
     e.add_argument("-k", type=int, nargs="+", default=[1, 2, 4, 8])
+    e.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
+                   help="the figures' DBA setting (auto: as the index serves; the other setting is "
+                        "reported beside them when the index has DBA)")
     opts(e, "--index", "--json", "--device")
     serve_memory_opt(e)
 
@@ -124,8 +142,37 @@ def _parser() -> argparse.ArgumentParser:
                         "give each shard its own part of the index, and write a manifest in --out "
                         "that lists them (searched as one; nothing is copied)")
     index_opts(m)
+    dba_opts(m)
     opts(m, "--device", "--quiet", "--wait")
     return p
+
+
+def dba_opts(sp: argparse.ArgumentParser) -> None:
+    """``--dba`` and its parameters (indexer.neighbours), for build and merge."""
+    from .neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
+
+    sp.add_argument("--dba", action="store_true",
+                    help="database-side augmentation at serve time: each gallery vector is also "
+                         "kept as the sim^alpha-weighted mean of its --dba-k nearest gallery "
+                         "vectors (itself included) and searches re-rank their top candidates with "
+                         "those (switchable per request; kept right by add/remove)")
+    sp.add_argument("--dba-k", type=int, default=DEFAULT_K, metavar="K",
+                    help=f"gallery vectors averaged, the item included (default {DEFAULT_K})")
+    sp.add_argument("--dba-alpha", type=float, default=DEFAULT_ALPHA, metavar="A",
+                    help=f"neighbour weight = similarity^A (default {DEFAULT_ALPHA:g})")
+    sp.add_argument("--dba-depth", type=int, default=DEFAULT_DEPTH, metavar="N",
+                    help=f"plain candidates re-ranked per query (default {DEFAULT_DEPTH})")
+
+
+def dba_params(args: argparse.Namespace) -> object:
+    """The --dba flags as a DbaParams (None without --dba; the parameters alone are refused)."""
+    from .neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K, DbaParams
+
+    if not args.dba:
+        if (args.dba_k, args.dba_alpha, args.dba_depth) != (DEFAULT_K, DEFAULT_ALPHA, DEFAULT_DEPTH):
+            raise ValueError("--dba-k/--dba-alpha/--dba-depth need --dba")
+        return None
+    return DbaParams(args.dba_k, args.dba_alpha, args.dba_depth)
 
 
 def _ray_arguments(b: argparse.ArgumentParser) -> None:
@@ -212,6 +259,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "build" and args.int8:
         args.model = _int8_model(args)
     if args.cmd == "build" and (args.ray is not None or args.shards is not None or args.sharded):
+        if args.dba:
+            raise ValueError("--dba is not available with --ray/--sharded builds yet; build "
+                             "without --ray, or `indexer merge --dba` the shards")
         _print_index_line(_build_with_ray(args), args.out)   # locks --out itself
         return 0
     for flag in ("batch_size", "workers"):
@@ -220,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         shard = parse_shard(args.shard) if args.shard else None
         m = build_index(args.gallery, args.out, args.model, shard=shard, batch_size=args.batch_size,
                         workers=args.workers, device=args.device, progress=not args.quiet,
-                        wait=args.wait, **index_options(args))
+                        wait=args.wait, dba=dba_params(args), **index_options(args))
         ing = m["ingest"]
         print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
               f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
@@ -255,7 +305,7 @@ def _run(args: argparse.Namespace) -> int:
 
         _positive("-k", args.k)
         idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory)
-        hits = idx.search([args.image], args.k)[0]
+        hits = idx.search([args.image], args.k, dba={"auto": None, "on": True, "off": False}[args.dba])[0]
         if args.json:
             print(json.dumps([h.__dict__ for h in hits], indent=2))
         else:
@@ -263,22 +313,12 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
         return 0
     if args.cmd == "eval":
-        from .evaluate import evaluate_queries
-        from .index import Index
-
-        res = evaluate_queries(Index.open(args.index, device=args.device, check_model=True,
-                                          max_memory=args.max_memory), args.queries, args.k)
-        if args.json:
-            print(json.dumps(res, indent=2))
-        else:
-            print(f"{res['queries']} queries ({res['self_matches']} also in the gallery, excluded from "
-                  f"their own results), {len(res['skipped'])} skipped")
-            for k, v in res["recall"].items():
-                print(f"Recall@{k}: {v:.4f}")
-        return 0
+        return _eval(args)
     if args.cmd == "info":
         return _info(args)
     if args.cmd == "merge" and args.sharded:
+        if args.dba:
+            raise ValueError("--dba is not available with merge --sharded yet; merge without --sharded")
         from .lock import writer_lock
         from .shard_build import build_sharded
 
@@ -293,10 +333,46 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "merge":
         m = merge_shards(args.shards, args.out, device=args.device, progress=not args.quiet,
-                         wait=args.wait, **index_options(args))
+                         wait=args.wait, dba=dba_params(args), **index_options(args))
         _print_index_line(m, args.out)
         return 0
     raise AssertionError(args.cmd)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
+    from .evaluate import evaluate_gallery, evaluate_queries
+    from .index import Index
+
+    if args.max_queries is not None and not args.leave_one_out:
+        raise ValueError("--max-queries needs --leave-one-out")
+    _positive("--max-queries", args.max_queries)
+    dba = {"auto": None, "on": True, "off": False}[args.dba]
+    idx = Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
+                     max_memory=args.max_memory)
+    if dba and not idx.has_dba:
+        raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
+    if args.leave_one_out:
+        res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries)
+    else:
+        res = evaluate_queries(idx, args.queries, args.k, dba=dba)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    if args.leave_one_out:
+        print(f"{res['queries']} gallery items, each left out of its own results (leave-one-out)")
+    else:
+        print(f"{res['queries']} queries ({res['self_matches']} also in the gallery, excluded from "
+              f"their own results), {len(res['skipped'])} skipped")
+    rows = [("DBA" if res["dba"] else "plain", res["recall"])]
+    other = res.get("recall_plain") or res.get("recall_dba")
+    if other is not None:
+        rows.append(("plain" if res["dba"] else "DBA", other))
+    for name, rec in rows:
+        tag = f" ({name})" if len(rows) > 1 else ""
+        for k, v in rec.items():
+            print(f"Recall@{k}{tag}: {v:.4f}")
+    return 0
 
 
 # ---------------------------------------------------------------------------- sharded indexes
@@ -386,6 +462,10 @@ def _info(args: argparse.Namespace) -> int:
 
             print(f"recall:   {recall_text(m)}")
         _print_candidates(m)
+        nb = m.get("neighbours")
+        if nb:
+            print(f"rerank:   DBA, k={nb['k']} (item included), weights sim^{nb['alpha']:g}, top "
+                  f"{nb['depth']} re-ranked (neighbours.npz, {nb.get('bytes', 0) / 2 ** 20:.1f} MiB)")
         rec = m.get("index_file")
         print(f"checksum: index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
               else "checksum: not recorded (built before checksums; rebuild to add one)")

@@ -13,7 +13,7 @@ import numpy as np
 from embedder.images import IMAGE_SUFFIXES
 
 from . import faiss_index as fx
-from . import selection, tuning
+from . import neighbours, selection, tuning
 from .errors import IndexerError
 from .index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
 from .lmdb_env import DiskFullError
@@ -50,14 +50,16 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 progress: bool = True, embedder: Any = None,
                 max_memory: int | str | None = None,
                 on_done: Callable[[int], None] | None = None, wait: bool = False,
-                files: Iterable[GalleryFile] | None = None) -> dict:
+                files: Iterable[GalleryFile] | None = None,
+                dba: neighbours.DbaParams | None = None) -> dict:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
 
     Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
     Holds ``out``'s writer lock (:mod:`indexer.lock`; ``wait``: wait for another writer instead
     of refusing). ``files``: the entries to ingest, already listed and checked (``indexer build
     --ray`` hands a shard task its share of the driver's one walk), instead of walking
-    ``gallery``. Returns the manifest.
+    ``gallery``. ``dba``: also compute the gallery's neighbourhoods for DBA re-ranking at serve
+    time (:mod:`indexer.neighbours`; a shard build leaves that to the merge). Returns the manifest.
     """
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
@@ -84,8 +86,19 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         index, fields = selection.build(ids, x, index_type=index_type, flat_threshold=flat_threshold,
                                         nlist=nlist, target_recall=target_recall, device=device,
                                         seed=seed, max_memory=max_memory, progress=progress)
+        extra["neighbours"] = _neighbours(d, ids, x, dba, progress)
         extra["build_seconds"] = round(time.perf_counter() - t0, 3)
         return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra)
+
+
+def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray, dba: neighbours.DbaParams | None,
+                progress: bool) -> dict | None:
+    """Write the DBA neighbourhoods (before the manifest that records them), or remove a stale
+    file when the index is built without them; the manifest's ``neighbours`` record."""
+    if dba is None:
+        neighbours.remove_file(d.path)
+        return None
+    return neighbours.write(d.path, neighbours.build(ids, x, dba, progress=progress))
 
 
 def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> dict:
@@ -130,10 +143,30 @@ def sync_index(d: IndexDir, manifest: dict, store: GalleryStore, *, seed: int = 
     if (len(stale) or len(new_rows)) and manifest.get("index_type") != "flat":
         target = float(manifest.get("target_recall", DEFAULT_TARGET_RECALL))
         fields.update(tuning.retune(index, manifest, x, ids, target, seed=seed))
+    if manifest.get("neighbours"):
+        fields["neighbours"] = _sync_neighbours(d, manifest, ids, x)
     fx.write_atomic(index, d.index_file)
     manifest = d.write_manifest({**manifest, **fields, "index_file": d.index_record(),
                                  "updated_at": now_utc()})
     return {**manifest, "added": int(len(new_rows)), "removed": int(len(stale))}
+
+
+def _sync_neighbours(d: IndexDir, manifest: dict, ids: np.ndarray, x: np.ndarray) -> dict:
+    """The DBA neighbourhoods brought to the store's items: the lists that an added or removed
+    item can change are searched again (:func:`indexer.neighbours.update`; equal to a fresh
+    build's); a missing or damaged file is rebuilt whole."""
+    rec = manifest["neighbours"]
+    try:
+        nb = neighbours.read(d.path, manifest)
+    except IndexerError:                    # missing / damaged: what `repair` is for
+        nb = None
+    if nb is None:
+        nb = neighbours.build(ids, x, neighbours.DbaParams.from_record(rec))
+    else:
+        nb, redone = neighbours.update(nb, ids, x)
+        if not redone and rec.get("sha256"):
+            return rec
+    return neighbours.write(d.path, nb)
 
 
 def add_images(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
@@ -249,7 +282,7 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
                  flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
                  target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
                  seed: int = 0, progress: bool = True, max_memory: int | str | None = None,
-                 wait: bool = False) -> dict:
+                 wait: bool = False, dba: neighbours.DbaParams | None = None) -> dict:
     """``indexer merge``: one quantizer trained over all shards, their inverted lists merged.
 
     The training sample is picked by position in the id-sorted union of all shards, exactly as
@@ -296,5 +329,6 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
         dst_dir.write_report([r for d in dirs for r in d.read_report()])
         extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": seen,
                  "ingest": {"skipped": skipped}, "report": REPORT,
+                 "neighbours": _neighbours(dst_dir, all_ids, x, dba, progress),
                  "build_seconds": round(time.perf_counter() - t0, 3)}
         return _write_index_dir(dst_dir, index, fields, first["model"], extra)

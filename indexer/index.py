@@ -8,12 +8,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from embedder.knn import drop_self
 from embedder.vectors import l2_normalize
 
 from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .index_dir import IndexDir
 from .model import load_embedder
+from .neighbours import Neighbourhoods
 from .store import GalleryStore
 from .validate import damaged, faiss_reason
 
@@ -50,6 +52,7 @@ class Index:
         self._embedder: Any = None
         self._lock = threading.Lock()
         self.max_memory: int | None = None      # set by Index.open(max_memory=...): codes only
+        self.neighbours: Neighbourhoods | None = None   # DBA re-ranking (indexer.neighbours)
 
     @classmethod
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
@@ -86,9 +89,14 @@ class Index:
         if fi.ntotal != int(manifest["count"]):
             raise IndexerError(f"{d.path}: index holds {fi.ntotal} vectors but the manifest says "
                                f"{manifest['count']}; rerun `indexer build` to repair it")
+        from . import neighbours
+
+        nb = neighbours.read(d.path, manifest)      # checked like index.faiss: one line if damaged
         if not isinstance(store, GalleryStore):     # none, or a sharded index's before a rebuild
             store = GalleryStore(d.store_dir)
-        return cls(d.path, manifest, store, fi, device)
+        idx = cls(d.path, manifest, store, fi, device)
+        idx.neighbours = nb
+        return idx
 
     def reopen(self) -> "Index":
         """The directory's current state as a new Index (after ``indexer add/remove``), sharing
@@ -113,10 +121,20 @@ class Index:
     def __len__(self) -> int:
         return int(self.faiss.ntotal)
 
-    def search_embeddings(self, emb: np.ndarray, k: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def has_dba(self) -> bool:
+        """Whether the index was built with DBA neighbourhoods (``indexer build --dba``)."""
+        return self.neighbours is not None
+
+    def search_embeddings(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
+                          exclude: Sequence[int | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF answers.
 
         Queries are L2-normalised here: the index holds normalised vectors and ranks by cosine.
+        ``dba``: re-rank the top candidates with the gallery's augmented vectors
+        (:mod:`indexer.neighbours`); None: on when the index was built with them. ``exclude[r]``:
+        a gallery id that query r is (a leave-one-out or gallery-id query): it is left out of its
+        row, and with DBA its neighbours' augmented vectors are made without it.
         """
         q = np.asarray(emb, dtype=np.float32)
         if q.ndim == 1:
@@ -126,7 +144,28 @@ class Index:
                              f"expected (n, {self.dim})")
         if k < 1:
             raise ValueError(f"k={k}: expected k >= 1")
-        return self.faiss.search(l2_normalize(q), k)
+        if dba and self.neighbours is None:
+            raise ValueError(f"{self.directory}: built without DBA neighbourhoods; rebuild it with "
+                             "`indexer build --dba` to re-rank with them")
+        dba = self.neighbours is not None if dba is None else bool(dba)
+        if exclude is not None and len(exclude) != len(q):
+            raise ValueError(f"exclude: expected {len(q)} entries (one per query), got {len(exclude)}")
+        own = None if exclude is None or all(e is None for e in exclude) else \
+            np.array([-1 if e is None else int(e) for e in exclude], dtype=np.int64)
+        q = l2_normalize(q)
+        k = min(k, len(self))
+        if not dba:
+            if own is None:
+                return self.faiss.search(q, k)
+            scores, ids = self.faiss.search(q, min(k + 1, len(self)))
+            ids, scores = drop_self(ids, own, k, scores)
+            return scores, ids
+        from .neighbours import rerank
+
+        nb = self.neighbours
+        _, cand = self.faiss.search(q, min(max(nb.params.depth, k) + (own is not None), len(self)))
+        return rerank(nb, q, cand, k, exclude=None if own is None else list(exclude),
+                      vectors=lambda ids: self.embeddings(ids))
 
     def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
         """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""
@@ -141,15 +180,16 @@ class Index:
             out.append(Hit(int(i), float(s), m.get("label"), m["path"]))
         return out
 
-    def search(self, images: Sequence[Any], k: int = 10) -> list[list[Hit]]:
-        """Embed ``images`` (paths, bytes or PIL images) and return the top-k hits of each.
+    def search(self, images: Sequence[Any], k: int = 10, *, dba: bool | None = None) -> list[list[Hit]]:
+        """Embed ``images`` (paths, bytes or PIL images) and return the top-k hits of each
+        (``dba``: as :meth:`search_embeddings`).
 
         Raises the embedder's ImageLoadError (naming the image) for an unreadable image.
         """
         if len(images) == 0:
             return []
         emb = self.embedder.embed(list(images))
-        scores, ids = self.search_embeddings(emb, k)
+        scores, ids = self.search_embeddings(emb, k, dba=dba)
         return [self.hits(s, i) for s, i in zip(scores, ids)]
 
     def embeddings(self, ids: Sequence[int]) -> np.ndarray:

@@ -55,6 +55,8 @@ class Manifest:
     shards: list | None = None              # [[i, n], ...]: the shards it was built from
     sharded: dict | None = None             # a sharded index: {"shards", "trained", "held", "files"}
     stage_seconds: dict | None = None
+    neighbours: dict | None = None          # DBA re-ranking (indexer.neighbours): method, k, alpha,
+                                            # depth, file, bytes, sha256 of neighbours.npz
     build_seconds: float | None = None
     built_at: str | None = None
     updated_at: str | None = None
@@ -117,7 +119,8 @@ def _problem(d: dict, m: Manifest | None) -> str:
         v = getattr(m, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             return f"key {name!r}: {_short(v)} is not a count"
-    for name, keys in (("index_file", ()), ("shard", ("i", "n")), ("sharded", ("shards", "trained", "held"))):
+    for name, keys in (("index_file", ()), ("shard", ("i", "n")), ("sharded", ("shards", "trained", "held")),
+                       ("neighbours", ("method", "k", "alpha", "depth", "sha256"))):
         v = getattr(m, name)
         if v is not None and not (isinstance(v, dict) and all(k in v for k in keys)):
             return f"key {name!r} is not an object with {'/'.join(keys) or 'fields'}"

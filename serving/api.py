@@ -1,7 +1,9 @@
 """Plain HTTP JSON API for programs that do not use gradio_client.
 
     POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery-relative
-                                path>, looked up in LMDB), k=10, index=<name>
+                                path>, looked up in LMDB), k=10, index=<name>, dba=true|false
+                                (DBA re-ranking, indexer.neighbours; also a query parameter;
+                                default: on for an index built with --dba)
     GET  /api/thumb/{index}/{id}  PNG thumbnail rendered from LMDB bytes
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness
@@ -26,7 +28,7 @@ from indexer import IndexerError
 
 from .limits import RequestGuard
 from .redact import Redactor
-from .results import RequestError, UnknownIdError, check_k
+from .results import RequestError, UnknownIdError, check_dba, check_k
 from .searcher import Searcher
 from .session import GradioSessions
 from .throttle import LoginThrottle
@@ -86,10 +88,12 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
     @app.post("/api/search")
     def search(request: Request, image: UploadFile | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
-               path: str | None = Form(None)) -> dict[str, Any]:
+               path: str | None = Form(None), dba: str | None = Form(None)) -> dict[str, Any]:
         name = index or searcher.default
         kk = check_k(k)
         searcher.index(name)                # an unknown index is refused before any decoding
+        use_dba = searcher.check_dba(check_dba(dba if dba is not None else request.query_params.get("dba")),
+                                     name)
         img, qname = None, None
         if image is not None:
             fname = image.filename or "image"
@@ -100,10 +104,12 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
             qname = image.filename or "upload"
         # else id or path: a gallery image, looked up in LMDB, never opened
         query = searcher.query(img, id=id, path=path, index=name, name=qname)
-        res = searcher.search(query, kk, index=name)
+        res = searcher.search(query, kk, index=name, dba=use_dba)
         # relative to the server, never built from the Host header (a client-chosen name)
         base = request.scope.get("root_path", "").rstrip("/")
-        return {"index": name, "k": kk, "query": {"name": query.name, "id": query.id, "label": query.label},
+        used = searcher.index(name).has_dba if use_dba is None else use_dba
+        return {"index": name, "k": kk, "dba": used,
+                "query": {"name": query.name, "id": query.id, "label": query.label},
                 "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{name}/{r.id}"}
                             for r in res.results]}
 

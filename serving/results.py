@@ -44,6 +44,22 @@ def check_k(k: Any) -> int:
     return int(k)
 
 
+_TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
+
+
+def check_dba(v: Any) -> bool | None:
+    """The one parse of a request's ``dba`` switch (API form field or query parameter): absent
+    or empty -> None (the index's default), else true/false, 1/0, on/off, yes/no."""
+    if v is None or isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t == "":
+        return None
+    if t in _TRUE or t in _FALSE:
+        return t in _TRUE
+    raise RequestError(f"dba: expected true or false (1/0, on/off), got {v!r}")
+
+
 @dataclass
 class Query:
     """What is being searched for: an uploaded image, or an image already in a gallery.

@@ -20,7 +20,6 @@ from PIL import Image
 
 from embedder import ImageLoadError
 from embedder.images import DEFAULT_MAX_PIXELS
-from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from indexer import Index, IndexDir, check_counts
 
@@ -192,36 +191,48 @@ class Searcher:
         return q.id if exclude_self and self._own(q, index) else None
 
     # -- search ---------------------------------------------------------------------------
+    def check_dba(self, dba: bool | None, index: str | None = None) -> bool | None:
+        """``dba`` as a request may ask it of ``index``: None (the index's default) and False
+        always; True only of an index built with DBA neighbourhoods (else a RequestError)."""
+        name = index or self.default
+        if dba and not self.index(name).has_dba:
+            raise RequestError(f"dba: index {name!r} was built without DBA re-ranking "
+                               "(rebuild it with `indexer build --dba`)")
+        return dba
+
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: str | None = None,
-                exclude: Sequence[int | None] | None = None, thumbnails: bool = False) -> list[list[Result]]:
+                exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
+                dba: bool | None = None) -> list[list[Result]]:
         """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]`` is an id to
-        leave out of row i (the query itself). Ids the store no longer has are skipped."""
+        leave out of row i (the query itself; with DBA, also out of its neighbours' augmented
+        vectors). ``dba``: DBA re-ranking (None: the index's default, on when it has it). Ids
+        the store no longer has are skipped."""
         index = index or self.default
         k = check_k(k)
         emb = np.ascontiguousarray(np.atleast_2d(np.asarray(emb, dtype=np.float32)))
         idx = self.index(index)
+        dba = self.check_dba(dba, index)
         exclude = list(exclude) if exclude is not None else [None] * len(emb)
-        extra = 1 if any(e is not None for e in exclude) else 0
-        scores, ids = idx.search_embeddings(emb, min(k + extra, len(idx)))
-        own = [-1 if e is None else e for e in exclude]      # ids are >= 0: -1 drops nothing
-        ids, scores = drop_self(ids, np.array(own, dtype=np.int64), ids.shape[1], scores)
+        scores, ids = idx.search_embeddings(emb, min(k, len(idx)), dba=dba, exclude=exclude)
         rows = [idx.hits(scores[r], ids[r])[:k] for r in range(len(emb))]
         return [[Result(h.id, h.score, h.label, h.path, index,
                         self.thumbnail(index, h.id) if thumbnails else None) for h in row] for row in rows]
 
     def search(self, query: Query | ImageSource | int, k: int = 10, *, index: str | None = None,
-               exclude_self: bool = True, thumbnails: bool = False) -> SearchResult:
+               exclude_self: bool = True, thumbnails: bool = False, dba: bool | None = None) -> SearchResult:
         """Top-k for one query (an image, a gallery id, or a Query). A gallery query is left out
-        of its own results unless exclude_self is False."""
-        return self.search_batch([query], k, index=index, exclude_self=exclude_self, thumbnails=thumbnails)[0]
+        of its own results unless exclude_self is False. ``dba``: as :meth:`nearest`."""
+        return self.search_batch([query], k, index=index, exclude_self=exclude_self, thumbnails=thumbnails,
+                                 dba=dba)[0]
 
     def search_batch(self, queries: Sequence[Query | ImageSource | int], k: int = 10, *,
                      index: str | None = None, exclude_self: bool = True,
-                     thumbnails: bool = False) -> list[SearchResult]:
+                     thumbnails: bool = False, dba: bool | None = None) -> list[SearchResult]:
         """Top-k for many queries: uploads are embedded in one batched session run."""
         index = index or self.default
         self.index(index)  # an unknown index fails before any decoding
         check_k(k)
+        self.check_dba(dba, index)
         qs = [self.query(q) for q in queries]
         if not qs:
             return []
@@ -232,7 +243,7 @@ class Searcher:
                 q.embeddings[index] = np.asarray(v, dtype=np.float32)
         emb = np.stack([self.embed(q, index) for q in qs])
         excl = [self._exclude(q, index, exclude_self) for q in qs]
-        rows = self.nearest(emb, k, index=index, exclude=excl, thumbnails=thumbnails)
+        rows = self.nearest(emb, k, index=index, exclude=excl, thumbnails=thumbnails, dba=dba)
         return [SearchResult(index, q, r) for q, r in zip(qs, rows)]
 
     def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:

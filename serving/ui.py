@@ -136,11 +136,15 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         return [f"**⚠ {msg}**"] + [None] * n_out
 
     # -- handlers -------------------------------------------------------------------------
-    def do_search(img_path: str | None, pick: str | None, label: str | None, k: float) -> list[Any]:
+    def do_search(img_path: str | None, pick: str | None, label: str | None, k: float,
+                  dba: bool = True) -> list[Any]:
         try:
             q = make_query(img_path, pick, label)
             kk = int(k)
-            out = [result_items(searcher, res.results, q.label) for res in searcher.search_all(q, kk).values()]
+            # checked: each index's default (DBA where built with it); unchecked: plain everywhere
+            use = None if dba else False
+            out = [result_items(searcher, res.results, q.label)
+                   for res in searcher.search_all(q, kk, dba=use).values()]
         except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
         known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
@@ -203,12 +207,22 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                     s_query = _query_inputs("search", picks, labels, height=260,
                                             label_text="Query label (optional: frames results green/red)")
                     s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
+                    with_dba = [n for n in names if searcher.index(n).has_dba]
+                    s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
+                                        label="DBA re-ranking (neighbourhood-augmented gallery vectors)"
+                                              + (f": {', '.join(with_dba)}" if with_dba else
+                                                 ": no open index was built with --dba"))
                     s_btn = gr.Button("Search", variant="primary", elem_id="search-btn")
                 with gr.Column(scale=3):
                     s_status = gr.Markdown(elem_id="search-status")
                     s_gals = [gr.Gallery(label=f"Results — {n}", columns=4, height="auto", object_fit="contain",
                                          elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
-            s_btn.click(do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
+            # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
+            # inputs for programs written against it (each index's default: DBA where built with
+            # it), through a trigger the page does not show.
+            s_btn.click(do_search, [*s_query, s_k, s_dba], [s_status, *s_gals], api_name="search_dba")
+            gr.Button(visible=False, elem_id="search-api").click(
+                do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
         with gr.Tab("Probes", id="probes"):
             gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "

@@ -1,0 +1,90 @@
+"""DBA re-ranking switched per request: the JSON API's ``dba`` field (form field or query
+parameter) and the Search tab's checkbox, against a real app.py serving an index built with
+``--dba`` beside one built without; the answers are the indexer's own for each setting."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def dba_index(tmp_path_factory, demo_dirs, pretrained_index) -> Path:
+    """The session's pretrained index rebuilt with --dba (its store reused: nothing re-embedded)."""
+    from indexer import build_index
+    from indexer.neighbours import DbaParams
+
+    out = tmp_path_factory.mktemp("idx-dba") / "dba"
+    shutil.copytree(pretrained_index, out)
+    build_index(demo_dirs[0], out, progress=False, model=out / "model.onnx", dba=DbaParams(k=3, alpha=3.0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dba_server(dba_index, small_index, start_app, tmp_path_factory, free_port):
+    args = ["--index", dba_index, "--index", small_index, "--name", "dba", "--name", "small"]
+    with start_app(args, tmp_path_factory.mktemp("dba-server"), free_port()) as (url, _):
+        yield url
+
+
+def _expected(index_dir: Path, gid: int, k: int, dba: bool) -> list[tuple[int, float]]:
+    from indexer import Index
+
+    idx = Index.open(index_dir)
+    s, i = idx.search_embeddings(idx.embeddings([gid]), k, dba=dba, exclude=[gid])
+    return [(int(a), float(b)) for a, b in zip(i[0], s[0])]
+
+
+def test_api_switch(dba_server, dba_index):
+    from indexer import Index
+
+    idx = Index.open(dba_index)
+    gid = idx.ids_for_label(idx.labels()[0])[0]
+    plain, dba = _expected(dba_index, gid, 5, False), _expected(dba_index, gid, 5, True)
+    assert plain != dba                           # re-ranking changes the answer here
+
+    def ask(data: dict, params: dict | None = None) -> httpx.Response:
+        return httpx.post(f"{dba_server}/api/search", data={"id": str(gid), "k": "5", **data},
+                          params=params, timeout=60)
+
+    for form, params, want, used in (({}, None, dba, True), ({"dba": "true"}, None, dba, True),
+                                     ({"dba": "false"}, None, plain, False),
+                                     ({}, {"dba": "off"}, plain, False), ({}, {"dba": "1"}, dba, True)):
+        r = ask(form, params)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["dba"] is used
+        got = [(x["id"], x["score"]) for x in body["results"]]
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert got == pytest.approx(want, abs=1e-5)
+    r = ask({"dba": "maybe"})
+    assert r.status_code == 400 and "dba: expected true or false" in r.json()["error"]
+    r = ask({"dba": "true", "index": "small"})
+    assert r.status_code == 400 and "'small' was built without DBA" in r.json()["error"]
+    for form in ({"index": "small"}, {"index": "small", "dba": "false"}):   # same photos: same ids
+        r = ask(form)
+        assert r.status_code == 200 and r.json()["dba"] is False, r.text
+
+
+def test_ui_checkbox(dba_server, dba_index):
+    from gradio_client import Client
+
+    from indexer import Index
+
+    idx = Index.open(dba_index)
+    gid = idx.ids_for_label(idx.labels()[0])[0]
+    client = Client(dba_server + "/", verbose=False)
+    for checked in (True, False):
+        status, dba_gal, small_gal = client.predict(None, str(gid), None, 4, checked, api_name="/search_dba")
+        assert "⚠" not in status, status
+        want = _expected(dba_index, gid, 4, checked)
+        labels = {i: idx.meta(i).get("label") for i, _ in want}
+        assert [g["caption"] for g in dba_gal] == [f"{labels[i]} · {s:.3f}" for i, s in want]
+        assert len(small_gal) == 4              # the index without DBA answers plainly either way
+    # "/search" keeps its four inputs (the index's default: DBA here)
+    status, dba_gal, _ = client.predict(None, str(gid), None, 4, api_name="/search")
+    assert "⚠" not in status
+    want = _expected(dba_index, gid, 4, True)
+    assert [g["caption"] for g in dba_gal] == [f"{idx.meta(i).get('label')} · {s:.3f}" for i, s in want]
