@@ -78,4 +78,12 @@ def test_dry_run_on_cpu(tmp_path, cub_root, omniglot_root):
     runs = json.loads((out / "grid" / "runs.json").read_text())
     assert sorted(r["variant"] for r in runs) == ["DAS", "base"]
     assert "| multisimilarity | DAS | 1 |" in summary
-    assert "training CLI, default device: device cpu" in summary
+    # gpu_check's own plumbing, run by the suite (was test_gpu_check.test_plumbing_on_cpu)
+    assert "PASS  training CLI, default device: device cpu" in summary
+    assert "ONNX exported + parity-checked" in summary
+    assert "PASS  ONNX model (embedder info): dim 64" in summary
+    assert "PASS  training with bf16 autocast + bf16 bank: loss" in summary
+    assert "PASS  DAS overhead benchmark" in summary
+    assert "INFO  goal: full step with/without DAS <= 1.1, small_cnn @ 28 triplet [distance]" in summary
+    gc = out / "gpu_check"
+    assert (gc / "run" / "model.onnx").exists() and (gc / "das_overhead.json").exists()

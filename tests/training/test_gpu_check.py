@@ -129,19 +129,5 @@ def test_without_cuda_it_says_so_in_one_line():
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device visible" in proc.stderr
 
 
-@pytest.mark.slow
-def test_plumbing_on_cpu(tmp_path, omniglot_root):
-    """Training through the CLI (default device logic, ONNX export + parity, embedder info),
-    the bf16 autocast run and the DAS benchmark's figures parsed into the summary."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick",
-                           "--skip-tests", "--data", str(omniglot_root), "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=_env(), timeout=900)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
-    assert "PASS  training CLI, default device: device cpu" in out
-    assert "ONNX exported + parity-checked" in out
-    assert "PASS  ONNX model (embedder info): dim 64" in out
-    assert "PASS  training with bf16 autocast + bf16 bank: loss" in out
-    assert "PASS  DAS overhead benchmark" in out
-    assert "INFO  goal: full step with/without DAS <= 1.1, small_cnn @ 28 triplet [distance]" in out
-    assert (tmp_path / "run" / "model.onnx").exists() and (tmp_path / "das_overhead.json").exists()
+# gpu_check's CPU plumbing (training CLI, ONNX + embedder info, bf16 run, the DAS benchmark's
+# figures in the summary) runs inside the device suite's dry run: tests/training/test_device_suite.py.
