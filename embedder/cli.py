@@ -1,12 +1,33 @@
-"""The one error policy of the project's command lines (indexer, app.py, training, embedder).
+"""The one command-line kit of the project: its error policy, its shared options, its entry point.
 
-An expected error (bad input the user can fix) ends as ONE line on stderr, ``PROG: error: ...``,
-and a non-zero exit code, never a traceback. It lives here because every package may import
-embedder (the dependencies point one way: training, indexer, serving -> embedder).
+Every CLI (``python -m indexer``, ``python -m training``, ``python -m embedder``, ``app.py``,
+``python -m training.das_check``, the benchmarks) builds an ``argparse`` parser whose commands set
+``func=handler`` and ends with ``return run_main(PROG, parser, argv)``. The policy, in one place:
+
+- a usage error (argparse's own, or a ``UsageError`` raised by a handler) -> usage line + exit 2;
+- an expected error (bad input the user can fix: ``ValueError``, ``OSError``, ``KeyError``, or a
+  type the CLI names) -> ONE line on stderr, ``PROG: error: ...``, exit 1, never a traceback
+  (``DAS_DEBUG=1`` re-raises it, for the developer);
+- Ctrl-C -> one line, exit 130;
+- anything else is a bug and keeps its traceback.
+
+It lives in embedder because every package may import embedder (the dependencies point one way:
+training, indexer, serving -> embedder).
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+#: What a user can fix, in every CLI; a CLI adds its own package's types (IndexerError, ...).
+EXPECTED: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError)
+
+
+class UsageError(ValueError):
+    """Options that parse but do not fit together: exit 2 like argparse's own usage errors."""
 
 
 def one_line(e: BaseException) -> str:
@@ -20,3 +41,95 @@ def fail(prog: str, e: BaseException | str, code: int = 1) -> int:
     """Print ``PROG: error: MESSAGE`` to stderr and return ``code`` (what ``main`` returns)."""
     print(f"{prog}: error: {e if isinstance(e, str) else one_line(e)}", file=sys.stderr)
     return code
+
+
+def run_main(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *,
+             expected: tuple[type[BaseException], ...] = (), on_interrupt: str = "interrupted",
+             handler: Callable[[argparse.Namespace], Any] | None = None) -> int:
+    """Parse ``argv``, run the chosen command's ``func`` (or ``handler``), apply the error policy.
+
+    The returned int is the exit code (``sys.exit(main())``); a handler returning None means 0.
+    The error line names the command (``python -m indexer build: error: ...``) so a script that
+    runs several commands knows which one failed.
+    """
+    args = parser.parse_args(argv)
+    cmd = getattr(args, "cmd", None)
+    name = f"{prog} {cmd}" if cmd else prog
+    run = handler or getattr(args, "func", None)
+    if run is None:
+        parser.error("no command given")
+    try:
+        code = run(args)
+        return 0 if code is None or not isinstance(code, int) else code
+    except UsageError as e:
+        parser.print_usage(sys.stderr)
+        return fail(name, e, 2)
+    except KeyboardInterrupt:
+        print(f"{name}: {on_interrupt}", file=sys.stderr)
+        return 130
+    except (*EXPECTED, *expected) as e:
+        if os.environ.get("DAS_DEBUG"):
+            raise
+        return fail(name, e, 1)
+
+
+# ---- shared options: one definition each, so every CLI spells and explains them alike ----------
+
+def memory_size(text: str | int | float | None) -> int | None:
+    """"4G", "512M", "1.5GiB", "2000000000" -> bytes; None / "" -> no limit.
+
+    Also an argparse ``type=``: a bad size is then a usage error (exit 2) naming the option.
+    """
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(s[-1:], 1)
+    try:
+        v = float(s[:-1] if mult > 1 else s)
+    except ValueError:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional K/M/G/T "
+                         "suffix, e.g. 4G") from None
+    if v <= 0:
+        raise ValueError(f"memory size {text!r}: expected a positive size")
+    return int(v * mult)
+
+
+memory_size.__name__ = "memory size"     # argparse's message: "invalid memory size value: 'x'"
+
+SERVE_MEMORY_HELP = ("hold at most SIZE (e.g. 2G) of each index in RAM: a larger index is read "
+                     "memory-mapped and re-encoded to codes (SQ8, SQ4 or PQ, the most accurate that "
+                     "fits), and each query's top 10 x k candidates are re-ranked with the exact "
+                     "vectors read from its store (default: the whole index in RAM)")
+
+OPTIONS: dict[str, dict[str, Any]] = {
+    "--device": dict(choices=("auto", "cpu", "cuda"), default="auto",
+                     help="where the embedder and faiss run (default auto: a GPU when one really works)"),
+    "--quiet": dict(action="store_true", help="no progress bars"),
+    "--json": dict(action="store_true", help="print JSON instead of a table"),
+    "--batch-size": dict(type=int, default=32, help="images per embedder call (default 32)"),
+    "--workers": dict(type=int, default=None, help="image decoding threads (default: the CPU count)"),
+    "--max-memory": dict(type=memory_size, default=None, metavar="SIZE", help=SERVE_MEMORY_HELP),
+    "-k": dict(type=int, default=10, help="neighbours per query (default 10)"),
+}
+
+
+def add_options(p: argparse.ArgumentParser, *flags: str, **overrides: dict[str, Any]) -> argparse.ArgumentParser:
+    """Add the shared ``flags`` to ``p``; ``overrides={"--index": {...}}`` changes a default or help."""
+    for flag in flags:
+        spec = {**OPTIONS[flag], **overrides.get(flag, {})}
+        p.add_argument(flag, **spec)
+    return p
+
+
+def add_index_option(p: argparse.ArgumentParser, default: str | Path | None = None, *,
+                     multiple: bool = False) -> argparse.ArgumentParser:
+    """``--index DIR`` (repeatable with ``multiple``: several indexes side by side)."""
+    if multiple:
+        p.add_argument("--index", action="append", type=Path, default=[], metavar="DIR",
+                       help="index directory; repeat to compare several side by side")
+    else:
+        p.add_argument("--index", type=Path, default=Path(default) if default else None, metavar="DIR",
+                       help="index directory" + (f" (default {default})" if default else ""))
+    return p
