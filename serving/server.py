@@ -22,6 +22,7 @@ from typing import Mapping
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
+from embedder.decode_budget import pin_mmap_threshold  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from starlette.routing import Mount  # noqa: E402
 
@@ -37,6 +38,7 @@ def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
                query_sets: Mapping[str, Path] | None = None, upload_max_age: int = 900) -> FastAPI:
     """``upload_max_age``: seconds after which Gradio deletes an upload or a cached result
     (checked every min(60, age / 2) s), so uploads never used in a search do not pile up."""
+    pin_mmap_threshold()            # a long-running process: large decodes give their memory back
     app = FastAPI(title="das-retrieval", docs_url=None, redoc_url=None, openapi_url=None)
     sessions = GradioSessions()
     add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes, sessions=sessions)
