@@ -189,7 +189,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         except (ValueError, FileNotFoundError, IndexerError) as e:
             return fail(e, 2)
         head = ["index", "queries", "n"] + [f"R@{k}" for k in sorted(set(ks))]
-        rows = [[r.row()[h] for h in head] for r in results]
+        rows = [[r.row().get(h) for h in head] for r in results]   # no R@k past an index's size
         png = Image.open(io.BytesIO(recall_figure(results)))
         skipped = sum(len(r.skipped) for r in results)
         msg = f"Recall@k (%) on **{results[0].source}**" + (f" · {skipped} unreadable files skipped" if skipped else "")
