@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import add_options, run_main
+from .cli import UsageError, add_options, run_main
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -30,19 +30,27 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _pretrained(args: argparse.Namespace) -> int:
+    """A training-free embedder: an offline Lite one (--name) or any timm backbone (--backbone,
+    embedder/timm_pretrained.py); without --out, exported once into $DAS_CACHE and its path printed."""
     from .pretrained import DEFAULT, default_model_path, export_pretrained, parse_spec
+    from .timm_pretrained import TimmSpec
 
+    if args.backbone and args.name:
+        raise UsageError("--name (a Lite embedder) and --backbone (a timm model) exclude each other")
+    if not args.backbone and (args.weights or args.pooling or args.input_size):
+        raise UsageError("--weights, --pooling and --input-size go with --backbone timm:NAME")
     if args.backbone:
-        return _pretrained_timm(args)
-    if args.weights or args.pooling or args.input_size:
-        raise ValueError("--weights, --pooling and --input-size go with --backbone timm:NAME")
-    spec = parse_spec(args.name or DEFAULT)   # ValueError (one line) on an unknown name
+        spec = TimmSpec(args.backbone, str(args.weights or ""), args.pooling or "model",
+                        input_size=args.input_size or 0)
+    else:
+        spec = parse_spec(args.name or DEFAULT)     # ValueError (one line) on an unknown name
     if args.out is None:
         print(default_model_path(spec))
         return 0
     out = export_pretrained(spec, args.out)
-    print(f"wrote {out} ({spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, "
-          f"dim {spec.dim}, L2-normalised); parity check passed")
+    what = (f"{spec.backbone}, {spec.pooling} pooling, {spec.preprocessing().input_size} px" if args.backbone else
+            f"{spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, dim {spec.dim}")
+    print(f"wrote {out} ({what}, L2-normalised); parity check passed")
     return 0
 
 
@@ -50,31 +58,13 @@ def _quantize(args: argparse.Namespace) -> int:
     from .quantize import quantize_embedder
 
     if args.images < 1 or args.batch_size < 1:
-        raise ValueError(f"--images and --batch-size must be >= 1, got {args.images} and {args.batch_size}")
+        raise UsageError(f"--images and --batch-size must be >= 1, got {args.images} and {args.batch_size}")
     r = quantize_embedder(args.model, args.calibration, args.out, images=args.images,
                           batch_size=args.batch_size, progress=not args.quiet,
                           log=lambda m: print(m, file=sys.stderr))
     print(f"wrote {r.out} (int8 QDQ, per-channel weights; calibrated on {r.calibration_images} "
           f"images of {args.calibration}, {len(r.skipped)} skipped); cosine to fp32 on calibration "
           f"images: mean {r.mean_cosine:.4f}, min {r.min_cosine:.4f}")
-    return 0
-
-
-def _pretrained_timm(args: argparse.Namespace) -> int:
-    """A training-free embedder from any timm backbone (embedder/timm_pretrained.py)."""
-    from .pretrained import default_model_path, export_pretrained
-    from .timm_pretrained import TimmSpec
-
-    if args.name:
-        raise ValueError("--name (a Lite embedder) and --backbone (a timm model) exclude each other")
-    spec = TimmSpec(args.backbone, str(args.weights or ""), args.pooling or "model",
-                    input_size=args.input_size or 0)
-    out = default_model_path(spec) if args.out is None else export_pretrained(spec, args.out)
-    if args.out is None:
-        print(out)
-        return 0
-    print(f"wrote {out} ({spec.backbone}, {spec.pooling} pooling, "
-          f"{spec.preprocessing().input_size} px, L2-normalised); parity check passed")
     return 0
 
 
