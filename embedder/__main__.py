@@ -1,6 +1,8 @@
 """CLI: ``python -m embedder {export,pretrained,quantize,info}``.
 
-Bad input prints one line to stderr and exits non-zero; no tracebacks for user errors.
+Exit codes (embedder.cli.run_main): 2 bad usage; 1 with one line for bad input (a missing or
+unreadable checkpoint, model or image, an unknown embedder name, a failed parity check or
+quantisation, pretrained weights that cannot be had); 130 Ctrl-C. No tracebacks for user errors.
 """
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from .cli import UsageError, add_options, run_main
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -26,19 +30,27 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _pretrained(args: argparse.Namespace) -> int:
+    """A training-free embedder: an offline Lite one (--name) or any timm backbone (--backbone,
+    embedder/timm_pretrained.py); without --out, exported once into $DAS_CACHE and its path printed."""
     from .pretrained import DEFAULT, default_model_path, export_pretrained, parse_spec
+    from .timm_pretrained import TimmSpec
 
+    if args.backbone and args.name:
+        raise UsageError("--name (a Lite embedder) and --backbone (a timm model) exclude each other")
+    if not args.backbone and (args.weights or args.pooling or args.input_size):
+        raise UsageError("--weights, --pooling and --input-size go with --backbone timm:NAME")
     if args.backbone:
-        return _pretrained_timm(args)
-    if args.weights or args.pooling or args.input_size:
-        raise ValueError("--weights, --pooling and --input-size go with --backbone timm:NAME")
-    spec = parse_spec(args.name or DEFAULT)   # ValueError (one line) on an unknown name
+        spec = TimmSpec(args.backbone, str(args.weights or ""), args.pooling or "model",
+                        input_size=args.input_size or 0)
+    else:
+        spec = parse_spec(args.name or DEFAULT)     # ValueError (one line) on an unknown name
     if args.out is None:
         print(default_model_path(spec))
         return 0
     out = export_pretrained(spec, args.out)
-    print(f"wrote {out} ({spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, "
-          f"dim {spec.dim}, L2-normalised); parity check passed")
+    what = (f"{spec.backbone}, {spec.pooling} pooling, {spec.preprocessing().input_size} px" if args.backbone else
+            f"{spec.backbone} ImageNet, {spec.pooling} pooling, {spec.input_size} px, dim {spec.dim}")
+    print(f"wrote {out} ({what}, L2-normalised); parity check passed")
     return 0
 
 
@@ -46,31 +58,13 @@ def _quantize(args: argparse.Namespace) -> int:
     from .quantize import quantize_embedder
 
     if args.images < 1 or args.batch_size < 1:
-        raise ValueError(f"--images and --batch-size must be >= 1, got {args.images} and {args.batch_size}")
+        raise UsageError(f"--images and --batch-size must be >= 1, got {args.images} and {args.batch_size}")
     r = quantize_embedder(args.model, args.calibration, args.out, images=args.images,
                           batch_size=args.batch_size, progress=not args.quiet,
                           log=lambda m: print(m, file=sys.stderr))
     print(f"wrote {r.out} (int8 QDQ, per-channel weights; calibrated on {r.calibration_images} "
           f"images of {args.calibration}, {len(r.skipped)} skipped); cosine to fp32 on calibration "
           f"images: mean {r.mean_cosine:.4f}, min {r.min_cosine:.4f}")
-    return 0
-
-
-def _pretrained_timm(args: argparse.Namespace) -> int:
-    """A training-free embedder from any timm backbone (embedder/timm_pretrained.py)."""
-    from .pretrained import default_model_path, export_pretrained
-    from .timm_pretrained import TimmSpec
-
-    if args.name:
-        raise ValueError("--name (a Lite embedder) and --backbone (a timm model) exclude each other")
-    spec = TimmSpec(args.backbone, str(args.weights or ""), args.pooling or "model",
-                    input_size=args.input_size or 0)
-    out = default_model_path(spec) if args.out is None else export_pretrained(spec, args.out)
-    if args.out is None:
-        print(out)
-        return 0
-    print(f"wrote {out} ({spec.backbone}, {spec.pooling} pooling, "
-          f"{spec.preprocessing().input_size} px, L2-normalised); parity check passed")
     return 0
 
 
@@ -91,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m embedder",
                                 description="Export DAS embedders to ONNX, quantise them to int8, "
                                             "and inspect exported models.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{export,pretrained,quantize,info}")
     e = sub.add_parser("export", help="export a training checkpoint to ONNX (with a parity check)")
     e.add_argument("checkpoint", type=Path, help="checkpoint written by save_checkpoint (.pt)")
     e.add_argument("--out", type=Path, required=True, help="output .onnx file")
@@ -135,29 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", type=Path, required=True, help="output .onnx file")
     q.add_argument("--images", type=int, default=256,
                    help="calibration images, spread over DIR's sorted files (default 256)")
-    q.add_argument("--batch-size", type=int, default=16)
-    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_options(q, "--batch-size", "--quiet", **{"--batch-size": {"default": 16,
+                                                               "help": "images per calibration batch (default 16)"}})
     q.set_defaults(func=_quantize)
     i = sub.add_parser("info", help="print the metadata of an exported embedder")
     i.add_argument("model", type=Path, help=".onnx file written by export/pretrained")
-    i.add_argument("--json", action="store_true", help="print JSON")
-    i.set_defaults(func=_info)
+    add_options(i, "--json").set_defaults(func=_info)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from .cli import fail
-    from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
-    from .images import ImageLoadError
-    from .quantize import QuantizationError
+    from .errors import ParityError, PretrainedWeightsUnavailable   # the two that are not ValueErrors
 
-    try:
-        return args.func(args)
-    except (CheckpointError, ModelLoadError, ImageLoadError, ParityError,
-            PretrainedWeightsUnavailable, QuantizationError, FileNotFoundError, PermissionError,
-            ValueError) as e:
-        return fail("python -m embedder", e)
+    return run_main("python -m embedder", build_parser(), argv, expected=(ParityError, PretrainedWeightsUnavailable))
 
 
 if __name__ == "__main__":

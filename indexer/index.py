@@ -1,6 +1,7 @@
 """``Index``: the read-only, thread-safe query face of an index directory (what serving uses)."""
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from embedder.knn import drop_self
+from embedder.preprocess import Preprocessing
 from embedder.vectors import l2_normalize
 
 from .errors import IndexerError
@@ -188,9 +190,24 @@ class Index:
         """
         if len(images) == 0:
             return []
-        emb = self.embedder.embed(list(images))
-        scores, ids = self.search_embeddings(emb, k, dba=dba)
+        scores, ids = self.search_embeddings(self.embed(images), k, dba=dba)
         return [self.hits(s, i) for s, i in zip(scores, ids)]
+
+    def embed(self, images: Sequence[Any]) -> np.ndarray:
+        """(n, dim) embeddings of ``images`` (paths, bytes or PIL images) by the index's own
+        model, the space its vectors live in; ImageLoadError names an unreadable image."""
+        return self.embedder.embed(list(images))
+
+    @property
+    def decode_side(self) -> int:
+        """The shorter side an image needs to be decoded at for this index's model (read from
+        the preprocessing its manifest records, so an upload is decoded small before the model
+        is even loaded); the default preprocessing's when the manifest records none."""
+        try:
+            pre = self.manifest["model"]["metadata"]["preprocessing"]
+            return Preprocessing.from_dict(json.loads(pre)).decode_side
+        except (KeyError, TypeError, ValueError):
+            return Preprocessing().decode_side
 
     def embeddings(self, ids: Sequence[int]) -> np.ndarray:
         """Stored (normalised) gallery embeddings, in the order of ``ids``; KeyError if unknown."""

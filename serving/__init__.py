@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from . import probes
 from .demo import ensure_demo_index
-from .searcher import ProbeReport, Query, RequestError, Result, Searcher, SearchResult, UnknownIdError
+from .searcher import ProbeReport, Query, RequestError, Result, Searcher, SearchResult, Snapshot, UnknownIdError
 
-__all__ = ["Searcher", "probes", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",
+__all__ = ["Searcher", "Snapshot", "probes", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",
            "RequestError", "ensure_demo_index",
            "server", "uploads", "tempdir"]   # modules, imported on demand (`from serving import server`)

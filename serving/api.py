@@ -28,7 +28,7 @@ from indexer import IndexerError
 
 from .limits import RequestGuard
 from .redact import Redactor
-from .results import RequestError, UnknownIdError, check_dba, check_k
+from .results import RequestError, UnknownIdError, check_k, parse_dba
 from .searcher import Searcher
 from .session import GradioSessions
 from .throttle import LoginThrottle
@@ -89,11 +89,11 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
     def search(request: Request, image: UploadFile | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
                path: str | None = Form(None), dba: str | None = Form(None)) -> dict[str, Any]:
-        name = index or searcher.default
+        # One index state for the whole request (a reload meanwhile never mixes two): the
+        # index, k and dba are checked once, before any decoding, on this snapshot.
+        snap = searcher.snapshot(index)
         kk = check_k(k)
-        searcher.index(name)                # an unknown index is refused before any decoding
-        use_dba = searcher.check_dba(check_dba(dba if dba is not None else request.query_params.get("dba")),
-                                     name)
+        use_dba = searcher.check_dba(parse_dba(dba if dba is not None else request.query_params.get("dba")), snap)
         img, qname = None, None
         if image is not None:
             fname = image.filename or "image"
@@ -103,14 +103,13 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
             img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side)
             qname = image.filename or "upload"
         # else id or path: a gallery image, looked up in LMDB, never opened
-        query = searcher.query(img, id=id, path=path, index=name, name=qname)
-        res = searcher.search(query, kk, index=name, dba=use_dba)
+        query = searcher.query(img, id=id, path=path, index=snap, name=qname)
+        res = searcher.search(query, kk, index=snap, dba=use_dba)
         # relative to the server, never built from the Host header (a client-chosen name)
         base = request.scope.get("root_path", "").rstrip("/")
-        used = searcher.index(name).has_dba if use_dba is None else use_dba
-        return {"index": name, "k": kk, "dba": used,
+        return {"index": snap.name, "k": kk, "dba": res.dba,
                 "query": {"name": query.name, "id": query.id, "label": query.label},
-                "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{name}/{r.id}"}
+                "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
                             for r in res.results]}
 
     @app.get("/api/thumb/{index}/{id}")

@@ -1,9 +1,9 @@
-"""Recall@k of an open index, for the Evaluate tab: on a labelled query folder (through the
-indexer's eval function), or leave-one-out on the gallery itself (each gallery image queries the
-rest, the paper's protocol).
+"""Recall@k of an open index, for the Evaluate tab: on a labelled query folder, or leave-one-out
+on the gallery itself (each gallery image queries the rest, the paper's protocol).
 
-The metric is embedder.metrics' Recall@k, the same function training and the indexer use, so
-the number here matches theirs for the same embeddings.
+Both go through the indexer's own ``indexer eval`` functions (indexer.evaluate), so the app and
+the CLI report the same number for the same index: a query that is a gallery item is left out
+of its own results (and, with DBA, out of its neighbours' augmented vectors).
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
-
-import numpy as np
 
 from .searcher import Searcher
 
@@ -34,39 +32,26 @@ class EvalResult:
 
 def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None = None,
                     ks: Sequence[int] = DEFAULT_KS, source: str | None = None) -> EvalResult:
-    """Recall@k on a labelled query folder, by the indexer's own ``indexer eval`` function (so the
-    app and the CLI report the same number; a query whose exact bytes are in the gallery is
-    left out of its own results there). Unreadable files are skipped and listed."""
+    """Recall@k on a labelled query folder (``indexer eval --queries``); unreadable files are
+    skipped and listed."""
     from indexer.evaluate import evaluate_queries
 
-    index = index or searcher.default
-    ks = sorted({int(k) for k in ks})
-    if not ks or ks[0] < 1:
-        raise ValueError(f"ks: expected positive integers, got {ks}")
-    out = evaluate_queries(searcher.index(index), Path(folder), ks)
+    snap = searcher.snapshot(index)
+    out = evaluate_queries(snap.index, Path(folder), ks)
     skipped = [f"{s.get('path')}: {s.get('reason')}" for s in out.get("skipped", [])]
-    return EvalResult(index, source or Path(folder).name, out["recall"], int(out["queries"]), skipped)
+    return EvalResult(snap.name, source or Path(folder).name, out["recall"], int(out["queries"]), skipped)
 
 
 def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequence[int] = DEFAULT_KS,
                      max_queries: int = 2000, seed: int = 0) -> EvalResult:
-    """Leave-one-out Recall@k: each (sampled) labelled gallery image queries the rest."""
-    index = index or searcher.default
-    ks = sorted({int(k) for k in ks})
-    from embedder.metrics import recall_at_k_of_labels
+    """Leave-one-out Recall@k (``indexer eval`` without queries): each (sampled) labelled
+    gallery image queries the rest with its stored vector."""
+    from indexer.evaluate import evaluate_gallery as leave_one_out
 
-    idx = searcher.index(index)
-    ids = [i for lab in idx.labels() for i in idx.ids_for_label(lab)]
-    if not ids:
-        raise ValueError(f"index {index!r}: the gallery has no labels to evaluate against")
-    rng = np.random.default_rng(seed)
-    if len(ids) > max_queries:
-        ids = sorted(rng.choice(ids, size=max_queries, replace=False).tolist())
-    rows = searcher.nearest(idx.embeddings(ids), max(ks), index=index, exclude=ids)
-    recall = recall_at_k_of_labels([[r.label for r in row] for row in rows],
-                                   [idx.meta(i).get("label") for i in ids], ks)
-    return EvalResult(index, f"gallery leave-one-out ({len(ids)} queries)",
-                      {int(k): float(v) for k, v in recall.items()}, len(ids))
+    snap = searcher.snapshot(index)
+    out = leave_one_out(snap.index, ks, max_queries=max_queries, seed=seed)
+    return EvalResult(snap.name, f"gallery leave-one-out ({out['queries']} queries)", out["recall"],
+                      int(out["queries"]))
 
 
 def recall_figure(results: Sequence[EvalResult]) -> bytes:

@@ -1,5 +1,5 @@
-"""What a request is and what it returns: the query, its results, a probe report (plain
-dataclasses), and the two ways a request can be wrong."""
+"""What a request is and what it returns: the index state it reads (a Snapshot), the query, its
+results, a probe report (plain dataclasses), and the two ways a request can be wrong."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from indexer import Hit
+from indexer import Hit, Index
 
 from . import probes
 
@@ -47,7 +47,7 @@ def check_k(k: Any) -> int:
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
-def check_dba(v: Any) -> bool | None:
+def parse_dba(v: Any) -> bool | None:
     """The one parse of a request's ``dba`` switch (API form field or query parameter): absent
     or empty -> None (the index's default), else true/false, 1/0, on/off, yes/no."""
     if v is None or isinstance(v, bool):
@@ -58,6 +58,14 @@ def check_dba(v: Any) -> bool | None:
     if t in _TRUE or t in _FALSE:
         return t in _TRUE
     raise RequestError(f"dba: expected true or false (1/0, on/off), got {v!r}")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One named index as one request sees it (``Searcher.snapshot``): looked up once and passed
+    down, so a reload that swaps the searcher's entry meanwhile never reaches the request."""
+    name: str
+    index: Index
 
 
 @dataclass
@@ -95,6 +103,7 @@ class SearchResult:
     index: str
     query: Query
     results: list[Result]
+    dba: bool | None = None     # whether DBA re-ranking made these results (the Searcher sets it)
 
     @property
     def ids(self) -> list[int]:

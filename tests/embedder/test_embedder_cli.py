@@ -40,9 +40,29 @@ def test_bad_input_one_line_error(argv, fragment, tmp_path):
     fake = tmp_path / "fake.bin"
     fake.write_text("neither a model nor a checkpoint")
     r = _run(*[a.format(fake=fake) for a in argv])
-    assert r.returncode != 0
+    assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in r.stderr
+    # the line names the command that failed (the CLI kit's policy: a script running several knows which)
+    assert lines[0].startswith(f"python -m embedder {argv[0]}: error: ")
+
+
+def test_bad_usage_exits_2_with_usage_and_one_line(capsys):
+    """An unknown option (argparse's) and options that do not fit together (the CLI kit's
+    UsageError) are both usage errors: the usage, one error line, exit 2."""
+    from embedder.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["info", "m.onnx", "--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[0].startswith("usage:") and "unrecognized arguments: --bogus" in err[-1]
+    for argv, line in ((["pretrained", "--name", "lite0-avg", "--backbone", "timm:x"], "exclude each other"),
+                       (["pretrained", "--pooling", "gem"], "go with --backbone"),
+                       (["quantize", "m.onnx", "--calibration", ".", "--out", "q.onnx", "--images", "0"], ">= 1")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0].startswith("usage:") and err[-1].startswith(f"python -m embedder {argv[0]}: error: ") \
+            and line in err[-1]
 
 
 def test_no_command_is_usage_error():
