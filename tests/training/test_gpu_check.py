@@ -58,15 +58,15 @@ def test_a_skipped_test_fails_the_cuda_run_whatever_its_reason(gpu_check):
 
 
 def test_the_training_log_must_show_the_fused_kernels(gpu_check, tmp_path):
-    """The log lines are the ones training/das_check.py writes (produced here for real)."""
-    from training import das_check
+    """The log lines are the ones training/das_fused.py writes (produced here for real)."""
+    from training import das_fused
     from training.das import DAS
 
     das = DAS(6, 16)
-    key = das_check.variant_key(das, torch.zeros(12, 16), torch.zeros(12, dtype=torch.long))
-    line = f"DAS: fused Triton kernels in use ({das_check.describe(key)}; self-check passed)"
+    key = das_fused.variant_key(das, torch.zeros(12, 16), torch.zeros(12, dtype=torch.long))
+    line = f"DAS: fused Triton kernels in use ({das_fused.describe(key)}; self-check passed)"
     warn = (f"training/das.py:250: RuntimeWarning: DAS: the fused Triton kernels are not used "
-            f"for {das_check.describe(key)} (RuntimeError: PTX compile failed); running the "
+            f"for {das_fused.describe(key)} (RuntimeError: PTX compile failed); running the "
             "eager tensor code instead")
     log = "device: cuda:0\nepoch 1: loss 0.3\n"
     assert gpu_check.fused_in_log(log) == (
