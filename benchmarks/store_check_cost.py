@@ -48,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         print("store_check_cost: --rounds >= 1, --seconds > 0, 1 <= --k <= 1000 expected", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from indexer import lmdb_env
     from serving import Searcher, ensure_demo_index
 
     index_dir = args.index or ensure_demo_index(REPO / "indexes" / "demo")
@@ -56,10 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     store = searcher.index().store
     ids = [int(i) for i in store.ids()[:32]]
     images = [store.get_bytes(i) for i in ids]
-    real_check = lmdb_env._check_mapped
 
     def set_check(on: bool) -> None:
-        lmdb_env._check_mapped = real_check if on else (lambda shared, path: None)
+        store.check_reads = on          # the per-read file check (indexer/lmdb_env.py) on or off
 
     def search(q) -> bool:
         searcher.search(q, args.k)
@@ -76,11 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind, queries in kinds.items():
                 lat[(kind, on)] += run_load(search, queries, 1, args.seconds)["lat_ms"]
     set_check(True)
-    shared = store._shared
     n = 20000
     t0 = time.perf_counter()
     for _ in range(n):
-        real_check(shared, store.path)
+        store.check_file()
     per_call_us = 1e6 * (time.perf_counter() - t0) / n
     rows = []
     for kind in kinds:
