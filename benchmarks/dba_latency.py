@@ -1,6 +1,6 @@
 """Search latency with and without DBA re-ranking (indexer.neighbours), same process, same run.
 
-    python -m benchmarks.dba_latency --index DIR [--queries FOLDER] [--n 100] [--rounds 4] [--k 10]
+    python -m benchmarks.dba_latency --index DIR [--queries FOLDER] [--n 100] [--rounds 4] [-k 10]
 
 DIR must be built with ``indexer build --dba``. Two levels, each query timed alone (one request
 at a time, as a user's search), the two settings alternating query by query so both see the
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=Path, default=None, help="query images (default: the store's)")
     ap.add_argument("--n", type=int, default=100, help="queries per round (default 100)")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("-k", "--k", type=int, default=10)
     args = ap.parse_args(argv)
 
     from benchmarks.pretrained_choice import EXTS

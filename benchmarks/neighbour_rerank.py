@@ -6,7 +6,7 @@ on caltech101-dev (issue 30, item 3).
     python -m benchmarks.neighbour_rerank --splits cub-val --seeds 10 \
         --grid-k 3 4 5 6 8 10 12 --grid-alpha 3 5 7 10 15                   # finer, 10 splits
     python -m benchmarks.neighbour_rerank --splits cub-val cub-test caltech-all caltech-test \
-        --chosen --seeds 10 --k 8 --alpha 5                                  # report
+        --chosen --seeds 10 -k 8 --alpha 5                                  # report
 
 Splits as benchmarks.pretrained_choice (species sorted by name: first half validation, second
 half test; caltech101-dev all categories). Embeddings: the shipped default embedder, computed
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["cub-val", "cub-test", "caltech-test", "caltech-all"])
     ap.add_argument("--grid", action="store_true", help="the whole grid (default on cub-val only)")
     ap.add_argument("--chosen", action="store_true",
-                    help="only plain, the chosen --k/--alpha (served and full) and QE, on every split")
-    ap.add_argument("--k", type=int, default=3)
+                    help="only plain, the chosen -k/--alpha (served and full) and QE, on every split")
+    ap.add_argument("-k", "--k", type=int, default=3)
     ap.add_argument("--alpha", type=float, default=3.0)
     ap.add_argument("--depth", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=len(SEEDS), help="held-out splits (default 3)")

@@ -1,6 +1,6 @@
 """Bounded load on the HTTP search endpoint, next to bare Searcher.search calls in the same run.
 
-    python -m benchmarks.serve_load [--index DIR] [--clients 8] [--duration 30] [--rounds 3] [--k 10]
+    python -m benchmarks.serve_load [--index DIR] [--clients 8] [--duration 30] [--rounds 3] [-k 10]
 
 Starts `python app.py` on a free 127.0.0.1 port (stopped by PID at the end), then measures:
   * bare      Searcher.search in this process, 1 thread and --clients threads (the baseline);
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for each of the bare and single-client runs, over all rounds (default 12)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternate bare and HTTP runs this many times (default 3), splitting the durations")
-    ap.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    ap.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
     ap.add_argument("--images", type=int, default=32, help="distinct gallery images used as queries (default 32)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-serving.md")
     ap.add_argument("--no-write", action="store_true", help="print only, do not write --out")

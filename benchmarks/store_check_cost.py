@@ -2,7 +2,7 @@
 data.mdb truncated under a running server is refused instead of killing it with SIGBUS) costs
 on search latency, against the same searches with the check switched off in the same process.
 
-    python -m benchmarks.store_check_cost [--index DIR] [--rounds 6] [--seconds 4] [--k 10]
+    python -m benchmarks.store_check_cost [--index DIR] [--rounds 6] [--seconds 4] [-k 10]
                                           [--http-baseline CHECKOUT]
 
 Two query kinds: a gallery id (no embedding: store reads and faiss only, where the check weighs
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="index directory (default: the demo index, built once under indexes/demo)")
     ap.add_argument("--rounds", type=int, default=6, help="on/off alternations (default 6)")
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds per kind, round and setting (default 4)")
-    ap.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    ap.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
     ap.add_argument("--http-baseline", type=Path, default=None, metavar="CHECKOUT",
                     help="also time POST /api/search against app.py of this other checkout (same run)")
     args = ap.parse_args(argv)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_baseline is not None:
         rows += http_rows(index_dir, args.http_baseline, images, args)
     print(f"Command: `python -m benchmarks.store_check_cost{' --index ' + str(args.index) if args.index else ''} "
-          f"--rounds {args.rounds} --seconds {args.seconds} --k {args.k}"
+          f"--rounds {args.rounds} --seconds {args.seconds} -k {args.k}"
           f"{' --http-baseline ' + str(args.http_baseline) if args.http_baseline else ''}`  \n"
           f"Index: {len(searcher.index())} images; bare `Searcher.search` in one process, check on/off "
           f"alternating; the check alone: {per_call_us:.1f} us per call; load average "
