@@ -15,15 +15,16 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+from embedder.cli import EXPECTED, UsageError, add_index_option, add_options, one_line, run_main  # noqa: E402
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="app.py", description="Search image indexes (built by `python -m indexer build`) in a "
         "browser (Gradio) or over HTTP (POST /api/search). Binds 127.0.0.1 unless --host says otherwise. "
         "Uploads go to a temp folder of this app ($GRADIO_TEMP_DIR/das-retrieval-app-PORT, default base "
         "/tmp/das-retrieval-UID), emptied at start-up.")
-    p.add_argument("--index", action="append", type=Path, default=[], metavar="DIR",
-                   help="index directory; repeat to compare several side by side (e.g. baseline and DAS)")
+    add_index_option(p, multiple=True)
     p.add_argument("--name", action="append", default=None, metavar="NAME",
                    help="display name per --index, in the same order (default: directory names)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -44,54 +45,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="uploads and cached results are deleted this long after they were written "
                         "(checked every min(60, SECONDS/2) s; default 900: an upload never used in a "
                         "search is gone within about 16 minutes)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the embedder and faiss run (default auto)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="RAM budget per index, e.g. 2G: a larger index is served from codes (SQ8/SQ4/PQ) "
-                        "whose top 10 x k candidates are re-ranked with exact vectors read from its "
-                        "store (default: the whole index in RAM)")
-    args = p.parse_args(argv)
+    return add_options(p, "--device", "--max-memory")
+
+
+def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The checks argparse cannot make alone; a UsageError (exit 2) names the option."""
     if args.auth is not None:
         user, sep, pw = args.auth.partition(":")
         if not sep or not user or not pw:
-            p.error(f"--auth: expected USER:PASS with both parts non-empty, got {args.auth!r}")
+            raise UsageError(f"--auth: expected USER:PASS with both parts non-empty, got {args.auth!r}")
         args.auth = (user, pw)
     if not 0 < args.port < 65536:
-        p.error(f"--port: expected 1..65535, got {args.port}")
+        raise UsageError(f"--port: expected 1..65535, got {args.port}")
     if args.max_upload_mb <= 0:
-        p.error(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
+        raise UsageError(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
     if args.upload_max_age < 2:
-        p.error(f"--upload-max-age: expected at least 2 seconds, got {args.upload_max_age}")
+        raise UsageError(f"--upload-max-age: expected at least 2 seconds, got {args.upload_max_age}")
     if args.forwarded_allow_ips is not None:
         ips = [x.strip() for x in args.forwarded_allow_ips.split(",") if x.strip()]
         if not ips:
-            p.error("--forwarded-allow-ips: expected addresses such as 127.0.0.1 or 10.0.0.0/8, got nothing")
+            raise UsageError("--forwarded-allow-ips: expected addresses such as 127.0.0.1 or 10.0.0.0/8, got nothing")
         args.forwarded_allow_ips = ips
     if args.name is not None and len(args.name) != len(args.index):
-        p.error(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
-    from indexer.errors import IndexerError
-    from indexer.selection import parse_memory
-
-    try:
-        args.max_memory = parse_memory(args.max_memory)
-    except IndexerError as e:
-        p.error(f"--max-memory: {e}")
+        raise UsageError(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
     for d in args.queries:
         if not d.is_dir():
-            p.error(f"--queries {d}: not a directory (expected <DIR>/<label>/<images>)")
+            raise UsageError(f"--queries {d}: not a directory (expected <DIR>/<label>/<images>)")
     return args
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked options (a bad one: usage and one line, exit 2)."""
+    p = build_parser()
+    try:
+        return _checked(p.parse_args(argv))
+    except UsageError as e:
+        p.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from embedder.cli import fail, one_line
+    """Exit codes (embedder.cli.run_main): 2 bad usage; 1 with one line for what the user can fix
+    (ValueError, OSError, KeyError and their kin: ImageLoadError, ModelLoadError; IndexerError;
+    the pretrained weights or a parity check failing while the demo index is built); 130 Ctrl-C.
+    Anything else is a bug and keeps its traceback."""
+    return run_main("app.py", build_parser(), argv, handler=lambda a: _serve(_checked(a)), expected=_expected())
+
+
+def _expected() -> tuple[type[BaseException], ...]:
+    """What app.py reports in one line (besides the kit's ValueError, OSError, KeyError)."""
+    from embedder import ParityError, PretrainedWeightsUnavailable
+    from indexer import IndexerError
+
+    return IndexerError, ParityError, PretrainedWeightsUnavailable
+
+
+def _serve(args: argparse.Namespace) -> int:
     from indexer import IndexDir, IndexerError
 
-    try:    # before anything is started or emptied: a wrong --index is one line, exit 1
-        for d in args.index:
-            IndexDir(d).require()
-    except IndexerError as e:
-        return fail("app.py", e)
+    expected = (*EXPECTED, *_expected())
+    for d in args.index:    # before anything is started or emptied: a wrong --index is one line
+        IndexDir(d).require()
     # before gradio is imported: our own temp folder, emptied of what a previous run left
     from serving.tempdir import claim_temp_dir
 
@@ -106,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         names = ["demo"]
         try:
             indexes = [ensure_demo_index(args.demo_dir)]
-        except Exception as e:  # a failed demo build is reported in one line, not a traceback
-            return fail("app.py", f"could not build the demo index in {args.demo_dir}: {one_line(e)}")
+        except expected as e:   # one line (run_main), saying what was being done
+            raise IndexerError(f"could not build the demo index in {args.demo_dir}: {one_line(e)}") from e
         qdir = args.demo_dir / "queries"
         if qdir.is_dir():
             queries.setdefault("demo queries", qdir)
@@ -116,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         # incomplete directory stops the start with one line, not a 500 at the first upload
         searcher = Searcher.open(indexes, names=names, device=args.device, check_model=True,
                                  max_memory=args.max_memory)
-    except Exception as e:
-        return fail("app.py", f"cannot open index: {one_line(e)}")
+    except expected as e:
+        raise IndexerError(f"cannot open index: {one_line(e)}") from e
 
     if removed:   # said once the indexes opened: a failed start stays one line
         print(f"app.py: removed {removed} leftover temp entries from {temp_dir}", file=sys.stderr)

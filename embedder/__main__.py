@@ -1,6 +1,8 @@
 """CLI: ``python -m embedder {export,pretrained,quantize,info}``.
 
-Bad input prints one line to stderr and exits non-zero; no tracebacks for user errors.
+Exit codes (embedder.cli.run_main): 2 bad usage; 1 with one line for bad input (a missing or
+unreadable checkpoint, model or image, an unknown embedder name, a failed parity check or
+quantisation, pretrained weights that cannot be had); 130 Ctrl-C. No tracebacks for user errors.
 """
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from .cli import add_options, run_main
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m embedder",
                                 description="Export DAS embedders to ONNX, quantise them to int8, "
                                             "and inspect exported models.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{export,pretrained,quantize,info}")
     e = sub.add_parser("export", help="export a training checkpoint to ONNX (with a parity check)")
     e.add_argument("checkpoint", type=Path, help="checkpoint written by save_checkpoint (.pt)")
     e.add_argument("--out", type=Path, required=True, help="output .onnx file")
@@ -135,29 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", type=Path, required=True, help="output .onnx file")
     q.add_argument("--images", type=int, default=256,
                    help="calibration images, spread over DIR's sorted files (default 256)")
-    q.add_argument("--batch-size", type=int, default=16)
-    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_options(q, "--batch-size", "--quiet", **{"--batch-size": {"default": 16,
+                                                               "help": "images per calibration batch (default 16)"}})
     q.set_defaults(func=_quantize)
     i = sub.add_parser("info", help="print the metadata of an exported embedder")
     i.add_argument("model", type=Path, help=".onnx file written by export/pretrained")
-    i.add_argument("--json", action="store_true", help="print JSON")
-    i.set_defaults(func=_info)
+    add_options(i, "--json").set_defaults(func=_info)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from .cli import fail
-    from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
-    from .images import ImageLoadError
-    from .quantize import QuantizationError
+    from .errors import ParityError, PretrainedWeightsUnavailable   # the two that are not ValueErrors
 
-    try:
-        return args.func(args)
-    except (CheckpointError, ModelLoadError, ImageLoadError, ParityError,
-            PretrainedWeightsUnavailable, QuantizationError, FileNotFoundError, PermissionError,
-            ValueError) as e:
-        return fail("python -m embedder", e)
+    return run_main("python -m embedder", build_parser(), argv, expected=(ParityError, PretrainedWeightsUnavailable))
 
 
 if __name__ == "__main__":

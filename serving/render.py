@@ -31,10 +31,15 @@ def match(r: "Result", query_label: str | None) -> bool | None:
     return None if query_label is None else (r.label == query_label)
 
 
+def _thumb(searcher: "Searcher", r: "Result") -> Image.Image:
+    """The result's thumbnail: the one its request read (``thumbnails=True``), else its index's now."""
+    return r.thumbnail if r.thumbnail is not None else searcher.thumbnail(r.index, r.id)
+
+
 def result_items(searcher: "Searcher", results: list["Result"],
                  query_label: str | None) -> list[tuple[Image.Image, str]]:
     """(framed thumbnail, caption) pairs for a gr.Gallery."""
-    return [(searcher.thumbnail(r.index, r.id, match(r, query_label)), caption(r)) for r in results]
+    return [(framed(_thumb(searcher, r), match(r, query_label)), caption(r)) for r in results]
 
 
 def _fit(text: str, font: ImageFont.ImageFont, width: int, draw: ImageDraw.ImageDraw) -> str:
@@ -72,7 +77,7 @@ def probe_grid(searcher: "Searcher", report: "ProbeReport", cell: int = 112, que
             d.text((x0, y + 42), f"precision@{k}: {row.precision:.2f}", fill="#333", font=f_small)
         for ci, res in enumerate(report.results[row.name][:k]):
             x = x0 + label_w + ci * (cell + pad)
-            th = searcher.thumbnail(res.index, res.id).copy()
+            th = _thumb(searcher, res).copy()
             th.thumbnail((cell, cell))
             th = framed(th, match(res, q.label), width=4)
             out.paste(th, (x + (cell - th.width) // 2, y + (cell - th.height) // 2))

@@ -21,7 +21,7 @@ from indexer.index_dir import MANIFEST
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
 from .redact import Redactor
-from .render import caption, probe_grid, result_items
+from .render import probe_grid, result_items
 from .results import RequestError, check_k
 from .searcher import Query, Searcher, UnknownIdError
 from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, check_size, decode_upload
@@ -144,7 +144,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             # checked: each index's default (DBA where built with it); unchecked: plain everywhere
             use = None if dba else False
             out = [result_items(searcher, res.results, q.label)
-                   for res in searcher.search_all(q, kk, dba=use).values()]
+                   for res in searcher.search_all(q, kk, dba=use, thumbnails=True).values()]
         except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
         known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
@@ -164,7 +164,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             reports = searcher.probe_all(q, int(k), topk=int(topk), scales=sc, n_random=int(n_random),
                                          scale_range=float(r_s), shifts=sh,
                                          shift_label=(shift_label or None) if not q.label else None,
-                                         seed=int(seed))
+                                         seed=int(seed), thumbnails=True)
         except (ValueError, UnknownIdError, IndexerError) as e:
             return fail(e, len(names) + 1)
         grids = [probe_grid(searcher, reports[n]) for n in names]
@@ -219,10 +219,9 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                                          elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
             # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
             # inputs for programs written against it (each index's default: DBA where built with
-            # it), through a trigger the page does not show.
+            # it): an event with no trigger on the page, an API endpoint only.
             s_btn.click(do_search, [*s_query, s_k, s_dba], [s_status, *s_gals], api_name="search_dba")
-            gr.Button(visible=False, elem_id="search-api").click(
-                do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
+            gr.on([], do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
         with gr.Tab("Probes", id="probes"):
             gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "
@@ -273,4 +272,4 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
     return demo
 
 
-__all__ = ["build_ui", "query_image", "caption"]
+__all__ = ["build_ui", "query_image"]

@@ -85,14 +85,13 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The kit's policy (embedder/cli.py): a bad config exits 2 (ConfigError is a usage error),
     a dataset, image, checkpoint or diverging run 1 with one line, a bug keeps its traceback."""
-    from embedder import CheckpointError, ImageLoadError, PretrainedWeightsUnavailable
+    from embedder import PretrainedWeightsUnavailable
 
-    from .data import DatasetLayoutError
     from .trainer import NonFiniteLossError
 
+    # DatasetLayoutError (an OSError), ImageLoadError and CheckpointError are already expected
     return run_main("python -m training", build_parser(), argv, handler=run,
-                    expected=(DatasetLayoutError, NonFiniteLossError, ImageLoadError,
-                              CheckpointError, PretrainedWeightsUnavailable))
+                    expected=(NonFiniteLossError, PretrainedWeightsUnavailable))
 
 
 if __name__ == "__main__":

@@ -40,9 +40,20 @@ def test_bad_input_one_line_error(argv, fragment, tmp_path):
     fake = tmp_path / "fake.bin"
     fake.write_text("neither a model nor a checkpoint")
     r = _run(*[a.format(fake=fake) for a in argv])
-    assert r.returncode != 0
+    assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in r.stderr
+    # the line names the command that failed (the CLI kit's policy: a script running several knows which)
+    assert lines[0].startswith(f"python -m embedder {argv[0]}: error: ")
+
+
+def test_bad_option_is_usage_error_exit_2(capsys):
+    from embedder.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["info", "m.onnx", "--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[0].startswith("usage:") and "unrecognized arguments: --bogus" in err[-1]
 
 
 def test_no_command_is_usage_error():

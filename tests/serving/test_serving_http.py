@@ -133,14 +133,18 @@ def test_gradio_client_search_and_probes(server, demo_dirs, searcher, tmp_path):
 
 
 def test_cli_rejects_bad_arguments_in_one_line(tmp_path):
+    """The CLI kit's policy (embedder.cli.run_main): bad usage -> usage and one error line, exit 2;
+    what the user can fix (a missing index) -> one line, exit 1."""
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
-    for args, needle in ([["--index", str(tmp_path / "missing")], "not an index directory"],
-                         [["--index", str(tmp_path), "--auth", "nopassword"], "USER:PASS"],
-                         [["--port", "70000"], "--port"]):
+    for args, needle, code in ([["--index", str(tmp_path / "missing")], "not an index directory", 1],
+                               [["--index", str(tmp_path), "--auth", "nopassword"], "USER:PASS", 2],
+                               [["--port", "70000"], "--port", 2], [["--bogus"], "--bogus", 2],
+                               [["--max-memory", "lots"], "--max-memory", 2]):
         r = subprocess.run([sys.executable, str(REPO / "app.py"), *args], capture_output=True, text=True,
                            env=env, timeout=60, cwd=tmp_path)
-        assert r.returncode != 0
-        assert needle in r.stderr and "Traceback" not in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == code and lines[-1].startswith("app.py: error: ") and needle in lines[-1], r.stderr
+        assert all(ln.startswith(("usage:", " ")) for ln in lines[:-1]) and (code == 2) == bool(lines[:-1])
     r = subprocess.run([sys.executable, str(REPO / "app.py"), "--help"], capture_output=True, text=True,
                        env=env, timeout=60)
     assert r.returncode == 0 and "--index" in r.stdout and "--auth" in r.stdout
