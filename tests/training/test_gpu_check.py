@@ -5,7 +5,6 @@ broken setup (issue 20)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
