@@ -25,7 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.backbone_speed"
 #: (label, backbone, pooling, trainable whose trunk cache is sized)
 MODELS = [
     ("Lite1 (default)", "default", "gem", "last:2"),
@@ -75,7 +78,7 @@ def _gallery(root: Path, out: Path, n: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads (ORT and the build)")
     ap.add_argument("--batch", type=int, default=32, help="ORT batch size")
     ap.add_argument("--images", type=int, default=200, help="cub-dev photos per `indexer build`")
@@ -85,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cub", type=Path, default=REPO.parent / "shared" / "data" / "cub-dev" / "images")
     ap.add_argument("--only", nargs="+", default=None, help="labels' first words to keep (e.g. Lite1 ViT-S/14)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     if not args.cub.is_dir():
-        print(f"error: {args.cub}: cub-dev images not found (--cub)", file=sys.stderr)
-        return 2
+        raise UsageError(f"--cub {args.cub}: cub-dev images not found")
 
     import onnxruntime as ort
     import torch

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.embed_throughput"
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -72,7 +75,7 @@ def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[f
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backbones", nargs="+", default=["efficientnet_lite0", "default", "resnet50", "small_cnn"],
                     help="efficientnet_lite0: the old pretrained default (avg pooling); default: "
                          "embedder.pretrained.DEFAULT; resnet18|34|50, small_cnn and timm:NAME "
@@ -85,16 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spin", action="store_true", help="let ORT worker threads spin between runs")
     ap.add_argument("--min-time", type=float, default=1.5, help="seconds per measurement")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     known = {"efficientnet_lite0", "default", "resnet18", "resnet34", "resnet50", "small_cnn"}
     bad = [b for b in args.backbones if b not in known and not b.startswith("timm:")]
     if bad:
-        print(f"error: --backbones {bad[0]!r}: expected one of {', '.join(sorted(known))} or "
-              "timm:NAME", file=sys.stderr)
-        return 2
+        raise UsageError(f"--backbones {bad[0]!r}: expected one of {', '.join(sorted(known))} "
+                         "or timm:NAME")
     if min(args.threads) < 1 or args.min_time <= 0 or min(args.batch_sizes) < 1:
-        print("error: --threads, --min-time and --batch-sizes must be positive", file=sys.stderr)
-        return 2
+        raise UsageError("--threads, --min-time and --batch-sizes must be positive")
 
     import onnxruntime as ort
     import torch

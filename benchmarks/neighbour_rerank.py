@@ -31,6 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
+PROG = "python -m benchmarks.neighbour_rerank"
+
 import numpy as np
 
 from benchmarks.pretrained_choice import SHARED, split_files
@@ -184,7 +188,7 @@ def table(title: str, res: dict, base: str = "plain") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--splits", nargs="+", default=["cub-val"],
                     choices=["cub-val", "cub-test", "caltech-test", "caltech-all"])
     ap.add_argument("--grid", action="store_true", help="the whole grid (default on cub-val only)")
@@ -199,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid-alpha", type=float, nargs="+", default=[0.0, 1.0, 3.0, 5.0, 10.0])
     ap.add_argument("--cache", type=Path, default=Path("/tmp/das-neighbour-rerank"))
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     t0 = time.time()
     all_res: dict = {}
     lines: list[str] = []

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.serve_load"
 
 
 def _show(p: Path) -> str:
@@ -113,7 +116,7 @@ def merge(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", type=Path, default=None,
                     help="index directory (default: the demo index, built once under indexes/demo)")
@@ -127,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=32, help="distinct gallery images used as queries (default 32)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-serving.md")
     ap.add_argument("--no-write", action="store_true", help="print only, do not write --out")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     if args.rounds < 1 or args.clients < 1 or args.duration <= 0 or args.baseline_duration <= 0 or not 1 <= args.k <= 1000:
-        print("serve_load: --clients >= 1, durations > 0 and 1 <= --k <= 1000 expected", file=sys.stderr)
-        return 2
+        raise UsageError("--clients >= 1, durations > 0 and 1 <= -k <= 1000 expected")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
     import httpx

@@ -25,13 +25,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from embedder.cli import UsageError, run_main
+
 from benchmarks.serve_load import run_load, start_app, stop_app, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.store_check_cost"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", type=Path, default=None,
                     help="index directory (default: the demo index, built once under indexes/demo)")
@@ -40,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
     ap.add_argument("--http-baseline", type=Path, default=None, metavar="CHECKOUT",
                     help="also time POST /api/search against app.py of this other checkout (same run)")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
     if args.http_baseline is not None and not (args.http_baseline / "app.py").is_file():
-        print(f"store_check_cost: --http-baseline {args.http_baseline}: no app.py there", file=sys.stderr)
-        return 2
+        raise UsageError(f"--http-baseline {args.http_baseline}: no app.py there")
     if args.rounds < 1 or args.seconds <= 0 or not 1 <= args.k <= 1000:
-        print("store_check_cost: --rounds >= 1, --seconds > 0, 1 <= --k <= 1000 expected", file=sys.stderr)
-        return 2
+        raise UsageError("--rounds >= 1, --seconds > 0, 1 <= -k <= 1000 expected")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from serving import Searcher, ensure_demo_index
 
