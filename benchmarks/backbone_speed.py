@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     import torch
     from tqdm import tqdm
 
-    from benchmarks.embed_throughput import _rates
+    from benchmarks.embed_throughput import rates, write_section
     from embedder import default_parity_images, export_onnx, load_image
     from indexer import build_index
 
@@ -127,8 +127,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
                            "cache": _cache_bytes(model, trainable, args.views), "build": []}
             del model
         fns = [lambda x, s=s, b=b: s.run(None, {"x": b}) for s, b in sessions]
-        rates = _rates(fns, sessions[0][1], args.min_time)
-        for (label, *_), r in zip(models, rates):
+        measured = rates(fns, sessions[0][1], args.min_time)
+        for (label, *_), r in zip(models, measured):
             rows[label]["ort"] = r
         del sessions, fns
         for rep in range(args.builds):
@@ -167,17 +167,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
         lines += ["", f"Goal: a ViT-S gallery of 10,000 photos on 2 cores in <= 10 min: at the "
                       f"measured {b:.1f} img/s (`indexer build`, this load) 10,000 photos take "
                       f"{10000 / b / 60:.1f} min ({'met' if 10000 / b <= 600 else 'NOT met'} at this load)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    old = args.out.read_text().split("\n") if args.out.is_file() else []
-    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
-        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
-    elif old:
-        text = "\n".join(old).rstrip("\n") + "\n\n" + text
-    args.out.write_text(text)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_section(args.out, lines)
     return 0
 
 

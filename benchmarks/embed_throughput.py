@@ -56,7 +56,7 @@ def _build(name: str):
     return Embedder(EmbedderConfig(backbone=name, dim=dim)).eval(), f"random init, {dim}-d"
 
 
-def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[float]:
+def rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[float]:
     """Images/s for each fn, calls interleaved so every side sees the same neighbours' load.
 
     The median call time is used: on a CPU shared with other jobs a few calls are slowed by
@@ -72,6 +72,23 @@ def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[f
             fn(batch)
             t.append(time.perf_counter() - t0)
     return [len(batch) / float(np.median(t)) for t in times]
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """Print ``lines`` and put them into ``path`` as the section headed ``lines[0]``: the old
+    section (up to the next ``## `` heading) replaced, or the new one appended. The file holds
+    other benchmarks' sections too (pretrained_choice.py, backbone_speed.py)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    old = path.read_text().split("\n") if path.is_file() else []
+    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
+    if start is not None:
+        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
+        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
+    elif old:
+        text = "\n".join(old).rstrip("\n") + "\n\n" + text
+    path.write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +152,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
 
                 for bs in args.batch_sizes:
                     batch = np.ascontiguousarray(np.resize(arrays, (bs, *arrays.shape[1:])), np.float32)
-                    t_rate, o_rate = _rates([run_torch, run_ort], batch, args.min_time)
+                    t_rate, o_rate = rates([run_torch, run_ort], batch, args.min_time)
                     rows.append((name, what, threads, bs, t_rate, o_rate))
                     tqdm.write(f"{name} threads={threads} batch={bs}: torch {t_rate:.1f} img/s, "
                                f"ORT {o_rate:.1f} img/s ({o_rate / t_rate:.2f}x)")
@@ -160,18 +177,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
         ok = all(r[5] / r[4] >= 1.5 for r in b32)
         lines += ["", f"Goal ORT >= 1.5x torch eager at batch 32: {'met' if ok else 'NOT met'} "
                       f"({', '.join(f'{r[0]}/{r[2]}t {r[5] / r[4]:.2f}x' for r in b32)})."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    # only this section is replaced: the file also holds pretrained_choice.py's section
-    old = args.out.read_text().split("\n") if args.out.is_file() else []
-    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
-        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
-    elif old:
-        text = "\n".join(old).rstrip("\n") + "\n\n" + text
-    args.out.write_text(text)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_section(args.out, lines)
     return 0
 
 
