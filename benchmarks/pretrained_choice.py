@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from embedder.cli import UsageError, run_main
-
 import numpy as np
+
+from embedder.cli import UsageError, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 PROG = "python -m benchmarks.pretrained_choice"
