@@ -174,6 +174,7 @@ def step_bf16(args, env) -> tuple[bool, str]:
            "--root", str(args.data), "--out", str(run_dir), "--epochs", "1", "--eval_every", "1",
            "--set", "lr_milestones=[2]", "--amp", "bf16", "--das_bank_dtype", "bfloat16",
            "--max_classes", "32", "--per_class", "4", "--eval_clustering", "false",
+           "--eval_initial", "false",     # judged on the loss: the untrained model's R@1 is moot
            "--export_onnx", "false", "--device", args.device]
     rc, text, secs = _run(cmd, args.out / "train_bf16.log", env, "bf16")
     metrics = run_dir / "metrics.json"
