@@ -97,36 +97,7 @@ def small_onnx(tmp_path_factory: pytest.TempPathFactory, omniglot_paths: list[Pa
 
 
 @pytest.fixture(scope="session")
-def default_model_first_use(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The session's first export of the default embedder, done as two first uses at once (two
-    threads calling `default_model_path()`), so that the test of that race
-    (tests/embedder/test_embedder_export.py) costs no export of its own (~30 s): the paths both
-    threads got, the cache folder, and the files the race added to it (other models a test
-    exported earlier are not the race's). Should the model already be in
-    the cache, the race runs in a fresh cache folder instead (that test's former set-up)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from embedder.pretrained import MODEL_NAME, cache_dir, default_model_path
-
-    saved = os.environ.get("DAS_CACHE")
-    if (cache_dir() / f"{MODEL_NAME}.onnx").exists():
-        os.environ["DAS_CACHE"] = str(tmp_path_factory.mktemp("first-use-cache"))
-    try:
-        directory = cache_dir()
-        before = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
-        with ThreadPoolExecutor(2) as pool:
-            paths = list(pool.map(lambda _: default_model_path(), range(2)))
-        listing = sorted({p.name for p in directory.iterdir()} - before)   # what the race left
-    finally:
-        if saved is None:
-            os.environ.pop("DAS_CACHE", None)
-        else:
-            os.environ["DAS_CACHE"] = saved
-    return {"paths": paths, "cache_dir": directory, "listing": listing}
-
-
-@pytest.fixture(scope="session")
-def pretrained_onnx(default_model_first_use: dict) -> Path:
+def pretrained_onnx() -> Path:
     """The default pretrained embedder (embedder.pretrained.DEFAULT, 1280-d), cached in $DAS_CACHE."""
     from embedder import default_model_path
 

@@ -72,18 +72,20 @@ def test_preprocessing_round_trips_checkpoint_to_onnx(trained_like, omniglot_pat
         _assert_parity(rt.embed(omniglot_paths[-n:]), _torch_embed(model, omniglot_paths[-n:]))
 
 
-def test_default_model_path_concurrent_first_use(default_model_first_use, monkeypatch):
-    """Two first uses at once: one export, both get the same complete file, no temp files.
-    (The two threads ran in the session fixture, as the session's first export.)"""
+def test_default_model_path_concurrent_first_use(tmp_path, monkeypatch):
+    """Two first uses at once: one export, both get the same complete file, no temp files."""
     import os
+    from concurrent.futures import ThreadPoolExecutor
 
     from embedder.pretrained import MODEL_NAME, cache_dir, default_model_path
 
-    paths = default_model_first_use["paths"]
-    monkeypatch.setenv("DAS_CACHE", str(default_model_first_use["cache_dir"]))
+    if (cache_dir() / f"{MODEL_NAME}.onnx").exists():  # fixture ran first (other order): fresh dir
+        monkeypatch.setenv("DAS_CACHE", str(tmp_path / "cache"))
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: default_model_path(), range(2)))
     assert paths[0] == paths[1] and paths[0].parent == cache_dir()
     assert OnnxEmbedder(paths[0]).dim == 1280  # complete and valid
-    assert default_model_first_use["listing"] == sorted(
+    assert sorted(p.name for p in cache_dir().iterdir()) == sorted(
         [paths[0].name, f".{MODEL_NAME}.lock"])
     assert default_model_path() == paths[0] and os.path.getsize(paths[0]) > 1_000_000
 
