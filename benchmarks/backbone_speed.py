@@ -25,7 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.backbone_speed"
 #: (label, backbone, pooling, trainable whose trunk cache is sized)
 MODELS = [
     ("Lite1 (default)", "default", "gem", "last:2"),
@@ -75,7 +78,7 @@ def _gallery(root: Path, out: Path, n: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads (ORT and the build)")
     ap.add_argument("--batch", type=int, default=32, help="ORT batch size")
     ap.add_argument("--images", type=int, default=200, help="cub-dev photos per `indexer build`")
@@ -85,16 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cub", type=Path, default=REPO.parent / "shared" / "data" / "cub-dev" / "images")
     ap.add_argument("--only", nargs="+", default=None, help="labels' first words to keep (e.g. Lite1 ViT-S/14)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     if not args.cub.is_dir():
-        print(f"error: {args.cub}: cub-dev images not found (--cub)", file=sys.stderr)
-        return 2
+        raise UsageError(f"--cub {args.cub}: cub-dev images not found")
 
     import onnxruntime as ort
     import torch
     from tqdm import tqdm
 
-    from benchmarks.embed_throughput import _rates
+    from benchmarks.embed_throughput import rates, write_section
     from embedder import default_parity_images, export_onnx, load_image
     from indexer import build_index
 
@@ -122,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                            "cache": _cache_bytes(model, trainable, args.views), "build": []}
             del model
         fns = [lambda x, s=s, b=b: s.run(None, {"x": b}) for s, b in sessions]
-        rates = _rates(fns, sessions[0][1], args.min_time)
-        for (label, *_), r in zip(models, rates):
+        measured = rates(fns, sessions[0][1], args.min_time)
+        for (label, *_), r in zip(models, measured):
             rows[label]["ort"] = r
         del sessions, fns
         for rep in range(args.builds):
@@ -162,17 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"Goal: a ViT-S gallery of 10,000 photos on 2 cores in <= 10 min: at the "
                       f"measured {b:.1f} img/s (`indexer build`, this load) 10,000 photos take "
                       f"{10000 / b / 60:.1f} min ({'met' if 10000 / b <= 600 else 'NOT met'} at this load)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    old = args.out.read_text().split("\n") if args.out.is_file() else []
-    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
-        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
-    elif old:
-        text = "\n".join(old).rstrip("\n") + "\n\n" + text
-    args.out.write_text(text)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_section(args.out, lines)
     return 0
 
 

@@ -19,7 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.das_geometry"
 
 SETTINGS = {
     "paper (r_s = r_b = 0.01)": {},
@@ -31,14 +34,14 @@ SETTINGS = {
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--root", required=True, help="class-folder dataset or Omniglot root")
     p.add_argument("--batches", type=int, default=40, help="measured batches")
     p.add_argument("--warmup", type=int, default=40, help="batches that fill bank and FRM first")
     p.add_argument("--out", default=str(REPO / "bench_out" / "das_geometry"))
-    return p.parse_args(argv)
+    return p
 
 
 def measure(emb_all, labels_all, das_opts: dict, batches: int, warmup: int, seed: int = 0) -> dict:
@@ -96,7 +99,10 @@ def measure(emb_all, labels_all, das_opts: dict, batches: int, warmup: int, seed
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_main(PROG, build_parser(), argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 

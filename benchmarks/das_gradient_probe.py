@@ -14,7 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.das_gradient_probe"
 
 SETTINGS = {
     "paper": {},
@@ -29,11 +32,14 @@ SETTINGS = {
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="class-folder dataset or Omniglot root")
     p.add_argument("--method", default="triplet:distance", help="loss:sampler")
     p.add_argument("--batches", type=int, default=30)
-    args = p.parse_args(argv)
+    return run_main(PROG, p, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
 
     import numpy as np
     import torch

@@ -27,11 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import UsageError, fail, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.das_overhead"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for the full step (the module is timed at 1 and 2); "
@@ -52,20 +55,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-das.md",
                    help="Markdown fragment to write ('-' for none)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Options that parse but do not fit (usage errors, exit 2); BACKBONE:PX pairs split."""
     for name in ("threads", "module_steps", "steps", "dim"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     known = ("resnet18", "resnet34", "resnet50", "efficientnet_lite0", "small_cnn")
     for flag in ("backbones", "cuda_backbones"):
         pairs = []
         for item in getattr(args, flag):
             name, _, px = item.partition(":")
             if name not in known or not px.isdigit() or int(px) < 8:
-                p.error(f"--{flag.replace('_', '-')}: {item!r} is not BACKBONE:PX with BACKBONE "
-                        f"in {known} and PX >= 8")
+                raise UsageError(f"--{flag.replace('_', '-')}: {item!r} is not BACKBONE:PX with "
+                                 f"BACKBONE in {known} and PX >= 8")
             pairs.append((name, int(px)))
         setattr(args, flag, pairs)
     return args
@@ -202,15 +209,17 @@ def time_full_step(device, args, backbone: str, px: int, loss_name: str, miner: 
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_main(PROG, build_parser(), argv, handler=lambda args: run(check_args(args), argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         import torch
         from tqdm import tqdm
 
         from training import DAS
     except ImportError as e:
-        print(f"das_overhead: missing dependency: {e}", file=sys.stderr)
-        return 2
+        return fail(PROG, f"missing dependency: {e}", 2)
     torch.set_num_threads(args.threads)
     devices = []
     for name in args.devices:

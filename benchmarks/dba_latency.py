@@ -1,6 +1,6 @@
 """Search latency with and without DBA re-ranking (indexer.neighbours), same process, same run.
 
-    python -m benchmarks.dba_latency --index DIR [--queries FOLDER] [--n 100] [--rounds 4] [--k 10]
+    python -m benchmarks.dba_latency --index DIR [--queries FOLDER] [--n 100] [--rounds 4] [-k 10]
 
 DIR must be built with ``indexer build --dba``. Two levels, each query timed alone (one request
 at a time, as a user's search), the two settings alternating query by query so both see the
@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
+PROG = "python -m benchmarks.dba_latency"
+
 import numpy as np
 
 
@@ -28,13 +32,16 @@ def _pct(v: list[float], p: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", type=Path, required=True, help="an index directory built with --dba")
     ap.add_argument("--queries", type=Path, default=None, help="query images (default: the store's)")
     ap.add_argument("--n", type=int, default=100, help="queries per round (default 100)")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--k", type=int, default=10)
-    args = ap.parse_args(argv)
+    ap.add_argument("-k", "--k", type=int, default=10)
+    return run_main(PROG, ap, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
 
     from benchmarks.pretrained_choice import EXTS
     from indexer import Index

@@ -40,7 +40,10 @@ import threading
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.decode_memory"
 
 FORMATS = {   # name -> (file name, how the base RGB photo is saved)
     "JPEG": "x.jpg", "PNG RGB": "rgb.png", "PNG RGBA": "rgba.png", "PNG palette": "pal.png",
@@ -194,7 +197,7 @@ def make_images(out: Path, megapixels: float, names: list[str], webp_megapixels:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--megapixels", type=float, default=36.0)
     p.add_argument("--concurrent", type=int, nargs="+", default=[1, 4],
                    help="simultaneous uploads per burst, one run per value (default 1 4)")
@@ -209,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="which decoders to run (default both)")
     p.add_argument("--no-write", action="store_true", help="print only; do not write RESULTS-decode.md/PNG")
     p.add_argument("--worker", nargs=3, metavar=("MODE", "PATH", "OLD"), help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return run_main(PROG, p, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
+    a = args
     if a.worker:
         print(json.dumps(worker(a.worker[0], a.worker[1], a.concurrent[0], a.bursts, a.worker[2])))
         return 0

@@ -22,7 +22,7 @@ by process group) and FAILs, and what it finished is still reported (the grid wr
 as it ends). Exit 0 when every step passed.
 
 ``--dry-run`` runs the same steps on the CPU with tiny settings (3 + 3 species at 64 px, one
-epoch, one seed, one pair; gpu_check --quick without its CUDA tests): what CI can check of
+epoch of 4 steps, one seed, one pair; gpu_check --quick without its CUDA tests): what CI can check of
 this script and of gpu_check's plumbing.
 """
 from __future__ import annotations
@@ -38,20 +38,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "configs/photos_finetune_gpu.toml"
 PAIRS = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
 SEEDS = [0, 1]
 #: seconds of the budget each step may take at most, in order (the rest goes to the last)
 SHARES = {"photos": 0.55}
-#: CPU-only tiny settings of --dry-run, for both photo runs
-DRY_SET = ["max_classes=3", "epochs=1", "eval_every=1", "lr_milestones=[2]", "warmup_epochs=0",
-           "input_size=64", "resize=72", "batch_size=6", "per_class=2", "workers=0",
-           "device=cpu", "amp=off", "channels_last=false", "threads=1"]
+#: CPU-only tiny settings of --dry-run, for both photo runs (4 steps of one epoch: the code
+#: paths are those of a full epoch; a full pass over 3 species cost ~30 s per run)
+DRY_SET = ["max_classes=3", "epochs=1", "steps_per_epoch=4", "eval_every=1", "lr_milestones=[2]",
+           "warmup_epochs=0", "input_size=64", "resize=72", "batch_size=6", "per_class=2",
+           "workers=0", "device=cpu", "amp=off", "channels_last=false", "threads=1"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.device_suite", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "bench_out" / "device_suite",
                    help="logs, run folders, the grid's table and summary.md")
@@ -65,10 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DataLoader workers of each photo run (jobs x (workers + 1) ~ CPUs)")
     p.add_argument("--dry-run", action="store_true",
                    help="the same steps on the CPU with tiny settings (for CI)")
-    args = p.parse_args(argv)
-    if args.jobs < 1 or args.workers < 0 or args.budget_s <= 0:
-        p.error("--jobs >= 1, --workers >= 0 and --budget-s > 0 expected")
-    return args
+    return p
 
 
 @dataclass
@@ -203,18 +203,21 @@ def render(rows: list[Row], card: str, torch_version: str, args) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The kit's policy (embedder/cli.py): bad options, or no CUDA without --dry-run, are usage
+    errors (exit 2)."""
+    return run_main("python -m benchmarks.device_suite", build_parser(), argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.jobs < 1 or args.workers < 0 or args.budget_s <= 0:
+        raise UsageError("--jobs >= 1, --workers >= 0 and --budget-s > 0 expected")
     if not args.dry_run and not torch.cuda.is_available():
-        print("device_suite: no CUDA device visible (torch.cuda.is_available() is False); run "
-              "it on a GPU machine, or pass --dry-run to check the script on the CPU",
-              file=sys.stderr)
-        return 2
+        raise UsageError("no CUDA device visible (torch.cuda.is_available() is False); run "
+                         "it on a GPU machine, or pass --dry-run to check the script on the CPU")
     if not args.root.is_dir():
-        print(f"device_suite: --root {args.root}: not a directory of class folders",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--root {args.root}: not a directory of class folders")
     args.out.mkdir(parents=True, exist_ok=True)
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     start = time.monotonic()

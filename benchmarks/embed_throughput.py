@@ -19,7 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.embed_throughput"
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -53,7 +56,7 @@ def _build(name: str):
     return Embedder(EmbedderConfig(backbone=name, dim=dim)).eval(), f"random init, {dim}-d"
 
 
-def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[float]:
+def rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[float]:
     """Images/s for each fn, calls interleaved so every side sees the same neighbours' load.
 
     The median call time is used: on a CPU shared with other jobs a few calls are slowed by
@@ -71,8 +74,25 @@ def _rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[f
     return [len(batch) / float(np.median(t)) for t in times]
 
 
+def write_section(path: Path, lines: list[str]) -> None:
+    """Print ``lines`` and put them into ``path`` as the section headed ``lines[0]``: the old
+    section (up to the next ``## `` heading) replaced, or the new one appended. The file holds
+    other benchmarks' sections too (pretrained_choice.py, backbone_speed.py)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    old = path.read_text().split("\n") if path.is_file() else []
+    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
+    if start is not None:
+        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
+        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
+    elif old:
+        text = "\n".join(old).rstrip("\n") + "\n\n" + text
+    path.write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--backbones", nargs="+", default=["efficientnet_lite0", "default", "resnet50", "small_cnn"],
                     help="efficientnet_lite0: the old pretrained default (avg pooling); default: "
                          "embedder.pretrained.DEFAULT; resnet18|34|50, small_cnn and timm:NAME "
@@ -85,16 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spin", action="store_true", help="let ORT worker threads spin between runs")
     ap.add_argument("--min-time", type=float, default=1.5, help="seconds per measurement")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     known = {"efficientnet_lite0", "default", "resnet18", "resnet34", "resnet50", "small_cnn"}
     bad = [b for b in args.backbones if b not in known and not b.startswith("timm:")]
     if bad:
-        print(f"error: --backbones {bad[0]!r}: expected one of {', '.join(sorted(known))} or "
-              "timm:NAME", file=sys.stderr)
-        return 2
+        raise UsageError(f"--backbones {bad[0]!r}: expected one of {', '.join(sorted(known))} "
+                         "or timm:NAME")
     if min(args.threads) < 1 or args.min_time <= 0 or min(args.batch_sizes) < 1:
-        print("error: --threads, --min-time and --batch-sizes must be positive", file=sys.stderr)
-        return 2
+        raise UsageError("--threads, --min-time and --batch-sizes must be positive")
 
     import onnxruntime as ort
     import torch
@@ -131,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 for bs in args.batch_sizes:
                     batch = np.ascontiguousarray(np.resize(arrays, (bs, *arrays.shape[1:])), np.float32)
-                    t_rate, o_rate = _rates([run_torch, run_ort], batch, args.min_time)
+                    t_rate, o_rate = rates([run_torch, run_ort], batch, args.min_time)
                     rows.append((name, what, threads, bs, t_rate, o_rate))
                     tqdm.write(f"{name} threads={threads} batch={bs}: torch {t_rate:.1f} img/s, "
                                f"ORT {o_rate:.1f} img/s ({o_rate / t_rate:.2f}x)")
@@ -156,18 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = all(r[5] / r[4] >= 1.5 for r in b32)
         lines += ["", f"Goal ORT >= 1.5x torch eager at batch 32: {'met' if ok else 'NOT met'} "
                       f"({', '.join(f'{r[0]}/{r[2]}t {r[5] / r[4]:.2f}x' for r in b32)})."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    # only this section is replaced: the file also holds pretrained_choice.py's section
-    old = args.out.read_text().split("\n") if args.out.is_file() else []
-    start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ")), len(old))
-        text = "\n".join(old[:start] + lines + [""] + old[end:]).rstrip("\n") + "\n"
-    elif old:
-        text = "\n".join(old).rstrip("\n") + "\n\n" + text
-    args.out.write_text(text)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_section(args.out, lines)
     return 0
 
 

@@ -26,7 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.finetune_table2"
 
 from benchmarks.frozen_table2 import TABLE2
 from benchmarks.paired import method_label, plot, row_cells, summarise, table_row
@@ -38,8 +41,8 @@ QUICK = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
 QUICK_SCHEDULE: dict = {}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs" / "photos_finetune_cpu.toml"),
                    help="recipe (TOML) every run starts from")
@@ -61,10 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runs at once, each in its own process (a GPU that one small model "
                         "leaves mostly idle: an H100 trains several Lite1 runs side by side); "
                         "pair with --set workers=N so that jobs x workers fits the CPUs")
-    args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error(f"--jobs {args.jobs}: expected at least 1")
-    return args
+    return p
 
 
 def _run_config(args, method: str, variant: str, seed: int, out: Path):
@@ -163,22 +163,24 @@ def render(rows, free, meta, done: bool) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The kit's policy (embedder/cli.py): a bad option or --set is a usage error (exit 2), a
+    dataset that is not there (DatasetLayoutError, an OSError) one line and exit 1."""
+    return run_main(PROG, build_parser(), argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     from tqdm.auto import tqdm
 
-    from training.config import ConfigError
     from training.data import DatasetLayoutError
 
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected at least 1")
     methods = args.methods or (QUICK if args.quick else TABLE2)
     seeds = args.seeds or ([0, 1, 2] if args.quick else [0, 1, 2, 3, 4])
-    try:
-        probe = _run_config(args, methods[0], "DAS", seeds[0], Path("-"))
-        root = Path(probe.root)
-        if not root.is_dir():
-            raise DatasetLayoutError(f"--root {root}: not a directory of class folders")
-    except (ConfigError, DatasetLayoutError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    probe = _run_config(args, methods[0], "DAS", seeds[0], Path("-"))
+    root = Path(probe.root)
+    if not root.is_dir():
+        raise DatasetLayoutError(f"--root {root}: not a directory of class folders")
     name = ("val-" if args.validation else "") + (root.name if root.name != "images" else root.parent.name)
     out = Path(args.out or REPO / "bench_out" / "finetune_table2" / name)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,10 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.frozen_table2"
 
 from benchmarks.paired import (method_label, parse_variants, plot, row_cells,
                                summarise, table_row, variant_label)
@@ -49,8 +52,8 @@ SWEEPS = {"rs": ("das_scale_range", [0.01, 0.1, 0.2, 0.5]),
           "K": ("das_topk", [1, 2, 4, 8, 16, 32])}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--root", required=True, help="class-folder dataset or Omniglot root")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
@@ -97,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="run folder (default bench_out/frozen_table2/<name>)")
     p.add_argument("--results", default=None,
                    help="Markdown file for the tables (default <out>/results.md)")
-    return p.parse_args(argv)
+    return p
 
 
 #: Head training defaults per dataset kind, chosen with --validation (BENCHMARKS.md, "How the
@@ -231,27 +234,25 @@ def render(rows: list[dict], untrained: dict, head0: dict, meta: dict, done: boo
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The kit's policy (embedder/cli.py): a bad --set is a usage error (exit 2), a dataset that
+    is not there (DatasetLayoutError, an OSError) one line and exit 1."""
+    return run_main(PROG, build_parser(), argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     import multiprocessing as mp
 
     import numpy as np
     import torch
     from tqdm.auto import tqdm
 
-    from training.config import ConfigError
-    from training.data import DatasetLayoutError
-
     torch.set_num_threads(1)
     root = Path(args.root)
     _DATA.clear()
-    try:
-        data = _load(args)
-        probes = {v: _config(args, "triplet:distance", v, args.seeds[0])  # fail fast on --set
-                  for v in parse_variants(args.variants)}
-        probe = next(iter(probes.values()))
-    except (DatasetLayoutError, ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    data = _load(args)
+    probes = {v: _config(args, "triplet:distance", v, args.seeds[0])  # fail fast on --set
+              for v in parse_variants(args.variants)}
+    probe = next(iter(probes.values()))
     name = ("val-" if args.validation else "") + (root.name if root.name != "images" else root.parent.name)
     out = Path(args.out or REPO / "bench_out" / "frozen_table2" / name)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.index_bench"
 
 
 SPREAD = 1.2        # noise norm relative to the unit class centre: cosine to the centre ~0.64
@@ -469,8 +472,8 @@ def small_model(path: Path) -> Path:
     return export_onnx(Embedder(EmbedderConfig(backbone="small_cnn", dim=64)).eval(), path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="100000,1000000", help="synthetic gallery sizes at d=128")
     ap.add_argument("--wide", default="100000", help="sizes also run at d=512 ('' to skip)")
     ap.add_argument("--ingest-images", type=int, default=800, help="Omniglot images for the ingest part")
@@ -492,7 +495,10 @@ def main() -> None:
                          "dependency), e.g. /tmp/afenv/bin/python: adds autofaiss's default as a peer row")
     ap.add_argument("--autofaiss-timeout", type=float, default=900, help="seconds per autofaiss build")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown section here")
-    args = ap.parse_args()
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     try:
         import torch
 
@@ -636,4 +642,4 @@ def replace_ingest_section(text: str, section: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -33,6 +33,10 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
+PROG = "python -m benchmarks.int8_embedder"
+
 import numpy as np
 
 from benchmarks.pretrained_choice import SHARED, ingest_rates, model_for, replace_section, split_files
@@ -124,7 +128,7 @@ def ort_rates(models: dict[str, Path], x: np.ndarray, repeats: int = 7) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["lite1-gem4-224", "lite0+lite1-gem4"],
                     help="pretrained embedders (embedder.pretrained names); the first is the baseline")
@@ -140,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also measure `indexer build` images/s on N cub-test photos (0: skip)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="Markdown file whose section to replace")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     from embedder.metrics import evaluate
     from embedder.pretrained import parse_spec
 

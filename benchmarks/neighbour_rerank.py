@@ -6,7 +6,7 @@ on caltech101-dev (issue 30, item 3).
     python -m benchmarks.neighbour_rerank --splits cub-val --seeds 10 \
         --grid-k 3 4 5 6 8 10 12 --grid-alpha 3 5 7 10 15                   # finer, 10 splits
     python -m benchmarks.neighbour_rerank --splits cub-val cub-test caltech-all caltech-test \
-        --chosen --seeds 10 --k 8 --alpha 5                                  # report
+        --chosen --seeds 10 -k 8 --alpha 5                                  # report
 
 Splits as benchmarks.pretrained_choice (species sorted by name: first half validation, second
 half test; caltech101-dev all categories). Embeddings: the shipped default embedder, computed
@@ -30,6 +30,10 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from embedder.cli import run_main
+
+PROG = "python -m benchmarks.neighbour_rerank"
 
 import numpy as np
 
@@ -184,13 +188,13 @@ def table(title: str, res: dict, base: str = "plain") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--splits", nargs="+", default=["cub-val"],
                     choices=["cub-val", "cub-test", "caltech-test", "caltech-all"])
     ap.add_argument("--grid", action="store_true", help="the whole grid (default on cub-val only)")
     ap.add_argument("--chosen", action="store_true",
-                    help="only plain, the chosen --k/--alpha (served and full) and QE, on every split")
-    ap.add_argument("--k", type=int, default=3)
+                    help="only plain, the chosen -k/--alpha (served and full) and QE, on every split")
+    ap.add_argument("-k", "--k", type=int, default=3)
     ap.add_argument("--alpha", type=float, default=3.0)
     ap.add_argument("--depth", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=len(SEEDS), help="held-out splits (default 3)")
@@ -199,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid-alpha", type=float, nargs="+", default=[0.0, 1.0, 3.0, 5.0, 10.0])
     ap.add_argument("--cache", type=Path, default=Path("/tmp/das-neighbour-rerank"))
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     t0 = time.time()
     all_res: dict = {}
     lines: list[str] = []

@@ -23,16 +23,19 @@ import sys
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.omniglot_das"
 
 from benchmarks.paired import fmt_interval, parse_variants, t_interval
 
 METRICS = ("R@1", "R@2", "R@4", "R@8", "NMI", "F1")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     default_root = os.environ.get("DAS_OMNIGLOT", str(REPO.parent / "shared" / "data" / "omniglot"))
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--root", default=default_root, help="Omniglot root (images_background/ inside)")
     p.add_argument("--methods", nargs="+", default=["triplet:distance", "margin:distance",
@@ -81,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "bench_out" / "omniglot_das"), help="run directories")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS-training.md"),
                    help="Markdown file the results table is written to")
-    return p.parse_args(argv)
+    return p
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -210,35 +213,35 @@ def _run(job) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The kit's policy (embedder/cli.py): a bad --set is a usage error (exit 2), a dataset that
+    is not there (DatasetLayoutError, an OSError) one line and exit 1."""
+    return run_main(PROG, build_parser(), argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     import multiprocessing as mp
 
     import torch
     from tqdm.auto import tqdm
 
-    from training.config import ConfigError
-    from training.data import DatasetLayoutError, load_splits
+    from training.data import load_splits
 
     torch.set_num_threads(args.threads)
-    try:
-        if args.config:
-            from training.config import load_config
+    if args.config:
+        from training.config import load_config
 
-            base = load_config(args.config)
-            _SPLITS["train"], _SPLITS["test"] = load_splits(
-                base.dataset, base.root, max_classes=base.max_classes,
-                test_classes=base.test_classes, holdout_alphabets=base.holdout_alphabets)
-        elif args.validation:
-            _SPLITS["train"], _SPLITS["test"] = validation_splits(args.root, args.classes)
-        else:
-            train, test = load_splits("omniglot", args.root)
-            _SPLITS["train"] = train.first_classes(args.classes)
-            _SPLITS["test"] = test.class_range(args.test_offset, args.classes)
-        variants = parse_variants(args.variants)
-        probes = {v: _config(args, args.methods[0], v, args.seeds[0]) for v in variants}
-    except (DatasetLayoutError, ConfigError, ValueError) as e:  # noqa: B014
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        base = load_config(args.config)
+        _SPLITS["train"], _SPLITS["test"] = load_splits(
+            base.dataset, base.root, max_classes=base.max_classes,
+            test_classes=base.test_classes, holdout_alphabets=base.holdout_alphabets)
+    elif args.validation:
+        _SPLITS["train"], _SPLITS["test"] = validation_splits(args.root, args.classes)
+    else:
+        train, test = load_splits("omniglot", args.root)
+        _SPLITS["train"] = train.first_classes(args.classes)
+        _SPLITS["test"] = test.class_range(args.test_offset, args.classes)
+    variants = parse_variants(args.variants)
+    probes = {v: _config(args, args.methods[0], v, args.seeds[0]) for v in variants}
     keys = ("das_num_produce", "das_topk", "das_bank_size", "das_scale_range", "das_scale_bounds",
             "das_shift_scale", "das_detach", "das_aux_loss", "das_exclude_own_copies")
     das_text = "; ".join(f"{v}: " + ", ".join(f"{k[4:]} = {getattr(p, k)}" for k in keys)

@@ -31,6 +31,10 @@ import threading
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
+PROG = "python -m benchmarks.plan_memory"
+
 STEPS = ("census", "draw", "Sample", "exact_truth", "select")
 
 
@@ -75,8 +79,8 @@ class StepMemory:
         setattr(module, name, step)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--repo", type=Path, required=True, help="the checkout whose indexer plans")
     ap.add_argument("--work", type=Path, required=True, help="folder of the generated shards")
     ap.add_argument("--shards", type=int, default=4)
@@ -84,7 +88,10 @@ def main() -> None:
     ap.add_argument("--max-queries", type=int, default=0, help="cap the held-out sets (0: as built)")
     ap.add_argument("--stages", action="store_true", help="memory on entry / peak / exit of each step")
     ap.add_argument("--trim", action="store_true", help="with --stages: malloc_trim after each step")
-    args = ap.parse_args()
+    return run_main(PROG, ap, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
     repo = args.repo.resolve()
     sys.path.insert(0, str(repo))
     stages = repo / "benchmarks" / "stream_stages.py"       # older checkouts: all in scale_bench.py
@@ -112,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

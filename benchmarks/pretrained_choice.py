@@ -31,7 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.pretrained_choice"
 
 SHARED = Path(os.environ.get("DAS_SHARED", REPO.parent / "shared")) / "data"
 SPLITS = ("cub-val", "cub-test", "caltech-test", "caltech-all")
@@ -210,7 +213,7 @@ def replace_section(text: str, new: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Variants: a name of embedder.pretrained.PRETRAINED or "
                                         "liteN-avg|liteN-gemP[-SIZE] (N 0..2; SIZE default native).")
@@ -231,20 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="Markdown file whose section to replace")
     ap.add_argument("--section", default=SECTION, help=f"heading of that section (default {SECTION!r})")
     ap.add_argument("--png", default="pretrained_choice.png", help="bar chart file name, next to --out")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     from embedder.pretrained import parse_spec
 
     try:
         for t in args.variants + [args.baseline]:
             parse_spec(t)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     if args.baseline not in args.variants:
         args.variants.insert(0, args.baseline)
     if args.batch_size < 1 or args.throughput < 0 or args.repeats < 1:
-        print("error: --batch-size and --repeats must be >= 1, --throughput >= 0", file=sys.stderr)
-        return 2
+        raise UsageError("--batch-size and --repeats must be >= 1, --throughput >= 0")
     args.cache.mkdir(parents=True, exist_ok=True)
     from embedder.metrics import evaluate
 

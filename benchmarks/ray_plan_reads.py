@@ -23,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.ray_plan_reads"
 
 
 def small_model(out: Path, images: list[Path]) -> Path:
@@ -68,14 +71,17 @@ def timed_cli(checkout: Path, gallery: Path, model: Path, out: Path, shards: int
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--before", type=Path, help="a checkout of the code before the change (timed against this one)")
     ap.add_argument("--omniglot", type=Path, default=REPO.parent / "shared" / "data" / "omniglot")
     ap.add_argument("--chars", type=int, default=60, help="Omniglot characters (20 images each)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2, help="timed builds per checkout (alternating)")
-    args = ap.parse_args()
+    return run_main(PROG, ap, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
     from indexer.ray_build import build_with_ray, only_loopback
 
     if not only_loopback():
@@ -114,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+
+from benchmarks.lmdb_damage import garbage_inside
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1"}
@@ -59,24 +60,6 @@ def _outside() -> Path:
         if os.access(top, os.W_OK) and Path(top).resolve().parts[1] != tmp:
             return Path(tempfile.mkdtemp(prefix="das-probe-", dir=top))
     return Path(tempfile.mkdtemp(prefix="das-probe-"))
-
-
-def garbage_inside(data: Path, page: int = 4096) -> int:
-    """Garbage over every page of an LMDB file but its meta pages and the main database's root
-    (the store still opens; its size is unchanged). Layout: lmdb.h, 64-bit (see
-    tests/indexer/indexer_testlib.py, which holds the same helper for the tests)."""
-    raw = data.read_bytes()
-    metas = [raw[i * page:(i + 1) * page] for i in (0, 1)]
-    txn = [struct.unpack_from("<Q", m, 16 + 24 + 2 * 48 + 8)[0] for m in metas]
-    root = struct.unpack_from("<Q", metas[int(txn[1] > txn[0])], 16 + 24 + 48 + 40)[0]
-    n = 0
-    with open(data, "r+b") as f:
-        for p in range(2, len(raw) // page):
-            if p != root:
-                f.seek(p * page)
-                f.write(bytes([0xA5]) * page)
-                n += 1
-    return n
 
 
 # ---------------------------------------------------------------------------- the rows

@@ -27,7 +27,10 @@ from urllib.parse import urlparse
 
 import httpx
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.reliability_probes"
 from benchmarks import reliability_guard_probes as guard_probes   # issue 19's server-guard probes
 from benchmarks import reliability_index_probes as index_probes   # issue 28: sharded index, hostile files
 from benchmarks import reliability_client_probes as client_probes  # issue 28: XFF, Host, streams, icons
@@ -286,9 +289,13 @@ def damage_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
     return rows
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--no-write", action="store_true")
-    a = p.parse_args(argv)
+    return run_main(PROG, p, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
+    a = args
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         idx = build_index(root)

@@ -23,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from embedder.cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.scaling_inputs"
 DATA = REPO.parent / "shared" / "data"
 
 
@@ -103,12 +106,15 @@ def report(r: dict, cmd: str, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=600, help="images of each gallery (default 600)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown section here")
-    args = ap.parse_args()
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     t0 = time.perf_counter()
     r = run(args.images, args.repeats)
     text = report(r, "python -m benchmarks.scaling_inputs " + " ".join(sys.argv[1:]), time.perf_counter() - t0)
@@ -118,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

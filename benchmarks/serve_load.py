@@ -1,6 +1,6 @@
 """Bounded load on the HTTP search endpoint, next to bare Searcher.search calls in the same run.
 
-    python -m benchmarks.serve_load [--index DIR] [--clients 8] [--duration 30] [--rounds 3] [--k 10]
+    python -m benchmarks.serve_load [--index DIR] [--clients 8] [--duration 30] [--rounds 3] [-k 10]
 
 Starts `python app.py` on a free 127.0.0.1 port (stopped by PID at the end), then measures:
   * bare      Searcher.search in this process, 1 thread and --clients threads (the baseline);
@@ -22,7 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from embedder.cli import UsageError, run_main
+
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.serve_load"
 
 
 def _show(p: Path) -> str:
@@ -113,7 +116,7 @@ def merge(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", type=Path, default=None,
                     help="index directory (default: the demo index, built once under indexes/demo)")
@@ -123,14 +126,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for each of the bare and single-client runs, over all rounds (default 12)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternate bare and HTTP runs this many times (default 3), splitting the durations")
-    ap.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    ap.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
     ap.add_argument("--images", type=int, default=32, help="distinct gallery images used as queries (default 32)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-serving.md")
     ap.add_argument("--no-write", action="store_true", help="print only, do not write --out")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     if args.rounds < 1 or args.clients < 1 or args.duration <= 0 or args.baseline_duration <= 0 or not 1 <= args.k <= 1000:
-        print("serve_load: --clients >= 1, durations > 0 and 1 <= --k <= 1000 expected", file=sys.stderr)
-        return 2
+        raise UsageError("--clients >= 1, durations > 0 and 1 <= -k <= 1000 expected")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
     import httpx

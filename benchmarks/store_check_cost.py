@@ -2,7 +2,7 @@
 data.mdb truncated under a running server is refused instead of killing it with SIGBUS) costs
 on search latency, against the same searches with the check switched off in the same process.
 
-    python -m benchmarks.store_check_cost [--index DIR] [--rounds 6] [--seconds 4] [--k 10]
+    python -m benchmarks.store_check_cost [--index DIR] [--rounds 6] [--seconds 4] [-k 10]
                                           [--http-baseline CHECKOUT]
 
 Two query kinds: a gallery id (no embedding: store reads and faiss only, where the check weighs
@@ -25,30 +25,33 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from embedder.cli import UsageError, run_main
+
 from benchmarks.serve_load import run_load, start_app, stop_app, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
+PROG = "python -m benchmarks.store_check_cost"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", type=Path, default=None,
                     help="index directory (default: the demo index, built once under indexes/demo)")
     ap.add_argument("--rounds", type=int, default=6, help="on/off alternations (default 6)")
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds per kind, round and setting (default 4)")
-    ap.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    ap.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
     ap.add_argument("--http-baseline", type=Path, default=None, metavar="CHECKOUT",
                     help="also time POST /api/search against app.py of this other checkout (same run)")
-    args = ap.parse_args(argv)
+    return run_main(PROG, ap, argv, handler=run)
+
+
+def run(args: argparse.Namespace) -> int | None:
     if args.http_baseline is not None and not (args.http_baseline / "app.py").is_file():
-        print(f"store_check_cost: --http-baseline {args.http_baseline}: no app.py there", file=sys.stderr)
-        return 2
+        raise UsageError(f"--http-baseline {args.http_baseline}: no app.py there")
     if args.rounds < 1 or args.seconds <= 0 or not 1 <= args.k <= 1000:
-        print("store_check_cost: --rounds >= 1, --seconds > 0, 1 <= --k <= 1000 expected", file=sys.stderr)
-        return 2
+        raise UsageError("--rounds >= 1, --seconds > 0, 1 <= -k <= 1000 expected")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from indexer import lmdb_env
     from serving import Searcher, ensure_demo_index
 
     index_dir = args.index or ensure_demo_index(REPO / "indexes" / "demo")
@@ -56,10 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     store = searcher.index().store
     ids = [int(i) for i in store.ids()[:32]]
     images = [store.get_bytes(i) for i in ids]
-    real_check = lmdb_env._check_mapped
 
     def set_check(on: bool) -> None:
-        lmdb_env._check_mapped = real_check if on else (lambda shared, path: None)
+        store.check_reads = on          # the per-read file check (indexer/lmdb_env.py) on or off
 
     def search(q) -> bool:
         searcher.search(q, args.k)
@@ -76,11 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind, queries in kinds.items():
                 lat[(kind, on)] += run_load(search, queries, 1, args.seconds)["lat_ms"]
     set_check(True)
-    shared = store._shared
     n = 20000
     t0 = time.perf_counter()
     for _ in range(n):
-        real_check(shared, store.path)
+        store.check_file()
     per_call_us = 1e6 * (time.perf_counter() - t0) / n
     rows = []
     for kind in kinds:
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_baseline is not None:
         rows += http_rows(index_dir, args.http_baseline, images, args)
     print(f"Command: `python -m benchmarks.store_check_cost{' --index ' + str(args.index) if args.index else ''} "
-          f"--rounds {args.rounds} --seconds {args.seconds} --k {args.k}"
+          f"--rounds {args.rounds} --seconds {args.seconds} -k {args.k}"
           f"{' --http-baseline ' + str(args.http_baseline) if args.http_baseline else ''}`  \n"
           f"Index: {len(searcher.index())} images; bare `Searcher.search` in one process, check on/off "
           f"alternating; the check alone: {per_call_us:.1f} us per call; load average "

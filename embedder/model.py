@@ -178,11 +178,6 @@ def efficientnet_lite(name: str, pretrained: bool) -> nn.Module:
     return net
 
 
-def efficientnet_lite0(pretrained: bool) -> nn.Module:
-    """timm tf_efficientnet_lite0 (kept for callers of the old name)."""
-    return efficientnet_lite("efficientnet_lite0", pretrained)
-
-
 def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3, *, weights: str = "",
                    input_size: int | None = None) -> tuple[nn.Module, int]:
     """(module returning a (B, C, H, W) feature map, or (B, N, C) tokens for a ViT, C)."""

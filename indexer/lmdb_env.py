@@ -256,10 +256,10 @@ def release(path: Path) -> None:
 
 
 @contextmanager
-def read_txn(shared: SharedEnv, path: Path) -> Iterator[lmdb.Transaction]:
+def read_txn(shared: SharedEnv, path: Path, check: bool = True) -> Iterator[lmdb.Transaction]:
     """A read transaction of a read-only environment, remapping first if the map has grown;
     StoreUnavailable (never a read) when the file is not what was mapped (see the module doc)."""
-    if shared.mapped is not None:
+    if check and shared.mapped is not None:
         _check_mapped(shared, path)
     for _ in range(3):
         with shared.gate.reading():
@@ -316,6 +316,9 @@ class LmdbStore:
 
     NAMES: tuple[str, ...] = ()
     DUPSORT: tuple[str, ...] = ()
+    #: read-only transactions check the mapped file first; False only to time what that costs
+    #: (benchmarks/store_check_cost.py)
+    check_reads: bool = True
 
     def __init__(self, path: str | Path, *, readonly: bool = True, map_size: int | None = None) -> None:
         self.path = Path(path)
@@ -377,13 +380,19 @@ class LmdbStore:
         try:
             if self._txn_lock is None:      # read-only: survives a writer growing the map
                 self.env  # noqa: B018 - opens lazily
-                with read_txn(self._shared, self.path) as txn:  # type: ignore[arg-type]
+                with read_txn(self._shared, self.path, self.check_reads) as txn:  # type: ignore[arg-type]
                     yield txn
             else:
                 with self._txn_lock, self.env.begin(write=False, buffers=False) as txn:
                     yield txn
         except READ_DAMAGE as e:
             raise damaged_store(self.path, e) from None
+
+    def check_file(self) -> None:
+        """The per-read file check alone (what `check_reads` switches), for timing it."""
+        self.env  # noqa: B018 - opens lazily
+        if self._shared is not None and self._shared.mapped is not None:
+            _check_mapped(self._shared, self.path)
 
     def probe(self) -> None:
         """Read the first record of every database (the pages from each root down: a few page

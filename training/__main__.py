@@ -13,7 +13,9 @@ import re
 import sys
 from dataclasses import MISSING, fields
 
-from .config import ConfigError, TrainConfig, load_config
+from embedder.cli import run_main
+
+from .config import TrainConfig, load_config
 
 
 def _field_comments() -> dict[str, str]:
@@ -33,6 +35,7 @@ def _default(f) -> object:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training",
+        usage="%(prog)s [--config FILE] [--set KEY=VALUE ...] [--print-config] [--<option> VALUE ...]",
         description="Train an image embedder with DAS (Densely-Anchored Sampling). Options come "
                     "from a TOML config (--config; `include = \"base.toml\"` inherits), then "
                     "--set key=value overrides, then the per-option flags below, in that order. "
@@ -51,38 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from embedder.cli import fail, one_line
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Resolve the config (a bad one is a usage error: exit 2), then train."""
     overrides = list(args.overrides)
     for f in fields(TrainConfig):
         v = getattr(args, f.name)
         if v is not None:
             overrides.append(f"{f.name}={v}")
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        return fail("python -m training", e, 2)
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from embedder import CheckpointError, ImageLoadError, PretrainedWeightsUnavailable
+    from .trainer import train
 
-    from .data import DatasetLayoutError
-    from .trainer import NonFiniteLossError, train
-
-    expected = (ConfigError, DatasetLayoutError, NonFiniteLossError, ImageLoadError,
-                CheckpointError, PretrainedWeightsUnavailable)
-    try:
-        result = train(cfg)
-    except expected as e:
-        return fail("python -m training", e)
-    except Exception as e:  # noqa: BLE001 - one line for the user; details with DAS_DEBUG=1
-        if os.environ.get("DAS_DEBUG"):
-            raise
-        return fail("python -m training", f"{type(e).__name__}: {one_line(e)} (set DAS_DEBUG=1 for the traceback)")
+    result = train(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 speaks for the run
         return 0
     best = result.best_metrics.get("R@1")
@@ -95,6 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     if result.skipped:
         print(f"{len(result.skipped)} unreadable image(s) skipped (list in {result.skipped_file})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The kit's policy (embedder/cli.py): a bad config exits 2 (ConfigError is a usage error),
+    a dataset, image, checkpoint or diverging run 1 with one line, a bug keeps its traceback."""
+    from embedder import PretrainedWeightsUnavailable
+
+    from .trainer import NonFiniteLossError
+
+    # DatasetLayoutError (an OSError), ImageLoadError and CheckpointError are already expected
+    return run_main("python -m training", build_parser(), argv, handler=run,
+                    expected=(NonFiniteLossError, PretrainedWeightsUnavailable))
 
 
 if __name__ == "__main__":

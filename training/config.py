@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from embedder.cli import UsageError
+
 DATASETS = ("cub", "cars", "sop", "omniglot", "folder")
 #: Loss and sampler flavours (training/losses.py): the DAS authors' framework, or PML's conventions.
 LOSS_FLAVOURS = ("authors", "pml")
@@ -45,8 +47,9 @@ HEAD_INPUTS = ("raw", "l2")
 BANK_DTYPES = ("float32", "float16", "bfloat16")
 
 
-class ConfigError(ValueError):
-    """A config file or override that does not describe a valid TrainConfig."""
+class ConfigError(UsageError):
+    """A config file or override that does not describe a valid TrainConfig: a usage error
+    (``python -m training`` exits 2), and a ValueError for library callers."""
 
 
 _LAST = re.compile(r"^last:(\d+)$")

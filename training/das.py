@@ -28,23 +28,15 @@ from torch import Tensor, nn
 
 from .config import BANK_DTYPES
 from .das_bank import update_bank, update_frm
+from .das_fused import FusedBackend
 
 __all__ = ["DAS", "BACKENDS"]
 
 #: ``auto``: the fused Triton kernels (training/das_triton.py) on CUDA once their self-check
-#: passed for the batch's kernel variant (training/das_check.py), this file's tensor code
+#: passed for the batch's kernel variant (training/das_fused.py), this file's tensor code
 #: elsewhere; ``eager``: this file's code everywhere; ``triton``: the kernels everywhere,
 #: unchecked (on CPU through Triton's interpreter: slow, for tests).
 BACKENDS = ("auto", "eager", "triton")
-
-
-def _auto_candidate(device: torch.device) -> bool:
-    """Whether ``backend="auto"`` considers the kernels on ``device`` (then self-checks them)."""
-    if device.type != "cuda":
-        return False
-    from . import das_triton   # imported only where it may run: triton costs ~0.3 s
-
-    return das_triton.available(device)
 
 
 class _FusedCall(torch.autograd.Function):
@@ -53,7 +45,7 @@ class _FusedCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, embeddings: Tensor, labels: Tensor, das: "DAS"):
-        out, lab = das._fused_call(embeddings.detach(), labels)
+        out, lab = das.fused.call(das, embeddings.detach(), labels)
         ctx.mark_non_differentiable(lab)
         ctx.rows = embeddings.shape[0]
         return out, lab
@@ -70,7 +62,7 @@ class DAS(nn.Module):
     bank: Tensor
     bank_ptr: Tensor
     bank_count: Tensor
-    _hash_weights: Tensor
+    hash_weights: Tensor
 
     def __init__(self, num_classes: int, dim: int, *, num_produce: int = 3, topk: int = 4,
                  bank_size: int = 10, scale_range: float = 0.01, shift_scale: float = 0.01,
@@ -109,9 +101,10 @@ class DAS(nn.Module):
         self.normalize, self.detach, self.dfs, self.mts = normalize, detach, dfs, mts
         self.seed = seed
         self.backend = backend
-        # CUDA-graph replay of the fused call (training/das_graph.py); off by default
+        # CUDA-graph replay of the fused call (training/das_fused.py); off by default
         self.graph = bool(graph)
-        self._graphs: dict[tuple, Any] = {}
+        #: the fused path (kernels, their self-check verdicts, the CUDA graphs): DAS's seam
+        self.fused = FusedBackend()
         # FRM counts are kept in float32: exact up to 2**24 per cell and topk-friendly on CUDA.
         self.register_buffer("frm", torch.zeros(num_classes, dim))
         self.register_buffer("bank", torch.zeros(num_classes, bank_size, dim, dtype=bank_dtype))
@@ -120,13 +113,12 @@ class DAS(nn.Module):
         # Fixed odd multipliers for das_bank.row_hash (exact row equality); not state.
         g = torch.Generator().manual_seed(0x5EED)
         w = torch.randint(1, 2**62, (dim,), generator=g, dtype=torch.long) | 1
-        self.register_buffer("_hash_weights", w, persistent=False)
+        self.register_buffer("hash_weights", w, persistent=False)
         self._generator: torch.Generator | None = None
         self._pending_rng: tuple[str, Tensor] | None = None
-        self._fused_ok: dict[tuple, bool] = {}   # auto: self-check verdict per kernel variant
 
     # ------------------------------------------------------------------ randomness / state
-    def _gen(self) -> torch.Generator | None:
+    def generator(self) -> torch.Generator | None:
         """The module's generator, on the buffers' device (re-created after `.to(device)`)."""
         if self.seed is None:
             return None  # global RNG: torch.manual_seed makes runs reproducible
@@ -140,7 +132,7 @@ class DAS(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         """Generator state, so a checkpoint resumes the exact random stream."""
-        gen = self._gen()
+        gen = self.generator()
         if gen is None:
             return {}
         return {"device_type": gen.device.type, "rng_state": gen.get_state()}
@@ -199,15 +191,11 @@ class DAS(nn.Module):
 
     def _use_fused(self, embeddings: Tensor, labels: Tensor) -> bool:
         """``triton``: always; ``eager``: never; ``auto``: on CUDA, once the self-check of this
-        batch's kernel variant (training/das_check.py) passed. A failed check leaves this
+        batch's kernel variant (training/das_fused.py) passed. A failed check leaves this
         module on the eager code for that variant, its state untouched, with one warning."""
         if self.backend != "auto":
             return self.backend == "triton"
-        if not _auto_candidate(embeddings.device):
-            return False
-        from . import das_check
-
-        return das_check.decide(self, embeddings, labels)
+        return self.fused.wanted(self, embeddings, labels)
 
     # ------------------------------------------------------------------ produce
     def _mask_index(self, y: Tensor) -> Tensor:
@@ -220,19 +208,19 @@ class DAS(nn.Module):
             return self.frm.topk(self.topk, dim=1).indices.index_select(0, y)
         return self.frm.index_select(0, y).topk(self.topk, dim=1).indices
 
-    def _bounds(self) -> tuple[float, float]:
+    def factor_bounds(self) -> tuple[float, float]:
         """Eq. (scaling_factors): U[1-r_s, 1+r_s] (or U[lo, hi]) on the masked channels."""
         return (self.scale_bounds if self.scale_bounds is not None
                 else (1.0 - self.scale_range, 1.0 + self.scale_range))
 
-    def _draw(self, T: int, B: int, gen: torch.Generator | None, device) -> Tensor | None:
+    def draw(self, T: int, B: int, gen: torch.Generator | None, device) -> Tensor | None:
         """All uniforms of one call in one draw (one launch): ``T*B*K`` DFS factors, then
         ``T*B`` bank-slot uniforms. On CPU this is the same stream as drawing them apart."""
         n = T * B * (self.topk * self.dfs + self.mts)
         return torch.rand(n, generator=gen, device=device) if n else None
 
     def _gamma(self, r: Tensor, T: int, B: int) -> Tensor:
-        lo, hi = self._bounds()
+        lo, hi = self.factor_bounds()
         return lo + (hi - lo) * r[:T * B * self.topk].view(T, B, self.topk)
 
     def _shift_draw(self, y: Tensor, T: int, r: Tensor) -> tuple[Tensor, Tensor]:
@@ -267,7 +255,7 @@ class DAS(nn.Module):
         itself for fp32 embeddings, so the step allocates one (T+1)B x d tensor.
         """
         T, B = work.shape[0], work.shape[1]
-        r = self._draw(T, B, gen, base.device)
+        r = self.draw(T, B, gen, base.device)
         idx = flat = factor = scaled = idx_t = None
         if self.dfs:
             idx = self._mask_index(y)                                      # (B, K)
@@ -291,7 +279,7 @@ class DAS(nn.Module):
         """(T, B, d) copies when gradients flow through ``s * v`` (``detach=False``):
         out-of-place ops so autograd sees them; same draws and arithmetic as _produce_into."""
         B = base.shape[0]
-        r = self._draw(T, B, gen, base.device)
+        r = self.draw(T, B, gen, base.device)
         produced = base.repeat(T, 1).view(T, B, self.dim)
         if self.dfs:
             idx = self._mask_index(y)[None].expand(T, -1, -1)               # (T, B, K)
@@ -305,38 +293,6 @@ class DAS(nn.Module):
         return produced
 
     # ------------------------------------------------------------------ forward
-    def _fused_update(self, v: Tensor, y: Tensor) -> None:
-        from . import das_triton
-
-        das_triton.fused_update(v, y, self.frm, self.bank, self.bank_ptr, self.bank_count,
-                                self._hash_weights, topk=self.topk, dfs=self.dfs, mts=self.mts,
-                                interpret=v.device.type != "cuda")
-
-    def _fused_call(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        if self.graph and v.device.type == "cuda":
-            from .das_graph import graphed_call
-
-            return graphed_call(self, v, y)
-        return self._fused_call_direct(v, y)
-
-    def _fused_call_direct(self, v: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """The whole call in three launches: update (training), one draw, produce; ``v`` is
-        read in its own dtype and strides and never gets a gradient."""
-        from . import das_triton
-
-        T, B = self.num_produce, v.shape[0]
-        if self.training:
-            self._fused_update(v, y)
-        out = torch.empty(((T + 1) * B, self.dim), dtype=v.dtype, device=v.device)
-        lab = torch.empty((T + 1) * B, dtype=y.dtype, device=v.device)
-        r = self._draw(T, B, self._gen(), v.device)
-        das_triton.fused_produce(
-            v, y, self.frm, self.bank, self.bank_count, r, out, lab, topk=self.topk,
-            dfs=self.dfs, mts=self.mts, bounds=self._bounds(), shift=self.shift_scale,
-            normalize=self.normalize, check_labels=not self.training,
-            interpret=v.device.type != "cuda")
-        return out, lab
-
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Return ``cat([v, v'_1..v'_T])`` and ``cat([y] * (T+1))``.
 
@@ -357,9 +313,9 @@ class DAS(nn.Module):
         if fused and not grad_copies:
             if embeddings.requires_grad and torch.is_grad_enabled():
                 return _FusedCall.apply(embeddings, y, self)
-            return self._fused_call(embeddings, y)
+            return self.fused.call(self, embeddings, y)
         if fused:   # detach=False: fused state update, the copies through autograd (eager)
-            self._fused_update(embeddings.detach(), y)
+            self.fused.update(self, embeddings.detach(), y)
             y = y.long()   # range checked by the update kernel
         # Statistics and the bank are built in float32 even under autocast (fp16 differences
         # of nearby embeddings lose most of their digits). The guard is only entered when
@@ -374,8 +330,8 @@ class DAS(nn.Module):
                     update_frm(self.frm, v_const, y, self.topk)
                 if self.mts:
                     update_bank(self.bank, self.bank_ptr, self.bank_count,
-                                self._hash_weights, v_const, y)
-            gen = self._gen()
+                                self.hash_weights, v_const, y)
+            gen = self.generator()
             base = v_const if self.detach else embeddings.float()
             if base.requires_grad:
                 produced = self._produce_graph(base, y, T, gen)

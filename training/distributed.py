@@ -49,14 +49,6 @@ def init_from_env(device_type: str) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def current() -> DistInfo:
-    """The process group already initialised (e.g. by a test), or a single process."""
-    if dist.is_available() and dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(),
-                        int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    return DistInfo()
-
-
 def gather_batch(emb: torch.Tensor, labels: torch.Tensor, info: DistInfo
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global batch in rank order: embeddings keep their autograd path, labels are plain."""

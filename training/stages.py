@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from .config import parse_trainable
 
-__all__ = ["StageSplit", "parse_trainable", "split_stages", "stage_modules"]
+__all__ = ["StageSplit", "split_stages", "stage_modules"]
 
 def stage_modules(backbone: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """(stem modules, [stage, ...]) of a backbone built by `embedder.model.build_backbone`, in

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from benchmarks.lmdb_damage import garbage_inside  # noqa: F401 - shared with the reliability probes
+
 REPO = Path(__file__).resolve().parents[2]
 
 def run_cli(*args: object, check: bool = True, timeout: float = 300,
@@ -77,26 +79,3 @@ def serve_app(args: list, log_dir: Path, port: int, timeout: float = 180) -> Ite
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-
-
-def garbage_inside(data: Path, page: int = 4096) -> int:
-    """Overwrite with garbage every page of an LMDB file but its two meta pages and the main
-    database's root (the page naming the store's databases, so that the store still opens):
-    its size is unchanged. LMDB's layout (lmdb.h, 64-bit): a meta page is a 16-byte page
-    header, then magic, version, address, mapsize (24 bytes), then two 48-byte MDB_db records
-    (free, main) whose last 8 bytes are the root page, then last_pgno and txnid. Returns the
-    pages overwritten."""
-    import struct
-
-    raw = data.read_bytes()
-    metas = [raw[i * page:(i + 1) * page] for i in (0, 1)]
-    txn = [struct.unpack_from("<Q", m, 16 + 24 + 2 * 48 + 8)[0] for m in metas]
-    main_root = struct.unpack_from("<Q", metas[int(txn[1] > txn[0])], 16 + 24 + 48 + 40)[0]
-    n = 0
-    with open(data, "r+b") as f:
-        for p in range(2, len(raw) // page):
-            if p != main_root:
-                f.seek(p * page)
-                f.write(bytes([0xA5]) * page)
-                n += 1
-    return n

@@ -191,16 +191,15 @@ def test_auto_backend_falls_back_to_eager_when_the_kernels_fail(monkeypatch):
     kernel variant; kernels that fail (e.g. do not compile on an untested GPU) leave the module
     on eager, which trains as before. The module lives on the inputs' device (the former
     version of this test kept it on the CPU with CUDA inputs, and failed on every GPU)."""
-    from training import das as das_module
-    from training import das_check, das_triton
+    from training import das_fused, das_triton
 
-    monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
-    monkeypatch.setattr(das_check, "_VERDICTS", {})
+    monkeypatch.setattr(das_fused, "candidate", lambda device: True)
+    monkeypatch.setattr(das_fused, "VERDICTS", {})
     # On CUDA the check runs in a child process, which would not see the patched kernels
     # (first run on an H200: the child passed, the parent then called the broken kernel).
     # Run it in this process, where the patch applies; isolation has its own test
     # (test_das_selfcheck.py, a crashing child).
-    monkeypatch.setattr(das_check, "_run_isolated", das_check.run_spec)
+    monkeypatch.setattr(das_fused, "run_isolated", lambda spec: das_fused.run_spec(spec, DAS))
 
     def broken(*args, **kwargs):
         raise RuntimeError("PTX compile failed")

@@ -127,4 +127,4 @@ def test_graph_option_same_state_as_the_direct_call():
             torch.testing.assert_close(oa, ob, rtol=0, atol=0)
     assert all(torch.equal(x, z) for x, z in zip(a.state_dict().values(),
                                                  b.state_dict().values()) if torch.is_tensor(x))
-    assert a.graph and len(a._graphs) == (1 if DEVICE == "cuda" else 0)
+    assert a.graph and len(a.fused.graphs) == (1 if DEVICE == "cuda" else 0)

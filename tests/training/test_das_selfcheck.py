@@ -1,4 +1,4 @@
-"""The auto backend's self-check (training/das_check.py): keyed on what Triton compiles
+"""The auto backend's self-check (training/das_fused.py): keyed on what Triton compiles
 differently, run at the module's real shapes before its first real step of a variant, comparing
 all state (``bank_ptr`` included); a failure leaves the module on eager with its state untouched
 and one warning naming the cause; on CUDA it runs in a child process so that a sticky CUDA fault
@@ -10,8 +10,7 @@ import warnings
 import pytest
 import torch
 
-from training import das as das_module
-from training import das_check, das_triton
+from training import das_fused, das_triton
 from training.das import DAS
 
 pytest.importorskip("triton")
@@ -23,17 +22,17 @@ def auto(monkeypatch):
     """auto considers the kernels on this device; fresh verdicts; the specs checked, always
     in-process (on CUDA too, so that the spy and the patched kernels below see them; the
     child process has tests of its own at the end)."""
-    monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
-    monkeypatch.setattr(das_check, "_VERDICTS", {})
+    monkeypatch.setattr(das_fused, "candidate", lambda device: True)
+    monkeypatch.setattr(das_fused, "VERDICTS", {})
     specs = []
-    real = das_check.run_spec
+    real = das_fused.run_spec
 
-    def spy(spec):
+    def spy(spec, das_type=DAS):
         specs.append(spec)
-        return real(spec)
+        return real(spec, das_type)
 
-    monkeypatch.setattr(das_check, "run_spec", spy)
-    monkeypatch.setattr(das_check, "_run_isolated", spy)
+    monkeypatch.setattr(das_fused, "run_spec", spy)
+    monkeypatch.setattr(das_fused, "run_isolated", spy)
     return specs
 
 
@@ -71,16 +70,16 @@ def test_checked_once_per_kernel_variant_at_the_real_shapes(auto, capsys):
 def test_variant_key_names_everything_that_compiles_differently():
     das = DAS(6, 16, seed=0)
     v, y = _data(12)
-    keys = {das_check.variant_key(das, v, y)}
+    keys = {das_fused.variant_key(das, v, y)}
     for other in (DAS(6, 16, topk=5), DAS(6, 16, bank_dtype=torch.float16), DAS(6, 16, dfs=False),
                   DAS(6, 16, mts=False), DAS(6, 16, normalize=False), DAS(6, 17)):
         vv = v if other.dim == 16 else _data(12, d=17)[0]
-        keys.add(das_check.variant_key(other, vv, y))
+        keys.add(das_fused.variant_key(other, vv, y))
     for vv, yy in ((v.bfloat16(), y), (v, y.int()), (v, torch.stack([y, y], 1)[:, 0]),
                    (_data(16)[0], _data(16)[1]), (_data(40)[0], _data(40)[1])):
-        keys.add(das_check.variant_key(das, vv, yy))
+        keys.add(das_fused.variant_key(das, vv, yy))
     y_wide = torch.stack([y, y], 1).reshape(-1)
-    keys.add(das_check.variant_key(das, v, y_wide[1::2]))     # 8 bytes off 16-byte alignment
+    keys.add(das_fused.variant_key(das, v, y_wide[1::2]))     # 8 bytes off 16-byte alignment
     assert len(keys) == 13
 
 
@@ -91,13 +90,13 @@ def test_the_check_reproduces_the_batch_layout():
     v, y = _data(12)
     v_t = v.t().contiguous().t().bfloat16()
     y_odd = torch.stack([y, y], 1).reshape(-1).to(torch.int32)[1::2]
-    spec = das_check.spec_of(das, v_t, y_odd)
-    emb, lab = das_check._batch(spec, torch.Generator().manual_seed(0), 0)
+    spec = das_fused.spec_of(das, v_t, y_odd)
+    emb, lab = das_fused.check_batch(spec, torch.Generator().manual_seed(0), 0)
     assert (emb.dtype, emb.stride(), emb.data_ptr() % 16) == (v_t.dtype, v_t.stride(),
                                                               v_t.data_ptr() % 16)
     assert (lab.dtype, lab.stride(), lab.data_ptr() % 16) == (torch.int32, (2,), 4)
-    assert emb.requires_grad and das_check.variant_key(das, emb, lab) == \
-        das_check.variant_key(das, v_t, y_odd)
+    assert emb.requires_grad and das_fused.variant_key(das, emb, lab) == \
+        das_fused.variant_key(das, v_t, y_odd)
 
 
 def test_a_state_bug_is_caught_and_leaves_the_module_untouched_on_eager(auto, monkeypatch):
@@ -149,21 +148,21 @@ def test_a_compile_failure_of_a_later_variant_never_touches_the_state(auto, monk
 
 
 def test_isolated_check_passes_in_a_child_process(monkeypatch):
-    monkeypatch.setattr(das_check, "_VERDICTS", {})
+    monkeypatch.setattr(das_fused, "VERDICTS", {})
     das = DAS(5, 8, num_produce=1, bank_size=3, seed=0).to(DEVICE)
     v, y = _data(6, d=8, C=5)
-    ok, reason = das_check.verdict(das, v, y, isolate=True)
+    ok, reason = das_fused.verdict(das, v, y, isolate=True)
     assert ok, reason
 
 
 def test_a_crashing_check_process_leaves_the_trainer_on_eager(monkeypatch):
     """A sticky CUDA fault kills the context it happens in; the check's child process stands
     for it here by aborting. The parent gets a verdict, warns, and trains on eager."""
-    monkeypatch.setattr(das_module, "_auto_candidate", lambda device: True)
-    monkeypatch.setattr(das_check, "_VERDICTS", {})
+    monkeypatch.setattr(das_fused, "candidate", lambda device: True)
+    monkeypatch.setattr(das_fused, "VERDICTS", {})
     monkeypatch.setenv("DAS_SELFCHECK_CRASH", "1")
-    real = das_check.verdict
-    monkeypatch.setattr(das_check, "verdict",
+    real = das_fused.verdict
+    monkeypatch.setattr(das_fused, "verdict",
                         lambda das, emb, y, key=None: real(das, emb, y, key, isolate=True))
     das = DAS(5, 8, num_produce=1, seed=0).to(DEVICE)
     ref = DAS(5, 8, num_produce=1, seed=0, backend="eager").to(DEVICE)

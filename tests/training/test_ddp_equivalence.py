@@ -48,7 +48,7 @@ def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, num_classes:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         n = len(x) // WORLD
         loss = compute_loss(ddp, criterion, das, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n],
-                            info=D.current(), seed=1234)
+                            info=D.DistInfo(rank, WORLD, rank), seed=1234)
         loss.backward()
         torch.save({"loss": loss.detach(), "grads": _grads(model, criterion),
                     "das": das.state_dict()}, Path(out) / f"rank{rank}.pt")

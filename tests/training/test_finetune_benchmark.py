@@ -39,4 +39,4 @@ def test_tiny_finetune_grid(cub_root, tmp_path, monkeypatch):
         raise AssertionError("a finished run was trained again")
     monkeypatch.setattr("training.train", no_training)
     assert finetune_table2.main(argv) == 0            # everything in runs.json: nothing to run
-    assert finetune_table2.main(["--root", str(tmp_path / "missing")]) == 2
+    assert finetune_table2.main(["--root", str(tmp_path / "missing")]) == 1

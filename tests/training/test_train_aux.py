@@ -103,7 +103,7 @@ def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, out: str):
         n = len(x) // WORLD
         parts: dict[str, torch.Tensor] = {}
         loss = compute_loss(ddp, criterion, das, x[rank * n:(rank + 1) * n],
-                            y[rank * n:(rank + 1) * n], info=D.current(), seed=9,
+                            y[rank * n:(rank + 1) * n], info=D.DistInfo(rank, WORLD, rank), seed=9,
                             aux_weight=aux_weight(cfg), parts=parts)
         loss.backward()
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
