@@ -282,7 +282,7 @@ def _baseline_same(work: str, shards: str, seed: str = "0") -> dict:
     faiss.omp_set_num_threads(2)
     fields = json.loads((Path(work) / "fields.json").read_text())
     trained = faiss.read_index(str(Path(work) / "trained.faiss"))
-    nlist = faiss.extract_index_ivf(trained).nlist if faiss_index._is_ivf(trained) else None
+    nlist = faiss.extract_index_ivf(trained).nlist if faiss_index.is_ivf(trained) else None
     parts = [(np.load(Path(work) / f"ids{i}.npy"), np.load(Path(work) / f"x{i}.npy")) for i in range(int(shards))]
     all_ids = np.concatenate([p[0] for p in parts])
     order = np.argsort(all_ids, kind="stable")

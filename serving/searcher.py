@@ -334,7 +334,7 @@ class Searcher:
         index = index or self.default
         idx = self.index(index)
         return {"name": index, "directory": str(self.directories.get(index, "")), "size": len(idx),
-                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest,
+                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest.to_dict(),
                 "memory": getattr(idx.faiss, "summary", None)}   # codes only: indexer.rerank
 
 
