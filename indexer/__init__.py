@@ -22,5 +22,5 @@ __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_image
            "layout_of", "Single", "Sharded", "IndexerError", "check_counts", "CountCheck", "NewItem",
            "writer_lock", "IndexBusyError", "holder", "is_locked",
            # modules of plain functions (faiss.contrib style), public as a whole
-           "faiss_index", "selection", "tuning", "stream", "sources", "walk", "ray_build",
-           "rerank", "neighbours"]
+           "faiss_index", "selection", "tuning", "stream", "sources", "ondisk", "walk",
+           "ray_build", "rerank", "neighbours", "layouts"]

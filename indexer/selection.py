@@ -92,7 +92,12 @@ def scaled(spec: fx.IndexSpec, n_sample: int, n_full: int) -> fx.IndexSpec:
     return replace(spec, nlist=nl, factory=spec.factory.replace(f"IVF{spec.nlist}", f"IVF{nl}"))
 
 
-parse_memory = memory_size     # the old name (app.py); embedder.cli.memory_size is the one parser
+def parse_memory(text: str | int | None) -> int | None:
+    """:func:`embedder.cli.memory_size` (the one parser), raising IndexerError: app.py's old name."""
+    try:
+        return memory_size(text)
+    except ValueError as e:
+        raise IndexerError(str(e)) from None
 
 
 @dataclass
