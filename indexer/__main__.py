@@ -403,54 +403,41 @@ def _info(args: argparse.Namespace) -> None:
     else:
         for store, walked in facts.get("deep", {}).items():
             print(f"deep:     {store}: every record read ({sum(walked.values())} in {len(walked)} databases)")
-        (_print_sharded if facts["layout"] == "sharded" else _print_single)(args.index, m, facts)
+        _print_layout(args.index, m, facts)
         if counts is not None:
             print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
     if counts is not None and not counts.ok:
         raise IndexerError(counts.message)
 
 
-def _print_single(directory: Path, m: Manifest, facts: dict) -> None:
-    mod, store = m.model, facts["store"]
-    print(f"index:    {directory}")
+def _print_layout(directory: Path, m: Manifest, facts: dict) -> None:
+    """The table of either layout: what the manifest says, then the layout's own facts."""
+    mod, sharded = m.model, facts["layout"] == "sharded"
+    print(f"index:    {directory}" + (f" (sharded: {len(facts['shards'])} shards searched as one)" if sharded else ""))
     print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
     if m.is_shard:
         print(f"shard:    {m.shard['i']}/{m.shard['n']} (merge before searching)")
     else:
         print(f"faiss:    {m.index_type} ({m.factory}), {m.count} vectors, metric {m.metric}")
-        if m.nlist or m.search_params:
-            params = m.search_params or f"nprobe={m.nprobe}"
-            print(f"search:   {params}" + (f", nlist {m.nlist}" if m.nlist else ""))
+        if m.search_params or (m.nlist and not sharded):
+            print(f"search:   {m.search_params or f'nprobe={m.nprobe}'}" + (f", nlist {m.nlist}" if m.nlist else ""))
             print(f"recall:   {m.recall_text()}")
+    if sharded:
+        for i, s in enumerate(facts["shards"]):
+            print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
+        print(f"held-out: {facts['held']} vectors in {m.sharded['held']}")
+        print(f"checksum: {len(m.sharded.get('files', {}))} faiss files, sizes and sha256 verified")
+    elif not m.is_shard:
         _print_candidates(m)
-        nb = m.neighbours
+        nb, rec = m.neighbours, m.index_file
         if nb:
             print(f"rerank:   DBA, k={nb['k']} (item included), weights sim^{nb['alpha']:g}, top "
                   f"{nb['depth']} re-ranked (neighbours.npz, {nb.get('bytes', 0) / 2 ** 20:.1f} MiB)")
-        rec = m.index_file
         print(f"checksum: index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
               else "checksum: not recorded (built before checksums; rebuild to add one)")
-    print(f"store:    {store['items']} images, {store['labels']} labels, embeddings from "
-          f"{store['models']} model(s)")
-    _print_built(m)
-
-
-def _print_sharded(directory: Path, m: Manifest, facts: dict) -> None:
-    mod = m.model
-    print(f"index:    {directory} (sharded: {len(facts['shards'])} shards searched as one)")
-    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
-    print(f"faiss:    {m.index_type} ({m.factory}), {m.count} vectors, metric {m.metric}")
-    if m.search_params:
-        print(f"search:   {m.search_params}" + (f", nlist {m.nlist}" if m.nlist else ""))
-        print(f"recall:   {m.recall_text()}")
-    for i, s in enumerate(facts["shards"]):
-        print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
-    print(f"held-out: {facts['held']} vectors in {m.sharded['held']}")
-    print(f"checksum: {len(m.sharded.get('files', {}))} faiss files, sizes and sha256 verified")
-    _print_built(m)
-
-
-def _print_built(m: Manifest) -> None:
+    if not sharded:
+        st = facts["store"]
+        print(f"store:    {st['items']} images, {st['labels']} labels, embeddings from {st['models']} model(s)")
     print(f"built:    {m.built_at} in {m.build_seconds}s; skipped "
           f"{(m.ingest or {}).get('skipped', 0)} (see {m.report})")
 
