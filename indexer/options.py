@@ -53,4 +53,6 @@ class BuildOptions:
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown build option(s): {', '.join(sorted(unknown))}")
-        return replace(options, **kw) if options is not None else cls(**kw)
+        if options is None:
+            return cls(**kw)
+        return replace(options, **kw) if kw else options     # already checked: passed on as is

@@ -360,7 +360,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
     t0 = time.perf_counter()
     gallery, out = Path(gallery).resolve(), Path(out).resolve()
     gallery_files(gallery)
-    opts = BuildOptions.of(options, **option_kw)
+    build_opts = BuildOptions.of(options, **option_kw)
     for name, v in (("--shards", shards), ("--cpus-per-shard", cpus_per_shard),
                     ("--batch-size", batch_size), ("--workers", workers)):
         if v is not None and v < 1:
@@ -389,7 +389,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                 readers = open_readers(ray, dirs, emb.model_hash, int(emb.dim), max_retries=max_retries,
                                        threads=res["num_cpus"], nodes=where)
                 try:
-                    m = build_sharded(dirs, out, options=opts, device=device, progress=progress,
+                    m = build_sharded(dirs, out, options=build_opts, device=device, progress=progress,
                                       fill_parts=fill, sources=readers, wait=wait)
                 finally:
                     for r in readers:
@@ -400,7 +400,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             if started:
                 ray.shutdown()
         if not sharded:
-            m = merge_shards(dirs, out, options=opts, device=device, progress=progress)
+            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress)
         ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                      "seconds": round(time.perf_counter() - t0, 3)}
         if sharded:

@@ -217,7 +217,7 @@ def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *
     trained index and the copies are merged with ``merge_from`` where faiss can merge that type.
     ``option_kw``: :class:`BuildOptions` fields by name (tests, benchmarks).
     """
-    o = BuildOptions.of(options, **option_kw) if option_kw or options is None else options
+    o = BuildOptions.of(options, **option_kw)
     index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory
     n, dim = x.shape
     if n <= 0:

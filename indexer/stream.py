@@ -78,7 +78,7 @@ def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, devi
     sets, exact answers, choice by measurement, training), on samples each shard reads at its
     own positions, so the driver's memory is the samples' and does not grow with N.
     ``option_kw``: :class:`BuildOptions` fields by name (tests, benchmarks)."""
-    o = BuildOptions.of(options, **option_kw) if option_kw or options is None else options
+    o = BuildOptions.of(options, **option_kw)
     index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory
     t = {"census": time.perf_counter()}
     counts, dups = census(sources)
