@@ -218,29 +218,34 @@ def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None
     return int(total)
 
 
-def remove_target(store: GalleryStore, t: str, where: str = "") -> str | None:
-    """Remove ``t`` (a stored path, else an id) from ``store``: the message to print, or None
-    when the store holds neither. ``where``: " from SHARD" for a sharded index's messages."""
-    if store.id_for_path(t) is not None:
-        i, gone = store.remove_path(t)  # type: ignore[misc]
-        return (f"removed {t} (id {i}){where}" if gone else
-                f"removed path {t}{where}; its content (id {i}) stays under another path")
-    if t.isdigit() and int(t) in store:
-        store.remove_id(int(t))
-        return f"removed id {t}{where}"
-    return None
+def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence[str], where: Path) -> list[str]:
+    """Remove each target (a stored path, else an id) from every store that holds it: one line
+    each (the stores' ``(store, " from SHARD")`` suffix names the shard). Every target is looked
+    up first, so an unknown one refuses the whole command and nothing is removed."""
+    def holds(store: GalleryStore, t: str) -> bool:
+        return store.id_for_path(t) is not None or (t.isdigit() and int(t) in store)
+
+    for t in targets:
+        if not any(holds(s, t) for s, _ in stores):
+            raise IndexerError(f"{t}: no such id or path in {where}")
+    msgs = []
+    for t in targets:
+        for store, suffix in stores:
+            if store.id_for_path(t) is not None:
+                i, gone = store.remove_path(t)  # type: ignore[misc]
+                msgs.append(f"removed {t} (id {i}){suffix}" if gone else
+                            f"removed path {t}{suffix}; its content (id {i}) stays under another path")
+            elif t.isdigit() and int(t) in store:
+                store.remove_id(int(t))
+                msgs.append(f"removed id {t}{suffix}")
+    return msgs
 
 
 def remove_single(d: IndexDir, manifest: Manifest, targets: Sequence[str]) -> Change:
     """``indexer remove`` on a single index: each target is an id or a relative path."""
     d.refuse_shard(manifest)
-    msgs = []
     with GalleryStore(d.store_dir, readonly=False) as store:
-        for t in targets:
-            msg = remove_target(store, t)
-            if msg is None:
-                raise IndexerError(f"{t}: no such id or path in {d.path}")
-            msgs.append(msg)
+        msgs = remove_targets([(store, "")], targets, d.path)
         return dataclasses.replace(sync_index(d, manifest, store), messages=msgs)
 
 

@@ -22,7 +22,7 @@ from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
 from . import stream
-from .build import Change, check_shards, remove_target, shard_numbers, skipped_total, space_needed, update_embedder
+from .build import Change, check_shards, remove_targets, shard_numbers, skipped_total, space_needed, update_embedder
 from .errors import IndexerError
 from .index_dir import HELD_FILE, PART_FILE, REPORT, STORE_DIR, TRAINED_FILE, IndexDir, now_utc
 from .lmdb_env import DiskFullError
@@ -224,15 +224,7 @@ def remove_sharded(d: IndexDir, manifest: Manifest, targets: Sequence[str]) -> C
     dirs = shard_paths(d.path, manifest)
     stores = [GalleryStore(p / STORE_DIR, readonly=False) for p in dirs]
     try:
-        for t in targets:
-            if not any(s.id_for_path(t) is not None or (t.isdigit() and int(t) in s) for s in stores):
-                raise IndexerError(f"{t}: no such id or path in {d.path}")
-        msgs = []
-        for t in targets:
-            for p, s in zip(dirs, stores):
-                msg = remove_target(s, t, f" from {p}")
-                if msg is not None:
-                    msgs.append(msg)
+        msgs = remove_targets([(s, f" from {p}") for p, s in zip(dirs, stores)], targets, d.path)
     finally:
         for s in stores:
             s.close()
