@@ -183,7 +183,7 @@ def _merge(work: str, shards: str) -> dict:
     """Stage 4: the parts combined into one on-disk IVF index (faiss.contrib.ondisk)."""
     import faiss
 
-    from indexer import stream
+    from indexer import ondisk
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -191,7 +191,7 @@ def _merge(work: str, shards: str) -> dict:
     files = [Path(work) / f"part-{i}.faiss" for i in range(int(shards))] + [Path(work) / "held.faiss"]
     trained = faiss.read_index(str(Path(work) / "trained.faiss"))
     t0 = time.perf_counter()
-    n = stream.merge_ondisk(trained, files, Path(work) / "merged.faiss", fields["search_params"])
+    n = ondisk.merge_ondisk(trained, files, Path(work) / "merged.faiss", fields["search_params"])
     sec = time.perf_counter() - t0
     # the index's own size: its small file (quantizer, list table) + codes and ids; the .ivfdata
     # file is larger on paper (each list's capacity is a power of two) but sparse on disk
@@ -221,7 +221,7 @@ def _eval(work: str, shards: str) -> dict:
 
     from benchmarks.index_bench import timed_batches
 
-    from indexer import faiss_index, stream, tuning
+    from indexer import faiss_index, ondisk, stream, tuning
 
     faiss.omp_set_num_threads(2)
     fields = json.loads((Path(work) / "fields.json").read_text())
@@ -230,7 +230,7 @@ def _eval(work: str, shards: str) -> dict:
     files = [Path(work) / f"part-{i}.faiss" for i in range(int(shards))] + [Path(work) / "held.faiss"]
     sharded = stream.open_parts(files, trained)
     faiss_index.set_search_params(sharded, fields["search_params"])
-    merged = stream.read_ondisk(Path(work) / "merged.faiss")
+    merged = ondisk.read_ondisk(Path(work) / "merged.faiss")
     r_m = tuning.recalls(merged.search(q, 10)[1], truth).mean()
     r_s = tuning.recalls(sharded.search(q, 10)[1], truth).mean()
     same = float((merged.search(q, 10)[1] == sharded.search(q, 10)[1]).mean())

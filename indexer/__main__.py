@@ -12,10 +12,18 @@ import json
 import sys
 from pathlib import Path
 
+from embedder.cli import UsageError, run_main
+
+from .errors import IndexerError
+from .manifest import Manifest
+from .options import BuildOptions
+
 DEFAULT_DIR = "indexes/default"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from embedder.cli import add_index_option, add_options, memory_size
+
     from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
     from .manifest import DEFAULT_TARGET_RECALL
 
@@ -24,37 +32,35 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def index_opts(sp: argparse.ArgumentParser) -> None:
+        """The build's options (indexer.options.BuildOptions)."""
         sp.add_argument("--index-type", choices=INDEX_TYPES, default="auto",
                         help="auto (default): exact Flat below --flat-threshold images; above, the "
                              "fastest of a few types measured on a sample that reaches the target "
-                             "recall within --max-memory. Any other value forces that type")
-        sp.add_argument("--flat-threshold", type=int, default=DEFAULT_FLAT_THRESHOLD, metavar="N",
+                             "recall within --index-memory. Any other value forces that type")
+        sp.add_argument("--flat-threshold", type=positive, default=DEFAULT_FLAT_THRESHOLD, metavar="N",
                         help=f"gallery size from which auto uses IVF (default {DEFAULT_FLAT_THRESHOLD})")
-        sp.add_argument("--nlist", type=int, default=None, help="IVF lists (default: from the gallery size)")
+        sp.add_argument("--nlist", type=positive, default=None, help="IVF lists (default: from the gallery size)")
         sp.add_argument("--target-recall", type=float, default=DEFAULT_TARGET_RECALL,
                         help="recall@10 vs exact search that nprobe is tuned to reach "
                              f"(default {DEFAULT_TARGET_RECALL})")
-        sp.add_argument("--max-memory", default=None, metavar="SIZE",
-                        help="memory budget for the index, e.g. 4G or 512M (default: no limit; "
-                             "the build holds the gallery's vectors in memory anyway); index types "
-                             "whose codes alone exceed it are not even built")
+        sp.add_argument("--index-memory", "--max-memory", dest="index_memory", type=memory_size, default=None,
+                        metavar="SIZE",
+                        help="the BUILD's memory budget for the index, e.g. 4G or 512M (default: no "
+                             "limit; the build holds the gallery's vectors in memory anyway): index "
+                             "types whose codes alone exceed it are not even built. --max-memory is "
+                             "its old name, deprecated here (search, eval and app.py's --max-memory "
+                             "is the serving budget)")
         sp.add_argument("--seed", type=int, default=0)
 
-    shared = {      # the options several commands take, each defined once
-        "--index": dict(type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})"),
-        "--device": dict(choices=("auto", "cpu", "cuda"), default="auto",
-                         help="faiss/onnxruntime device (GPU when available with auto)"),
-        "--quiet": dict(action="store_true", help="no progress bars"),
-        "--batch-size": dict(type=int, default=32),
-        "--workers": dict(type=int, default=None, help="image decoding threads"),
-        "--json": dict(action="store_true", help="print JSON instead of a table"),
-        "--wait": dict(action="store_true", help="if another process is writing this index directory, "
-                       "wait for it to finish (default: exit 1 naming its pid)")}
-
-    def opts(sp: argparse.ArgumentParser, *flags: str) -> argparse.ArgumentParser:
-        for flag in flags:
-            sp.add_argument(flag, **shared[flag])
-        return sp
+    def opts(sp: argparse.ArgumentParser, *flags: str, index: bool = False) -> argparse.ArgumentParser:
+        """The kit's shared options, the indexer's own (--wait), and --index."""
+        if index:
+            add_index_option(sp, DEFAULT_DIR)
+        if "--wait" in flags:
+            sp.add_argument("--wait", action="store_true", help="if another process is writing this index "
+                            "directory, wait for it to finish (default: exit 1 naming its pid)")
+        return add_options(sp, *[f for f in flags if f != "--wait"],
+                           **{f: dict(type=positive) for f in ("--batch-size", "--workers", "-k")})
 
     b = sub.add_parser("build", help="ingest a gallery folder and build its index",
                        description="Walk GALLERY (labels = sub-folders), store and embed every image, "
@@ -74,33 +80,32 @@ def _parser() -> argparse.ArgumentParser:
     _ray_arguments(opts(b, "--batch-size", "--workers"))
     index_opts(b)
     dba_opts(b)
-    opts(b, "--device", "--quiet", "--wait")
+    opts(b, "--device", "--quiet", "--wait").set_defaults(func=_build)
 
-    a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), "--index")
+    a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), index=True)
     a.add_argument("folder", type=Path)
     a.add_argument("--model", type=Path, default=None,
                    help="must be the model the index was built with (default: the index's copy)")
     a.add_argument("--prefix", default="", help="prefix for the stored relative paths (and labels)")
-    opts(a, "--batch-size", "--workers", "--device", "--quiet", "--wait")
+    opts(a, "--batch-size", "--workers", "--device", "--quiet", "--wait").set_defaults(func=_add)
 
     r = sub.add_parser("remove", help="remove images by id or stored relative path")
     r.add_argument("targets", nargs="+", metavar="ID|PATH")
-    opts(r, "--index", "--wait")
+    opts(r, "--wait", index=True).set_defaults(func=_remove)
 
-    opts(sub.add_parser("repair", help="bring index.faiss and the manifest in step with the store",
-                        description="What `info` names when the store, index.faiss and the manifest "
-                                    "disagree on the image count: embeds stored images the index's "
-                                    "model has not embedded, adds/drops faiss vectors to match the "
-                                    "store, retunes, rewrites the manifest. Needs no gallery folder."),
-         "--index", "--batch-size", "--workers", "--device", "--quiet", "--wait")
+    opts(sub.add_parser("repair", help="bring the faiss index and the manifest in step with the store",
+                        description="What `info` names when the store(s), the faiss index and the "
+                                    "manifest disagree on the image count: embeds stored images the "
+                                    "index's model has not embedded, adds/drops faiss vectors to match "
+                                    "the store(s), retunes, rewrites the manifest. Needs no gallery "
+                                    "folder. Single and sharded indexes alike."),
+         "--batch-size", "--workers", "--device", "--quiet", "--wait", index=True).set_defaults(func=_repair)
 
     s = sub.add_parser("search", help="the k nearest gallery images of a query image")
     s.add_argument("image", type=Path)
-    s.add_argument("-k", type=int, default=10)
     s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="DBA re-ranking (auto: on for an index built with --dba)")
-    opts(s, "--index", "--json", "--device")
-    serve_memory_opt(s)
+    opts(s, "-k", "--json", "--device", "--max-memory", index=True).set_defaults(func=_search)
 
     e = sub.add_parser("eval", help="Recall@k on a labelled query folder, or leave-one-out",
                        description="Recall@k of the index on a labelled query folder (photos the "
@@ -114,20 +119,20 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--queries", type=Path, help="query folder, one sub-folder per label")
     src.add_argument("--leave-one-out", action="store_true",
                      help="query with the gallery's own labelled items (their stored vectors)")
-    e.add_argument("--max-queries", type=int, default=None, metavar="N",
+    e.add_argument("--max-queries", type=positive, default=None, metavar="N",
                    help="with --leave-one-out: a random sample of N items (default: all)")
-    e.add_argument("-k", type=int, nargs="+", default=[1, 2, 4, 8])
+    e.add_argument("-k", type=positive, nargs="+", default=[1, 2, 4, 8],
+                   help="the k of each Recall@k (default 1 2 4 8)")
     e.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="the figures' DBA setting (auto: as the index serves; the other setting is "
                         "reported beside them when the index has DBA)")
-    opts(e, "--index", "--json", "--device")
-    serve_memory_opt(e)
+    opts(e, "--json", "--device", "--max-memory", index=True).set_defaults(func=_eval)
 
     i = sub.add_parser("info", help="what an index directory holds",
                        description="Prints what an index directory holds; exits 1 when the store, "
-                                   "index.faiss and the manifest disagree on the image count "
+                                   "the faiss index and the manifest disagree on the image count "
                                    "(naming `indexer repair`).")
-    opts(i, "--index", "--json")
+    opts(i, "--json", index=True).set_defaults(func=_info)
     i.add_argument("--deep", action="store_true",
                    help="also read every record of the gallery store(s), values included, and "
                         "exit 1 naming the file if LMDB cannot read one (garbage inside data.mdb "
@@ -143,8 +148,19 @@ def _parser() -> argparse.ArgumentParser:
                         "that lists them (searched as one; nothing is copied)")
     index_opts(m)
     dba_opts(m)
-    opts(m, "--device", "--quiet", "--wait")
+    opts(m, "--device", "--quiet", "--wait").set_defaults(func=_merge)
     return p
+
+
+def positive(text: str) -> int:
+    """argparse ``type=``: a positive integer (else a usage error naming the option, exit 2)."""
+    v = int(text)
+    if v < 1:
+        raise ValueError(text)
+    return v
+
+
+positive.__name__ = "positive integer"      # argparse: "invalid positive integer value: '0'"
 
 
 def dba_opts(sp: argparse.ArgumentParser) -> None:
@@ -170,7 +186,7 @@ def dba_params(args: argparse.Namespace) -> object:
 
     if not args.dba:
         if (args.dba_k, args.dba_alpha, args.dba_depth) != (DEFAULT_K, DEFAULT_ALPHA, DEFAULT_DEPTH):
-            raise ValueError("--dba-k/--dba-alpha/--dba-depth need --dba")
+            raise UsageError("--dba-k/--dba-alpha/--dba-depth need --dba")
         return None
     return DbaParams(args.dba_k, args.dba_alpha, args.dba_depth)
 
@@ -209,134 +225,120 @@ def _int8_model(args: argparse.Namespace) -> Path:
     return int8_model_path(fp32, args.gallery, progress=not args.quiet)
 
 
-def _build_with_ray(args: argparse.Namespace) -> dict:
+def _build_with_ray(args: argparse.Namespace) -> Manifest:
     """``indexer build --ray``: the flags only --ray takes, the build, the shard summary line."""
-    from .ray_build import SHARDS_DIR, build_with_ray
+    from .index_dir import SHARDS_DIR
+    from .ray_build import build_with_ray
 
     if args.ray is None:
-        raise ValueError(("--sharded" if args.sharded and args.shards is None else "--shards")
+        raise UsageError(("--sharded" if args.sharded and args.shards is None else "--shards")
                          + " needs --ray (for one shard by hand use --shard i/n)")
     if args.shard:
-        raise ValueError("--shard and --ray exclude each other: --ray builds every shard itself")
+        raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
     m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
                        progress=not args.quiet, wait=args.wait, sharded=args.sharded,
-                       **index_options(args))
-    r = m["ray"]
-    skipped = int(m.get("ingest", {}).get("skipped", 0))
+                       options=build_options(args))
+    r = m.extra["ray"]
+    skipped = int((m.ingest or {}).get("skipped", 0))
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
           f"{r['num_cpus']} CPU per task; attempts per shard: {', '.join(map(str, r['attempts']))}), "
-          f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m['report']})" if skipped else "")
+          f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m.report})" if skipped else "")
           + f"; shards kept in {Path(args.out) / SHARDS_DIR}")
     return m
 
 
-def serve_memory_opt(sp: argparse.ArgumentParser) -> None:
-    """``--max-memory`` of the commands that search (and of app.py): indexer.rerank."""
-    sp.add_argument("--max-memory", default=None, metavar="SIZE",
-                    help="hold at most SIZE (e.g. 2G) of index in RAM: an index larger than that is "
-                         "read memory-mapped and re-encoded to codes (SQ8, SQ4 or PQ, the most "
-                         "accurate that fits), and each query's top 10 x k candidates are re-ranked "
-                         "with the exact vectors read from the store (default: the whole index in RAM)")
+def build_options(args: argparse.Namespace) -> BuildOptions:
+    """The ``index_opts`` flags as one checked value (indexer.options)."""
+    return BuildOptions(args.index_type, args.flat_threshold, args.nlist, args.target_recall, args.seed,
+                        args.index_memory)
 
 
-def index_options(args: argparse.Namespace) -> dict:
-    """The ``index_opts`` flags as keyword arguments of build_index / merge_shards."""
-    return {k: getattr(args, k) for k in ("index_type", "flat_threshold", "nlist", "target_recall",
-                                          "seed", "max_memory")}
+DBA = {"auto": None, "on": True, "off": False}
 
 
-def _positive(name: str, v: int | None) -> None:
-    if v is not None and v < 1:
-        raise ValueError(f"{name}={v}: expected a positive integer")
-
-
-def _run(args: argparse.Namespace) -> int:
-    from .build import add_images, build_index, merge_shards, remove_items, repair_index
+def _build(args: argparse.Namespace) -> None:
+    from .build import build_index
     from .walk import parse_shard
 
-    if args.cmd == "build" and args.int8:
+    if args.int8:
         args.model = _int8_model(args)
-    if args.cmd == "build" and (args.ray is not None or args.shards is not None or args.sharded):
+    if args.ray is not None or args.shards is not None or args.sharded:
         if args.dba:
-            raise ValueError("--dba is not available with --ray/--sharded builds yet; build "
+            raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
                              "without --ray, or `indexer merge --dba` the shards")
-        _print_index_line(_build_with_ray(args), args.out)   # locks --out itself
-        return 0
-    for flag in ("batch_size", "workers"):
-        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag, None))
-    if args.cmd == "build":
-        shard = parse_shard(args.shard) if args.shard else None
-        m = build_index(args.gallery, args.out, args.model, shard=shard, batch_size=args.batch_size,
-                        workers=args.workers, device=args.device, progress=not args.quiet,
-                        wait=args.wait, dba=dba_params(args), **index_options(args))
-        ing = m["ingest"]
-        print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
-              f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
-              + (f" (reasons in {args.out / m['report']})" if ing["skipped"] else ""))
-        if m.get("shard"):
-            print(f"shard {m['shard']['i']}/{m['shard']['n']}: {m['count']} images in {args.out}")
-        else:
-            _print_index_line(m, args.out)
-        return 0
-    if args.cmd in ("add", "remove", "info") and _sharded(args.index):
-        return _run_sharded(args)
-    if args.cmd == "add":
-        m, stats = add_images(args.index, args.folder, args.model, prefix=args.prefix,
-                              batch_size=args.batch_size, workers=args.workers, device=args.device,
-                              progress=not args.quiet, wait=args.wait)
-        print(stats.summary())
-        print(f"added {m['added']} vectors; index now holds {m['count']}, nprobe {m.get('nprobe')}")
-        return 0
-    if args.cmd == "remove":
-        m, msgs = remove_items(args.index, args.targets, wait=args.wait)
-        print("\n".join(msgs))
-        print(f"index now holds {m['count']}")
-        return 0
-    if args.cmd == "repair":
-        m = repair_index(args.index, batch_size=args.batch_size, workers=args.workers,
-                         device=args.device, progress=not args.quiet, wait=args.wait)
-        print(f"repaired: embedded {m['embedded']}, added {m['added']} and dropped {m['removed']} "
-              f"faiss vectors; index now holds {m['count']}")
-        return 0
-    if args.cmd == "search":
-        from .index import Index
+        return _print_index_line(_build_with_ray(args), args.out)   # locks --out itself
+    shard = parse_shard(args.shard) if args.shard else None
+    m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
+                    batch_size=args.batch_size, workers=args.workers, device=args.device,
+                    progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+    ing = m.ingest
+    print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
+          f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
+          + (f" (reasons in {args.out / m.report})" if ing["skipped"] else ""))
+    if m.is_shard:
+        print(f"shard {m.shard['i']}/{m.shard['n']}: {m.count} images in {args.out}")
+    else:
+        _print_index_line(m, args.out)
 
-        _positive("-k", args.k)
-        idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory)
-        hits = idx.search([args.image], args.k, dba={"auto": None, "on": True, "off": False}[args.dba])[0]
-        if args.json:
-            print(json.dumps([h.__dict__ for h in hits], indent=2))
-        else:
-            for r, h in enumerate(hits, 1):
-                print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
-        return 0
-    if args.cmd == "eval":
-        return _eval(args)
-    if args.cmd == "info":
-        return _info(args)
-    if args.cmd == "merge" and args.sharded:
-        if args.dba:
-            raise ValueError("--dba is not available with merge --sharded yet; merge without --sharded")
-        from .lock import writer_lock
+
+def _add(args: argparse.Namespace) -> None:
+    from .layouts import add_images
+
+    c = add_images(args.index, args.folder, args.model, prefix=args.prefix, batch_size=args.batch_size,
+                   workers=args.workers, device=args.device, progress=not args.quiet, wait=args.wait)
+    print(c.stats.summary())
+    if c.shard is not None:
+        print(f"added {c.added} vectors to shard {c.shard}; index now holds {c.manifest.count}, "
+              f"retuned to {c.manifest.search_params}")
+    else:
+        print(f"added {c.added} vectors; index now holds {c.manifest.count}, nprobe {c.manifest.nprobe}")
+
+
+def _remove(args: argparse.Namespace) -> None:
+    from .layouts import remove_items
+
+    c = remove_items(args.index, args.targets, wait=args.wait)
+    print("\n".join(c.messages))
+    print(f"index now holds {c.manifest.count}")
+
+
+def _repair(args: argparse.Namespace) -> None:
+    from .layouts import repair_index
+
+    c = repair_index(args.index, batch_size=args.batch_size, workers=args.workers, device=args.device,
+                     progress=not args.quiet, wait=args.wait)
+    print(f"repaired: embedded {c.embedded}, added {c.added} and dropped {c.removed} "
+          f"faiss vectors; index now holds {c.manifest.count}")
+
+
+def _search(args: argparse.Namespace) -> None:
+    from .index import Index
+
+    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory)
+    hits = idx.search([args.image], args.k, dba=DBA[args.dba])[0]
+    if args.json:
+        print(json.dumps([h.__dict__ for h in hits], indent=2))
+    else:
+        for r, h in enumerate(hits, 1):
+            print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
+
+
+def _merge(args: argparse.Namespace) -> None:
+    if args.sharded:
         from .shard_build import build_sharded
 
-        from contextlib import ExitStack
+        if args.dba:
+            raise UsageError("--dba is not available with merge --sharded yet; merge without --sharded")
+        m = build_sharded(args.shards, args.out, options=build_options(args), device=args.device,
+                          progress=not args.quiet, wait=args.wait)      # locks --out and the shards
+    else:
+        from .build import merge_shards
 
-        with ExitStack() as held:       # the shard folders too: their part.faiss is (re)written
-            for d in [args.out, *[s for s in args.shards if Path(s).is_dir()]]:
-                held.enter_context(writer_lock(d, "indexer merge --sharded", wait=args.wait))
-            m = build_sharded(args.shards, args.out, device=args.device, progress=not args.quiet,
-                              **index_options(args))
-        _print_index_line(m, args.out)
-        return 0
-    if args.cmd == "merge":
-        m = merge_shards(args.shards, args.out, device=args.device, progress=not args.quiet,
-                         wait=args.wait, dba=dba_params(args), **index_options(args))
-        _print_index_line(m, args.out)
-        return 0
-    raise AssertionError(args.cmd)
+        m = merge_shards(args.shards, args.out, options=build_options(args), device=args.device,
+                         progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+    _print_index_line(m, args.out)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -345,9 +347,8 @@ def _eval(args: argparse.Namespace) -> int:
     from .index import Index
 
     if args.max_queries is not None and not args.leave_one_out:
-        raise ValueError("--max-queries needs --leave-one-out")
-    _positive("--max-queries", args.max_queries)
-    dba = {"auto": None, "on": True, "off": False}[args.dba]
+        raise UsageError("--max-queries needs --leave-one-out")
+    dba = DBA[args.dba]
     idx = Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
                      max_memory=args.max_memory)
     if dba and not idx.has_dba:
@@ -375,122 +376,70 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------- sharded indexes
-def _sharded(directory: Path) -> bool:
-    from .shards import is_sharded_dir
-
-    return is_sharded_dir(directory)
-
-
-def _run_sharded(args: argparse.Namespace) -> int:
-    """add / remove / info on a sharded index (indexer.shards): same flags, same output lines."""
-    from .lock import writer_lock
-    from .shard_build import add_sharded, remove_sharded
-    from .shards import print_info
-
-    if args.cmd == "info":
-        from .index_dir import IndexDir
-        from .shards import shard_paths
-
-        d = IndexDir(args.index)
-        m = d.read_manifest()
-        if args.deep:
-            for p in shard_paths(d.path, m):
-                _walk_store(p / "store.lmdb", args.json)
-        return print_info(d.path, m, args.json)
-    if args.cmd == "add":
-        with writer_lock(args.index, "indexer add", wait=args.wait):
-            m, stats = add_sharded(args.index, args.folder, args.model, prefix=args.prefix,
-                                   batch_size=args.batch_size, workers=args.workers,
-                                   device=args.device, progress=not args.quiet)
-        print(stats.summary())
-        print(f"added {m['added']} vectors to shard {m['shard']}; index now holds {m['count']}, "
-              f"retuned to {m.get('search_params')}")
-        return 0
-    with writer_lock(args.index, "indexer remove", wait=args.wait):
-        m, msgs = remove_sharded(args.index, args.targets)
-    print("\n".join(msgs))
-    print(f"index now holds {m['count']}")
-    return 0
+def _print_index_line(m: Manifest, out: Path) -> None:
+    params = f", {m.search_params}" if m.search_params else (
+        f", nlist {m.nlist}, nprobe {m.nprobe}" if m.nlist else "")
+    held = " on held-out queries" if m.heldout_queries else ""
+    print(f"{m.index_type} index of {m.count} x {m.dim}{params}, recall@10 vs exact{held} "
+          f"{m.recall_at_10:.3f} (target {m.target_recall}) in {m.build_seconds:.1f}s -> {out}")
+    if m.warning:
+        print(f"warning: {m.warning}", file=sys.stderr)
 
 
-def _print_index_line(m: dict, out: Path) -> None:
-    params = f", {m['search_params']}" if m.get("search_params") else (
-        f", nlist {m['nlist']}, nprobe {m['nprobe']}" if m.get("nlist") else "")
-    held = " on held-out queries" if m.get("heldout_queries") else ""
-    print(f"{m['index_type']} index of {m['count']} x {m['dim']}{params}, recall@10 vs exact{held} "
-          f"{m['recall_at_10']:.3f} (target {m['target_recall']}) in {m['build_seconds']:.1f}s -> {out}")
-    if m.get("warning"):
-        print(f"warning: {m['warning']}", file=sys.stderr)
+def _info(args: argparse.Namespace) -> None:
+    """``indexer info``: the library's facts (indexer.layouts.info) as a table or JSON; counts
+    that differ end in the one error line (exit 1) after the table."""
+    from .layouts import info
 
-
-def _info(args: argparse.Namespace) -> int:
-    from .consistency import check_counts
-    from .index_dir import IndexDir
-    from .store import GalleryStore
-    from .validate import read_faiss
-
-    d = IndexDir(args.index)
-    m = d.read_manifest()
-    d.check(m, model=not m.get("shard"))                   # a damaged file ends here, in one line
-    if args.deep:
-        _walk_store(d.store_dir, args.json)
-    if not m.get("shard") and not m.get("index_file"):     # no checksum recorded: let faiss read it
-        read_faiss(d.index_file)
-    with GalleryStore(d.store_dir) as st:
-        store = {"items": len(st), "labels": len(st.labels()), "models": len(st.models())}
-        counts = None if m.get("shard") else check_counts(args.index, store=st)
-    bad = counts is not None and not counts.ok
+    facts = info(args.index, deep=args.deep)
+    m, counts = facts["manifest"], facts["counts"]
     if args.json:
-        print(json.dumps({"manifest": m, "store": store, "counts": counts and {
-            **{k: getattr(counts, k) for k in ("store", "embedded", "faiss", "manifest", "busy")},
-            "ok": counts.ok, "message": counts.message}}, indent=2))
-        if bad:
-            print(f"indexer info: error: {counts.message}", file=sys.stderr)
-        return 1 if bad else 0
-    mod = m["model"]
-    print(f"index:    {args.index}")
-    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
-    if m.get("shard"):
-        print(f"shard:    {m['shard']['i']}/{m['shard']['n']} (merge before searching)")
+        out = {"manifest": m.to_dict(), **{k: v for k, v in facts.items()
+                                           if k in ("store", "shards", "held")}}
+        out["counts"] = counts and {**{k: getattr(counts, k) for k in ("store", "embedded", "faiss",
+                                                                         "manifest", "busy")},
+                                    "ok": counts.ok, "message": counts.message}
+        print(json.dumps(out, indent=2))
     else:
-        print(f"faiss:    {m['index_type']} ({m.get('factory')}), {m['count']} vectors, metric {m['metric']}")
-        if m.get("nlist") or m.get("search_params"):
-            params = m.get("search_params") or f"nprobe={m['nprobe']}"
-            print(f"search:   {params}" + (f", nlist {m['nlist']}" if m.get("nlist") else ""))
-            from .manifest import recall_text
+        for store, walked in facts.get("deep", {}).items():
+            print(f"deep:     {store}: every record read ({sum(walked.values())} in {len(walked)} databases)")
+        _print_layout(args.index, m, facts)
+        if counts is not None:
+            print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
+    if counts is not None and not counts.ok:
+        raise IndexerError(counts.message)
 
-            print(f"recall:   {recall_text(m)}")
+
+def _print_layout(directory: Path, m: Manifest, facts: dict) -> None:
+    """The table of either layout: what the manifest says, then the layout's own facts."""
+    mod, sharded = m.model, facts["layout"] == "sharded"
+    print(f"index:    {directory}" + (f" (sharded: {len(facts['shards'])} shards searched as one)" if sharded else ""))
+    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
+    if m.is_shard:
+        print(f"shard:    {m.shard['i']}/{m.shard['n']} (merge before searching)")
+    else:
+        print(f"faiss:    {m.index_type} ({m.factory}), {m.count} vectors, metric {m.metric}")
+        if m.search_params or (m.nlist and not sharded):
+            print(f"search:   {m.search_params or f'nprobe={m.nprobe}'}" + (f", nlist {m.nlist}" if m.nlist else ""))
+            print(f"recall:   {m.recall_text()}")
+    if sharded:
+        for i, s in enumerate(facts["shards"]):
+            print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
+        print(f"held-out: {facts['held']} vectors in {m.sharded['held']}")
+        print(f"checksum: {len(m.sharded.get('files', {}))} faiss files, sizes and sha256 verified")
+    elif not m.is_shard:
         _print_candidates(m)
-        nb = m.get("neighbours")
+        nb, rec = m.neighbours, m.index_file
         if nb:
             print(f"rerank:   DBA, k={nb['k']} (item included), weights sim^{nb['alpha']:g}, top "
                   f"{nb['depth']} re-ranked (neighbours.npz, {nb.get('bytes', 0) / 2 ** 20:.1f} MiB)")
-        rec = m.get("index_file")
         print(f"checksum: index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
               else "checksum: not recorded (built before checksums; rebuild to add one)")
-    print(f"store:    {store['items']} images, {store['labels']} labels, embeddings from "
-          f"{store['models']} model(s)")
-    print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
-          f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
-    if counts is not None:
-        print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
-    if bad:
-        print(f"indexer info: error: {counts.message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _walk_store(store_dir: Path, as_json: bool) -> None:
-    """``info --deep``: every record of the store read (``LmdbStore.walk``); raises, in one line
-    naming the file and the database, at the first page LMDB cannot read."""
-    from .store import GalleryStore
-
-    with GalleryStore(store_dir) as st:
-        counts = st.walk()
-    if not as_json:
-        print(f"deep:     {store_dir}: every record read ({sum(counts.values())} in "
-              f"{len(counts)} databases)")
+    if not sharded:
+        st = facts["store"]
+        print(f"store:    {st['items']} images, {st['labels']} labels, embeddings from {st['models']} model(s)")
+    print(f"built:    {m.built_at} in {m.build_seconds}s; skipped "
+          f"{(m.ingest or {}).get('skipped', 0)} (see {m.report})")
 
 
 def _print_candidates(m: dict) -> None:
@@ -515,20 +464,10 @@ def _print_candidates(m: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from embedder.cli import fail
-
-    from .errors import IndexerError
-
     import lmdb
 
-    try:
-        return _run(args)
-    except (IndexerError, ValueError, OSError, KeyError, lmdb.Error) as e:
-        return fail(f"indexer {args.cmd}", e)
-    except KeyboardInterrupt:
-        print(f"indexer {args.cmd}: interrupted (rerun the same command to resume)", file=sys.stderr)
-        return 130
+    return run_main("indexer", _parser(), argv, expected=(IndexerError, lmdb.Error),
+                    on_interrupt="interrupted (rerun the same command to resume)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Build, extend, shrink and merge index directories (their layout: :mod:`indexer.index_dir`)."""
+"""Build, extend, shrink and merge single index directories (their files: :mod:`indexer.index_dir`).
+
+``indexer add/remove/repair`` reach the update functions here through :mod:`indexer.layouts`,
+which reads the manifest and takes the writer lock for them."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -18,8 +22,9 @@ from .errors import IndexerError
 from .index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
 from .lmdb_env import DiskFullError
 from .lock import writer_lock
-from .manifest import DEFAULT_TARGET_RECALL, Manifest
+from .manifest import Manifest
 from .model import load_embedder, model_info
+from .options import BuildOptions
 from .pipeline import IngestStats, embed_missing, ingest
 from .store import GalleryStore
 from .walk import GalleryFile, shard_of, walk_gallery
@@ -43,15 +48,12 @@ def gallery_files(gallery: str | Path, shard: tuple[int, int] | None = None) -> 
 
 
 def build_index(gallery: str | Path, out: str | Path, model: str | Path | None = None, *,
-                index_type: str = "auto", flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD,
-                nlist: int | None = None, target_recall: float = DEFAULT_TARGET_RECALL,
-                shard: tuple[int, int] | None = None, batch_size: int = 32,
-                workers: int | None = None, device: str = "auto", seed: int = 0,
+                options: BuildOptions | None = None, shard: tuple[int, int] | None = None,
+                batch_size: int = 32, workers: int | None = None, device: str = "auto",
                 progress: bool = True, embedder: Any = None,
-                max_memory: int | str | None = None,
                 on_done: Callable[[int], None] | None = None, wait: bool = False,
                 files: Iterable[GalleryFile] | None = None,
-                dba: neighbours.DbaParams | None = None) -> dict:
+                dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
 
     Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
@@ -59,12 +61,14 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
     of refusing). ``files``: the entries to ingest, already listed and checked (``indexer build
     --ray`` hands a shard task its share of the driver's one walk), instead of walking
     ``gallery``. ``dba``: also compute the gallery's neighbourhoods for DBA re-ranking at serve
-    time (:mod:`indexer.neighbours`; a shard build leaves that to the merge). Returns the manifest.
+    time (:mod:`indexer.neighbours`; a shard build leaves that to the merge). ``options`` (or
+    its fields by name, ``option_kw``; ``max_memory`` the old name of ``index_memory``): how the
+    index is chosen, checked before any work. Returns the manifest.
     """
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
     files = gallery_files(gallery, shard) if files is None else files
-    max_memory = selection.check_options(index_type, target_recall, max_memory)  # before the work
+    opts = BuildOptions.of(options, **option_kw)        # checked before the work
     emb = embedder or load_embedder(model, device=device, batch_size=batch_size)
     with writer_lock(out, "indexer build", wait=wait):
         out.mkdir(parents=True, exist_ok=True)
@@ -83,9 +87,7 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         if len(ids) == 0:
             raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
                                f"reasons in {d.report_file})")
-        index, fields = selection.build(ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                                        nlist=nlist, target_recall=target_recall, device=device,
-                                        seed=seed, max_memory=max_memory, progress=progress)
+        index, fields = selection.build(ids, x, opts, device=device, progress=progress)
         extra["neighbours"] = _neighbours(d, ids, x, dba, progress)
         extra["build_seconds"] = round(time.perf_counter() - t0, 3)
         return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra)
@@ -101,7 +103,7 @@ def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray, dba: neighbours.Dba
     return neighbours.write(d.path, neighbours.build(ids, x, dba, progress=progress))
 
 
-def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> dict:
+def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> Manifest:
     fx.write_atomic(index, d.index_file)
     return d.write_manifest(Manifest(model=model, **fields, **extra, index_file=d.index_record(),
                                      built_at=now_utc()))
@@ -112,24 +114,37 @@ def _stats_dict(stats: IngestStats) -> dict:
 
 
 # ---------------------------------------------------------------------------- incremental
-def _open_for_update(d: IndexDir, model: str | Path | None, device: str, batch_size: int
-                     ) -> tuple[dict, Any]:
-    manifest = d.read_manifest()
-    d.refuse_shard(manifest)
+@dataclass
+class Change:
+    """What ``indexer add/remove/repair`` did to an index (either layout): the manifest written
+    and the counts the CLI prints."""
+
+    manifest: Manifest
+    added: int = 0                  # faiss vectors added
+    removed: int = 0                # faiss vectors dropped
+    embedded: int = 0               # stored images embedded by repair
+    messages: list[str] = field(default_factory=list)     # remove: one line per target
+    stats: IngestStats | None = None                       # add: the ingest's counts
+    shard: Path | None = None       # a sharded index's add: the shard the images went to
+
+
+def update_embedder(d: IndexDir, manifest: Manifest, model: str | Path | None, device: str,
+                    batch_size: int) -> Any:
+    """The embedder of an update: ``model`` (default the index's copy), refused in one line
+    unless it is the model the index was built with."""
     path = Path(model) if model is not None else d.model_file
     emb = load_embedder(path, device=device, batch_size=batch_size)
     d.check_embedder(emb, manifest, path)
-    return manifest, emb
+    return emb
 
 
-def sync_index(d: IndexDir, manifest: dict, store: GalleryStore, *, seed: int = 0) -> dict:
+def sync_index(d: IndexDir, manifest: Manifest, store: GalleryStore, *, seed: int = 0) -> Change:
     """Make index.faiss hold exactly the store's ids (adds new, drops removed), retune, write.
 
     Idempotent, so it also repairs a directory whose store and index a crash left out of step.
     """
-    model_hash = manifest["model"]["hash"]
     index = d.read_index(manifest)
-    ids, x = store.all_embeddings(model_hash)
+    ids, x = store.all_embeddings(manifest.model_hash)
     have = fx.index_ids(index)
     stale = np.setdiff1d(have, ids)
     new_rows = np.nonzero(~np.isin(ids, have))[0]
@@ -139,23 +154,21 @@ def sync_index(d: IndexDir, manifest: dict, store: GalleryStore, *, seed: int = 
         fx.remove(index, stale, x[np.isin(ids, have)], ids[np.isin(ids, have)])
     if len(new_rows):
         fx.add(index, x[new_rows], ids[new_rows])
-    fields = {"count": int(index.ntotal)}
-    if (len(stale) or len(new_rows)) and manifest.get("index_type") != "flat":
-        target = float(manifest.get("target_recall", DEFAULT_TARGET_RECALL))
-        fields.update(tuning.retune(index, manifest, x, ids, target, seed=seed))
-    if manifest.get("neighbours"):
+    fields: dict = {"count": int(index.ntotal)}
+    if (len(stale) or len(new_rows)) and manifest.index_type != "flat":
+        fields.update(tuning.retune(index, manifest, x, ids, manifest.target_recall, seed=seed))
+    if manifest.neighbours:
         fields["neighbours"] = _sync_neighbours(d, manifest, ids, x)
     fx.write_atomic(index, d.index_file)
-    manifest = d.write_manifest({**manifest, **fields, "index_file": d.index_record(),
-                                 "updated_at": now_utc()})
-    return {**manifest, "added": int(len(new_rows)), "removed": int(len(stale))}
+    written = d.write_manifest(manifest.replace(**fields, index_file=d.index_record(), updated_at=now_utc()))
+    return Change(written, added=int(len(new_rows)), removed=int(len(stale)))
 
 
-def _sync_neighbours(d: IndexDir, manifest: dict, ids: np.ndarray, x: np.ndarray) -> dict:
+def _sync_neighbours(d: IndexDir, manifest: Manifest, ids: np.ndarray, x: np.ndarray) -> dict:
     """The DBA neighbourhoods brought to the store's items: the lists that an added or removed
     item can change are searched again (:func:`indexer.neighbours.update`; equal to a fresh
     build's); a missing or damaged file is rebuilt whole."""
-    rec = manifest["neighbours"]
+    rec = manifest.neighbours
     try:
         nb = neighbours.read(d.path, manifest)
     except IndexerError:                    # missing / damaged: what `repair` is for
@@ -169,30 +182,24 @@ def _sync_neighbours(d: IndexDir, manifest: dict, ids: np.ndarray, x: np.ndarray
     return neighbours.write(d.path, nb)
 
 
-def add_images(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
+def add_single(d: IndexDir, manifest: Manifest, folder: Path, model: str | Path | None = None, *,
                prefix: str = "", batch_size: int = 32, workers: int | None = None,
-               device: str = "auto", progress: bool = True, wait: bool = False
-               ) -> tuple[dict, IngestStats]:
-    """``indexer add``: ingest another folder and add its new images to the existing index,
-    holding the directory's writer lock throughout (``wait``: wait for another writer)."""
-    directory, folder = Path(directory), Path(folder)
-    if not folder.is_dir():
-        raise IndexerError(f"{folder}: folder not found")
-    IndexDir(directory).read_manifest()      # no index there: say so, create no lock file
-    with writer_lock(directory, "indexer add", wait=wait):
-        d = IndexDir(directory)
-        manifest, emb = _open_for_update(d, model, device, batch_size)
-        d.read_index(manifest)               # refuse before touching the store
-        files = list(walk_gallery(folder, prefix=prefix))
-        if not files:
-            raise IndexerError(f"{folder}: no images to add")
-        with GalleryStore(d.store_dir, readonly=False) as store:
-            try:
-                stats = ingest(store, files, emb, workers=workers, progress=progress)
-            except DiskFullError as e:
-                raise e.needing(space_needed(files, emb.dim, d.index_file)) from None
-            d.write_report(stats.skipped)
-            return sync_index(d, manifest, store), stats
+               device: str = "auto", progress: bool = True) -> Change:
+    """``indexer add`` on a single index (:func:`indexer.layouts.add_images` holds the lock):
+    ingest another folder and add its new images to the existing index."""
+    d.refuse_shard(manifest)
+    emb = update_embedder(d, manifest, model, device, batch_size)
+    d.read_index(manifest)               # refuse before touching the store
+    files = list(walk_gallery(folder, prefix=prefix))
+    if not files:
+        raise IndexerError(f"{folder}: no images to add")
+    with GalleryStore(d.store_dir, readonly=False) as store:
+        try:
+            stats = ingest(store, files, emb, workers=workers, progress=progress)
+        except DiskFullError as e:
+            raise e.needing(space_needed(files, emb.dim, d.index_file)) from None
+        d.write_report(stats.skipped)
+        return dataclasses.replace(sync_index(d, manifest, store), stats=stats)
 
 
 def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None = None) -> int:
@@ -211,94 +218,95 @@ def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None
     return int(total)
 
 
-def remove_items(directory: str | Path, targets: Sequence[str], *, wait: bool = False
-                 ) -> tuple[dict, list[str]]:
-    """``indexer remove``: each target is an id or a relative path. Returns (manifest, messages).
-    Holds the directory's writer lock (``wait``: wait for another writer)."""
-    d = IndexDir(directory)
-    d.read_manifest()
-    with writer_lock(directory, "indexer remove", wait=wait):
-        return _remove_items(d, targets)
+def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence[str], where: Path) -> list[str]:
+    """Remove each target (a stored path, else an id) from every store that holds it: one line
+    each (the stores' ``(store, " from SHARD")`` suffix names the shard). Every target is looked
+    up first, so an unknown one refuses the whole command and nothing is removed."""
+    def holds(store: GalleryStore, t: str) -> bool:
+        return store.id_for_path(t) is not None or (t.isdigit() and int(t) in store)
 
-
-def remove_target(store: GalleryStore, t: str, where: str = "") -> str | None:
-    """Remove ``t`` (a stored path, else an id) from ``store``: the message to print, or None
-    when the store holds neither. ``where``: " from SHARD" for a sharded index's messages."""
-    if store.id_for_path(t) is not None:
-        i, gone = store.remove_path(t)  # type: ignore[misc]
-        return (f"removed {t} (id {i}){where}" if gone else
-                f"removed path {t}{where}; its content (id {i}) stays under another path")
-    if t.isdigit() and int(t) in store:
-        store.remove_id(int(t))
-        return f"removed id {t}{where}"
-    return None
-
-
-def _remove_items(d: IndexDir, targets: Sequence[str]) -> tuple[dict, list[str]]:
-    manifest = d.read_manifest()          # read under the lock: the latest writer's
+    for t in targets:
+        if not any(holds(s, t) for s, _ in stores):
+            raise IndexerError(f"{t}: no such id or path in {where}")
     msgs = []
+    for t in targets:
+        for store, suffix in stores:
+            if store.id_for_path(t) is not None:
+                i, gone = store.remove_path(t)  # type: ignore[misc]
+                msgs.append(f"removed {t} (id {i}){suffix}" if gone else
+                            f"removed path {t}{suffix}; its content (id {i}) stays under another path")
+            elif t.isdigit() and int(t) in store:
+                store.remove_id(int(t))
+                msgs.append(f"removed id {t}{suffix}")
+    return msgs
+
+
+def remove_single(d: IndexDir, manifest: Manifest, targets: Sequence[str]) -> Change:
+    """``indexer remove`` on a single index: each target is an id or a relative path."""
+    d.refuse_shard(manifest)
     with GalleryStore(d.store_dir, readonly=False) as store:
-        for t in targets:
-            msg = remove_target(store, t)
-            if msg is None:
-                raise IndexerError(f"{t}: no such id or path in {d.path}")
-            msgs.append(msg)
-        return sync_index(d, manifest, store), msgs
+        msgs = remove_targets([(store, "")], targets, d.path)
+        return dataclasses.replace(sync_index(d, manifest, store), messages=msgs)
 
 
-def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | None = None,
-                 device: str = "auto", progress: bool = True, wait: bool = False) -> dict:
+def repair_single(d: IndexDir, manifest: Manifest, *, batch_size: int = 32, workers: int | None = None,
+                  device: str = "auto", progress: bool = True) -> Change:
     """``indexer repair``: bring index.faiss and the manifest in step with the store (embed
-    stored images the index's model has not embedded, then :func:`sync_index`), under the
-    writer lock. What ``indexer info`` names when the counts differ; needs no gallery folder."""
-    d = IndexDir(directory)
-    d.read_manifest()
-    with writer_lock(directory, "indexer repair", wait=wait):
-        manifest, emb = _open_for_update(d, None, device, batch_size)
-        with GalleryStore(d.store_dir, readonly=False) as store:
-            embedded = embed_missing(store, emb, workers=workers, progress=progress)
-            return {**sync_index(d, manifest, store), "embedded": embedded}
+    stored images the index's model has not embedded, then :func:`sync_index`). What ``indexer
+    info`` names when the counts differ; needs no gallery folder."""
+    d.refuse_shard(manifest)
+    emb = update_embedder(d, manifest, None, device, batch_size)
+    with GalleryStore(d.store_dir, readonly=False) as store:
+        embedded = embed_missing(store, emb, workers=workers, progress=progress)
+        return dataclasses.replace(sync_index(d, manifest, store), embedded=embedded)
 
 
 # ---------------------------------------------------------------------------- merge
-def check_shards(dirs: Sequence[IndexDir]) -> list[dict]:
+def check_shards(dirs: Sequence[IndexDir]) -> list[Manifest]:
     """The shards' manifests, refusing shards of different models or widths and a shard given
     twice (one line each); `indexer merge` and the sharded index (shard_build) both start here."""
     manifests = [d.read_manifest() for d in dirs]
     first = manifests[0]
     for d, m in zip(dirs, manifests):
-        if m["model"]["hash"] != first["model"]["hash"]:
-            raise IndexerError(f"{d.path}: built with model {m['model']['hash'][:12]}, but {dirs[0].path} with "
-                               f"{first['model']['hash'][:12]}; shards must share one model")
-        if m["dim"] != first["dim"]:
-            raise IndexerError(f"{d.path}: dimension mismatch ({m['dim']} vs {first['dim']})")
-    seen = [(m["shard"]["i"], m["shard"]["n"]) for m in manifests if m.get("shard")]
+        if m.model_hash != first.model_hash:
+            raise IndexerError(f"{d.path}: built with model {m.model_hash[:12]}, but {dirs[0].path} with "
+                               f"{first.model_hash[:12]}; shards must share one model")
+        if m.dim != first.dim:
+            raise IndexerError(f"{d.path}: dimension mismatch ({m.dim} vs {first.dim})")
+    seen = [tuple(x) for x in shard_numbers(manifests)]
     if len(set(seen)) != len(seen):
         raise IndexerError(f"the same shard is given twice: {seen}")
     return manifests
 
 
-def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
-                 flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-                 target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto",
-                 seed: int = 0, progress: bool = True, max_memory: int | str | None = None,
-                 wait: bool = False, dba: neighbours.DbaParams | None = None) -> dict:
+def shard_numbers(manifests: Sequence[Manifest]) -> list[list[int]]:
+    """[i, n] of each manifest that is a shard's (the merged manifest's ``shards``)."""
+    return [[m.shard["i"], m.shard["n"]] for m in manifests if m.is_shard]
+
+
+def skipped_total(manifests: Sequence[Manifest]) -> int:
+    """The files the shards' builds skipped, together (the merged manifest's ``ingest``)."""
+    return sum(int((m.ingest or {}).get("skipped", 0)) for m in manifests)
+
+
+def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
+                 device: str = "auto", progress: bool = True, wait: bool = False,
+                 dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
     """``indexer merge``: one quantizer trained over all shards, their inverted lists merged.
 
     The training sample is picked by position in the id-sorted union of all shards, exactly as
     a single-process build picks it, so the merged index equals a single build's. Holds
-    ``out``'s writer lock (``wait``: wait for another writer).
+    ``out``'s writer lock (``wait``: wait for another writer). ``options``: as ``build_index``.
     """
     t0 = time.perf_counter()
     out = Path(out)
-    max_memory = selection.check_options(index_type, target_recall, max_memory)
+    opts = BuildOptions.of(options, **option_kw)
     dirs = [IndexDir(d) for d in shard_dirs]
     if not dirs:
         raise IndexerError("merge needs at least one shard directory")
     manifests = check_shards(dirs)
     first = manifests[0]
-    seen = [(m["shard"]["i"], m["shard"]["n"]) for m in manifests if m.get("shard")]
-    model_hash = first["model"]["hash"]
+    model_hash = first.model_hash
     stores = [GalleryStore(d.store_dir) for d in dirs]
     parts = [s.all_embeddings(model_hash) for s in stores]
     parts = [p for p in parts if len(p[0])]
@@ -322,13 +330,10 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, index_typ
                 dst.copy_from(s, model_hash)
                 s.close()
         dst_dir.copy_model(dirs[0].model_file, model_hash)
-        index, fields = selection.build(all_ids, x, index_type=index_type, flat_threshold=flat_threshold,
-                                        nlist=nlist, target_recall=target_recall, device=device,
-                                        seed=seed, parts=parts, max_memory=max_memory, progress=progress)
-        skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
+        index, fields = selection.build(all_ids, x, opts, device=device, parts=parts, progress=progress)
         dst_dir.write_report([r for d in dirs for r in d.read_report()])
-        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": seen,
-                 "ingest": {"skipped": skipped}, "report": REPORT,
+        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": shard_numbers(manifests),
+                 "ingest": {"skipped": skipped_total(manifests)}, "report": REPORT,
                  "neighbours": _neighbours(dst_dir, all_ids, x, dba, progress),
                  "build_seconds": round(time.perf_counter() - t0, 3)}
-        return _write_index_dir(dst_dir, index, fields, first["model"], extra)
+        return _write_index_dir(dst_dir, index, fields, first.model, extra)

@@ -13,6 +13,7 @@ import math
 import threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
+from typing import Mapping
 
 import faiss
 import numpy as np
@@ -52,6 +53,11 @@ class IndexSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping) -> "IndexSpec":
+        """The spec an index's manifest records (its fields by name)."""
+        return cls(**{f: manifest[f] for f in cls.__dataclass_fields__ if manifest.get(f) is not None})
 
     @property
     def mergeable(self) -> bool:
@@ -265,7 +271,14 @@ def remove(index: faiss.Index, stale: np.ndarray, x: np.ndarray, ids: np.ndarray
         add(index, x, ids)
 
 
-def _is_ivf(index: faiss.Index) -> bool:
+def memory_bytes(ntotal: int, code_size: int, nlist: int, dim: int) -> int:
+    """The one memory model of an index (the build's budget, ``selection.predicted_bytes``, and
+    the serving budget, :mod:`indexer.rerank`): codes + 8-byte ids, and the coarse centroids."""
+    return int(ntotal * (code_size + 8) + nlist * dim * 4)
+
+
+def is_ivf(index: faiss.Index) -> bool:
+    """Whether ``index`` is (or wraps) an IVF index: what has lists, a quantizer and nprobe."""
     try:
         faiss.extract_index_ivf(index)
         return True
@@ -290,7 +303,7 @@ class SearchableIndex:
                  search_params: str = "", mmap: bool = False) -> None:
         self.path = Path(path)
         cpu = faiss.read_index(str(path), faiss.IO_FLAG_MMAP if mmap else 0)   # mmap: rerank.py
-        set_nprobe(cpu, nprobe) if _is_ivf(cpu) else None    # manifests without search_params
+        set_nprobe(cpu, nprobe) if is_ivf(cpu) else None    # manifests without search_params
         set_search_params(cpu, search_params)
         self.cpu_index = cpu
         self.index = cpu

@@ -13,13 +13,13 @@ from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from embedder.vectors import l2_normalize
 
-from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .index_dir import IndexDir
+from .layouts import Layout, layout_of
+from .manifest import Manifest
 from .model import load_embedder
 from .neighbours import Neighbourhoods
 from .store import GalleryStore
-from .validate import damaged, faiss_reason
 
 
 @dataclass
@@ -41,63 +41,40 @@ class Index:
     index: :meth:`reopen` gives the directory's current state (what a server does after an add).
     """
 
-    def __init__(self, directory: Path, manifest: dict, store: GalleryStore,
+    def __init__(self, directory: Path, manifest: Manifest, store: GalleryStore,
                  faiss_index: SearchableIndex, device: str = "auto") -> None:
         self.directory = directory
         self.files = IndexDir(directory)
         self.manifest = manifest
         self.store = store
         self.faiss = faiss_index
-        self.dim: int = int(manifest["dim"])
-        self.model_hash: str = manifest["model"]["hash"]
+        self.dim: int = manifest.dim
+        self.model_hash: str = manifest.model_hash
         self._device = device
         self._embedder: Any = None
         self._lock = threading.Lock()
         self.max_memory: int | None = None      # set by Index.open(max_memory=...): codes only
         self.neighbours: Neighbourhoods | None = None   # DBA re-ranking (indexer.neighbours)
+        self.layout: Layout | None = None               # set by Index.open (indexer.layouts)
 
     @classmethod
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
              store: GalleryStore | None = None, max_memory: int | str | None = None) -> "Index":
-        """Open an index directory after checking its files (:mod:`indexer.validate`): a damaged
-        one fails with one line naming the file. ``check_model`` also requires ``model.onnx``
+        """Open an index directory of either layout (:func:`indexer.layouts.layout_of` decides,
+        from the manifest) after checking its files (:mod:`indexer.validate`): a damaged one
+        fails with one line naming the file. ``check_model`` also requires ``model.onnx``
         (image queries need it); ``store`` reuses an open store of the same directory.
-        ``max_memory``: hold only the index's codes within that budget and re-rank from the
-        store (:mod:`indexer.rerank`); the files are then read memory-mapped."""
+        ``max_memory``: the SERVING budget: hold only the index's codes within it and re-rank
+        from the store(s) (:mod:`indexer.rerank`); the files are then read memory-mapped."""
+        layout = layout_of(directory)
+        store, fi, nb = layout.open(device=device, check_model=check_model, store=store,
+                                    mmap=max_memory is not None)
+        idx = cls(layout.d.path, layout.manifest, store, fi, device)
+        idx.layout, idx.neighbours = layout, nb
         if max_memory is not None:
             from .rerank import serve_codes
 
-            mapped = cls._open(directory, device=device, check_model=check_model, store=store, mmap=True)
-            return serve_codes(mapped, max_memory)
-        return cls._open(directory, device=device, check_model=check_model, store=store)
-
-    @classmethod
-    def _open(cls, directory: str | Path, *, device: str, check_model: bool, store: GalleryStore | None,
-              mmap: bool = False) -> "Index":
-        d = IndexDir(directory)
-        manifest = d.read_manifest()
-        if manifest.get("sharded"):         # shards searched where they are: indexer.shards
-            from .shards import ShardedIndex
-
-            return ShardedIndex.open(directory, device=device, check_model=check_model, store=store)
-        d.refuse_shard(manifest)
-        d.check(manifest, model=check_model)
-        try:
-            fi = SearchableIndex(d.index_file, int(manifest.get("nprobe") or 0), device,
-                                 manifest.get("search_params") or "", mmap=mmap)
-        except RuntimeError as e:           # faiss's reader: a multi-line C++ message
-            raise damaged(d.index_file, f"faiss cannot read it ({faiss_reason(e)})") from None
-        d.check_index_dim(fi.d, manifest)
-        if fi.ntotal != int(manifest["count"]):
-            raise IndexerError(f"{d.path}: index holds {fi.ntotal} vectors but the manifest says "
-                               f"{manifest['count']}; rerun `indexer build` to repair it")
-        from . import neighbours
-
-        nb = neighbours.read(d.path, manifest)      # checked like index.faiss: one line if damaged
-        if not isinstance(store, GalleryStore):     # none, or a sharded index's before a rebuild
-            store = GalleryStore(d.store_dir)
-        idx = cls(d.path, manifest, store, fi, device)
-        idx.neighbours = nb
+            return serve_codes(idx, max_memory)
         return idx
 
     def reopen(self) -> "Index":
@@ -246,5 +223,4 @@ class Index:
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (f"Index({str(self.directory)!r}, {m.get('index_type')}, n={len(self)}, dim={self.dim}, "
-                f"nprobe={m.get('nprobe')})")
+        return f"Index({str(self.directory)!r}, {m.index_type}, n={len(self)}, dim={self.dim}, nprobe={m.nprobe})"

@@ -23,11 +23,19 @@ from .errors import IndexerError
 from .manifest import FORMAT, Manifest
 from .validate import check_faiss_file, check_lmdb, check_model_file, read_faiss
 
+# every file name of both layouts (indexer.layouts), here and nowhere else
 MANIFEST = "manifest.json"
-INDEX_FILE = "index.faiss"
-STORE_DIR = "store.lmdb"
+INDEX_FILE = "index.faiss"          # a single index's faiss index
+STORE_DIR = "store.lmdb"            # a gallery store: a single index's, a shard's
 REPORT = "report.jsonl"
 MODEL_FILE = "model.onnx"
+PART_FILE = "part.faiss"            # in a shard folder: its part of a sharded index
+OWNER_FILE = "part.owner"           # in a shard folder: the sharded index whose part.faiss it is
+TRAINED_FILE = "trained.faiss"      # a sharded index: the trained empty index its parts share
+HELD_FILE = "held.faiss"            # a sharded index: the held-out tuning/check vectors
+SHARDS_DIR = "shards"               # ``build --ray``: the shard folders under --out
+PLAN_FILE = "plan.json"             # ``build --ray``: shard count, gallery and model of SHARDS_DIR
+FILE_LIST = "files.jsonl"           # ``build --ray``: a shard's share of the driver's one walk
 
 
 def manifest_stamp(directory: str | Path) -> tuple[int, int, int] | None:
@@ -71,16 +79,17 @@ class IndexDir:
         return self
 
     # -- the manifest (its schema: indexer.manifest.Manifest) --------------------------------
-    def read_manifest(self) -> dict:
-        return Manifest.read(self.require().manifest_file).to_dict()
+    def read_manifest(self) -> Manifest:
+        return Manifest.read(self.require().manifest_file)
 
-    def write_manifest(self, manifest: Manifest | dict) -> dict:
+    def write_manifest(self, manifest: Manifest | dict) -> Manifest:
         """Write (last, atomically) and return the manifest as a reader will see it. A dict is
         checked against the schema first: a key that is not a ``Manifest`` field is refused."""
         if isinstance(manifest, dict):
             manifest = Manifest.from_dict({**manifest, "format": FORMAT}, where=self.manifest_file)
         manifest.write(self.manifest_file)
-        return self.read_manifest()
+        return Manifest.from_dict(json.loads(json.dumps(manifest.to_dict())), where=self.manifest_file,
+                                  strict=False)         # as a reader sees it, without reading it back
 
     # -- the other files ------------------------------------------------------------------
     def write_report(self, skipped: list[dict]) -> Path:
@@ -108,41 +117,41 @@ class IndexDir:
         return {"bytes": self.index_file.stat().st_size, "sha256": file_sha256(self.index_file)}
 
     # -- open or refuse -------------------------------------------------------------------
-    def check(self, manifest: dict, *, model: bool = False, verify_hash: bool = True) -> None:
+    def check(self, manifest: Manifest, *, model: bool = False, verify_hash: bool = True) -> None:
         """All file checks (:mod:`indexer.validate`) before anything maps or parses a file."""
         check_lmdb(self.store_dir)
-        if not manifest.get("shard"):
-            check_faiss_file(self.index_file, manifest.get("index_file") or {}, verify_hash=verify_hash)
+        if not manifest.is_shard:
+            check_faiss_file(self.index_file, manifest.index_file or {}, verify_hash=verify_hash)
         if model:
-            check_model_file(self.model_file, (manifest.get("model") or {}).get("hash"))
+            check_model_file(self.model_file, manifest.model.get("hash"))
 
-    def refuse_shard(self, manifest: dict) -> None:
+    def refuse_shard(self, manifest: Manifest) -> None:
         """A shard holds a store but no index: it is merged, never searched or updated."""
-        if manifest.get("shard"):
-            s = manifest["shard"]
+        if manifest.is_shard:
+            s = manifest.shard
             raise IndexerError(f"{self.path}: is shard {s['i']}/{s['n']}, not an index; "
                                "run `indexer merge` first")
 
-    def check_index_dim(self, d: int, manifest: dict) -> None:
-        if d != int(manifest["dim"]):
+    def check_index_dim(self, d: int, manifest: Manifest) -> None:
+        if d != manifest.dim:
             raise IndexerError(f"{self.index_file}: dimension mismatch: index holds {d}-d vectors, "
-                               f"manifest says {manifest['dim']}-d")
+                               f"manifest says {manifest.dim}-d")
 
-    def check_embedder(self, emb: Any, manifest: dict, path: str | Path | None = None) -> None:
+    def check_embedder(self, emb: Any, manifest: Manifest, path: str | Path | None = None) -> None:
         """``emb`` is the model the index was built with and gives its dimension."""
         path = path or self.model_file
-        want = manifest["model"]["hash"]
+        want = manifest.model_hash
         if emb.model_hash != want:
             raise IndexerError(f"{path}: model {emb.model_hash[:12]} differs from the model this index "
-                               f"was built with ({want[:12]}, {manifest['model'].get('source')}); "
+                               f"was built with ({want[:12]}, {manifest.model.get('source')}); "
                                "use that model or rebuild with `indexer build`")
-        if emb.dim != manifest["dim"]:
+        if emb.dim != manifest.dim:
             raise IndexerError(f"{path}: dimension mismatch: model gives {emb.dim}-d embeddings, "
-                               f"index holds {manifest['dim']}-d")
+                               f"index holds {manifest.dim}-d")
 
-    def read_index(self, manifest: dict) -> Any:
+    def read_index(self, manifest: Manifest) -> Any:
         """``index.faiss`` for updating, after its size/checksum and dimension checks."""
-        check_faiss_file(self.index_file, manifest.get("index_file") or {})
+        check_faiss_file(self.index_file, manifest.index_file or {})
         index = read_faiss(self.index_file)
         self.check_index_dim(index.d, manifest)
         return index

@@ -10,8 +10,11 @@ kept (``extra``) and written back as they were.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
+
 from embedder.files import atomic_target
 
 from .errors import IndexerError
@@ -21,8 +24,12 @@ DEFAULT_TARGET_RECALL = 0.95    # recall@10 vs exact search that the search para
 
 
 @dataclass
-class Manifest:
-    """The keys of ``manifest.json``; ``indexer info`` shows them. None: not recorded."""
+class Manifest(Mapping):
+    """The keys of ``manifest.json``; ``indexer info`` shows them. None: not recorded.
+
+    Read its fields as attributes. The read-only mapping view (``m["count"]``, ``m.get(...)``)
+    is kept for code that still reads a manifest as the JSON object (serving, evaluate,
+    benchmarks, tests); :meth:`to_dict` is the JSON boundary."""
 
     model: dict                             # model_info(): hash, file, source, dim, backbone, ...
     dim: int
@@ -88,6 +95,55 @@ class Manifest:
                and (getattr(self, f.name) is not None or f.name == "index_type")}
         return {**self.extra, **out}
 
+    # -- what callers ask of it ------------------------------------------------------------
+    @property
+    def is_shard(self) -> bool:
+        """A shard (``indexer build --shard``): a store, no index; merged before it is searched."""
+        return bool(self.shard)
+
+    @property
+    def is_sharded(self) -> bool:
+        """A sharded index: its parts stay in the shard folders it lists (:mod:`indexer.shards`)."""
+        return bool(self.sharded)
+
+    @property
+    def model_hash(self) -> str:
+        return self.model["hash"]
+
+    def replace(self, **changes: Any) -> "Manifest":
+        """A copy with ``changes`` (field names; a name that is no field is a TypeError)."""
+        return replace(self, **changes)
+
+    def recall_text(self) -> str:
+        """``indexer info``'s recall line, for single and sharded indexes alike: on what queries
+        the recall was measured. After ``add``/``remove`` there is no held-out set any more (the
+        index holds every vector) and the figure is the retuning's, on self-queries."""
+        if self.heldout_queries:
+            on = (f"{self.heldout_queries} held-out queries (tuned on {self.tuning_queries}: "
+                  f"{self.tuning_recall_at_10})")
+        else:
+            on = f"{self.tuning_queries or 0} self-queries (retuned after add/remove)"
+        return f"@10 vs exact {self.recall_at_10} on {on}, target {self.target_recall}"
+
+    # -- the read-only mapping view (the JSON object's keys) ---------------------------------
+    def __getitem__(self, key: str) -> Any:
+        if key in _FIELDS and (getattr(self, key) is not None or key == "index_type"):
+            return getattr(self, key)
+        return self.extra[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+    def __eq__(self, other: object) -> bool:       # equal to its JSON object, too
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self.to_dict() == (other.to_dict() if isinstance(other, Manifest) else dict(other))
+
+    __hash__ = None     # type: ignore[assignment]  (mutable, like the dict it stands for)
+
     # -- the file ---------------------------------------------------------------------------
     @classmethod
     def read(cls, path: str | Path) -> "Manifest":
@@ -105,6 +161,9 @@ class Manifest:
         with atomic_target(path) as tmp, open(tmp, "w") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+
+
+_FIELDS = frozenset(f.name for f in fields(Manifest)) - {"extra"}
 
 
 def _problem(d: dict, m: Manifest | None) -> str:
@@ -179,15 +238,3 @@ def _is_record(v: object) -> bool:
 def _short(v: object) -> str:
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
-
-
-def recall_text(m: dict) -> str:
-    """``indexer info``'s recall line, for single and sharded indexes alike: on what queries the
-    recall was measured. After ``add``/``remove`` there is no held-out set any more (the index
-    holds every vector) and the figure is the retuning's, on self-queries."""
-    if m.get("heldout_queries"):
-        on = (f"{m['heldout_queries']} held-out queries (tuned on {m.get('tuning_queries')}: "
-              f"{m.get('tuning_recall_at_10')})")
-    else:
-        on = f"{m.get('tuning_queries') or 0} self-queries (retuned after add/remove)"
-    return f"@10 vs exact {m['recall_at_10']} on {on}, target {m['target_recall']}"

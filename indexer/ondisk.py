@@ -28,7 +28,7 @@ def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_ind
     out_index = Path(out_index)
     data = out_index.with_suffix(".ivfdata")
     data.unlink(missing_ok=True)
-    if not fx._is_ivf(trained):
+    if not fx.is_ivf(trained):
         raise IndexerError(f"{trained}: only IVF indexes merge on disk")
     index = faiss.clone_index(trained)
     ivf = faiss.extract_index_ivf(index)

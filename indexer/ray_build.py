@@ -26,15 +26,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import IndexerError
-from .index_dir import IndexDir
+from .index_dir import FILE_LIST, PART_FILE, PLAN_FILE, SHARDS_DIR, STORE_DIR, IndexDir
 from .lock import writer_lock
-from .manifest import DEFAULT_TARGET_RECALL
+from .manifest import Manifest
+from .options import BuildOptions
 from .ray_sources import task_error
-from .selection import check_options
-from .walk import FILE_LIST, read_file_list, split_walk
+from .walk import read_file_list, split_walk
 
-SHARDS_DIR = "shards"
-PLAN_FILE = "plan.json"         # shard count, gallery and model of the shards under SHARDS_DIR
 INSTALL_HINT = "pip install 'ray[default]>=2.9,<3' (or the project's extra: pip install -e '.[ray]')"
 # Test and drill hook: "i:N:MARKER" makes shard i's worker SIGKILL itself once N of its files
 # are settled (committed, or skipped), on the attempt that creates MARKER (so the retry runs to
@@ -154,8 +152,6 @@ def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim
 
     from . import faiss_index as fx
     from . import stream
-    from .index_dir import STORE_DIR
-    from .shards import PART_FILE
     from .sources import StoreSource
 
     src = StoreSource(Path(shard_dir) / STORE_DIR, model_hash, dim)
@@ -344,17 +340,19 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    max_retries: int = 3, cpus_per_shard: int | None = None,
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
                    device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
-                   **merge_opts: Any) -> dict:
+                   options: BuildOptions | None = None, **option_kw: Any) -> Manifest:
     """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
 
-    Shards go to ``out/shards/<i>``; ``merge_opts`` are ``merge_shards``'s index options. With
+    Shards go to ``out/shards/<i>``; ``options`` (or its fields by name): how the index is
+    chosen, as for ``build_index``. With
     ``sharded`` the shards stay there as the index's parts (``shard_build.build_sharded``: one
     training on a sample of their stores, then a second Ray pass in which each shard fills its
     part), instead of being copied into one store and one index. Every input is checked (the
     same checks as ``build_index``) before Ray starts.
     Holds ``out``'s writer lock (:mod:`indexer.lock`) from once the inputs are checked and Ray
     is there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
-    Returns the merged manifest plus ``ray``: shards, attempts per shard, resources per task.
+    Returns the merged manifest with ``ray`` (in ``extra``): shards, attempts per shard,
+    resources per task.
     """
     from .build import gallery_files, merge_shards
     from .model import load_embedder
@@ -362,8 +360,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
     t0 = time.perf_counter()
     gallery, out = Path(gallery).resolve(), Path(out).resolve()
     gallery_files(gallery)
-    check_options(merge_opts.get("index_type", "auto"),
-                  merge_opts.get("target_recall", DEFAULT_TARGET_RECALL), merge_opts.get("max_memory"))
+    build_opts = BuildOptions.of(options, **option_kw)
     for name, v in (("--shards", shards), ("--cpus-per-shard", cpus_per_shard),
                     ("--batch-size", batch_size), ("--workers", workers)):
         if v is not None and v < 1:
@@ -392,8 +389,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                 readers = open_readers(ray, dirs, emb.model_hash, int(emb.dim), max_retries=max_retries,
                                        threads=res["num_cpus"], nodes=where)
                 try:
-                    m = build_sharded(dirs, out, device=device, progress=progress, fill_parts=fill,
-                                      sources=readers, **merge_opts)
+                    m = build_sharded(dirs, out, options=build_opts, device=device, progress=progress,
+                                      fill_parts=fill, sources=readers, wait=wait)
                 finally:
                     for r in readers:
                         r.close()
@@ -403,12 +400,12 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             if started:
                 ray.shutdown()
         if not sharded:
-            m = merge_shards(dirs, out, device=device, progress=progress, **merge_opts)
-        m["ray"] = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
-                    "seconds": round(time.perf_counter() - t0, 3)}
+            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress)
+        ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
+                     "seconds": round(time.perf_counter() - t0, 3)}
         if sharded:
-            m["ray"]["plan_bytes"] = plan_bytes      # what the shards' readers sent the driver
-        return m
+            ray_facts["plan_bytes"] = plan_bytes      # what the shards' readers sent the driver
+        return m.replace(extra={**m.extra, "ray": ray_facts})
 
 
 def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: dict, opts: dict,

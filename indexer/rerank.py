@@ -44,11 +44,6 @@ def codecs(dim: int) -> list[tuple[str, int]]:
     return out
 
 
-def in_ram_bytes(ntotal: int, code_size: int, nlist: int, dim: int) -> int:
-    """What an IVF index of these codes holds: codes + 8-byte ids, and the coarse centroids."""
-    return int(ntotal * (code_size + 8) + nlist * dim * 4)
-
-
 def _ivf_parts(index: faiss.Index) -> list[faiss.Index]:
     """The indexes whose lists make up ``index``: the parts of a sharded index searched as one
     (``IndexShardsIVF`` of IVF parts; ``IndexShards`` of ``IDMap2,Flat`` parts, a small sharded
@@ -66,7 +61,7 @@ def lists(parts: Sequence[faiss.Index]) -> Iterator[tuple[int, np.ndarray, np.nd
     """(list number, vectors, ids) of every non-empty list of IVF-Flat parts (the vectors are
     views on the parts' memory-mapped pages), or (0, chunk, ids) of an ``IDMap2,Flat`` index."""
     for part in parts:
-        if not fx._is_ivf(part):                 # IDMap2,Flat (small galleries): one "list"
+        if not fx.is_ivf(part):                 # IDMap2,Flat (small galleries): one "list"
             flat = faiss.downcast_index(part.index)
             ids = faiss.vector_to_array(part.id_map).astype(np.int64)
             x = faiss.rev_swig_ptr(flat.get_xb(), part.ntotal * part.d).reshape(-1, part.d)
@@ -106,7 +101,7 @@ def compress(index: faiss.Index, codec: str, nprobe: int = 1) -> faiss.Index:
     does not matter for a Flat index, probed whole), each vector in its original list."""
     parts = _ivf_parts(index)
     dim = index.d
-    if fx._is_ivf(parts[0]):
+    if fx.is_ivf(parts[0]):
         quantizer = faiss.extract_index_ivf(parts[0]).quantizer
         if isinstance(index, faiss.IndexShardsIVF):
             quantizer = index.quantizer
@@ -211,10 +206,10 @@ def choose_codec(ntotal: int, dim: int, nlist: int, budget: int) -> str:
     PQ needs 256 training points a codebook: below that only SQ codes are offered."""
     offered = [(name, size) for name, size in codecs(dim) if not (name.startswith("PQ") and ntotal < 256)]
     for name, size in offered:
-        if in_ram_bytes(ntotal, size, nlist, dim) <= budget:
+        if fx.memory_bytes(ntotal, size, nlist, dim) <= budget:
             return name
     name, size = offered[-1]
-    need = in_ram_bytes(ntotal, size, nlist, dim)
+    need = fx.memory_bytes(ntotal, size, nlist, dim)
     raise IndexerError(f"--max-memory {size_text(budget)}: the smallest codes ({name}, "
                        f"{size} bytes a vector) of {ntotal} vectors need about {size_text(need)}")
 
@@ -227,11 +222,11 @@ def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str 
     is; ``codec`` forces a codec (tests, benchmarks)."""
     parts = _ivf_parts(index)
     dim, n = index.d, int(index.ntotal)
-    if fx._is_ivf(parts[0]):
+    if fx.is_ivf(parts[0]):
         ivf = faiss.extract_index_ivf(parts[0])
         nlist, code_size, nprobe = ivf.nlist, ivf.code_size, int(ivf.nprobe)
         if not _is_flat_lists(ivf):
-            need = in_ram_bytes(n, code_size, nlist, dim)
+            need = fx.memory_bytes(n, code_size, nlist, dim)
             if need > budget:
                 raise IndexerError(f"--max-memory {size_text(budget)}: this index's own codes "
                                    f"({code_size} bytes a vector) need about {size_text(need)}")
@@ -239,21 +234,21 @@ def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str 
                             nprobe=nprobe, factor=factor, budget=budget)
     else:
         nlist, code_size, nprobe = 1, 4 * dim, 1
-    if codec is None and in_ram_bytes(n, code_size, nlist, dim) <= budget:
+    if codec is None and fx.memory_bytes(n, code_size, nlist, dim) <= budget:
         return None
     codec = codec or choose_codec(n, dim, nlist, budget)
     codes = compress(index, codec, nprobe)
     ivf = faiss.extract_index_ivf(codes)
     return ReRanked(codes, vectors, codec=codec, nprobe=nprobe, factor=factor, budget=budget,
-                    memory_bytes=in_ram_bytes(n, ivf.code_size, ivf.nlist, dim))
+                    memory_bytes=fx.memory_bytes(n, ivf.code_size, ivf.nlist, dim))
 
 
 def serve_codes(idx: Any, max_memory: int | str) -> Any:
     """``Index.open(..., max_memory=...)``: swap an opened index's faiss index (read memory-mapped)
     for its codes re-ranked from the index's own store(s), when it does not fit the budget."""
-    from .selection import parse_memory
+    from embedder.cli import memory_size
 
-    budget = parse_memory(max_memory)
+    budget = memory_size(max_memory)
     r = codes_only(idx.faiss.cpu_index, store_vectors(idx.store, idx.model_hash), budget)
     if r is not None:
         idx.faiss = r

@@ -23,9 +23,11 @@ from typing import Sequence
 import faiss
 import numpy as np
 
+from embedder.cli import memory_size
+
 from . import faiss_index as fx
 from .errors import IndexerError, size_text
-from .manifest import DEFAULT_TARGET_RECALL
+from .options import BuildOptions
 from .tuning import K, Holdout, clears, exact_knn, holdout, measure_qps, recalls, tune
 
 SELECT_FROM = 10_000        # smaller galleries forced past Flat get IVF-Flat: timings would be noise
@@ -42,22 +44,13 @@ def serialized_bytes(index: faiss.Index) -> int:
 def predicted_bytes(spec: fx.IndexSpec, n: int, dim: int) -> int:
     """A lower bound of ``spec``'s size over ``n`` vectors, from its factory string alone: the
     codes (``faiss.contrib.factory_tools.get_code_size``, which reads the factory grammar, so
-    it is not re-derived here) plus the IVF centroids, without ids or list overhead. A candidate
-    above the budget by this bound cannot fit, so it is never built."""
+    it is not re-derived here), their ids and the IVF centroids (``faiss_index.memory_bytes``,
+    the one memory model), without list overhead. A candidate above the budget by this bound
+    cannot fit, so it is never built."""
     from faiss.contrib.factory_tools import get_code_size
 
     key = spec.factory.removeprefix("IDMap2,").removesuffix("np")     # ids / training flags: no code
-    return n * get_code_size(dim, key) + (spec.nlist or 0) * dim * 4
-
-
-def check_options(index_type: str, target_recall: float, max_memory: int | str | None) -> int | None:
-    """The one check of the index flags every build entry takes (build, --shard, --ray, merge):
-    refused before any work, in one line. Returns ``max_memory`` in bytes."""
-    if index_type not in fx.INDEX_TYPES:
-        raise IndexerError(f"index type {index_type!r}: expected one of {', '.join(fx.INDEX_TYPES)}")
-    if not 0 < target_recall <= 1:
-        raise IndexerError(f"target recall {target_recall}: expected 0 < target <= 1")
-    return parse_memory(max_memory)
+    return fx.memory_bytes(n, get_code_size(dim, key), spec.nlist or 0, dim)
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -100,21 +93,11 @@ def scaled(spec: fx.IndexSpec, n_sample: int, n_full: int) -> fx.IndexSpec:
 
 
 def parse_memory(text: str | int | None) -> int | None:
-    """"4G", "512M", "1.5GiB", "2000000000" -> bytes; None / "" -> no limit."""
-    if text is None or text == "":
-        return None
-    if isinstance(text, (int, float)):
-        return int(text)
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(s[-1:], 1)
+    """:func:`embedder.cli.memory_size` (the one parser), raising IndexerError: app.py's old name."""
     try:
-        v = float(s[:-1] if mult > 1 else s)
-    except ValueError:
-        raise IndexerError(f"memory size {text!r}: expected a number with an optional K/M/G/T "
-                           "suffix, e.g. 4G") from None
-    if v <= 0:
-        raise IndexerError(f"memory size {text!r}: expected a positive size")
-    return int(v * mult)
+        return memory_size(text)
+    except ValueError as e:
+        raise IndexerError(str(e)) from None
 
 
 @dataclass
@@ -212,7 +195,7 @@ def choose(table: list[dict], max_memory: int | None = None) -> int:
     fit = [i for i, r in enumerate(table) if r["fits_memory"]]
     if not fit:
         small = min(table, key=lambda r: r["memory_bytes"])
-        raise IndexerError(f"--max-memory {size_text(max_memory or 0)}: no index type fits; the "
+        raise IndexerError(f"--index-memory {size_text(max_memory or 0)}: no index type fits; the "
                            f"smallest, {small['index_type']}, needs about {size_text(small['memory_bytes'])}")
     ok = [i for i in fit if table[i]["meets_target"]]
     if not ok:
@@ -222,12 +205,9 @@ def choose(table: list[dict], max_memory: int | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------- build
-def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
-          flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-          target_recall: float = DEFAULT_TARGET_RECALL, max_memory: int | str | None = None,
-          device: str = "auto", seed: int = 0, trained: faiss.Index | None = None,
-          parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
-          progress: bool = False) -> tuple[faiss.Index, dict]:
+def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *, device: str = "auto",
+          trained: faiss.Index | None = None, parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+          progress: bool = False, **option_kw: object) -> tuple[faiss.Index, dict]:
     """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x):
     what ``indexer build`` and ``merge`` do once the vectors are in hand.
 
@@ -235,20 +215,22 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
     one), and the recall reported is measured on held-out gallery vectors. Returns (index,
     manifest fields). With ``parts`` (shards' (ids, x)) each part fills its own copy of the
     trained index and the copies are merged with ``merge_from`` where faiss can merge that type.
+    ``option_kw``: :class:`BuildOptions` fields by name (tests, benchmarks).
     """
+    o = BuildOptions.of(options, **option_kw)
+    index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory
     n, dim = x.shape
-    target = target_recall
-    max_memory = check_options(index_type, target, max_memory)
     if n <= 0:
         raise IndexerError("cannot build an index of an empty gallery")
     if max_memory is not None and max_memory < n * dim:
-        raise IndexerError(f"--max-memory {size_text(max_memory)}: {n} x {dim} vectors need at least "
+        raise IndexerError(f"--index-memory {size_text(max_memory)}: {n} x {dim} vectors need at least "
                            f"{size_text(n * dim)} even as 8-bit codes")
-    if index_type == "flat" or (index_type == "auto" and n < flat_threshold):
+    if index_type == "flat" or (index_type == "auto" and n < o.flat_threshold):
         spec = fx.choose_spec(n, dim, "flat")
-        if max_memory is not None and n * (4 * dim + 8) > max_memory:
-            raise IndexerError(f"--max-memory {size_text(max_memory)}: an exact index of {n} x {dim} "
-                               f"needs {size_text(n * (4 * dim + 8))}; use --index-type sq8 or pqfsr8")
+        need = fx.memory_bytes(n, 4 * dim, 0, dim)
+        if max_memory is not None and need > max_memory:
+            raise IndexerError(f"--index-memory {size_text(max_memory)}: an exact index of {n} x {dim} "
+                               f"needs {size_text(need)}; use --index-type sq8 or pqfsr8")
         index = fx.train(spec, x[:0], dim)
         _fill(index, spec, x, ids, np.arange(n), parts, np.zeros(0, dtype=np.int64))
         return index, index_fields(spec, int(index.ntotal), dim, target)
@@ -268,7 +250,7 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
         else:
             spec = fx.choose_spec(n, dim, "ivf", nlist=nlist)
     else:
-        spec = fx.choose_spec(n, dim, index_type, flat_threshold, nlist)
+        spec = fx.choose_spec(n, dim, index_type, o.flat_threshold, nlist)
     train_rows = ho.rows[fx.training_sample(len(ho.rows), spec, seed)]
     t_train = 0.0
     if sel is not None and sel.index is not None:
@@ -290,7 +272,7 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
         fields["max_memory"] = int(max_memory)
         size = serialized_bytes(index) if sel is None else None
         if size is not None and size > max_memory:
-            raise IndexerError(f"--max-memory {size_text(max_memory)}: the {spec.index_type} index needs "
+            raise IndexerError(f"--index-memory {size_text(max_memory)}: the {spec.index_type} index needs "
                                f"{size_text(size)}; use --index-type auto or a larger budget")
     if sel is not None:
         fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))

@@ -10,6 +10,8 @@ end in ``sync_parts``, which makes the parts hold exactly what the stores hold.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -19,18 +21,19 @@ import numpy as np
 from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
-from . import selection, stream
-from .sources import Rows, Source, StoreSource
-from .build import check_shards, remove_target, space_needed
-from .lmdb_env import DiskFullError
+from . import stream
+from .build import Change, check_shards, remove_targets, shard_numbers, skipped_total, space_needed, update_embedder
 from .errors import IndexerError
-from .index_dir import REPORT, STORE_DIR, IndexDir, now_utc
-from .manifest import DEFAULT_TARGET_RECALL
-from .model import load_embedder
-from .pipeline import IngestStats, ingest
-from .shards import (HELD_FILE, PART_FILE, TRAINED_FILE, check_files, claim_parts, record_owner, relative,
-                     shard_paths)
+from .index_dir import HELD_FILE, PART_FILE, REPORT, STORE_DIR, TRAINED_FILE, IndexDir, now_utc
+from .lmdb_env import DiskFullError
+from .lock import writer_lock
+from .manifest import Manifest
+from .options import BuildOptions
+from .pipeline import ingest
+from .shards import PartsIndex, claim_parts, record_owner, relative, shard_paths
+from .sources import Rows, Source, StoreSource
 from .store import GalleryStore
+from .tuning import K, heldout_size, retuned
 from .walk import walk_gallery
 
 FillParts = Callable[[Path, list[np.ndarray]], None]   # (trained file, skip ids per shard)
@@ -41,30 +44,35 @@ def _records(out: Path, files: Sequence[Path]) -> dict:
     return {relative(out, f): {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files}
 
 
-def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_type: str = "auto",
-                  flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-                  target_recall: float = DEFAULT_TARGET_RECALL, device: str = "auto", seed: int = 0,
-                  progress: bool = True, max_memory: int | str | None = None,
-                  fill_parts: FillParts | None = None, sources: Sequence[Source] | None = None) -> dict:
+def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
+                  device: str = "auto", progress: bool = True, fill_parts: FillParts | None = None,
+                  sources: Sequence[Source] | None = None, wait: bool = False, **option_kw: object) -> Manifest:
     """Index shard directories where they are; ``out`` gets the manifest that lists them.
     ``sources``: the shards as the plan reads them (default: their stores, in this process;
     ``ray_build`` passes readers on the shards' nodes, ``indexer.ray_sources``), closed once the
-    plan is made when ``fill_parts`` fills the parts elsewhere."""
+    plan is made when ``fill_parts`` fills the parts elsewhere. Holds the writer locks of ``out``
+    and of the shard folders (their part.faiss is rewritten; ``wait``: wait for other writers)."""
     t0 = time.perf_counter()
     out = Path(out)
+    opts = BuildOptions.of(options, **option_kw)
     dirs = [IndexDir(d) for d in shard_dirs]
     if not dirs:
         raise IndexerError("a sharded build needs at least one shard directory")
+    with ExitStack() as held:       # the shard folders too: their part.faiss is (re)written
+        for d in [out, *[d.path for d in dirs if d.path.is_dir()]]:
+            held.enter_context(writer_lock(d, "indexer merge --sharded", wait=wait))
+        return _build_sharded(dirs, out, opts, device, progress, fill_parts, sources, t0)
+
+
+def _build_sharded(dirs: list[IndexDir], out: Path, opts: BuildOptions, device: str, progress: bool,
+                   fill_parts: FillParts | None, sources: Sequence[Source] | None, t0: float) -> Manifest:
     manifests = check_shards(dirs)
     claim_parts(out, [d.path for d in dirs])      # another sharded index's parts: refused
-    model, dim = manifests[0]["model"], int(manifests[0]["dim"])
+    model, dim = manifests[0].model, manifests[0].dim
     if sources is None:
         sources = [StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
     try:
-        p = stream.plan(sources, index_type=index_type, flat_threshold=flat_threshold, nlist=nlist,
-                        target=target_recall,
-                        max_memory=selection.check_options(index_type, target_recall, max_memory),
-                        device=device, seed=seed, progress=progress)
+        p = stream.plan(sources, opts, device=device, progress=progress)
         if fill_parts is not None:         # the plan's reads are done: free the readers now
             for s in sources:
                 s.close()
@@ -85,38 +93,35 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, index_ty
         for s in sources:
             s.close()
     t1 = time.perf_counter()
-    fields = stream.tune_and_check(p, stream.open_parts(parts, p.trained), target_recall)
+    fields = stream.tune_and_check(p, stream.open_parts(parts, p.trained), opts.target_recall)
     fx.write_atomic(stream.held_part(p), out / HELD_FILE)
     p.seconds["tune"] = time.perf_counter() - t1
     dst = IndexDir(out)
     dst.copy_model(dirs[0].model_file, model["hash"])
     dst.write_report([r for d in dirs for r in d.read_report()])
-    skipped = sum(int(m.get("ingest", {}).get("skipped", 0)) for m in manifests)
-    manifest = {"model": model, **fields,
-                "sharded": {"shards": [relative(out, d.path) for d in dirs], "trained": TRAINED_FILE,
-                            "held": HELD_FILE,
-                            "files": _records(out, [out / TRAINED_FILE, out / HELD_FILE, *parts])},
-                "shards": [[m["shard"]["i"], m["shard"]["n"]] for m in manifests if m.get("shard")],
-                "ingest": {"skipped": skipped}, "report": REPORT,
-                "stage_seconds": {k: round(v, 3) for k, v in p.seconds.items()},
-                "build_seconds": round(time.perf_counter() - t0, 3), "built_at": now_utc()}
-    written = dst.write_manifest(manifest)
+    written = dst.write_manifest(Manifest(
+        model=model, **fields,
+        sharded={"shards": [relative(out, d.path) for d in dirs], "trained": TRAINED_FILE, "held": HELD_FILE,
+                 "files": _records(out, [out / TRAINED_FILE, out / HELD_FILE, *parts])},
+        shards=shard_numbers(manifests), ingest={"skipped": skipped_total(manifests)}, report=REPORT,
+        stage_seconds={k: round(v, 3) for k, v in p.seconds.items()},
+        build_seconds=round(time.perf_counter() - t0, 3), built_at=now_utc()))
     record_owner(out, [d.path for d in dirs])
     return written
 
 
 # ---------------------------------------------------------------------------- add / remove
-def sync_parts(directory: Path, manifest: dict) -> dict:
+def sync_parts(directory: Path, manifest: Manifest) -> Change:
     """Make each part hold exactly its shard's share of the stores (the first shard that holds
     an id owns it; a held-out id stays in the held part while some store has it), rewrite the
     parts that change and the manifest. Idempotent: it also repairs a crash between a store's
     commit and its part's rewrite. When a part changed, the search parameter is retuned
     (``retune_sharded``), as ``indexer add/remove`` retune a single index."""
-    model_hash, sh = manifest["model"]["hash"], manifest["sharded"]
+    model_hash, sh = manifest.model_hash, manifest.sharded
     dirs = shard_paths(directory, manifest)
     stored = []
     for p in dirs:
-        src = StoreSource(p / STORE_DIR, model_hash, int(manifest["dim"]))
+        src = StoreSource(p / STORE_DIR, model_hash, manifest.dim)
         stored.append((src.ids(), src))
     held_file = directory / sh["held"]
     held = faiss.read_index(str(held_file))
@@ -150,28 +155,24 @@ def sync_parts(directory: Path, manifest: dict) -> dict:
     old = {relative(directory, directory / k): v for k, v in sh.get("files", {}).items()}  # absolute
     files = {**old, **_records(directory, changed)}     # keys of older manifests: named as now
     fields = {}
-    if changed and manifest.get("index_type") != "flat":
+    if changed and manifest.index_type != "flat":
         fields = retune_sharded(directory, manifest, [ids for ids, _ in stored], taken)
-    m = IndexDir(directory).write_manifest({**manifest, **fields, "count": count,
-                                            "sharded": {**sh, "files": files}, "updated_at": now_utc()})
-    return {**m, "added": int(added), "removed": int(removed + len(gone_held))}
+    m = IndexDir(directory).write_manifest(manifest.replace(
+        **fields, count=count, sharded={**sh, "files": files}, updated_at=now_utc()))
+    return Change(m, added=int(added), removed=int(removed + len(gone_held)))
 
 
-def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray], ids: np.ndarray,
+def retune_sharded(directory: Path, manifest: Manifest, per_shard: list[np.ndarray], ids: np.ndarray,
                    seed: int = 0) -> dict:
     """``tuning.retune`` for a sharded index: self-queries drawn from the stores, their exact
     answers from one streaming pass over the shards (``stream.exact_truth``), the parts searched
     as one tuned to the target with the same margin."""
     from embedder.knn import drop_self
 
-    from .shards import PartsIndex
-    from .tuning import K, holdout, tune
-
-    spec = fx.IndexSpec(**{f: manifest[f] for f in fx.IndexSpec.__dataclass_fields__ if f in manifest})
-    n, dim = len(ids), int(manifest["dim"])
-    m = max(1, len(holdout(n, dim, seed).tune))
+    n, dim = len(ids), manifest.dim
+    m = max(1, heldout_size(n, dim))
     own = np.sort(np.random.default_rng(seed + 1).choice(ids, size=min(m, n), replace=False))
-    sources = [StoreSource(p / STORE_DIR, manifest["model"]["hash"], dim)
+    sources = [StoreSource(p / STORE_DIR, manifest.model_hash, dim)
                for p in shard_paths(directory, manifest)]
     try:
         seen, dups = np.zeros(0, np.int64), []
@@ -188,25 +189,16 @@ def retune_sharded(directory: Path, manifest: dict, per_shard: list[np.ndarray],
     finally:
         for s in sources:
             s.close()
-    index = PartsIndex(directory, manifest).cpu_index
-    value, rq = tune(index, spec, q, truth, float(manifest.get("target_recall", DEFAULT_TARGET_RECALL)), own=own)
-    return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
-            "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),
-            "tuning_queries": int(len(own)), "heldout_queries": 0}
+    return retuned(PartsIndex(directory, manifest).cpu_index, fx.IndexSpec.from_manifest(manifest), q, truth,
+                   own, manifest.target_recall)
 
 
-def add_sharded(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
+def add_sharded(d: IndexDir, manifest: Manifest, folder: Path, model: str | Path | None = None, *,
                 prefix: str = "", batch_size: int = 32, workers: int | None = None,
-                device: str = "auto", progress: bool = True) -> tuple[dict, IngestStats]:
-    """``indexer add`` on a sharded index: into the shard whose store holds the fewest images."""
-    d, folder = IndexDir(directory), Path(folder)
-    if not folder.is_dir():
-        raise IndexerError(f"{folder}: folder not found")
-    manifest = d.read_manifest()
-    check_files(d.path, manifest)
-    path = Path(model) if model is not None else d.model_file
-    emb = load_embedder(path, device=device, batch_size=batch_size)
-    d.check_embedder(emb, manifest, path)
+                device: str = "auto", progress: bool = True) -> Change:
+    """``indexer add`` on a sharded index (:func:`indexer.layouts.add_images` holds the lock):
+    into the shard whose store holds the fewest images."""
+    emb = update_embedder(d, manifest, model, device, batch_size)
     files = list(walk_gallery(folder, prefix=prefix))
     if not files:
         raise IndexerError(f"{folder}: no images to add")
@@ -222,29 +214,32 @@ def add_sharded(directory: str | Path, folder: str | Path, model: str | Path | N
         except DiskFullError as e:
             raise e.needing(space_needed(files, emb.dim, target / PART_FILE)) from None
     d.write_report(stats.skipped)
-    m = sync_parts(d.path, manifest)
-    return {**m, "shard": str(target)}, stats
+    return replace(sync_parts(d.path, manifest), stats=stats, shard=target)
 
 
-def remove_sharded(directory: str | Path, targets: Sequence[str]) -> tuple[dict, list[str]]:
+def remove_sharded(d: IndexDir, manifest: Manifest, targets: Sequence[str]) -> Change:
     """``indexer remove`` on a sharded index: every target (id or relative path) is looked up in
     every shard first (an unknown one refuses the whole command, nothing removed), then removed
     from each shard that holds it."""
-    d = IndexDir(directory)
-    manifest = d.read_manifest()
-    check_files(d.path, manifest)
-    stores = [GalleryStore(p / STORE_DIR, readonly=False) for p in shard_paths(d.path, manifest)]
+    dirs = shard_paths(d.path, manifest)
+    stores = [GalleryStore(p / STORE_DIR, readonly=False) for p in dirs]
     try:
-        for t in targets:
-            if not any(s.id_for_path(t) is not None or (t.isdigit() and int(t) in s) for s in stores):
-                raise IndexerError(f"{t}: no such id or path in {d.path}")
-        msgs = []
-        for t in targets:
-            for p, s in zip(shard_paths(d.path, manifest), stores):
-                msg = remove_target(s, t, f" from {p}")
-                if msg is not None:
-                    msgs.append(msg)
+        msgs = remove_targets([(s, f" from {p}") for p, s in zip(dirs, stores)], targets, d.path)
     finally:
         for s in stores:
             s.close()
-    return sync_parts(d.path, manifest), msgs
+    return replace(sync_parts(d.path, manifest), messages=msgs)
+
+
+def repair_sharded(d: IndexDir, manifest: Manifest, *, batch_size: int = 32, workers: int | None = None,
+                   device: str = "auto", progress: bool = True) -> Change:
+    """``indexer repair`` on a sharded index: embed each shard's stored images the index's model
+    has not embedded, then make the parts hold exactly what the stores hold (``sync_parts``)."""
+    from .pipeline import embed_missing
+
+    emb = update_embedder(d, manifest, None, device, batch_size)
+    embedded = 0
+    for p in shard_paths(d.path, manifest):
+        with GalleryStore(p / STORE_DIR, readonly=False) as store:
+            embedded += embed_missing(store, emb, workers=workers, progress=progress)
+    return replace(sync_parts(d.path, manifest), embedded=embedded)

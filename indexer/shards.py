@@ -12,49 +12,42 @@ Layout (``indexer build --ray --sharded`` or ``indexer merge --sharded``)::
 
 Shard paths are stored relative to OUT (``relative``: through ``..`` for shards beside it, so
 the directory and its shards can move together and the manifest holds no server path), absolute
-only when they share nothing with OUT but the root; ``serving.redact`` cuts those from answers. ``Index.open`` opens such a directory as a :class:`ShardedIndex`, which is an
-:class:`indexer.Index` whose faiss index is the parts as one (``stream.as_one``: one shared
-quantizer, so results equal one merged index's) and whose store reads each id from the shard
-that holds it (:class:`ShardedStore`), so serving, ``indexer search`` and ``eval`` need nothing
-else.
+only when they share nothing with OUT but the root; ``serving.redact`` cuts those from answers.
+``Index.open`` opens such a directory (:class:`indexer.layouts.Sharded`) as an
+:class:`indexer.Index` whose faiss index is the parts as one (:class:`PartsIndex`,
+``stream.as_one``: one shared quantizer, so results equal one merged index's) and whose store
+reads each id from the shard that holds it (:class:`ShardedStore`), so serving, ``indexer
+search`` and ``eval`` need nothing else.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import faiss
 import numpy as np
 
+from embedder.files import atomic_target
+
 from . import faiss_index as fx
 from . import stream
 from .errors import IndexerError
-from .index import Index
-from .index_dir import IndexDir, STORE_DIR
-from .manifest import recall_text
+from .index_dir import MANIFEST, OWNER_FILE, PART_FILE, STORE_DIR, IndexDir
+from .manifest import Manifest
 from .store import GalleryStore
-from .validate import check_faiss_file, check_lmdb, check_model_file, damaged, faiss_reason
-
-PART_FILE = "part.faiss"
-TRAINED_FILE = "trained.faiss"
-HELD_FILE = "held.faiss"
+from .validate import check_faiss_file, check_lmdb, damaged, faiss_reason
 
 
-def is_sharded(manifest: dict) -> bool:
-    return bool(manifest.get("sharded"))
+def is_sharded(manifest: Manifest) -> bool:
+    """``Manifest.is_sharded`` under its old name (serving.redact)."""
+    return manifest.is_sharded
 
 
-def is_sharded_dir(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a sharded index (``indexer add/remove/info`` dispatch on it)."""
-    d = IndexDir(directory)
-    return d.exists() and is_sharded(d.read_manifest())
-
-
-def shard_paths(directory: Path, manifest: dict) -> list[Path]:
+def shard_paths(directory: Path, manifest: Manifest) -> list[Path]:
     """The shard folders (absolute, ``..`` folded: ``relative`` may name them through it)."""
-    return [Path(os.path.normpath(Path(directory).absolute() / p)) for p in manifest["sharded"]["shards"]]
+    return [Path(os.path.normpath(Path(directory).absolute() / p)) for p in manifest.sharded["shards"]]
 
 
 def relative(directory: Path, shard: Path) -> str:
@@ -72,9 +65,9 @@ def relative(directory: Path, shard: Path) -> str:
     return Path(os.path.relpath(s, d)).as_posix()
 
 
-def check_files(directory: Path, manifest: dict, verify_hash: bool = True) -> None:
+def check_files(directory: Path, manifest: Manifest, verify_hash: bool = True) -> None:
     """Every store and faiss file the manifest lists, before anything maps one (one line each)."""
-    recs = manifest["sharded"].get("files", {})
+    recs = manifest.sharded.get("files", {})
     for s in shard_paths(directory, manifest):
         check_lmdb(s / STORE_DIR)
     for rel, rec in recs.items():
@@ -92,9 +85,6 @@ def describe_changed(directory: Path, f: Path, size: int, recorded: int) -> str:
 
 
 # ---------------------------------------------------------------------------- part ownership
-OWNER_FILE = "part.owner"     # in a shard folder: the sharded index whose part.faiss this is
-
-
 def part_owner(shard: Path) -> Path | None:
     """The sharded index that last wrote ``shard``'s part.faiss (its resolved directory), if any."""
     try:
@@ -110,13 +100,13 @@ def claim_parts(out: Path, shards: Sequence[Path]) -> None:
     me = Path(out).resolve()
     for s in shards:
         owner = part_owner(s)
-        if owner is None or owner == me or not (owner / "manifest.json").is_file():
+        if owner is None or owner == me or not (owner / MANIFEST).is_file():
             continue
         try:
             m = IndexDir(owner).read_manifest()
         except IndexerError:
             continue                                    # not a readable index any more: free
-        if is_sharded(m) and Path(s).resolve() in [p.resolve() for p in shard_paths(owner, m)]:
+        if m.is_sharded and Path(s).resolve() in [p.resolve() for p in shard_paths(owner, m)]:
             raise IndexerError(f"{s}: its {PART_FILE} belongs to the sharded index {owner}, which "
                                f"searches it; building {out} over the same shard folder would "
                                f"rewrite it under that index: merge into {owner} again, or copy "
@@ -124,8 +114,6 @@ def claim_parts(out: Path, shards: Sequence[Path]) -> None:
 
 
 def record_owner(out: Path, shards: Sequence[Path]) -> None:
-    from embedder.files import atomic_target
-
     for s in shards:
         with atomic_target(Path(s) / OWNER_FILE) as tmp:
             Path(tmp).write_text(json.dumps({"index": str(Path(out).resolve())}) + "\n")
@@ -193,98 +181,18 @@ class ShardedStore:
 class PartsIndex:
     """``SearchableIndex``'s face (search, ntotal, d) over the parts searched as one."""
 
-    def __init__(self, directory: Path, manifest: dict) -> None:
-        sh = manifest["sharded"]
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        sh = manifest.sharded
         try:
             self.trained = faiss.read_index(str(directory / sh["trained"]))
             files = [p / PART_FILE for p in shard_paths(directory, manifest)] + [directory / sh["held"]]
             self.cpu_index = stream.open_parts(files, self.trained)
         except RuntimeError as e:
             raise damaged(directory, f"faiss cannot read a part ({faiss_reason(e)})") from None
-        fx.set_search_params(self.cpu_index, manifest.get("search_params") or "")
+        fx.set_search_params(self.cpu_index, manifest.search_params or "")
         self.index, self.gpu = self.cpu_index, False
         self.d, self.ntotal = self.cpu_index.d, int(self.cpu_index.ntotal)
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         q = np.ascontiguousarray(q, dtype=np.float32)
         return self.cpu_index.search(q, max(1, min(int(k), max(1, self.ntotal))))
-
-
-class ShardedIndex(Index):
-    """An opened sharded index directory: an ``Index`` in every way serving uses."""
-
-    @classmethod
-    def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
-             store: Any = None) -> "ShardedIndex":
-        d = IndexDir(directory)
-        manifest = d.read_manifest()
-        if not is_sharded(manifest):
-            raise IndexerError(f"{d.path}: not a sharded index")
-        check_files(d.path, manifest)
-        if check_model:
-            check_model_file(d.model_file, manifest["model"]["hash"])
-        fi = PartsIndex(d.path, manifest)
-        d.check_index_dim(fi.d, manifest)
-        if fi.ntotal != int(manifest["count"]):
-            raise IndexerError(f"{d.path}: its parts hold {fi.ntotal} vectors but the manifest says "
-                               f"{manifest['count']}; rerun the build to repair it")
-        dirs = shard_paths(d.path, manifest)
-        if not (isinstance(store, ShardedStore) and [s.path for s in store.stores]
-                == [p / STORE_DIR for p in dirs]):
-            store = ShardedStore(dirs)
-        return cls(d.path, manifest, store, fi, device)
-
-    @property
-    def shards(self) -> list[Path]:
-        return shard_paths(self.directory, self.manifest)
-
-
-def print_info(directory: Path, manifest: dict, as_json: bool) -> int:
-    """``indexer info`` on a sharded index: the manifest, then one line per shard."""
-    import json
-
-    import sys
-
-    from .consistency import check_counts
-
-    check_files(directory, manifest)
-    check_model_file(IndexDir(directory).model_file, manifest["model"]["hash"])
-    facts = info(directory, manifest)
-    counts = check_counts(directory)          # the single index's promise: exit 1 when they differ
-    if as_json:
-        print(json.dumps({"manifest": manifest, **facts, "counts": {
-            **{k: getattr(counts, k) for k in ("store", "embedded", "faiss", "manifest", "busy")},
-            "ok": counts.ok, "message": counts.message}}, indent=2))
-        if not counts.ok:
-            print(f"indexer info: error: {counts.message}", file=sys.stderr)
-        return 0 if counts.ok else 1
-    m, mod = manifest, manifest["model"]
-    print(f"index:    {directory} (sharded: {len(facts['shards'])} shards searched as one)")
-    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
-    print(f"faiss:    {m['index_type']} ({m.get('factory')}), {m['count']} vectors, metric {m['metric']}")
-    if m.get("search_params"):
-        print(f"search:   {m['search_params']}" + (f", nlist {m['nlist']}" if m.get("nlist") else ""))
-        print(f"recall:   {recall_text(m)}")
-    for i, s in enumerate(facts["shards"]):
-        print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
-    print(f"held-out: {facts['held']} vectors in {m['sharded']['held']}")
-    print(f"checksum: {len(m['sharded'].get('files', {}))} faiss files, sizes and sha256 verified")
-    print(f"built:    {m.get('built_at')} in {m.get('build_seconds')}s; skipped "
-          f"{m.get('ingest', {}).get('skipped', 0)} (see {m.get('report')})")
-    print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
-    if not counts.ok:
-        print(f"indexer info: error: {counts.message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def info(directory: Path, manifest: dict) -> dict:
-    """Per shard: where it is and how many images its store and its part hold (``indexer info``)."""
-    out = []
-    for p in shard_paths(directory, manifest):
-        with GalleryStore(p / STORE_DIR) as st:
-            items = len(st)
-        part = faiss.read_index(str(p / PART_FILE), faiss.IO_FLAG_MMAP)
-        out.append({"path": str(p), "images": items, "vectors": int(part.ntotal)})
-    return {"shards": out, "held": int(faiss.read_index(
-        str(directory / manifest["sharded"]["held"]), faiss.IO_FLAG_MMAP).ntotal)}

@@ -35,18 +35,11 @@ import numpy as np
 
 from . import faiss_index as fx
 from .errors import IndexerError
-from .manifest import DEFAULT_TARGET_RECALL
-from .ondisk import merge_ondisk, read_ondisk
+from .options import BuildOptions
 from .selection import SAMPLE_CAP, SELECT_FROM, candidates, index_fields, select
 from .shard_sample import Sample, View, census, draw
-from .sources import CHUNK, ArraySource, Rows, Source, StoreSource, answers
-from .tuning import GT_BUDGET, MAX_QUERIES, K, Holdout, clears, recalls, tune
-
-# re-exported: callers (benchmarks/, tests) name them as ``stream.X``; they live in
-# indexer.sources (where the vectors come from) and indexer.ondisk (the on-disk merge)
-__all__ = ["Plan", "plan", "exact_truth", "fill", "held_part", "open_parts", "as_one", "tune_and_check",
-           "build_in_process", "streamable", "merge_ondisk", "read_ondisk", "Source", "StoreSource",
-           "ArraySource", "Rows", "CHUNK", "MAX_QUERIES"]
+from .sources import Source, answers
+from .tuning import K, Holdout, heldout_size, recalls, tune
 
 
 # ---------------------------------------------------------------------------- 1. plan
@@ -73,25 +66,20 @@ def streamable(spec: fx.IndexSpec) -> bool:
     return spec.mergeable and spec.index_type in ("flat", "ivf", "ivfhnsw", "sq8", "ivfpq")
 
 
-def _heldout_size(n: int, dim: int) -> int:
-    """``tuning.holdout``'s size rule (up to MAX_QUERIES a set, 10% of a small gallery, fewer
-    for a large wide one), without its permutation of all n rows."""
-    return min(MAX_QUERIES, n // 10, max(250, int(GT_BUDGET / (2 * max(n, 1) * dim))))
-
-
 def _train_size(spec: fx.IndexSpec) -> int:
     """How many points ``faiss_index.training_sample`` trains ``spec`` on (same rule)."""
     return max(spec.nlist * fx.TRAIN_POINTS_PER_CENTROID,
                (fx.PQFS_TRAIN_POINTS if spec.k_factor else fx.PQ_TRAIN_POINTS) if spec.pq_m else 0)
 
 
-def plan(sources: Sequence[Source], *, index_type: str = "auto",
-         flat_threshold: int = fx.DEFAULT_FLAT_THRESHOLD, nlist: int | None = None,
-         target: float = DEFAULT_TARGET_RECALL, max_memory: int | None = None, device: str = "auto", seed: int = 0,
-         progress: bool = False) -> Plan:
+def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, device: str = "auto",
+         progress: bool = False, **option_kw: object) -> Plan:
     """Step 1, on the driver: ``selection.build``'s steps up to the trained empty index (held-out
     sets, exact answers, choice by measurement, training), on samples each shard reads at its
-    own positions, so the driver's memory is the samples' and does not grow with N."""
+    own positions, so the driver's memory is the samples' and does not grow with N.
+    ``option_kw``: :class:`BuildOptions` fields by name (tests, benchmarks)."""
+    o = BuildOptions.of(options, **option_kw)
+    index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory
     t = {"census": time.perf_counter()}
     counts, dups = census(sources)
     total, dim = sum(counts), sources[0].dim
@@ -100,7 +88,7 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
         raise IndexerError("the shards hold no images")
     t["census"] = time.perf_counter() - t["census"]
     fields: dict = {}
-    if index_type == "flat" or (index_type == "auto" and n < flat_threshold):
+    if index_type == "flat" or (index_type == "auto" and n < o.flat_threshold):
         spec = fx.choose_spec(n, dim, "flat")
         empty = np.zeros(0, np.int64)
         return Plan(spec, fx.train(spec, np.zeros((0, dim), np.float32), dim), n, list(dups), empty,
@@ -108,7 +96,7 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
                     np.zeros((0, K), np.int64), True, fields, t)
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed + 7)
-    m = _heldout_size(n, dim)
+    m = heldout_size(n, dim)
     tiny = m == 0
     ndup = total - n                  # positions of duplicates are dropped: draw that many more
     held_pos = draw(rng, total, total if tiny else 2 * m + ndup)
@@ -145,7 +133,7 @@ def plan(sources: Sequence[Source], *, index_type: str = "auto",
         else:
             spec = fx.choose_spec(n, dim, "ivf", nlist=nlist)
     else:
-        spec = fx.choose_spec(n, dim, index_type, flat_threshold, nlist)
+        spec = fx.choose_spec(n, dim, index_type, o.flat_threshold, nlist)
         if not streamable(spec):
             raise IndexerError(f"index type {index_type}: its shards cannot be filled apart "
                                "(refine wrappers and HNSW graphs hold every vector in one "
@@ -211,7 +199,7 @@ def open_parts(paths: Sequence[str | Path], trained: faiss.Index, mmap: bool = T
 
 
 def as_one(parts: Sequence[faiss.Index], trained: faiss.Index) -> faiss.Index:
-    if fx._is_ivf(trained):
+    if fx.is_ivf(trained):
         ivf = faiss.extract_index_ivf(trained)
         sh = faiss.IndexShardsIVF(ivf.quantizer, ivf.nlist, False, False)
     else:
@@ -233,23 +221,3 @@ def tune_and_check(p: Plan, index: faiss.Index, target: float) -> dict:
     value, rq_tune = tune(index, spec, p.qt, p.truth[:nt], target)
     rq_check = recalls(index.search(np.ascontiguousarray(p.qc), p.truth.shape[1])[1], p.truth[nt:])
     return {**index_fields(spec, n, dim, target, value, rq_tune, rq_check), **p.fields}
-
-
-def build_in_process(sources: Sequence[Source], workdir: str | Path, *, target: float = DEFAULT_TARGET_RECALL,
-                     progress: bool = False, **plan_opts) -> tuple[faiss.Index, dict, list[Path]]:
-    """Steps 1-3 in this process (the Ray build runs step 2 as tasks): the part files
-    ``workdir/part-<i>.faiss`` (and ``held.faiss``), and the parts opened as one, tuned."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    p = plan(sources, target=target, progress=progress, **plan_opts)
-    files = []
-    for i, src in enumerate(sources):
-        files.append(workdir / f"part-{i}.faiss")
-        fx.write_atomic(fill(src, p.trained, p.skip[i]), files[-1])
-    index = open_parts(files, p.trained)
-    fields = tune_and_check(p, index, target)
-    files.append(workdir / "held.faiss")
-    fx.write_atomic(held_part(p), files[-1])
-    index = open_parts(files, p.trained)
-    fx.set_search_params(index, fields["search_params"])
-    return index, fields, files

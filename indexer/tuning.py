@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import faiss
 import numpy as np
@@ -43,10 +44,16 @@ class Holdout:
         return np.sort(np.concatenate([self.tune, self.check]))
 
 
+def heldout_size(n: int, dim: int) -> int:
+    """The one held-out-size rule (this build and the streaming one, ``stream.plan``): up to
+    MAX_QUERIES rows a set, 10% of a small gallery, fewer for a large, wide gallery so that
+    their exact answers cost at most GT_BUDGET."""
+    return min(MAX_QUERIES, n // 10, max(250, int(GT_BUDGET / (2 * max(n, 1) * dim))))
+
+
 def holdout(n: int, dim: int, seed: int = 0) -> Holdout:
-    """Two disjoint sets of up to MAX_QUERIES rows each (10% of a small gallery), fewer for a
-    large, wide gallery so that their exact answers cost at most GT_BUDGET."""
-    m = min(MAX_QUERIES, n // 10, max(250, int(GT_BUDGET / (2 * max(n, 1) * dim))))
+    """Two disjoint sets of ``heldout_size`` rows each, drawn at random."""
+    m = heldout_size(n, dim)
     rng = np.random.default_rng(seed + 7)
     held = rng.permutation(n)[:2 * m]
     rest = np.setdiff1d(np.arange(n), held)
@@ -142,19 +149,25 @@ def measure_qps(index: faiss.Index, queries: np.ndarray, k: int = K,
 
 
 
-def retune(index: faiss.Index, manifest: dict, x: np.ndarray, ids: np.ndarray, target: float,
+def retune(index: faiss.Index, manifest: Mapping, x: np.ndarray, ids: np.ndarray, target: float,
            *, seed: int = 0) -> dict:
     """After ``indexer add/remove``: retune on self-queries (own id dropped from both answers),
     with the same margin; there is no held-out set any more, so ``heldout_queries`` is 0."""
-    fields = faiss_index.IndexSpec.__dataclass_fields__
-    spec = faiss_index.IndexSpec(**{f: manifest[f] for f in fields if f in manifest})
     n, dim = x.shape
-    m = max(1, len(holdout(n, dim, seed).tune))
-    q_rows = np.sort(np.random.default_rng(seed + 1).choice(n, size=min(m, n), replace=False))
+    q_rows = np.sort(np.random.default_rng(seed + 1).choice(n, size=min(max(1, heldout_size(n, dim)), n),
+                                                            replace=False))
     k = min(K, n - 1) if n > 1 else 1
     own = ids[q_rows]
     truth = knn.drop_self(ids[exact_knn(x, np.arange(n), x[q_rows], min(k + 1, n))], own, k)[0]
-    value, rq = tune(index, spec, x[q_rows], truth, target, own=own)
+    return retuned(index, faiss_index.IndexSpec.from_manifest(manifest), x[q_rows], truth, own, target)
+
+
+def retuned(index: faiss.Index, spec: faiss_index.IndexSpec, q: np.ndarray, truth: np.ndarray,
+            own: np.ndarray, target: float) -> dict:
+    """The manifest fields of an index retuned on self-queries ``q`` (ids ``own``): a single
+    index's (``retune``) and a sharded one's (``shard_build.retune_sharded``)."""
+    value, rq = tune(index, spec, q, truth, target, own=own)
+    recall = round(float(rq.mean()), 4)
     return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
-            "recall_at_10": round(float(rq.mean()), 4), "tuning_recall_at_10": round(float(rq.mean()), 4),
-            "tuning_queries": int(len(q_rows)), "heldout_queries": 0}
+            "recall_at_10": recall, "tuning_recall_at_10": recall, "tuning_queries": int(len(own)),
+            "heldout_queries": 0}

@@ -15,6 +15,7 @@ from typing import Iterator
 from embedder.images import IMAGE_SUFFIXES
 
 
+
 @dataclass(frozen=True)
 class GalleryFile:
     """One candidate image: where it is and what the index will call it."""
@@ -116,7 +117,6 @@ def shard_of(relpath: str, n: int) -> int:
 
 
 # ---------------------------------------------------------------------------- one walk, many lists
-FILE_LIST = "files.jsonl"       # a shard's share of the gallery, as the driver's one walk found it
 
 
 def split_walk(root: str | Path, lists: list[Path], progress: bool = False) -> list[int]:

@@ -332,7 +332,7 @@ class Searcher:
         snap = self.snapshot(index)
         idx = snap.index
         return {"name": snap.name, "directory": str(self.directories.get(snap.name, "")), "size": len(idx),
-                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest,
+                "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest.to_dict(),
                 "memory": getattr(idx.faiss, "summary", None)}   # codes only: indexer.rerank
 
 

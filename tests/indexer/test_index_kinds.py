@@ -17,7 +17,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from indexer_testlib import REPO, run_cli, serve_app
+from indexer_testlib import REPO, copy_characters, run_cli, serve_app
 from indexer import check_counts
 from indexer.lock import writer_lock
 
@@ -148,3 +148,71 @@ def test_no_server_path_in_api_answers(app: str, kinds: dict[str, Path], kind: s
     assert listed["manifest"]["count"] == 240
     if m.get("sharded"):            # the records are still there, under names, one per file
         assert len(listed["manifest"]["sharded"]["files"]) == len(m["sharded"]["files"])
+
+
+# ---------------------------------------------------------------------------- the library's face
+def _writable_copy(kind: str, built_index: Path, two_shards: Path, root: Path) -> Path:
+    """A copy of one kind that the test may change (the fixtures' must stay as built)."""
+    from indexer import build_sharded
+
+    if kind == "single":
+        return Path(shutil.copytree(built_index, root / "single"))
+    shutil.copytree(two_shards, root / "ts", ignore=shutil.ignore_patterns("sharded"))
+    if kind == "merged":
+        return root / "ts" / "merged"
+    out = root / "ts" / kind            # shards beside it, named through ".."
+    build_sharded([root / "ts" / "s0", root / "ts" / "s1"], out, progress=False,
+                  index_type="flat" if kind == "sharded_flat" else "auto", flat_threshold=100)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_add_remove_repair_info_through_the_library_hold_the_lock(
+        kind: str, built_index: Path, two_shards: Path, omniglot_root: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``indexer.add_images(dir)`` is what `indexer add` runs, for every layout: it holds the
+    writer lock (a second writer is refused while it writes) and reads the manifest once."""
+    import threading
+
+    import indexer
+    from indexer import IndexBusyError, build, manifest, shard_build
+
+    d = _writable_copy(kind, built_index, two_shards, tmp_path)
+    new = copy_characters(omniglot_root, tmp_path / "new", 1, per_char=4, skip_chars=12)
+    others: list[str] = []
+
+    def probed(real):                   # another thread tries to write while the update syncs
+        def run(*a, **kw):
+            def other() -> None:
+                try:
+                    with writer_lock(d, "test: second writer"):
+                        others.append("written")
+                except IndexBusyError as e:
+                    others.append(str(e))
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+            return real(*a, **kw)
+        return run
+
+    monkeypatch.setattr(build, "sync_index", probed(build.sync_index))
+    monkeypatch.setattr(shard_build, "sync_parts", probed(shard_build.sync_parts))
+    reads = []
+    real_read = manifest.Manifest.read.__func__
+    monkeypatch.setattr(manifest.Manifest, "read", classmethod(lambda cls, p: reads.append(p) or real_read(cls, p)))
+    c = indexer.add_images(d, tmp_path / "new", progress=False)
+    assert len(reads) == 1, reads                           # once, under the lock
+    assert c.added == 4 and c.manifest.count == 244 and c.stats.new == 4
+    assert len(others) == 1 and "being written by pid" in others[0] and "indexer add" in others[0], others
+    facts = indexer.info(d)
+    assert facts["counts"].ok and facts["manifest"].count == 244, facts["counts"].message
+    assert facts["layout"] == ("sharded" if kind.startswith("sharded") else "single")
+    gone = indexer.remove_items(d, [new[0].relative_to(tmp_path / "new").as_posix()])
+    assert gone.manifest.count == 243 and gone.removed == 1 and len(others) == 2 and "indexer remove" in others[1]
+    fixed = indexer.repair_index(d, progress=False)
+    assert fixed.manifest.count == 243 and (fixed.added, fixed.removed) == (0, 0) and check_counts(d).ok
+    idx = indexer.Index.open(d)
+    try:
+        assert len(idx) == 243 and isinstance(idx.layout, indexer.Sharded) == kind.startswith("sharded")
+    finally:
+        idx.close()

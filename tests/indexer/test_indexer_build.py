@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from indexer_testlib import copy_characters, run_cli
-from indexer import GalleryStore, Index, build_index
+from indexer import GalleryStore, Index, build_index, check_counts
 from indexer.index_dir import INDEX_FILE, STORE_DIR
 
 
@@ -146,8 +146,14 @@ def test_add_and_remove(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -
     idx = Index.open(out)
     assert len(idx) == 28 and idx.store.id_for_path(rel) is None and other not in idx.store
     assert all(h.path != rel for h in idx.search([new_files[0]], 5)[0])
-    bad = run_cli("remove", "no/such.png", "--index", out, check=False)
+    kept = int(idx.store.ids()[0])
+    idx.close()
+    bad = run_cli("remove", str(kept), "no/such.png", "--index", out, check=False)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "no/such.png" in bad.stderr
+    # an unknown target refuses the whole command: the known one before it stays (store and index)
+    idx = Index.open(out)
+    assert kept in idx.store and len(idx) == 28 and check_counts(out).ok
+    idx.close()
 
 
 def test_eval_excludes_the_query_itself(built_index: Path, omniglot_gallery: Path) -> None:

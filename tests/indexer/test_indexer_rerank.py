@@ -13,6 +13,7 @@ import pytest
 
 from indexer_testlib import run_cli
 from indexer import Index, rerank
+from indexer import faiss_index as fx
 from indexer.errors import IndexerError
 from serving.searcher import Searcher
 
@@ -26,7 +27,7 @@ def built(two_shards: Path) -> Path:
 def ram_bytes(idx: Index) -> int:
     """What the in-RAM IVF-Flat index holds: vectors + ids, and the centroids."""
     m = idx.manifest
-    return rerank.in_ram_bytes(len(idx), 4 * idx.dim, int(m["nlist"]), idx.dim)
+    return fx.memory_bytes(len(idx), 4 * idx.dim, int(m["nlist"]), idx.dim)
 
 
 def gallery(idx: Index) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +99,7 @@ def test_codes_only_index_answers_as_exact_search(built: Path) -> None:
     # SQ4 (what a budget of d/2 bytes a vector picks; PQ needs 256 points a codebook, 240 here):
     # coarser, so its top 10 k miss more of the in-RAM answers (measured: recall 0.972 against
     # 0.998 here), but where they hold them the answer is the same
-    sq4 = Index.open(built / "merged", max_memory=rerank.in_ram_bytes(len(ram), 32, ram.manifest["nlist"], ram.dim))
+    sq4 = Index.open(built / "merged", max_memory=fx.memory_bytes(len(ram), 32, ram.manifest["nlist"], ram.dim))
     assert sq4.faiss.summary["codes"] == "SQ4"
     assert check_against_exact(sq4, ram, as_good=False) >= 0.5
     with pytest.raises(IndexerError, match="the smallest codes .* need about"):
@@ -123,7 +124,7 @@ def test_pq_codes_answer_as_the_in_ram_index_where_their_candidates_hold_it(tmp_
     faiss.write_index(index, str(tmp_path / "i.faiss"))
     mapped = faiss.read_index(str(tmp_path / "i.faiss"), faiss.IO_FLAG_MMAP)
     mapped.nprobe = 4
-    budget = rerank.in_ram_bytes(len(x), 8, 64, 32)
+    budget = fx.memory_bytes(len(x), 8, 64, 32)
     r = rerank.codes_only(mapped, lambda i: (i, x[(i - 1) // 3]), budget)
     assert r.summary["codes"] == "PQ8" and r.memory_bytes <= budget
     _, got = r.search(q, 10)
@@ -185,9 +186,10 @@ def test_cli_search_and_eval_with_max_memory(built: Path, omniglot_gallery: Path
     # (PQ needs 256 points a codebook: 240 vectors get SQ codes only)
     for bad, why in (("1K", "--max-memory 1.0 KiB: the smallest codes (SQ4, 32 bytes a vector) of 240 "
                             "vectors need about"),
-                     ("lots", "memory size 'lots': expected a number")):
+                     ("lots", "argument --max-memory: invalid memory size value: 'lots'")):
         p = run_cli("eval", "--queries", omniglot_gallery, "--index", idx, "--max-memory", bad, check=False)
-        assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and why in p.stderr, p.stderr
+        code = 2 if bad == "lots" else 1        # a size that does not parse is a usage error
+        assert p.returncode == code and why in p.stderr.strip().splitlines()[-1], p.stderr
 
 
 def test_app_refuses_a_bad_max_memory(built: Path, capsys: pytest.CaptureFixture) -> None:

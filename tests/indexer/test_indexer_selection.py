@@ -105,7 +105,7 @@ def test_memory_budget_picks_compressed_codes(hard) -> None:
     assert selection.serialized_bytes(index) <= m["max_memory"]
     truth = ids[tuning.exact_knn(x, np.arange(len(x)), q, 10)]
     assert tuning.recalls(index.search(q, 10)[1], truth).mean() >= 0.9 - 0.01
-    with pytest.raises(IndexerError, match="max-memory .* need at least"):
+    with pytest.raises(IndexerError, match="index-memory .* need at least"):
         make_index(ids, x, device="cpu", max_memory="100K")
 
 
@@ -124,14 +124,16 @@ def test_choose_ties_budget_and_unreachable_target() -> None:
         selection.choose([row("a", 1, fits=False)], max_memory=10)
 
 
-def test_parse_memory() -> None:
-    assert selection.parse_memory("4G") == 4 * 2 ** 30
-    assert selection.parse_memory("512M") == selection.parse_memory("512MiB") == 512 * 2 ** 20
-    assert selection.parse_memory("1.5g") == int(1.5 * 2 ** 30)
-    assert selection.parse_memory("1000") == 1000 and selection.parse_memory(None) is None
+def test_build_options_check_the_memory_size_once() -> None:
+    from indexer.options import BuildOptions
+
+    assert BuildOptions(index_memory="4G").index_memory == 4 * 2 ** 30
+    assert BuildOptions.of(max_memory="512MiB").index_memory == 512 * 2 ** 20    # the old name
+    assert BuildOptions(index_memory="1.5g").index_memory == int(1.5 * 2 ** 30)
+    assert BuildOptions(index_memory="1000").index_memory == 1000 and BuildOptions().index_memory is None
     for bad in ("lots", "-1G", "0"):
         with pytest.raises(IndexerError, match="memory size"):
-            selection.parse_memory(bad)
+            BuildOptions(index_memory=bad)
 
 
 def test_info_prints_the_candidates(selected, capsys: pytest.CaptureFixture) -> None:
@@ -150,11 +152,11 @@ def test_cli_max_memory_and_manifests_from_before(tmp_path, omniglot_gallery, sm
     flags = ["--model", small_onnx, "--quiet", "--flat-threshold", "100"]
     p = run_cli("build", omniglot_gallery, "--out", tmp_path / "a", "--max-memory", "lots", *flags,
                 check=False)
-    assert p.returncode == 1 and "memory size 'lots'" in p.stderr and not (tmp_path / "a").exists()
+    assert p.returncode == 2 and "invalid memory size value: 'lots'" in p.stderr and not (tmp_path / "a").exists()
     p = run_cli("build", omniglot_gallery, "--out", tmp_path / "b", "--max-memory", "4K", *flags,
                 check=False)
-    assert p.returncode == 1 and "--max-memory 4.0 KiB" in p.stderr and len(p.stderr.splitlines()) == 1
-    run_cli("build", omniglot_gallery, "--out", tmp_path / "c", "--max-memory", "1M", *flags)
+    assert p.returncode == 1 and "--index-memory 4.0 KiB" in p.stderr and len(p.stderr.splitlines()) == 1
+    run_cli("build", omniglot_gallery, "--out", tmp_path / "c", "--index-memory", "1M", *flags)
     m = IndexDir(tmp_path / "c").read_manifest()
     assert m["index_type"] == "ivf" and m["max_memory"] == 2 ** 20 and m["heldout_queries"] == 24
     assert "candidates" not in m                         # 240 images: IVF-Flat, nothing measured

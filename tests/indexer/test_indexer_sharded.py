@@ -12,7 +12,7 @@ import pytest
 
 from indexer_testlib import copy_characters, run_cli
 from indexer import Index
-from indexer.shards import ShardedIndex
+from indexer import Sharded
 from serving.searcher import Searcher
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]          # IVF: where "searched as one" can go wrong
@@ -37,7 +37,7 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
     assert m["sharded"]["shards"] == ["../s0", "../s1"]      # beside the index: relative, no server path
     assert not (out / "store.lmdb").exists() and not (out / "index.faiss").exists()   # nothing copied
     merged, sharded = Index.open(built / "merged"), Index.open(out, check_model=True)
-    assert isinstance(sharded, ShardedIndex) and not isinstance(merged, ShardedIndex)
+    assert isinstance(sharded.layout, Sharded) and not isinstance(merged.layout, Sharded)
     mm, ms = merged.manifest, sharded.manifest
     assert ms["index_type"] == mm["index_type"] == "ivf"
     for key in ("count", "nlist", "dim"):
@@ -47,13 +47,13 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
     # the parts searched as one answer exactly as the one index they merge into (on disk) ...
     import faiss
 
-    from indexer import stream
+    from indexer.ondisk import merge_ondisk, read_ondisk
 
     sh = ms["sharded"]
     parts = [out / p / "part.faiss" for p in sh["shards"]] + [out / sh["held"]]
     trained = faiss.read_index(str(out / sh["trained"]))
-    stream.merge_ondisk(trained, parts, tmp_path / "one.faiss", ms["search_params"])
-    one = stream.read_ondisk(tmp_path / "one.faiss")
+    merge_ondisk(trained, parts, tmp_path / "one.faiss", ms["search_params"])
+    one = read_ondisk(tmp_path / "one.faiss")
     q = x / np.linalg.norm(x, axis=1, keepdims=True)
     s2, i2 = sharded.search_embeddings(x, 10)                # every gallery image as a query
     s1, i1 = one.search(q, 10)

@@ -14,6 +14,8 @@ from benchmarks.index_bench import low_rank, low_rank_law
 from indexer import faiss_index as fx
 from indexer import selection, shard_sample, stream, tuning
 from indexer.errors import IndexerError
+from indexer.ondisk import merge_ondisk, read_ondisk
+from indexer.sources import ArraySource, Source
 
 
 N, D = 14_000, 32
@@ -27,7 +29,7 @@ def gallery() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, x, low_rank(300, law, 2)
 
 
-def shards_of(ids: np.ndarray, x: np.ndarray, n: int = 3, dup: int = 0) -> list[stream.ArraySource]:
+def shards_of(ids: np.ndarray, x: np.ndarray, n: int = 3, dup: int = 0) -> list[ArraySource]:
     """``n`` shards by a random cut; ``dup`` vectors of shard 0 also in shard 1 (same content
     under two paths lands in two shards: it must be indexed once)."""
     cut = np.random.default_rng(5).integers(0, n, len(ids))
@@ -37,15 +39,32 @@ def shards_of(ids: np.ndarray, x: np.ndarray, n: int = 3, dup: int = 0) -> list[
         x1 = np.concatenate([parts[1][1], parts[0][1][:dup]])
         o = np.argsort(i1)
         parts[1] = (i1[o], x1[o])
-    return [stream.ArraySource(i, v) for i, v in parts]
+    return [ArraySource(i, v) for i, v in parts]
 
 
-class NoListing(stream.ArraySource):
+class NoListing(ArraySource):
     """A shard that refuses to hand over all its ids at once: the driver's plan must get by with
     counts, a streaming pass and samples (its memory must not grow with the gallery)."""
 
     def ids(self) -> np.ndarray:
         raise AssertionError("the plan listed every id of a shard")
+
+
+def build_parts(sources: list[Source], workdir: Path, **opts) -> tuple[faiss.Index, dict, list[Path]]:
+    """The steps ``shard_build.build_sharded`` runs (plan, fill each part, tune on the parts
+    searched as one, the held-out part), on shards held in memory: the part files
+    ``workdir/part-<i>.faiss`` and ``held.faiss``, and the parts opened as one, tuned."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    p = stream.plan(sources, **opts)
+    files = [workdir / f"part-{i}.faiss" for i in range(len(sources))]
+    for src, f, skip in zip(sources, files, p.skip):
+        fx.write_atomic(stream.fill(src, p.trained, skip), f)
+    fields = stream.tune_and_check(p, stream.open_parts(files, p.trained), 0.95)
+    files.append(workdir / "held.faiss")
+    fx.write_atomic(stream.held_part(p), files[-1])
+    index = stream.open_parts(files, p.trained)
+    fx.set_search_params(index, fields["search_params"])
+    return index, fields, files
 
 
 def fresh_recall(index: faiss.Index, ids: np.ndarray, x: np.ndarray, q: np.ndarray) -> float:
@@ -56,8 +75,7 @@ def fresh_recall(index: faiss.Index, ids: np.ndarray, x: np.ndarray, q: np.ndarr
 def test_streamed_index_is_as_good_as_the_one_process_build(gallery, tmp_path: Path) -> None:
     ids, x, q = gallery
     shards = [NoListing(s._ids, s.x) for s in shards_of(ids, x, dup=50)]
-    index, fields, files = stream.build_in_process(shards, tmp_path / "parts", flat_threshold=5_000,
-                                                   device="cpu")
+    index, fields, files = build_parts(shards, tmp_path / "parts", flat_threshold=5_000, device="cpu")
     # chosen by measurement among the candidates whose lists merge (which one wins depends on
     # timings); the samples are drawn per shard, so a one-process build of the chosen type is as
     # good on fresh queries, not the very same index
@@ -77,10 +95,10 @@ def test_streamed_index_is_as_good_as_the_one_process_build(gallery, tmp_path: P
     assert abs(r_stream - r_one) <= 0.015, (r_stream, r_one)
     # merged on disk, then moved: the lists are found beside the index file
     (tmp_path / "m").mkdir()
-    stream.merge_ondisk(index.referenced_objects[-1], files, tmp_path / "m" / "merged.faiss",
+    merge_ondisk(index.referenced_objects[-1], files, tmp_path / "m" / "merged.faiss",
                         fields["search_params"])
     shutil.move(tmp_path / "m", tmp_path / "moved")
-    merged = stream.read_ondisk(tmp_path / "moved" / "merged.faiss")
+    merged = read_ondisk(tmp_path / "moved" / "merged.faiss")
     assert isinstance(faiss.downcast_InvertedLists(faiss.extract_index_ivf(merged).invlists),
                       faiss.OnDiskInvertedLists)
     d3, i3 = merged.search(q, 10)

@@ -145,3 +145,45 @@ def test_a_candidate_that_cannot_fit_the_budget_is_never_built(monkeypatch: pyte
     assert {"sq8", "pqfsr8"} <= set(trained)
     assert all(not table[t]["fits_memory"] and table[t]["memory_bytes"] > budget for t in never)
     assert m["index_type"] in ("sq8", "pqfsr8") and selection.serialized_bytes(index) <= budget
+
+
+# ---------------------------------------------------------------------------- one options value
+def test_build_options_are_checked_once_and_passed_through(tmp_path: Path, omniglot_root: Path,
+                                                           small_onnx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's options are one value, checked when made (once per build), and the one
+    selection.build receives is that same value; the old keyword spellings still work."""
+    from indexer.options import BuildOptions
+    from indexer_testlib import copy_characters
+
+    copy_characters(omniglot_root, tmp_path / "g", 2, per_char=6)
+    checks, seen = [], []
+    real_check, real_build = BuildOptions.__post_init__, selection.build
+    monkeypatch.setattr(BuildOptions, "__post_init__", lambda self: checks.append(self) or real_check(self))
+    monkeypatch.setattr(selection, "build", lambda ids, x, o, **kw: seen.append(o) or real_build(ids, x, o, **kw))
+    m = build_index(tmp_path / "g", tmp_path / "o", small_onnx, progress=False, index_type="ivf",
+                    target_recall=0.9, max_memory="1M")       # max_memory: index_memory's old name
+    assert len(checks) == 1 and seen == [checks[0]] and seen[0] is checks[0]
+    assert (m.index_type, m.target_recall, m.max_memory) == ("ivf", 0.9, 2 ** 20) and m.count == 12
+
+
+def test_cli_usage_errors_exit_2_and_the_build_budget_has_its_own_name(capsys: pytest.CaptureFixture,
+                                                                        tmp_path: Path) -> None:
+    """The docstring's promise: 2 for bad usage (a count or a size that does not parse, flags
+    that do not fit together), 1 for bad input, each with one error line naming the command."""
+    for argv in (["build", str(tmp_path), "--batch-size", "0"], ["search", "x.png", "-k", "0"],
+                 ["build", str(tmp_path), "--index-memory", "lots"],
+                 ["eval", "--queries", str(tmp_path), "--max-queries", "5"]):
+        try:
+            code = main(argv)           # options that parse but do not fit: run_main returns 2
+        except SystemExit as e:         # argparse's own usage errors exit 2 themselves
+            code = e.code
+        assert code == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("usage: ") and err.strip().splitlines()[-1].count("error: ") == 1, err
+    assert main(["info", "--index", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"indexer info: error: {tmp_path / 'none'}: not an index directory (no index here: "
+                   "missing manifest.json); build one with `python -m indexer build`"], err
+    help_text = subprocess.run([sys.executable, "-m", "indexer", "merge", "--help"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout
+    assert "--index-memory SIZE, --max-memory SIZE" in help_text and "deprecated" in help_text

@@ -31,7 +31,8 @@ from indexer_testlib import copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
 from indexer.index_dir import STORE_DIR  # noqa: E402
-from indexer.walk import FILE_LIST, read_file_list, shard_of  # noqa: E402
+from indexer.index_dir import FILE_LIST  # noqa: E402
+from indexer.walk import read_file_list, shard_of  # noqa: E402
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
 N_CHARS = 30                                           # 600 images, ~300 per shard
@@ -158,12 +159,13 @@ def test_sharded_ray_build_equals_a_single_build(ray_sharded: tuple[Path, str], 
     """--sharded: the shards stay where their tasks built them, a second Ray pass fills each
     shard's part from a quantizer trained once, and the parts searched as one answer as well as
     the one-process build does."""
-    from indexer.shards import PART_FILE, ShardedIndex
+    from indexer import Sharded
+    from indexer.index_dir import PART_FILE
 
     out, stdout = ray_sharded
     assert "attempts per shard: 1, 1" in stdout, stdout
     sharded = Index.open(out, check_model=True)
-    assert isinstance(sharded, ShardedIndex)
+    assert isinstance(sharded.layout, Sharded)
     assert sharded.manifest["sharded"]["shards"] == ["shards/0", "shards/1"]
     assert not (out / STORE_DIR).exists()                      # no store copied
     parts = [faiss_read(out / "shards" / str(i) / PART_FILE) for i in range(2)]

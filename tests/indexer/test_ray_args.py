@@ -24,6 +24,13 @@ def _one_line_error(capsys: pytest.CaptureFixture, argv: list, *needles: str) ->
         assert n in lines[0], lines[0]
 
 
+def _usage_error(capsys: pytest.CaptureFixture, argv: list, needle: str) -> None:
+    """Flags that parse but do not fit together: the usage line and one error line, exit 2."""
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("usage: ") and f"indexer build: error: {needle}" in err, err
+
+
 def test_ray_not_installed_is_one_clear_line(omniglot_gallery: Path, small_onnx: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)       # `import ray` fails, as without the extra
@@ -35,9 +42,9 @@ def test_ray_not_installed_is_one_clear_line(omniglot_gallery: Path, small_onnx:
 
 def test_bad_ray_flags_are_refused(omniglot_gallery: Path, small_onnx: Path, tmp_path: Path, capsys) -> None:
     base = ["build", omniglot_gallery, "--model", small_onnx, "--out", tmp_path / "o", "--quiet"]
-    _one_line_error(capsys, [*base, "--shards", "2"], "--shards needs --ray")
-    _one_line_error(capsys, [*base, "--sharded"], "--sharded needs --ray")
-    _one_line_error(capsys, [*base, "--ray", "local", "--shard", "0/2"], "exclude each other")
+    _usage_error(capsys, [*base, "--shards", "2"], "--shards needs --ray")
+    _usage_error(capsys, [*base, "--sharded"], "--sharded needs --ray")
+    _usage_error(capsys, [*base, "--ray", "local", "--shard", "0/2"], "--shard and --ray exclude each other")
     _one_line_error(capsys, [*base, "--ray", "local", "--shards", "0"], "--shards=0")
     _one_line_error(capsys, [*base, "--ray", "local", "--cpus-per-shard", "0"], "--cpus-per-shard=0")
     empty = tmp_path / "empty"
