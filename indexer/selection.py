@@ -23,10 +23,12 @@ from typing import Sequence
 import faiss
 import numpy as np
 
+from embedder.knn import exact_knn
+
 from . import faiss_index as fx
 from .errors import IndexerError, size_text
 from .manifest import DEFAULT_TARGET_RECALL
-from .tuning import K, Holdout, clears, exact_knn, holdout, measure_qps, recalls, tune
+from .tuning import K, Holdout, clears, holdout, measure_qps, recalls, tune
 
 SELECT_FROM = 10_000        # smaller galleries forced past Flat get IVF-Flat: timings would be noise
 SAMPLE_CAP = 50_000         # candidates are built on at most this many gallery vectors
@@ -146,7 +148,7 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
     ids_s = ids[rows]
     q = np.ascontiguousarray(x[ho.tune], dtype=np.float32)
     k = min(K, len(rows))
-    truth = ids_s[exact_knn(xs, np.arange(len(rows)), q, k)]
+    truth = exact_knn(q, xs, k, "ip", ids=ids_s)[1]
     specs = list(specs) if specs is not None else candidates(n, dim, max_memory)
     centroids: dict[int, np.ndarray] = {}
     table: list[dict] = []
@@ -258,7 +260,7 @@ def build(ids: np.ndarray, x: np.ndarray, *, index_type: str = "auto",
         ho = Holdout(np.arange(n), np.arange(n), np.arange(n))
     k = min(K, len(ho.rows))
     qt, qc = x[ho.tune], x[ho.check]
-    truth = ids[ho.rows[exact_knn(x, ho.rows, np.concatenate([qt, qc]), k)]]
+    truth = exact_knn(np.concatenate([qt, qc]), x, k, "ip", ids=ids, rows=ho.rows)[1]
     sel = None
     if index_type == "auto":
         if n >= SELECT_FROM and trained is None and not nlist:    # --nlist asks for IVF-Flat
