@@ -7,12 +7,14 @@ stopping, because one corrupt file must not abort indexing a gallery.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -22,6 +24,9 @@ from .images import ImageLoadError, ImageSource, load_image, DEFAULT_MAX_PIXELS
 from .preprocess import Preprocessing
 
 ONNX_FORMAT = "das-embedder-onnx/1"
+DECODE_WORKERS = min(8, os.cpu_count() or 1)        # decode threads unless told
+T, R = TypeVar("T"), TypeVar("R")
+_END = object()
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -132,63 +137,121 @@ class OnnxEmbedder:
     def embed_iter(self, items: Iterable[tuple[Any, ImageSource]], workers: int | None = None,
                    progress: bool = False, total: int | None = None,
                    ) -> Iterator[tuple[list[Any], np.ndarray, list[tuple[Any, ImageLoadError]]]]:
-        """Yield ``(keys, embeddings, failures)`` per batch, in input order.
+        """Yield ``(keys, embeddings, failures)`` per batch, in input order (:meth:`run`).
 
         ``items`` are ``(key, source)`` pairs, consumed lazily (a generator over a huge gallery
         is fine: at most a few batches are in flight). Images that fail to load are reported in
         ``failures`` of the batch during which they were met and never stop the iteration.
         """
-        workers = workers or min(8, os.cpu_count() or 1)
-        ahead = self.batch_size * 2 + workers  # bounded prefetch: memory stays O(batch)
+        workers = workers or DECODE_WORKERS
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="embedding", unit="img")
-        it = iter(items)
-        pending: deque[tuple[Any, Future]] = deque()
-        keys: list[Any] = []
-        arrays: list[np.ndarray] = []
         failures: list[tuple[Any, ImageLoadError]] = []
 
-        def _prep(src: ImageSource, key: Any) -> np.ndarray:
-            # paths name themselves in errors; bytes and PIL images are named by their key
-            return self.prepare(src, name=None if isinstance(src, (str, os.PathLike)) else str(key))
+        def settle(got: list[tuple[Any, Any]]) -> Iterator[tuple[Any, np.ndarray]]:
+            bar.update(len(got))
+            for key, x in got:
+                if isinstance(x, ImageLoadError):
+                    failures.append((key, x))
+                else:
+                    yield key, x
 
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed-decode") as pool:
-            def fill() -> None:
-                while len(pending) < ahead:
-                    try:
-                        key, src = next(it)
-                    except StopIteration:
-                        return
-                    pending.append((key, pool.submit(_prep, src, key)))
-
-            try:
-                fill()
-                while pending:
-                    key, fut = pending.popleft()
-                    try:
-                        arrays.append(fut.result())
-                        keys.append(key)
-                    except ImageLoadError as e:
-                        failures.append((key, e))
-                    except Exception as e:  # noqa: BLE001 - a decoder bug must not stop indexing
-                        failures.append((key, ImageLoadError(str(key), f"{type(e).__name__}: {e}")))
-                    if bar is not None:
-                        bar.update(1)
-                    fill()
-                    if len(arrays) == self.batch_size:
-                        # The pool keeps decoding the queued items while the session runs.
-                        yield keys, self.embed_arrays(np.stack(arrays)), failures
-                        keys, arrays, failures = [], [], []
-                if arrays or failures:
-                    emb = self.embed_arrays(np.stack(arrays)) if arrays else np.zeros((0, self.dim), np.float32)
+        with tqdm(total=total, desc="embedding", unit="img", disable=not progress) as bar:
+            chunks = chunked(items, max(1, self.batch_size // workers))
+            for keys, emb in self.run(chunks, self.prepare_chunk, settle, workers=workers):
+                if len(keys) or failures:
                     yield keys, emb, failures
-            finally:
-                for _, fut in pending:
-                    fut.cancel()
-                if bar is not None:
-                    bar.close()
+                    failures = []
+
+    def prepare_chunk(self, chunk: Sequence[tuple[Any, ImageSource]]) -> list[tuple[Any, Any]]:
+        """(key, array or ImageLoadError) of each item (runs in a decode thread)."""
+        out: list[tuple[Any, Any]] = []
+        for key, src in chunk:
+            try:    # paths name themselves in errors; bytes and PIL images are named by their key
+                out.append((key, self.prepare(src, name=None if isinstance(src, (str, os.PathLike)) else str(key))))
+            except ImageLoadError as e:
+                out.append((key, e))
+            except Exception as e:  # noqa: BLE001 - a decoder bug must not stop indexing
+                out.append((key, ImageLoadError(str(key), f"{type(e).__name__}: {e}")))
+        return out
+
+    def run(self, chunks: Iterator[T], read: Callable[[T], R],
+            settle: Callable[[R], Iterable[tuple[Any, np.ndarray]]], *, workers: int | None = None,
+            seconds: dict[str, float] | None = None) -> Iterator[tuple[list[Any], np.ndarray]]:
+        """The embedding runner's reader and embedder stages (``indexer.pipeline`` adds the
+        writer): ``read(chunk)`` of each chunk in the decode threads (:func:`decode_ahead`),
+        ``settle(result)`` here picks the (key, preprocessed array) pairs to embed, and every full
+        batch is embedded while the threads decode the next chunks. Yields ``(keys, raw
+        embeddings)`` per batch, and a last, possibly empty, one. ``seconds``: "read" (summed
+        over the decode threads) and "embed" are added to it."""
+        seconds = {} if seconds is None else seconds
+        seconds.setdefault("read", 0.0)
+        seconds.setdefault("embed", 0.0)
+        keys: list[Any] = []
+        rows: list[np.ndarray] = []
+
+        def timed(chunk: T) -> tuple[R, float]:
+            t0 = time.perf_counter()
+            return read(chunk), time.perf_counter() - t0
+
+        def batch(n: int) -> tuple[list[Any], np.ndarray]:
+            t0 = time.perf_counter()
+            emb = self.embed_arrays(np.stack(rows[:n])) if n else np.zeros((0, self.dim), np.float32)
+            seconds["embed"] += time.perf_counter() - t0
+            out = keys[:n]
+            del keys[:n], rows[:n]
+            return out, emb
+
+        for got, dt in decode_ahead(timed, chunks, workers or DECODE_WORKERS):
+            seconds["read"] += dt
+            for key, row in settle(got):
+                keys.append(key)
+                rows.append(row)
+            while len(rows) >= self.batch_size:
+                yield batch(self.batch_size)
+        yield batch(len(rows))
+
+
+def chunked(items: Iterable[T], size: int, on_end: Callable[[int], None] | None = None
+            ) -> Iterator[list[T]]:
+    """Lists of ``size`` items; ``on_end(count)`` once the items are exhausted (a lazy walk's
+    progress bar learns its total then)."""
+    it, n = iter(items), 0
+    while chunk := list(itertools.islice(it, size)):
+        n += len(chunk)
+        yield chunk
+    if on_end is not None:
+        on_end(n)
+
+
+def decode_ahead(read: Callable[[T], R], chunks: Iterator[T], workers: int) -> Iterator[R]:
+    """``read(chunk)`` of each chunk in ``workers`` threads, yielded in input order: the one
+    decode thread pool (``embed_iter``, ``indexer build/add``, the missing-embedding pass).
+    PIL decoding and onnxruntime both release the GIL, so decoding overlaps inference for real.
+    At most ``2 * workers + 1`` chunks are in flight, so memory stays O(batch); on an early
+    exit the queued chunks are cancelled and ``chunks`` is closed (a walking thread stops)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed-decode")
+    pending: deque[Future] = deque()
+
+    def submit_more() -> None:
+        while len(pending) < 2 * workers + 1:
+            chunk = next(chunks, _END)
+            if chunk is _END:
+                return
+            pending.append(pool.submit(read, chunk))
+
+    try:
+        submit_more()
+        while pending:
+            done = pending.popleft().result()
+            submit_more()
+            yield done
+    finally:
+        for fut in pending:
+            fut.cancel()
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+        pool.shutdown(wait=True)
