@@ -34,15 +34,20 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     import onnxruntime as ort
 
     path = Path(path)
+    return _checked_metadata(path, _session(path, ort.SessionOptions(), ["CPUExecutionProvider"]))
+
+
+def _session(path: Path, so: Any, providers: list[str]) -> Any:
+    """An onnxruntime session of ``path`` (quiet), or ModelLoadError naming the file."""
+    import onnxruntime as ort
+
     if not path.is_file():
         raise ModelLoadError(path, "ONNX model file not found")
+    so.log_severity_level = 3
     try:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidProtobuf types
         raise ModelLoadError(path, f"not a loadable ONNX model ({type(e).__name__}: {str(e)[:200]})") from e
-    return _checked_metadata(path, sess)
 
 
 def _checked_metadata(path: Path, sess: Any) -> dict[str, str]:
@@ -66,24 +71,17 @@ class OnnxEmbedder:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelLoadError(self.path, "ONNX model file not found")
         self.batch_size = batch_size
         self.max_pixels = max_pixels
         self.threads = threads
         so = ort.SessionOptions()
-        so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
         want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
         providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if want_cuda
                      else ["CPUExecutionProvider"])
-        try:
-            self.session = ort.InferenceSession(str(self.path), so, providers=providers)
-        except Exception as e:
-            raise ModelLoadError(self.path, f"not a loadable ONNX model ({type(e).__name__}: "
-                                            f"{str(e)[:200]})") from e
+        self.session = _session(self.path, so, providers)
         # onnxruntime-gpu lists CUDA even without a GPU and silently falls back: trust only
         # what the created session reports.
         self.provider = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
@@ -187,8 +185,6 @@ class OnnxEmbedder:
         embeddings)`` per batch, and a last, possibly empty, one. ``seconds``: "read" (summed
         over the decode threads) and "embed" are added to it."""
         seconds = {} if seconds is None else seconds
-        seconds.setdefault("read", 0.0)
-        seconds.setdefault("embed", 0.0)
         keys: list[Any] = []
         rows: list[np.ndarray] = []
 
@@ -199,13 +195,13 @@ class OnnxEmbedder:
         def batch(n: int) -> tuple[list[Any], np.ndarray]:
             t0 = time.perf_counter()
             emb = self.embed_arrays(np.stack(rows[:n])) if n else np.zeros((0, self.dim), np.float32)
-            seconds["embed"] += time.perf_counter() - t0
+            seconds["embed"] = seconds.get("embed", 0.0) + time.perf_counter() - t0
             out = keys[:n]
             del keys[:n], rows[:n]
             return out, emb
 
         for got, dt in decode_ahead(timed, chunks, workers or DECODE_WORKERS):
-            seconds["read"] += dt
+            seconds["read"] = seconds.get("read", 0.0) + dt
             for key, row in settle(got):
                 keys.append(key)
                 rows.append(row)

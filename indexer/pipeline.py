@@ -54,67 +54,56 @@ class IngestStats:
                 f"{self.embedded} embedded")
 
 
-class _Writer:
-    """Commits (LMDB write + fsync) on one thread, overlapping the next batches' inference; at
-    most one commit is in flight, so order and memory stay bounded."""
-
-    def __init__(self, commit: Callable[[list, np.ndarray], None], commit_every: int,
-                 seconds: dict[str, float]) -> None:
-        self.commit, self.commit_every, self.seconds = commit, commit_every, seconds
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="indexer-commit")
-        self._in_flight: list[Future] = []
-        self._keys: list = []             # embedded, waiting for the next commit
-        self._emb: list[np.ndarray] = []
-
-    def add(self, keys: list, emb: np.ndarray) -> None:
-        self._keys.extend(keys)
-        self._emb.append(emb)
-        if len(self._keys) >= self.commit_every:
-            self.flush()
-
-    def flush(self) -> None:
-        """Wait for the commit in flight (re-raising its failure), then start the next one."""
-        while self._in_flight:
-            self._in_flight.pop().result()
-        if self._keys:
-            self._in_flight.append(self._pool.submit(self._timed, list(self._keys), np.concatenate(self._emb)))
-            self._keys.clear()
-            self._emb.clear()
-
-    def _timed(self, keys: list, emb: np.ndarray) -> None:
-        t0 = time.perf_counter()
-        self.commit(keys, emb)
-        self.seconds["write"] = self.seconds.get("write", 0.0) + time.perf_counter() - t0
-
-
 def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
         settle: Callable[[Any], Iterable[tuple[Any, np.ndarray]]], commit: Callable[[list, np.ndarray], None],
-        *, workers: int | None = None, commit_every: int = 256,
-        seconds: dict[str, float] | None = None) -> dict[str, float]:
+        *, workers: int | None = None, commit_every: int = 256, seconds: dict | None = None) -> dict:
     """The embedding runner: reader -> embedder -> writer.
 
     ``read(chunk)`` runs in the decode threads and ``settle(result)`` on this thread picks the
-    (key, preprocessed array) pairs to embed (:meth:`embedder.OnnxEmbedder.run`); each batch is
-    L2-normalised and handed to ``commit(keys, embeddings)`` on the commit thread, every
-    ``commit_every`` rows, the last commit awaited before returning. Returns ``seconds`` with
-    each stage's time added: read (summed over the decode threads), embed, write, and total.
+    (key, preprocessed array) pairs to embed (:meth:`embedder.OnnxEmbedder.run`); the batches,
+    L2-normalised, go to ``commit(keys, embeddings)`` every ``commit_every`` rows on one commit
+    thread (LMDB write + fsync), overlapping the next batches' inference; at most one commit is
+    in flight (order and memory stay bounded), its failure is raised here, and the last one is
+    awaited. Returns ``seconds`` with each stage's time added: read (summed over the
+    decode threads), embed, write, total.
     """
     if commit_every < 1:
         raise ValueError(f"commit_every must be >= 1, got {commit_every}")
     seconds = {} if seconds is None else seconds
     t0 = time.perf_counter()
-    writer = _Writer(commit, commit_every, seconds)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="indexer-commit")
+    in_flight: list[Future] = []
+    keys: list = []                     # embedded, waiting for the next commit
+    embs: list[np.ndarray] = []
+
+    def write(keys: list, emb: np.ndarray) -> None:
+        t = time.perf_counter()
+        commit(keys, emb)
+        seconds["write"] = seconds.get("write", 0.0) + time.perf_counter() - t
+
+    def flush() -> None:
+        """Wait for the commit in flight (re-raising its failure), then start the next one."""
+        while in_flight:
+            in_flight.pop().result()
+        if keys:
+            in_flight.append(pool.submit(write, list(keys), np.concatenate(embs)))
+            keys.clear()
+            embs.clear()
+
     try:
-        for keys, emb in embedder.run(chunks, read, settle, workers=workers, seconds=seconds):
-            if keys:
+        for ks, emb in embedder.run(chunks, read, settle, workers=workers, seconds=seconds):
+            if ks:
                 if emb.ndim != 2 or emb.shape[1] != embedder.dim:
                     raise IndexerError(f"{embedder.path}: model says dim {embedder.dim} but produced "
                                        f"embeddings of shape {tuple(emb.shape)}")
-                writer.add(keys, l2_normalize(emb))
-        writer.flush()
-        writer.flush()                          # waits for the last commit
+                keys.extend(ks)
+                embs.append(l2_normalize(emb))
+            if len(keys) >= commit_every:
+                flush()
+        flush()
+        flush()                           # waits for the last commit
     finally:
-        writer._pool.shutdown(wait=True)
+        pool.shutdown(wait=True)
     seconds["total"] = seconds.get("total", 0.0) + time.perf_counter() - t0
     for stage in ("read", "embed", "write", "total"):
         seconds[stage] = round(seconds.get(stage, 0.0), 3)
@@ -237,8 +226,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
 
 
 def embed_missing(store: GalleryStore, embedder: Any, *, workers: int | None = None,
-                  progress: bool = True, commit_every: int = 256,
-                  seconds: dict[str, float] | None = None) -> int:
+                  progress: bool = True, commit_every: int = 256, seconds: dict | None = None) -> int:
     """Embed stored content that has no embedding for this model yet (a rebuild with a new
     model), through the same runner (:func:`run`; ``seconds``: its stages' times are added).
 

@@ -49,8 +49,9 @@ def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Itera
         yield pending.result() if pending is not None else getattr(src, method)(*a)
 
 
-class _Chunked:
-    """What a source answers from its chunks: its ids, their count, its exact top-k."""
+class ChunkedSource:
+    """What a source answers from its chunks: its ids, their count, its exact top-k (the base of
+    StoreSource, ArraySource and ``ray_sources.RemoteSource``)."""
 
     dim: int
 
@@ -72,7 +73,7 @@ class _Chunked:
         pass
 
 
-class StoreSource(_Chunked):
+class StoreSource(ChunkedSource):
     """A shard's LMDB store: the embeddings of one model, read in chunks (never all at once)."""
 
     def __init__(self, store_dir: str | Path, model_hash: str, dim: int) -> None:
@@ -106,7 +107,7 @@ class StoreSource(_Chunked):
         self.store.close()
 
 
-class ArraySource(_Chunked):
+class ArraySource(ChunkedSource):
     """(ids ascending, vectors) already in arrays, e.g. ``np.load(..., mmap_mode="r")``: the
     benchmark's synthetic shards, and tests."""
 
