@@ -1,9 +1,11 @@
 """onnxruntime inference for exported embedders: what the indexer and the search service run.
 
-No torch here: serving stays a light process. Images are decoded and preprocessed in a thread
-pool while the session runs the previous batch (PIL decoding and onnxruntime both release the
-GIL, so threads overlap for real). ``embed_iter`` reports bad images as failures instead of
-stopping, because one corrupt file must not abort indexing a gallery.
+No torch here: serving stays a light process. Images are decoded and preprocessed in one thread
+pool (:func:`decode_ahead`, also the indexer's reader's) while the session runs the previous
+batch (PIL decoding and onnxruntime both release the GIL, so threads overlap for real);
+:meth:`OnnxEmbedder.run` is the embedding runner's reader and embedder stages, under
+``embed_iter`` and ``indexer.pipeline``. ``embed_iter`` reports bad images as failures instead
+of stopping, because one corrupt file must not abort indexing a gallery.
 """
 from __future__ import annotations
 
