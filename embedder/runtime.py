@@ -15,6 +15,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -160,10 +161,11 @@ class OnnxEmbedder:
 
         with tqdm(total=total, desc="embedding", unit="img", disable=not progress) as bar:
             chunks = chunked(items, max(1, self.batch_size // workers))
-            for keys, emb in self.run(chunks, self.prepare_chunk, settle, workers=workers):
-                if len(keys) or failures:
-                    yield keys, emb, failures
-                    failures = []
+            with closing(self.run(chunks, self.prepare_chunk, settle, workers=workers)) as batches:
+                for keys, emb in batches:
+                    if len(keys) or failures:
+                        yield keys, emb, failures
+                        failures = []
 
     def prepare_chunk(self, chunk: Sequence[tuple[Any, ImageSource]]) -> list[tuple[Any, Any]]:
         """(key, array or ImageLoadError) of each item (runs in a decode thread)."""
@@ -202,13 +204,14 @@ class OnnxEmbedder:
             del keys[:n], rows[:n]
             return out, emb
 
-        for got, dt in decode_ahead(timed, chunks, workers or DECODE_WORKERS):
-            seconds["read"] = seconds.get("read", 0.0) + dt
-            for key, row in settle(got):
-                keys.append(key)
-                rows.append(row)
-            while len(rows) >= self.batch_size:
-                yield batch(self.batch_size)
+        with closing(decode_ahead(timed, chunks, workers or DECODE_WORKERS)) as results:
+            for got, dt in results:         # closed on an early exit: the pool stops at once
+                seconds["read"] = seconds.get("read", 0.0) + dt
+                for key, row in settle(got):
+                    keys.append(key)
+                    rows.append(row)
+                while len(rows) >= self.batch_size:
+                    yield batch(self.batch_size)
         yield batch(len(rows))
 
 

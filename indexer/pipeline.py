@@ -90,8 +90,9 @@ def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
             keys.clear()
             embs.clear()
 
+    batches = embedder.run(chunks, read, settle, workers=workers, seconds=seconds)
     try:
-        for ks, emb in embedder.run(chunks, read, settle, workers=workers, seconds=seconds):
+        for ks, emb in batches:
             if ks:
                 if emb.ndim != 2 or emb.shape[1] != embedder.dim:
                     raise IndexerError(f"{embedder.path}: model says dim {embedder.dim} but produced "
@@ -103,6 +104,7 @@ def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
         flush()
         flush()                           # waits for the last commit
     finally:
+        batches.close()                   # on a failure: the decode threads stop, the walk too
         pool.shutdown(wait=True)
     seconds["total"] = seconds.get("total", 0.0) + time.perf_counter() - t0
     for stage in ("read", "embed", "write", "total"):

@@ -46,7 +46,7 @@ def test_run_decodes_in_the_embedders_pool_and_a_failed_commit_stops_it(small_on
                                                                        omniglot_paths: list[Path]) -> None:
     """``read`` runs in the embedder's decode threads (one pool for embed_iter and the indexer),
     batches reach ``commit`` L2-normalised and in input order, and a commit's failure is raised
-    to the caller instead of being lost on the commit thread."""
+    to the caller instead of being lost on the commit thread, with the threads stopped."""
     emb = OnnxEmbedder(small_onnx, device="cpu", threads=1, batch_size=2)
     threads: set[str] = set()
     got: list[tuple[list, np.ndarray]] = []
@@ -65,5 +65,7 @@ def test_run_decodes_in_the_embedders_pool_and_a_failed_commit_stops_it(small_on
     def fail(keys: list, e: np.ndarray) -> None:
         raise OSError("disk gone")
 
+    many = ([omniglot_paths[i % 8]] * 2 for i in range(10_000))      # far more than gets read
     with pytest.raises(OSError, match="disk gone"):
-        run(emb, iter([omniglot_paths[:4]]), read, iter, fail, workers=1, commit_every=1)
+        run(emb, many, read, iter, fail, workers=2, commit_every=1)
+    assert not [t for t in threading.enumerate() if t.name.startswith(("embed-decode", "indexer-commit"))]
