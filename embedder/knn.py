@@ -1,48 +1,96 @@
-"""Exact k nearest neighbours, and a query dropped from its own list: the one copy that
-evaluation (:mod:`embedder.metrics`), index tuning (``indexer.tuning``, ``indexer.shard_build``)
-and search (``serving.searcher``) share.
+"""Exact k nearest neighbours with ids and drop lists: the one copy that evaluation
+(:mod:`embedder.metrics`), DBA (``indexer.neighbours``), index tuning (``indexer.selection``,
+``indexer.tuning``, ``indexer.shard_build``), the streaming build's shards (``indexer.sources``)
+and search (``indexer.index``) share.
 
 numpy and faiss only (no sklearn, no torch), so the serving process imports it cheaply. The
-search itself is faiss.contrib's ``knn_ground_truth`` (blocks of gallery rows, a result heap),
-not a hand-written loop.
+search is faiss's exact ``faiss.knn`` over blocks of gallery rows with a ``faiss.ResultHeap``
+keeping the best k across blocks (what ``faiss.contrib``'s ``knn_ground_truth`` does, plus the
+ids and drop lists it lacks), not a hand-written loop over distances.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import faiss
 import numpy as np
-from faiss.contrib.exhaustive_search import knn_ground_truth
 
 METRICS = {"l2": faiss.METRIC_L2, "ip": faiss.METRIC_INNER_PRODUCT}
+BLOCK = 65_536          # gallery rows per block: one block's copy in memory at a time
+
+Chunks = Iterable[tuple[np.ndarray, np.ndarray]]    # (ids, vectors) blocks of a gallery
 
 
-def exact_knn(queries: np.ndarray, gallery_blocks: Iterable[np.ndarray], k: int,
-              metric: str = "l2") -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k of each query over a gallery given as consecutive blocks of rows:
-    (distances or inner products, row numbers), both (N, k), best first.
+def exact_knn(queries: np.ndarray, gallery: np.ndarray | Chunks, k: int, metric: str = "l2", *,
+              ids: np.ndarray | None = None, rows: np.ndarray | None = None,
+              exclude: np.ndarray | None = None, own: np.ndarray | None = None,
+              block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of each query: (scores, ids), both (nq, k), best first; id -1 where fewer than
+    k are left (score: the heap's worst value, so answers merge in another ``faiss.ResultHeap``;
+    NaN when ``own`` is given, as :func:`drop_self` pads).
 
-    Blocks let a caller leave rows out of a 1M x 512 gallery without copying the other 2 GB.
-    ``metric``: "l2" (squared Euclidean, smallest first) or "ip" (inner product, largest first).
+    ``gallery``: an (N, d) array (or memmap, or anything sliced by rows), copied ``block`` rows
+    at a time, whose rows have the ids ``ids`` (default: row numbers) and of which only
+    ``rows`` (ascending) are searched when given; or an iterable of (ids, vectors) chunks (a
+    store, a shard: one chunk in memory at a time). ``metric``: "l2" (squared Euclidean,
+    smallest first) or "ip" (inner product, largest first). ``exclude``: ids no query gets
+    (duplicates, held-out vectors). ``own``: each query's own id, (nq,), or its ids, (nq, m);
+    -1 drops nothing: dropped from that query's list by id (:func:`drop_self`), for which
+    ``m`` more are searched.
     """
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}: expected one of {sorted(METRICS)}")
-    blocks = (np.ascontiguousarray(b, dtype=np.float32) for b in gallery_blocks)
-    return knn_ground_truth(np.ascontiguousarray(queries, dtype=np.float32), blocks, k, METRICS[metric])
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if own is not None:
+        own = np.asarray(own, dtype=np.int64).reshape(len(q), -1)
+    kk = k + (own.shape[1] if own is not None else 0)
+    heap = faiss.ResultHeap(len(q), kk, keep_max=metric == "ip")
+    chunks = _blocks(gallery, ids, rows, block) if hasattr(gallery, "shape") else gallery
+    for cids, cx in chunks:
+        cids = np.asarray(cids, dtype=np.int64)
+        if exclude is not None and len(exclude):
+            keep = ~np.isin(cids, exclude)
+            if not keep.all():
+                cids, cx = cids[keep], cx[keep]
+        if not len(cids):
+            continue
+        D, I = faiss.knn(q, np.ascontiguousarray(cx, dtype=np.float32), min(kk, len(cids)),
+                         metric=METRICS[metric])
+        heap.add_result(D, np.where(I >= 0, cids[np.maximum(I, 0)], -1))
+    heap.finalize()
+    if own is None:
+        return heap.D, heap.I
+    found, scores = drop_self(heap.I, own, k, heap.D)
+    return np.where(found >= 0, scores, np.nan), found
+
+
+def _blocks(x: np.ndarray, ids: np.ndarray | None, rows: np.ndarray | None, size: int
+            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, x[rows]) of an array gallery (or a lazy one: ``shard_sample.View``), ``size`` rows
+    at a time; a whole ndarray is sliced, not gathered."""
+    sliced = rows is None and isinstance(x, np.ndarray)
+    rows = np.arange(len(x)) if rows is None else np.asarray(rows, dtype=np.int64)
+    for s in range(0, len(rows), size):
+        r = rows[s:s + size]
+        yield (r if ids is None else np.asarray(ids)[r]), (x[s:s + size] if sliced else x[r])
 
 
 def drop_self(ids: np.ndarray, own: np.ndarray, k: int,
               scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each row of ``ids`` without its query's own id ``own[r]`` (its first occurrence), the first
-    ``k`` kept, padded with -1 (``scores``, aligned with ``ids``, with NaN): (ids, scores or None).
+    """Each row of ``ids`` without its query's own id ``own[r]`` (or ids ``own[r, :]``; each at
+    its first occurrence), the first ``k`` kept, padded with -1 (``scores``, aligned with
+    ``ids``, with NaN): (ids, scores or None).
 
     By id, not by distance, so a duplicate image (another id at distance 0) still counts as a
     neighbour; a row without its query (ties pushed it out; ``own[r]`` -1: none to drop) keeps
     its first k.
     """
     ids = np.asarray(ids)
-    is_self = ids == np.asarray(own).reshape(-1, 1)
-    first = is_self & (np.cumsum(is_self, axis=1) == 1)
+    own = np.asarray(own).reshape(len(ids), -1)
+    first = np.zeros(ids.shape, dtype=bool)
+    for j in range(own.shape[1]):
+        is_self = ids == own[:, j:j + 1]
+        first |= is_self & (np.cumsum(is_self, axis=1) == 1)
     order = np.argsort(first, axis=1, kind="stable")[:, :k]      # the others first, in rank order
     kept = ~np.take_along_axis(first, order, 1)
 

@@ -15,7 +15,7 @@ import numpy as np
 from sklearn.metrics import normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 
-from .knn import drop_self, exact_knn
+from .knn import exact_knn
 
 __all__ = ["knn", "recall_at_k", "recall_at_k_of_labels", "map_at_r", "cluster_scores", "pair_f1", "evaluate"]
 
@@ -57,14 +57,12 @@ def knn(queries, gallery, k: int, *, exclude_self: bool = False,
                          f"{' minus the query itself' if exclude_self else ''})")
     if block < 1:
         raise ValueError(f"block={block}: expected >= 1")
-    kk = k + 1 if exclude_self else k
     dist = np.empty((q.shape[0], k), dtype=np.float32)
     ids = np.empty((q.shape[0], k), dtype=np.int64)
     for s in range(0, q.shape[0], block):
-        d_b, i_b = exact_knn(q[s:s + block], [g], kk)
-        if exclude_self:
-            i_b, d_b = drop_self(i_b, np.arange(s, s + len(i_b)), k, d_b)
-        dist[s:s + len(i_b)], ids[s:s + len(i_b)] = d_b, i_b
+        qb = q[s:s + block]
+        own = np.arange(s, s + len(qb)) if exclude_self else None
+        dist[s:s + len(qb)], ids[s:s + len(qb)] = exact_knn(qb, g, k, own=own)
     return dist, ids
 
 

@@ -1,18 +1,23 @@
 """onnxruntime inference for exported embedders: what the indexer and the search service run.
 
-No torch here: serving stays a light process. Images are decoded and preprocessed in a thread
-pool while the session runs the previous batch (PIL decoding and onnxruntime both release the
-GIL, so threads overlap for real). ``embed_iter`` reports bad images as failures instead of
-stopping, because one corrupt file must not abort indexing a gallery.
+No torch here: serving stays a light process. Images are decoded and preprocessed in one thread
+pool (:func:`decode_ahead`, also the indexer's reader's) while the session runs the previous
+batch (PIL decoding and onnxruntime both release the GIL, so threads overlap for real);
+:meth:`OnnxEmbedder.run` is the embedding runner's reader and embedder stages, under
+``embed_iter`` and ``indexer.pipeline``. ``embed_iter`` reports bad images as failures instead
+of stopping, because one corrupt file must not abort indexing a gallery.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -22,6 +27,9 @@ from .images import ImageLoadError, ImageSource, load_image, DEFAULT_MAX_PIXELS
 from .preprocess import Preprocessing
 
 ONNX_FORMAT = "das-embedder-onnx/1"
+DECODE_WORKERS = min(8, os.cpu_count() or 1)        # decode threads unless told
+T, R = TypeVar("T"), TypeVar("R")
+_END = object()
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -29,15 +37,20 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     import onnxruntime as ort
 
     path = Path(path)
+    return _checked_metadata(path, _session(path, ort.SessionOptions(), ["CPUExecutionProvider"]))
+
+
+def _session(path: Path, so: Any, providers: list[str]) -> Any:
+    """An onnxruntime session of ``path`` (quiet), or ModelLoadError naming the file."""
+    import onnxruntime as ort
+
     if not path.is_file():
         raise ModelLoadError(path, "ONNX model file not found")
+    so.log_severity_level = 3
     try:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as e:  # onnxruntime raises its own Fail/InvalidProtobuf types
         raise ModelLoadError(path, f"not a loadable ONNX model ({type(e).__name__}: {str(e)[:200]})") from e
-    return _checked_metadata(path, sess)
 
 
 def _checked_metadata(path: Path, sess: Any) -> dict[str, str]:
@@ -61,24 +74,17 @@ class OnnxEmbedder:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelLoadError(self.path, "ONNX model file not found")
         self.batch_size = batch_size
         self.max_pixels = max_pixels
         self.threads = threads
         so = ort.SessionOptions()
-        so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             so.intra_op_num_threads = threads
         want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
         providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if want_cuda
                      else ["CPUExecutionProvider"])
-        try:
-            self.session = ort.InferenceSession(str(self.path), so, providers=providers)
-        except Exception as e:
-            raise ModelLoadError(self.path, f"not a loadable ONNX model ({type(e).__name__}: "
-                                            f"{str(e)[:200]})") from e
+        self.session = _session(self.path, so, providers)
         # onnxruntime-gpu lists CUDA even without a GPU and silently falls back: trust only
         # what the created session reports.
         self.provider = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
@@ -132,63 +138,121 @@ class OnnxEmbedder:
     def embed_iter(self, items: Iterable[tuple[Any, ImageSource]], workers: int | None = None,
                    progress: bool = False, total: int | None = None,
                    ) -> Iterator[tuple[list[Any], np.ndarray, list[tuple[Any, ImageLoadError]]]]:
-        """Yield ``(keys, embeddings, failures)`` per batch, in input order.
+        """Yield ``(keys, embeddings, failures)`` per batch, in input order (:meth:`run`).
 
         ``items`` are ``(key, source)`` pairs, consumed lazily (a generator over a huge gallery
         is fine: at most a few batches are in flight). Images that fail to load are reported in
         ``failures`` of the batch during which they were met and never stop the iteration.
         """
-        workers = workers or min(8, os.cpu_count() or 1)
-        ahead = self.batch_size * 2 + workers  # bounded prefetch: memory stays O(batch)
+        workers = workers or DECODE_WORKERS
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="embedding", unit="img")
-        it = iter(items)
-        pending: deque[tuple[Any, Future]] = deque()
-        keys: list[Any] = []
-        arrays: list[np.ndarray] = []
         failures: list[tuple[Any, ImageLoadError]] = []
 
-        def _prep(src: ImageSource, key: Any) -> np.ndarray:
-            # paths name themselves in errors; bytes and PIL images are named by their key
-            return self.prepare(src, name=None if isinstance(src, (str, os.PathLike)) else str(key))
+        def settle(got: list[tuple[Any, Any]]) -> Iterator[tuple[Any, np.ndarray]]:
+            bar.update(len(got))
+            for key, x in got:
+                if isinstance(x, ImageLoadError):
+                    failures.append((key, x))
+                else:
+                    yield key, x
 
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed-decode") as pool:
-            def fill() -> None:
-                while len(pending) < ahead:
-                    try:
-                        key, src = next(it)
-                    except StopIteration:
-                        return
-                    pending.append((key, pool.submit(_prep, src, key)))
+        with tqdm(total=total, desc="embedding", unit="img", disable=not progress) as bar:
+            chunks = chunked(items, max(1, self.batch_size // workers))
+            with closing(self.run(chunks, self.prepare_chunk, settle, workers=workers)) as batches:
+                for keys, emb in batches:
+                    if len(keys) or failures:
+                        yield keys, emb, failures
+                        failures = []
 
-            try:
-                fill()
-                while pending:
-                    key, fut = pending.popleft()
-                    try:
-                        arrays.append(fut.result())
-                        keys.append(key)
-                    except ImageLoadError as e:
-                        failures.append((key, e))
-                    except Exception as e:  # noqa: BLE001 - a decoder bug must not stop indexing
-                        failures.append((key, ImageLoadError(str(key), f"{type(e).__name__}: {e}")))
-                    if bar is not None:
-                        bar.update(1)
-                    fill()
-                    if len(arrays) == self.batch_size:
-                        # The pool keeps decoding the queued items while the session runs.
-                        yield keys, self.embed_arrays(np.stack(arrays)), failures
-                        keys, arrays, failures = [], [], []
-                if arrays or failures:
-                    emb = self.embed_arrays(np.stack(arrays)) if arrays else np.zeros((0, self.dim), np.float32)
-                    yield keys, emb, failures
-            finally:
-                for _, fut in pending:
-                    fut.cancel()
-                if bar is not None:
-                    bar.close()
+    def prepare_chunk(self, chunk: Sequence[tuple[Any, ImageSource]]) -> list[tuple[Any, Any]]:
+        """(key, array or ImageLoadError) of each item (runs in a decode thread)."""
+        out: list[tuple[Any, Any]] = []
+        for key, src in chunk:
+            try:    # paths name themselves in errors; bytes and PIL images are named by their key
+                out.append((key, self.prepare(src, name=None if isinstance(src, (str, os.PathLike)) else str(key))))
+            except ImageLoadError as e:
+                out.append((key, e))
+            except Exception as e:  # noqa: BLE001 - a decoder bug must not stop indexing
+                out.append((key, ImageLoadError(str(key), f"{type(e).__name__}: {e}")))
+        return out
+
+    def run(self, chunks: Iterator[T], read: Callable[[T], R],
+            settle: Callable[[R], Iterable[tuple[Any, np.ndarray]]], *, workers: int | None = None,
+            seconds: dict[str, float] | None = None) -> Iterator[tuple[list[Any], np.ndarray]]:
+        """The embedding runner's reader and embedder stages (``indexer.pipeline`` adds the
+        writer): ``read(chunk)`` of each chunk in the decode threads (:func:`decode_ahead`),
+        ``settle(result)`` here picks the (key, preprocessed array) pairs to embed, and every full
+        batch is embedded while the threads decode the next chunks. Yields ``(keys, raw
+        embeddings)`` per batch, and a last, possibly empty, one. ``seconds``: "read" (summed
+        over the decode threads) and "embed" are added to it."""
+        seconds = {} if seconds is None else seconds
+        keys: list[Any] = []
+        rows: list[np.ndarray] = []
+
+        def timed(chunk: T) -> tuple[R, float]:
+            t0 = time.perf_counter()
+            return read(chunk), time.perf_counter() - t0
+
+        def batch(n: int) -> tuple[list[Any], np.ndarray]:
+            t0 = time.perf_counter()
+            emb = self.embed_arrays(np.stack(rows[:n])) if n else np.zeros((0, self.dim), np.float32)
+            seconds["embed"] = seconds.get("embed", 0.0) + time.perf_counter() - t0
+            out = keys[:n]
+            del keys[:n], rows[:n]
+            return out, emb
+
+        with closing(decode_ahead(timed, chunks, workers or DECODE_WORKERS)) as results:
+            for got, dt in results:         # closed on an early exit: the pool stops at once
+                seconds["read"] = seconds.get("read", 0.0) + dt
+                for key, row in settle(got):
+                    keys.append(key)
+                    rows.append(row)
+                while len(rows) >= self.batch_size:
+                    yield batch(self.batch_size)
+        yield batch(len(rows))
+
+
+def chunked(items: Iterable[T], size: int, on_end: Callable[[int], None] | None = None
+            ) -> Iterator[list[T]]:
+    """Lists of ``size`` items; ``on_end(count)`` once the items are exhausted (a lazy walk's
+    progress bar learns its total then)."""
+    it, n = iter(items), 0
+    while chunk := list(itertools.islice(it, size)):
+        n += len(chunk)
+        yield chunk
+    if on_end is not None:
+        on_end(n)
+
+
+def decode_ahead(read: Callable[[T], R], chunks: Iterator[T], workers: int) -> Iterator[R]:
+    """``read(chunk)`` of each chunk in ``workers`` threads, yielded in input order: the one
+    decode thread pool (``embed_iter``, ``indexer build/add``, the missing-embedding pass).
+    PIL decoding and onnxruntime both release the GIL, so decoding overlaps inference for real.
+    At most ``2 * workers + 1`` chunks are in flight, so memory stays O(batch); on an early
+    exit the queued chunks are cancelled and ``chunks`` is closed (a walking thread stops)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed-decode")
+    pending: deque[Future] = deque()
+
+    def submit_more() -> None:
+        while len(pending) < 2 * workers + 1:
+            chunk = next(chunks, _END)
+            if chunk is _END:
+                return
+            pending.append(pool.submit(read, chunk))
+
+    try:
+        submit_more()
+        while pending:
+            done = pending.popleft().result()
+            submit_more()
+            yield done
+    finally:
+        for fut in pending:
+            fut.cancel()
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+        pool.shutdown(wait=True)

@@ -63,10 +63,6 @@ class ReadGate:
                 if self._readers == 0:
                     self._cond.notify_all()
 
-    def remap(self, env: lmdb.Environment, path: Path) -> None:
-        """Adopt the map size another process grew the file to, once no read is open here."""
-        self.alone(lambda: env.set_mapsize(0), path, "the gallery store grew during a read; retry")
-
     def alone(self, fn: Callable[[], Any], path: Path, nested: str) -> None:
         """Run ``fn`` once no read of this process is open (or return once another thread did)."""
         if getattr(self._local, "depth", 0):
@@ -271,7 +267,8 @@ def read_txn(shared: SharedEnv, path: Path, check: bool = True) -> Iterator[lmdb
                 with txn:
                     yield txn
                 return
-        shared.gate.remap(shared.env, path)
+        # adopt the map size another process grew the file to, once no read is open here
+        shared.gate.alone(lambda: shared.env.set_mapsize(0), path, "the gallery store grew during a read; retry")
     raise IndexerError(f"{path}: the gallery store keeps growing past its map; retry")
 
 

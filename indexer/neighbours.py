@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from embedder.knn import drop_self, exact_knn
+from embedder.knn import exact_knn
 from embedder.vectors import l2_normalize
 
 from .errors import IndexerError
@@ -135,16 +135,8 @@ def neighbour_lists(q_ids: np.ndarray, xq: np.ndarray, ids: np.ndarray, x: np.nd
     nq = len(q_ids)
     if nq == 0:
         return np.zeros((0, m), np.int64), np.zeros((0, m), np.float32)
-    kk = min(m + 1, len(ids))
-    sims, rows = exact_knn(xq, (x[i:i + _BLOCK] for i in range(0, len(x), _BLOCK)), kk, metric="ip")
-    nbr = np.where(rows >= 0, ids[np.maximum(rows, 0)], -1)
-    nbr, sims = drop_self(nbr, np.asarray(q_ids, np.int64), min(m, kk), sims.astype(np.float32))
-    out_ids = np.full((nq, m), -1, np.int64)
-    out_sims = np.zeros((nq, m), np.float32)
-    out_ids[:, :nbr.shape[1]] = nbr
-    out_sims[:, :nbr.shape[1]] = np.nan_to_num(sims, nan=0.0)
-    out_sims[out_ids < 0] = 0.0
-    return out_ids, out_sims
+    sims, nbr = exact_knn(xq, x, m, "ip", ids=ids, own=q_ids, block=_BLOCK)
+    return nbr, np.where(nbr >= 0, sims, 0.0).astype(np.float32)
 
 
 def augment(x_self: np.ndarray, x_nbrs: np.ndarray, sims: np.ndarray, alpha: float) -> np.ndarray:
@@ -208,7 +200,7 @@ def update(nb: Neighbourhoods, ids: np.ndarray, x: np.ndarray) -> tuple[Neighbou
     if added.any() and (~added).any():
         # an old item's list changes only if an added item is at least as close as its last
         # neighbour (or its list is not full yet)
-        best, _ = exact_knn(x[~added], [x[added]], 1, metric="ip")
+        best, _ = exact_knn(x[~added], x[added], 1, "ip")
         last = np.where(nbr[~added, -1] >= 0, sims[~added, -1], -np.inf)
         old = np.nonzero(~added)[0]
         redo[old[best[:, 0] >= last - _MARGIN]] = True

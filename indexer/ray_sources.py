@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .errors import IndexerError
-from .sources import CHUNK, StoreSource
+from .sources import CHUNK, ChunkedSource, StoreSource
 
 
 def task_error(e: BaseException) -> str:
@@ -118,7 +118,7 @@ class Pending:
         return self.source._get(self.ref, self.what)
 
 
-class RemoteSource:
+class RemoteSource(ChunkedSource):
     """A ``Source`` whose reads run in the shard's ``ShardReader``; counts the bytes that reach
     the driver per method (``received``)."""
 
@@ -158,10 +158,6 @@ class RemoteSource:
                 return
             yield c
             start += size
-
-    def ids(self) -> np.ndarray:
-        parts = list(self.id_chunks())
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         start = 0

@@ -1,10 +1,11 @@
 """Ingest's reader: gallery files -> per-file outcomes and preprocessed arrays, read ahead.
 
 Every file is opened and read once: its sha256, its header size and its decode all come from
-the same bytes, in a decode thread, checked against a one-pass :class:`~indexer.store.Snapshot`
-of the store (no thread reads LMDB per image). :func:`read_ahead` keeps a bounded number of
-chunks in flight and yields them in input order; :func:`prefetch` runs the gallery walk itself
-in a thread, so walking overlaps decoding and inference.
+the same bytes, in a decode thread (:func:`read_chunk`, run by the embedder's one decode pool,
+:func:`embedder.runtime.decode_ahead`), checked against a one-pass
+:class:`~indexer.store.Snapshot` of the store (no thread reads LMDB per image);
+:func:`prefetch` runs the gallery walk itself in a thread, so walking overlaps decoding and
+inference.
 """
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ import queue
 import struct
 import threading
 import warnings
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -106,54 +105,6 @@ def read_chunk(chunk: Sequence[GalleryFile], snap: Snapshot, embedder: Any
             continue
         out.append((DECODED, f, item, None))
     return out, arrays
-
-
-def read_ahead(source: Iterator[Sequence[GalleryFile]], snap: Snapshot, embedder: Any,
-               workers: int) -> Iterator[tuple[list, list[np.ndarray]]]:
-    """:func:`read_chunk` of each chunk of ``source`` in ``workers`` threads, yielded in input
-    order. At most ``2 * workers + 1`` chunks are in flight, so memory stays O(batch)."""
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="indexer-decode")
-    chunks: deque[Future] = deque()
-
-    def submit_more() -> None:
-        while len(chunks) < 2 * workers + 1:
-            chunk = next(source, None)
-            if chunk is None:
-                return
-            chunks.append(pool.submit(read_chunk, chunk, snap, embedder))
-
-    try:
-        submit_more()
-        while chunks:
-            done = chunks.popleft().result()
-            submit_more()
-            yield done
-    finally:
-        for fut in chunks:
-            fut.cancel()
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()                       # stops the walking thread on an early exit
-        pool.shutdown(wait=True)
-
-
-def chunked(files: Iterable[GalleryFile], size: int, bar: Any = None
-             ) -> Iterator[list[GalleryFile]]:
-    """Lists of ``size`` files; sets the progress bar's total once the walk is complete."""
-    chunk: list[GalleryFile] = []
-    n = 0
-    for f in files:
-        chunk.append(f)
-        if len(chunk) == size:
-            n += size
-            yield chunk
-            chunk = []
-    n += len(chunk)
-    if bar is not None:
-        bar.total = n
-        bar.refresh()
-    if chunk:
-        yield chunk
 
 
 def prefetch(gen: Iterator[Any], depth: int) -> Iterator[Any]:

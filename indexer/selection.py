@@ -24,11 +24,12 @@ import faiss
 import numpy as np
 
 from embedder.cli import memory_size
+from embedder.knn import exact_knn
 
 from . import faiss_index as fx
 from .errors import IndexerError, size_text
 from .options import BuildOptions
-from .tuning import K, Holdout, clears, exact_knn, holdout, measure_qps, recalls, tune
+from .tuning import K, Holdout, clears, holdout, measure_qps, recalls, tune
 
 SELECT_FROM = 10_000        # smaller galleries forced past Flat get IVF-Flat: timings would be noise
 SAMPLE_CAP = 50_000         # candidates are built on at most this many gallery vectors
@@ -129,7 +130,7 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
     ids_s = ids[rows]
     q = np.ascontiguousarray(x[ho.tune], dtype=np.float32)
     k = min(K, len(rows))
-    truth = ids_s[exact_knn(xs, np.arange(len(rows)), q, k)]
+    truth = exact_knn(q, xs, k, "ip", ids=ids_s)[1]
     specs = list(specs) if specs is not None else candidates(n, dim, max_memory)
     centroids: dict[int, np.ndarray] = {}
     table: list[dict] = []
@@ -240,7 +241,7 @@ def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *
         ho = Holdout(np.arange(n), np.arange(n), np.arange(n))
     k = min(K, len(ho.rows))
     qt, qc = x[ho.tune], x[ho.check]
-    truth = ids[ho.rows[exact_knn(x, ho.rows, np.concatenate([qt, qc]), k)]]
+    truth = exact_knn(np.concatenate([qt, qc]), x, k, "ip", ids=ids, rows=ho.rows)[1]
     sel = None
     if index_type == "auto":
         if n >= SELECT_FROM and trained is None and not nlist:    # --nlist asks for IVF-Flat

@@ -11,10 +11,11 @@ nq x k answers reach the driver.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
-import faiss
 import numpy as np
+
+from embedder.knn import exact_knn
 
 from .store import GalleryStore
 
@@ -37,25 +38,6 @@ class Source(Protocol):
     def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def knn_over(chunks: Iterable[tuple[np.ndarray, np.ndarray]], q: np.ndarray, k: int,
-             drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(D, I): the exact inner-product top-k of ``q`` among the chunks' vectors but ``drop``
-    (ids; -1 where fewer than k are left), one chunk in memory at a time (faiss's ResultHeap
-    keeps the best k across chunks)."""
-    q = np.ascontiguousarray(q, dtype=np.float32)
-    heap = faiss.ResultHeap(len(q), k, keep_max=True)
-    for cids, cx in chunks:
-        keep = ~np.isin(cids, drop)
-        if not keep.all():
-            cids, cx = cids[keep], cx[keep]
-        if not len(cids):
-            continue
-        D, I = faiss.knn(q, cx, min(k, len(cids)), metric=faiss.METRIC_INNER_PRODUCT)
-        heap.add_result(D, np.where(I >= 0, cids[np.maximum(I, 0)], -1))
-    heap.finalize()
-    return heap.D, heap.I
-
-
 def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Iterator[Any]:
     """``sources[s].method(*args[s])`` for each shard, in shard order. A source that lives
     elsewhere (it has ``submit``: ``indexer.ray_sources.RemoteSource``) gets its call at once,
@@ -67,33 +49,43 @@ def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Itera
         yield pending.result() if pending is not None else getattr(src, method)(*a)
 
 
-class StoreSource:
+class ChunkedSource:
+    """What a source answers from its chunks: its ids, their count, its exact top-k (the base of
+    StoreSource, ArraySource and ``ray_sources.RemoteSource``)."""
+
+    dim: int
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]: ...
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+
+    def ids(self) -> np.ndarray:
+        parts = list(self.id_chunks())
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def count(self) -> int:
+        return sum(len(c) for c in self.id_chunks())
+
+    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This shard's exact top-k of ``q`` but ``drop``, in one pass over its chunks."""
+        return exact_knn(q, self.chunks(), k, "ip", exclude=drop)
+
+    def close(self) -> None:
+        pass
+
+
+class StoreSource(ChunkedSource):
     """A shard's LMDB store: the embeddings of one model, read in chunks (never all at once)."""
 
     def __init__(self, store_dir: str | Path, model_hash: str, dim: int) -> None:
         self.store = GalleryStore(store_dir)
         self.model_hash, self.dim = model_hash, int(dim)
 
-    def ids(self) -> np.ndarray:
-        parts = list(self.id_chunks())
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
     def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
-        """The ids ascending (LMDB keys are big-endian ids), ``size`` at a time."""
-        out: list[int] = []
-        with self.store._read() as txn:
-            meta = self.store._db("meta")
-            for k, _ in self.store._scan(txn, self.model_hash):
-                if txn.get(k, db=meta) is not None:
-                    out.append(int.from_bytes(k, "big"))
-                    if len(out) == size:
-                        yield np.array(out, dtype=np.int64)
-                        out = []
-        if out:
-            yield np.array(out, dtype=np.int64)
+        """The ids ascending, ``size`` at a time."""
+        return (ids for ids, _ in self.store.iter_embeddings(self.model_hash, size, vectors=False))
 
-    def count(self) -> int:
-        return sum(len(c) for c in self.id_chunks())
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.store.iter_embeddings(self.model_hash, size)
 
     def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ids, vectors) at ``positions`` (ascending) of the id order: one pass over the keys."""
@@ -106,35 +98,16 @@ class StoreSource:
         ids = np.concatenate(got) if got else np.zeros(0, np.int64)
         return ids, self.get(ids)
 
-    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        ids, rows = [], []
-        with self.store._read() as txn:
-            meta = self.store._db("meta")
-            for k, v in self.store._scan(txn, self.model_hash, values=True):
-                if txn.get(k, db=meta) is None:
-                    continue
-                ids.append(int.from_bytes(k, "big"))
-                rows.append(np.frombuffer(v, dtype=np.float32))
-                if len(ids) == size:
-                    yield np.array(ids, dtype=np.int64), np.stack(rows)
-                    ids, rows = [], []
-        if ids:
-            yield np.array(ids, dtype=np.int64), np.stack(rows)
-
     def get(self, ids: np.ndarray) -> np.ndarray:
         if len(ids) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
         return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
 
-    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """This shard's exact top-k of ``q`` but ``drop``, in one pass over its store."""
-        return knn_over(self.chunks(), q, k, drop)
-
     def close(self) -> None:
         self.store.close()
 
 
-class ArraySource:
+class ArraySource(ChunkedSource):
     """(ids ascending, vectors) already in arrays, e.g. ``np.load(..., mmap_mode="r")``: the
     benchmark's synthetic shards, and tests."""
 
@@ -145,8 +118,7 @@ class ArraySource:
         return self._ids
 
     def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
-        for s in range(0, len(self._ids), size):
-            yield np.asarray(self._ids[s:s + size], dtype=np.int64)
+        return (ids for ids, _ in self.chunks(size))
 
     def count(self) -> int:
         return len(self._ids)
@@ -162,12 +134,6 @@ class ArraySource:
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.x[np.searchsorted(self._ids, ids)], dtype=np.float32)
-
-    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return knn_over(self.chunks(), q, k, drop)
-
-    def close(self) -> None:
-        pass
 
 
 class Rows:

@@ -31,6 +31,7 @@ from .walk import label_of
 
 ID_BITS = 53          # ids stay exact in JavaScript (Number.MAX_SAFE_INTEGER == 2**53 - 1)
 _PATHREC = struct.Struct(">QQq")
+_NONE = np.zeros(0, dtype=np.float32)      # iter_embeddings(vectors=False)'s row
 
 
 def id_for_sha256(sha256_hex: str) -> int:
@@ -156,17 +157,28 @@ class GalleryStore(LmdbStore):
         """Hashes of the models that have embedded something into this store."""
         return list(self.info("models", []))
 
-    def _scan(self, txn: lmdb.Transaction, model_hash: str, values: bool = False
-              ) -> Iterator[tuple[bytes, Any]]:
-        """(8-byte id key, embedding or None) of every embedding made by ``model_hash``."""
-        mk = _model_key(model_hash)
-        cur = txn.cursor(db=self._db("emb"))
-        if cur.set_range(mk):
-            for kv in cur.iternext(keys=True, values=values):
-                k, v = kv if values else (kv, None)
+    def iter_embeddings(self, model_hash: str, size: int = 65_536, *, vectors: bool = True
+                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids ascending, float32 embeddings) of the stored items embedded by ``model_hash``,
+        ``size`` at a time, in one read transaction: a 1M x 512 store is read in chunks, never
+        all at once (the streaming build's shards). Only ids still stored count (an embedding
+        outlives nothing). ``vectors=False``: the ids only (the embeddings are (n, 0))."""
+        mk, ids, rows = _model_key(model_hash), [], []
+        with self._read() as txn:
+            meta, cur = self._db("meta"), txn.cursor(db=self._db("emb"))
+            for kv in (cur.iternext(keys=True, values=vectors) if cur.set_range(mk) else ()):
+                k, v = kv if vectors else (kv, None)
                 if not k.startswith(mk):
                     break
-                yield k[32:], v
+                if txn.get(k[32:], db=meta) is None:
+                    continue
+                ids.append(int.from_bytes(k[32:], "big"))
+                rows.append(np.frombuffer(v, dtype=np.float32) if vectors else _NONE)
+                if len(ids) == size:
+                    yield np.array(ids, dtype=np.int64), np.stack(rows)
+                    ids, rows = [], []
+        if ids:
+            yield np.array(ids, dtype=np.int64), np.stack(rows)
 
     def snapshot(self, model_hash: str, relpaths: Iterable[str]) -> Snapshot:
         """What the store holds for ``model_hash`` and ``relpaths``, read in one transaction (an
@@ -175,10 +187,9 @@ class GalleryStore(LmdbStore):
         snap = Snapshot({}, set())
         if not self.exists or len(self) == 0:
             return snap
+        snap.embedded.update(int(i) for c, _ in self.iter_embeddings(model_hash, vectors=False) for i in c)
         with self._read() as txn:
-            meta, path_db = self._db("meta"), self._db("path")
-            snap.embedded.update(int.from_bytes(k, "big") for k, _ in self._scan(txn, model_hash)
-                                 if txn.get(k, db=meta) is not None)
+            path_db = self._db("path")
             for p in relpaths:
                 raw = txn.get(p.encode("utf-8"), db=path_db)
                 if raw is not None:
@@ -187,8 +198,7 @@ class GalleryStore(LmdbStore):
 
     def missing_embeddings(self, model_hash: str) -> list[int]:
         """Stored ids without an embedding by ``model_hash`` (a rebuild with a new model)."""
-        with self._read() as txn:     # one read transaction, not one per id
-            have = {int.from_bytes(k, "big") for k, _ in self._scan(txn, model_hash)}
+        have = {int(i) for c, _ in self.iter_embeddings(model_hash, vectors=False) for i in c}
         return [int(i) for i in self.ids() if int(i) not in have]
 
     def get_embeddings(self, model_hash: str, ids: Sequence[int]) -> np.ndarray:
@@ -208,24 +218,12 @@ class GalleryStore(LmdbStore):
             return np.zeros((0, 0), dtype=np.float32)
         return out
 
-    def all_embeddings(self, model_hash: str, ids: Iterable[int] | None = None
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """(ids ascending, embeddings) of every stored item embedded by ``model_hash``.
-
-        Only ids that are still in ``meta`` are returned (an embedding outlives nothing).
-        """
-        keep = None if ids is None else {int(i) for i in ids}
-        out_ids, rows = [], []
-        with self._read() as txn:
-            meta = self._db("meta")
-            for k, v in self._scan(txn, model_hash, values=True):
-                i = int.from_bytes(k, "big")
-                if (keep is None or i in keep) and txn.get(k, db=meta) is not None:
-                    out_ids.append(i)
-                    rows.append(np.frombuffer(v, dtype=np.float32))
-        if not rows:
+    def all_embeddings(self, model_hash: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids ascending, embeddings) of every stored item embedded by ``model_hash``."""
+        parts = list(self.iter_embeddings(model_hash))
+        if not parts:
             return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
-        return np.array(out_ids, dtype=np.int64), np.stack(rows)
+        return np.concatenate([i for i, _ in parts]), np.concatenate([x for _, x in parts])
 
     # ------------------------------------------------------------------ writes
     def _register_model(self, txn: lmdb.Transaction, model_hash: str) -> None:
@@ -235,9 +233,6 @@ class GalleryStore(LmdbStore):
         if model_hash not in models:
             models.append(model_hash)
             txn.put(b"models", json.dumps(models).encode(), db=db)
-
-    def set_info(self, key: str, value: Any) -> None:
-        self.write(lambda txn: txn.put(key.encode(), json.dumps(value).encode(), db=self._dbs["info"]))
 
     def put_items(self, items: Sequence[NewItem], embeddings: np.ndarray | None = None,
                   model_hash: str | None = None) -> int:

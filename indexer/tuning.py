@@ -60,14 +60,6 @@ def holdout(n: int, dim: int, seed: int = 0) -> Holdout:
     return Holdout(np.sort(held[:m]), np.sort(held[m:]), rest)
 
 
-def exact_knn(x: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int,
-              block: int = 65_536) -> np.ndarray:
-    """Exact top-k by inner product over ``x[rows]``, as positions in ``rows``; ``x[rows]`` is
-    copied a block at a time (:func:`embedder.knn.exact_knn`)."""
-    blocks = (x[rows[s:s + block]] for s in range(0, len(rows), block))
-    return knn.exact_knn(queries, blocks, k, "ip")[1]
-
-
 def recalls(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """Per query: the fraction of the exact top-k also in the approximate top-k (ids)."""
     k = truth.shape[1]
@@ -158,7 +150,7 @@ def retune(index: faiss.Index, manifest: Mapping, x: np.ndarray, ids: np.ndarray
                                                             replace=False))
     k = min(K, n - 1) if n > 1 else 1
     own = ids[q_rows]
-    truth = knn.drop_self(ids[exact_knn(x, np.arange(n), x[q_rows], min(k + 1, n))], own, k)[0]
+    truth = knn.exact_knn(x[q_rows], x, k, "ip", ids=ids, own=own)[1]
     return retuned(index, faiss_index.IndexSpec.from_manifest(manifest), x[q_rows], truth, own, target)
 
 

@@ -1,5 +1,7 @@
-"""embedder.knn: the one exact kNN and the one "drop the query from its own list" that
-evaluation, index tuning and search share (issue 22)."""
+"""embedder.knn: the one exact kNN (with ids and drop lists) and the one "drop the query from its
+own list" that evaluation, DBA, index tuning, the streaming build's shards and search share
+(issues 22 and 31). Checked on real embeddings (Omniglot drawings through the small embedder)
+against a float64 brute force, in every form its callers use."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,22 +10,72 @@ import pytest
 from embedder.knn import drop_self, exact_knn
 
 
-def test_exact_knn_matches_brute_force_in_both_metrics_and_any_blocking():
-    rng = np.random.default_rng(0)
-    g = rng.standard_normal((300, 12)).astype(np.float32)
-    q = rng.standard_normal((40, 12)).astype(np.float32)
-    l2 = ((q[:, None, :] - g[None]) ** 2).sum(-1)
-    ip = q @ g.T
-    for metric, truth in (("l2", np.argsort(l2, 1, kind="stable")[:, :7]),
-                          ("ip", np.argsort(-ip, 1, kind="stable")[:, :7])):
-        whole = exact_knn(q, [g], 7, metric)
-        blocked = exact_knn(q, [g[:100], g[100:101], g[101:]], 7, metric)
-        np.testing.assert_array_equal(whole[1], truth)
-        np.testing.assert_array_equal(blocked[1], truth)      # row numbers run across blocks
-        ref = l2 if metric == "l2" else ip
-        np.testing.assert_allclose(whole[0], np.take_along_axis(ref, truth, 1), rtol=1e-4, atol=1e-4)
+@pytest.fixture(scope="module")
+def real(small_onnx, omniglot_root) -> np.ndarray:
+    from embedder import OnnxEmbedder
+
+    files = sorted((omniglot_root / "images_background").rglob("*.png"))[:400:2]
+    return OnnxEmbedder(small_onnx, device="cpu", threads=1).embed(files)
+
+
+def brute(q: np.ndarray, g: np.ndarray, ids: np.ndarray, k: int, metric: str,
+          own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Best-first (scores, ids) by a float64 full sort; ``own``: each query's own id left out."""
+    q64, g64 = q.astype(np.float64), g.astype(np.float64)
+    s = (((q64[:, None] - g64[None]) ** 2).sum(-1) if metric == "l2" else -(q64 @ g64.T))
+    if own is not None:
+        s[ids[None, :] == own[:, None]] = np.inf
+    order = np.argsort(s, axis=1, kind="stable")[:, :k]
+    best = np.take_along_axis(s, order, 1)
+    return (best if metric == "l2" else -best), ids[order]
+
+
+def test_every_gallery_form_gives_the_brute_force_answer(real):
+    q, g = real[:40], real
+    ids = np.sort(np.random.default_rng(1).choice(2 ** 53, len(g), replace=False)).astype(np.int64)
+    rows = np.arange(0, len(g), 3)
+    for metric in ("l2", "ip"):
+        want_s, want_rows = brute(q, g, np.arange(len(g)), 7, metric)
+        got = exact_knn(q, g, 7, metric)                                  # row numbers
+        np.testing.assert_array_equal(got[1], want_rows)
+        np.testing.assert_allclose(got[0], want_s, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(exact_knn(q, g, 7, metric, block=33)[1], want_rows)
+        np.testing.assert_array_equal(exact_knn(q, g, 7, metric, ids=ids)[1], ids[want_rows])
+        chunks = [(ids[s:s + 50], g[s:s + 50]) for s in range(0, len(g), 50)]
+        np.testing.assert_array_equal(exact_knn(q, chunks, 7, metric)[1], ids[want_rows])
+        _, sub = brute(q, g[rows], ids[rows], 5, metric)                  # only ``rows`` searched
+        np.testing.assert_array_equal(exact_knn(q, g, 5, metric, ids=ids, rows=rows, block=16)[1], sub)
     with pytest.raises(ValueError, match="metric='cosine'"):
-        exact_knn(q, [g], 3, "cosine")
+        exact_knn(q, g, 3, "cosine")
+
+
+def test_exclude_and_own_drop_by_id_and_a_duplicate_still_counts(real):
+    g = np.concatenate([real, real[:5]])              # rows 200..204 repeat rows 0..4, other ids
+    ids = np.arange(len(g), dtype=np.int64) * 10
+    q, own = g[:30], ids[:30]
+    _, want = brute(q, g, ids, 6, "ip", own=own)
+    s, got = exact_knn(q, g, 6, "ip", ids=ids, own=own)
+    np.testing.assert_array_equal(np.sort(got, 1), np.sort(want, 1))    # copies tie: any order
+    assert (got[:5, 0] == ids[200:205]).all()          # the duplicate: first, at its query's score
+    assert (np.diff(s, axis=1) <= 1e-6).all()
+    np.testing.assert_allclose(s[:5, 0], (q[:5] * q[:5]).sum(1), rtol=1e-5)
+    drop = ids[100:150]                                # the same ids left out of every list
+    keep = ~np.isin(ids, drop)
+    _, want = brute(q, g[keep], ids[keep], 6, "ip", own=own)
+    chunks = [(ids[s:s + 64], g[s:s + 64]) for s in range(0, len(g), 64)]
+    got = exact_knn(q, chunks, 6, "ip", exclude=drop, own=own)[1]
+    np.testing.assert_array_equal(np.sort(got, 1), np.sort(want, 1))
+    two = np.stack([own, ids[170:200]], 1)             # two ids dropped per query
+    got2 = exact_knn(q, g, 6, "ip", ids=ids, own=two)[1]
+    assert not (got2[:, :, None] == two[:, None, :]).any()
+
+
+def test_a_gallery_smaller_than_k_is_padded(real):
+    s, i = exact_knn(real[:3], real[:2], 4, "ip", ids=np.array([7, 9]))
+    assert (i[:, 2:] == -1).all() and set(i[:, :2].ravel()) == {7, 9}
+    s, i = exact_knn(real[:2], real[:2], 3, "ip", own=np.array([0, 1]))
+    np.testing.assert_array_equal(i, [[1, -1, -1], [0, -1, -1]])
+    assert np.isnan(s[:, 1:]).all()
 
 
 def test_drop_self_by_id_keeps_duplicates_and_rank_order():

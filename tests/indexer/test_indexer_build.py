@@ -44,6 +44,8 @@ def test_manifest_contents(built_index: Path, small_onnx: Path) -> None:
     assert m["metric"] == "inner_product" and m["index_type"] == "flat"
     assert m["count"] == 240 and m["nprobe"] == 0 and m["recall_at_10"] == 1.0
     assert m["build_seconds"] > 0 and m["target_recall"] == 0.95
+    seconds = m["ingest"].pop("seconds")             # the embedding runner's stages
+    assert set(seconds) == {"read", "embed", "write", "total"} and min(seconds.values()) >= 0
     assert m["ingest"] == {"found": 240, "new": 240, "unchanged": 0, "duplicates": 0,
                            "embedded": 240, "skipped": 0}
     index = faiss.read_index(str(built_index / INDEX_FILE))
@@ -97,6 +99,7 @@ def test_rebuild_embeds_nothing_twice(tmp_path: Path, omniglot_root: Path, small
     copy_characters(omniglot_root, gallery, 1, per_char=10, skip_chars=3)
     shutil.copy(next(gallery.rglob("*.png")), gallery / "copy_at_root.png")   # same content again
     m2 = build_index(gallery, tmp_path / "idx", small_onnx, progress=False)
+    assert m2["ingest"].pop("seconds")["total"] >= 0
     assert m2["ingest"] == {"found": 41, "new": 10, "unchanged": 30, "duplicates": 1,
                             "embedded": 10, "skipped": 0}
     assert m2["count"] == 40

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from indexer import faiss_index as fx
+from embedder.knn import exact_knn
 from indexer import tuning
 from indexer.errors import IndexerError
 
@@ -57,7 +58,7 @@ def test_tuned_nprobe_is_the_smallest_clearing_the_target(target: float) -> None
     index = fx.train(spec, x[rows], 32)
     fx.add(index, x[ho.rows], ids[ho.rows])
     q = x[ho.tune]
-    truth = ids[ho.rows[tuning.exact_knn(x, ho.rows, q, 10)]]
+    truth = exact_knn(q, x, 10, "ip", ids=ids, rows=ho.rows)[1]
     nprobe, rq = tuning.tune(index, spec, q, truth, target)
     assert 1 <= nprobe < spec.nlist and tuning.clears(rq, target) and rq.mean() > target
     assert faiss.extract_index_ivf(index).nprobe == nprobe                # left set to it
@@ -73,7 +74,7 @@ def test_tuned_nprobe_is_the_smallest_clearing_the_target(target: float) -> None
     assert not tuning.clears(np.full(1000, target) + np.r_[0.05, -0.05].repeat(500), target)
     # and the promise holds for the held-out check set, never used for tuning
     found = index.search(x[ho.check], 10, params=faiss.SearchParametersIVF(nprobe=nprobe))[1]
-    check = ids[ho.rows[tuning.exact_knn(x, ho.rows, x[ho.check], 10)]]
+    check = exact_knn(x[ho.check], x, 10, "ip", ids=ids, rows=ho.rows)[1]
     assert tuning.recalls(found, check).mean() >= target
 
 
@@ -83,7 +84,7 @@ def test_flat_needs_no_tuning_and_ids_roundtrip(tmp_path: Path) -> None:
     spec = fx.choose_spec(500, 16)
     index = fx.train(spec, x, 16)
     fx.add(index, x, ids)
-    value, rq = tuning.tune(index, spec, x[:50], ids[tuning.exact_knn(x, np.arange(len(x)), x[:50], 10)], 0.95)
+    value, rq = tuning.tune(index, spec, x[:50], exact_knn(x[:50], x, 10, "ip", ids=ids)[1], 0.95)
     assert value == 0 and rq.tolist() == [1.0] * 50
     np.testing.assert_array_equal(fx.index_ids(index), np.sort(ids))
     fx.write_atomic(index, tmp_path / "i.faiss")
@@ -127,7 +128,7 @@ def test_compressed_options_report_the_recall_they_reach(index_type: str) -> Non
     assert fields["index_type"] == index_type and index.ntotal == 10_000
     assert 1 <= fields["nprobe"] <= fields["nlist"]
     q = x[::10]
-    truth = ids[tuning.exact_knn(x, np.arange(len(x)), q, 10)]
+    truth = exact_knn(q, x, 10, "ip", ids=ids)[1]
     measured = tuning.recalls(index.search(q, 10)[1], truth).mean()    # at the stored nprobe
     assert measured == pytest.approx(fields["recall_at_10"], abs=0.05)
     if fields["recall_at_10"] < 0.9:

@@ -14,6 +14,7 @@ import pytest
 from indexer_testlib import copy_characters, run_cli
 from indexer import Index
 from indexer import faiss_index as fx
+from embedder.knn import exact_knn
 from indexer import tuning
 from indexer import selection
 from indexer.__main__ import _print_candidates
@@ -50,7 +51,7 @@ def test_heldout_recall_is_what_fresh_queries_get(hard, index_type: str) -> None
     assert m["index_type"] == index_type and index.ntotal == len(x)     # held-out rows added back
     assert m["tuning_queries"] == m["heldout_queries"] == 1000
     assert m["recall_at_10"] >= 0.95 and "warning" not in m
-    truth = ids[tuning.exact_knn(x, np.arange(len(x)), q, 10)]
+    truth = exact_knn(q, x, 10, "ip", ids=ids)[1]
     fresh = tuning.recalls(index.search(q, 10)[1], truth).mean()
     assert fresh == pytest.approx(m["recall_at_10"], abs=0.012)
     assert fresh >= 0.95 - 0.005
@@ -103,7 +104,7 @@ def test_memory_budget_picks_compressed_codes(hard) -> None:
     assert all(not r["fits_memory"] for r in table if r["index_type"] in ("flat", "ivf", "sq8rf"))
     assert m["index_type"] in ("sq8", "pqfsr8")
     assert selection.serialized_bytes(index) <= m["max_memory"]
-    truth = ids[tuning.exact_knn(x, np.arange(len(x)), q, 10)]
+    truth = exact_knn(q, x, 10, "ip", ids=ids)[1]
     assert tuning.recalls(index.search(q, 10)[1], truth).mean() >= 0.9 - 0.01
     with pytest.raises(IndexerError, match="index-memory .* need at least"):
         make_index(ids, x, device="cpu", max_memory="100K")

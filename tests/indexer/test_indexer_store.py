@@ -62,6 +62,31 @@ def test_snapshot_and_missing_embeddings(tmp_path: Path, omniglot_paths: list[Pa
         assert st.missing_embeddings(other) == sorted(it.id for it in items)
 
 
+def test_iter_embeddings_reads_one_model_in_chunks_and_only_stored_ids(tmp_path: Path,
+                                                                       omniglot_paths: list[Path]) -> None:
+    """The public seam the shards' sources read through (no other module knows the key layout):
+    ascending ids in chunks of ``size``, this model's vectors only, a removed item's embedding
+    never returned, ids alone with ``vectors=False``."""
+    items = [_item(p, f"c/{p.name}", "c") for p in omniglot_paths[:7]]
+    emb = np.random.default_rng(1).normal(size=(7, 4)).astype(np.float32)
+    other = hashlib.sha256(b"another model").hexdigest()
+    with GalleryStore(tmp_path / "s", readonly=False) as st:
+        st.put_items(items, emb, MODEL)
+        st.put_embeddings(other, [items[0].id], emb[:1] + 1)
+        st.remove_id(items[3].id)
+        chunks = list(st.iter_embeddings(MODEL, 2))
+        want = sorted((it.id, j) for j, it in enumerate(items) if j != 3)
+        assert [len(i) for i, _ in chunks] == [2, 2, 2]
+        np.testing.assert_array_equal(np.concatenate([i for i, _ in chunks]), [i for i, _ in want])
+        np.testing.assert_array_equal(np.concatenate([x for _, x in chunks]), emb[[j for _, j in want]])
+        ids_only = list(st.iter_embeddings(MODEL, 4, vectors=False))
+        assert [x.shape for _, x in ids_only] == [(4, 0), (2, 0)]
+        np.testing.assert_array_equal(np.concatenate([i for i, _ in ids_only]), [i for i, _ in want])
+        [(i, x)] = st.iter_embeddings(other)
+        assert list(i) == [items[0].id] and np.allclose(x, emb[:1] + 1)
+        assert list(st.iter_embeddings(hashlib.sha256(b"none").hexdigest())) == []
+
+
 def test_ids_are_content_derived_and_js_safe(omniglot_paths: list[Path]) -> None:
     shas = [hashlib.sha256(p.read_bytes()).hexdigest() for p in omniglot_paths]
     ids = [id_for_sha256(s) for s in shas]
