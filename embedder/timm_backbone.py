@@ -20,13 +20,11 @@ patch tokens, or the model's own head with ``model``).
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
 
 from .errors import PretrainedWeightsUnavailable
-from .preprocess import INTERPOLATIONS, Preprocessing
 
 PREFIX = "timm:"
 #: Weight file suffixes timm's loader reads (safetensors by suffix; the rest through torch.load).
@@ -72,28 +70,18 @@ def _pretrained_cfg(name: str) -> dict:
     return cfg.to_dict() if cfg is not None else {}
 
 
-def timm_preprocessing(backbone: str) -> Preprocessing:
-    """The eval/train preprocessing of a timm model, from ``timm.data.resolve_data_config``.
-
-    timm's eval transform resizes the shorter side to ``floor(size / crop_pct)`` and centre-crops
-    ``size``; that is what :class:`Preprocessing` does. (Configs with ``crop_mode`` 'squash' or
-    'border' are rare; they get the centre crop at the same ratio.) Non-square inputs take the
-    height."""
+def timm_data_config(backbone: str) -> dict:
+    """What timm's pretrained config says a model's input is (``timm.data.resolve_data_config``):
+    ``embedder.preprocess.preprocessing_for`` turns it into a :class:`Preprocessing` (this module
+    imports nothing of preprocess, so the two are not a circle)."""
     from timm.data import resolve_data_config
 
     name = model_name(backbone)
     dc = resolve_data_config({}, pretrained_cfg=_pretrained_cfg(name))
-    chans, size = int(dc["input_size"][0]), int(dc["input_size"][1])
-    crop_pct = float(dc.get("crop_pct") or 1.0)
-    interp = dc.get("interpolation", "bilinear")
-    if interp not in INTERPOLATIONS:
-        interp = "bicubic" if interp == "random" else "bilinear"
-    mean, std = tuple(dc["mean"]), tuple(dc["std"])
-    mode = "RGB" if chans == 3 else "L"
+    chans = int(dc["input_size"][0])
     if chans not in (1, 3):
         raise ValueError(f"timm model {name!r} takes {chans} input channels; expected 1 or 3")
-    return Preprocessing(size, max(size, math.floor(size / crop_pct)), mean[:chans], std[:chans],
-                         mode, interpolation=interp)
+    return dc
 
 
 def hub_hint(name: str) -> str:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .hashing import file_sha256
 from .preprocess import Preprocessing
-from .timm_backbone import check_weights_file, is_timm, model_name, timm_preprocessing
+from .preprocess import timm_preprocessing
+from .timm_backbone import check_weights_file, is_timm, model_name
 
 
 @dataclass(frozen=True)

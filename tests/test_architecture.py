@@ -26,11 +26,8 @@ ALLOWED = {
 }
 # Benchmarks reach past a face here, on purpose (docs/ARCHITECTURE.md says why): training's face
 # does not export everything the benchmarks use (public names of its submodules are fine there).
-# Circles between two modules of a package (imports inside functions included) that exist today,
-# named so that no new one appears; issue 31 removes indexer.index <-> indexer.shards.
-KNOWN_CIRCLES = {frozenset({"indexer.index", "indexer.shards"}),
-                 frozenset({"indexer.consistency", "indexer.shards"}),
-                 frozenset({"embedder.preprocess", "embedder.timm_backbone"})}
+# Circles between two modules of a package (imports inside functions included): none is left.
+KNOWN_CIRCLES: set[frozenset[str]] = set()     # issue 31 removed the last three
 
 
 def _modules() -> list[Path]:
