@@ -23,7 +23,6 @@ from typing import Sequence
 import faiss
 import numpy as np
 
-from embedder.cli import memory_size
 from embedder.knn import exact_knn
 
 from . import faiss_index as fx
@@ -91,14 +90,6 @@ def scaled(spec: fx.IndexSpec, n_sample: int, n_full: int) -> fx.IndexSpec:
         return spec
     nl = max(1, round(spec.nlist * n_sample / n_full))
     return replace(spec, nlist=nl, factory=spec.factory.replace(f"IVF{spec.nlist}", f"IVF{nl}"))
-
-
-def parse_memory(text: str | int | None) -> int | None:
-    """:func:`embedder.cli.memory_size` (the one parser), raising IndexerError: app.py's old name."""
-    try:
-        return memory_size(text)
-    except ValueError as e:
-        raise IndexerError(str(e)) from None
 
 
 @dataclass
