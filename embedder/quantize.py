@@ -69,7 +69,16 @@ def calibration_files(folder: str | os.PathLike, n: int = DEFAULT_IMAGES) -> lis
         raise QuantizationError(f"{root}: calibration folder not found (expected a folder of images)")
     if n < 1:
         raise QuantizationError(f"calibration image count must be >= 1, got {n}")
-    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    files = []
+    seen: set[str] = set()
+    # linked class folders are followed, as `indexer build` does (a loop is walked once)
+    for d, dirs, names in os.walk(root, followlinks=True):
+        if os.path.realpath(d) in seen:
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(d))
+        files += [Path(d) / f for f in names if Path(f).suffix.lower() in IMAGE_SUFFIXES]
+    files = sorted(p for p in files if p.is_file())
     if not files:
         raise QuantizationError(f"{root}: no images (expected files ending in "
                                 f"{', '.join(sorted(IMAGE_SUFFIXES))})")

@@ -152,3 +152,20 @@ def test_quantize_bad_calibration_one_line_error(case, fragment, small_onnx, tmp
     r = _run("embedder", "quantize", small_onnx, "--calibration", calib, "--out", out, "--quiet")
     assert r.returncode == 1 and fragment in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_calibration_follows_linked_class_folders_once(tmp_path: Path, cub_root) -> None:
+    """A calibration folder made of links to class folders (how a gallery is often assembled,
+    and what `indexer build` follows) is read through its links; a link back up is walked once."""
+    from embedder.quantize import calibration_files
+
+    classes = sorted(p for p in cub_root.iterdir() if p.is_dir())[:2]
+    cal = tmp_path / "cal"
+    cal.mkdir()
+    for c in classes:
+        (cal / c.name).symlink_to(c, target_is_directory=True)
+    (cal / "loop").symlink_to(cal, target_is_directory=True)
+    files = calibration_files(cal, n=10_000)
+    want = sum(1 for c in classes for f in c.iterdir() if f.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    assert len(files) == want and want > 0
+    assert {f.parent.name for f in files} == {c.name for c in classes}
