@@ -108,11 +108,13 @@ def webp_burst_probe(url: str, proc: subprocess.Popen, root: Path, megapixels: f
              + f" (4 small JPEG searches at once just before: +{warm[0][0]:.0f} / +{warm[0][1]:.0f})")]
 
 
-def _open_stream(url: str, path: str, cookie: str | None) -> tuple[socket.socket, bytes]:
+def open_stream(url: str, path: str, cookie: str | None) -> tuple[socket.socket, bytes]:
+    """A raw GET held open; returns (socket, the answer's status line). Shared with
+    tests/serving/test_serving_proxy.py."""
     u = urlparse(url)
     s = socket.create_connection((u.hostname, u.port), timeout=30)
-    s.sendall((f"GET {path} HTTP/1.1\r\nHost: x\r\n" + (f"Cookie: {cookie}\r\n" if cookie else "")
-               + "\r\n").encode())
+    head = f"GET {path} HTTP/1.1\r\nHost: {u.hostname}\r\n" + (f"Cookie: {cookie}\r\n" if cookie else "") + "\r\n"
+    s.sendall(head.encode())
     got = b""
     while b"\r\n" not in got:
         chunk = s.recv(4096)
@@ -132,7 +134,7 @@ def stream_probes(url: str) -> list[tuple[str, str, str]]:
     held, statuses = [], []
     try:
         for i in range(40):
-            s, status = _open_stream(url, f"/gradio_api/heartbeat/h{i}", cookie)
+            s, status = open_stream(url, f"/gradio_api/heartbeat/h{i}", cookie)
             held.append(s)
             statuses.append(status.split(b" ")[1].decode() if b" " in status else "none")
         t0 = time.perf_counter()

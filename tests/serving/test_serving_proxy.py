@@ -5,14 +5,14 @@ as its proxy. Waits are bounded by generous deadlines, never asserted as speeds.
 from __future__ import annotations
 
 import base64
-import socket
 import time
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import urlparse
 
 import httpx
 import pytest
+
+from benchmarks.reliability_client_probes import open_stream
 
 AUTH = ("tester", "s3cret-pass")            # conftest's; conftest is not importable by name here
 WRONG = ("tester", "guess")
@@ -44,21 +44,6 @@ def _cookie(url: str) -> str:
     return "; ".join(f"{k}={v}" for k, v in r.cookies.items())
 
 
-def _open_stream(url: str, path: str, cookie: str | None) -> tuple[socket.socket, bytes]:
-    """A raw GET held open; returns (socket, the answer's status line)."""
-    u = urlparse(url)
-    s = socket.create_connection((u.hostname, u.port), timeout=30)
-    head = f"GET {path} HTTP/1.1\r\nHost: {u.hostname}\r\n" + (f"Cookie: {cookie}\r\n" if cookie else "") + "\r\n"
-    s.sendall(head.encode())
-    got = b""
-    while b"\r\n" not in got:
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        got += chunk
-    return s, got.split(b"\r\n", 1)[0]
-
-
 def test_heartbeat_needs_a_login(plain):
     """Gradio serves /gradio_api/heartbeat/<any> to anyone and never ends the answer: without a
     login it is now refused at once."""
@@ -75,16 +60,16 @@ def test_open_streams_per_client_are_capped(plain):
     held = []
     try:
         for i in range(16):
-            s, status = _open_stream(url, f"/gradio_api/heartbeat/held{i}", cookie)
+            s, status = open_stream(url, f"/gradio_api/heartbeat/held{i}", cookie)
             held.append(s)
             assert status == b"HTTP/1.1 200 OK", (i, status)
-        s, status = _open_stream(url, "/gradio_api/heartbeat/one-more", cookie)
+        s, status = open_stream(url, "/gradio_api/heartbeat/one-more", cookie)
         s.close()
         assert status == b"HTTP/1.1 429 Too Many Requests", status
         held.pop().close()
         deadline = time.monotonic() + 60          # the server sees the close at its next write
         while True:
-            s, status = _open_stream(url, "/gradio_api/heartbeat/after-close", cookie)
+            s, status = open_stream(url, "/gradio_api/heartbeat/after-close", cookie)
             held.append(s)
             if status == b"HTTP/1.1 200 OK" or time.monotonic() > deadline:
                 break
