@@ -7,23 +7,18 @@ main `python -m pytest` run does not collect it; `test_ray_netns.py` runs it the
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import socket
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from indexer.ray_build import FAULT_ENV, only_loopback
+from indexer.ray_build import FAULT_ENV
+from ray_testlib import loopback_up, require_private_network
 
-if not only_loopback():
-    pytest.skip("Ray listens beyond loopback: run this module in a private network namespace "
-                "(unshare -n python -m pytest tests/indexer/test_ray.py; the main run does it)",
-                allow_module_level=True)
+require_private_network("tests/indexer/test_ray.py")
 
 ray = pytest.importorskip("ray")
 
@@ -36,17 +31,6 @@ from indexer.walk import read_file_list, shard_of  # noqa: E402
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
 N_CHARS = 30                                           # 600 images, ~300 per shard
-
-
-def loopback_up() -> None:
-    """`ip link set lo up` (a new namespace starts with lo down), done by hand because
-    iproute2 is not on every machine; SIOCGIFFLAGS / SIOCSIFFLAGS on a struct ifreq."""
-    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        req = struct.pack("16sH22x", b"lo", 0)
-        flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, req))[1]
-        if not flags & iff_up:
-            fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
 
 
 @pytest.fixture(scope="module")

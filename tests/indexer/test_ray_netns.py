@@ -1,4 +1,5 @@
-"""Run test_ray.py inside a private network namespace, from the main `python -m pytest` run.
+"""Run the Ray test modules (``RAY_MODULES``) inside private network namespaces, one namespace
+and one pytest process per module, from the main `python -m pytest` run.
 
 Ray listens on every interface; in a new network namespace (`unshare -n`) the only interface is
 loopback, so nothing it opens can be reached from outside. Where no namespace can be made (not
@@ -23,6 +24,9 @@ from indexer.ray_build import INSTALL_HINT, only_loopback
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
+# Every module that starts Ray (each also in its directory's conftest ``collect_ignore``).
+RAY_MODULES = ["tests/indexer/test_ray.py"]
+
 
 def unshare_cmd() -> list[str] | str:
     """The command prefix that gives a private network namespace here, or why there is none."""
@@ -38,7 +42,8 @@ def unshare_cmd() -> list[str] | str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)      # the inner run has its own 900 s limit
-def test_ray_tests_in_a_private_network_namespace() -> None:
+@pytest.mark.parametrize("module", RAY_MODULES)
+def test_ray_tests_in_a_private_network_namespace(module: str) -> None:
     if importlib.util.find_spec("ray") is None:
         skip_or_fail(f"Ray tests need Ray: {INSTALL_HINT}")
     prefix: list[str] = []
@@ -49,7 +54,7 @@ def test_ray_tests_in_a_private_network_namespace() -> None:
         prefix = found
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-           str(HERE / "test_ray.py")]
+           str(REPO / module)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = p.stdout + p.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""

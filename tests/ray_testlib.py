@@ -1,0 +1,106 @@
+"""What the Ray tests share: loopback up in a fresh network namespace, the module-level guard,
+and a local multi-node cluster (``ray.cluster_utils.Cluster``: several raylets on this machine,
+the way Ray tests its own multi-node behaviour), with nodes that can be killed and brought back.
+
+Ray listens beyond loopback, so every module that starts Ray runs only inside a private network
+namespace: the main run does not collect those modules (each directory's conftest lists them in
+``collect_ignore``); ``tests/indexer/test_ray_netns.py`` runs each one there (``RAY_MODULES``).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pytest
+
+NODE_STORE_BYTES = 100 * 2 ** 20          # object store per raylet: tests pass ids and small arrays
+
+
+def loopback_up() -> None:
+    """`ip link set lo up` (a new namespace starts with lo down), done by hand because
+    iproute2 is not on every machine; SIOCGIFFLAGS / SIOCSIFFLAGS on a struct ifreq."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, req))[1]
+        if not flags & iff_up:
+            fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def require_private_network(module: str) -> None:
+    """Skip the calling module (at import) unless only loopback exists here."""
+    from indexer.ray_build import only_loopback
+
+    if not only_loopback():
+        pytest.skip(f"Ray listens beyond loopback: run {module} in a private network namespace "
+                    f"(unshare -n python -m pytest {module}; the main run does it)",
+                    allow_module_level=True)
+
+
+def node_resource(i: int) -> str:
+    """The custom resource only node ``i`` has: ``.options(resources={node_resource(i): 0.01})``
+    pins a task or actor there (tests use it to put work on a node they will kill)."""
+    return f"testnode{i}"
+
+
+@dataclass
+class LocalCluster:
+    """A running ``ray.cluster_utils.Cluster``: node 0 is the head (never killed: it holds the
+    GCS), nodes 1.. are workers. ``kill(i)`` takes a worker node down at once (its raylet and
+    every worker process on it, as a lost machine), ``revive(i)`` starts a new raylet with the
+    same resources (a new node id: Ray cannot know it is the same machine)."""
+
+    cluster: Any
+    cpus: int
+    nodes: list[Any] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def node_id(self, i: int) -> str:
+        return self.nodes[i].node_id
+
+    def kill(self, i: int) -> None:
+        assert i > 0, "node 0 is the head: killing it kills the cluster"
+        self.cluster.remove_node(self.nodes[i], allow_graceful=False)
+
+    def revive(self, i: int) -> str:
+        self.nodes[i] = self.cluster.add_node(num_cpus=self.cpus, object_store_memory=NODE_STORE_BYTES,
+                                              resources={node_resource(i): 1})
+        self.cluster.wait_for_nodes()
+        return self.nodes[i].node_id
+
+
+@contextmanager
+def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True) -> Iterator[LocalCluster]:
+    """``n_nodes`` raylets on this machine (one head + workers), each with ``cpus_per_node`` CPUs
+    and its ``node_resource(i)``; this process joins it as a driver when ``connect`` (a CLI run
+    in a subprocess joins with ``--ray cluster.address`` instead). Starts in ~10 s here.
+    Shut down on exit, driver first."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    loopback_up()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=cpus_per_node, include_dashboard=False, object_store_memory=NODE_STORE_BYTES,
+        resources={node_resource(0): 1}))
+    lc = LocalCluster(cluster, cpus_per_node, [cluster.head_node])
+    try:
+        for i in range(1, n_nodes):
+            lc.nodes.append(cluster.add_node(num_cpus=cpus_per_node, object_store_memory=NODE_STORE_BYTES,
+                                             resources={node_resource(i): 1}))
+        cluster.wait_for_nodes()
+        if connect:
+            ray.init(address=cluster.address, logging_level="WARNING")
+        yield lc
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
