@@ -38,6 +38,12 @@ INSTALL_HINT = "pip install 'ray[default]>=2.9,<3' (or the project's extra: pip 
 # are settled (committed, or skipped), on the attempt that creates MARKER (so the retry runs to
 # the end). It exercises the real failure path: Ray notices a dead worker and retries the task.
 FAULT_ENV = "DAS_RAY_KILL_SHARD"
+# Test and drill hook for losing a whole node: "i:N:MARKER" makes shard i's task, on the attempt
+# that creates MARKER, write its node id there once N of its files are settled and then wait
+# (at most HOLD_S) with its work committed so far, so that a test can remove that node mid-task.
+HOLD_ENV = "DAS_RAY_HOLD_SHARD"
+HOLD_S = 300.0
+RUN_FILE = "ray.json"     # OUT/shards/ray.json: the last --ray build's facts (nodes, attempts)
 
 
 def _ray() -> Any:
@@ -59,22 +65,27 @@ class _Progress:
     """Files done per shard, kept by a small Ray actor so that one bar can cover all shards.
 
     A new attempt of a shard resets its count (a retry re-counts what the dead attempt stored,
-    as "unchanged"), so the total never counts an image twice.
+    as "unchanged"), so the total never counts an image twice. Also keeps the node each attempt
+    ran on (a retry after a node died runs elsewhere: the build's ``ray.attempt_nodes``).
+    Runs on the driver's node (``_ingest_shards``): an actor on a worker node would die with it
+    and take the build down with the task that Ray was about to retry.
     """
 
     def __init__(self, n: int) -> None:
         self.done = [0] * n
         self.attempts = [0] * n
+        self.nodes: list[list[str]] = [[] for _ in range(n)]
 
-    def start(self, i: int) -> None:
+    def start(self, i: int, node: str = "") -> None:
         self.done[i] = 0
         self.attempts[i] += 1
+        self.nodes[i].append(node)
 
     def add(self, i: int, k: int) -> None:
         self.done[i] += k
 
-    def state(self) -> tuple[list[int], list[int]]:
-        return self.done, self.attempts
+    def state(self) -> tuple[list[int], list[int], list[list[str]]]:
+        return self.done, self.attempts, self.nodes
 
 
 class _Reporter:
@@ -88,7 +99,7 @@ class _Reporter:
         # killed would be lost, and the attempt not counted.
         import ray
 
-        ray.get(actor.start.remote(shard))
+        ray.get(actor.start.remote(shard, ray.get_runtime_context().get_node_id()))
 
     def __call__(self, k: int) -> None:
         with self.lock:
@@ -117,21 +128,47 @@ def _fault(spec: str | None, shard: int) -> Callable[[int], None] | None:
     return check
 
 
+def _hold(spec: str | None, shard: int) -> Callable[[int], None] | None:
+    """``HOLD_ENV``'s check: once ``done`` reaches N, write this node's id to MARKER and wait
+    (the node is meant to be removed meanwhile); ``None`` when the spec is not for this attempt."""
+    if not spec:
+        return None
+    i, after, marker = spec.split(":", 2)
+    if int(i) != shard or os.path.exists(marker):
+        return None
+    held = threading.Event()
+
+    def check(done: int) -> None:
+        if done >= int(after) and not held.is_set():
+            held.set()
+            import ray
+
+            Path(marker).write_text(json.dumps({"node": ray.get_runtime_context().get_node_id(),
+                                                "pid": os.getpid(), "done": done}) + "\n")
+            time.sleep(HOLD_S)
+    return check
+
+
 # ---------------------------------------------------------------------------- the task
 def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
-                actor: Any, fault: str | None) -> dict:
+                actor: Any, fault: str | None, hold: str | None = None) -> dict:
     """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
-    files the driver listed for it in ``shard_dir/files.jsonl`` (no walk of the gallery)."""
+    files the driver listed for it in ``shard_dir/files.jsonl`` (no walk of the gallery).
+    ``fault``, ``hold``: the driver's ``FAULT_ENV`` and ``HOLD_ENV`` (a worker's environment is
+    its raylet's, not the driver's)."""
     from .build import build_index
     from .model import load_embedder
 
     report = _Reporter(actor, shard)
     die = _fault(fault, shard)
+    wait = _hold(hold, shard)
 
     def on_done(k: int) -> None:
         report(k)
         if die is not None:
             die(report.total)
+        if wait is not None:
+            wait(report.total)
 
     emb = load_embedder(model, device=opts["device"], batch_size=opts["batch_size"],
                         threads=opts["threads"])
@@ -145,10 +182,12 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
     return {**m, "node": ray.get_runtime_context().get_node_id()}   # where the shard now lives
 
 
-def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> int:
+def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> tuple[int, str]:
     """The second Ray pass of ``--sharded``: this shard's vectors, read from its own store, into
-    a copy of the trained empty index, written beside the store (``stream.fill``)."""
+    a copy of the trained empty index, written beside the store (``stream.fill``). Returns the
+    part's size and the node that filled it."""
     import faiss
+    import ray
 
     from . import faiss_index as fx
     from . import stream
@@ -160,7 +199,7 @@ def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim
     finally:
         src.close()
     fx.write_atomic(part, Path(shard_dir) / PART_FILE)
-    return int(part.ntotal)
+    return int(part.ntotal), ray.get_runtime_context().get_node_id()
 
 
 def _near(node: str | None) -> dict:
@@ -173,32 +212,39 @@ def _near(node: str | None) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
 
-def _fill_with_ray(ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
-                   dim: int, progress: bool, nodes: list) -> Callable[[Path, list], None]:
+class _RayFill:
     """``build_sharded``'s ``fill_parts``: one Ray task per shard, with the ingest tasks'
-    resources, on the node whose task built the shard."""
-    def fill(trained_file: Path, skip: list) -> None:
+    resources, on the node whose task built the shard (elsewhere if it is gone); ``nodes``: where
+    each part was filled (the build's ``ray.fill_nodes``)."""
+
+    def __init__(self, ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
+                 dim: int, progress: bool, nodes: list) -> None:
+        self.ray, self.dirs, self.res, self.max_retries = ray, dirs, res, max_retries
+        self.model_hash, self.dim, self.progress, self.near = model_hash, dim, progress, nodes
+        self.nodes: list[str | None] = [None] * len(dirs)
+
+    def __call__(self, trained_file: Path, skip: list) -> None:
+        ray = self.ray
         task = ray.remote(fill_part)
-        refs = [task.options(max_retries=max_retries, retry_exceptions=False, **res, **_near(node))
-                .remote(str(d), str(trained_file), sk, model_hash, dim)
-                for d, sk, node in zip(dirs, skip, nodes)]
+        refs = [task.options(max_retries=self.max_retries, retry_exceptions=False, **self.res, **_near(node))
+                .remote(str(d), str(trained_file), sk, self.model_hash, self.dim)
+                for d, sk, node in zip(self.dirs, skip, self.near)]
         from tqdm.auto import tqdm
 
         with tqdm(total=len(refs), desc="filling the shards' parts (Ray)", unit="shard",
-                  disable=not progress) as bar:
+                  disable=not self.progress) as bar:
             pending = list(refs)
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
+                i = refs.index(ready[0])
                 try:
-                    ray.get(ready[0])
+                    self.nodes[i] = ray.get(ready[0])[1]
                 except ray.exceptions.RayError as e:
                     for p in pending:
                         ray.cancel(p)
-                    i = refs.index(ready[0])
                     raise IndexerError(f"filling shard {i}'s part failed: {task_error(e)}; rerun the "
                                        "same command to resume") from None
                 bar.update(1)
-    return fill
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -352,7 +398,9 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
     Holds ``out``'s writer lock (:mod:`indexer.lock`) from once the inputs are checked and Ray
     is there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
     Returns the merged manifest with ``ray`` (in ``extra``): shards, attempts per shard,
-    resources per task.
+    resources per task, the node that built each shard (``nodes``) and the nodes of every
+    attempt (``attempt_nodes``), with ``--sharded`` where each reader and fill ran; the same facts
+    go to ``out/shards/ray.json``.
     """
     from .build import gallery_files, merge_shards
     from .model import load_embedder
@@ -377,14 +425,13 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             res = plan_resources(nodes, n, cpus_per_shard)
             opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
                     "threads": res["num_cpus"], "device": device}
-            dirs, found, attempts, where = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n, res,
-                                                          opts, max_retries, progress)
+            dirs, found, attempts, where, tried = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n,
+                                                                 res, opts, max_retries, progress)
             if sharded:
                 from .ray_sources import open_readers
                 from .shard_build import build_sharded
 
-                fill = _fill_with_ray(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim),
-                                      progress, where)
+                fill = _RayFill(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim), progress, where)
                 # the plan's reads run where the shards are (ray_sources), the fill as tasks there
                 readers = open_readers(ray, dirs, emb.model_hash, int(emb.dim), max_retries=max_retries,
                                        threads=res["num_cpus"], nodes=where)
@@ -394,6 +441,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                 finally:
                     for r in readers:
                         r.close()
+                plan_nodes = [r.node for r in readers]      # where each reader was at its close
                 stage = {"census": "next_ids", "samples": "sample", "truth": "knn"}
                 plan_bytes = {k: sum(r.received[v] for r in readers) for k, v in stage.items()}
         finally:
@@ -402,17 +450,21 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
         if not sharded:
             m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress)
         ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
-                     "seconds": round(time.perf_counter() - t0, 3)}
+                     "nodes": where, "attempt_nodes": tried, "seconds": round(time.perf_counter() - t0, 3)}
         if sharded:
             ray_facts["plan_bytes"] = plan_bytes      # what the shards' readers sent the driver
+            ray_facts["plan_nodes"] = plan_nodes      # where each shard's reader ran
+            ray_facts["fill_nodes"] = fill.nodes      # where each shard's part was filled
+        # where each shard was built (its reader, fill and serving actors' place), for operators
+        (out / SHARDS_DIR / RUN_FILE).write_text(json.dumps(ray_facts, indent=2) + "\n")
         return m.replace(extra={**m.extra, "ray": ray_facts})
 
 
 def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: dict, opts: dict,
-                   max_retries: int, progress: bool) -> tuple[list[Path], int, list[int], list]:
+                   max_retries: int, progress: bool) -> tuple[list[Path], int, list[int], list, list]:
     """The Ray pass: the one walk split into ``n`` file lists under ``root``, one ``build_shard``
     task each. Returns (shard directories, files found, attempts per shard, the node that built
-    each shard)."""
+    each shard, the nodes each shard's attempts ran on)."""
     root.mkdir(parents=True, exist_ok=True)
     _check_plan(root, gallery, n, emb.model_hash)
     shared = IndexDir(root)                     # tasks read the model from the shared path
@@ -421,11 +473,14 @@ def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: d
     for d in dirs:
         d.mkdir(exist_ok=True)
     listed = split_walk(gallery, [d / FILE_LIST for d in dirs], progress)   # the one walk of this build
-    actor = ray.remote(num_cpus=0)(_Progress).remote(n)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=here).remote(n)
     ray.get(actor.state.remote())               # up before any task reports to it
     task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
-    fault = os.environ.get(FAULT_ENV)
-    refs = {task.remote(str(gallery), str(d), str(shared.model_file), i, n, opts, actor, fault): i
+    fault, hold = os.environ.get(FAULT_ENV), os.environ.get(HOLD_ENV)
+    refs = {task.remote(str(gallery), str(d), str(shared.model_file), i, n, opts, actor, fault, hold): i
             for i, d in enumerate(dirs)}
     from tqdm.auto import tqdm
 
@@ -436,7 +491,8 @@ def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: d
         bar.n, bar.total = found, max(bar.total or 0, found)   # the shards' own counts are the final word
         bar.refresh()
     nodes = [manifests[i].get("node") for i in range(n)]
-    return dirs, found, ray.get(actor.state.remote())[1], nodes
+    _, attempts, attempt_nodes = ray.get(actor.state.remote())
+    return dirs, found, attempts, nodes, attempt_nodes
 
 
 def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, dict]:

@@ -11,9 +11,11 @@ and each shard's nq x k exact answers, which the driver merges (``stream.exact_t
 
 The census keeps every shard's id stream open at once, so all readers must be alive together:
 they reserve no CPU or GPU (a reader waiting for a CPU a fill task would take could wait for
-ever) and use ``threads`` CPUs that nothing else uses during the plan. A reader whose process
-dies is restarted and its calls retried (``max_retries``, as the fill tasks); its calls carry
-positions, not state, so a retried call answers the same. Ray is imported lazily.
+ever) and use ``threads`` CPUs that nothing else uses during the plan; they reserve a token of
+memory instead (``READER_MEMORY``), without which Ray ignores their soft node affinity. A reader
+whose process dies is restarted and its calls retried (``max_retries``, as the fill tasks); one
+whose node dies is restarted on another node (soft affinity). Its calls carry positions, not
+state, so a retried call answers the same. Ray is imported lazily.
 """
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ import numpy as np
 
 from .errors import IndexerError
 from .sources import CHUNK, ChunkedSource, StoreSource
+
+# What a reader reserves of Ray's logical ``memory`` resource: a token that no CPU or GPU task
+# competes for, there because Ray places a request of no resources at all on a random node,
+# whatever a soft node affinity asks (ray-project/ray#25360 fixed that for hard affinity only;
+# measured with Ray 2.60 on a 3-node local cluster: 3 of 6 zero-resource actors landed off their
+# node, 0 of 8 with this token; tests/indexer/test_ray_cluster.py shows it).
+READER_MEMORY = 2 ** 20
 
 
 def task_error(e: BaseException) -> str:
@@ -120,11 +129,13 @@ class Pending:
 
 class RemoteSource(ChunkedSource):
     """A ``Source`` whose reads run in the shard's ``ShardReader``; counts the bytes that reach
-    the driver per method (``received``)."""
+    the driver per method (``received``); ``node``: the reader's node when last asked (at open
+    and at close: the build records where its plan's reads ran)."""
 
     def __init__(self, ray: Any, actor: Any, shard: int, dim: int) -> None:
         self.ray, self.actor, self.shard, self.dim = ray, actor, shard, int(dim)
         self.received: Counter = Counter()
+        self.node: str | None = None
 
     def _get(self, ref: Any, what: str) -> Any:
         try:
@@ -142,7 +153,9 @@ class RemoteSource(ChunkedSource):
         return self.submit(method, *args).result()
 
     def where(self) -> dict:
-        return self._call("where")
+        got = self._call("where")
+        self.node = got["node"]
+        return got
 
     def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
         """The ids in chunks of ``size``: the first asked for now (every shard's census stream
@@ -181,8 +194,13 @@ class RemoteSource(ChunkedSource):
         return self._call("knn", q, k, drop)
 
     def close(self) -> None:
-        """Ends the reader (again: nothing)."""
+        """Ends the reader (again: nothing), noting its node first (a reader that cannot answer
+        any more keeps the node it last gave)."""
         if self.actor is not None:
+            try:
+                self.where()
+            except IndexerError:
+                pass
             self.ray.kill(self.actor)
             self.actor = None
 
@@ -202,7 +220,8 @@ def open_readers(ray: Any, shard_dirs: Sequence[str | Path], model_hash: str, di
     try:
         for i, d in enumerate(shard_dirs):
             node = nodes[i] if nodes else None
-            opts: dict = {"num_cpus": 0, "max_restarts": max_retries, "max_task_retries": max_retries}
+            opts: dict = {"num_cpus": 0, "memory": READER_MEMORY, "max_restarts": max_retries,
+                          "max_task_retries": max_retries}
             if node:
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             actor = cls.options(**opts).remote(str(Path(d) / STORE_DIR), model_hash, int(dim), threads)

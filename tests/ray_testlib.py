@@ -12,6 +12,7 @@ import fcntl
 import os
 import socket
 import struct
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -66,9 +67,21 @@ class LocalCluster:
     def node_id(self, i: int) -> str:
         return self.nodes[i].node_id
 
-    def kill(self, i: int) -> None:
+    def kill(self, i: int, timeout: float = 120.0) -> None:
+        """Remove worker node ``i`` at once and, when this process is a driver, wait until the
+        cluster has marked it dead (missed heartbeats: ~10 s here); until then Ray may still
+        place work there, which then dies with it."""
         assert i > 0, "node 0 is the head: killing it kills the cluster"
+        node = self.nodes[i].node_id
         self.cluster.remove_node(self.nodes[i], allow_graceful=False)
+        import ray
+
+        if not ray.is_initialized():
+            return
+        deadline = time.monotonic() + timeout
+        while any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes()):
+            assert time.monotonic() < deadline, f"node {i} ({node}) still alive {timeout:.0f} s after its removal"
+            time.sleep(0.2)
 
     def revive(self, i: int) -> str:
         self.nodes[i] = self.cluster.add_node(num_cpus=self.cpus, object_store_memory=NODE_STORE_BYTES,
@@ -78,18 +91,21 @@ class LocalCluster:
 
 
 @contextmanager
-def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True) -> Iterator[LocalCluster]:
+def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True,
+                  head_cpus: int | None = None) -> Iterator[LocalCluster]:
     """``n_nodes`` raylets on this machine (one head + workers), each with ``cpus_per_node`` CPUs
     and its ``node_resource(i)``; this process joins it as a driver when ``connect`` (a CLI run
-    in a subprocess joins with ``--ray cluster.address`` instead). Starts in ~10 s here.
-    Shut down on exit, driver first."""
+    in a subprocess joins with ``--ray cluster.address`` instead). ``head_cpus`` (default
+    ``cpus_per_node``): 0 keeps every task that needs a CPU off the head, so that such work
+    always runs on a node that can be killed. Starts in ~10 s here. Shut down on exit, driver
+    first."""
     import ray
     from ray.cluster_utils import Cluster
 
     loopback_up()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=cpus_per_node, include_dashboard=False, object_store_memory=NODE_STORE_BYTES,
+        num_cpus=cpus_per_node if head_cpus is None else head_cpus, include_dashboard=False, object_store_memory=NODE_STORE_BYTES,
         resources={node_resource(0): 1}))
     lc = LocalCluster(cluster, cpus_per_node, [cluster.head_node])
     try:

@@ -10,9 +10,10 @@ import pytest
 
 from indexer_testlib import REPO, copy_characters, run_cli  # noqa: F401 (fixtures use them)
 
-# test_ray.py starts Ray, which listens beyond loopback: the main run leaves it out and
-# test_ray_netns.py runs it inside a private network namespace (run by hand, it runs there too).
-collect_ignore = ["test_ray.py"]
+# test_ray.py and test_ray_cluster.py start Ray, which listens beyond loopback: the main run
+# leaves them out and test_ray_netns.py runs each inside a private network namespace (run by
+# hand, they run there too).
+collect_ignore = ["test_ray.py", "test_ray_cluster.py"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,263 @@
+"""`indexer build --ray` across nodes, on a local multi-node Ray cluster (``ray.cluster_utils.
+Cluster``: one head and two worker raylets on this machine, the way Ray tests its own multi-node
+behaviour). The head has no CPU, so every shard task runs on a worker node, which the tests can
+remove as a lost machine: its raylet and every process on it die at once.
+
+- a sharded build whose two shard tasks ran on the two worker nodes reads its plan and fills its
+  parts on the node that built each shard, and that plan is the in-process plan;
+- a worker node removed while its shard task is mid-way (work committed, more to do): the task
+  reruns on the other node, its store resumes (what the dead attempt stored is not embedded
+  again) and the index equals the one-process build's (ids, vectors, search answers);
+- a shard reader whose node is gone (removed mid-stream, or gone before it was placed) runs on
+  another node and its stream goes on (soft node affinity falls back).
+
+Ray listens beyond loopback: run in a private network namespace (`unshare -n python -m pytest
+tests/indexer/test_ray_cluster.py`; the main run does it through test_ray_netns.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from ray_testlib import LocalCluster, local_cluster, require_private_network
+
+require_private_network("tests/indexer/test_ray_cluster.py")
+
+ray = pytest.importorskip("ray")
+
+from indexer_testlib import REPO, copy_characters, run_cli  # noqa: E402
+from indexer import GalleryStore, Index  # noqa: E402
+from indexer.faiss_index import index_ids  # noqa: E402
+from indexer.index_dir import STORE_DIR  # noqa: E402
+from indexer.ray_build import HOLD_ENV, RUN_FILE  # noqa: E402
+
+FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
+N_CHARS = 30                                           # 600 images, ~300 per shard (one commit: 256)
+WAIT_S = 300.0                                         # bound on every wait for the cluster or a build
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Head (no CPU: the drivers' node) + 2 worker nodes of 1 CPU: with 1 CPU a shard task,
+    two shards run at once, one on each worker node. This process is a driver too."""
+    with local_cluster(3, cpus_per_node=1, head_cpus=0) as lc:
+        yield lc
+
+
+@pytest.fixture(scope="module")
+def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
+    root = tmp_path_factory.mktemp("cluster-gallery")
+    copy_characters(omniglot_root, root, N_CHARS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
+    """The undisturbed one-process build the node-loss build is compared with."""
+    out = tmp_path_factory.mktemp("cluster-single") / "idx"
+    run_cli("build", gallery, "--model", small_onnx, "--out", out, *FLAGS)
+    return Index.open(out)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory, cluster: LocalCluster, gallery: Path,
+            small_onnx: Path) -> Path:
+    """`indexer build --ray HEAD --shards 2 --sharded` on the cluster, undisturbed."""
+    out = tmp_path_factory.mktemp("cluster-sharded") / "idx"
+    run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", cluster.address,
+            "--shards", "2", "--sharded", *FLAGS, timeout=WAIT_S)
+    return out
+
+
+def run_facts(out: Path) -> dict:
+    """What the build recorded about its Ray run (nodes of each shard, of each attempt...)."""
+    return json.loads((out / "shards" / RUN_FILE).read_text())
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def worker_index(cluster: LocalCluster, node: str) -> int:
+    """Which of the cluster's nodes ``node`` is; never the head (it has no CPU for a task)."""
+    ids = [cluster.node_id(i) for i in range(len(cluster.nodes))]
+    assert node in ids[1:], f"{node} is not a worker node of the cluster ({ids})"
+    return ids.index(node)
+
+
+def assert_same_index(merged: Index, single: Index, gallery: Path) -> None:
+    """Same ids, same vectors, same search answers (by vector and by image file)."""
+    ms, mm = single.manifest, merged.manifest
+    assert mm["index_type"] == ms["index_type"] == "ivf"
+    for key in ("count", "nlist", "nprobe", "recall_at_10", "dim"):
+        assert mm[key] == ms[key], key
+    np.testing.assert_array_equal(index_ids(merged.faiss.cpu_index), index_ids(single.faiss.cpu_index))
+    ids, x = single.store.all_embeddings(single.model_hash)
+    ids2, x2 = merged.store.all_embeddings(merged.model_hash)
+    order, order2 = np.argsort(ids), np.argsort(ids2)
+    np.testing.assert_array_equal(ids2[order2], ids[order])
+    np.testing.assert_allclose(x2[order2], x[order], atol=1e-6)
+    s1, i1 = single.search_embeddings(x, 10)
+    s2, i2 = merged.search_embeddings(x, 10)
+    np.testing.assert_array_equal(i2, i1)
+    np.testing.assert_allclose(s2, s1, atol=1e-5)
+    queries = sorted(gallery.rglob("*.png"))[::50]          # image files, through the embedder
+    for a, b in zip(merged.search(queries, 5), single.search(queries, 5)):
+        assert [(h.id, h.path, h.label) for h in a] == [(h.id, h.path, h.label) for h in b]
+
+
+def test_sharded_build_reads_and_fills_each_shard_on_the_node_that_built_it(
+        cluster: LocalCluster, sharded: Path) -> None:
+    """Two shard tasks on the two worker nodes; the CLI's plan readers and fill tasks ran on the
+    node of their shard; readers opened here land there too, and their plan is the plan made in
+    this process from the same stores."""
+    import faiss
+
+    from indexer import stream
+    from indexer.ray_sources import open_readers
+    from indexer.sources import StoreSource
+
+    facts = run_facts(sharded)
+    nodes = facts["nodes"]
+    workers = {cluster.node_id(1), cluster.node_id(2)}
+    assert facts["attempts"] == [1, 1] and set(nodes) == workers, facts      # one shard a node
+    assert facts["attempt_nodes"] == [[n] for n in nodes], facts
+    assert facts["plan_nodes"] == nodes and facts["fill_nodes"] == nodes, facts
+
+    dirs = [sharded / "shards" / str(i) for i in range(2)]
+    m = json.loads((sharded / "manifest.json").read_text())
+    model_hash, dim = m["model"]["hash"], int(m["dim"])
+    opts = {"flat_threshold": 100, "device": "cpu", "seed": 3}
+    local_sources = [StoreSource(d / STORE_DIR, model_hash, dim) for d in dirs]
+    try:
+        local = stream.plan(local_sources, **opts)
+    finally:
+        for s in local_sources:
+            s.close()
+    readers = open_readers(ray, dirs, model_hash, dim, max_retries=1, nodes=nodes)
+    try:
+        where = [r.where() for r in readers]
+        remote = stream.plan(readers, **opts)
+        after = [r.where() for r in readers]
+    finally:
+        for r in readers:
+            r.close()
+    assert [w["node"] for w in where] == [w["node"] for w in after] == nodes, (where, nodes)
+    assert len({w["pid"] for w in after}) == 2 and os.getpid() not in {w["pid"] for w in after}
+    for w in after:                                    # the plan's reads ran in the readers
+        assert w["calls"]["knn"] == 1 and w["calls"]["sample"] >= 2 and w["calls"]["next_ids"] >= 2, w
+    assert remote.spec == local.spec and local.spec.index_type == "ivf"
+    assert remote.count == local.count == m["count"]
+    np.testing.assert_array_equal(remote.held_query_ids, local.held_query_ids)
+    np.testing.assert_array_equal(remote.qt, local.qt)
+    np.testing.assert_array_equal(remote.qc, local.qc)
+    np.testing.assert_array_equal(remote.truth, local.truth)
+    for a, b in zip(remote.skip, local.skip):
+        np.testing.assert_array_equal(a, b)
+    nlist = local.spec.nlist
+    cents = [faiss.extract_index_ivf(p.trained).quantizer.reconstruct_n(0, nlist) for p in (remote, local)]
+    np.testing.assert_array_equal(cents[0], cents[1])
+
+
+def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_one_process(
+        tmp_path: Path, cluster: LocalCluster, gallery: Path, small_onnx: Path, single: Index,
+        sharded: Path) -> None:
+    """Shard 0's task stops once its first 256 images are committed (HOLD_ENV); the test removes
+    its node; Ray reruns the task on the other worker node, which finds those 256 in the shard's
+    store and embeds only the rest; the merged index is the one-process build's. The node comes
+    back (a new node id) for the tests after."""
+    out, marker = tmp_path / "idx", tmp_path / "held.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", HOLD_ENV: f"0:1:{marker}"}
+    cmd = [sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
+           "--out", str(out), "--ray", cluster.address, "--shards", "2", *FLAGS]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed: int | None = None
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not marker.exists():
+            assert proc.poll() is None, f"the build ended before shard 0 was held: {proc.communicate()}"
+            assert time.monotonic() < deadline, "shard 0's task was never held"
+            time.sleep(0.2)
+        time.sleep(0.2)                                  # the marker is written in one small write
+        held = json.loads(marker.read_text())
+        killed = worker_index(cluster, held["node"])
+        dead = held["node"]
+        cluster.kill(killed)                             # mid-task: 256 committed, ~44 to go
+        stdout, stderr = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr[-4000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if killed is not None:
+            cluster.revive(killed)
+    assert dead not in alive_nodes()
+    facts = run_facts(out)
+    assert facts["attempts"] == [2, 1], facts
+    first, retry = facts["attempt_nodes"][0]
+    assert first == dead and retry != dead and facts["nodes"][0] == retry, facts   # reran elsewhere
+    assert "attempts per shard: 2, 1" in stdout, stdout
+
+    # the retry resumed the store: what the killed attempt committed was found, not embedded again
+    shard0 = json.loads((out / "shards" / "0" / "manifest.json").read_text())["ingest"]
+    assert held["done"] >= 256 and shard0["unchanged"] == held["done"], (held, shard0)
+    assert shard0["new"] == shard0["embedded"] == shard0["found"] - held["done"] > 0, shard0
+
+    files = sorted(gallery.rglob("*.png"))
+    unique = {hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    merged = Index.open(out)
+    with GalleryStore(out / STORE_DIR) as st:
+        ids = st.ids()
+        assert len(ids) == len(set(ids.tolist())) == len(unique) == merged.manifest["count"]
+        for f in files:                                   # nothing lost
+            assert st.id_for_path(f.relative_to(gallery).as_posix()) is not None
+    assert_same_index(merged, single, gallery)
+    assert len(alive_nodes()) == 3                        # the node came back
+
+
+def test_a_reader_whose_node_is_gone_runs_on_another_node(cluster: LocalCluster, sharded: Path) -> None:
+    """Soft node affinity falls back: a reader whose node is removed mid-stream is restarted on
+    another node and its id stream goes on whole; a reader asked for a node that no longer
+    exists (the build's record after that node died) opens elsewhere and answers."""
+    from indexer.ray_sources import open_readers
+    from indexer.sources import StoreSource
+
+    d = sharded / "shards" / "0"
+    m = json.loads((sharded / "manifest.json").read_text())
+    model_hash, dim = m["model"]["hash"], int(m["dim"])
+    src = StoreSource(d / STORE_DIR, model_hash, dim)
+    want = src.ids()
+    src.close()
+
+    target = cluster.node_id(1)
+    (reader,) = open_readers(ray, [d], model_hash, dim, max_retries=2, nodes=[target])
+    try:
+        assert reader.where()["node"] == target
+        chunks, it = [], reader.id_chunks(50)
+        chunks.append(next(it))
+        cluster.kill(1)
+        try:
+            chunks += list(it)
+            moved = reader.where()["node"]
+        finally:
+            cluster.revive(1)
+        np.testing.assert_array_equal(np.concatenate(chunks), want)
+        assert moved != target and moved in alive_nodes(), (moved, target)
+    finally:
+        reader.close()
+
+    assert target not in alive_nodes()
+    (late,) = open_readers(ray, [d], model_hash, dim, max_retries=0, nodes=[target])
+    try:
+        assert late.where()["node"] in alive_nodes() and late.count() == len(want)
+    finally:
+        late.close()
