@@ -37,7 +37,7 @@ ray = pytest.importorskip("ray")
 from indexer_testlib import REPO, copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
-from indexer.index_dir import STORE_DIR  # noqa: E402
+from indexer.index_dir import PART_FILE, STORE_DIR  # noqa: E402
 from indexer.ray_build import HOLD_ENV, RUN_FILE  # noqa: E402
 
 FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
@@ -85,6 +85,15 @@ def run_facts(out: Path) -> dict:
 
 def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def progress_actor_nodes() -> list[str]:
+    """Nodes of the live ``_Progress`` actors (the running build's), from the GCS actor table:
+    Ray's public state API needs the dashboard, which the test cluster does not run."""
+    from ray._private import state
+
+    return [a["Address"]["NodeID"] for a in state.actors().values()
+            if a.get("ActorClassName") == "_Progress" and a.get("State") == "ALIVE"]
 
 
 def worker_index(cluster: LocalCluster, node: str) -> int:
@@ -168,17 +177,46 @@ def test_sharded_build_reads_and_fills_each_shard_on_the_node_that_built_it(
     np.testing.assert_array_equal(cents[0], cents[1])
 
 
-def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_one_process(
+def assert_same_sharded(got: Path, want: Path) -> None:
+    """Two ``--sharded`` builds of one gallery: the same ids and vectors in each shard's store,
+    the same ids in each part, the same search answers."""
+    import faiss
+
+    a, b = Index.open(got), Index.open(want)
+    model_hash = b.model_hash
+    for i in range(2):
+        with GalleryStore(got / "shards" / str(i) / STORE_DIR) as sa, \
+                GalleryStore(want / "shards" / str(i) / STORE_DIR) as sb:
+            (ia, xa), (ib, xb) = sa.all_embeddings(model_hash), sb.all_embeddings(model_hash)
+        oa, ob = np.argsort(ia), np.argsort(ib)
+        np.testing.assert_array_equal(ia[oa], ib[ob])
+        np.testing.assert_allclose(xa[oa], xb[ob], atol=1e-6)
+        parts = [faiss.read_index(str(d / "shards" / str(i) / PART_FILE)) for d in (got, want)]
+        np.testing.assert_array_equal(index_ids(parts[0]), index_ids(parts[1]))
+    with GalleryStore(want / "shards" / "0" / STORE_DIR) as s0:
+        _, x = s0.all_embeddings(model_hash)
+    for key in ("count", "nlist", "nprobe", "recall_at_10"):
+        assert a.manifest[key] == b.manifest[key], key
+    (da, ka), (db, kb) = a.search_embeddings(x, 10), b.search_embeddings(x, 10)
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_allclose(da, db, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["merged", "sharded"])
+def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_undisturbed(
         tmp_path: Path, cluster: LocalCluster, gallery: Path, small_onnx: Path, single: Index,
-        sharded: Path) -> None:
+        sharded: Path, layout: str) -> None:
     """Shard 0's task stops once its first 256 images are committed (HOLD_ENV); the test removes
     its node; Ray reruns the task on the other worker node, which finds those 256 in the shard's
-    store and embeds only the rest; the merged index is the one-process build's. The node comes
+    store and embeds only the rest. Merged: the index is the one-process build's; ``--sharded``:
+    the undisturbed sharded build's, read and filled where the shards now are. The node comes
     back (a new node id) for the tests after."""
     out, marker = tmp_path / "idx", tmp_path / "held.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", HOLD_ENV: f"0:1:{marker}"}
     cmd = [sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
            "--out", str(out), "--ray", cluster.address, "--shards", "2", *FLAGS]
+    if layout == "sharded":
+        cmd.append("--sharded")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed: int | None = None
     try:
@@ -189,6 +227,9 @@ def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_one_
             time.sleep(0.2)
         time.sleep(0.2)                                  # the marker is written in one small write
         held = json.loads(marker.read_text())
+        # the build's progress actor is on the driver's node (the head), not on one that can die
+        # with a shard task: losing it used to fail the whole build
+        assert progress_actor_nodes() == [cluster.node_id(0)]
         killed = worker_index(cluster, held["node"])
         dead = held["node"]
         cluster.kill(killed)                             # mid-task: 256 committed, ~44 to go
@@ -212,6 +253,11 @@ def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_one_
     assert held["done"] >= 256 and shard0["unchanged"] == held["done"], (held, shard0)
     assert shard0["new"] == shard0["embedded"] == shard0["found"] - held["done"] > 0, shard0
 
+    if layout == "sharded":
+        assert facts["plan_nodes"] == facts["fill_nodes"] == facts["nodes"], facts   # shard 0's new node
+        assert_same_sharded(out, sharded)
+        assert len(alive_nodes()) == 3
+        return
     files = sorted(gallery.rglob("*.png"))
     unique = {hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     merged = Index.open(out)
