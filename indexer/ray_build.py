@@ -265,7 +265,10 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
     watchdog.start()
     try:
         if local:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+            # address="local": without it ray.init joins the cluster named by RAY_ADDRESS or the
+            # last one started on this machine (/tmp/ray/ray_current_cluster, left by any `ray
+            # start` or test cluster), and refuses num_cpus there
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                      logging_level="WARNING")
         else:
             ray.init(address=address, logging_level="WARNING")

@@ -39,8 +39,8 @@ def ray_address():
     which the CLI joins as a user joins a cluster (`--ray HOST:PORT`)."""
     loopback_up()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2 ** 20,
-                   logging_level="WARNING")
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False,   # not the last cluster
+                   object_store_memory=200 * 2 ** 20, logging_level="WARNING")  # started here
     try:
         address = ctx.address_info["gcs_address"]
         assert address.startswith("127.0.0.1:"), address

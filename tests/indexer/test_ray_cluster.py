@@ -307,3 +307,21 @@ def test_a_reader_whose_node_is_gone_runs_on_another_node(cluster: LocalCluster,
         assert late.where()["node"] in alive_nodes() and late.count() == len(want)
     finally:
         late.close()
+
+
+def test_ray_local_starts_its_own_instance_beside_a_running_cluster(
+        tmp_path: Path, cluster: LocalCluster, omniglot_root: Path, small_onnx: Path) -> None:
+    """`--ray local` means a private instance even where RAY_ADDRESS (or the last cluster
+    started on this machine) names another: it used to join that one and fail ("num_cpus and
+    num_gpus must not be provided")."""
+    small = tmp_path / "gallery"
+    n = len(copy_characters(omniglot_root, small, 2))
+    out = tmp_path / "idx"
+    run_cli("build", small, "--model", small_onnx, "--out", out, "--ray", "local", "--shards", "1",
+            "--quiet", env={"RAY_ADDRESS": cluster.address}, timeout=WAIT_S)
+    facts = run_facts(out)
+    assert facts["address"] == "local" and facts["found"] == n, facts
+    ours = {cluster.node_id(i) for i in range(len(cluster.nodes))}
+    assert facts["nodes"][0] not in ours, facts              # built on the private instance
+    assert Index.open(out).manifest["count"] == n
+
