@@ -180,6 +180,19 @@ def connect(address: str | None) -> None:
         ray_connect(address)
 
 
+class _Request:
+    """One caller's search waiting for (or in) a shared fan-out."""
+
+    __slots__ = ("q", "k", "result", "partial", "error", "done")
+
+    def __init__(self, q: np.ndarray, k: int) -> None:
+        self.q, self.k = q, k
+        self.result: Any = None
+        self.partial: list[int] = []
+        self.error: BaseException | None = None
+        self.done = False
+
+
 class Router:
     """A sharded index's parts searched by their shards' actors: ``PartsIndex``'s face
     (``search``, ``ntotal``, ``d``), plus :attr:`partial` and :meth:`missing`."""
@@ -218,6 +231,9 @@ class Router:
         self.counts = self._ready()
         self.ntotal = int(sum(self.counts) + self.held.ntotal)
         self._local = threading.local()
+        self._cv = threading.Condition()
+        self._queue: list[_Request] = []
+        self._leading = False
 
     def _ready(self) -> list[int]:
         """Every actor's part count, once each has loaded its part (a shard that cannot be
@@ -247,11 +263,62 @@ class Router:
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(D, I) of the parts searched as one, as ``PartsIndex.search``; shards that did not
-        answer within the bound are left out and recorded in :attr:`partial`."""
+        answer within the bound are left out and recorded in :attr:`partial`.
+
+        Concurrent searches share fan-outs: while one is in flight, the searches that arrive
+        (with the same k) queue and go out together as the next one (one Ray call per shard
+        for the lot instead of one each), so a lone client waits for nothing and many clients
+        pay the calls' fixed cost once per batch. Each caller gets its own rows."""
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
+        req = _Request(q, k)
+        with self._cv:
+            self._queue.append(req)
+        while True:
+            with self._cv:
+                while not req.done and self._leading:
+                    self._cv.wait()
+                if req.done:
+                    break
+                self._leading = True
+            self._lead()                # a batch (this request's, or the first queued k's)
+        self._local.partial = req.partial
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _lead(self) -> None:
+        """Send what is queued (the first request's k) as one fan-out, hand the rows out, and
+        let the next waiting thread lead the next batch."""
+        try:
+            with self._cv:
+                k = self._queue[0].k
+                batch = [r for r in self._queue if r.k == k]
+                self._queue = [r for r in self._queue if r.k != k]
+            qs = batch[0].q if len(batch) == 1 else np.concatenate([r.q for r in batch])
+            d = i = error = None
+            self._local.partial = []
+            try:
+                d, i = self._fanout(qs, k)
+            except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
+                error = e
+            missing = self._local.partial
+            row = 0
+            for r in batch:
+                n = len(r.q)
+                r.result = None if d is None else (d[row:row + n], i[row:row + n])
+                r.partial, r.error, r.done = list(missing), error, True
+                row += n
+        finally:
+            with self._cv:
+                self._leading = False
+                self._cv.notify_all()
+
+    def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One fan-out of ``q`` to every shard's actor and the merge (sets this thread's
+        :attr:`partial`)."""
         ray = self.ray
-        qref = ray.put(q)
+        qref = ray.put(q) if q.nbytes > 100_000 else q     # small: inlined in each call
         refs = [a.search.remote(qref, k) for a in self.actors]
         dh, ih = self.held.search(q, k)            # the held-out part, here, meanwhile
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout)

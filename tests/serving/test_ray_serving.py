@@ -96,6 +96,19 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
         np.testing.assert_array_equal(i2, i1)
         np.testing.assert_array_equal(s2, s1)
         assert remote.faiss.partial == []
+    # concurrent searches share fan-outs (the router batches what queues meanwhile): each still
+    # gets its own rows, for its own k
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(j: int) -> tuple:
+        kk = (5, 10, 3)[j % 3]
+        return (j, kk, *remote.faiss.search(x[j:j + 2], kk))
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(0, 60)))
+    for j, kk, d, i in got:
+        want_d, want_i = local.faiss.search(x[j:j + 2], kk)
+        np.testing.assert_array_equal(i, want_i)
+        np.testing.assert_array_equal(d, want_d)
     # gallery queries (the query left out of its own row) and the default soft-affinity actors
     soft = Index.open(sharded, ray=RayServing(timeout=BOUND_S))
     s1, i1 = local.search_embeddings(x[:20], 7, exclude=list(ids[:20]))
