@@ -172,6 +172,17 @@ def main() -> None:
                 q8[name].append(qps(ix, qs, a.k, 8, a.seconds))
             print(f"round {r + 1}/{a.rounds} done", flush=True)
         assert router.partial == []
+        # Ray's own fixed cost, for scale: a no-op call to one actor, and to all of them at once
+        noop = {"one actor": lambda: ray.get(router.actors[0].ready.remote()),
+                "every actor": lambda: ray.get([x.ready.remote() for x in router.actors])}
+        rtt = {}
+        for name, call in noop.items():
+            ts = []
+            for _ in range(a.queries):
+                t0 = time.perf_counter()
+                call()
+                ts.append(time.perf_counter() - t0)
+            rtt[name] = np.percentile(np.array(ts) * 1e3, 50)
         row = {}
         for name in sides:
             ms = np.concatenate(lat[name]) * 1e3
@@ -185,7 +196,8 @@ def main() -> None:
         print(f"| ratio (Ray / one process) | {fan[0] / base[0]:.2f}x | {fan[1] / base[1]:.2f}x | "
               f"{fan[2] / base[2]:.2f}x | {fan[3] / base[3]:.2f}x |")
         print(f"\nrouter's own cost per query (p50 difference): {fan[0] - base[0]:.2f} ms; ids equal "
-              f"for all {len(qs)} queries (k={a.k})")
+              f"for all {len(qs)} queries (k={a.k}); a no-op Ray call, p50: "
+              + ", ".join(f"{n} {v:.2f} ms" for n, v in rtt.items()))
         router.close()
     finally:
         if ray.is_initialized():

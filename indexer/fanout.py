@@ -323,18 +323,19 @@ class Router:
         dh, ih = self.held.search(q, k)            # the held-out part, here, meanwhile
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout)
         done = set(ready)
-        ds, is_, missing = [], [], []
-        for i, ref in enumerate(refs):
-            if ref not in done:
-                missing.append(i)
-                continue
-            try:
-                d, ix = ray.get(ref)
-            except ray.exceptions.RayError:        # the actor died under the call
-                missing.append(i)
-                continue
-            ds.append(d)
-            is_.append(ix)
+        got: dict[int, Any] = {}
+        answered = [i for i, ref in enumerate(refs) if ref in done]
+        try:                                       # one call for all (the usual case) ...
+            got = dict(zip(answered, ray.get([refs[i] for i in answered])))
+        except ray.exceptions.RayError:            # ... else one by one: which actor died
+            for i in answered:
+                try:
+                    got[i] = ray.get(refs[i])
+                except ray.exceptions.RayError:
+                    pass
+        missing = [i for i in range(len(refs)) if i not in got]
+        ds = [got[i][0] for i in sorted(got)]
+        is_ = [got[i][1] for i in sorted(got)]
         self._local.partial = missing
         if missing and self.config.strict:
             raise IndexerError(f"{self.directory}: shard(s) {', '.join(map(str, missing))} did not answer "
