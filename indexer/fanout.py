@@ -22,7 +22,9 @@ the -1 padding are those of the in-process search.
 Node loss: a fan-out waits at most ``timeout`` seconds; a shard whose actor did not answer in
 time or died is left out and named in :attr:`Router.partial` (per thread: the last search of the
 calling thread), which serving turns into the answer's ``partial`` field; :meth:`Router.missing`
-pings every actor (``/api/health``). Actors are restarted by Ray for ever (``max_restarts=-1``);
+pings every actor (``/api/health``). A search that arrives while a fan-out is in flight waits
+for it and goes out with the next one (:meth:`Router.search`), so it ends within about twice
+the bound. Actors are restarted by Ray for ever (``max_restarts=-1``);
 an answer is whole again as soon as the shard's actor answers, with no restart of the server.
 When every shard is missing the search fails (IndexerError: the API's 503).
 

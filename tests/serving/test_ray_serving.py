@@ -127,6 +127,13 @@ def test_indexer_search_cli_over_ray(cluster, sharded, omniglot_root):
                           capture_output=True, text=True, timeout=300)
     assert local.returncode == 0 and over.returncode == 0, over.stderr[-2000:]
     assert json.loads(over.stdout) == json.loads(local.stdout)
+    # `indexer eval --ray`: the same Recall@k as in one process
+    cmd = [sys.executable, "-m", "indexer", "eval", "--leave-one-out", "--index", str(sharded), "--json"]
+    local = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    over = subprocess.run(cmd + ["--ray", cluster.address], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert local.returncode == 0 and over.returncode == 0, over.stderr[-2000:]
+    assert json.loads(over.stdout)["recall"] == json.loads(local.stdout)["recall"]
 
 
 def test_ray_on_a_single_index_is_one_line(tmp_path, omniglot_root, small_onnx):
