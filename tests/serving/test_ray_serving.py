@@ -136,6 +136,23 @@ def test_indexer_search_cli_over_ray(cluster, sharded, omniglot_root):
     assert json.loads(over.stdout)["recall"] == json.loads(local.stdout)["recall"]
 
 
+def test_app_py_with_ray_serves_the_same_answers(cluster, sharded, start_app, free_port, tmp_path):
+    """`app.py --index DIR --ray ADDRESS`: the real server joins the cluster (actors where Ray
+    places them) and answers as the in-process index does, whole."""
+    import httpx
+
+    local = Index.open(sharded)
+    qids = gallery_ids(local)[::40]
+    with start_app(["--index", sharded, "--name", "ray", "--ray", cluster.address, "--shard-timeout", "10"],
+                   tmp_path, free_port()) as (url, _):
+        assert httpx.get(f"{url}/api/health", timeout=60).json()["status"] == "ok"
+        for q in qids:
+            r = httpx.post(f"{url}/api/search", data={"id": str(q), "k": "6"}, timeout=120)
+            body = r.json()
+            assert r.status_code == 200 and "partial" not in body, body
+            assert _same([(x["id"], x["score"]) for x in body["results"]], expected(local, q, 6))
+
+
 def test_ray_on_a_single_index_is_one_line(tmp_path, omniglot_root, small_onnx):
     from indexer import build_index
 
