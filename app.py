@@ -2,6 +2,7 @@
 
     python app.py [--index DIR ...] [--host 127.0.0.1] [--port 7860] [--auth USER:PASS]
                   [--forwarded-allow-ips IPS] [--upload-max-age SECONDS]
+                  [--ray ADDRESS [--shard-timeout SECONDS]]
 
 With no --index and no index in ./indexes/demo, builds a demo index from the photos scikit-image
 ships (augmented views, offline pretrained embedder) so a fresh machine shows it working.
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uploads and cached results are deleted this long after they were written "
                         "(checked every min(60, SECONDS/2) s; default 900: an upload never used in a "
                         "search is gone within about 16 minutes)")
-    return add_options(p, "--device", "--max-memory")
+    return add_options(p, "--device", "--max-memory", "--ray", "--shard-timeout")
 
 
 def _checked(args: argparse.Namespace) -> argparse.Namespace:
@@ -99,6 +100,15 @@ def _expected() -> tuple[type[BaseException], ...]:
     return IndexerError, ParityError, PretrainedWeightsUnavailable
 
 
+def _ray_serving(args: argparse.Namespace) -> object:
+    """``--ray``: sharded indexes searched by one Ray actor per shard (indexer.fanout)."""
+    if args.ray is None:
+        return None
+    from indexer.fanout import RayServing
+
+    return RayServing(address=args.ray, timeout=args.shard_timeout)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from indexer import IndexDir, IndexerError
 
@@ -128,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
         # every index file is checked here (store, faiss checksum, model.onnx): a damaged or
         # incomplete directory stops the start with one line, not a 500 at the first upload
         searcher = Searcher.open(indexes, names=names, device=args.device, check_model=True,
-                                 max_memory=args.max_memory)
+                                 max_memory=args.max_memory, ray=_ray_serving(args))
     except expected as e:
         raise IndexerError(f"cannot open index: {one_line(e)}") from e
 

@@ -103,6 +103,19 @@ SERVE_MEMORY_HELP = ("hold at most SIZE (e.g. 2G) of each index in RAM: a larger
                      "fits), and each query's top 10 x k candidates are re-ranked with the exact "
                      "vectors read from its store (default: the whole index in RAM)")
 
+def seconds(text: str) -> float:
+    """A positive number of seconds (``--shard-timeout``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0:
+        raise ValueError(f"{text!r}: expected a positive number of seconds")
+    return v
+
+
+seconds.__name__ = "seconds"
+
 OPTIONS: dict[str, dict[str, Any]] = {
     "--device": dict(choices=("auto", "cpu", "cuda"), default="auto",
                      help="where the embedder and faiss run (default auto: a GPU when one really works)"),
@@ -112,6 +125,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "--workers": dict(type=int, default=None, help="image decoding threads (default: the CPU count)"),
     "--max-memory": dict(type=memory_size, default=None, metavar="SIZE", help=SERVE_MEMORY_HELP),
     "-k": dict(type=int, default=10, help="neighbours per query (default 10)"),
+    # serving a sharded index across Ray nodes (indexer.fanout): one actor per shard
+    "--ray": dict(default=None, metavar="ADDRESS|auto|local",
+                  help="search a sharded index with one Ray actor per shard, on the node that built "
+                       "it (the head's HOST:PORT, auto: the cluster `ray start` runs here, local: a "
+                       "private instance); the store is read here from the shared filesystem"),
+    "--shard-timeout": dict(type=seconds, default=5.0, metavar="SECONDS",
+                            help="with --ray: how long a search waits for the shards; one that does "
+                                 "not answer in time is left out and named (default 5)"),
 }
 
 

@@ -23,4 +23,4 @@ __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_image
            "writer_lock", "IndexBusyError", "holder", "is_locked",
            # modules of plain functions (faiss.contrib style), public as a whole
            "faiss_index", "selection", "tuning", "stream", "sources", "ondisk", "walk",
-           "ray_build", "rerank", "neighbours", "layouts"]
+           "ray_build", "fanout", "rerank", "neighbours", "layouts"]

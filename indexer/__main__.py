@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from embedder.cli import UsageError, run_main
 
@@ -105,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("image", type=Path)
     s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="DBA re-ranking (auto: on for an index built with --dba)")
-    opts(s, "-k", "--json", "--device", "--max-memory", index=True).set_defaults(func=_search)
+    opts(s, "-k", "--json", "--device", "--max-memory", "--ray", "--shard-timeout",
+         index=True).set_defaults(func=_search)
 
     e = sub.add_parser("eval", help="Recall@k on a labelled query folder, or leave-one-out",
                        description="Recall@k of the index on a labelled query folder (photos the "
@@ -126,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="the figures' DBA setting (auto: as the index serves; the other setting is "
                         "reported beside them when the index has DBA)")
-    opts(e, "--json", "--device", "--max-memory", index=True).set_defaults(func=_eval)
+    opts(e, "--json", "--device", "--max-memory", "--ray", "--shard-timeout",
+         index=True).set_defaults(func=_eval)
 
     i = sub.add_parser("info", help="what an index directory holds",
                        description="Prints what an index directory holds; exits 1 when the store, "
@@ -313,11 +316,27 @@ def _repair(args: argparse.Namespace) -> None:
           f"faiss vectors; index now holds {c.manifest.count}")
 
 
+def ray_serving(args: argparse.Namespace, strict: bool = False) -> Any:
+    """``--ray``/``--shard-timeout`` as ``Index.open``'s ``ray`` (None: in this process).
+    ``strict`` (eval): a figure must not come from a partial answer: a shard left out fails
+    the run in one line (``fanout.RayServing.strict``)."""
+    if args.ray is None:
+        return None
+    from .fanout import RayServing
+
+    return RayServing(address=args.ray, timeout=args.shard_timeout, strict=strict)
+
+
 def _search(args: argparse.Namespace) -> None:
     from .index import Index
 
-    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory)
+    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
+                     ray=ray_serving(args))
     hits = idx.search([args.image], args.k, dba=DBA[args.dba])[0]
+    partial = getattr(idx.faiss, "partial", None)
+    if partial:     # over Ray, a shard did not answer in time: said, on stderr
+        print(f"indexer search: warning: partial answer: shard(s) {', '.join(map(str, partial))} did not "
+              f"answer within {args.shard_timeout:g} s", file=sys.stderr)
     if args.json:
         print(json.dumps([h.__dict__ for h in hits], indent=2))
     else:
@@ -350,7 +369,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise UsageError("--max-queries needs --leave-one-out")
     dba = DBA[args.dba]
     idx = Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
-                     max_memory=args.max_memory)
+                     max_memory=args.max_memory, ray=ray_serving(args, strict=True))
     if dba and not idx.has_dba:
         raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
     if args.leave_one_out:

@@ -13,6 +13,7 @@ from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from embedder.vectors import l2_normalize
 
+from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .index_dir import IndexDir
 from .layouts import Layout, layout_of
@@ -56,21 +57,30 @@ class Index:
         self.max_memory: int | None = None      # set by Index.open(max_memory=...): codes only
         self.neighbours: Neighbourhoods | None = None   # DBA re-ranking (indexer.neighbours)
         self.layout: Layout | None = None               # set by Index.open (indexer.layouts)
+        self.ray: Any = None                            # Index.open(ray=...): kept by reopen
 
     @classmethod
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
-             store: GalleryStore | None = None, max_memory: int | str | None = None) -> "Index":
+             store: GalleryStore | None = None, max_memory: int | str | None = None,
+             ray: Any = None) -> "Index":
         """Open an index directory of either layout (:func:`indexer.layouts.layout_of` decides,
         from the manifest) after checking its files (:mod:`indexer.validate`): a damaged one
         fails with one line naming the file. ``check_model`` also requires ``model.onnx``
         (image queries need it); ``store`` reuses an open store of the same directory.
         ``max_memory``: the SERVING budget: hold only the index's codes within it and re-rank
-        from the store(s) (:mod:`indexer.rerank`); the files are then read memory-mapped."""
+        from the store(s) (:mod:`indexer.rerank`); the files are then read memory-mapped.
+        ``ray``: a Ray address (``HOST:PORT``, ``auto``, ``local``) or an
+        :class:`indexer.fanout.RayServing`: a sharded index's parts are searched by one Ray
+        actor per shard on the node that built it (:mod:`indexer.fanout`); the store is still
+        read here, from the shared filesystem."""
+        if ray is not None and max_memory is not None:
+            raise IndexerError("--max-memory and --ray exclude each other: over Ray each shard's "
+                               "actor holds its own part")
         layout = layout_of(directory)
         store, fi, nb = layout.open(device=device, check_model=check_model, store=store,
-                                    mmap=max_memory is not None)
+                                    mmap=max_memory is not None, ray=ray)
         idx = cls(layout.d.path, layout.manifest, store, fi, device)
-        idx.layout, idx.neighbours = layout, nb
+        idx.layout, idx.neighbours, idx.ray = layout, nb, ray
         if max_memory is not None:
             from .rerank import serve_codes
 
@@ -81,7 +91,8 @@ class Index:
         """The directory's current state as a new Index (after ``indexer add/remove``), sharing
         this one's store and, when the model is unchanged, its loaded embedder. This Index stays
         usable, so requests already running on it finish undisturbed."""
-        new = Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory)
+        new = Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory,
+                         ray=self.ray)
         if new.model_hash == self.model_hash and new.dim == self.dim:
             new._embedder = self._embedder
         return new

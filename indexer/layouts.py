@@ -45,10 +45,16 @@ class Single:
         """Every file's check before anything maps one (a damaged file: one line naming it)."""
         self.d.check(self.manifest, model=model)
 
-    def open(self, *, device: str, check_model: bool, store: Any, mmap: bool) -> tuple[Any, Any, Any]:
-        """(store, faiss index, DBA neighbourhoods) of an :class:`indexer.Index`."""
+    def open(self, *, device: str, check_model: bool, store: Any, mmap: bool,
+             ray: Any = None) -> tuple[Any, Any, Any]:
+        """(store, faiss index, DBA neighbourhoods) of an :class:`indexer.Index`. ``ray``: only
+        a sharded index is served over Ray (one actor per shard): here, one line saying so."""
         d, m = self.d, self.manifest
         d.refuse_shard(m)
+        if ray is not None:
+            raise IndexerError(f"{d.path}: --ray serves a sharded index (one Ray actor per shard); "
+                               "this is a single index: serve it without --ray (or build it with "
+                               "`indexer build --ray --sharded`)")
         self.check(model=check_model)
         try:
             fi = SearchableIndex(d.index_file, int(m.nprobe or 0), device, m.search_params or "", mmap=mmap)
@@ -98,9 +104,17 @@ class Sharded(Single):
         if model:
             check_model_file(self.d.model_file, self.manifest.model_hash)
 
-    def open(self, *, device: str, check_model: bool, store: Any, mmap: bool) -> tuple[Any, Any, Any]:
+    def open(self, *, device: str, check_model: bool, store: Any, mmap: bool,
+             ray: Any = None) -> tuple[Any, Any, Any]:
+        """``ray`` (an address or :class:`indexer.fanout.RayServing`): the parts are searched by
+        one Ray actor per shard (:class:`indexer.fanout.Router`), not in this process."""
         self.check(model=check_model)
-        fi = PartsIndex(self.d.path, self.manifest)      # memory-mapped parts, always
+        if ray is not None:
+            from .fanout import RayServing, Router
+
+            fi: Any = Router(self.d.path, self.manifest, RayServing.of(ray))
+        else:
+            fi = PartsIndex(self.d.path, self.manifest)      # memory-mapped parts, always
         _check_count(self.d, fi, self.manifest, "its parts hold", "rerun the build to repair it")
         dirs = self.shards
         if not (isinstance(store, ShardedStore) and [s.path for s in store.stores] == [p / STORE_DIR for p in dirs]):

@@ -6,7 +6,12 @@
                                 default: on for an index built with --dba)
     GET  /api/thumb/{index}/{id}  PNG thumbnail rendered from LMDB bytes
     GET  /api/indexes           what each open index's manifest says
-    GET  /api/health            liveness
+    GET  /api/health            liveness (503 naming what is not served: e.g. a shard whose Ray
+                                node is lost)
+
+An index served over Ray (``app.py --ray``) whose shard did not answer within the bound answers
+from the other shards and says so: ``"partial": [shard ids]`` in the search JSON (absent when
+the answer is whole).
 
 Errors are JSON ``{"error": message}`` with 400 (bad value), 401 (auth), 404 (unknown index,
 id or endpoint), 405, 413 (upload too large), 415 (not an image) or 503 (health: an index is
@@ -107,10 +112,13 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         res = searcher.search(query, kk, index=snap, dba=use_dba)
         # relative to the server, never built from the Host header (a client-chosen name)
         base = request.scope.get("root_path", "").rstrip("/")
-        return {"index": snap.name, "k": kk, "dba": res.dba,
-                "query": {"name": query.name, "id": query.id, "label": query.label},
-                "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
-                            for r in res.results]}
+        out = {"index": snap.name, "k": kk, "dba": res.dba,
+               "query": {"name": query.name, "id": query.id, "label": query.label},
+               "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
+                           for r in res.results]}
+        if res.partial:     # served over Ray and a shard did not answer in time: named, not hidden
+            out["partial"] = res.partial
+        return out
 
     @app.get("/api/thumb/{index}/{id}")
     def thumb(index: str, id: str) -> Response:

@@ -104,6 +104,7 @@ class SearchResult:
     query: Query
     results: list[Result]
     dba: bool | None = None     # whether DBA re-ranking made these results (the Searcher sets it)
+    partial: list[int] = field(default_factory=list)   # shards left out (served over Ray, node lost)
 
     @property
     def ids(self) -> list[int]:

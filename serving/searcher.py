@@ -37,6 +37,18 @@ ImageSource = str | Path | bytes | Image.Image
 IndexRef = str | Snapshot | None       # an index name (None: the default) or a request's Snapshot
 
 
+def partial_shards(snap: Snapshot) -> list[int]:
+    """The shards the calling thread's last search of ``snap`` left out: an index served over
+    Ray (``indexer.fanout.Router.partial``) whose shard did not answer in time; else none."""
+    return list(getattr(snap.index.faiss, "partial", None) or [])
+
+
+def missing_shards(idx: Index) -> list[int]:
+    """The shards of an index served over Ray whose actor does not answer now (none in-process)."""
+    missing = getattr(idx.faiss, "missing", None)
+    return list(missing()) if callable(missing) else []
+
+
 def _index_name(directory: Path, taken: set[str]) -> str:
     base = re.sub(r"[^A-Za-z0-9_.-]+", "-", directory.resolve().name).strip("-") or "index"
     name, n = base, 2
@@ -61,11 +73,13 @@ class Searcher:
     @classmethod
     def open(cls, directories: Sequence[str | Path] | str | Path, *, names: Sequence[str] | None = None,
              device: str = "auto", check_model: bool = False, max_memory: int | str | None = None,
-             **kw: Any) -> "Searcher":
+             ray: Any = None, **kw: Any) -> "Searcher":
         """Open each index directory read-only; names default to the directory names.
         ``check_model`` also requires each directory's model.onnx (what a server needs).
         ``max_memory``: each index holds at most that much in RAM, as codes re-ranked with the
-        exact vectors of its store (``indexer.rerank``; kept across reloads)."""
+        exact vectors of its store (``indexer.rerank``; kept across reloads). ``ray``: sharded
+        indexes are searched by one Ray actor per shard (``indexer.fanout``; kept across reloads;
+        an answer that left a shard out says so in ``SearchResult.partial``)."""
         if isinstance(directories, (str, Path)):
             directories = [directories]
         dirs = [Path(d) for d in directories]
@@ -78,7 +92,8 @@ class Searcher:
             name = names[i] if names is not None else _index_name(d, set(opened))
             if name in opened:
                 raise ValueError(f"names: duplicate index name {name!r}")
-            opened[name] = Index.open(d, device=device, check_model=check_model, max_memory=max_memory)
+            opened[name] = Index.open(d, device=device, check_model=check_model, max_memory=max_memory,
+                                      ray=ray)
             paths[name] = d
         return cls(opened, directories=paths, **kw)
 
@@ -125,6 +140,10 @@ class Searcher:
                     problems[name] = f"index {name!r}: {counts.message}"
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 problems[name] = f"index {name!r}: {str(e).splitlines()[0]}"
+            gone = missing_shards(idx)
+            if gone and name not in problems:
+                problems[name] = (f"index {name!r}: shard(s) {', '.join(map(str, gone))} not answering "
+                                  "(node lost?); answers leave them out until Ray restarts their actors")
         return {**self.watcher.problems(), **problems}
 
     def _meta(self, snap: Snapshot, id: Any) -> dict:
@@ -254,7 +273,8 @@ class Searcher:
             return []
         excl = [q.id if exclude_self and self._own(snap, q) else None for q in qs]
         rows = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba)
-        return [SearchResult(snap.name, q, r, dba) for q, r in zip(qs, rows)]
+        missing = partial_shards(snap)
+        return [SearchResult(snap.name, q, r, dba, missing) for q, r in zip(qs, rows)]
 
     def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:
         """The same query on every open index, side by side."""

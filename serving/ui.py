@@ -143,13 +143,16 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             kk = int(k)
             # checked: each index's default (DBA where built with it); unchecked: plain everywhere
             use = None if dba else False
-            out = [result_items(searcher, res.results, q.label)
-                   for res in searcher.search_all(q, kk, dba=use, thumbnails=True).values()]
+            found = searcher.search_all(q, kk, dba=use, thumbnails=True)
+            out = [result_items(searcher, res.results, q.label) for res in found.values()]
         except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
         known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
             "label unknown (pick one to see green/red frames)"
-        return [f"Query **{q.name}** · top-{kk} · {known}"] + out
+        partial = "".join(f"\n\n**⚠ {n}: partial answer, shard(s) {', '.join(map(str, r.partial))} did "
+                          f"not answer in time (a lost node?); results come from the other shards**"
+                          for n, r in found.items() if r.partial)
+        return [f"Query **{q.name}** · top-{kk} · {known}{partial}"] + out
 
     def do_probes(img_path: str | None, pick: str | None, label: str | None, k: float, topk: float,
                   scales: str, n_random: float, r_s: float, shifts: str, shift_label: str | None,

@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 # Every module that starts Ray (each also in its directory's conftest ``collect_ignore``).
-RAY_MODULES = ["tests/indexer/test_ray.py", "tests/indexer/test_ray_cluster.py"]
+RAY_MODULES = ["tests/indexer/test_ray.py", "tests/indexer/test_ray_cluster.py",
+               "tests/serving/test_ray_serving.py"]
 
 
 def unshare_cmd() -> list[str] | str:

@@ -14,6 +14,8 @@ from typing import Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# Ray modules run in private network namespaces (tests/indexer/test_ray_netns.py), not here
+collect_ignore = ["test_ray_serving.py"]
 DEMO_CLASSES = ["astronaut", "chelsea", "coffee", "rocket", "motorcycle", "coins", "retina", "page"]
 AUTH = ("tester", "s3cret-pass")
 MAX_UPLOAD_MB = 1.0
