@@ -53,6 +53,7 @@ from . import faiss_index as fx
 from .errors import IndexerError
 from .index_dir import MANIFEST, PART_FILE
 from .manifest import Manifest
+from .ray_sources import READER_MEMORY
 from .shards import shard_paths
 
 DEFAULT_TIMEOUT_S = 5.0       # a fan-out's bound: shards slower than this are left out
@@ -121,9 +122,23 @@ def _ray() -> Any:
 
 
 def shard_node(shard: Path) -> str | None:
-    """The Ray node id that built ``shard``, when its manifest records one (``node``)."""
+    """The Ray node id that holds ``shard``: where the last ``--ray`` build filled its part
+    (``fill_nodes``) or, failing that, built it (``nodes``), as ``OUT/shards/ray.json`` records
+    them (``ray_build.RUN_FILE``); older builds: the shard manifest's ``node``. None: no record."""
+    from .ray_build import RUN_FILE
+
+    shard = Path(shard)
     try:
-        return json.loads((Path(shard) / MANIFEST).read_text()).get("node") or None
+        facts = json.loads((shard.parent / RUN_FILE).read_text())
+        i = int(shard.name)
+        for key in ("fill_nodes", "nodes"):
+            nodes = facts.get(key) or []
+            if i < len(nodes) and nodes[i]:
+                return str(nodes[i])
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    try:
+        return json.loads((shard / MANIFEST).read_text()).get("node") or None
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -224,7 +239,9 @@ class Router:
             part = s / PART_FILE
             where = config.placement(i, s) if config.placement else _near(shard_node(s))
             key = (_identity(part), params, config.concurrency, config.threads, repr(sorted(where.items())))
-            opts = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0,
+            # A token of Ray's logical memory: an actor that requests no resource at all is placed
+            # anywhere whatever its soft node affinity says (ray_sources.READER_MEMORY's reason).
+            opts = {"num_cpus": 0, "memory": READER_MEMORY, "max_restarts": -1, "max_task_retries": 0,
                     "max_concurrency": config.concurrency, **where}
             self.actors.append(_POOL.acquire(key, lambda: cls.options(**opts).remote(
                 str(part), params, config.threads)))

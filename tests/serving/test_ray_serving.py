@@ -29,7 +29,7 @@ require_private_network("tests/serving/test_ray_serving.py")
 ray = pytest.importorskip("ray")
 
 from indexer import Index, IndexerError  # noqa: E402
-from indexer.fanout import RayServing, Router  # noqa: E402
+from indexer.fanout import RayServing, Router, shard_node  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHARDS = 3
@@ -115,6 +115,10 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
     s2, i2 = soft.search_embeddings(x[:20], 7, exclude=list(ids[:20]))
     np.testing.assert_array_equal(i2, i1)
     np.testing.assert_array_equal(s2, s1)
+    # ... placed on the node that holds each shard (the build's record: shards/ray.json)
+    held = [shard_node(p) for p in soft.layout.shards]
+    assert all(held), held
+    assert [w["node"] for w in soft.faiss.where()] == held
     soft.faiss.close()
 
 
