@@ -24,13 +24,13 @@ from .errors import ParityError
 from .files import atomic_target
 from .images import ImageSource, load_image
 from .model import Embedder
+from .runtime import ONNX_FORMAT, load_session, write_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from .concat import ConcatEmbedder
 #: what export_onnx takes: one embedder, or several concatenated (embedder.concat)
 AnyEmbedder = Union[Embedder, "ConcatEmbedder"]
 
-FORMAT = "das-embedder-onnx/1"
 PARITY_ATOL = 1e-4
 PARITY_MIN_COS = 0.9999
 _SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg",
@@ -77,11 +77,7 @@ def _torch_export(model: AnyEmbedder, example: torch.Tensor, path: Path) -> str:
 
 def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.ndarray) -> dict[str, float]:
     """Compare ONNX vs torch on ``batch`` at batch size 1 and at the full batch; raise on mismatch."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    sess = load_session(onnx_path)
     with torch.no_grad():
         ref = model(torch.from_numpy(batch)).numpy()
     scale = 1.0 if model.config.normalize else max(1.0, float(np.abs(ref).max()))
@@ -127,8 +123,8 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
             exporter = _torch_export(m, example, tmp)
             proto = onnx.load(str(tmp))
             pre = m.preprocessing
-            meta = {
-                "format": FORMAT,
+            write_metadata(proto, {
+                "format": ONNX_FORMAT,
                 "dim": str(m.dim),
                 "input_size": str(pre.input_size),
                 "channels": str(pre.channels()),
@@ -141,11 +137,7 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
                 "config": json.dumps(m.config.to_dict(), sort_keys=True),
                 "exporter": exporter,
                 "torch_version": torch.__version__,
-            }
-            del proto.metadata_props[:]
-            for k, v in meta.items():
-                entry = proto.metadata_props.add()
-                entry.key, entry.value = k, v
+            })
             onnx.save(proto, str(tmp))
             check_parity(tmp, m, batch)
         finally:
