@@ -58,21 +58,19 @@ def _parity_batch(model: AnyEmbedder, images: Sequence[ImageSource] | None) -> n
 def _torch_export(model: AnyEmbedder, example: torch.Tensor, path: Path) -> str:
     """Dynamo exporter (the default in torch 2.14); the legacy one only if dynamo fails."""
     kw: dict[str, Any] = dict(input_names=["x"], output_names=["embedding"])
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
             torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False,
                               dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
                               optimize=True, verbose=False, **kw)
-        return "dynamo"
-    except Exception as e:  # noqa: BLE001 - any dynamo failure -> documented fallback
-        log.warning("dynamo ONNX export failed (%s: %s); falling back to the legacy exporter",
-                    type(e).__name__, e)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            return "dynamo"
+        except Exception as e:  # noqa: BLE001 - any dynamo failure -> documented fallback
+            log.warning("dynamo ONNX export failed (%s: %s); falling back to the legacy exporter",
+                        type(e).__name__, e)
             torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=17,
                               dynamic_axes={"x": {0: "batch"}, "embedding": {0: "batch"}}, **kw)
-        return "torchscript"
+            return "torchscript"
 
 
 def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.ndarray) -> dict[str, float]:

@@ -103,28 +103,21 @@ def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: lis
              progress: bool) -> Iterator[np.ndarray]:
     """Preprocessed (N, C, H, W) batches of ``files`` with the model's own preprocessing;
     unreadable images are skipped and recorded in ``skipped`` (path, reason)."""
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(files), desc="calibrating", unit="img")
     batch: list[np.ndarray] = []
-    try:
+    with tqdm(total=len(files), desc="calibrating", unit="img", disable=not progress) as bar:
         for f in files:
             try:
                 batch.append(embedder.prepare(f))
             except ImageLoadError as e:
                 skipped.append((str(f), e.reason))
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             if len(batch) == batch_size:
                 yield np.stack(batch)
                 batch = []
         if batch:
             yield np.stack(batch)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 class _Reader:
