@@ -24,7 +24,7 @@ import ctypes.util
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from PIL import Image
 
@@ -103,18 +103,18 @@ def _budget_from_env() -> int:
 BUDGET = DecodeBudget(_budget_from_env())
 
 
-def _load_trim():
-    """glibc's malloc_trim, or None (musl, macOS: nothing to do there)."""
+def _libc(name: str, *argtypes: type) -> Any:
+    """glibc's function ``name`` taking ``argtypes`` and returning an int, or None (musl,
+    macOS: nothing to do there)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
     return fn
 
 
-_TRIM = _load_trim()
+_TRIM = _libc("malloc_trim", ctypes.c_size_t)
 M_MMAP_THRESHOLD = -3                  # glibc's mallopt parameter number (malloc.h)
 SERVING_MMAP_THRESHOLD = 4 * 2 ** 20
 
@@ -131,13 +131,8 @@ def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
     servers only: a training process would pay a page fault per page of every large tensor it
     allocates. Returns False where there is no glibc (nothing to pin).
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(fn(M_MMAP_THRESHOLD, int(nbytes)))
+    fn = _libc("mallopt", ctypes.c_int, ctypes.c_int)
+    return fn is not None and bool(fn(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 def release_freed_memory() -> None:

@@ -24,13 +24,13 @@ from .errors import ParityError
 from .files import atomic_target
 from .images import ImageSource, load_image
 from .model import Embedder
+from .runtime import ONNX_FORMAT, load_session, write_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
     from .concat import ConcatEmbedder
 #: what export_onnx takes: one embedder, or several concatenated (embedder.concat)
 AnyEmbedder = Union[Embedder, "ConcatEmbedder"]
 
-FORMAT = "das-embedder-onnx/1"
 PARITY_ATOL = 1e-4
 PARITY_MIN_COS = 0.9999
 _SKIMAGE_PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg",
@@ -58,30 +58,24 @@ def _parity_batch(model: AnyEmbedder, images: Sequence[ImageSource] | None) -> n
 def _torch_export(model: AnyEmbedder, example: torch.Tensor, path: Path) -> str:
     """Dynamo exporter (the default in torch 2.14); the legacy one only if dynamo fails."""
     kw: dict[str, Any] = dict(input_names=["x"], output_names=["embedding"])
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
             torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False,
                               dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
                               optimize=True, verbose=False, **kw)
-        return "dynamo"
-    except Exception as e:  # noqa: BLE001 - any dynamo failure -> documented fallback
-        log.warning("dynamo ONNX export failed (%s: %s); falling back to the legacy exporter",
-                    type(e).__name__, e)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            return "dynamo"
+        except Exception as e:  # noqa: BLE001 - any dynamo failure -> documented fallback
+            log.warning("dynamo ONNX export failed (%s: %s); falling back to the legacy exporter",
+                        type(e).__name__, e)
             torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=17,
                               dynamic_axes={"x": {0: "batch"}, "embedding": {0: "batch"}}, **kw)
-        return "torchscript"
+            return "torchscript"
 
 
 def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.ndarray) -> dict[str, float]:
     """Compare ONNX vs torch on ``batch`` at batch size 1 and at the full batch; raise on mismatch."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    sess = load_session(onnx_path)
     with torch.no_grad():
         ref = model(torch.from_numpy(batch)).numpy()
     scale = 1.0 if model.config.normalize else max(1.0, float(np.abs(ref).max()))
@@ -127,8 +121,8 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
             exporter = _torch_export(m, example, tmp)
             proto = onnx.load(str(tmp))
             pre = m.preprocessing
-            meta = {
-                "format": FORMAT,
+            write_metadata(proto, {
+                "format": ONNX_FORMAT,
                 "dim": str(m.dim),
                 "input_size": str(pre.input_size),
                 "channels": str(pre.channels()),
@@ -141,11 +135,7 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
                 "config": json.dumps(m.config.to_dict(), sort_keys=True),
                 "exporter": exporter,
                 "torch_version": torch.__version__,
-            }
-            del proto.metadata_props[:]
-            for k, v in meta.items():
-                entry = proto.metadata_props.add()
-                entry.key, entry.value = k, v
+            })
             onnx.save(proto, str(tmp))
             check_parity(tmp, m, batch)
         finally:

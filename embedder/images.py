@@ -249,10 +249,10 @@ def _webp_first_frame(im: Image.Image, mode: str, factor: int) -> tuple[Image.Im
     rawmode = im.rawmode                             # "RGBA" or "RGBX"
     frame = Image.frombuffer(rawmode, im.size, data, "raw", rawmode, 0, 1)
     frame.info = dict(im.info)
-    if rawmode == "RGBX":
-        rows = lambda y0, y1: frame.crop((0, y0, frame.size[0], y1)).convert("RGB")  # noqa: E731
-    else:
-        rows = lambda y0, y1: frame.crop((0, y0, frame.size[0], y1))  # noqa: E731
+    def rows(y0: int, y1: int) -> Image.Image:
+        strip = frame.crop((0, y0, frame.size[0], y1))
+        return strip.convert("RGB") if rawmode == "RGBX" else strip
+
     return _strips(frame, mode, factor, rows), orientation
 
 

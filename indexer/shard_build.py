@@ -22,19 +22,16 @@ from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
 from . import stream
-from .build import Change, check_shards, remove_targets, shard_numbers, skipped_total, space_needed, update_embedder
+from .build import Change, check_shards, from_shards, ingest_folder, remove_targets, update_embedder
 from .errors import IndexerError
-from .index_dir import HELD_FILE, PART_FILE, REPORT, STORE_DIR, TRAINED_FILE, IndexDir, now_utc
-from .lmdb_env import DiskFullError
+from .index_dir import HELD_FILE, PART_FILE, STORE_DIR, TRAINED_FILE, IndexDir, now_utc
 from .lock import writer_lock
 from .manifest import Manifest
 from .options import BuildOptions
-from .pipeline import ingest
 from .shards import PartsIndex, claim_parts, record_owner, relative, shard_paths
 from .sources import Rows, Source, StoreSource
 from .store import GalleryStore
 from .tuning import K, heldout_size, retuned
-from .walk import walk_gallery
 
 FillParts = Callable[[Path, list[np.ndarray]], None]   # (trained file, skip ids per shard)
 
@@ -97,13 +94,10 @@ def _build_sharded(dirs: list[IndexDir], out: Path, opts: BuildOptions, device: 
     fx.write_atomic(stream.held_part(p), out / HELD_FILE)
     p.seconds["tune"] = time.perf_counter() - t1
     dst = IndexDir(out)
-    dst.copy_model(dirs[0].model_file, model["hash"])
-    dst.write_report([r for d in dirs for r in d.read_report()])
     written = dst.write_manifest(Manifest(
-        model=model, **fields,
+        model=model, **fields, **from_shards(dst, dirs, manifests),
         sharded={"shards": [relative(out, d.path) for d in dirs], "trained": TRAINED_FILE, "held": HELD_FILE,
                  "files": _records(out, [out / TRAINED_FILE, out / HELD_FILE, *parts])},
-        shards=shard_numbers(manifests), ingest={"skipped": skipped_total(manifests)}, report=REPORT,
         stage_seconds={k: round(v, 3) for k, v in p.seconds.items()},
         build_seconds=round(time.perf_counter() - t0, 3), built_at=now_utc()))
     record_owner(out, [d.path for d in dirs])
@@ -199,9 +193,6 @@ def add_sharded(d: IndexDir, manifest: Manifest, folder: Path, model: str | Path
     """``indexer add`` on a sharded index (:func:`indexer.layouts.add_images` holds the lock):
     into the shard whose store holds the fewest images."""
     emb = update_embedder(d, manifest, model, device, batch_size)
-    files = list(walk_gallery(folder, prefix=prefix))
-    if not files:
-        raise IndexerError(f"{folder}: no images to add")
     dirs = shard_paths(d.path, manifest)
     sizes = []
     for p in dirs:
@@ -209,10 +200,7 @@ def add_sharded(d: IndexDir, manifest: Manifest, folder: Path, model: str | Path
             sizes.append(len(st))
     target = dirs[int(np.argmin(sizes))]
     with GalleryStore(target / STORE_DIR, readonly=False) as store:
-        try:
-            stats = ingest(store, files, emb, workers=workers, progress=progress)
-        except DiskFullError as e:
-            raise e.needing(space_needed(files, emb.dim, target / PART_FILE)) from None
+        stats = ingest_folder(store, folder, prefix, emb, target / PART_FILE, workers, progress)
     d.write_report(stats.skipped)
     return replace(sync_parts(d.path, manifest), stats=stats, shard=target)
 
@@ -221,13 +209,10 @@ def remove_sharded(d: IndexDir, manifest: Manifest, targets: Sequence[str]) -> C
     """``indexer remove`` on a sharded index: every target (id or relative path) is looked up in
     every shard first (an unknown one refuses the whole command, nothing removed), then removed
     from each shard that holds it."""
-    dirs = shard_paths(d.path, manifest)
-    stores = [GalleryStore(p / STORE_DIR, readonly=False) for p in dirs]
-    try:
-        msgs = remove_targets([(s, f" from {p}") for p, s in zip(dirs, stores)], targets, d.path)
-    finally:
-        for s in stores:
-            s.close()
+    with ExitStack() as opened:
+        stores = [(opened.enter_context(GalleryStore(p / STORE_DIR, readonly=False)), f" from {p}")
+                  for p in shard_paths(d.path, manifest)]
+        msgs = remove_targets(stores, targets, d.path)
     return replace(sync_parts(d.path, manifest), messages=msgs)
 
 

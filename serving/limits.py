@@ -53,6 +53,7 @@ AUTH_MESSAGE = "authentication required (HTTP basic auth, the --auth user and pa
 ANON_BODY_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 120.0
 MAX_STREAMS_PER_CLIENT = 16
+CLOSE = {"Connection": "close"}
 _STREAM_PREFIXES = ("/gradio_api/heartbeat/", "/gradio_api/queue/data", "/gradio_api/stream/",
                     "/gradio_api/call/")
 
@@ -97,16 +98,12 @@ class RequestGuard:
                  throttle: LoginThrottle | None = None, sessions: GradioSessions | None = None,
                  body_timeout: float = BODY_TIMEOUT_S, anon_body_timeout: float = ANON_BODY_TIMEOUT_S,
                  max_streams: int = MAX_STREAMS_PER_CLIENT):
-        self.app = app
+        self.app, self.max_bytes, self.limit, self.auth = app, max_bytes, limit, auth
         self.max_streams = max_streams
         self._streams: dict[str, int] = {}      # client address -> streams open now
-        self.max_bytes = max_bytes
-        self.limit = limit
-        self.auth = auth
         self.throttle = throttle or LoginThrottle()
         self.sessions = sessions or GradioSessions()
-        self.body_timeout = body_timeout
-        self.anon_body_timeout = anon_body_timeout
+        self.body_timeout, self.anon_body_timeout = body_timeout, anon_body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_STREAM_PREFIXES):
@@ -118,13 +115,11 @@ class RequestGuard:
         """A long-lived Gradio stream: a login first (with --auth), a bounded number per client."""
         client = (scope.get("client") or ("unknown",))[0]
         if self.auth is not None and not self.sessions.logged_in(dict(scope.get("headers") or [])):
-            await JSONResponse({"error": "log in first (this stream needs a session)"}, status_code=401,
-                               headers={"Connection": "close"})(scope, receive, send)
+            await _answer(scope, receive, send, 401, "log in first (this stream needs a session)", CLOSE)
             return
         if self._streams.get(client, 0) >= self.max_streams:
-            await JSONResponse({"error": f"too many open streams from this address (at most "
-                                         f"{self.max_streams}); close some first"}, status_code=429,
-                               headers={"Retry-After": "15"})(scope, receive, send)
+            await _answer(scope, receive, send, 429, f"too many open streams from this address (at most "
+                          f"{self.max_streams}); close some first", {"Retry-After": "15"})
             return
         self._streams[client] = self._streams.get(client, 0) + 1
         try:
@@ -144,36 +139,29 @@ class RequestGuard:
         has_body = _has_body(headers)
         client = (scope.get("client") or ("unknown",))[0]
         login_form = method == "POST" and path.rstrip("/") == "/login" and self.auth is not None
-        close = {"Connection": "close"} if has_body else {}
+        close = CLOSE if has_body else {}
 
         logged_in = self.auth is None
+        attempt = api and self.auth is not None and b"authorization" in headers  # throttled, counted
+        wait = self.throttle.retry_after(client) if attempt or login_form else 0
+        if wait:
+            await _answer(scope, receive, send, 429, f"too many failed logins from this address; "
+                          f"retry in {wait} s", {"Retry-After": str(wait), **close})
+            return
         if api and self.auth is not None:
-            if b"authorization" in headers:             # a login attempt: throttled, counted
-                wait = self.throttle.retry_after(client)
-                if wait:
-                    await self._too_many(scope, receive, send, wait, close)
-                    return
-                if not basic_auth_ok(headers, self.auth):
+            if not attempt or not basic_auth_ok(headers, self.auth):
+                if attempt:
                     self.throttle.failed(client)
-                    await JSONResponse({"error": AUTH_MESSAGE}, status_code=401,
-                                       headers={**AUTH_HEADERS, **close})(scope, receive, send)
-                    return
-                self.throttle.succeeded(client)
-                logged_in = True
-            else:
-                await JSONResponse({"error": AUTH_MESSAGE}, status_code=401,
-                                   headers={**AUTH_HEADERS, **close})(scope, receive, send)
+                await _answer(scope, receive, send, 401, AUTH_MESSAGE, {**AUTH_HEADERS, **close})
                 return
-        if login_form:
-            wait = self.throttle.retry_after(client)
-            if wait:
-                await self._too_many(scope, receive, send, wait, close)
-                return
+            self.throttle.succeeded(client)
+            logged_in = True
         if not logged_in:
             logged_in = self.sessions.logged_in(headers)
         length = headers.get(b"content-length", b"").decode("latin-1").strip()
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send, int(length))
+            # the rest of the body is never read, so the connection cannot be reused
+            await _answer(scope, receive, send, 413, too_large(int(length), self.limit), CLOSE)
             return
         sanitize = (not logged_in and not api and self.auth is not None and method in ("GET", "HEAD"))
 
@@ -241,13 +229,12 @@ class RequestGuard:
                 raise
             log.exception("unhandled error on %s", scope["path"])
             if not started:
-                await JSONResponse({"error": "internal server error"}, status_code=500)(scope, receive, send)
+                await _answer(scope, receive, send, 500, "internal server error")
             return
         if failed == "413" and not started:
-            await self._refuse(scope, receive, send, None)
+            await _answer(scope, receive, send, 413, too_large(None, self.limit), CLOSE)
         elif failed == "408" and not started:
-            await JSONResponse({"error": "the request body did not arrive in time"}, status_code=408,
-                               headers={"Connection": "close"})(scope, receive, send)
+            await _answer(scope, receive, send, 408, "the request body did not arrive in time", CLOSE)
 
     async def _send_sanitized(self, held: list[dict], send: Any) -> None:
         start, body = held[0], b"".join(m.get("body", b"") for m in held[1:])
@@ -262,13 +249,8 @@ class RequestGuard:
         await send({**start, "headers": hdrs})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _too_many(self, scope: dict, receive: Any, send: Any, wait: int, close: dict) -> None:
-        resp = JSONResponse({"error": f"too many failed logins from this address; retry in {wait} s"},
-                            status_code=429, headers={"Retry-After": str(wait), **close})
-        await resp(scope, receive, send)
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any, size: int | None) -> None:
-        # "Connection: close": the rest of the body is never read, so the connection cannot be reused
-        resp = JSONResponse({"error": too_large(size, self.limit)}, status_code=413,
-                            headers={"Connection": "close"})
-        await resp(scope, receive, send)
+async def _answer(scope: dict, receive: Any, send: Any, status: int, error: str,
+                  headers: dict[str, str] | None = None) -> None:
+    """The guard's own JSON answer, ``{"error": ...}``."""
+    await JSONResponse({"error": error}, status_code=status, headers=headers)(scope, receive, send)

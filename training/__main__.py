@@ -28,10 +28,6 @@ def _field_comments() -> dict[str, str]:
     return out
 
 
-def _default(f) -> object:
-    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training",
@@ -48,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training options (TrainConfig fields)")
     comments = _field_comments()
     for f in fields(TrainConfig):
-        d = _default(f)
+        d = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
         g.add_argument(f"--{f.name}", metavar="VALUE", default=None,
                        help=f"{comments.get(f.name, '')} (default: {json.dumps(d)})")
     return p

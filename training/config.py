@@ -12,7 +12,7 @@ import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from embedder.cli import UsageError
 
@@ -171,23 +171,15 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads (0 = leave torch's default)
 
     def validate(self) -> "TrainConfig":
-        """Reject values that would only fail later, deep inside a run."""
-        choices = {"dataset": DATASETS, "amp": AMP_MODES, "das_preset": DAS_PRESETS,
-                   "loss_flavour": LOSS_FLAVOURS, "das_bank_dtype": BANK_DTYPES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
-        positive = ("epochs", "batch_size", "per_class", "eval_every", "eval_batch_size")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected a positive integer")
-        if self.dim < 0:
-            raise ConfigError(f"dim={self.dim!r}: expected an integer >= 0 (0 = no embedding layer)")
+        """Reject values that would only fail later, deep inside a run (a bad config file fails
+        before any data or model loads)."""
+        for names, ok, expected in _RULES:
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ConfigError(f"{name}={getattr(self, name)!r}: expected {expected}")
         if self.batch_size % self.per_class:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr!r}: expected a positive number")
         self._validate_backbone()
         self._validate_finetune()
         self._validate_das()
@@ -208,9 +200,6 @@ class TrainConfig:
         elif self.weights:
             raise ConfigError(f"weights={self.weights!r} needs a timm:<model name> backbone "
                               f"({self.backbone!r} loads its own weights with pretrained = true)")
-        if not 0.0 <= self.layer_decay <= 1.0:
-            raise ConfigError(f"layer_decay={self.layer_decay!r}: expected 0 (off) or a factor "
-                              f"in (0, 1], e.g. 0.75")
         if self.layer_decay and not self.backbone.startswith("timm:"):
             raise ConfigError(f"layer_decay needs a timm:<model name> backbone (timm's layer "
                               f"groups); {self.backbone!r} has none")
@@ -220,15 +209,6 @@ class TrainConfig:
             kind, _ = parse_trainable(self.trainable)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.head_init not in HEAD_INITS:
-            raise ConfigError(f"head_init={self.head_init!r}: expected one of {', '.join(HEAD_INITS)}")
-        if self.head_input not in HEAD_INPUTS:
-            raise ConfigError(f"head_input={self.head_input!r}: expected one of {', '.join(HEAD_INPUTS)}")
-        if self.backbone_lr < 0:
-            raise ConfigError(f"backbone_lr={self.backbone_lr!r}: expected >= 0 (0 = lr)")
-        for name in ("warmup_epochs", "trunk_views", "validation_classes"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
         if self.trunk_cache and kind == "all":
             raise ConfigError("trunk_cache=true needs frozen stages to cache: set trainable to "
                               "'last:N' or 'head'")
@@ -238,7 +218,6 @@ class TrainConfig:
             raise ConfigError("head_init='pca' needs an embedding layer (dim > 0)")
 
     def _validate_das(self) -> None:
-        """DAS options, checked here so a bad config file fails before data or models load."""
         bounds = self.das_scale_bounds
         if bounds:
             if len(bounds) != 2:
@@ -249,11 +228,6 @@ class TrainConfig:
                                   f"(e.g. [0.5, 2.0])")
         elif not 0.0 <= self.das_scale_range < 1.0:
             raise ConfigError(f"das_scale_range={self.das_scale_range!r}: expected 0 <= r_s < 1")
-        if self.das_shift_scale < 0:
-            raise ConfigError(f"das_shift_scale={self.das_shift_scale!r}: expected >= 0")
-        if not (math.isfinite(self.das_aux_weight) and self.das_aux_weight >= 0):
-            raise ConfigError(f"das_aux_weight={self.das_aux_weight!r}: expected a finite "
-                              f"number >= 0")
 
     @property
     def das_scale_bounds_tuple(self) -> tuple[float, float] | None:
@@ -277,40 +251,52 @@ class TrainConfig:
         return asdict(self)
 
 
+def _one_of(allowed: Any) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in allowed), f"one of {', '.join(allowed)}"
+
+
+#: The checks of single options (`TrainConfig.validate`): names, test, what is expected.
+_RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
+    *(((name,), *_one_of(allowed)) for name, allowed in (
+        ("dataset", DATASETS), ("amp", AMP_MODES), ("das_preset", DAS_PRESETS),
+        ("loss_flavour", LOSS_FLAVOURS), ("das_bank_dtype", BANK_DTYPES),
+        ("head_init", HEAD_INITS), ("head_input", HEAD_INPUTS))),
+    (("epochs", "batch_size", "per_class", "eval_every", "eval_batch_size"), lambda v: v > 0,
+     "a positive integer"),
+    (("dim",), lambda v: v >= 0, "an integer >= 0 (0 = no embedding layer)"),
+    (("lr",), lambda v: v > 0, "a positive number"),
+    (("layer_decay",), lambda v: 0.0 <= v <= 1.0, "0 (off) or a factor in (0, 1], e.g. 0.75"),
+    (("backbone_lr",), lambda v: v >= 0, ">= 0 (0 = lr)"),
+    (("warmup_epochs", "trunk_views", "validation_classes"), lambda v: v >= 0, "an integer >= 0"),
+    (("das_shift_scale",), lambda v: v >= 0, ">= 0"),
+    (("das_aux_weight",), lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+)
+
+
 def _field_types() -> dict[str, Any]:
     hints = typing.get_type_hints(TrainConfig)
     return {f.name: hints[f.name] for f in fields(TrainConfig)}
 
 
 def _coerce(name: str, value: Any, where: str) -> Any:
-    """Check a value against the field's type; ints are accepted where floats are expected."""
+    """Check a value against the field's type; ints are accepted where floats are expected
+    (TOML writes 2.0 as 2 easily), in lists too."""
     kind = _field_types()[name]
     origin = typing.get_origin(kind) or kind
-    ok: bool
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif kind is str:
-        ok = isinstance(value, str)
-    elif origin is list:
-        ok = isinstance(value, list)
-        if ok:
-            (item,) = typing.get_args(kind)
-            # TOML writes 2.0 as 2 easily: ints are floats here too, as for scalar fields
-            accepts = (int, float) if item is float else item
-            ok = all(isinstance(v, accepts) and not isinstance(v, bool) for v in value)
-            if ok and item is float:
-                value = [float(v) for v in value]
-    elif origin is dict:
-        ok = isinstance(value, dict)
-    else:  # pragma: no cover - every field has one of the types above
-        ok = True
+    item = typing.get_args(kind)[0] if origin is list else kind
+    accepts = (int, float) if item is float else item
+
+    def fits(v: Any) -> bool:
+        return isinstance(v, accepts) and (item is bool or not isinstance(v, bool))
+
+    if origin is list:
+        ok = isinstance(value, list) and all(fits(v) for v in value)
+    else:
+        ok = isinstance(value, dict) if origin is dict else fits(value)
     if not ok:
         raise ConfigError(f"{where}: {name}={value!r}: expected {_type_name(kind)}")
+    if item is float:
+        return [float(v) for v in value] if origin is list else float(value)
     return value
 
 

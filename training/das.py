@@ -73,34 +73,26 @@ class DAS(nn.Module):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-        if num_classes < 1:
-            raise ValueError(f"num_classes={num_classes}: expected >= 1")
-        if dim < 1:
-            raise ValueError(f"dim={dim}: expected >= 1")
-        if num_produce < 0:
-            raise ValueError(f"num_produce={num_produce}: expected >= 0")
-        if not 1 <= topk <= dim:
-            raise ValueError(f"topk={topk}: expected 1 <= topk <= dim={dim}")
-        if bank_size < 1:
-            raise ValueError(f"bank_size={bank_size}: expected >= 1")
-        if scale_bounds is None and not 0.0 <= scale_range < 1.0:
-            raise ValueError(f"scale_range={scale_range}: expected 0 <= r_s < 1")
-        if scale_bounds is not None:
-            lo, hi = (float(b) for b in scale_bounds)
-            if not 0.0 < lo <= hi:
-                raise ValueError(f"scale_bounds={scale_bounds}: expected 0 < low <= high")
-        if shift_scale < 0:
-            raise ValueError(f"shift_scale={shift_scale}: expected >= 0")
+        checks = {"num_classes": (num_classes, num_classes >= 1, ">= 1"), "dim": (dim, dim >= 1, ">= 1"),
+                  "num_produce": (num_produce, num_produce >= 0, ">= 0"),
+                  "topk": (topk, 1 <= topk <= dim, f"1 <= topk <= dim={dim}"),
+                  "bank_size": (bank_size, bank_size >= 1, ">= 1"),
+                  "scale_range": (scale_range, scale_bounds is not None or 0.0 <= scale_range < 1.0,
+                                  "0 <= r_s < 1"),
+                  "scale_bounds": (scale_bounds, scale_bounds is None or (
+                      len(scale_bounds) == 2 and 0.0 < scale_bounds[0] <= scale_bounds[1]), "0 < low <= high"),
+                  "shift_scale": (shift_scale, shift_scale >= 0, ">= 0")}
+        for name, (value, ok, expected) in checks.items():
+            if not ok:
+                raise ValueError(f"{name}={value}: expected {expected}")
         if bank_dtype not in [getattr(torch, name) for name in BANK_DTYPES]:
             raise ValueError(f"bank_dtype={bank_dtype}: expected torch.{' | torch.'.join(BANK_DTYPES)}")
         self.num_classes, self.dim = int(num_classes), int(dim)
         self.num_produce, self.topk, self.bank_size = int(num_produce), int(topk), int(bank_size)
         self.scale_range, self.shift_scale = float(scale_range), float(shift_scale)
-        self.scale_bounds = None if scale_bounds is None else (float(scale_bounds[0]),
-                                                               float(scale_bounds[1]))
+        self.scale_bounds = None if scale_bounds is None else tuple(float(b) for b in scale_bounds)
         self.normalize, self.detach, self.dfs, self.mts = normalize, detach, dfs, mts
-        self.seed = seed
-        self.backend = backend
+        self.seed, self.backend = seed, backend
         # CUDA-graph replay of the fused call (training/das_fused.py); off by default
         self.graph = bool(graph)
         #: the fused path (kernels, their self-check verdicts, the CUDA graphs): DAS's seam

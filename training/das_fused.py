@@ -270,10 +270,6 @@ class FusedBackend:
                               stacklevel=4)
         return ok
 
-    def check(self, das, emb: Tensor, y: Tensor, isolate: bool | None = None) -> tuple[bool, str]:
-        """(the kernels agree with the eager code, why not) for this batch's variant."""
-        return verdict(das, emb, y, isolate=isolate)
-
     @staticmethod
     def update(das, v: Tensor, y: Tensor) -> None:
         """The FRM and bank update of one batch in one launch (labels range-checked there)."""

@@ -73,6 +73,12 @@ def _require(root: Path, what: str, names: Sequence[str]) -> None:
             f"{what} root {root}: expected {', '.join(names)}; missing {', '.join(missing)}")
 
 
+def _halves(pairs: Sequence[tuple[Path, str]], classes: Sequence[str]) -> tuple[Split, Split]:
+    """The first half of ``classes`` trains, the second half tests (the benchmarks' protocol)."""
+    half = len(classes) // 2
+    return Split.from_pairs(pairs, classes[:half]), Split.from_pairs(pairs, classes[half:])
+
+
 def _read_table(path: Path, ncols: int) -> list[list[str]]:
     rows = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -92,16 +98,13 @@ def cub_splits(root: str | Path) -> tuple[Split, Split]:
     images = {i: p for i, p in _read_table(root / "images.txt", 2)}
     labels = {i: int(c) for i, c in _read_table(root / "image_class_labels.txt", 2)}
     names = {int(c): n for c, n in _read_table(root / "classes.txt", 2)}
-    ids = sorted(names)
     pairs = []
     for img_id, rel in images.items():
         if img_id not in labels:
             raise DatasetLayoutError(f"{root / 'image_class_labels.txt'}: no label for image id {img_id}")
         pairs.append((root / "images" / rel, names[labels[img_id]]))
     pairs.sort(key=lambda p: str(p[0]))
-    half = len(ids) // 2
-    return (Split.from_pairs(pairs, [names[i] for i in ids[:half]]),
-            Split.from_pairs(pairs, [names[i] for i in ids[half:]]))
+    return _halves(pairs, [names[i] for i in sorted(names)])
 
 
 def _mat_scalar(x):
@@ -132,15 +135,11 @@ def cars_splits(root: str | Path) -> tuple[Split, Split]:
             cls = int(_mat_scalar(rec["class"]))
             name = class_names[cls - 1] if cls - 1 < len(class_names) else f"{cls:03d}"
             pairs.append((root / rel, name))
-        order = sorted({c for _, c in pairs},
-                       key=lambda n: class_names.index(n) if n in class_names else int(n))
-        half = len(order) // 2
-        return Split.from_pairs(pairs, order[:half]), Split.from_pairs(pairs, order[half:])
+        return _halves(pairs, sorted({c for _, c in pairs},
+                                     key=lambda n: class_names.index(n) if n in class_names else int(n)))
     if (root / "images").is_dir():
         classes = sorted((d.name for d in (root / "images").iterdir() if d.is_dir()), key=_natural_key)
-        pairs = _folder_pairs(root / "images", classes)
-        half = len(classes) // 2
-        return Split.from_pairs(pairs, classes[:half]), Split.from_pairs(pairs, classes[half:])
+        return _halves(_folder_pairs(root / "images", classes), classes)
     raise DatasetLayoutError(
         f"CARS196 root {root}: expected cars_annos.mat with car_ims/, or images/<class>/ folders")
 
@@ -206,17 +205,14 @@ def folder_splits(root: str | Path, test_classes: Sequence[str] = ()) -> tuple[S
     if len(classes) < 2:
         raise DatasetLayoutError(f"image folder root {root}: expected at least 2 class sub-folders, "
                                  f"found {len(classes)}")
-    if test_classes:
-        unknown = sorted(set(test_classes) - set(classes))
-        if unknown:
-            raise DatasetLayoutError(f"image folder root {root}: test classes not found: {', '.join(unknown)}")
-        test = [c for c in classes if c in set(test_classes)]
-        train = [c for c in classes if c not in set(test_classes)]
-    else:
-        half = len(classes) // 2
-        train, test = classes[:half], classes[half:]
+    unknown = sorted(set(test_classes) - set(classes))
+    if unknown:
+        raise DatasetLayoutError(f"image folder root {root}: test classes not found: {', '.join(unknown)}")
     pairs = _folder_pairs(root, classes)
-    return Split.from_pairs(pairs, train), Split.from_pairs(pairs, test)
+    if not test_classes:
+        return _halves(pairs, classes)
+    return (Split.from_pairs(pairs, [c for c in classes if c not in set(test_classes)]),
+            Split.from_pairs(pairs, [c for c in classes if c in set(test_classes)]))
 
 
 def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_classes=(),
@@ -224,18 +220,13 @@ def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_cl
     """(train, test) for a dataset name; `max_classes` keeps the first N classes of each split."""
     if not root:
         raise DatasetLayoutError(f"dataset {dataset!r}: no root given (set root=<folder>)")
-    if dataset == "cub":
-        train, test = cub_splits(root)
-    elif dataset == "cars":
-        train, test = cars_splits(root)
-    elif dataset == "sop":
-        train, test = sop_splits(root)
-    elif dataset == "omniglot":
-        train, test = omniglot_splits(root, holdout_alphabets)
-    elif dataset == "folder":
-        train, test = folder_splits(root, test_classes)
-    else:
+    parsers: dict[str, Callable[[], tuple[Split, Split]]] = {
+        "cub": lambda: cub_splits(root), "cars": lambda: cars_splits(root), "sop": lambda: sop_splits(root),
+        "omniglot": lambda: omniglot_splits(root, holdout_alphabets),
+        "folder": lambda: folder_splits(root, test_classes)}
+    if dataset not in parsers:
         raise ValueError(f"dataset={dataset!r}: expected cub, cars, sop, omniglot or folder")
+    train, test = parsers[dataset]()
     train, test = train.first_classes(max_classes), test.first_classes(max_classes)
     for name, split in (("train", train), ("test", test)):
         if len(split) == 0:

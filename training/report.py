@@ -86,16 +86,28 @@ def metrics_markdown(rows: Sequence[tuple[str, dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(history: list[dict[str, Any]], out: Path, title: str = "") -> Path:
-    """Training loss and test R@1 per epoch, side by side (as the paper's Fig. 4)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend (runs have no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _saved(fig: Any, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    _pyplot().close(fig)
+    return out
+
+
+def plot_curves(history: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """Training loss and test R@1 per epoch, side by side (as the paper's Fig. 4)."""
     loss = [(r["epoch"], r["loss"]) for r in history if r.get("loss") not in ("", None)]
     r1 = [(r["epoch"], 100 * r["R@1"]) for r in history if "R@1" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(10, 3.8))
     for ax, points, ylabel, name, color in zip(axes, (loss, r1), ("training loss", "R@1 (%)"),
                                                ("training loss", "test R@1"), (None, "tab:red")):
         if points:
@@ -106,10 +118,7 @@ def plot_curves(history: list[dict[str, Any]], out: Path, title: str = "") -> Pa
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _saved(fig, out)
 
 
 def normalised_frm(frm: np.ndarray, max_classes: int = 48) -> np.ndarray:
@@ -122,13 +131,8 @@ def normalised_frm(frm: np.ndarray, max_classes: int = 48) -> np.ndarray:
 def frm_heatmap(frm: np.ndarray, out: Path, classes: Sequence[str] = (), max_classes: int = 48,
                 title: str = "Frequency Recorder Matrix") -> Path:
     """FRM rows normalised by their max, first `max_classes` classes (supplementary Fig. III)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     m = normalised_frm(frm, max_classes)
-    fig, ax = plt.subplots(figsize=(max(6.0, m.shape[1] / 12), max(3.0, m.shape[0] / 5)))
+    fig, ax = _pyplot().subplots(figsize=(max(6.0, m.shape[1] / 12), max(3.0, m.shape[0] / 5)))
     im = ax.imshow(m, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
     ax.set_xlabel("embedding channel")
     ax.set_ylabel("training class")
@@ -137,10 +141,7 @@ def frm_heatmap(frm: np.ndarray, out: Path, classes: Sequence[str] = (), max_cla
         ax.set_yticklabels([str(c)[-36:] for c in classes[:len(m)]], fontsize=5)
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="count / row max")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _saved(fig, out)
 
 
 def write_report(run_dir: Path, cfg, history: list[dict[str, Any]], best_epoch: int,

@@ -7,7 +7,6 @@ tensors and plain lists so ``torch.load(weights_only=True)`` reads it.
 """
 from __future__ import annotations
 
-
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,14 +28,7 @@ def build_preprocessing(cfg: TrainConfig):
     from embedder.preprocess import preprocessing_for
 
     pre = preprocessing_for(cfg.backbone)
-    if cfg.input_size or cfg.resize:
-        size = cfg.input_size or pre.input_size
-        if cfg.resize:
-            resize = cfg.resize
-        else:  # keep the backbone's resize/crop ratio (256/224 for ImageNet, 32/28 for small_cnn)
-            resize = round(size * pre.resize / pre.input_size)
-        pre = dataclasses.replace(pre, input_size=size, resize=max(resize, size))
-    return pre
+    return pre.at_size(cfg.input_size or pre.input_size, cfg.resize) if cfg.input_size or cfg.resize else pre
 
 
 def build_datasets(cfg: TrainConfig, train_split: Split | None = None,

@@ -98,11 +98,7 @@ class _Tail(nn.Module):
         self.pooled_input = pooled_input
 
     def forward(self, a: Tensor) -> Tensor:
-        if not self.pooled_input:
-            for s in self.stages:
-                a = s(a)
-            a = self._model.pool(a)
-        return self._model.embed(a)
+        return self._model.embed(self.pooled(a))
 
     def pooled(self, a: Tensor) -> Tensor:
         """Pooled features (no head) of prefix activations: what a PCA head is fitted on."""
@@ -192,9 +188,7 @@ def split_stages(model: nn.Module, trainable: str) -> StageSplit | None:
                              f"{len(stages)} stages (use 'all' to train the stem too)")
         prefix = _Prefix(model, stem + stages[:-n], pooled_output=False)
         suffix = _Tail(model, stages[-n:], pooled_input=False)
-    for p in prefix.parameters():
-        p.requires_grad_(False)
-    prefix.eval()
+    prefix.requires_grad_(False).eval()
     head_ids = {id(p) for p in head_params}
     backbone_params = [p for p in suffix.parameters() if p.requires_grad and id(p) not in head_ids]
     # The backbone's own pooling head (pooling = "model": a ViT's fc_norm / attention pool,

@@ -74,13 +74,9 @@ def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, 
     detached terms (``"all"``, and ``"real"`` with the aux loss) for logging and the NaN guard.
     """
     dev = x.device
-    if autocast_dtype is not None:
-        with torch.autocast(device_type=dev.type, dtype=autocast_dtype):
-            emb = model(x)
-        emb = emb.float()
-    else:
+    with torch.autocast(device_type=dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         emb = model(x)
-    emb, lab = distributed.gather_batch(emb, y, info)
+    emb, lab = distributed.gather_batch(emb.float(), y, info)
     n_real = emb.shape[0]
     origin = None
     if das is not None:

@@ -73,14 +73,9 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
             if x is None:
                 continue
             labels.append(y.numpy())
-            x = x.to(device, non_blocking=True)
-            if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
-            if autocast_dtype is not None:
-                with torch.autocast(device_type=device.type, dtype=autocast_dtype):
-                    e = model(x)
-            else:
-                e = model(x)
+            with torch.autocast(device_type=device.type, dtype=autocast_dtype,
+                                enabled=autocast_dtype is not None):
+                e = model(_on_device(x, device, cfg))
             out.append(e.float().cpu().numpy())
         model.train(was_training)
         y_all = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
@@ -123,9 +118,7 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
             n_thin += 1          # nothing to learn from: no step, the sampler moves on
             bar.update(1)
             continue
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x, y = _on_device(x, device, cfg), y.to(device, non_blocking=True)
         parts: dict[str, torch.Tensor] = {}
         loss = compute_loss(net, state.criterion, state.das, x, y, info=info,
                             seed=step_seed(cfg, state.global_step), autocast_dtype=autocast_dtype,
@@ -169,6 +162,14 @@ def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: Tr
     if aux_w is not None:
         row.update({k: v / max(n_steps, 1) for k, v in part_sums.items()})
     return row
+
+
+def _on_device(x: torch.Tensor, device: torch.device, cfg: TrainConfig) -> torch.Tensor:
+    """A batch of inputs on the run's device (channels-last images on CUDA when configured)."""
+    x = x.to(device, non_blocking=True)
+    if cfg.channels_last and device.type == "cuda" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
 
 
 def _too_thin(x: torch.Tensor | None, y: torch.Tensor | None, info: distributed.DistInfo,
