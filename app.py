@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uploads and cached results are deleted this long after they were written "
                         "(checked every min(60, SECONDS/2) s; default 900: an upload never used in a "
                         "search is gone within about 16 minutes)")
+    p.add_argument("--login-block", type=float, default=1.0, metavar="SECONDS",
+                   help="with --auth: after 10 failed logins in a minute from one address, it is blocked "
+                        "this long, twice that after the next failure, and so on up to 15 minutes "
+                        "(default 1)")
     return add_options(p, "--device", "--max-memory", "--ray", "--shard-timeout")
 
 
@@ -62,6 +66,8 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
     if args.upload_max_age < 2:
         raise UsageError(f"--upload-max-age: expected at least 2 seconds, got {args.upload_max_age}")
+    if not args.login_block > 0:
+        raise UsageError(f"--login-block: expected a positive number of seconds, got {args.login_block}")
     if args.forwarded_allow_ips is not None:
         ips = [x.strip() for x in args.forwarded_allow_ips.split(",") if x.strip()]
         if not ips:
@@ -149,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.server import create_app
 
     app = create_app(searcher, auth=args.auth, max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
-                     query_sets=queries, upload_max_age=args.upload_max_age)
+                     query_sets=queries, upload_max_age=args.upload_max_age, login_block=args.login_block)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.auth is None:
         print(f"app.py: warning: listening on {args.host} without --auth: anyone who can reach this "
               f"port can search the gallery", file=sys.stderr)

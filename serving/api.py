@@ -45,10 +45,11 @@ _FORM_OVERHEAD = 64 * 1024
 
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
                    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-                   sessions: GradioSessions | None = None) -> FastAPI:
+                   sessions: GradioSessions | None = None, login_block: float = 1.0) -> FastAPI:
     """Register /api/* on ``app`` (call before mounting Gradio at "/", which catches the rest),
     and the request guard (auth for /api/*, body cap for everything) in front of the whole app.
-    ``sessions``: Gradio's logins, once mounted (serving.server fills it in)."""
+    ``sessions``: Gradio's logins, once mounted (serving.server fills it in). ``login_block``: the
+    first block after too many failed logins (:class:`serving.throttle.LoginThrottle`)."""
     redact = Redactor(searcher.directories)
 
     @app.exception_handler(IndexerError)            # a store truncated/replaced under us, ...
@@ -76,7 +77,7 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         return JSONResponse({"error": problems or "invalid request"}, status_code=400)
 
     app.add_middleware(RequestGuard, max_bytes=max_upload_bytes + _FORM_OVERHEAD, limit=max_upload_bytes,
-                       auth=auth, throttle=LoginThrottle(), sessions=sessions)
+                       auth=auth, throttle=LoginThrottle(first_block=login_block), sessions=sessions)
 
     @app.get("/api/health")
     def health() -> JSONResponse:

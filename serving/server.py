@@ -35,13 +35,15 @@ from .uploads import DEFAULT_MAX_UPLOAD_BYTES  # noqa: E402
 
 def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-               query_sets: Mapping[str, Path] | None = None, upload_max_age: int = 900) -> FastAPI:
+               query_sets: Mapping[str, Path] | None = None, upload_max_age: int = 900,
+               login_block: float = 1.0) -> FastAPI:
     """``upload_max_age``: seconds after which Gradio deletes an upload or a cached result
     (checked every min(60, age / 2) s), so uploads never used in a search do not pile up."""
     pin_mmap_threshold()            # a long-running process: large decodes give their memory back
     app = FastAPI(title="das-retrieval", docs_url=None, redoc_url=None, openapi_url=None)
     sessions = GradioSessions()
-    add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes, sessions=sessions)
+    add_api_routes(app, searcher, auth=auth, max_upload_bytes=max_upload_bytes, sessions=sessions,
+                   login_block=login_block)
     blocks = build_ui(searcher, query_sets=query_sets, max_upload_bytes=max_upload_bytes)
     blocks.queue(default_concurrency_limit=4)
     # read by mount_gradio_app: replaces build_ui's default (an hour), so an upload lives minutes

@@ -2,7 +2,8 @@
 
 Without it a stranger could try ~1,400 passwords a second. Policy: up to ``free`` failures in
 any ``window`` seconds cost nothing (typos); each failure past that blocks the address for an
-exponentially growing time (1 s, 2 s, 4 s, ... up to ``max_block`` s). While blocked, every
+exponentially growing time (``first_block`` s, then twice that, ... up to ``max_block`` s;
+default 1 s, 2 s, 4 s, ...). While blocked, every
 login attempt from the address (right or wrong) is answered 429 with Retry-After and not even
 checked, so guessing stops paying. A success, or ``window`` x 15 s without failures, forgets the
 address. The table is bounded (oldest entries dropped), so spoofed-looking address churn cannot
@@ -29,9 +30,12 @@ class _Entry:
 
 
 class LoginThrottle:
-    def __init__(self, *, free: int = 10, window: float = 60.0, max_block: float = 900.0,
-                 max_clients: int = 10_000) -> None:
+    def __init__(self, *, free: int = 10, window: float = 60.0, first_block: float = 1.0,
+                 max_block: float = 900.0, max_clients: int = 10_000) -> None:
+        if not first_block > 0:
+            raise ValueError(f"first_block={first_block}: expected a positive number of seconds")
         self.free, self.window, self.max_block, self.max_clients = free, window, max_block, max_clients
+        self.first_block = first_block
         self._table: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -64,7 +68,7 @@ class LoginThrottle:
             if len(e.failures) <= self.free:
                 return 0
             e.strikes += 1
-            block = min(self.max_block, 2.0 ** (e.strikes - 1))
+            block = min(self.max_block, self.first_block * 2.0 ** (e.strikes - 1))
             e.blocked_until = max(e.blocked_until, now + block)
             return math.ceil(block)
 

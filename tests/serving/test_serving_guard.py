@@ -245,7 +245,10 @@ def fresh(pretrained_index, tmp_path_factory, free_port, start_app):
     (earlier / ".das-retrieval.lock").touch()
     (earlier / "tmpold").write_bytes(b"\0" * 1000)
     os.utime(earlier, (time.time() - 3600, time.time() - 3600))
-    args = ["--index", pretrained_index, "--auth", f"{AUTH[0]}:{AUTH[1]}", "--max-upload-mb", 1]
+    # a first login block of 3 s (default 1): the throttle test's requests must land inside it
+    # even on a loaded machine
+    args = ["--index", pretrained_index, "--auth", f"{AUTH[0]}:{AUTH[1]}", "--max-upload-mb", 1,
+            "--login-block", 3]
     with start_app(args, root, port, auth=AUTH) as (url, _):
         yield url, ours, foreign
 
@@ -287,6 +290,24 @@ def test_failed_logins_are_throttled(fresh):
     time.sleep(int(form.headers["Retry-After"]) + 0.5)
     assert httpx.post(f"{url}/login", data={"username": "x", "password": "y"}, timeout=10).status_code == 400
     again = httpx.get(f"{url}/api/health", auth=AUTH, timeout=10)
-    assert again.status_code == 429 and int(again.headers["Retry-After"]) >= 2, again.headers
+    assert again.status_code == 429 and int(again.headers["Retry-After"]) >= 5, again.headers   # 3 s, then 6
     time.sleep(int(again.headers["Retry-After"]) + 0.5)
     assert httpx.get(f"{url}/api/health", auth=AUTH, timeout=10).status_code == 200
+
+
+def test_login_block_starts_at_its_setting_and_doubles():
+    """The throttle's policy on a clock the test drives: 10 free failures a minute, then blocks of
+    first_block, 2x, 4x ... (app.py --login-block); a non-positive first block is refused."""
+    from serving.throttle import LoginThrottle
+
+    for first in (1.0, 3.0):
+        t = LoginThrottle(first_block=first)
+        assert [t.failed("a", now=i * 0.1) for i in range(10)] == [0] * 10
+        assert t.failed("a", now=1.0) == first and t.retry_after("a", now=1.0) == first
+        assert t.retry_after("b", now=1.0) == 0                       # per address
+        assert t.failed("a", now=1.0 + first) == 2 * first             # after the block: doubled
+        assert t.retry_after("a", now=1.0 + first) == 2 * first
+        t.succeeded("a")
+        assert t.retry_after("a", now=2.0 + first) == 0
+    with pytest.raises(ValueError, match="first_block=0"):
+        LoginThrottle(first_block=0)
