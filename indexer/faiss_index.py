@@ -13,7 +13,7 @@ import math
 import threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import faiss
 import numpy as np
@@ -176,20 +176,97 @@ def new_index(spec: IndexSpec, dim: int) -> faiss.Index:
     return faiss.index_factory(dim, spec.factory, faiss.METRIC_INNER_PRODUCT)
 
 
-def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0) -> np.ndarray:
+KMEANS_APPROX_FROM = 8_192         # nlist from which CPU k-means assigns approximately (the crossover
+                                    # selection.HNSW_QUANTIZER_FROM uses for the same reason; see
+                                    # BENCHMARKS.md "k-means at 16,384 lists")
+KMEANS_HNSW_EF = 32                 # efSearch of the refinement's graph (agrees with exact on 0.9997
+                                    # of points at 16,384 lists, M 32)
+KMEANS_REFINE = 4                   # approx: k-means iterations after the two-level start
+KMEANS_METHODS = ("exact", "approx", "gpu")
+
+
+def kmeans_method(nlist: int, gpus: int = 0, approx_from: int | None = None) -> str:
+    """Which k-means ``kmeans`` runs: "gpu" (faiss's exact GPU k-means) when faiss sees a GPU,
+    "approx" on CPU from ``approx_from`` lists (default ``KMEANS_APPROX_FROM``: exact assignment
+    costs points x lists, 1M points into 16,384 lists ~23 min on 2 cores), "exact" below, so
+    small indexes keep the centroids (and results) they had."""
+    if gpus > 0:
+        return "gpu"
+    return "approx" if nlist >= (approx_from or KMEANS_APPROX_FROM) else "exact"
+
+
+def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0,
+           method: str | None = None, progress: bool = False) -> np.ndarray:
     """Spherical k-means centroids (what IndexIVF.train computes for inner product).
 
-    Separate from ``train`` so that candidates sharing an nlist share one clustering.
+    Separate from ``train`` so that candidates sharing an nlist share one clustering. ``method``
+    (default: ``kmeans_method``) "exact" / "gpu" is faiss.Kmeans; "approx" is ``kmeans_approx``.
+    Every method is deterministic for a given sample and seed.
     """
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
+    gpu = use_gpu(device)
+    method = method or kmeans_method(nlist, int(gpu))
+    if method not in KMEANS_METHODS:
+        raise IndexerError(f"k-means method {method!r}: expected one of {', '.join(KMEANS_METHODS)}")
+    if method == "approx" and len(x_train) > nlist:
+        return kmeans_approx(x_train, int(nlist), seed=seed, progress=progress)
     km = faiss.Kmeans(x_train.shape[1], int(nlist), niter=KMEANS_ITERATIONS, seed=seed,
-                      spherical=True, gpu=use_gpu(device))   # GPU path untested on the CPU-only CI
+                      spherical=True, gpu=gpu)   # GPU path untested on the CPU-only CI
     km.train(x_train)
     return km.centroids
 
 
+def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_REFINE,
+                  ef: int = KMEANS_HNSW_EF, progress: bool = False,
+                  on_iteration: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+    """Spherical k-means whose assignment never compares every point with every centroid.
+
+    Two-level clustering (faiss.contrib.clustering.two_level_clustering: sqrt(k) coarse lists,
+    then each coarse list's points clustered into its share of the k centroids) gives the start;
+    ``refine`` k-means iterations over the whole sample then fix the points that the two-level
+    split put on the wrong side of a coarse border, each assigning through an HNSW graph over
+    the centroids (faiss's recipe for IVF65536_HNSW32 training). Cost: points x (2 sqrt(k) +
+    refine x graph search) instead of points x k x iterations.
+    The refinement loop is written here rather than faiss.Clustering(index=IndexHNSWFlat)
+    because that one builds the graph with racing threads every iteration (results change run
+    to run); here the graph is built on one thread and only the search is parallel. Empty lists
+    are split as faiss does (``reassign_centroids``). ``on_iteration(i, centroids)`` after the
+    two-level start (i = 0) and after each refinement (benchmarks).
+    """
+    from faiss.contrib.clustering import reassign_centroids, two_level_clustering
+    from scipy.sparse import csr_matrix
+    from tqdm import tqdm
+
+    n, d = x.shape
+    cen, _ = two_level_clustering(x, max(1, int(math.sqrt(k))), k, spherical=True, seed=seed)
+    cen = np.ascontiguousarray(cen, dtype=np.float32)
+    if on_iteration:
+        on_iteration(0, cen)
+    rs = np.random.RandomState(seed)
+    rows = np.arange(n)
+    for it in tqdm(range(refine), desc="k-means refinement", unit="iteration", disable=not progress):
+        graph = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)              # HNSW insertion races across threads
+        try:
+            graph.add(cen)
+        finally:
+            faiss.omp_set_num_threads(threads)
+        graph.hnsw.efSearch = ef
+        assign = np.maximum(graph.search(x, 1)[1][:, 0], 0)
+        del graph
+        counts = np.bincount(assign, minlength=k)
+        sums = csr_matrix((np.ones(n, np.float32), (assign, rows)), shape=(k, n)) @ x
+        cen = np.ascontiguousarray(sums / np.maximum(counts, 1)[:, None], dtype=np.float32)
+        reassign_centroids(counts, cen, rs)
+        faiss.normalize_L2(cen)
+        if on_iteration:
+            on_iteration(it + 1, cen)
+    return cen
+
+
 def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto",
-          seed: int = 0, centroids: np.ndarray | None = None) -> faiss.Index:
+          seed: int = 0, centroids: np.ndarray | None = None, progress: bool = False) -> faiss.Index:
     """An empty, trained index (the shared quantizer that shards merge into).
 
     IVF types get their coarse centroids from ``kmeans`` (or ``centroids``), then train their
@@ -200,7 +277,7 @@ def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto
         return index
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
     if centroids is None:
-        centroids = kmeans(x_train, spec.nlist, device=device, seed=seed)
+        centroids = kmeans(x_train, spec.nlist, device=device, seed=seed, progress=progress)
     ivf = faiss.extract_index_ivf(index)
     ivf.quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
     # The quantizer holds nlist centroids, so IVF skips its own k-means and trains only its codes.
