@@ -104,6 +104,27 @@ def objective(c: np.ndarray, x: np.ndarray) -> float:
     return float(faiss.knn(s, c, 1, metric=faiss.METRIC_INNER_PRODUCT)[0].mean())
 
 
+def time_only(x: np.ndarray, lists: int, seed: int, refine: int, rounds: int = 2) -> list[str]:
+    """Seconds alone, alternating: one exact iteration (faiss.Kmeans, niter=1; ten cost ten
+    times that, both linear in the points) and the approximate k-means stage by stage."""
+    rows = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        faiss.Kmeans(x.shape[1], lists, niter=1, seed=seed, spherical=True).train(x)
+        one = time.perf_counter() - t0
+        marks = [time.perf_counter()]
+        fx.kmeans_approx(x, lists, seed=seed, refine=refine,
+                         on_iteration=lambda i, c: marks.append(time.perf_counter()))
+        steps = np.diff(marks)
+        rows.append(f"| {r} | {one:.1f} | {10 * one:.0f} | {steps[0]:.1f} | "
+                    f"{', '.join(f'{v:.1f}' for v in steps[1:])} | {marks[-1] - marks[0]:.0f} | "
+                    f"{10 * one / (marks[-1] - marks[0]):.1f}x | {os.getloadavg()[0]:.1f} |")
+        print(rows[-1], flush=True)
+    return ["| round | exact: 1 iteration s | exact: 10 iterations s (10x) | approx: two-level start s "
+            "| approx: each refinement s | approx total s | exact / approx | load |",
+            "|---:|---:|---:|---:|---|---:|---:|---:|", *rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--points", type=int, default=1_048_576, help="k-means sample size")
@@ -114,6 +135,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--refine", type=int, default=fx.KMEANS_REFINE,
                     help="approx: refinement iterations (each one a row: approx-r0 ... approx-rN)")
+    ap.add_argument("--time-only", action="store_true",
+                    help="no recall: alternate one exact iteration (x10) and the approximate k-means")
     ap.add_argument("--only", default="", help="rows to evaluate (e.g. exact,approx-r4; default: all)")
     ap.add_argument("--features", type=Path, default=None, help="real embeddings (.npy, n x d) instead")
     ap.add_argument("--work", type=Path, default=Path("/tmp/kmeans-bench"), help="centroid cache")
@@ -121,6 +144,12 @@ def main() -> None:
     faiss.omp_set_num_threads(2)
     a.work.mkdir(parents=True, exist_ok=True)
     tag = a.features.stem if a.features else "lowrank"
+    if a.time_only:
+        x = data(a.points, 1000, a.features)[0]
+        print(f"\nk-means of {len(x):,} x {x.shape[1]} into {a.lists:,} lists, seconds. Command: "
+              f"`python -m benchmarks.kmeans_bench {shlex.join(sys.argv[1:])}`.\n")
+        print("\n".join(time_only(x, a.lists, a.seed, a.refine)))
+        return
     x, gallery, q = data(a.points, a.gallery, a.features)
     truth = faiss.knn(q, gallery, 10, metric=faiss.METRIC_INNER_PRODUCT)[1]
     nprobes = [int(v) for v in a.nprobe.split(",")]

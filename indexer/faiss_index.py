@@ -238,7 +238,12 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
     from tqdm import tqdm
 
     n, d = x.shape
-    cen, _ = two_level_clustering(x, max(1, int(math.sqrt(k))), k, spherical=True, seed=seed)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)     # sqrt(k) small k-means: OpenMP barriers on shared cores cost
+    try:                             # more than the second thread gains (as train's PQ codebooks)
+        cen, _ = two_level_clustering(x, max(1, int(math.sqrt(k))), k, spherical=True, seed=seed)
+    finally:
+        faiss.omp_set_num_threads(threads)
     cen = np.ascontiguousarray(cen, dtype=np.float32)
     if on_iteration:
         on_iteration(0, cen)
@@ -246,7 +251,6 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
     rows = np.arange(n)
     for it in tqdm(range(refine), desc="k-means refinement", unit="iteration", disable=not progress):
         graph = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-        threads = faiss.omp_get_max_threads()
         faiss.omp_set_num_threads(1)              # HNSW insertion races across threads
         try:
             graph.add(cen)
