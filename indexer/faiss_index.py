@@ -179,9 +179,9 @@ def new_index(spec: IndexSpec, dim: int) -> faiss.Index:
 KMEANS_APPROX_FROM = 8_192         # nlist from which CPU k-means assigns approximately (the crossover
                                     # selection.HNSW_QUANTIZER_FROM uses for the same reason; see
                                     # BENCHMARKS.md "k-means at 16,384 lists")
-KMEANS_HNSW_EF = 32                 # efSearch of the refinement's graph (agrees with exact on 0.9997
-                                    # of points at 16,384 lists, M 32)
-KMEANS_REFINE = 4                   # approx: k-means iterations after the two-level start
+KMEANS_PROBE = 8                    # approx: coarse groups (of sqrt(nlist)) a point's centroid is sought in
+KMEANS_REFINE = 3                   # approx: k-means iterations after the two-level start (2 were
+                                    # within 0.005 of exact at 4,096 and 8,192 lists, 1 was not)
 KMEANS_METHODS = ("exact", "approx", "gpu")
 
 
@@ -217,31 +217,34 @@ def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int =
 
 
 def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_REFINE,
-                  ef: int = KMEANS_HNSW_EF, progress: bool = False,
+                  probe: int = KMEANS_PROBE, progress: bool = False,
                   on_iteration: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
     """Spherical k-means whose assignment never compares every point with every centroid.
 
     Two-level clustering (faiss.contrib.clustering.two_level_clustering: sqrt(k) coarse lists,
     then each coarse list's points clustered into its share of the k centroids) gives the start;
     ``refine`` k-means iterations over the whole sample then fix the points that the two-level
-    split put on the wrong side of a coarse border, each assigning through an HNSW graph over
-    the centroids (faiss's recipe for IVF65536_HNSW32 training). Cost: points x (2 sqrt(k) +
-    refine x graph search) instead of points x k x iterations.
-    The refinement loop is written here rather than faiss.Clustering(index=IndexHNSWFlat)
-    because that one builds the graph with racing threads every iteration (results change run
-    to run); here the graph is built on one thread and only the search is parallel. Empty lists
-    are split as faiss does (``reassign_centroids``). ``on_iteration(i, centroids)`` after the
-    two-level start (i = 0) and after each refinement (benchmarks).
+    split put on the wrong side of a coarse border: the centroids are grouped under sqrt(k)
+    coarse centroids, and a point is compared (exact dot products, one matrix product per
+    coarse group) with the centroids of its ``probe`` nearest groups: points x probe x sqrt(k)
+    products instead of points x k (1/16 of them at 16,384 lists).
+    Written here because faiss lacks it: faiss's recipe for IVF65536_HNSW32 training
+    (faiss.Clustering with an IndexHNSWFlat over the centroids) measured slower per iteration
+    than exact assignment at 16,384 lists on 2 cores (BENCHMARKS.md), and inserts into its graph
+    on all threads under locks (the same graph, hence centroids, is not promised twice). Empty lists are split as faiss does
+    (``reassign_centroids``). ``on_iteration(i, centroids)`` after the two-level start (i = 0)
+    and after each refinement (benchmarks).
     """
     from faiss.contrib.clustering import reassign_centroids, two_level_clustering
     from scipy.sparse import csr_matrix
     from tqdm import tqdm
 
     n, d = x.shape
+    nc1 = max(1, int(math.sqrt(k)))
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)     # sqrt(k) small k-means: OpenMP barriers on shared cores cost
     try:                             # more than the second thread gains (as train's PQ codebooks)
-        cen, _ = two_level_clustering(x, max(1, int(math.sqrt(k))), k, spherical=True, seed=seed)
+        cen, _ = two_level_clustering(x, nc1, k, spherical=True, seed=seed)
     finally:
         faiss.omp_set_num_threads(threads)
     cen = np.ascontiguousarray(cen, dtype=np.float32)
@@ -249,16 +252,26 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
         on_iteration(0, cen)
     rs = np.random.RandomState(seed)
     rows = np.arange(n)
+    p = min(probe, nc1)
     for it in tqdm(range(refine), desc="k-means refinement", unit="iteration", disable=not progress):
-        graph = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
-        faiss.omp_set_num_threads(1)              # HNSW insertion races across threads
-        try:
-            graph.add(cen)
-        finally:
-            faiss.omp_set_num_threads(threads)
-        graph.hnsw.efSearch = ef
-        assign = np.maximum(graph.search(x, 1)[1][:, 0], 0)
-        del graph
+        groups = faiss.Kmeans(d, nc1, niter=10, seed=seed + it, spherical=True)
+        groups.train(cen)                                          # k points: cheap
+        parent = faiss.knn(cen, groups.centroids, 1, metric=faiss.METRIC_INNER_PRODUCT)[1][:, 0]
+        near = faiss.knn(x, groups.centroids, p, metric=faiss.METRIC_INNER_PRODUCT)[1]
+        order = np.argsort(near.ravel(), kind="stable")
+        bounds = np.searchsorted(near.ravel()[order], np.arange(nc1 + 1))
+        best = np.full(n, -np.inf, dtype=np.float32)
+        assign = np.zeros(n, dtype=np.int64)
+        for g in range(nc1):
+            fine = np.flatnonzero(parent == g)
+            pts = order[bounds[g]:bounds[g + 1]] // p
+            if not len(fine) or not len(pts):
+                continue
+            s = x[pts] @ cen[fine].T
+            j = np.argmax(s, axis=1)
+            v = s[np.arange(len(pts)), j]
+            better = v > best[pts]
+            best[pts[better]], assign[pts[better]] = v[better], fine[j[better]]
         counts = np.bincount(assign, minlength=k)
         sums = csr_matrix((np.ones(n, np.float32), (assign, rows)), shape=(k, n)) @ x
         cen = np.ascontiguousarray(sums / np.maximum(counts, 1)[:, None], dtype=np.float32)
