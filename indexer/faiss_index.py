@@ -231,9 +231,11 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
     Written here because faiss lacks it: faiss's recipe for IVF65536_HNSW32 training
     (faiss.Clustering with an IndexHNSWFlat over the centroids) measured slower per iteration
     than exact assignment at 16,384 lists on 2 cores (BENCHMARKS.md), and inserts into its graph
-    on all threads under locks (the same graph, hence centroids, is not promised twice). Empty lists are split as faiss does
-    (``reassign_centroids``). ``on_iteration(i, centroids)`` after the two-level start (i = 0)
-    and after each refinement (benchmarks).
+    on all threads under locks (the same graph, hence centroids, is not promised twice). Empty
+    lists are split as faiss does (``reassign_centroids``). ``on_iteration(i, centroids)`` after
+    the two-level start (i = 0) and after each refinement (benchmarks). Besides the sample, it
+    holds at most ~100 bytes a point while refining (the groups near each point and their order,
+    int32; the assignment): ~100 MB at the 10M plan's 1M points, next to the 512 MB sample.
     """
     from faiss.contrib.clustering import reassign_centroids, two_level_clustering
     from scipy.sparse import csr_matrix
@@ -257,9 +259,10 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
         groups = faiss.Kmeans(d, nc1, niter=10, seed=seed + it, spherical=True)
         groups.train(cen)                                          # k points: cheap
         parent = faiss.knn(cen, groups.centroids, 1, metric=faiss.METRIC_INNER_PRODUCT)[1][:, 0]
-        near = faiss.knn(x, groups.centroids, p, metric=faiss.METRIC_INNER_PRODUCT)[1]
-        order = np.argsort(near.ravel(), kind="stable")
-        bounds = np.searchsorted(near.ravel()[order], np.arange(nc1 + 1))
+        near = faiss.knn(x, groups.centroids, p, metric=faiss.METRIC_INNER_PRODUCT)[1].astype(np.int32).ravel()
+        order = np.argsort(near, kind="stable").astype(np.int32)
+        bounds = np.searchsorted(near[order], np.arange(nc1 + 1))
+        del near
         best = np.full(n, -np.inf, dtype=np.float32)
         assign = np.zeros(n, dtype=np.int64)
         for g in range(nc1):
