@@ -13,7 +13,7 @@ import math
 import threading
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import faiss
 import numpy as np
@@ -176,20 +176,117 @@ def new_index(spec: IndexSpec, dim: int) -> faiss.Index:
     return faiss.index_factory(dim, spec.factory, faiss.METRIC_INNER_PRODUCT)
 
 
-def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0) -> np.ndarray:
+KMEANS_APPROX_FROM = 8_192         # nlist from which CPU k-means assigns approximately (the crossover
+                                    # selection.HNSW_QUANTIZER_FROM uses for the same reason; see
+                                    # BENCHMARKS.md "k-means at 16,384 lists")
+KMEANS_PROBE = 8                    # approx: coarse groups (of sqrt(nlist)) a point's centroid is sought in
+KMEANS_REFINE = 3                   # approx: k-means iterations after the two-level start (2 were
+                                    # within 0.005 of exact at 4,096 and 8,192 lists, 1 was not)
+KMEANS_METHODS = ("exact", "approx", "gpu")
+
+
+def kmeans_method(nlist: int, gpus: int = 0, approx_from: int | None = None) -> str:
+    """Which k-means ``kmeans`` runs: "gpu" (faiss's exact GPU k-means) when faiss sees a GPU,
+    "approx" on CPU from ``approx_from`` lists (default ``KMEANS_APPROX_FROM``: exact assignment
+    costs points x lists, 1M points into 16,384 lists ~23 min on 2 cores), "exact" below, so
+    small indexes keep the centroids (and results) they had."""
+    if gpus > 0:
+        return "gpu"
+    return "approx" if nlist >= (approx_from or KMEANS_APPROX_FROM) else "exact"
+
+
+def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0,
+           method: str | None = None, progress: bool = False) -> np.ndarray:
     """Spherical k-means centroids (what IndexIVF.train computes for inner product).
 
-    Separate from ``train`` so that candidates sharing an nlist share one clustering.
+    Separate from ``train`` so that candidates sharing an nlist share one clustering. ``method``
+    (default: ``kmeans_method``) "exact" / "gpu" is faiss.Kmeans; "approx" is ``kmeans_approx``.
+    Every method is deterministic for a given sample and seed.
     """
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
+    gpu = use_gpu(device)
+    method = method or kmeans_method(nlist, int(gpu))
+    if method not in KMEANS_METHODS:
+        raise IndexerError(f"k-means method {method!r}: expected one of {', '.join(KMEANS_METHODS)}")
+    if method == "approx" and len(x_train) > nlist:
+        return kmeans_approx(x_train, int(nlist), seed=seed, progress=progress)
     km = faiss.Kmeans(x_train.shape[1], int(nlist), niter=KMEANS_ITERATIONS, seed=seed,
-                      spherical=True, gpu=use_gpu(device))   # GPU path untested on the CPU-only CI
+                      spherical=True, gpu=gpu)   # GPU path untested on the CPU-only CI
     km.train(x_train)
     return km.centroids
 
 
+def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_REFINE,
+                  probe: int = KMEANS_PROBE, progress: bool = False,
+                  on_iteration: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+    """Spherical k-means whose assignment never compares every point with every centroid.
+
+    Two-level clustering (faiss.contrib.clustering.two_level_clustering: sqrt(k) coarse lists,
+    then each coarse list's points clustered into its share of the k centroids) gives the start;
+    ``refine`` k-means iterations over the whole sample then fix the points that the two-level
+    split put on the wrong side of a coarse border: the centroids are grouped under sqrt(k)
+    coarse centroids, and a point is compared (exact dot products, one matrix product per
+    coarse group) with the centroids of its ``probe`` nearest groups: points x probe x sqrt(k)
+    products instead of points x k (1/16 of them at 16,384 lists).
+    Written here because faiss lacks it: faiss's recipe for IVF65536_HNSW32 training
+    (faiss.Clustering with an IndexHNSWFlat over the centroids) measured slower per iteration
+    than exact assignment at 16,384 lists on 2 cores (BENCHMARKS.md), and inserts into its graph
+    on all threads under locks (the same graph, hence centroids, is not promised twice). Empty
+    lists are split as faiss does (``reassign_centroids``). ``on_iteration(i, centroids)`` after
+    the two-level start (i = 0) and after each refinement (benchmarks). Besides the sample, it
+    holds at most ~100 bytes a point while refining (the groups near each point and their order,
+    int32; the assignment): ~100 MB at the 10M plan's 1M points, next to the 512 MB sample.
+    """
+    from faiss.contrib.clustering import reassign_centroids, two_level_clustering
+    from scipy.sparse import csr_matrix
+    from tqdm import tqdm
+
+    n, d = x.shape
+    nc1 = max(1, int(math.sqrt(k)))
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)     # sqrt(k) small k-means: OpenMP barriers on shared cores cost
+    try:                             # more than the second thread gains (as train's PQ codebooks)
+        cen, _ = two_level_clustering(x, nc1, k, spherical=True, seed=seed)
+    finally:
+        faiss.omp_set_num_threads(threads)
+    cen = np.ascontiguousarray(cen, dtype=np.float32)
+    if on_iteration:
+        on_iteration(0, cen)
+    rs = np.random.RandomState(seed)
+    rows = np.arange(n)
+    p = min(probe, nc1)
+    for it in tqdm(range(refine), desc="k-means refinement", unit="iteration", disable=not progress):
+        groups = faiss.Kmeans(d, nc1, niter=10, seed=seed + it, spherical=True)
+        groups.train(cen)                                          # k points: cheap
+        parent = faiss.knn(cen, groups.centroids, 1, metric=faiss.METRIC_INNER_PRODUCT)[1][:, 0]
+        near = faiss.knn(x, groups.centroids, p, metric=faiss.METRIC_INNER_PRODUCT)[1].astype(np.int32).ravel()
+        order = np.argsort(near, kind="stable").astype(np.int32)
+        bounds = np.searchsorted(near[order], np.arange(nc1 + 1))
+        del near
+        best = np.full(n, -np.inf, dtype=np.float32)
+        assign = np.zeros(n, dtype=np.int64)
+        for g in range(nc1):
+            fine = np.flatnonzero(parent == g)
+            pts = order[bounds[g]:bounds[g + 1]] // p
+            if not len(fine) or not len(pts):
+                continue
+            s = x[pts] @ cen[fine].T
+            j = np.argmax(s, axis=1)
+            v = s[np.arange(len(pts)), j]
+            better = v > best[pts]
+            best[pts[better]], assign[pts[better]] = v[better], fine[j[better]]
+        counts = np.bincount(assign, minlength=k)
+        sums = csr_matrix((np.ones(n, np.float32), (assign, rows)), shape=(k, n)) @ x
+        cen = np.ascontiguousarray(sums / np.maximum(counts, 1)[:, None], dtype=np.float32)
+        reassign_centroids(counts, cen, rs)
+        faiss.normalize_L2(cen)
+        if on_iteration:
+            on_iteration(it + 1, cen)
+    return cen
+
+
 def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto",
-          seed: int = 0, centroids: np.ndarray | None = None) -> faiss.Index:
+          seed: int = 0, centroids: np.ndarray | None = None, progress: bool = False) -> faiss.Index:
     """An empty, trained index (the shared quantizer that shards merge into).
 
     IVF types get their coarse centroids from ``kmeans`` (or ``centroids``), then train their
@@ -200,7 +297,7 @@ def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto
         return index
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
     if centroids is None:
-        centroids = kmeans(x_train, spec.nlist, device=device, seed=seed)
+        centroids = kmeans(x_train, spec.nlist, device=device, seed=seed, progress=progress)
     ivf = faiss.extract_index_ivf(index)
     ivf.quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
     # The quantizer holds nlist centroids, so IVF skips its own k-means and trains only its codes.

@@ -49,6 +49,7 @@ class Manifest(Mapping):
     target_recall: float | None = None
     train_points: int | None = None
     train_seconds: float | None = None
+    kmeans: str | None = None               # which k-means found the IVF lists: exact, approx, gpu
     max_memory: int | None = None           # bytes, when the build had a budget
     candidates: list | None = None          # the selection's table (selection.select)
     selection_seconds: float | None = None

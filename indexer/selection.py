@@ -250,7 +250,7 @@ def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *
     else:
         t0 = time.perf_counter()
         empty = trained if trained is not None else fx.train(spec, x[train_rows], dim,
-                                                             device=device, seed=seed)
+                                                             device=device, seed=seed, progress=progress)
         t_train = time.perf_counter() - t0
         index = faiss.clone_index(empty)
         _fill(index, spec, x, ids, ho.rows, parts, np.zeros(0, np.int64) if tiny else ids[ho.held])
@@ -260,6 +260,8 @@ def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *
         fx.add(index, x[ho.held], ids[ho.held])
     fields = {**index_fields(spec, int(index.ntotal), dim, target, value, rq_tune, rq_check),
               "train_points": int(len(train_rows)), "train_seconds": round(t_train, 3)}
+    if spec.nlist and trained is None:         # which k-means found the lists (faiss_index.kmeans)
+        fields["kmeans"] = fx.kmeans_method(spec.nlist, int(fx.use_gpu(device)))
     if max_memory is not None:
         fields["max_memory"] = int(max_memory)
         size = serialized_bytes(index) if sel is None else None
