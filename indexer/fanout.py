@@ -117,7 +117,6 @@ class ShardSearcher:
         self.part_file = part_file
         self.index = faiss.read_index(part_file, faiss.IO_FLAG_MMAP)
         fx.set_search_params(self.index, search_params)
-        self.ivf = self.index if isinstance(self.index, faiss.IndexIVF) else None
         self._authkey = bytes(authkey)
         self._listener = socket.create_server((_node_ip(), 0), backlog=64)
         threading.Thread(target=self._accept, name="shard-accept", daemon=True).start()
@@ -138,16 +137,7 @@ class ShardSearcher:
         return self._search(q, k)
 
     def _search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The part's top-k as ``IndexShardsIVF`` computes each shard's share in one process:
-        the coarse assignment (the part's quantizer is a copy of the trained one), then
-        ``search_preassigned``. Also why: a memory-mapped IVF part's own ``search`` took 1-4 ms
-        a query here against 0.1-0.2 ms this way (faiss 1.x, IO_FLAG_MMAP lists)."""
-        ivf = self.ivf
-        if ivf is None:
-            return self.index.search(q, k)
-        nprobe = min(int(ivf.nprobe), int(ivf.nlist))
-        dq, iq = ivf.quantizer.search(q, nprobe)
-        return ivf.search_preassigned(q, k, iq, dq)
+        return search_part(self.index, q, k)
 
     def where(self) -> dict:
         """This actor's process and node (tests, ``describe``)."""
@@ -198,6 +188,19 @@ class ShardSearcher:
                     conn.send(answer)
                 except (OSError, EOFError):
                     return
+
+
+def search_part(index: faiss.Index, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A part's top-k as ``IndexShardsIVF`` computes each part's share in one process: the
+    coarse assignment (every part's quantizer is a copy of the trained one), then
+    ``search_preassigned``; other types: their own search. Also why: a memory-mapped IVF part's
+    own ``search`` took 1-4 ms a query here against 0.1-0.2 ms this way (faiss 1.x,
+    IO_FLAG_MMAP lists), whatever the part's size."""
+    if not isinstance(index, faiss.IndexIVF):
+        return index.search(q, k)
+    nprobe = min(int(index.nprobe), int(index.nlist))
+    dq, iq = index.quantizer.search(q, nprobe)
+    return index.search_preassigned(q, k, iq, dq)
 
 
 def _node_ip() -> str:
@@ -547,7 +550,7 @@ class Router:
                 waiting[conn] = i
             except (OSError, EOFError, ValueError):
                 link.broken(conn)
-        dh, ih = self.held.search(q, k)            # the held-out part, here, meanwhile
+        dh, ih = search_part(self.held, q, k)      # the held-out part, here, meanwhile
         got: dict[int, Any] = {}
         while waiting:
             left = deadline - time.monotonic()
