@@ -111,19 +111,26 @@ class ShardSearcher:
     actor, 3-4 ms to four on this machine's loaded cores, against about 1 ms for the whole
     search in one process (BENCHMARKS.md)."""
 
-    def __init__(self, part_file: str, search_params: str, threads: int = 1, authkey: bytes = b"") -> None:
+    def __init__(self, part_file: str, search_params: str, threads: int = 1, authkey: bytes = b"",
+                 host: str | None = None) -> None:
         self.threads = max(1, int(threads))
         faiss.omp_set_num_threads(self.threads)
         self.part_file = part_file
         self.index = faiss.read_index(part_file, faiss.IO_FLAG_MMAP)
         fx.set_search_params(self.index, search_params)
         self._authkey = bytes(authkey)
-        self._listener = socket.create_server((_node_ip(), 0), backlog=64)
+        if len(self._authkey) < 16:
+            raise ValueError("ShardSearcher: the data plane needs a key of at least 16 random bytes")
+        self._listener = socket.create_server((host or _node_ip(), 0), backlog=64)
         threading.Thread(target=self._accept, name="shard-accept", daemon=True).start()
 
     def ready(self) -> int:
         """The part's vector count (also: the actor is up)."""
         return int(self.index.ntotal)
+
+    def close(self) -> None:
+        """Stops accepting connections (tests; an actor's process ends with it)."""
+        self._listener.close()
 
     def endpoint(self) -> tuple[str, int]:
         """Where this actor's data plane listens (a restarted actor has a new port)."""
