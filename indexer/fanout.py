@@ -559,6 +559,7 @@ class Router:
                 link.broken(conn)
         dh, ih = search_part(self.held, q, k)      # the held-out part, here, meanwhile
         got: dict[int, Any] = {}
+        errors: list[str] = []
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -572,7 +573,9 @@ class Router:
                     continue
                 self.links[i].give(conn)
                 if isinstance(answer, tuple) and len(answer) == 2:
-                    got[i] = answer                # else the actor's error: the shard is left out
+                    got[i] = answer
+                else:                              # the actor's error: the shard is left out
+                    errors.append(f"shard {i}: {answer}")
         for conn, i in waiting.items():            # late: closed, so no later search reads it
             self.links[i].broken(conn)
         missing = [i for i in range(len(self.links)) if i not in got]
@@ -584,7 +587,8 @@ class Router:
                                f"within {self.config.timeout:g} s; the answer would be partial")
         if missing and len(missing) == len(self.links):
             raise IndexerError(f"{self.directory}: no shard answered within {self.config.timeout:g} s "
-                               f"(shards {', '.join(map(str, missing))}); is the Ray cluster up?")
+                               f"(shards {', '.join(map(str, missing))}); is the Ray cluster up?"
+                               + (f" ({'; '.join(errors)})" if errors else ""))
         ds.append(dh)
         is_.append(ih)
         if len(ds) == 1:
