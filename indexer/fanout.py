@@ -19,6 +19,17 @@ router itself (it lives in the index directory, beside the manifest). The merge 
 ``merge_knn_results`` (what ``IndexShards`` uses), in the same part order, so ids, distances and
 the -1 padding are those of the in-process search.
 
+Two planes: Ray places the actors, restarts them, answers health pings and tells the router
+where each actor listens (Ray calls); the queries and (D, I) answers go over a direct TCP
+connection from the router to each actor (:func:`open_link`), authenticated both ways by the
+stdlib's HMAC challenge with a random key the serving process made for that actor and passed
+to it at creation (never logged): the same trust model as Ray's own unauthenticated ports on a
+private cluster network, plus the key; nothing is unpickled from a peer before it passed the
+challenge. Why: a Ray call costs ~1 ms to one actor and 3-4 ms to four on a loaded node, the
+whole search ~1 ms (BENCHMARKS.md, "Serving a sharded index across Ray nodes"). A connection
+that fails or answers late is closed, its shard left out of that answer, and the actor asked
+again where it listens (a restarted actor has a new port).
+
 Node loss: a fan-out waits at most ``timeout`` seconds; a shard whose actor did not answer in
 time or died is left out and named in :attr:`Router.partial` (per thread: the last search of the
 calling thread), which serving turns into the answer's ``partial`` field; :meth:`Router.missing`
@@ -493,7 +504,7 @@ class Router:
         answer within the bound are left out and recorded in :attr:`partial`.
 
         Concurrent searches share fan-outs: while one is in flight, the searches that arrive
-        (with the same k) queue and go out together as the next one (one Ray call per shard
+        (with the same k) queue and go out together as the next one (one message per shard
         for the lot instead of one each), so a lone client waits for nothing and many clients
         pay the calls' fixed cost once per batch. Each caller gets its own rows."""
         q = np.ascontiguousarray(q, dtype=np.float32)
