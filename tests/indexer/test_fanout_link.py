@@ -97,15 +97,22 @@ def test_nothing_is_unpickled_before_the_challenge(searcher, tmp_path: Path) -> 
     sock = socket.create_connection(s.endpoint(), timeout=10)
     sock.settimeout(None)                         # Connection reads the fd raw: blocking
     conn = Connection(sock.detach())
+    closed = False
     try:
-        conn.recv_bytes(256)                      # the server's challenge, left unanswered
+        conn.send_bytes(pickle.dumps(_Marker(str(marker))))     # at once: no challenge answered
         conn.send_bytes(pickle.dumps(_Marker(str(marker))))
-        conn.send_bytes(pickle.dumps(_Marker(str(marker))))
-        with pytest.raises((EOFError, OSError)):  # the server closes the connection
-            for _ in range(3):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:        # its challenge, its failure notice, then EOF
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                break
+            try:
                 conn.recv_bytes()
+            except (EOFError, OSError):
+                closed = True
+                break
     finally:
         conn.close()
+    assert closed, "the searcher kept a connection that never passed the challenge"
     time.sleep(0.2)
     assert not marker.exists()
     # the searcher still serves peers that know the key (one bad peer costs it nothing)
