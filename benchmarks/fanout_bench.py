@@ -13,11 +13,14 @@ into ``--shards`` parts of one trained IVF-Flat index (inner product, ``--nlist`
 at ``--nprobe``), written as a sharded index's files (``trained.faiss``, ``held.faiss``,
 ``SHARD/part.faiss``). A local Ray cluster of ``--shards`` nodes (``ray.cluster_utils.Cluster``:
 one raylet per node on this machine, a custom resource per node to pin shard i's actor on node
-i) serves them through ``fanout.Router``. Both sides run faiss single-threaded per search
-(``omp_set_num_threads(1)``: parallelism comes from the clients' threads) and are measured in
-alternating rounds: single-query latency (p50, p95) and queries/s at 1 and 8 client threads.
-Every query's top-k ids are compared: the fan-out must return what the one process does.
-Prints a Markdown table with ratios (Ray / one process); only ratios mean anything on shared cores.
+i) serves them through ``fanout.Router``: queries and answers over each actor's direct,
+authenticated connection (the data plane), and, for comparison, the same Router sending every
+search as a Ray actor call instead (``RayCallRouter``: the transport before issue 32 item 4, kept
+here only). All sides run faiss single-threaded per search (``omp_set_num_threads(1)``:
+parallelism comes from the clients' threads) and are measured in alternating rounds:
+single-query latency (p50, p95) and queries/s at 1 and 8 client threads. Every query's top-k ids
+are compared: each fan-out must return what the one process does. Prints a Markdown table with
+ratios to one process; only ratios mean anything on shared cores.
 """
 from __future__ import annotations
 
@@ -82,6 +85,29 @@ def start_cluster(nodes: int) -> object:
     return c
 
 
+def ray_call_router():
+    """``fanout.Router`` with its data plane swapped for one Ray actor call per shard and search
+    (``ShardSearcher.search``; ``ray.wait`` with the bound): what serving did before the direct
+    connections, measured beside them."""
+    import faiss
+    import ray
+
+    from indexer.fanout import Router
+
+    class RayCallRouter(Router):
+        def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+            refs = [a.search.remote(q, k) for a in self.actors]
+            dh, ih = self.held.search(q, k)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout)
+            if len(ready) != len(refs):
+                raise RuntimeError("a shard did not answer in the benchmark")
+            got = ray.get(refs)
+            self._local.partial = []
+            return faiss.merge_knn_results(np.stack([g[0] for g in got] + [dh]),
+                                           np.stack([g[1] for g in got] + [ih]), keep_max=self.keep_max)
+    return RayCallRouter
+
+
 def latencies(index, qs: np.ndarray, k: int) -> np.ndarray:
     out = np.empty(len(qs))
     for j in range(len(qs)):
@@ -96,6 +122,9 @@ def qps(index, qs: np.ndarray, k: int, clients: int, seconds: float) -> float:
     stop, done = threading.Event(), [0] * clients
 
     def run(c: int) -> None:
+        import faiss
+
+        faiss.omp_set_num_threads(1)            # per thread: a new thread would use every core
         j = c
         while not stop.is_set():
             index.search(qs[j % len(qs):j % len(qs) + 1], k)
@@ -147,8 +176,9 @@ def main() -> None:
         fx.set_search_params(local, manifest.search_params)
         cluster = start_cluster(a.shards)
         ray.init(address=cluster.address, logging_level="WARNING")
-        router = Router(root, manifest, RayServing(timeout=30.0, placement=lambda i, s: {
-            "resources": {f"benchnode{i}": 0.01}}))
+        serving = RayServing(timeout=30.0, placement=lambda i, s: {"resources": {f"benchnode{i}": 0.01}})
+        router = Router(root, manifest, serving)
+        calls = ray_call_router()(root, manifest, serving)      # the same actors (fanout's pool)
         nodes = {w["node"] for w in router.where()}
         assert len(nodes) == a.shards, f"actors on {len(nodes)} nodes, expected {a.shards}"
         qs = np.ascontiguousarray(np.random.default_rng(7).standard_normal((a.queries, a.dim)), dtype=np.float32)
@@ -157,7 +187,8 @@ def main() -> None:
         _, i2 = router.search(qs, a.k)
         assert router.partial == [], router.partial
         np.testing.assert_array_equal(i2, i1)
-        sides = {"one process": local, "ray fan-out": router}
+        np.testing.assert_array_equal(calls.search(qs, a.k)[1], i1)
+        sides = {"one process": local, "fan-out, direct connections": router, "fan-out, Ray calls": calls}
         lat: dict = {s: [] for s in sides}
         q1: dict = {s: [] for s in sides}
         q8: dict = {s: [] for s in sides}
@@ -165,7 +196,7 @@ def main() -> None:
             for ix in sides.values():
                 latencies(ix, qs[:50], a.k)
         for r in range(a.rounds):
-            order = list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]
+            order = list(sides.items())[r % len(sides):] + list(sides.items())[:r % len(sides)]
             for name, ix in order:
                 lat[name].append(latencies(ix, qs, a.k))
                 q1[name].append(qps(ix, qs, a.k, 1, a.seconds))
@@ -187,17 +218,23 @@ def main() -> None:
         for name in sides:
             ms = np.concatenate(lat[name]) * 1e3
             row[name] = (np.percentile(ms, 50), np.percentile(ms, 95), np.median(q1[name]), np.median(q8[name]))
-        base, fan = row["one process"], row["ray fan-out"]
+        base = row["one process"]
         print(f"\nload average {os.getloadavg()[0]:.1f}; {len(os.sched_getaffinity(0))} cores\n")
         print("| side | p50 ms | p95 ms | q/s, 1 client | q/s, 8 clients |")
         print("|---|---|---|---|---|")
         for name, (p50, p95, a1, a8) in row.items():
             print(f"| {name} | {p50:.2f} | {p95:.2f} | {a1:.0f} | {a8:.0f} |")
-        print(f"| ratio (Ray / one process) | {fan[0] / base[0]:.2f}x | {fan[1] / base[1]:.2f}x | "
-              f"{fan[2] / base[2]:.2f}x | {fan[3] / base[3]:.2f}x |")
-        print(f"\nrouter's own cost per query (p50 difference): {fan[0] - base[0]:.2f} ms; ids equal "
-              f"for all {len(qs)} queries (k={a.k}); a no-op Ray call, p50: "
+        for name, fan in row.items():
+            if name != "one process":
+                print(f"| ratio ({name} / one process) | {fan[0] / base[0]:.2f}x | {fan[1] / base[1]:.2f}x | "
+                      f"{fan[2] / base[2]:.2f}x | {fan[3] / base[3]:.2f}x |")
+        print()
+        for name, fan in row.items():
+            if name != "one process":
+                print(f"router's own cost per query ({name}, p50 difference): {fan[0] - base[0]:.2f} ms")
+        print(f"ids equal for all {len(qs)} queries (k={a.k}) on every side; a no-op Ray call, p50: "
               + ", ".join(f"{n} {v:.2f} ms" for n, v in rtt.items()))
+        calls.close()
         router.close()
     finally:
         if ray.is_initialized():

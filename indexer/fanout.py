@@ -19,6 +19,17 @@ router itself (it lives in the index directory, beside the manifest). The merge 
 ``merge_knn_results`` (what ``IndexShards`` uses), in the same part order, so ids, distances and
 the -1 padding are those of the in-process search.
 
+Two planes: Ray places the actors, restarts them, answers health pings and tells the router
+where each actor listens (Ray calls); the queries and (D, I) answers go over a direct TCP
+connection from the router to each actor (:func:`open_link`), authenticated both ways by the
+stdlib's HMAC challenge with a random key the serving process made for that actor and passed
+to it at creation (never logged): the same trust model as Ray's own unauthenticated ports on a
+private cluster network, plus the key; nothing is unpickled from a peer before it passed the
+challenge. Why: a Ray call costs ~1 ms to one actor and 3-4 ms to four on a loaded node, the
+whole search ~1 ms (BENCHMARKS.md, "Serving a sharded index across Ray nodes"). A connection
+that fails or answers late is closed, its shard left out of that answer, and the actor asked
+again where it listens (a restarted actor has a new port).
+
 Node loss: a fan-out waits at most ``timeout`` seconds; a shard whose actor did not answer in
 time or died is left out and named in :attr:`Router.partial` (per thread: the last search of the
 calling thread), which serving turns into the answer's ``partial`` field; :meth:`Router.missing`
@@ -39,10 +50,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import socket
+import struct
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from multiprocessing.connection import (AuthenticationError, Connection, answer_challenge,
+                                        deliver_challenge, wait as wait_readable)
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -58,7 +74,8 @@ from .shards import shard_paths
 
 DEFAULT_TIMEOUT_S = 5.0       # a fan-out's bound: shards slower than this are left out
 OPEN_TIMEOUT_S = 120.0        # how long opening waits for every actor to load its part
-DEFAULT_CONCURRENCY = 8       # searches one actor runs at once (faiss releases the GIL)
+DEFAULT_CONCURRENCY = 8       # Ray calls one actor runs at once (ready, endpoint, where)
+HANDSHAKE_TIMEOUT_S = 10.0    # an actor drops a connection that has not passed the challenge by then
 
 
 @dataclass(frozen=True)
@@ -92,20 +109,53 @@ class RayServing:
 
 class ShardSearcher:
     """The Ray actor: one shard's part, memory-mapped on its node, searched with the index's
-    search parameters. Stateless between calls, so a restarted actor answers the same."""
+    search parameters. Stateless between searches, so a restarted actor answers the same.
 
-    def __init__(self, part_file: str, search_params: str, threads: int = 1) -> None:
-        faiss.omp_set_num_threads(max(1, int(threads)))
+    Ray places, restarts and pings it (the control plane); the searches themselves come over a
+    direct data plane: a TCP port this actor opens on its node's address (:meth:`endpoint`),
+    where each connection must first pass the stdlib's HMAC challenge both ways
+    (``multiprocessing.connection.deliver_challenge`` / ``answer_challenge``) with ``authkey``,
+    a random key the serving process made for this actor. Only then are pickled ``(q, k)``
+    messages read from it, each answered with ``(D, I)`` on the same connection. A thread serves
+    each connection (faiss releases the GIL, so connections search in parallel). Why not a Ray
+    call per search: each costs about 1 ms of task submission and object-store hops to one
+    actor, 3-4 ms to four on this machine's loaded cores, against about 1 ms for the whole
+    search in one process (BENCHMARKS.md)."""
+
+    def __init__(self, part_file: str, search_params: str, threads: int = 1, authkey: bytes = b"",
+                 host: str | None = None) -> None:
+        self.threads = max(1, int(threads))
+        faiss.omp_set_num_threads(self.threads)
         self.part_file = part_file
         self.index = faiss.read_index(part_file, faiss.IO_FLAG_MMAP)
         fx.set_search_params(self.index, search_params)
+        self._authkey = bytes(authkey)
+        if len(self._authkey) < 16:
+            raise ValueError("ShardSearcher: the data plane needs a key of at least 16 random bytes")
+        self._listener = socket.create_server((host or _node_ip(), 0), backlog=64)
+        threading.Thread(target=self._accept, name="shard-accept", daemon=True).start()
 
     def ready(self) -> int:
         """The part's vector count (also: the actor is up)."""
         return int(self.index.ntotal)
 
+    def close(self) -> None:
+        """Stops accepting connections (tests; an actor's process ends with it)."""
+        self._listener.close()
+
+    def endpoint(self) -> tuple[str, int]:
+        """Where this actor's data plane listens (a restarted actor has a new port)."""
+        host, port = self._listener.getsockname()[:2]
+        return str(host), int(port)
+
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.index.search(q, k)
+        """One search as a Ray call (not the serving path: ``benchmarks/fanout_bench.py``
+        measures it beside the data plane)."""
+        faiss.omp_set_num_threads(self.threads)        # OpenMP's thread count is per thread
+        return self._search(q, k)
+
+    def _search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return search_part(self.index, q, k)
 
     def where(self) -> dict:
         """This actor's process and node (tests, ``describe``)."""
@@ -113,6 +163,163 @@ class ShardSearcher:
 
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "part": self.part_file}
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="shard-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One router connection: the challenge (bounded: a silent peer is dropped), then
+        search after search until the peer closes."""
+        # OpenMP's thread count is per thread: a new thread gets every core's worth, and a
+        # parallel region for one query then waits for a descheduled sibling on a loaded node
+        faiss.omp_set_num_threads(self.threads)
+        try:
+            _tune(sock, HANDSHAKE_TIMEOUT_S)
+            conn = Connection(sock.detach())
+        except OSError:
+            sock.close()
+            return
+        with conn:
+            try:
+                deliver_challenge(conn, self._authkey)
+                answer_challenge(conn, self._authkey)
+                _tune_fd(conn.fileno(), None)          # authenticated: idle between searches
+            except (OSError, EOFError, AuthenticationError):
+                return
+            while True:
+                try:
+                    q, k = conn.recv()
+                except (OSError, EOFError):
+                    return
+                except Exception:  # noqa: BLE001 - not a (q, k) pair from a peer that knows the key
+                    return
+                try:
+                    answer: Any = self._search(np.ascontiguousarray(q, dtype=np.float32), int(k))
+                except Exception as e:  # noqa: BLE001 - the router leaves this shard out, says why
+                    answer = f"{type(e).__name__}: {e}"
+                try:
+                    conn.send(answer)
+                except (OSError, EOFError):
+                    return
+
+
+def search_part(index: faiss.Index, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A part's top-k as ``IndexShardsIVF`` computes each part's share in one process: the
+    coarse assignment (every part's quantizer is a copy of the trained one), then
+    ``search_preassigned``; other types: their own search. Also why: a memory-mapped IVF part's
+    own ``search`` took 1-4 ms a query here against 0.1-0.2 ms this way (faiss 1.x,
+    IO_FLAG_MMAP lists), whatever the part's size."""
+    if not isinstance(index, faiss.IndexIVF):
+        return index.search(q, k)
+    nprobe = min(int(index.nprobe), int(index.nlist))
+    dq, iq = index.quantizer.search(q, nprobe)
+    return index.search_preassigned(q, k, iq, dq)
+
+
+def _node_ip() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a one-machine cluster)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _tune(sock: socket.socket, timeout: float | None) -> None:
+    """No Nagle delay (a search is one small write each way) and a receive/send bound."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)                               # blocking fd: Connection reads it raw
+    _tune_fd(sock.fileno(), timeout)
+
+
+def _tune_fd(fd: int, timeout: float | None) -> None:
+    """SO_RCVTIMEO/SO_SNDTIMEO on a blocking socket fd (None: no bound): a read or write that
+    waits longer fails with OSError instead of hanging."""
+    s = socket.socket(fileno=os.dup(fd))
+    try:
+        t = 0.0 if timeout is None else max(timeout, 0.001)
+        tv = struct.pack("ll", int(t), int((t - int(t)) * 1e6))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    finally:
+        s.close()
+
+
+def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
+    """A connection to a shard actor's data plane, authenticated both ways within ``timeout``
+    seconds (connect, challenge); its reads and writes stay bounded by ``timeout``."""
+    sock = socket.create_connection(endpoint, timeout=timeout)
+    try:
+        _tune(sock, timeout)
+        conn = Connection(sock.detach())
+    except OSError:
+        sock.close()
+        raise
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class _Link:
+    """The router's connections to one shard actor: idle ones are reused (one per search in
+    flight), a broken or late one is closed and the actor is asked (a Ray call) where it
+    listens now; until it has answered, the shard is left out of searches at once."""
+
+    def __init__(self, actor: Any, authkey: bytes, endpoint: tuple[str, int] | None, timeout: float) -> None:
+        self.actor, self.authkey, self.endpoint, self.timeout = actor, authkey, endpoint, timeout
+        self.lock = threading.Lock()
+        self.idle: list[Connection] = []
+        self.asking: Any = None                    # the pending endpoint() call, if any
+
+    def take(self, ray: Any) -> Connection | None:
+        """A connection to send a search on, or None (the shard is left out of this search)."""
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+            if self.endpoint is None:
+                if self.asking is None:
+                    self.asking = self.actor.endpoint.remote()
+                ready, _ = ray.wait([self.asking], timeout=0)
+                if not ready:
+                    return None
+                ref, self.asking = self.asking, None
+                try:
+                    self.endpoint = tuple(ray.get(ref))
+                except ray.exceptions.RayError:
+                    return None                    # asked again by the next search
+            endpoint = self.endpoint
+        try:
+            return open_link(endpoint, self.authkey, self.timeout)
+        except (OSError, EOFError, AuthenticationError):
+            self.forget()
+            return None
+
+    def give(self, conn: Connection) -> None:
+        with self.lock:
+            self.idle.append(conn)
+
+    def broken(self, conn: Connection) -> None:
+        """A connection that failed or answered late: closed (a late answer must not be read by
+        the next search), and the endpoint asked for again (the actor may have restarted)."""
+        conn.close()
+        self.forget()
+
+    def forget(self) -> None:
+        with self.lock:
+            self.endpoint = None
+
+    def close(self) -> None:
+        with self.lock:
+            conns, self.idle = self.idle, []
+        for c in conns:
+            c.close()
 
 
 def _ray() -> Any:
@@ -154,15 +361,18 @@ class _Pool:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.actors: dict[tuple, list] = {}        # key -> [handle, users]
+        self.actors: dict[tuple, list] = {}        # key -> [handle, users, authkey]
 
-    def acquire(self, key: tuple, make: Callable[[], Any]) -> Any:
+    def acquire(self, key: tuple, make: Callable[[bytes], Any]) -> tuple[Any, bytes]:
+        """The actor for ``key`` (made by ``make(authkey)`` if none) and its data plane's key:
+        32 random bytes made here for each actor, passed to it at creation, never logged."""
         with self.lock:
             got = self.actors.get(key)
             if got is None:
-                got = self.actors[key] = [make(), 0]
+                authkey = secrets.token_bytes(32)
+                got = self.actors[key] = [make(authkey), 0, authkey]
             got[1] += 1
-            return got[0]
+            return got[0], got[2]
 
     def release(self, keys: Sequence[tuple]) -> None:
         dead = []
@@ -235,18 +445,25 @@ class Router:
         cls = ray.remote(ShardSearcher)
         self.keys: list[tuple] = []
         self.actors: list[Any] = []
+        self.links: list[_Link] = []
         for i, s in enumerate(self.shards):
             part = s / PART_FILE
             where = config.placement(i, s) if config.placement else _near(shard_node(s))
             key = (_identity(part), params, config.concurrency, config.threads, repr(sorted(where.items())))
             # A token of Ray's logical memory: an actor that requests no resource at all is placed
             # anywhere whatever its soft node affinity says (ray_sources.READER_MEMORY's reason).
+            # Ray runs its workers at niceness 15 (worker_niceness: batch tasks must not starve
+            # the raylet); a serving actor answers a waiting user, at the niceness Ray's own job
+            # supervisor gets (0), else on a busy node each search waits behind every other process.
             opts = {"num_cpus": 0, "memory": READER_MEMORY, "max_restarts": -1, "max_task_retries": 0,
-                    "max_concurrency": config.concurrency, **where}
-            self.actors.append(_POOL.acquire(key, lambda: cls.options(**opts).remote(
-                str(part), params, config.threads)))
+                    "max_concurrency": config.concurrency,
+                    "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}, **where}
+            actor, authkey = _POOL.acquire(key, lambda authkey: cls.options(**opts).remote(
+                str(part), params, config.threads, authkey))
+            self.actors.append(actor)
             self.keys.append(key)
-        self._finalizer = weakref.finalize(self, _POOL.release, list(self.keys))
+            self.links.append(_Link(actor, authkey, None, config.timeout))
+        self._finalizer = weakref.finalize(self, _release, list(self.keys), list(self.links))
         self.counts = self._ready()
         self.ntotal = int(sum(self.counts) + self.held.ntotal)
         self._local = threading.local()
@@ -255,18 +472,20 @@ class Router:
         self._leading = False
 
     def _ready(self) -> list[int]:
-        """Every actor's part count, once each has loaded its part (a shard that cannot be
-        opened fails here, by name)."""
+        """Every actor's part count and data-plane endpoint, once each has loaded its part (a
+        shard that cannot be opened fails here, by name)."""
         refs = [a.ready.remote() for a in self.actors]
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=OPEN_TIMEOUT_S)
+        where = [a.endpoint.remote() for a in self.actors]
+        ready, _ = self.ray.wait(refs + where, num_returns=2 * len(refs), timeout=OPEN_TIMEOUT_S)
         out = []
         for i, ref in enumerate(refs):
-            if ref not in ready:
+            if ref not in ready or where[i] not in ready:
                 self.close()
                 raise IndexerError(f"{self.shards[i]}: its shard actor did not start in "
                                    f"{OPEN_TIMEOUT_S:.0f} s (is a node of the cluster able to read it?)")
             try:
                 out.append(int(self.ray.get(ref)))
+                self.links[i].endpoint = tuple(self.ray.get(where[i]))
             except self.ray.exceptions.RayError as e:
                 from .ray_sources import task_error
 
@@ -285,7 +504,7 @@ class Router:
         answer within the bound are left out and recorded in :attr:`partial`.
 
         Concurrent searches share fan-outs: while one is in flight, the searches that arrive
-        (with the same k) queue and go out together as the next one (one Ray call per shard
+        (with the same k) queue and go out together as the next one (one message per shard
         for the lot instead of one each), so a lone client waits for nothing and many clients
         pay the calls' fixed cost once per batch. Each caller gets its own rows."""
         q = np.ascontiguousarray(q, dtype=np.float32)
@@ -334,34 +553,53 @@ class Router:
                 self._cv.notify_all()
 
     def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One fan-out of ``q`` to every shard's actor and the merge (sets this thread's
-        :attr:`partial`)."""
-        ray = self.ray
-        qref = ray.put(q) if q.nbytes > 100_000 else q     # small: inlined in each call
-        refs = [a.search.remote(qref, k) for a in self.actors]
-        dh, ih = self.held.search(q, k)            # the held-out part, here, meanwhile
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout)
-        done = set(ready)
+        """One fan-out of ``q`` to every shard's actor over its direct connection and the merge
+        (sets this thread's :attr:`partial`). A shard is left out when it has no connection now
+        (its endpoint is being asked for again), its connection fails, it answers with an error,
+        or it has not answered ``timeout`` seconds after the send."""
+        deadline = time.monotonic() + self.config.timeout
+        waiting: dict[Connection, int] = {}
+        for i, link in enumerate(self.links):
+            conn = link.take(self.ray)
+            if conn is None:
+                continue
+            try:
+                conn.send((q, k))
+                waiting[conn] = i
+            except (OSError, EOFError, ValueError):
+                link.broken(conn)
+        dh, ih = search_part(self.held, q, k)      # the held-out part, here, meanwhile
         got: dict[int, Any] = {}
-        answered = [i for i, ref in enumerate(refs) if ref in done]
-        try:                                       # one call for all (the usual case) ...
-            got = dict(zip(answered, ray.get([refs[i] for i in answered])))
-        except ray.exceptions.RayError:            # ... else one by one: which actor died
-            for i in answered:
+        errors: list[str] = []
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait_readable(list(waiting), timeout=left):
+                i = waiting.pop(conn)
                 try:
-                    got[i] = ray.get(refs[i])
-                except ray.exceptions.RayError:
-                    pass
-        missing = [i for i in range(len(refs)) if i not in got]
+                    answer = conn.recv()
+                except (OSError, EOFError):
+                    self.links[i].broken(conn)
+                    continue
+                self.links[i].give(conn)
+                if isinstance(answer, tuple) and len(answer) == 2:
+                    got[i] = answer
+                else:                              # the actor's error: the shard is left out
+                    errors.append(f"shard {i}: {answer}")
+        for conn, i in waiting.items():            # late: closed, so no later search reads it
+            self.links[i].broken(conn)
+        missing = [i for i in range(len(self.links)) if i not in got]
         ds = [got[i][0] for i in sorted(got)]
         is_ = [got[i][1] for i in sorted(got)]
         self._local.partial = missing
         if missing and self.config.strict:
             raise IndexerError(f"{self.directory}: shard(s) {', '.join(map(str, missing))} did not answer "
                                f"within {self.config.timeout:g} s; the answer would be partial")
-        if len(missing) == len(refs) and refs:
+        if missing and len(missing) == len(self.links):
             raise IndexerError(f"{self.directory}: no shard answered within {self.config.timeout:g} s "
-                               f"(shards {', '.join(map(str, missing))}); is the Ray cluster up?")
+                               f"(shards {', '.join(map(str, missing))}); is the Ray cluster up?"
+                               + (f" ({'; '.join(errors)})" if errors else ""))
         ds.append(dh)
         is_.append(ih)
         if len(ds) == 1:
@@ -389,8 +627,14 @@ class Router:
         return self.ray.get([a.where.remote() for a in self.actors], timeout=OPEN_TIMEOUT_S)
 
     def close(self) -> None:
-        """Lets go of this Router's actors (each ends with its last Router)."""
+        """Lets go of this Router's connections and actors (each ends with its last Router)."""
         self._finalizer()
+
+
+def _release(keys: Sequence[tuple], links: Sequence[_Link]) -> None:
+    for link in links:
+        link.close()
+    _POOL.release(keys)
 
 
 def _near(node: str | None) -> dict:
@@ -409,4 +653,5 @@ def wait_whole(router: Router, timeout: float) -> bool:
     return False
 
 
-__all__ = ["RayServing", "Router", "ShardSearcher", "shard_node", "wait_whole", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RayServing", "Router", "ShardSearcher", "open_link", "shard_node", "wait_whole",
+           "DEFAULT_TIMEOUT_S"]

@@ -96,6 +96,10 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
         np.testing.assert_array_equal(i2, i1)
         np.testing.assert_array_equal(s2, s1)
         assert remote.faiss.partial == []
+    # the searches went over each actor's own authenticated connection (the data plane), not
+    # through Ray: one open connection per shard, to the address its node has in Ray
+    for link in remote.faiss.links:
+        assert link.endpoint[0] == "127.0.0.1" and len(link.idle) == 1
     # concurrent searches share fan-outs (the router batches what queues meanwhile): each still
     # gets its own rows, for its own k
     from concurrent.futures import ThreadPoolExecutor
