@@ -4,8 +4,8 @@ query batch out to them and merges their top-k.
 Why: ``Index.open`` serves a sharded index in one process (:class:`indexer.shards.PartsIndex`:
 every part memory-mapped there), so the whole index must fit one machine's page cache and
 CPUs. Here each shard's part is searched by a ``ShardSearcher`` actor on the node that built
-the shard (``ray_build._near``: soft affinity to the node its shard manifest records as
-``node``; elsewhere at once if that node is gone), and :class:`Router` stands where
+the shard (``ray_build._near``: soft affinity to the node ``OUT/shards/ray.json`` records for it,
+:func:`shard_node`; elsewhere at once if that node is gone), and :class:`Router` stands where
 ``PartsIndex`` stands in an :class:`indexer.Index` (``search(q, k) -> (D, I)``, ``ntotal``,
 ``d``), so ``Index``, ``Searcher``, the API and the UI are unchanged. Only the query vectors go
 out and (distances, ids) come back; the store (metadata, thumbnails) is read by the serving
