@@ -127,7 +127,7 @@ class ShardSearcher:
         self.threads = max(1, int(threads))
         faiss.omp_set_num_threads(self.threads)
         self.part_file = part_file
-        self.index = faiss.read_index(part_file, faiss.IO_FLAG_MMAP)
+        self.index = fx.no_prefetch(faiss.read_index(part_file, faiss.IO_FLAG_MMAP))
         fx.set_search_params(self.index, search_params)
         self._authkey = bytes(authkey)
         if len(self._authkey) < 16:
@@ -433,7 +433,7 @@ class Router:
         params = manifest.search_params or ""
         try:
             trained = faiss.read_index(str(self.directory / sh["trained"]))
-            self.held = faiss.read_index(str(self.directory / sh["held"]), faiss.IO_FLAG_MMAP)
+            self.held = fx.no_prefetch(faiss.read_index(str(self.directory / sh["held"]), faiss.IO_FLAG_MMAP))
         except RuntimeError as e:
             from .validate import damaged, faiss_reason
 

@@ -76,4 +76,4 @@ def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_ind
 def read_ondisk(path: str | Path) -> faiss.Index:
     """An index written by ``merge_ondisk``: its ``.ivfdata`` is found beside it (wherever the
     directory has moved) and memory-mapped."""
-    return faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR)
+    return fx.no_prefetch(faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR))

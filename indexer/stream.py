@@ -195,7 +195,7 @@ def open_parts(paths: Sequence[str | Path], trained: faiss.Index, mmap: bool = T
     so a query is assigned to its lists once, not once per shard) for IVF types, ``IndexShards``
     for Flat. Files are memory-mapped: the page cache, not this process, holds the lists."""
     flags = faiss.IO_FLAG_MMAP if mmap else 0
-    parts = [faiss.read_index(str(p), flags) for p in paths]
+    parts = [fx.no_prefetch(faiss.read_index(str(p), flags)) for p in paths]
     return as_one(parts, trained)
 
 

@@ -168,3 +168,38 @@ def test_every_type_keeps_ids_params_and_removals(index_type: str, tmp_path: Pat
     fx.set_search_params(index, spec.search_params(value))
     assert not np.isin(index.search(x[:100], 5)[1], ids[:100]).any()
     assert (index.search(x[100:120], 5)[1][:, 0] == ids[100:120]).all()
+
+
+def test_memory_mapped_ivf_lists_search_without_prefetch_threads(tmp_path: Path) -> None:
+    """Reading an IVF index memory-mapped for serving (codes-only serving, merge_ondisk's index;
+    sharded parts and fan-out actors too) turns faiss's per-search prefetch threads off (4.5x a single
+    query's time here: benchmarks.mmap_search), and answers as the index in RAM does."""
+    from indexer import ondisk
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4000, 32)).astype("float32")
+    faiss.normalize_L2(x)
+    index = faiss.index_factory(32, "IVF16,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    index.add(x)
+    index.nprobe = 4
+    path = tmp_path / "ivf.faiss"
+    faiss.write_index(index, str(path))
+    want = index.search(x[:50], 5)
+
+    def prefetch_threads(ix: faiss.Index) -> int:
+        lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(ix).invlists)
+        assert isinstance(lists, faiss.OnDiskInvertedLists), type(lists)   # what mmap reads give
+        return int(lists.prefetch_nthread)
+
+    assert prefetch_threads(faiss.read_index(str(path), faiss.IO_FLAG_MMAP)) > 0   # faiss's default
+    served = fx.SearchableIndex(path, nprobe=4, mmap=True)
+    assert prefetch_threads(served.cpu_index) == 0
+    ondisk.merge_ondisk(index, [path], tmp_path / "merged.faiss")
+    merged = ondisk.read_ondisk(tmp_path / "merged.faiss")
+    assert prefetch_threads(merged) == 0
+    for ix in (served.cpu_index, merged):
+        ix.nprobe = 4
+        got = ix.search(x[:50], 5)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
