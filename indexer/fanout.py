@@ -155,7 +155,7 @@ class ShardSearcher:
         return self._search(q, k)
 
     def _search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return search_part(self.index, q, k)
+        return self.index.search(q, k)      # lists read without prefetch threads: no_prefetch
 
     def where(self) -> dict:
         """This actor's process and node (tests, ``describe``)."""
@@ -206,19 +206,6 @@ class ShardSearcher:
                     conn.send(answer)
                 except (OSError, EOFError):
                     return
-
-
-def search_part(index: faiss.Index, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """A part's top-k as ``IndexShardsIVF`` computes each part's share in one process: the
-    coarse assignment (every part's quantizer is a copy of the trained one), then
-    ``search_preassigned``; other types: their own search. Also why: a memory-mapped IVF part's
-    own ``search`` took 1-4 ms a query here against 0.1-0.2 ms this way (faiss 1.x,
-    IO_FLAG_MMAP lists), whatever the part's size."""
-    if not isinstance(index, faiss.IndexIVF):
-        return index.search(q, k)
-    nprobe = min(int(index.nprobe), int(index.nlist))
-    dq, iq = index.quantizer.search(q, nprobe)
-    return index.search_preassigned(q, k, iq, dq)
 
 
 def _node_ip() -> str:
@@ -568,7 +555,7 @@ class Router:
                 waiting[conn] = i
             except (OSError, EOFError, ValueError):
                 link.broken(conn)
-        dh, ih = search_part(self.held, q, k)      # the held-out part, here, meanwhile
+        dh, ih = self.held.search(q, k)            # the held-out part, here, meanwhile
         got: dict[int, Any] = {}
         errors: list[str] = []
         while waiting:

@@ -1,7 +1,6 @@
 """The serving fan-out's data plane without Ray (indexer.fanout): a shard searcher's port answers
 only a peer that passes the HMAC challenge with its key, never unpickles anything before that,
-and answers (D, I) equal to the part's own search; ``search_part`` (the coarse assignment, then
-``search_preassigned``) equals faiss's ``search`` on a memory-mapped IVF part.
+and answers (D, I) equal to the part's own search.
 
 Real parts: a faiss IVF part written to disk and memory-mapped, a real TCP socket on 127.0.0.1,
 the stdlib's challenge. The Ray side (placement, node loss, restarts) is
@@ -20,7 +19,7 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer.fanout import ShardSearcher, open_link, search_part
+from indexer.fanout import ShardSearcher, open_link
 
 D, NLIST = 16, 8
 
@@ -44,16 +43,6 @@ def searcher(part):
     s = ShardSearcher(str(part[0]), "nprobe=3", 1, key, host="127.0.0.1")
     yield s, key
     s.close()
-
-
-def test_search_part_equals_the_parts_own_search(part) -> None:
-    path, q = part
-    index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
-    index.nprobe = 3
-    d1, i1 = index.search(q, 7)
-    d2, i2 = search_part(index, q, 7)
-    np.testing.assert_array_equal(i2, i1)
-    np.testing.assert_allclose(d2, d1, rtol=1e-6)
 
 
 def test_a_peer_with_the_key_gets_the_parts_answers(part, searcher) -> None:
