@@ -14,7 +14,9 @@ files on every node).
 
 Equal answers: every part is a copy of the trained index (the same coarse quantizer) searched
 with the index's search parameters, so each actor's top-k is exactly the shard's share of what
-``IndexShardsIVF`` computes in one process; the held-out vectors' small part is searched by the
+``IndexShardsIVF`` computes in one process. As there, the coarse assignment (which lists each
+query probes) is computed once, by the router, and sent with the queries; each actor only scans
+those lists (``search_preassigned``). The held-out vectors' small part is searched by the
 router itself (it lives in the index directory, beside the manifest). The merge is faiss's own
 ``merge_knn_results`` (what ``IndexShards`` uses), in the same part order, so ids, distances and
 the -1 padding are those of the in-process search.
@@ -115,8 +117,9 @@ class ShardSearcher:
     direct data plane: a TCP port this actor opens on its node's address (:meth:`endpoint`),
     where each connection must first pass the stdlib's HMAC challenge both ways
     (``multiprocessing.connection.deliver_challenge`` / ``answer_challenge``) with ``authkey``,
-    a random key the serving process made for this actor. Only then are pickled ``(q, k)``
-    messages read from it, each answered with ``(D, I)`` on the same connection. A thread serves
+    a random key the serving process made for this actor. Only then are pickled ``(q, k, dq,
+    iq)`` messages read from it (the router's coarse assignment ``dq, iq``, or None for the
+    part's own search), each answered with ``(D, I)`` on the same connection. A thread serves
     each connection (faiss releases the GIL, so connections search in parallel). Why not a Ray
     call per search: each costs about 1 ms of task submission and object-store hops to one
     actor, 3-4 ms to four on this machine's loaded cores, against about 1 ms for the whole
@@ -129,6 +132,7 @@ class ShardSearcher:
         self.part_file = part_file
         self.index = fx.no_prefetch(faiss.read_index(part_file, faiss.IO_FLAG_MMAP))
         fx.set_search_params(self.index, search_params)
+        self.ivf = plain_ivf(self.index)
         self._authkey = bytes(authkey)
         if len(self._authkey) < 16:
             raise ValueError("ShardSearcher: the data plane needs a key of at least 16 random bytes")
@@ -154,7 +158,12 @@ class ShardSearcher:
         faiss.omp_set_num_threads(self.threads)        # OpenMP's thread count is per thread
         return self._search(q, k)
 
-    def _search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(self, q: np.ndarray, k: int, dq: np.ndarray | None = None,
+                iq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The part's top-k; with the router's coarse assignment (``dq``, ``iq``: the lists each
+        query probes) only the lists are scanned, as ``IndexShardsIVF`` scans each part."""
+        if iq is not None and self.ivf is not None:
+            return self.ivf.search_preassigned(q, k, iq, dq)
         return self.index.search(q, k)      # lists read without prefetch threads: no_prefetch
 
     def where(self) -> dict:
@@ -193,19 +202,27 @@ class ShardSearcher:
                 return
             while True:
                 try:
-                    q, k = conn.recv()
+                    msg = conn.recv()
                 except (OSError, EOFError):
                     return
-                except Exception:  # noqa: BLE001 - not a (q, k) pair from a peer that knows the key
+                except Exception:  # noqa: BLE001 - not a pickle from a peer that knows the key
                     return
-                try:
-                    answer: Any = self._search(np.ascontiguousarray(q, dtype=np.float32), int(k))
+                try:     # (q, k, dq, iq): the queries, k, and the router's coarse assignment or None
+                    q, k, dq, iq = msg
+                    answer: Any = self._search(np.ascontiguousarray(q, dtype=np.float32), int(k), dq, iq)
                 except Exception as e:  # noqa: BLE001 - the router leaves this shard out, says why
                     answer = f"{type(e).__name__}: {e}"
                 try:
                     conn.send(answer)
                 except (OSError, EOFError):
                     return
+
+
+def plain_ivf(index: faiss.Index) -> Any:
+    """``index`` as an ``IndexIVF`` when it is one itself (what ``IndexShardsIVF`` takes as a
+    part: no transform or refine around it), else None."""
+    ix = faiss.downcast_index(index)
+    return ix if isinstance(ix, faiss.IndexIVF) else None
 
 
 def _node_ip() -> str:
@@ -426,6 +443,11 @@ class Router:
 
             raise damaged(self.directory, f"faiss cannot read a part ({faiss_reason(e)})") from None
         fx.set_search_params(self.held, params)
+        # The coarse assignment, once per query here, as IndexShardsIVF does in one process:
+        # every part has the trained quantizer, so the actors only scan the lists it names
+        # (5 shards searching alone would assign each query 5 times, ~20% of a part's search
+        # at nprobe 16: BENCHMARKS.md). The held part's quantizer carries the search parameters.
+        self.ivf = plain_ivf(self.held)
         self.d = int(trained.d)
         self.keep_max = faiss.is_similarity_metric(trained.metric_type)
         self.shards = shard_paths(self.directory, manifest)
@@ -545,17 +567,21 @@ class Router:
         (its endpoint is being asked for again), its connection fails, it answers with an error,
         or it has not answered ``timeout`` seconds after the send."""
         deadline = time.monotonic() + self.config.timeout
+        dq = iq = None
+        if self.ivf is not None:
+            dq, iq = self.ivf.quantizer.search(q, min(self.ivf.nprobe, self.ivf.nlist))
         waiting: dict[Connection, int] = {}
         for i, link in enumerate(self.links):
             conn = link.take(self.ray)
             if conn is None:
                 continue
             try:
-                conn.send((q, k))
+                conn.send((q, k, dq, iq))
                 waiting[conn] = i
             except (OSError, EOFError, ValueError):
                 link.broken(conn)
-        dh, ih = self.held.search(q, k)            # the held-out part, here, meanwhile
+        # the held-out part, here, meanwhile
+        dh, ih = self.held.search(q, k) if iq is None else self.ivf.search_preassigned(q, k, iq, dq)
         got: dict[int, Any] = {}
         errors: list[str] = []
         while waiting:

@@ -50,15 +50,23 @@ def test_a_peer_with_the_key_gets_the_parts_answers(part, searcher) -> None:
     s, key = searcher
     index = faiss.read_index(str(path))
     index.nprobe = 3
+    # the router's coarse assignment (what IndexShardsIVF computes once for every part)
+    dq, iq = faiss.extract_index_ivf(index).quantizer.search(q, 3)
     with open_link(s.endpoint(), key, timeout=10) as conn:
         for k in (1, 5, 2500):                    # past the part's size: -1 padding, as faiss
-            conn.send((q, k))
-            assert conn.poll(10)
-            d, i = conn.recv()
-            np.testing.assert_array_equal(i, index.search(q, k)[1])
+            want_d, want_i = index.search(q, k)
+            for coarse in ((None, None), (dq, iq)):   # the part's own search, or the lists named
+                conn.send((q, k, *coarse))
+                assert conn.poll(10)
+                d, i = conn.recv()
+                np.testing.assert_array_equal(i, want_i)
+                np.testing.assert_allclose(d, want_d, rtol=1e-6)
+        # scanning the lists named: a wrong assignment gives another answer (the lists are used)
+        conn.send((q, 5, dq, np.ascontiguousarray(np.roll(iq, 1, axis=0))))
+        assert conn.poll(10) and not np.array_equal(conn.recv()[1], index.search(q, 5)[1])
         conn.send(("not a query", 3))              # a bad message: an error string, not a crash
         assert conn.poll(10) and isinstance(conn.recv(), str)
-        conn.send((q[:2], 3))                      # and the connection still serves
+        conn.send((q[:2], 3, None, None))          # and the connection still serves
         assert conn.poll(10) and conn.recv()[1].shape == (2, 3)
 
 
@@ -106,7 +114,7 @@ def test_nothing_is_unpickled_before_the_challenge(searcher, tmp_path: Path) -> 
     assert not marker.exists()
     # the searcher still serves peers that know the key (one bad peer costs it nothing)
     with open_link(s.endpoint(), searcher[1], timeout=10) as good:
-        good.send((np.zeros((1, D), np.float32), 1))
+        good.send((np.zeros((1, D), np.float32), 1, None, None))
         assert good.poll(10) and good.recv()[1].shape == (1, 1)
 
 

@@ -2,7 +2,7 @@
 (``ray.cluster_utils.Cluster``): one actor per shard, each pinned to its own node; answers equal
 the in-process search; a node killed under 4 HTTP clients' load leaves every answer either whole
 or marked partial (and equal to the search of the surviving shards), /api/health names the lost
-shard, and answers are whole again once the node is back; ``indexer add`` while serving is found.
+shard and the web page's search handler says so in its status line, and answers are whole again once the node is back; ``indexer add`` while serving is found.
 
 The server is uvicorn in this process (the API routes of ``serving``, real HTTP on 127.0.0.1),
 because the test pins each shard's actor to a node it will kill (``RayServing.placement``),
@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -275,6 +276,8 @@ def test_node_loss_under_load_is_partial_then_whole(cluster, sharded, app):
                 if sum(1 for a in answers[seen:] if a[2].get("partial")) >= 4:
                     break
             time.sleep(0.5)
+        ui_line = ui_search(searcher)(None, str(qids[0]), None, k)[0]    # the page says so too
+        assert f"partial answer, shard(s) {lost} did not answer in time" in ui_line, ui_line
         cluster.revive(lost)                        # Ray restarts the pinned actor there
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -310,7 +313,18 @@ def test_node_loss_under_load_is_partial_then_whole(cluster, sharded, app):
     assert counts["partial"] >= 4 and counts["whole"] >= 8, counts
     tail = [a for a in answers[back:]]
     assert tail and not any(a[2].get("partial") for a in tail[-4:]), counts    # whole again
+    ui_line = ui_search(searcher)(None, str(qids[0]), None, k)[0]
+    assert ui_line.startswith("Query") and "partial" not in ui_line, ui_line
     print(f"answers under node loss: {counts}")
+
+
+def ui_search(searcher) -> Any:
+    """The web page's search handler (``serving.ui``, api_name ``search``) over ``searcher``:
+    what a click on Search runs; its first output is the status line above the results."""
+    from serving.ui import build_ui
+
+    demo = build_ui(searcher)
+    return next(f.fn for f in demo.fns.values() if f.api_name == "search")
 
 
 def _same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> bool:
