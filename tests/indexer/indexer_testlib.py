@@ -11,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from benchmarks.lmdb_damage import garbage_inside  # noqa: F401 - shared with the reliability probes
 
@@ -79,3 +79,50 @@ def serve_app(args: list, log_dir: Path, port: int, timeout: float = 180) -> Ite
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+# The Ray build tests (test_ray.py, test_ray_cluster.py): one gallery shape and build flags, and
+# one notion of "the same index" for a Ray build against the one-process build.
+RAY_FLAGS = ["--quiet", "--flat-threshold", "100"]     # IVF: the case where merging must match
+RAY_CHARS = 30                                         # 600 images, ~300 per shard (one commit: 256)
+
+
+def ray_gallery(tmp_path_factory, omniglot_root: Path, name: str) -> Path:
+    """``RAY_CHARS`` Omniglot characters copied under a fresh ``name`` folder."""
+    root = tmp_path_factory.mktemp(name)
+    copy_characters(omniglot_root, root, RAY_CHARS)
+    return root
+
+
+def single_build(tmp_path_factory, gallery: Path, model: Path, name: str) -> Any:
+    """The one-process build (``RAY_FLAGS``) a Ray build is compared with, opened."""
+    from indexer import Index
+
+    out = tmp_path_factory.mktemp(name) / "idx"
+    run_cli("build", gallery, "--model", model, "--out", out, *RAY_FLAGS)
+    return Index.open(out)
+
+
+def assert_same_index(merged: Any, single: Any, gallery: Path) -> None:
+    """Same ids, same vectors, same search answers (by vector and by image file)."""
+    import numpy as np
+
+    from indexer.faiss_index import index_ids
+
+    ms, mm = single.manifest, merged.manifest
+    assert mm["index_type"] == ms["index_type"] == "ivf"
+    for key in ("count", "nlist", "nprobe", "recall_at_10", "dim"):
+        assert mm[key] == ms[key], key
+    np.testing.assert_array_equal(index_ids(merged.faiss.cpu_index), index_ids(single.faiss.cpu_index))
+    ids, x = single.store.all_embeddings(single.model_hash)
+    ids2, x2 = merged.store.all_embeddings(merged.model_hash)
+    order, order2 = np.argsort(ids), np.argsort(ids2)
+    np.testing.assert_array_equal(ids2[order2], ids[order])
+    np.testing.assert_allclose(x2[order2], x[order], atol=1e-6)
+    s1, i1 = single.search_embeddings(x, 10)
+    s2, i2 = merged.search_embeddings(x, 10)
+    np.testing.assert_array_equal(i2, i1)
+    np.testing.assert_allclose(s2, s1, atol=1e-5)
+    queries = sorted(gallery.rglob("*.png"))[::50]          # image files, through the embedder
+    for a, b in zip(merged.search(queries, 5), single.search(queries, 5)):
+        assert [(h.id, h.path, h.label) for h in a] == [(h.id, h.path, h.label) for h in b]

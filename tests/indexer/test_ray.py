@@ -22,15 +22,12 @@ require_private_network("tests/indexer/test_ray.py")
 
 ray = pytest.importorskip("ray")
 
-from indexer_testlib import copy_characters, run_cli  # noqa: E402
+from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
+from indexer_testlib import assert_same_index, ray_gallery, run_cli, single_build  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
-from indexer.faiss_index import index_ids  # noqa: E402
 from indexer.index_dir import STORE_DIR  # noqa: E402
 from indexer.index_dir import FILE_LIST  # noqa: E402
 from indexer.walk import read_file_list, shard_of  # noqa: E402
-
-FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
-N_CHARS = 30                                           # 600 images, ~300 per shard
 
 
 @pytest.fixture(scope="module")
@@ -51,33 +48,13 @@ def ray_address():
 
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
-    root = tmp_path_factory.mktemp("ray-gallery")
-    copy_characters(omniglot_root, root, N_CHARS)
-    return root
+    return ray_gallery(tmp_path_factory, omniglot_root, "ray-gallery")
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
     """The single-process build everything is compared with."""
-    out = tmp_path_factory.mktemp("ray-single") / "idx"
-    run_cli("build", gallery, "--model", small_onnx, "--out", out, *FLAGS)
-    return Index.open(out)
-
-
-def assert_same_index(merged: Index, single: Index, gallery: Path) -> None:
-    ms, mm = single.manifest, merged.manifest
-    assert mm["index_type"] == ms["index_type"] == "ivf"
-    for key in ("count", "nlist", "nprobe", "recall_at_10", "dim"):
-        assert mm[key] == ms[key], key
-    np.testing.assert_array_equal(index_ids(merged.faiss.cpu_index), index_ids(single.faiss.cpu_index))
-    ids, x = single.store.all_embeddings(single.model_hash)
-    s1, i1 = single.search_embeddings(x, 10)
-    s2, i2 = merged.search_embeddings(x, 10)
-    np.testing.assert_array_equal(i2, i1)
-    np.testing.assert_allclose(s2, s1, atol=1e-5)
-    queries = sorted(gallery.rglob("*.png"))[::50]          # image files, through the embedder
-    for a, b in zip(merged.search(queries, 5), single.search(queries, 5)):
-        assert [(h.id, h.path, h.label) for h in a] == [(h.id, h.path, h.label) for h in b]
+    return single_build(tmp_path_factory, gallery, small_onnx, "ray-single")
 
 
 def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, gallery: Path,

@@ -34,14 +34,13 @@ require_private_network("tests/indexer/test_ray_cluster.py")
 
 ray = pytest.importorskip("ray")
 
-from indexer_testlib import REPO, copy_characters, run_cli  # noqa: E402
+from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
+from indexer_testlib import REPO, assert_same_index, copy_characters, ray_gallery, run_cli, single_build  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.faiss_index import index_ids  # noqa: E402
 from indexer.index_dir import PART_FILE, STORE_DIR  # noqa: E402
 from indexer.ray_build import HOLD_ENV, RUN_FILE  # noqa: E402
 
-FLAGS = ["--quiet", "--flat-threshold", "100"]         # IVF: the case where merging must match
-N_CHARS = 30                                           # 600 images, ~300 per shard (one commit: 256)
 WAIT_S = 300.0                                         # bound on every wait for the cluster or a build
 
 
@@ -55,17 +54,13 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
-    root = tmp_path_factory.mktemp("cluster-gallery")
-    copy_characters(omniglot_root, root, N_CHARS)
-    return root
+    return ray_gallery(tmp_path_factory, omniglot_root, "cluster-gallery")
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
     """The undisturbed one-process build the node-loss build is compared with."""
-    out = tmp_path_factory.mktemp("cluster-single") / "idx"
-    run_cli("build", gallery, "--model", small_onnx, "--out", out, *FLAGS)
-    return Index.open(out)
+    return single_build(tmp_path_factory, gallery, small_onnx, "cluster-single")
 
 
 @pytest.fixture(scope="module")
@@ -101,27 +96,6 @@ def worker_index(cluster: LocalCluster, node: str) -> int:
     ids = [cluster.node_id(i) for i in range(len(cluster.nodes))]
     assert node in ids[1:], f"{node} is not a worker node of the cluster ({ids})"
     return ids.index(node)
-
-
-def assert_same_index(merged: Index, single: Index, gallery: Path) -> None:
-    """Same ids, same vectors, same search answers (by vector and by image file)."""
-    ms, mm = single.manifest, merged.manifest
-    assert mm["index_type"] == ms["index_type"] == "ivf"
-    for key in ("count", "nlist", "nprobe", "recall_at_10", "dim"):
-        assert mm[key] == ms[key], key
-    np.testing.assert_array_equal(index_ids(merged.faiss.cpu_index), index_ids(single.faiss.cpu_index))
-    ids, x = single.store.all_embeddings(single.model_hash)
-    ids2, x2 = merged.store.all_embeddings(merged.model_hash)
-    order, order2 = np.argsort(ids), np.argsort(ids2)
-    np.testing.assert_array_equal(ids2[order2], ids[order])
-    np.testing.assert_allclose(x2[order2], x[order], atol=1e-6)
-    s1, i1 = single.search_embeddings(x, 10)
-    s2, i2 = merged.search_embeddings(x, 10)
-    np.testing.assert_array_equal(i2, i1)
-    np.testing.assert_allclose(s2, s1, atol=1e-5)
-    queries = sorted(gallery.rglob("*.png"))[::50]          # image files, through the embedder
-    for a, b in zip(merged.search(queries, 5), single.search(queries, 5)):
-        assert [(h.id, h.path, h.label) for h in a] == [(h.id, h.path, h.label) for h in b]
 
 
 def test_sharded_build_reads_and_fills_each_shard_on_the_node_that_built_it(
