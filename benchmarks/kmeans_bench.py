@@ -8,8 +8,10 @@ Run from the repository root, under ``nice -n 10`` (the machine is shared):
 
 The data is the 10M plan's (``index_bench.low_rank``, d = 128, the law of ``scale_bench``): a
 k-means sample of ``--points``, a gallery of ``--gallery`` other vectors (default: as many) and
-1,000 fresh queries. ``--features F.npy`` uses real embeddings instead (rows shuffled; the first
-1,000 are the queries, the k-means sample is drawn from the rest, the gallery is the rest).
+``--queries`` fresh queries (default 1,000; each row's recall difference to the first row comes
+with its 95% interval over the queries: at 1,000 it is about +-0.01, so the 0.005 goal needs
+~10,000). ``--features F.npy`` uses real embeddings instead (rows shuffled; the first
+``--queries`` are the queries, the k-means sample is drawn from the rest, the gallery is the rest).
 Each method's centroids fill one IVF-Flat over the same gallery (its quantizer an HNSW graph
 from 8,192 lists, as the plan's IVF16384_HNSW32 choice, built on one thread so both indexes get
 the same kind of graph); recall@10 against exact search at the same nprobe values. Centroids
@@ -31,20 +33,20 @@ import numpy as np
 from indexer import faiss_index as fx
 
 
-def data(points: int, gallery: int, features: Path | None, d: int = 128
+def data(points: int, gallery: int, features: Path | None, d: int = 128, queries: int = 1000
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(k-means sample, gallery, queries)."""
     if features is not None:
         f = np.load(features).astype(np.float32)
         faiss.normalize_L2(f)
         f = f[np.random.default_rng(0).permutation(len(f))]
-        q, rest = f[:1000], f[1000:]
+        q, rest = f[:queries], f[queries:]
         take = min(points, len(rest))
         return rest[np.sort(np.random.default_rng(1).choice(len(rest), take, replace=False))], rest, q
     from benchmarks.index_bench import low_rank, low_rank_law
 
     law = low_rank_law(d, 0)
-    return low_rank(points, law, seed=11), low_rank(gallery or points, law, seed=12), low_rank(1000, law, seed=2)
+    return low_rank(points, law, seed=11), low_rank(gallery or points, law, seed=12), low_rank(queries, law, seed=2)
 
 
 def centroids(method: str, x: np.ndarray, lists: int, seed: int, work: Path, tag: str, refine: int
@@ -92,10 +94,19 @@ def recall(c: np.ndarray, gallery: np.ndarray, q: np.ndarray, truth: np.ndarray,
         if hnsw:
             quant.hnsw.efSearch = max(2 * p, 64)
         i = ivf.search(q, 10)[1]
-        out[p] = float(np.mean([len(np.intersect1d(a, b)) / 10 for a, b in zip(i, truth)]))
+        per = np.array([len(np.intersect1d(a, b)) / 10 for a, b in zip(i, truth)])
+        out[p], out[f"per-query {p}"] = float(per.mean()), per
     sizes = np.array([ivf.get_list_size(j) for j in range(lists)])
     out["imbalance"] = float((sizes.astype(np.float64) ** 2).sum() * lists / sizes.sum() ** 2)
     return out
+
+
+def diff_ci(a: np.ndarray, b: np.ndarray, n: int = 2000) -> tuple[float, float]:
+    """95% interval of mean(a - b) over the queries (paired bootstrap): how much of a recall
+    difference between two k-means is the queries' sampling."""
+    d = a - b
+    means = d[np.random.default_rng(5).integers(0, len(d), (n, len(d)))].mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def objective(c: np.ndarray, x: np.ndarray) -> float:
@@ -132,6 +143,7 @@ def main() -> None:
     ap.add_argument("--gallery", type=int, default=0, help="gallery size (default: --points)")
     ap.add_argument("--methods", default="exact,approx", help=f"comma-separated, of {fx.KMEANS_METHODS}")
     ap.add_argument("--nprobe", default="8,16,32,64")
+    ap.add_argument("--queries", type=int, default=1000, help="recall queries (default 1,000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--refine", type=int, default=fx.KMEANS_REFINE,
                     help="approx: refinement iterations (each one a row: approx-r0 ... approx-rN)")
@@ -150,7 +162,7 @@ def main() -> None:
               f"`python -m benchmarks.kmeans_bench {shlex.join(sys.argv[1:])}`.\n")
         print("\n".join(time_only(x, a.lists, a.seed, a.refine)))
         return
-    x, gallery, q = data(a.points, a.gallery, a.features)
+    x, gallery, q = data(a.points, a.gallery, a.features, queries=a.queries)
     truth = faiss.knn(q, gallery, 10, metric=faiss.METRIC_INNER_PRODUCT)[1]
     nprobes = [int(v) for v in a.nprobe.split(",")]
     rows = []
@@ -159,20 +171,32 @@ def main() -> None:
             if a.only and m not in a.only.split(","):
                 continue
             r = {"method": m, "seconds": sec, "objective": objective(c, x), **recall(c, gallery, q, truth, nprobes)}
-            print(json.dumps(r), flush=True)
+            print(json.dumps(public(r)), flush=True)
             rows.append(r)
     base = rows[0]
     print(f"\nk-means of {len(x):,} x {x.shape[1]} ({tag}) into {a.lists:,} lists, IVF-Flat over "
-          f"{len(gallery):,}, 1,000 queries; load average {os.getloadavg()[0]:.1f}. Command: "
+          f"{len(gallery):,}, {len(q):,} queries; load average {os.getloadavg()[0]:.1f}. Command: "
           f"`python -m benchmarks.kmeans_bench {shlex.join(sys.argv[1:])}`.\n")
     print("| k-means | seconds | vs " + base["method"] + " | mean cosine to centroid | list imbalance | "
           + " | ".join(f"recall@10 nprobe {p}" for p in nprobes) + " |")
     print("|---|---:|---:|---:|---:|" + "---:|" * len(nprobes))
+
+    def cell(r: dict, p: int) -> str:
+        if r is base:
+            return f"{r[p]:.4f}"
+        lo, hi = diff_ci(r[f"per-query {p}"], base[f"per-query {p}"])
+        return f"{r[p]:.4f} ({r[p] - base[p]:+.4f} [{lo:+.4f}, {hi:+.4f}])"
     for r in rows:
         print(f"| {r['method']} | {r['seconds']:.0f} | {base['seconds'] / r['seconds']:.1f}x faster | "
-              f"{r['objective']:.4f} | {r['imbalance']:.2f} | "
-              + " | ".join(f"{r[p]:.4f} ({r[p] - base[p]:+.4f})" for p in nprobes) + " |")
-    print(json.dumps(rows))
+              f"{r['objective']:.4f} | {r['imbalance']:.2f} | " + " | ".join(cell(r, p) for p in nprobes) + " |")
+    print(f"(in brackets: the difference to {base['method']} and its 95% interval over the queries, "
+          "paired bootstrap)")
+    print(json.dumps([public(r) for r in rows]))
+
+
+def public(r: dict) -> dict:
+    """A row without its per-query arrays (what is printed as JSON)."""
+    return {k: v for k, v in r.items() if not str(k).startswith("per-query")}
 
 
 if __name__ == "__main__":
