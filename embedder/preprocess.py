@@ -141,16 +141,17 @@ class Preprocessing:
     def eval_array(self, img: Image.Image) -> np.ndarray:
         """(C, H, W) float32, normalised: what the network is fed at evaluation time.
 
-        ``(x / 255 - mean) / std`` as one multiply-add per channel plane, on the bytes already in
-        (C, H, W) order: one float pass instead of five (the per-pixel broadcast over a trailing
-        axis of 3 and the float transpose cost ~1 ms a 224-px photo, a third of its decode +
-        preprocess; equal to the five-pass form within float32 rounding, ~1e-6)."""
+        ``(x / 255 - mean) / std`` in float32, the same three operations per element as
+        torchvision's ``ToTensor`` + ``Normalize`` (so the same bits as before), but on the bytes
+        transposed to (C, H, W) first and in place, one channel plane at a time: broadcasting
+        over a trailing axis of 3 and transposing floats cost ~1 ms a 224-px photo, a third of
+        its decode + preprocess (benchmarks/preprocess_cost.py)."""
         a = np.asarray(self.eval_image(img))
         a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
         out = a.astype(np.float32, order="C")
-        std = np.asarray(self.std, np.float64)
-        out *= (1.0 / (255.0 * std)).astype(np.float32)[:, None, None]
-        out -= (np.asarray(self.mean, np.float64) / std).astype(np.float32)[:, None, None]
+        out /= np.float32(255.0)
+        out -= np.asarray(self.mean, np.float32)[:, None, None]
+        out /= np.asarray(self.std, np.float32)[:, None, None]
         return out
 
     def eval_transform(self) -> Callable[[Image.Image], "torch.Tensor"]:  # noqa: F821

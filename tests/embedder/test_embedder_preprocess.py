@@ -26,6 +26,18 @@ def test_eval_array_matches_torchvision(photo_paths, backbone, size):
         np.testing.assert_allclose(ours, ref(img).numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("backbone", ["efficientnet_lite1", "resnet50", "small_cnn"])
+def test_eval_array_is_bit_identical_to_totensor_normalize(photo_paths, backbone):
+    """The float conversion and normalisation give exactly torchvision's bits (same float32
+    operations: / 255, - mean, / std) on the same crop: a faster form must not move embeddings,
+    int8 calibrations or near-tie orders (it did once, by 5e-7, and three tests saw it)."""
+    pre = preprocessing_for(backbone)
+    to_tensor = T.Compose([T.ToTensor(), T.Normalize(pre.mean, pre.std)])
+    for p in photo_paths[:4]:
+        img = load_image(p, mode=pre.mode)
+        np.testing.assert_array_equal(pre.eval_array(img), to_tensor(pre.eval_image(img)).numpy())
+
+
 def test_small_cnn_grayscale_matches_torchvision(omniglot_paths):
     pre = preprocessing_for("small_cnn")
     assert (pre.mode, pre.input_size, pre.resize, pre.channels()) == ("L", 28, 32, 1)
