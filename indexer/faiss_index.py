@@ -185,14 +185,25 @@ KMEANS_REFINE = 3                   # approx: k-means iterations after the two-l
 KMEANS_METHODS = ("exact", "approx", "gpu")
 
 
-def kmeans_method(nlist: int, gpus: int = 0, approx_from: int | None = None) -> str:
+def kmeans_method(nlist: int, gpus: int = 0, approx_from: int | None = None,
+                  points: int | None = None) -> str:
     """Which k-means ``kmeans`` runs: "gpu" (faiss's exact GPU k-means) when faiss sees a GPU,
     "approx" on CPU from ``approx_from`` lists (default ``KMEANS_APPROX_FROM``: exact assignment
-    costs points x lists, 1M points into 16,384 lists ~23 min on 2 cores), "exact" below, so
-    small indexes keep the centroids (and results) they had."""
+    costs points x lists, 1M points into 16,384 lists ~23 min on 2 cores) when the sample has
+    more ``points`` than lists, "exact" otherwise, so small indexes keep the centroids (and
+    results) they had."""
     if gpus > 0:
         return "gpu"
-    return "approx" if nlist >= (approx_from or KMEANS_APPROX_FROM) else "exact"
+    big = nlist >= (approx_from or KMEANS_APPROX_FROM) and (points is None or points > nlist)
+    return "approx" if big else "exact"
+
+
+def kmeans_field(spec: IndexSpec, points: int, device: str = "auto") -> dict:
+    """The manifest's ``kmeans`` entry for an index whose lists ``kmeans`` found from ``points``
+    sample vectors (none for an index without lists)."""
+    if not spec.nlist:
+        return {}
+    return {"kmeans": kmeans_method(spec.nlist, int(use_gpu(device)), points=points)}
 
 
 def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0,
@@ -205,10 +216,10 @@ def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int =
     """
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
     gpu = use_gpu(device)
-    method = method or kmeans_method(nlist, int(gpu))
+    method = method or kmeans_method(nlist, int(gpu), points=len(x_train))
     if method not in KMEANS_METHODS:
         raise IndexerError(f"k-means method {method!r}: expected one of {', '.join(KMEANS_METHODS)}")
-    if method == "approx" and len(x_train) > nlist:
+    if method == "approx" and len(x_train) > nlist:     # asked for on a sample too small: exact
         return kmeans_approx(x_train, int(nlist), seed=seed, progress=progress)
     km = faiss.Kmeans(x_train.shape[1], int(nlist), niter=KMEANS_ITERATIONS, seed=seed,
                       spherical=True, gpu=gpu)   # GPU path untested on the CPU-only CI

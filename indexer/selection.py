@@ -260,8 +260,8 @@ def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *
         fx.add(index, x[ho.held], ids[ho.held])
     fields = {**index_fields(spec, int(index.ntotal), dim, target, value, rq_tune, rq_check),
               "train_points": int(len(train_rows)), "train_seconds": round(t_train, 3)}
-    if spec.nlist and trained is None:         # which k-means found the lists (faiss_index.kmeans)
-        fields["kmeans"] = fx.kmeans_method(spec.nlist, int(fx.use_gpu(device)))
+    if trained is None:                        # which k-means found the lists (faiss_index.kmeans)
+        fields.update(fx.kmeans_field(spec, len(train_rows), device))
     if max_memory is not None:
         fields["max_memory"] = int(max_memory)
         size = serialized_bytes(index) if sel is None else None

@@ -148,7 +148,7 @@ def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, devi
     trained = fx.train(spec, x_train, dim, device=device, seed=seed, progress=progress)
     t["train"] = time.perf_counter() - t0
     fields.update(train_points=int(len(x_train)), train_seconds=round(t["train"], 3),
-                  kmeans=fx.kmeans_method(spec.nlist, int(fx.use_gpu(device))))
+                  **fx.kmeans_field(spec, len(x_train), device))
     owner = train.shard_of(np.concatenate([tune_pos, check_pos]))
     skip = [d if tiny else np.union1d(d, held[owner == i]) for i, d in enumerate(dups)]
     return Plan(spec, trained, n, skip, held, qt, qc, truth, tiny, fields, t)

@@ -88,3 +88,16 @@ def test_the_plan_records_which_kmeans_ran(data, monkeypatch) -> None:
     monkeypatch.setattr(fx, "KMEANS_APPROX_FROM", 64)           # forced low: the approx path
     p = stream.plan(src, **opts)
     assert p.fields["kmeans"] == "approx" and faiss.extract_index_ivf(p.trained).quantizer.ntotal == 64
+
+
+def test_the_record_says_what_ran_for_small_samples_and_flat(data) -> None:
+    """A sample no larger than nlist is clustered exactly (kmeans' own guard), and the record
+    says so; an index without lists records no k-means at all."""
+    assert fx.kmeans_method(16_384, points=16_384) == "exact"
+    assert fx.kmeans_method(16_384, points=16_385) == "approx"
+    ivf, flat = fx.choose_spec(100_000, 32, "ivf", nlist=16_384), fx.choose_spec(100, 32, "flat")
+    assert fx.kmeans_field(ivf, 16_000, "cpu") == {"kmeans": "exact"}
+    assert fx.kmeans_field(flat, 100, "cpu") == {}
+    x = data[1][:2_000]
+    src = [ArraySource(np.arange(len(x), dtype=np.int64), x)]
+    assert "kmeans" not in stream.plan(src, index_type="flat", device="cpu").fields
