@@ -188,10 +188,8 @@ class ShardSearcher:
         # parallel region for one query then waits for a descheduled sibling on a loaded node
         faiss.omp_set_num_threads(self.threads)
         try:
-            _tune(sock, HANDSHAKE_TIMEOUT_S)
-            conn = Connection(sock.detach())
+            conn = _connection(sock, HANDSHAKE_TIMEOUT_S)
         except OSError:
-            sock.close()
             return
         with conn:
             try:
@@ -203,9 +201,7 @@ class ShardSearcher:
             while True:
                 try:
                     msg = conn.recv()
-                except (OSError, EOFError):
-                    return
-                except Exception:  # noqa: BLE001 - not a pickle from a peer that knows the key
+                except Exception:  # noqa: BLE001 - closed, timed out, or not a pickle: drop the peer
                     return
                 try:     # (q, k, dq, iq): the queries, k, and the router's coarse assignment or None
                     q, k, dq, iq = msg
@@ -232,11 +228,17 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _tune(sock: socket.socket, timeout: float | None) -> None:
-    """No Nagle delay (a search is one small write each way) and a receive/send bound."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(None)                               # blocking fd: Connection reads it raw
-    _tune_fd(sock.fileno(), timeout)
+def _connection(sock: socket.socket, timeout: float | None) -> Connection:
+    """``sock`` as a ``Connection`` with no Nagle delay (a search is one small write each way)
+    and reads and writes bounded by ``timeout``; on failure the socket is closed (OSError)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)                           # blocking fd: Connection reads it raw
+        _tune_fd(sock.fileno(), timeout)
+        return Connection(sock.detach())
+    except OSError:
+        sock.close()
+        raise
 
 
 def _tune_fd(fd: int, timeout: float | None) -> None:
@@ -255,13 +257,7 @@ def _tune_fd(fd: int, timeout: float | None) -> None:
 def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
     """A connection to a shard actor's data plane, authenticated both ways within ``timeout``
     seconds (connect, challenge); its reads and writes stay bounded by ``timeout``."""
-    sock = socket.create_connection(endpoint, timeout=timeout)
-    try:
-        _tune(sock, timeout)
-        conn = Connection(sock.detach())
-    except OSError:
-        sock.close()
-        raise
+    conn = _connection(socket.create_connection(endpoint, timeout=timeout), timeout)
     try:
         answer_challenge(conn, authkey)
         deliver_challenge(conn, authkey)
