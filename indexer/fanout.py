@@ -61,6 +61,7 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import (AuthenticationError, Connection, answer_challenge,
                                         deliver_challenge, wait as wait_readable)
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -566,13 +567,14 @@ class Router:
         dq = iq = None
         if self.ivf is not None:
             dq, iq = self.ivf.quantizer.search(q, min(self.ivf.nprobe, self.ivf.nlist))
+        message = ForkingPickler.dumps((q, k, dq, iq))     # Connection.send's pickle, once for all
         waiting: dict[Connection, int] = {}
         for i, link in enumerate(self.links):
             conn = link.take(self.ray)
             if conn is None:
                 continue
             try:
-                conn.send((q, k, dq, iq))
+                conn.send_bytes(message)
                 waiting[conn] = i
             except (OSError, EOFError, ValueError):
                 link.broken(conn)
