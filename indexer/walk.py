@@ -30,6 +30,33 @@ def is_image_name(name: str) -> bool:
     return PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES
 
 
+def printable_name(name: str) -> str:
+    """``name`` with the bytes of a name that is not valid UTF-8 written as ``\\xe9``.
+
+    Why: Python hands such names over surrogate-escaped (``'caf\\udce9.jpg'``), and every
+    UTF-8 encode of them (LMDB keys, JSON reports, the terminal) raises; this form encodes
+    anywhere and still shows the byte that is wrong.
+    """
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def utf8_problem(name: str, what: str = "file") -> str | None:
+    """Why a file or folder named ``name`` is skipped when its name is not valid UTF-8, else None.
+
+    The index keys, reports and answers paths as UTF-8 text (LMDB keys, JSON); a name in
+    another encoding (Latin-1 ``caf\\xe9.jpg`` copied from an old disk) cannot be stored as
+    text without a lossy guess, so it is skipped and named (``repr`` of its bytes) in
+    ``report.jsonl``, instead of aborting the whole build.
+    """
+    try:
+        name.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        raw = os.fsencode(name)
+        return (f"skipped: the {what} name {raw!r} is not valid UTF-8; rename it to UTF-8 "
+                "(e.g. `convmv -f latin1 -t utf8 -r --notest DIR`) and run `indexer add` again")
+
+
 def label_of(relpath: str) -> str | None:
     parent = str(PurePosixPath(relpath).parent)
     return None if parent in ("", ".") else parent
@@ -43,7 +70,9 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
     walked, by its (st_dev, st_ino), is not walked again, so a link to an ancestor cannot loop;
     such a link is yielded with ``problem`` set (the build's report names it). A symlinked file
     is read through. Entries with an image suffix that are not regular files are yielded with
-    ``problem`` set, so the build can name them in its report.
+    ``problem`` set, so the build can name them in its report, and so are names that are not
+    valid UTF-8 (:func:`utf8_problem`; their ``relpath`` is :func:`printable_name`'s) and entries
+    the OS refuses to look at (a path over ``PATH_MAX``, 4,096 bytes on Linux: ENAMETOOLONG).
     """
     root = Path(root)
     if not root.is_dir():
@@ -51,8 +80,13 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
     prefix = prefix.strip("/")
 
     def rel(p: Path) -> str:
-        r = p.relative_to(root).as_posix()
+        r = printable_name(p.relative_to(root).as_posix())
         return f"{prefix}/{r}" if prefix else r
+
+    def refused(p: Path, e: OSError, what: str) -> GalleryFile:
+        r = rel(p)
+        return GalleryFile(p, r, label_of(r), f"unreadable {what}: {e.strerror or e} "
+                                              f"(path of {len(os.fsencode(p)):,} bytes)")
 
     st = root.stat()
     visited = {(st.st_dev, st.st_ino)}
@@ -69,14 +103,25 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
         for e in entries:
             p = Path(e.path)
             image_name = is_image_name(e.name)
-            if e.is_dir(follow_symlinks=True):
+            try:
+                is_dir = e.is_dir(follow_symlinks=True)
+            except OSError as err:          # e.g. ENAMETOOLONG on a symlink's stat
+                yield refused(p, err, "entry")
+                continue
+            if is_dir:
                 if image_name:
                     r = rel(p)
                     yield GalleryFile(p, r, label_of(r), "unreadable: is a directory, not an image file")
                     continue
+                bad = utf8_problem(e.name, "folder")
+                if bad:                     # everything under it would be named in that encoding
+                    r = rel(p)
+                    yield GalleryFile(p, r, label_of(r), bad + " (nothing under it was indexed)")
+                    continue
                 try:
                     t = e.stat(follow_symlinks=True)
-                except OSError:
+                except OSError as err:      # a path the OS refuses (ENAMETOOLONG past PATH_MAX)
+                    yield refused(p, err, "directory")
                     continue
                 if (t.st_dev, t.st_ino) in visited:        # a link back up, or to a folder walked
                     r = rel(p)
@@ -89,7 +134,10 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
             if not image_name:
                 continue
             r = rel(p)
-            if e.is_symlink() and not p.exists():
+            bad = utf8_problem(e.name)
+            if bad:
+                yield GalleryFile(p, r, label_of(r), bad)
+            elif e.is_symlink() and not p.exists():
                 yield GalleryFile(p, r, label_of(r), "unreadable: dangling symlink")
             elif not e.is_file(follow_symlinks=True):
                 yield GalleryFile(p, r, label_of(r), "unreadable: not a regular file")
