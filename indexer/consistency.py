@@ -92,6 +92,8 @@ def check_counts(directory: str | Path, store: GalleryStore | None = None) -> Co
     stamp = manifest_stamp(d.path)
     manifest = d.read_manifest()
     d.refuse_shard(manifest)
+    if _neighbours_busy(d, manifest, stamp):
+        return CountCheck(d.path, busy=True)
     if manifest.is_sharded:
         return _check_sharded(d, manifest, stamp)
     check = CountCheck(d.path, manifest=manifest.count, faiss=faiss_ntotal(d.index_file))
@@ -107,6 +109,22 @@ def check_counts(directory: str | Path, store: GalleryStore | None = None) -> Co
     if is_locked(d.path) or manifest_stamp(d.path) != stamp:
         return CountCheck(d.path, busy=True)
     return check
+
+
+def _neighbours_busy(d: IndexDir, manifest: Manifest, stamp: object) -> bool:
+    """DBA's ``neighbours.npz`` checked as ``search``/``app.py`` check it at open
+    (:func:`indexer.neighbours.check`: exists, size, sha256 once per change, arrays' shapes and
+    dtypes, k/alpha, rows = count), so ``indexer info`` and ``/api/health`` see what the next
+    open would refuse (issue 39). True: a writer was at work meanwhile (not a damage)."""
+    from . import neighbours
+
+    try:
+        neighbours.check(d.path, manifest, verify_hash=None)
+    except IndexerError:
+        if is_locked(d.path) or manifest_stamp(d.path) != stamp:
+            return True
+        raise
+    return False
 
 
 def _check_sharded(d: IndexDir, manifest: Manifest, stamp: object) -> CountCheck:

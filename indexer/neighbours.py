@@ -75,7 +75,11 @@ class DbaParams:
     def from_record(cls, rec: dict) -> "DbaParams":
         if not isinstance(rec, dict) or rec.get("method") != "dba":
             raise IndexerError(f"manifest neighbours {rec!r}: expected {{'method': 'dba', 'k', 'alpha', 'depth'}}")
-        return cls(int(rec["k"]), float(rec["alpha"]), int(rec["depth"]))
+        try:
+            return cls(int(rec["k"]), float(rec["alpha"]), int(rec["depth"]))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise IndexerError(f"manifest neighbours {rec!r}: {type(e).__name__}: {e}; expected "
+                               "integers k >= 2 and depth >= 1 and a number alpha") from None
 
 
 @dataclass
@@ -280,16 +284,93 @@ def write(directory: str | Path, nb: Neighbourhoods) -> dict:
     return {**nb.params.record(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def read(directory: str | Path, manifest: dict) -> Neighbourhoods | None:
-    """The directory's neighbourhoods when its manifest records DBA (else None), after the size
-    and sha256 check every index file gets (:func:`indexer.validate.check_faiss_file`)."""
-    from .validate import check_faiss_file
+#: The arrays of ``neighbours.npz`` and the dtype kind each must have ("i": signed integers,
+#: "f": floats); their shapes follow from the manifest (:func:`check`).
+_ARRAYS = {"ids": "i", "nbr": "i", "sims": "f", "aug": "f", "params": "f"}
+_verified: dict[str, tuple] = {}    # path -> (dev, ino, size, mtime_ns, sha256) last verified here
+
+
+def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array of an ``.npz`` from the zip directory and the ``.npy``
+    headers alone: no array is read, nothing is unpickled (an object dtype is refused as the
+    pickle it would be). Raises ValueError/OSError/zipfile errors on anything else."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        for name in _ARRAYS:
+            if f"{name}.npy" not in names:
+                raise ValueError(f"no array {name!r} in it (holds {sorted(names)[:6]})")
+            with z.open(f"{name}.npy") as f:
+                major, _ = np.lib.format.read_magic(f)
+                read = (np.lib.format.read_array_header_1_0 if major == 1
+                        else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read(f, max_header_size=10_000)
+            if dtype.hasobject:
+                raise ValueError(f"array {name!r} holds Python objects (a pickle); refused unread")
+            out[name] = (tuple(shape), dtype)
+    return out
+
+
+def check(directory: str | Path, manifest: dict, *, verify_hash: bool | None = True) -> None:
+    """The one check of ``neighbours.npz`` against the manifest (no-op for an index without
+    DBA): what ``search``/``app.py`` run at open (:func:`read`, then the values), ``indexer
+    info`` and ``/api/health`` (through :func:`indexer.consistency.check_counts`).
+
+    The file exists with the size and sha256 the manifest recorded; it is a zip of ``.npy``
+    arrays (headers read, never unpickled) with ``ids`` (n,), ``nbr``/``sims`` (n, k), ``aug``
+    (n, dim), ``params`` (3,) of integer/float dtypes, n = the manifest's ``count``, and the
+    file's own k/alpha/depth equal to the manifest's. Each failure is one line naming the file.
+    ``verify_hash``: True hashes the file; None hashes it only when its inode, size or mtime
+    changed since the last check in this process passed (``/api/health``: a read of the file
+    once per change, not per request); False never.
+    """
+    from .validate import check_faiss_file, damaged
 
     rec = manifest.get("neighbours")
     if not rec:
-        return None
+        return
     path = Path(directory) / NEIGHBOURS_FILE
-    check_faiss_file(path, rec)
+    params = DbaParams.from_record(rec)
+    check_faiss_file(path, rec, verify_hash=False)
+    if verify_hash is not False and "sha256" in rec:
+        st = path.stat()
+        sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, rec["sha256"])
+        if verify_hash or _verified.get(str(path)) != sig:
+            check_faiss_file(path, rec, verify_hash=True)
+            _verified[str(path)] = sig
+    try:
+        heads = _array_headers(path)
+        with np.load(path, allow_pickle=False) as z:
+            saved = tuple(float(v) for v in np.asarray(z["params"], dtype=np.float64).ravel())
+    except Exception as e:  # noqa: BLE001 - zipfile/numpy raise many kinds for a garbled file
+        _verified.pop(str(path), None)
+        raise damaged(path, f"not a readable neighbour file ({type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0][:160]})") from None
+    n, k, dim = int(manifest["count"]), params.k, int(manifest["dim"])
+    want = {"ids": (n,), "nbr": (n, k), "sims": (n, k), "aug": (n, dim), "params": (3,)}
+    for name, kind in _ARRAYS.items():
+        shape, dtype = heads[name]
+        if shape != want[name] or dtype.kind != kind:
+            _verified.pop(str(path), None)
+            raise damaged(path, f"array {name!r} is {shape} {dtype}, the manifest (count {n}, "
+                                f"k={k}, {dim}-d) needs {want[name]} of {'integers' if kind == 'i' else 'floats'}")
+    if saved != (float(params.k), float(params.alpha), float(params.depth)):
+        _verified.pop(str(path), None)
+        raise IndexerError(f"{path}: made with k={saved[0]:g}, alpha={saved[1]:g}, depth={saved[2]:g}, "
+                           f"the manifest says k={params.k}, alpha={params.alpha:g}, depth={params.depth}; "
+                           f"the index is damaged: rebuild it with `python -m indexer build --dba`")
+
+
+def read(directory: str | Path, manifest: dict) -> Neighbourhoods | None:
+    """The directory's neighbourhoods when its manifest records DBA (else None), after
+    :func:`check` (size, sha256, arrays' shapes and dtypes, k/alpha, row count)."""
+    rec = manifest.get("neighbours")
+    if not rec:
+        return None
+    check(directory, manifest)
+    path = Path(directory) / NEIGHBOURS_FILE
     return Neighbourhoods.load(path, DbaParams.from_record(rec), int(manifest["dim"]))
 
 
