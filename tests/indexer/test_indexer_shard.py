@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from indexer_testlib import run_cli
+from knn_asserts import assert_knn, vector_scorer
 from indexer import GalleryStore, Index
 from indexer.faiss_index import index_ids
 from indexer.index_dir import STORE_DIR
@@ -45,7 +46,10 @@ def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery
     s1, i1 = single.search_embeddings(x, 10)
     s2, i2 = merged.search_embeddings(x, 10)
     np.testing.assert_allclose(s2, s1, atol=1e-5)
-    np.testing.assert_array_equal(i2, i1)
+    # ids up to float ties: the same vector sits elsewhere in the merged lists, where another
+    # CPU's SIMD kernel may round its score another way, and look-alike glyphs tie within 1e-8
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    assert_knn(i2, i1, vector_scorer(xn, xn, ids), ordered=True, got_scores=s2, score_atol=1e-5)
     # and the merged store serves the same metadata and bytes
     for j in ids[::20]:
         assert merged.store.get_meta(int(j)) == single.store.get_meta(int(j))
