@@ -75,3 +75,28 @@ def assert_knn(got: np.ndarray, want: np.ndarray, true_score: Scorer, *,
                                        err_msg=f"{where}: scores are not their ids'")
             np.testing.assert_allclose(np.sort(gs), np.sort(sign * sw), atol=score_atol, rtol=0,
                                        err_msg=f"{where}: scores are not the expected ones")
+
+
+def recall_bounds(x: np.ndarray, labels: np.ndarray, k: int, *, atol: float = 1e-5
+                  ) -> tuple[float, float]:
+    """(lowest, highest) recall@k of ``x`` as queries and gallery (each query left out of its own
+    list; squared Euclidean in float64, as :func:`embedder.metrics.evaluate` ranks) over every
+    way float ties at rank k can be broken: a query is a sure hit if one of its neighbours clearly
+    inside the k-th distance has its label, or the neighbours tied with the k-th (within
+    ``atol``) are too few of other labels to fill the places left; a possible hit if any of
+    those has its label. For a metric computed elsewhere from the same images (embedded in
+    other batches: the same vectors up to float rounding), that figure must lie in between."""
+    x = np.asarray(x, np.float64)
+    labels = np.asarray(labels)
+    d = (x * x).sum(1)[:, None] + (x * x).sum(1)[None] - 2 * x @ x.T
+    np.fill_diagonal(d, np.inf)
+    sure = possible = 0
+    for r in range(len(x)):
+        kth = np.sort(d[r])[k - 1]
+        inside, tied = d[r] < kth - atol, np.abs(d[r] - kth) <= atol
+        same = labels == labels[r]
+        left = k - int(inside.sum())
+        hit_in = bool((inside & same).any())
+        sure += hit_in or (bool((tied & same).any()) and int((tied & ~same).sum()) < left)
+        possible += hit_in or bool((tied & same).any())
+    return sure / len(x), possible / len(x)

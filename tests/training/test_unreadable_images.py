@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from knn_asserts import recall_bounds
+
 CLASSES = ["accordion", "anchor", "ant", "barrel", "bass", "beaver"]   # c1-c3 train, c4-c6 test
 PER_CLASS = 5
 
@@ -71,8 +73,9 @@ def _check_skipped(out: Path, stdout: str, data: dict, which=("truncated", "empt
     return report
 
 
-def _readable_r1(checkpoint: Path, data: dict) -> float:
-    """R@1 of the checkpoint on the test classes' readable photos, computed here."""
+def _readable_r1(checkpoint: Path, data: dict) -> tuple[float, float]:
+    """R@1 of the checkpoint on the test classes' readable photos, computed here: (lowest,
+    highest) over the ways float ties at rank 1 break (the run embedded them in other batches)."""
     from embedder import load_checkpoint
     from embedder.metrics import evaluate
     from training.data import ImageDataset, folder_splits
@@ -86,7 +89,10 @@ def _readable_r1(checkpoint: Path, data: dict) -> float:
     model, _ = load_checkpoint(checkpoint)
     with torch.no_grad():
         emb = model(torch.stack([ds[i][0] for i in keep])).numpy()
-    return evaluate(emb, test.labels[keep], ks=(1,), clustering=False, map_r=False)["R@1"]
+    r1 = evaluate(emb, test.labels[keep], ks=(1,), clustering=False, map_r=False)["R@1"]
+    lo, hi = recall_bounds(emb, test.labels[keep], 1, atol=1e-6)
+    assert lo - 1e-9 <= r1 <= hi + 1e-9
+    return lo, hi
 
 
 def test_plain_loader_skips_unreadable_images_and_trains_on_the_rest(tmp_path, dataset, capsys):
@@ -98,7 +104,8 @@ def test_plain_loader_skips_unreadable_images_and_trains_on_the_rest(tmp_path, d
     ck = torch.load(out / "last.pt", weights_only=True)
     assert ck["global_step"] >= 1 and np.isfinite(report["history"][-1]["loss"])
     # evaluation saw exactly the readable test photos, with their own labels
-    assert report["best"]["R@1"] == pytest.approx(_readable_r1(out / "best.pt", dataset), abs=1e-6)
+    lo, hi = _readable_r1(out / "best.pt", dataset)
+    assert lo - 1e-6 <= report["best"]["R@1"] <= hi + 1e-6
     assert (out / "model.onnx").stat().st_size > 0      # parity check ran on readable images
 
 
@@ -108,7 +115,8 @@ def test_trunk_cache_records_failed_rows_and_a_fixed_file_rebuilds_it(tmp_path, 
     assert rc == 0, stderr
     report = _check_skipped(out, stdout, dataset)
     assert report["history"][-1]["steps"] >= 1 and np.isfinite(report["history"][-1]["loss"])
-    assert report["best"]["R@1"] == pytest.approx(_readable_r1(out / "best.pt", dataset), abs=1e-5)
+    lo, hi = _readable_r1(out / "best.pt", dataset)
+    assert lo - 1e-5 <= report["best"]["R@1"] <= hi + 1e-5
     metas = sorted(dataset["cache"].glob("*.json"))
     failed = [json.loads(m.read_text())["failed"] for m in metas]
     assert sorted(len(f) for f in failed) == [1, 2]          # test: the text file; train: two
