@@ -54,6 +54,42 @@ def caltech_root() -> Path:
     return _shared_images("caltech101-dev")
 
 
+def class_names(root: Path) -> list[str]:
+    """The class folders of ``root`` in the order training's loaders sort them (natural order,
+    case-insensitive), so that the first half here is their training half."""
+    import re
+
+    return sorted((d.name for d in root.iterdir() if d.is_dir()),
+                  key=lambda s: [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", s)])
+
+
+def few_per_class(src: Path, dst: Path, classes: list[str], per_class: int) -> Path:
+    """A class-folder dataset of ``classes`` of ``src`` with their first ``per_class`` photos
+    (symlinks: real photos, read in place). Training and benchmark tests that only need the code
+    paths run on this instead of whole categories (Caltech's first classes hold 80 photos each)."""
+    for c in classes:
+        (dst / c).mkdir(parents=True)
+        for f in sorted((src / c).iterdir())[:per_class]:
+            (dst / c / f.name).symlink_to(f)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def caltech_mini(caltech_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """caltech101-dev's first 3 and its 26th-28th categories (the first classes of its training
+    and test halves), 12 photos each: a 6-class dataset whose halves are 3 + 3 classes."""
+    names = class_names(caltech_root)
+    return few_per_class(caltech_root, tmp_path_factory.mktemp("caltech-mini"), names[:3] + names[25:28], 12)
+
+
+@pytest.fixture(scope="session")
+def cub_mini(cub_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """cub-dev's first 4 species and its 26th-29th (the first of its training and test halves),
+    12 photos each: 4 + 4 species, what fine-tuning tests need of the code paths in seconds."""
+    names = class_names(cub_root)
+    return few_per_class(cub_root, tmp_path_factory.mktemp("cub-mini"), names[:4] + names[25:29], 12)
+
+
 @pytest.fixture(scope="session")
 def photo_paths() -> list[Path]:
     """The colour photos scikit-image ships (real images, no download)."""
