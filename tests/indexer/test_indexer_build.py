@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from indexer_testlib import copy_characters, run_cli
+from knn_asserts import recall_bounds
 from indexer import GalleryStore, Index, build_index, check_counts
 from indexer.index_dir import INDEX_FILE, STORE_DIR
 
@@ -171,8 +172,11 @@ def test_eval_excludes_the_query_itself(built_index: Path, omniglot_gallery: Pat
     labels = np.array([idx.store.get_meta(int(i))["label"] for i in ids])
     _, nn = knn(x, x, 4, exclude_self=True)
     expected = recall_at_k(labels[nn], labels, [1, 4])
-    assert res["recall"]["1"] == pytest.approx(expected[1])
-    assert res["recall"]["4"] == pytest.approx(expected[4])
+    # up to float ties at rank k (the index ranks by inner product, knn by distance: look-alike
+    # glyphs of the untrained embedder are 1e-7 apart, and either of two may come k-th)
+    for k in (1, 4):
+        lo, hi = recall_bounds(x, labels, k, atol=1e-6)
+        assert lo - 1e-9 <= expected[k] <= hi + 1e-9 and lo - 1e-9 <= res["recall"][str(k)] <= hi + 1e-9
     assert res["recall"]["1"] < 1.0     # a self-match would have given exactly 1.0
 
 
