@@ -1,6 +1,7 @@
 """Benchmarks and reliability probes: each module a script, run from the repository root as
-``python -m benchmarks.<name> --help``; figures go to BENCHMARKS.md, RELIABILITY.md and
-benchmarks/RESULTS-*.md with the exact command.
+``python -m benchmarks.<name> --help``. A run prints its table; ``--out``/``--results PATH``
+also writes it (bench_out/ is git-ignored). Kept figures, with the exact command: BENCHMARKS.md
+(the goals), docs/benchmarks/<area>.md and RELIABILITY.md.
 
 They use product code only through the packages' public faces (the names in ``embedder``,
 ``indexer``, ``serving`` and ``training``'s ``__all__``; tests/test_architecture.py checks it),

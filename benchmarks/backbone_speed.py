@@ -7,8 +7,9 @@ Random weights (speed does not depend on them; no ViT weights are reachable here
 the training-free embedder (pooled features, no head, L2) exported with the parity check, as
 `python -m embedder pretrained --backbone timm:NAME` makes it. ORT calls are interleaved across
 models and the builds alternate, so the ratios against Lite1 are measured under the same load;
-the absolute rates move with the neighbours' load (stated with the figures). Writes a Markdown
-section (with the command) to benchmarks/RESULTS-embedder.md.
+the absolute rates move with the neighbours' load (stated with the figures). Prints a Markdown
+section (with the command); --out PATH also puts it into that file (e.g. bench_out/embedder.md,
+git-ignored). Kept figures: docs/benchmarks/embedder.md ("timm backbones").
 
     python -m benchmarks.backbone_speed --threads 2 --images 200 --min-time 3
 """
@@ -87,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-time", type=float, default=3.0, help="seconds per ORT model")
     ap.add_argument("--cub", type=Path, default=REPO.parent / "shared" / "data" / "cub-dev" / "images")
     ap.add_argument("--only", nargs="+", default=None, help="labels' first words to keep (e.g. Lite1 ViT-S/14)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the section into this Markdown file (default: print only; kept "
+                         "figures: docs/benchmarks/embedder.md)")
     return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
 
 

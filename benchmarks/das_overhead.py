@@ -12,8 +12,9 @@
     and multi-similarity; the two variants alternate step by step so machine load hits both
     alike, and the ratio of medians is reported;
 (c) transformation-bank memory at SOP scale for fp32, fp16 and bf16 banks.
-Writes a Markdown section (with this command line) to --out, and the figures as JSON to --json
-(benchmarks/gpu_check.py reads them).
+Prints a Markdown section (with this command line); writes it to --out PATH only when given (e.g.
+bench_out/das.md, git-ignored), and the figures as JSON to --json (benchmarks/gpu_check.py reads
+them). Kept figures: docs/benchmarks/training-das.md ("DAS overhead", "On a GPU").
 """
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=128, help="embedding size for the full step")
     p.add_argument("--devices", nargs="+", default=["cpu", "cuda"], choices=["cpu", "cuda"],
                    help="devices to time (cuda is skipped when unavailable)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-das.md",
-                   help="Markdown fragment to write ('-' for none)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the Markdown fragment here (default or '-': print only; kept "
+                        "figures: docs/benchmarks/training-das.md)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
     return p
 
@@ -329,7 +331,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=1))
-    if str(args.out) != "-":
+    if args.out is not None and str(args.out) != "-":
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         print(f"wrote {args.out}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Memory of decoding large uploads, per format: the previous decoder vs the bounded one.
 
     python -m benchmarks.decode_memory [--megapixels 36] [--concurrent 1 4] [--bursts 1]
-                                       [--formats ...] [--old-ref 7c84ca7] [--no-write]
+                                       [--formats ...] [--old-ref 7c84ca7] [--out PATH] [--plot PATH]
                                        [--webp-megapixels MP] [--modes old new]
 
 Makes one camera-size image (default 7360 x 4912 = 36 MP, under the 40 MP upload cap) from a
@@ -17,8 +17,9 @@ fresh process so that its peak RSS (VmHWM) is its own, ``--bursts`` bursts of N 
 
 each followed by the embedder's preprocessing and a real embedding (pretrained EfficientNet-Lite0,
 onnxruntime, 1 thread), as a search request does. Reports RSS before the bursts, the peak and
-RSS after them (MB), refusals and seconds per burst; writes benchmarks/RESULTS-decode.md and
-benchmarks/decode_memory.png unless --no-write.
+RSS after them (MB), refusals and seconds per burst. Prints the table; writes it only with --out
+(e.g. bench_out/decode.md, git-ignored), and the plot only with --plot (RELIABILITY.md's figure is
+benchmarks/decode_memory.png). The kept figures are in RELIABILITY.md ("Decoding memory").
 
 Issue 28 adds containers (``--formats "ICO PNG" "CUR PNG" MPO "WebP anim" "GIF anim" APNG``):
 an icon whose directory says 256 x 256 around a 12000 x 12000 PNG, and two-frame MPO, GIF, APNG
@@ -210,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
                         "cap: 10.5 MP with the default budget)")
     p.add_argument("--modes", nargs="+", default=["old", "new"], choices=["old", "new"],
                    help="which decoders to run (default both)")
-    p.add_argument("--no-write", action="store_true", help="print only; do not write RESULTS-decode.md/PNG")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the table to this Markdown file (default: print only; the kept "
+                        "figures are in RELIABILITY.md)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="also draw the peaks to this PNG (RELIABILITY.md shows benchmarks/decode_memory.png)")
+    p.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)  # the default now; old commands
     p.add_argument("--worker", nargs=3, metavar=("MODE", "PATH", "OLD"), help=argparse.SUPPRESS)
     return run_main(PROG, p, argv, handler=run)
 
@@ -244,9 +250,12 @@ def run(args: argparse.Namespace) -> int | None:
             tqdm.write(json.dumps(r))
     text = _table(rows, a, w, h)
     print(text)
-    if not a.no_write:
-        (REPO / "benchmarks" / "RESULTS-decode.md").write_text("# Decoding memory (benchmarks/decode_memory.py)\n\n" + text)
-        _plot(rows, REPO / "benchmarks" / "decode_memory.png", f"{w} x {h} ({w * h / 1e6:.0f} MP)")
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text("# Decoding memory (benchmarks/decode_memory.py)\n\n" + text)
+    if a.plot is not None:
+        a.plot.parent.mkdir(parents=True, exist_ok=True)
+        _plot(rows, a.plot, f"{w} x {h} ({w * h / 1e6:.0f} MP)")
     return 0
 
 

@@ -3,7 +3,8 @@
 Both sides get the same preprocessed real photos (scikit-image) and the same thread count, so
 the ratio ORT/torch is measured on one machine at one moment; absolute numbers on a shared
 CPU move with the neighbours' load, the ratio much less. Decoding is excluded: this measures
-the network. Writes a Markdown table (with the command) to benchmarks/RESULTS-embedder.md.
+the network. Prints a Markdown table (with the command); --out PATH also puts it into that
+file (e.g. bench_out/embedder.md, git-ignored). Kept figures: docs/benchmarks/embedder.md.
 
     python -m benchmarks.embed_throughput --threads 2 --min-time 3
 """
@@ -74,12 +75,15 @@ def rates(fns, batch: np.ndarray, min_time: float, min_reps: int = 3) -> list[fl
     return [len(batch) / float(np.median(t)) for t in times]
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Print ``lines`` and put them into ``path`` as the section headed ``lines[0]``: the old
-    section (up to the next ``## `` heading) replaced, or the new one appended. The file holds
-    other benchmarks' sections too (pretrained_choice.py, backbone_speed.py)."""
+def write_section(path: Path | None, lines: list[str]) -> None:
+    """Print ``lines`` and, unless ``path`` is None, put them into ``path`` as the section headed
+    ``lines[0]``: the old section (up to the next ``## `` heading) replaced, or the new one
+    appended. The file may hold other benchmarks' sections too (backbone_speed.py)."""
     text = "\n".join(lines) + "\n"
     print(text)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text().split("\n") if path.is_file() else []
     start = next((i for i, line in enumerate(old) if line.strip() == lines[0]), None)
     if start is not None:
@@ -104,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="onnxruntime graph optimisation level")
     ap.add_argument("--spin", action="store_true", help="let ORT worker threads spin between runs")
     ap.add_argument("--min-time", type=float, default=1.5, help="seconds per measurement")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-embedder.md")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the table into this Markdown file as its section (default: print "
+                         "only; kept figures: docs/benchmarks/embedder.md)")
     return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
 
 

@@ -2,10 +2,12 @@
 
 Run from the repository root:
 
-    python -m benchmarks.index_bench --out benchmarks/RESULTS-indexer.md
-    python -m benchmarks.index_bench --skip-synthetic --ingest-images 400 --out benchmarks/RESULTS-indexer.md
+    python -m benchmarks.index_bench --out bench_out/indexer.md
+    python -m benchmarks.index_bench --skip-synthetic --ingest-images 400 --out bench_out/indexer.md
     python -m benchmarks.index_bench --sizes '' --wide '' --skip-ingest \
-        --autofaiss-python /tmp/afenv/bin/python --out benchmarks/RESULTS-indexer.md
+        --autofaiss-python /tmp/afenv/bin/python --out bench_out/indexer.md
+
+Without --out it prints only (bench_out/ is git-ignored); kept figures: docs/benchmarks/indexer.md.
 
 The second form reruns only the ingest part and the third only the low-rank part; each replaces
 only its own paragraph and tables in an existing ``--out`` file, keeping the other figures and
@@ -14,7 +16,7 @@ any hand-written notes. The Ray row
 network namespace and, alone, replaces only its own section:
 
     unshare -n sh -c 'ip link set lo up && python -m benchmarks.index_bench --skip-synthetic \
-        --skip-ingest --ray-images 400 --out benchmarks/RESULTS-indexer.md'
+        --skip-ingest --ray-images 400 --out bench_out/indexer.md'
 
 Part 1 builds the index exactly as ``indexer build`` does (``indexer.selection.build``: index
 type chosen by measurement on a sample, search parameter tuned to recall@10 >= 0.95 vs exact on
@@ -548,6 +550,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
                                                                                args.ingest_repeats))
         print(text)
         if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
         return
     lines = ["## Indexer (`benchmarks/index_bench.py`)", "", f"Command: `{cmd}` "
@@ -579,6 +582,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
             text = replace_ingest_section(text, ingest_section(ing, cmd, total, args.ingest_repeats))
     print(text)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
 
 

@@ -21,7 +21,10 @@ fp32 model (benchmarks.pretrained_choice.ingest_rates); plus onnxruntime alone, 
 calls alternating (the network only; readable under a neighbours' load that blurs the build).
 
     python -m benchmarks.int8_embedder --variants lite1-gem4-224 lite0+lite1-gem4 \\
-        --throughput 200 --repeats 3 --out benchmarks/RESULTS-embedder.md
+        --throughput 200 --repeats 3 --out bench_out/embedder.md
+
+Without --out it prints only; kept figures: docs/benchmarks/embedder.md ("int8 and two-backbone
+embedders").
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ R@1 difference DAS - baseline with its 95% t-interval, and DAS's time per step a
 the baseline measured in the same run. `--preset` picks the DAS options of the DAS runs
 (training.config.DAS_PRESETS), `--flavour` the loss/sampler flavour, `--set` any other
 TrainConfig field. `--root` is any Omniglot folder with images_background/ (and optionally
-images_evaluation/, then used as the test split).
+images_evaluation/, then used as the test split). The table goes to `--results` (default
+results.md in `--out`, under the git-ignored bench_out/); the kept figures are in
+docs/benchmarks/training-das.md.
 """
 from __future__ import annotations
 
@@ -82,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(TrainConfig.das_exclude_own_copies; not in the paper; same as "
                         "--set das_exclude_own_copies=true)")
     p.add_argument("--out", default=str(REPO / "bench_out" / "omniglot_das"), help="run directories")
-    p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS-training.md"),
-                   help="Markdown file the results table is written to")
+    p.add_argument("--results", default=None,
+                   help="Markdown file the results table is written to (default: results.md in --out; "
+                        "kept figures: docs/benchmarks/training-das.md)")
     return p
 
 
@@ -254,6 +257,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     command = ("python -m benchmarks.omniglot_das " + shlex.join(argv if argv is not None else sys.argv[1:])).rstrip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.results is None:
+        args.results = str(out / "results.md")
     results: dict[str, dict[str, list]] = {}
     jobs = [(args, m, v, s) for m in args.methods for v in [None, *variants] for s in args.seeds]
     if args.reuse:   # runs of an earlier invocation: keep them, train only the missing ones

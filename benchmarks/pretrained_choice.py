@@ -11,11 +11,12 @@ preprocessing. Embeddings are cached per (variant, image list) under --cache (ou
 
     python -m benchmarks.pretrained_choice --splits cub-val \\
         --variants lite0-avg-224 lite0-gem3-224 lite1-gem3-240 lite2-gem3-260
-    python -m benchmarks.pretrained_choice --throughput 400 --out benchmarks/RESULTS-embedder.md \\
+    python -m benchmarks.pretrained_choice --throughput 400 --out bench_out/embedder.md \\
         --variants lite0-avg-224 lite1-gem3-240
 
 With --out, the section "## The default embedder (training-free)" of that file is replaced
-(or appended) and a bar chart is written next to it as pretrained_choice.png.
+(or appended) and a bar chart is written next to it as pretrained_choice.png. Kept figures:
+docs/benchmarks/embedder.md ("The default embedder (training-free, issue 23)").
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The hostile-but-fair probes of issue 13, run against a real `python app.py`; one table row each.
 
-    python -m benchmarks.reliability_probes [--no-write]
+    python -m benchmarks.reliability_probes [--out PATH]
 
 Builds a small index (4 Caltech-101 classes x 6 photos from ../shared/data, the offline
 pretrained embedder) in a temporary folder, serves it on a free 127.0.0.1 port with --auth and
 --max-upload-mb 1 (stopped by PID at the end), and records for each probe what was expected and
 what was observed (status, seconds, bytes read). Then damages copies of the index and runs the
-CLI and app.py startup on them. Writes benchmarks/RESULTS-reliability.md unless --no-write.
+CLI and app.py startup on them. Prints the table; writes it to a file only with --out (e.g.
+bench_out/reliability.md, git-ignored). The kept figures are in RELIABILITY.md ("Probes").
 Decode memory has its own script (benchmarks/decode_memory.py).
 """
 from __future__ import annotations
@@ -290,7 +291,10 @@ def damage_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the table to this Markdown file (default: print only; the kept "
+                        "figures are in RELIABILITY.md)")
+    p.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)  # the default now; old commands
     return run_main(PROG, p, argv, handler=run)
 
 
@@ -330,8 +334,9 @@ def run(args: argparse.Namespace) -> int | None:
             "| probe | expected | observed |\n| --- | --- | --- |\n"
             + "".join(f"| {a_} | {b} | {c.replace('|', '/')} |\n" for a_, b, c in rows))
     print(text)
-    if not a.no_write:
-        (REPO / "benchmarks" / "RESULTS-reliability.md").write_text("# Reliability probes (benchmarks/reliability_probes.py)\n\n" + text)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text("# Reliability probes (benchmarks/reliability_probes.py)\n\n" + text)
     return 0
 
 

@@ -2,13 +2,15 @@
 
 Run from the repository root:
 
-    python -m benchmarks.scaling_inputs --out benchmarks/RESULTS-scaling.md
+    python -m benchmarks.scaling_inputs --out bench_out/scaling.md
+
+(without --out it prints only; kept figures: docs/benchmarks/scaling.md, "Per-image inputs")
 
 On the same cores and in the same run (so the ratios hold under load), with the default
 embedder (EfficientNet-Lite0, 224 px, 1280-d):
 
 1. ``indexer build`` throughput on real photos (Caltech-101 JPEGs) against tiny glyphs
-   (Omniglot PNGs, the gallery of BENCHMARKS.md's ingest row): what photo decoding costs;
+   (Omniglot PNGs, the gallery of docs/benchmarks/indexer.md's ingest): what photo decoding costs;
 2. decode + resize + normalise alone (``OnnxEmbedder.prepare``, one thread) on the same photos:
    the per-core ceiling a GPU node's CPUs must feed, whatever the GPU does;
 3. bytes per image on disk: the LMDB store (image bytes, metadata, embedding) and the faiss file.
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     text = report(r, "python -m benchmarks.scaling_inputs " + " ".join(sys.argv[1:]), time.perf_counter() - t0)
     print(text)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
 
 

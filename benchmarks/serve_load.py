@@ -7,7 +7,8 @@ Starts `python app.py` on a free 127.0.0.1 port (stopped by PID at the end), the
   * http      POST /api/search with 1 client and --clients concurrent clients for --duration s.
 Queries are real gallery images (bytes from the index's LMDB store), uploaded round robin.
 Reports errors, p50/p99 latency and queries/s, and p50 ratios http/bare at equal concurrency
-(the goal: within 1.5x). Writes the table to benchmarks/RESULTS-serving.md unless --no-write.
+(the goal: within 1.5x). Prints the table; writes it only with --out PATH (e.g.
+bench_out/serving.md, git-ignored). Kept figures: docs/benchmarks/serving.md.
 """
 from __future__ import annotations
 
@@ -128,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="alternate bare and HTTP runs this many times (default 3), splitting the durations")
     ap.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
     ap.add_argument("--images", type=int, default=32, help="distinct gallery images used as queries (default 32)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS-serving.md")
-    ap.add_argument("--no-write", action="store_true", help="print only, do not write --out")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the table to this Markdown file (default: print only; kept "
+                         "figures: docs/benchmarks/serving.md)")
+    ap.add_argument("--no-write", action="store_true", help="print only, even with --out")
     return run_main(PROG, ap, argv, handler=lambda args: run(args, argv))
 
 
@@ -212,7 +215,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int | None:
     ]
     text = "\n".join(lines)
     print(text)
-    if not args.no_write:
+    if args.out is not None and not args.no_write:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         print(f"written to {args.out}", file=sys.stderr)
     return 0
