@@ -78,7 +78,7 @@ def _run_config(args, method: str, variant: str, seed: int, out: Path):
                    "out": str(out / "runs" / f"{loss}-{miner}-{variant}-s{seed}")})
     if args.root:
         values["root"] = args.root
-    if args.quick:                  # fits an hour on 2 cores (BENCHMARKS.md)
+    if args.quick:                  # fits an hour on 2 cores (docs/benchmarks/training-das.md)
         values.update(QUICK_SCHEDULE)
     values.update(dict(parse_override(o) for o in args.overrides))
     values["eval_every"] = values.get("epochs", 300)            # last epoch only

@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: Head training defaults per dataset kind, chosen with --validation (BENCHMARKS.md, "How the
-#: head was chosen"): Omniglot's baseline gains 11 R@1 points over the untrained features at
+#: Head training defaults per dataset kind, chosen with --validation (docs/benchmarks/training-das.md,
+#: "Frozen features"): Omniglot's baseline gains 11 R@1 points over the untrained features at
 #: lr 1e-3 in 5 epochs; on caltech101-dev no head, lr, epoch count or augmented views beat the
 #: untrained features on validation classes, and lr 1e-4 over 10 epochs costs the least.
 DEFAULTS = {"folder": {"epochs": 10, "lr": 1e-4, "weight_decay": 4e-4, "views": 0},

