@@ -6,10 +6,10 @@ CNNs and ViTs alike (``timm:vit_small_patch14_dinov2.lvd142m``, ``timm:convnext_
 * the network: ``timm.create_model(name, num_classes=0)`` (no classifier);
 * its weights: ``pretrained = true`` is timm's own source (the Hugging Face hub, or the URL of
   its pretrained config); ``weights = PATH`` (a local .safetensors / .pth / .bin, a bare state
-  dict or a training checkpoint holding one) goes through timm's own loader with
-  ``pretrained_cfg_overlay=dict(file=PATH)``, so timm's checkpoint filters (original DINOv2 / CLIP
-  / OpenAI layouts, position embeddings resampled to another input size) apply to it as they do
-  to a download. A machine without the hub gets one line saying which file to put where;
+  dict or a training checkpoint holding one) is unwrapped and checked to fit, then goes through
+  timm's own ``load_pretrained``, so timm's checkpoint filters (original DINOv2 / CLIP / OpenAI
+  layouts, position embeddings resampled to another input size) apply to it as they do to a
+  download (:mod:`embedder.timm_weights`: a file that does not fit is one line naming it). A machine without the hub gets one line saying which file to put where;
 * its preprocessing: ``timm.data.resolve_data_config`` of its pretrained config (input size, crop
   ratio, mean/std, interpolation), turned into a :class:`Preprocessing` that is stored with the
   checkpoint and in the ONNX file like any other.
@@ -125,20 +125,26 @@ def create_timm_model(backbone: str, *, pretrained: bool = False, weights: str =
     import timm
 
     name = model_name(backbone)
-    kw: dict = dict(num_classes=0, in_chans=in_chans, pretrained=bool(pretrained or weights))
-    if weights:
-        kw["pretrained_cfg_overlay"] = dict(file=str(check_weights_file(weights)))
+    path = check_weights_file(weights) if weights else None
+    # a weights file: the model is made bare and the file loaded by embedder.timm_weights
+    # (unwrapped, checked to fit: timm's own file loading is not strict once the classifier goes)
+    kw: dict = dict(num_classes=0, in_chans=in_chans, pretrained=bool(pretrained) and path is None)
     native = (_pretrained_cfg(name).get("input_size") or (3, 224, 224))[-1]
     if input_size and int(input_size) != int(native):
         kw["img_size"] = int(input_size)
     try:
         try:
-            return timm.create_model(name, **kw)
+            net = timm.create_model(name, **kw)
         except TypeError as e:      # a CNN: no img_size argument, any input size works
             if "img_size" not in kw or "img_size" not in str(e):
                 raise
             del kw["img_size"]
-            return timm.create_model(name, **kw)
+            net = timm.create_model(name, **kw)
+        if path is not None:
+            from .timm_weights import load_weights_file
+
+            load_weights_file(net, path, in_chans=in_chans)
+        return net
     except PretrainedWeightsUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - hub/network/file errors come in many types
