@@ -287,7 +287,7 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _add(args: argparse.Namespace) -> None:
-    from .layouts import add_images
+    from .update import add_images
 
     c = add_images(args.index, args.folder, args.model, prefix=args.prefix, batch_size=args.batch_size,
                    workers=args.workers, device=args.device, progress=not args.quiet, wait=args.wait)
@@ -300,7 +300,7 @@ def _add(args: argparse.Namespace) -> None:
 
 
 def _remove(args: argparse.Namespace) -> None:
-    from .layouts import remove_items
+    from .update import remove_items
 
     c = remove_items(args.index, args.targets, wait=args.wait)
     print("\n".join(c.messages))
@@ -308,7 +308,7 @@ def _remove(args: argparse.Namespace) -> None:
 
 
 def _repair(args: argparse.Namespace) -> None:
-    from .layouts import repair_index
+    from .update import repair_index
 
     c = repair_index(args.index, batch_size=args.batch_size, workers=args.workers, device=args.device,
                      progress=not args.quiet, wait=args.wait)
@@ -406,15 +406,15 @@ def _print_index_line(m: Manifest, out: Path) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
-    """``indexer info``: the library's facts (indexer.layouts.info) as a table or JSON; counts
+    """``indexer info``: the library's facts (indexer.update.info) as a table or JSON; counts
     that differ end in the one error line (exit 1) after the table."""
-    from .layouts import info
+    from .update import info
 
     facts = info(args.index, deep=args.deep)
     m, counts = facts["manifest"], facts["counts"]
     if args.json:
         out = {"manifest": m.to_dict(), **{k: v for k, v in facts.items()
-                                           if k in ("store", "shards", "held")}}
+                                           if k in ("store", "parts", "held")}}
         out["counts"] = counts and {**{k: getattr(counts, k) for k in ("store", "embedded", "faiss",
                                                                          "manifest", "busy")},
                                     "ok": counts.ok, "message": counts.message}
@@ -430,33 +430,30 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def _print_layout(directory: Path, m: Manifest, facts: dict) -> None:
-    """The table of either layout: what the manifest says, then the layout's own facts."""
-    mod, sharded = m.model, facts["layout"] == "sharded"
-    print(f"index:    {directory}" + (f" (sharded: {len(facts['shards'])} shards searched as one)" if sharded else ""))
+    """The table of either layout: what the manifest says, then its parts (a shard's folder
+    named per line), the held-out part and the stores."""
+    mod, shards = m.model, [p for p in facts["parts"] if p["shard"]]
+    print(f"index:    {directory}" + (f" ({facts['layout']}: {len(shards)} shards searched as one)" if shards else ""))
     print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
     if m.is_shard:
         print(f"shard:    {m.shard['i']}/{m.shard['n']} (merge before searching)")
     else:
         print(f"faiss:    {m.index_type} ({m.factory}), {m.count} vectors, metric {m.metric}")
-        if m.search_params or (m.nlist and not sharded):
+        if m.search_params or m.nlist:
             print(f"search:   {m.search_params or f'nprobe={m.nprobe}'}" + (f", nlist {m.nlist}" if m.nlist else ""))
             print(f"recall:   {m.recall_text()}")
-    if sharded:
-        for i, s in enumerate(facts["shards"]):
-            print(f"shard {i}:  {s['path']}: {s['images']} images stored, {s['vectors']} vectors in its part")
-        print(f"held-out: {facts['held']} vectors in {m.sharded['held']}")
-        print(f"checksum: {len(m.sharded.get('files', {}))} faiss files, sizes and sha256 verified")
-    elif not m.is_shard:
         _print_candidates(m)
-        nb, rec = m.neighbours, m.index_file
+        nb = m.neighbours
         if nb:
             print(f"rerank:   DBA, k={nb['k']} (item included), weights sim^{nb['alpha']:g}, top "
                   f"{nb['depth']} re-ranked (neighbours.npz, {nb.get('bytes', 0) / 2 ** 20:.1f} MiB)")
-        print(f"checksum: index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
-              else "checksum: not recorded (built before checksums; rebuild to add one)")
-    if not sharded:
-        st = facts["store"]
-        print(f"store:    {st['items']} images, {st['labels']} labels, embeddings from {st['models']} model(s)")
+        for i, s in enumerate(shards):
+            print(f"shard {i}:  {s['shard']}: {s['images']} images stored, {s['vectors']} vectors in its part")
+        if facts["held"] is not None:
+            print(f"held-out: {facts['held']} vectors in the held-out part")
+        print(f"checksum: {facts['checksums']}")
+    st = facts["store"]
+    print(f"store:    {st['items']} images, {st['labels']} labels, embeddings from {st['models']} model(s)")
     print(f"built:    {m.built_at} in {m.build_seconds}s; skipped "
           f"{(m.ingest or {}).get('skipped', 0)} (see {m.report})")
 

@@ -1,14 +1,11 @@
-"""Build, extend, shrink and merge single index directories (their files: :mod:`indexer.index_dir`).
-
-``indexer add/remove/repair`` reach the update functions here through :mod:`indexer.layouts`,
-which reads the manifest and takes the writer lock for them."""
+"""Build and merge single index directories (their files: :mod:`indexer.index_dir`); updates of
+either layout are :mod:`indexer.update`'s."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -18,15 +15,14 @@ import numpy as np
 from embedder.images import IMAGE_SUFFIXES
 
 from . import faiss_index as fx
-from . import neighbours, selection, tuning
+from . import neighbours, selection
 from .errors import IndexerError
 from .index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
-from .lmdb_env import DiskFullError
 from .lock import writer_lock
 from .manifest import Manifest
 from .model import load_embedder, model_info
 from .options import BuildOptions
-from .pipeline import IngestStats, embed_missing, ingest
+from .pipeline import ingest
 from .store import GalleryStore
 from .walk import GalleryFile, shard_of, walk_gallery
 
@@ -109,161 +105,6 @@ def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict,
     fx.write_atomic(index, d.index_file)
     return d.write_manifest(Manifest(model=model, **fields, **extra, index_file=d.index_record(),
                                      built_at=now_utc()))
-
-
-# ---------------------------------------------------------------------------- incremental
-@dataclass
-class Change:
-    """What ``indexer add/remove/repair`` did to an index (either layout): the manifest written
-    and the counts the CLI prints."""
-
-    manifest: Manifest
-    added: int = 0                  # faiss vectors added
-    removed: int = 0                # faiss vectors dropped
-    embedded: int = 0               # stored images embedded by repair
-    messages: list[str] = field(default_factory=list)     # remove: one line per target
-    stats: IngestStats | None = None                       # add: the ingest's counts
-    shard: Path | None = None       # a sharded index's add: the shard the images went to
-
-
-def update_embedder(d: IndexDir, manifest: Manifest, model: str | Path | None, device: str,
-                    batch_size: int) -> Any:
-    """The embedder of an update: ``model`` (default the index's copy), refused in one line
-    unless it is the model the index was built with."""
-    path = Path(model) if model is not None else d.model_file
-    emb = load_embedder(path, device=device, batch_size=batch_size)
-    d.check_embedder(emb, manifest, path)
-    return emb
-
-
-def sync_index(d: IndexDir, manifest: Manifest, store: GalleryStore, *, seed: int = 0) -> Change:
-    """Make index.faiss hold exactly the store's ids (adds new, drops removed), retune, write.
-
-    Idempotent, so it also repairs a directory whose store and index a crash left out of step.
-    """
-    index = d.read_index(manifest)
-    ids, x = store.all_embeddings(manifest.model_hash)
-    have = fx.index_ids(index)
-    stale = np.setdiff1d(have, ids)
-    new_rows = np.nonzero(~np.isin(ids, have))[0]
-    if len(ids) == 0:
-        raise IndexerError(f"{d.path}: the index would be empty; rebuild it with `indexer build`")
-    if len(stale):
-        fx.remove(index, stale, x[np.isin(ids, have)], ids[np.isin(ids, have)])
-    if len(new_rows):
-        fx.add(index, x[new_rows], ids[new_rows])
-    fields: dict = {"count": int(index.ntotal)}
-    if (len(stale) or len(new_rows)) and manifest.index_type != "flat":
-        fields.update(tuning.retune(index, manifest, x, ids, manifest.target_recall, seed=seed))
-    if manifest.neighbours:
-        fields["neighbours"] = _sync_neighbours(d, manifest, ids, x)
-    fx.write_atomic(index, d.index_file)
-    written = d.write_manifest(manifest.replace(**fields, index_file=d.index_record(), updated_at=now_utc()))
-    return Change(written, added=int(len(new_rows)), removed=int(len(stale)))
-
-
-def _sync_neighbours(d: IndexDir, manifest: Manifest, ids: np.ndarray, x: np.ndarray) -> dict:
-    """The DBA neighbourhoods brought to the store's items: the lists that an added or removed
-    item can change are searched again (:func:`indexer.neighbours.update`; equal to a fresh
-    build's); a missing or damaged file is rebuilt whole."""
-    rec = manifest.neighbours
-    try:
-        nb = neighbours.read(d.path, manifest)
-    except IndexerError:                    # missing / damaged: what `repair` is for
-        nb = None
-    if nb is None:
-        nb = neighbours.build(ids, x, neighbours.DbaParams.from_record(rec))
-    else:
-        nb, redone = neighbours.update(nb, ids, x)
-        if not redone and rec.get("sha256"):
-            return rec
-    return neighbours.write(d.path, nb)
-
-
-def add_single(d: IndexDir, manifest: Manifest, folder: Path, model: str | Path | None = None, *,
-               prefix: str = "", batch_size: int = 32, workers: int | None = None,
-               device: str = "auto", progress: bool = True) -> Change:
-    """``indexer add`` on a single index (:func:`indexer.layouts.add_images` holds the lock):
-    ingest another folder and add its new images to the existing index."""
-    d.refuse_shard(manifest)
-    emb = update_embedder(d, manifest, model, device, batch_size)
-    d.read_index(manifest)               # refuse before touching the store
-    with GalleryStore(d.store_dir, readonly=False) as store:
-        stats = ingest_folder(store, folder, prefix, emb, d.index_file, workers, progress)
-        d.write_report(stats.skipped)
-        return dataclasses.replace(sync_index(d, manifest, store), stats=stats)
-
-
-def ingest_folder(store: GalleryStore, folder: Path, prefix: str, emb: Any, rewritten: Path,
-                  workers: int | None, progress: bool) -> IngestStats:
-    """``indexer add``'s ingest (both layouts); a full disk is told with what the whole command
-    needs (:func:`space_needed`; ``rewritten``: the faiss file the add rewrites beside itself)."""
-    files = list(walk_gallery(folder, prefix=prefix))
-    if not files:
-        raise IndexerError(f"{folder}: no images to add")
-    try:
-        return ingest(store, files, emb, workers=workers, progress=progress)
-    except DiskFullError as e:
-        raise e.needing(space_needed(files, emb.dim, rewritten)) from None
-
-
-def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None = None) -> int:
-    """About what adding ``files`` takes on disk: their bytes (the store keeps each image), an
-    embedding and ~1 KB of keys and page slack each, and a second copy of ``index_file`` (the
-    index is rewritten beside itself, then renamed). An upper bound where content repeats."""
-    total = 0
-    for f in files:
-        if f.problem is None:
-            try:
-                total += f.abspath.stat().st_size + 4 * dim + 1024
-            except OSError:
-                pass
-    if index_file is not None and index_file.exists():
-        total += index_file.stat().st_size + len(files) * (4 * dim + 8)
-    return int(total)
-
-
-def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence[str], where: Path) -> list[str]:
-    """Remove each target (a stored path, else an id) from every store that holds it: one line
-    each (the stores' ``(store, " from SHARD")`` suffix names the shard). Every target is looked
-    up first, so an unknown one refuses the whole command and nothing is removed."""
-    def holds(store: GalleryStore, t: str) -> bool:
-        return store.id_for_path(t) is not None or (t.isdigit() and int(t) in store)
-
-    for t in targets:
-        if not any(holds(s, t) for s, _ in stores):
-            raise IndexerError(f"{t}: no such id or path in {where}")
-    msgs = []
-    for t in targets:
-        for store, suffix in stores:
-            if store.id_for_path(t) is not None:
-                i, gone = store.remove_path(t)  # type: ignore[misc]
-                msgs.append(f"removed {t} (id {i}){suffix}" if gone else
-                            f"removed path {t}{suffix}; its content (id {i}) stays under another path")
-            elif t.isdigit() and int(t) in store:
-                store.remove_id(int(t))
-                msgs.append(f"removed id {t}{suffix}")
-    return msgs
-
-
-def remove_single(d: IndexDir, manifest: Manifest, targets: Sequence[str]) -> Change:
-    """``indexer remove`` on a single index: each target is an id or a relative path."""
-    d.refuse_shard(manifest)
-    with GalleryStore(d.store_dir, readonly=False) as store:
-        msgs = remove_targets([(store, "")], targets, d.path)
-        return dataclasses.replace(sync_index(d, manifest, store), messages=msgs)
-
-
-def repair_single(d: IndexDir, manifest: Manifest, *, batch_size: int = 32, workers: int | None = None,
-                  device: str = "auto", progress: bool = True) -> Change:
-    """``indexer repair``: bring index.faiss and the manifest in step with the store (embed
-    stored images the index's model has not embedded, then :func:`sync_index`). What ``indexer
-    info`` names when the counts differ; needs no gallery folder."""
-    d.refuse_shard(manifest)
-    emb = update_embedder(d, manifest, None, device, batch_size)
-    with GalleryStore(d.store_dir, readonly=False) as store:
-        embedded = embed_missing(store, emb, workers=workers, progress=progress)
-        return dataclasses.replace(sync_index(d, manifest, store), embedded=embedded)
 
 
 # ---------------------------------------------------------------------------- merge

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import IndexerError
-from .index_dir import PART_FILE, IndexDir, manifest_stamp
+from .index_dir import IndexDir, manifest_stamp
+from .layouts import layout_of
 from .lock import is_locked
 from .manifest import Manifest
 from .store import GalleryStore
@@ -90,25 +91,18 @@ def check_counts(directory: str | Path, store: GalleryStore | None = None) -> Co
     if is_locked(d.path):
         return CountCheck(d.path, busy=True)
     stamp = manifest_stamp(d.path)
-    manifest = d.read_manifest()
-    d.refuse_shard(manifest)
-    if _neighbours_busy(d, manifest, stamp):
+    layout = layout_of(d.path, d.read_manifest())
+    d.refuse_shard(layout.manifest)
+    if _neighbours_busy(d, layout.manifest, stamp):
         return CountCheck(d.path, busy=True)
-    if manifest.is_sharded:
-        return _check_sharded(d, manifest, stamp)
-    check = CountCheck(d.path, manifest=manifest.count, faiss=faiss_ntotal(d.index_file))
-    own = store is None
-    st = GalleryStore(d.store_dir) if own else store
-    try:
-        check.store = check.embedded = len(st)
-        if check.store != check.faiss:
-            check.embedded = check.store - len(st.missing_embeddings(manifest.model_hash))
-    finally:
-        if own:
-            st.close()
+    layout.check_sizes()
+    held = [] if layout.held_file is None else [layout.held_file]
+    n = sum(faiss_ntotal(f) for f in [p.faiss_file for p in layout.parts] + held)
+    stored, embedded = layout.store_counts(n, store)
     if is_locked(d.path) or manifest_stamp(d.path) != stamp:
         return CountCheck(d.path, busy=True)
-    return check
+    return CountCheck(d.path, store=stored, embedded=embedded, faiss=n, manifest=layout.manifest.count,
+                      faiss_name=layout.faiss_name)
 
 
 def _neighbours_busy(d: IndexDir, manifest: Manifest, stamp: object) -> bool:
@@ -125,38 +119,3 @@ def _neighbours_busy(d: IndexDir, manifest: Manifest, stamp: object) -> bool:
             return True
         raise
     return False
-
-
-def _check_sharded(d: IndexDir, manifest: Manifest, stamp: object) -> CountCheck:
-    """A sharded index (indexer.shards): the parts' vectors (shard parts + held-out part, read
-    from their headers) against the manifest. Shard stores are not summed: content stored in
-    two shards is indexed once, so their total may exceed the index's count legitimately, and
-    counting distinct ids would read every key of every shard on each health check."""
-    from .shards import shard_paths
-
-    files = [p / PART_FILE for p in shard_paths(d.path, manifest)] + [d.path / manifest.sharded["held"]]
-    _check_sizes(d.path, manifest)
-    n = sum(faiss_ntotal(f) for f in files)
-    if is_locked(d.path) or manifest_stamp(d.path) != stamp:
-        return CountCheck(d.path, busy=True)
-    return CountCheck(d.path, store=n, embedded=n, faiss=n, manifest=manifest.count,
-                      faiss_name="its parts")
-
-
-
-def _check_sizes(directory: Path, manifest: Manifest) -> None:
-    """Each faiss file of a sharded index has the size its manifest records (a ``stat`` each:
-    cheap enough for every health request; the sha256 is compared on open). A part rewritten
-    by another ``indexer merge --sharded`` over the same shard folder is named as such, not as
-    a count mismatch that ``repair`` would not mend."""
-    from .shards import describe_changed
-
-    for rel, rec in (manifest.sharded.get("files") or {}).items():
-        f = directory / rel
-        try:
-            size = f.stat().st_size
-        except FileNotFoundError:
-            raise IndexerError(f"{f}: missing (the sharded index {directory} lists it); rebuild "
-                               "with `python -m indexer merge --sharded`") from None
-        if size != int(rec.get("bytes", size)):
-            raise IndexerError(describe_changed(directory, f, size, int(rec["bytes"])))

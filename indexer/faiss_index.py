@@ -365,8 +365,10 @@ def set_search_params(index: faiss.Index, params: str) -> None:
             faiss.downcast_index(index.quantizer).hnsw.efSearch = ef
 
 
-def remove(index: faiss.Index, stale: np.ndarray, x: np.ndarray, ids: np.ndarray) -> None:
-    """Drop ``stale`` ids; (x, ids) is what the index must hold afterwards.
+def remove(index: faiss.Index, stale: np.ndarray,
+           kept: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+    """Drop ``stale`` ids; ``kept()``: (x, ids) the index must hold afterwards, read only when
+    needed.
 
     IVF and Flat remove in place. HNSW graphs and refine wrappers cannot remove (faiss raises),
     so they are emptied and refilled with the remaining vectors: training is kept, the rest is
@@ -376,7 +378,7 @@ def remove(index: faiss.Index, stale: np.ndarray, x: np.ndarray, ids: np.ndarray
         index.remove_ids(np.ascontiguousarray(stale, dtype=np.int64))
     except RuntimeError:
         index.reset()
-        add(index, x, ids)
+        add(index, *kept())
 
 
 def memory_bytes(ntotal: int, code_size: int, nlist: int, dim: int) -> int:

@@ -1,49 +1,110 @@
-"""The two layouts of an index directory, chosen from its manifest in one place (:func:`layout_of`).
+"""The two layouts of an index directory behind one :class:`Layout` protocol, chosen from its
+manifest in one place (:func:`layout_of`).
 
 - :class:`Single` (``indexer build``, ``merge``): ``DIR/store.lmdb`` and ``DIR/index.faiss``
-  (:mod:`indexer.index_dir`; updates in :mod:`indexer.build`).
+  (:mod:`indexer.index_dir`): a layout of ONE part.
 - :class:`Sharded` (``merge --sharded``, ``build --ray --sharded``): ``DIR/trained.faiss`` and
   ``DIR/held.faiss``, and in each shard folder it lists ``store.lmdb`` and ``part.faiss``
-  (:mod:`indexer.shards`; updates in :mod:`indexer.shard_build`).
+  (:mod:`indexer.shards`): one part a shard, plus a held-out part with no store of its own.
 
-Each layout opens itself (the store and faiss index an :class:`indexer.Index` searches), adds,
-removes, repairs and describes itself. The library's update functions below dispatch here and
-hold the directory's writer lock (:mod:`indexer.lock`) for both layouts alike, so a library
-caller is as safe as the CLI (which only calls them). Every file name is in ``index_dir``.
+Why a protocol of parts: adding, removing, repairing, syncing, retuning, counting, describing
+and redacting are the same walk over (store, faiss file) pairs for both, so they are written
+once against :class:`Layout` (:mod:`indexer.update`, :mod:`indexer.consistency`,
+``serving.redact``); only what truly differs (which files are checked and recorded, how the
+parts are opened as one) lives here. Nothing outside this module tells the layouts apart
+(tests/test_architecture.py greps for it). Every file name is in ``index_dir``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
+
+import faiss
 
 from . import neighbours
-from .build import Change, add_single, remove_single, repair_single
-from .consistency import CountCheck, check_counts
 from .errors import IndexerError
 from .faiss_index import SearchableIndex
 from .index_dir import PART_FILE, STORE_DIR, IndexDir
-from .lock import writer_lock
 from .manifest import Manifest
-from .shard_build import add_sharded, remove_sharded, repair_sharded
-from .shards import PartsIndex, ShardedStore, check_files, shard_paths
+from .shards import (PartsIndex, ShardedStore, check_files, describe_changed, file_records, relative,
+                     shard_paths)
 from .store import GalleryStore
 from .validate import check_model_file, damaged, faiss_reason, read_faiss
+
+
+@dataclass(frozen=True)
+class Part:
+    """One store and the faiss file that indexes it: a single index's only part, or a shard
+    (``shard``: its folder, which messages name; None for a single index's part)."""
+
+    store_dir: Path
+    faiss_file: Path
+    shard: Path | None = None
+
+
+class Layout(Protocol):
+    """What every update, count and description of an index directory needs of its layout."""
+
+    name: str
+    d: IndexDir
+    manifest: Manifest
+    faiss_name: str                 # how count messages name the faiss side
+
+    @property
+    def parts(self) -> list[Part]: ...
+
+    @property
+    def held_file(self) -> Path | None: ...
+
+    @property
+    def checksums(self) -> str: ...
+
+    def check(self, *, model: bool = False) -> None: ...
+
+    def check_sizes(self) -> None: ...
+
+    def open(self, *, device: str, check_model: bool, store: Any, mmap: bool,
+             ray: Any = None) -> tuple[Any, Any, Any]: ...
+
+    def as_one(self) -> faiss.Index: ...
+
+    def records(self, changed: Sequence[Path]) -> dict: ...
+
+    def store_counts(self, faiss_n: int, store: Any) -> tuple[int, int]: ...
 
 
 class Single:
     """One store and one ``index.faiss`` in the directory (a shard, too: a store, no index yet)."""
 
     name = "single"
+    faiss_name = "index.faiss"
+    held_file = None
 
     def __init__(self, d: IndexDir, manifest: Manifest) -> None:
         self.d, self.manifest = d, manifest
 
-    def store_dirs(self) -> list[Path]:
-        return [self.d.store_dir]
+    @property
+    def parts(self) -> list[Part]:
+        return [Part(self.d.store_dir, self.d.index_file)]
+
+    @property
+    def checksums(self) -> str:
+        """``indexer info``'s line on the faiss file's recorded size and sha256."""
+        rec = self.manifest.index_file
+        return (f"index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
+                else "not recorded (built before checksums; rebuild to add one)")
 
     def check(self, *, model: bool = False) -> None:
-        """Every file's check before anything maps one (a damaged file: one line naming it)."""
-        self.d.check(self.manifest, model=model)
+        """Every file's check before anything maps one (a damaged file: one line naming it); an
+        index.faiss without a recorded checksum (older manifests) is read by faiss instead."""
+        m = self.manifest
+        self.d.check(m, model=model)
+        if not m.is_shard and not m.index_file:
+            read_faiss(self.d.index_file)
+
+    def check_sizes(self) -> None:
+        """Nothing to stat: index.faiss's count is read from its header by the caller."""
 
     def open(self, *, device: str, check_model: bool, store: Any, mmap: bool,
              ray: Any = None) -> tuple[Any, Any, Any]:
@@ -66,43 +127,66 @@ class Single:
             store = GalleryStore(d.store_dir)
         return store, fi, nb
 
-    def add(self, folder: Path, model: str | Path | None = None, **kw: Any) -> Change:
-        return add_single(self.d, self.manifest, folder, model, **kw)
+    def as_one(self) -> faiss.Index:
+        return read_faiss(self.d.index_file)
 
-    def remove(self, targets: Sequence[str]) -> Change:
-        return remove_single(self.d, self.manifest, targets)
+    def records(self, changed: Sequence[Path]) -> dict:
+        return {"index_file": self.d.index_record()} if changed else {}
 
-    def repair(self, **kw: Any) -> Change:
-        return repair_single(self.d, self.manifest, **kw)
-
-    def info(self) -> dict:
-        """``indexer info``'s facts: the store's sizes and the three counts (None for a shard)."""
-        m = self.manifest
-        self.check(model=not m.is_shard)
-        if not m.is_shard and not m.index_file:    # no checksum recorded: let faiss read it
-            read_faiss(self.d.index_file)
-        with GalleryStore(self.d.store_dir) as st:
-            store = {"items": len(st), "labels": len(st.labels()), "models": len(st.models())}
-            counts = None if m.is_shard else check_counts(self.d.path, store=st)
-        return {"store": store, "counts": counts}
+    def store_counts(self, faiss_n: int, store: Any) -> tuple[int, int]:
+        """(images stored, of them embedded by the index's model): the embeddings are counted
+        only when the store's count differs from faiss's (a health check stays cheap)."""
+        own = store is None
+        st = GalleryStore(self.d.store_dir) if own else store
+        try:
+            n = len(st)
+            return n, (n if n == faiss_n else n - len(st.missing_embeddings(self.manifest.model_hash)))
+        finally:
+            if own:
+                st.close()
 
 
-class Sharded(Single):
+class Sharded:
     """The parts stay in the shard folders the manifest lists (:mod:`indexer.shards`)."""
 
     name = "sharded"
+    faiss_name = "its parts"
 
-    def store_dirs(self) -> list[Path]:
-        return [p / STORE_DIR for p in self.shards]
+    def __init__(self, d: IndexDir, manifest: Manifest) -> None:
+        self.d, self.manifest = d, manifest
 
     @property
-    def shards(self) -> list[Path]:
-        return shard_paths(self.d.path, self.manifest)
+    def parts(self) -> list[Part]:
+        return [Part(p / STORE_DIR, p / PART_FILE, p) for p in shard_paths(self.d.path, self.manifest)]
+
+    @property
+    def checksums(self) -> str:
+        return f"{len(self.manifest.sharded.get('files') or {})} faiss files, sizes and sha256 verified"
+
+    @property
+    def held_file(self) -> Path:
+        return self.d.path / self.manifest.sharded["held"]
 
     def check(self, *, model: bool = False) -> None:
         check_files(self.d.path, self.manifest)
         if model:
             check_model_file(self.d.model_file, self.manifest.model_hash)
+
+    def check_sizes(self) -> None:
+        """Each faiss file has the size its manifest records (a ``stat`` each: cheap enough for
+        every health request; the sha256 is compared on open). A part rewritten by another
+        ``indexer merge --sharded`` over the same shard folder is named as such, not as a count
+        mismatch that ``repair`` would not mend."""
+        directory = self.d.path
+        for rel, rec in (self.manifest.sharded.get("files") or {}).items():
+            f = directory / rel
+            try:
+                size = f.stat().st_size
+            except FileNotFoundError:
+                raise IndexerError(f"{f}: missing (the sharded index {directory} lists it); rebuild "
+                                   "with `python -m indexer merge --sharded`") from None
+            if size != int(rec.get("bytes", size)):
+                raise IndexerError(describe_changed(directory, f, size, int(rec["bytes"])))
 
     def open(self, *, device: str, check_model: bool, store: Any, mmap: bool,
              ray: Any = None) -> tuple[Any, Any, Any]:
@@ -116,36 +200,26 @@ class Sharded(Single):
         else:
             fi = PartsIndex(self.d.path, self.manifest)      # memory-mapped parts, always
         _check_count(self.d, fi, self.manifest, "its parts hold", "rerun the build to repair it")
-        dirs = self.shards
+        dirs = [p.shard for p in self.parts]
         if not (isinstance(store, ShardedStore) and [s.path for s in store.stores] == [p / STORE_DIR for p in dirs]):
             store = ShardedStore(dirs)
         return store, fi, None
 
-    def add(self, folder: Path, model: str | Path | None = None, **kw: Any) -> Change:
-        self.check()
-        return add_sharded(self.d, self.manifest, folder, model, **kw)
+    def as_one(self) -> faiss.Index:
+        return PartsIndex(self.d.path, self.manifest).cpu_index
 
-    def remove(self, targets: Sequence[str]) -> Change:
-        self.check()
-        return remove_sharded(self.d, self.manifest, targets)
+    def records(self, changed: Sequence[Path]) -> dict:
+        """The manifest's ``sharded`` record with the changed files' sizes and sha256 (keys of
+        older manifests, absolute, named as now)."""
+        sh, d = self.manifest.sharded, self.d.path
+        old = {relative(d, d / k): v for k, v in sh.get("files", {}).items()}
+        return {"sharded": {**sh, "files": {**old, **file_records(d, changed)}}}
 
-    def repair(self, **kw: Any) -> Change:
-        self.check()
-        return repair_sharded(self.d, self.manifest, **kw)
-
-    def info(self) -> dict:
-        """Per shard: where it is and how many images its store and its part hold; the counts."""
-        import faiss
-
-        self.check(model=True)
-        shards = []
-        for p in self.shards:
-            with GalleryStore(p / STORE_DIR) as st:
-                items = len(st)
-            part = faiss.read_index(str(p / PART_FILE), faiss.IO_FLAG_MMAP)
-            shards.append({"path": str(p), "images": items, "vectors": int(part.ntotal)})
-        held = faiss.read_index(str(self.d.path / self.manifest.sharded["held"]), faiss.IO_FLAG_MMAP)
-        return {"shards": shards, "held": int(held.ntotal), "counts": check_counts(self.d.path)}
+    def store_counts(self, faiss_n: int, store: Any) -> tuple[int, int]:
+        """The parts' count for both: content stored in two shards is indexed once, so the
+        stores' total may exceed it legitimately, and counting distinct ids would read every
+        key of every shard on each health check."""
+        return faiss_n, faiss_n
 
 
 def _check_count(d: IndexDir, fi: Any, m: Manifest, holds: str, fix: str) -> None:
@@ -154,72 +228,12 @@ def _check_count(d: IndexDir, fi: Any, m: Manifest, holds: str, fix: str) -> Non
         raise IndexerError(f"{d.path}: {holds} {fi.ntotal} vectors but the manifest says {m.count}; {fix}")
 
 
-Layout = Single     # the type of both (Sharded is a Single with other files)
-
-
 def layout_of(directory: str | Path, manifest: Manifest | None = None) -> Layout:
     """The layout of ``directory``, from its manifest (read here unless given): the one place
     where single and sharded indexes are told apart."""
     d = IndexDir(directory)
     m = manifest if manifest is not None else d.read_manifest()
-    return (Sharded if m.is_sharded else Single)(d, m)
+    return Sharded(d, m) if m.is_sharded else Single(d, m)
 
 
-# ---------------------------------------------------------------------------- the library's face
-def add_images(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
-               prefix: str = "", batch_size: int = 32, workers: int | None = None, device: str = "auto",
-               progress: bool = True, wait: bool = False) -> Change:
-    """``indexer add``: ingest another folder and add its new images to the index (either
-    layout), holding the directory's writer lock throughout (``wait``: wait for another writer).
-    The manifest is read once, under the lock (the latest writer's)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise IndexerError(f"{folder}: folder not found")
-    with _locked(directory, "indexer add", wait):
-        return layout_of(directory).add(folder, model, prefix=prefix, batch_size=batch_size,
-                                        workers=workers, device=device, progress=progress)
-
-
-def remove_items(directory: str | Path, targets: Sequence[str], *, wait: bool = False) -> Change:
-    """``indexer remove``: each target is an id or a stored relative path (either layout), under
-    the directory's writer lock. ``Change.messages``: one line per removal."""
-    with _locked(directory, "indexer remove", wait):
-        return layout_of(directory).remove(targets)
-
-
-def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | None = None,
-                 device: str = "auto", progress: bool = True, wait: bool = False) -> Change:
-    """``indexer repair``: bring the faiss index(es) and the manifest in step with the store(s)
-    (embed what the index's model has not embedded, add/drop vectors, retune), under the
-    writer lock. What ``indexer info`` names when the counts differ; needs no gallery folder."""
-    with _locked(directory, "indexer repair", wait):
-        return layout_of(directory).repair(batch_size=batch_size, workers=workers, device=device,
-                                           progress=progress)
-
-
-def info(directory: str | Path, *, deep: bool = False) -> dict:
-    """``indexer info``'s facts: ``manifest``, ``layout``, the layout's own (``store`` or
-    ``shards``/``held``) and ``counts`` (a :class:`CountCheck`; None for a shard). ``deep``:
-    read every record of every store first (``deep``: records per store); a page LMDB cannot
-    read raises in one line naming the file."""
-    layout = layout_of(directory)
-    facts = {"manifest": layout.manifest, "layout": layout.name, **layout.info()}   # files checked
-    if deep:
-        facts["deep"] = {str(s): _walk(s) for s in layout.store_dirs()}
-    return facts
-
-
-def _walk(store_dir: Path) -> dict[str, int]:
-    with GalleryStore(store_dir) as st:
-        return st.walk()
-
-
-def _locked(directory: str | Path, command: str, wait: bool) -> Any:
-    """The writer lock of an index directory that exists (no index there: say so, and create
-    no lock file)."""
-    IndexDir(directory).require()
-    return writer_lock(directory, command, wait=wait)
-
-
-__all__ = ["Single", "Sharded", "Layout", "layout_of", "Change", "CountCheck", "add_images",
-           "remove_items", "repair_index", "info"]
+__all__ = ["Layout", "Part", "Single", "Sharded", "layout_of"]

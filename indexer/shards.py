@@ -30,6 +30,7 @@ import faiss
 import numpy as np
 
 from embedder.files import atomic_target
+from embedder.hashing import file_sha256
 
 from . import faiss_index as fx
 from . import stream
@@ -38,11 +39,6 @@ from .index_dir import MANIFEST, OWNER_FILE, PART_FILE, STORE_DIR, IndexDir
 from .manifest import Manifest
 from .store import GalleryStore
 from .validate import check_faiss_file, check_lmdb, damaged, faiss_reason
-
-
-def is_sharded(manifest: Manifest) -> bool:
-    """``Manifest.is_sharded`` under its old name (serving.redact)."""
-    return manifest.is_sharded
 
 
 def shard_paths(directory: Path, manifest: Manifest) -> list[Path]:
@@ -63,6 +59,11 @@ def relative(directory: Path, shard: Path) -> str:
     if common == Path(common.anchor):           # nothing shared but "/": keep it absolute
         return str(s)
     return Path(os.path.relpath(s, d)).as_posix()
+
+
+def file_records(out: Path, files: Sequence[Path]) -> dict:
+    """Size and sha256 of each faiss file, checked on open (as ``index.faiss``'s record is)."""
+    return {relative(out, f): {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files}
 
 
 def check_files(directory: Path, manifest: Manifest, verify_hash: bool = True) -> None:

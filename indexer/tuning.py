@@ -1,7 +1,7 @@
 """Tuning a faiss index to a recall target on queries it does not hold, and timing it.
 
 Plain functions on arrays (faiss.contrib style), used by ``selection`` for every candidate and
-for the final index, and by ``build.sync_index`` after ``indexer add/remove``.
+for the final index, and by ``update.retune`` after ``indexer add/remove``.
 
 Why held out: a gallery vector searched in an index that holds it always finds itself, and
 its neighbours sit in the lists it helped train, which flatters the recall that new queries
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping
 
 import faiss
 import numpy as np
@@ -141,23 +140,10 @@ def measure_qps(index: faiss.Index, queries: np.ndarray, k: int = K,
 
 
 
-def retune(index: faiss.Index, manifest: Mapping, x: np.ndarray, ids: np.ndarray, target: float,
-           *, seed: int = 0) -> dict:
-    """After ``indexer add/remove``: retune on self-queries (own id dropped from both answers),
-    with the same margin; there is no held-out set any more, so ``heldout_queries`` is 0."""
-    n, dim = x.shape
-    q_rows = np.sort(np.random.default_rng(seed + 1).choice(n, size=min(max(1, heldout_size(n, dim)), n),
-                                                            replace=False))
-    k = min(K, n - 1) if n > 1 else 1
-    own = ids[q_rows]
-    truth = knn.exact_knn(x[q_rows], x, k, "ip", ids=ids, own=own)[1]
-    return retuned(index, faiss_index.IndexSpec.from_manifest(manifest), x[q_rows], truth, own, target)
-
-
 def retuned(index: faiss.Index, spec: faiss_index.IndexSpec, q: np.ndarray, truth: np.ndarray,
             own: np.ndarray, target: float) -> dict:
     """The manifest fields of an index retuned on self-queries ``q`` (ids ``own``): a single
-    index's (``retune``) and a sharded one's (``shard_build.retune_sharded``)."""
+    index's or a sharded one's (``update.retune``, after ``indexer add/remove``)."""
     value, rq = tune(index, spec, q, truth, target, own=own)
     recall = round(float(rq.mean()), 4)
     return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),

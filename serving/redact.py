@@ -77,15 +77,13 @@ class Redactor:
 
 
 def _shards(name: str, directory: Path) -> list[tuple[str, Path]]:
-    """("index NAME shard I", its folder) for each shard of a sharded index (its shards lie
-    outside its directory: messages about their files must not name them either)."""
-    from indexer.index_dir import IndexDir
-    from indexer.shards import is_sharded, shard_paths
+    """("index NAME shard I", its folder) for each part of the index that lies in a folder of
+    its own, outside its directory (a sharded index's shards: messages about their files must
+    not name them either); none for a single index, whose one part is the directory."""
+    from indexer.layouts import layout_of
 
     try:
-        manifest = IndexDir(directory).read_manifest()
+        parts = layout_of(directory).parts
     except Exception:       # noqa: BLE001 - a damaged index: health says so; nothing to add here
         return []
-    if not is_sharded(manifest):
-        return []
-    return [(f"index {name!r} shard {i}", p) for i, p in enumerate(shard_paths(Path(directory), manifest))]
+    return [(f"index {name!r} shard {i}", p.shard) for i, p in enumerate(parts) if p.shard is not None]

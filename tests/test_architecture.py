@@ -216,3 +216,30 @@ def test_the_table_of_faces_lists_each_package_all():
         face = set(importlib.import_module(pkg).__all__)
         assert named == face, (f"docs/ARCHITECTURE.md's face of {pkg}/: missing {sorted(face - named)}, "
                                f"not exported {sorted(named - face)}")
+
+
+# Single vs sharded is told apart in the layouts' own code only (issue 40): everything else works
+# on the indexer.layouts.Layout protocol. ``args.sharded`` (the CLI's build flag) is not a layout.
+LAYOUT_CODE = {"indexer/layouts.py", "indexer/shards.py", "indexer/manifest.py"}
+_LAYOUT_BRANCH = re.compile(r"isinstance\([^)]*\bSharded\b|\bis_sharded\b|[=!]=\s*[\"']s(ingle|harded)[\"']"
+                            r"|[\"']s(ingle|harded)[\"']\s*[=!]=|\b(if|elif|and|or|not)\b[^#]*(?<!args)\.sharded\b")
+
+
+def layout_branches(text: str) -> list[tuple[int, str]]:
+    """(line, text) of each line that decides single vs sharded for itself."""
+    return [(i, ln.strip()) for i, ln in enumerate(text.splitlines(), 1)
+            if not ln.lstrip().startswith("#") and _LAYOUT_BRANCH.search(ln)]
+
+
+def test_no_layout_branch_outside_the_layouts_code():
+    wrong = [f"{path}:{line} {ln}" for path in _modules()
+             if _owner(path) in (*PACKAGES, "app") and path.as_posix() not in LAYOUT_CODE
+             for line, ln in layout_branches((REPO / path).read_text())]
+    assert not wrong, "single vs sharded decided outside indexer/layouts.py:\n" + "\n".join(wrong)
+
+
+def test_the_layout_branch_check_sees_each_form():
+    code = ("if isinstance(idx.layout, Sharded):\nx = m.is_sharded\nif facts['layout'] == 'sharded':\n"
+            "y = a if manifest.sharded else b\nif args.sharded:\nstore = ShardedStore(dirs)\n"
+            "files = manifest.sharded['files']\n")
+    assert [line for line, _ in layout_branches(code)] == [1, 2, 3, 4]

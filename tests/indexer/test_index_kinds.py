@@ -175,7 +175,7 @@ def test_add_remove_repair_info_through_the_library_hold_the_lock(
     import threading
 
     import indexer
-    from indexer import IndexBusyError, build, manifest, shard_build
+    from indexer import IndexBusyError, manifest, update
 
     d = _writable_copy(kind, built_index, two_shards, tmp_path)
     new = copy_characters(omniglot_root, tmp_path / "new", 1, per_char=4, skip_chars=12)
@@ -195,8 +195,7 @@ def test_add_remove_repair_info_through_the_library_hold_the_lock(
             return real(*a, **kw)
         return run
 
-    monkeypatch.setattr(build, "sync_index", probed(build.sync_index))
-    monkeypatch.setattr(shard_build, "sync_parts", probed(shard_build.sync_parts))
+    monkeypatch.setattr(update, "sync", probed(update.sync))      # both layouts' one sync
     reads = []
     real_read = manifest.Manifest.read.__func__
     monkeypatch.setattr(manifest.Manifest, "read", classmethod(lambda cls, p: reads.append(p) or real_read(cls, p)))
