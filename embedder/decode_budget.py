@@ -16,6 +16,11 @@ a fresh process): 4.1 bytes for an RGB/RGBA PNG, BMP or TIFF (Pillow stores RGB 
 (libtiff maps the file), 16.1 for WebP through Pillow's ``load``; 12 for WebP read the way
 ``images._webp_first_frame`` reads it (issue 28: libwebp's frame in strips, no fourth copy),
 which is still charged 16 (see ``_WEBP_BYTES``).
+
+A progressive (or multi-scan) JPEG is the exception to JPEG's scaled decode (issue 39): libjpeg
+keeps every DCT coefficient of the whole image until the last scan, whatever ``draft`` asked
+for, so it is charged that buffer (:func:`jpeg_coefficient_bytes`, 6 bytes a pixel at 4:4:4,
+3 at 4:2:0) on top of its scaled frame.
 """
 from __future__ import annotations
 
@@ -47,6 +52,50 @@ _WEBP_BYTES = 16
 def frame_bytes(mode: str, size: tuple[int, int]) -> int:
     """Bytes of a decoded Pillow frame (RGB is stored as 4 bytes per pixel)."""
     return size[0] * size[1] * _MODE_BYTES.get(mode, 4)
+
+
+def jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS markers) the first JPEG frame of ``data`` has: its markers are walked
+    to the first EOI (an MPO's later frames are not counted); entropy-coded bytes are skipped by
+    their ``FF00`` stuffing and restart markers."""
+    n, i, scans = len(data), 2, 0
+    while i < n - 1:
+        if data[i] != 0xFF:
+            i = data.find(b"\xff", i)
+            if i < 0:
+                break
+            continue
+        m = data[i + 1]
+        if m == 0xFF:                           # fill byte before a marker
+            i += 1
+        elif m == 0x00 or 0xD0 <= m <= 0xD8 or m == 0x01:   # stuffed byte, RSTn, SOI, TEM
+            i += 2
+        elif m == 0xD9:                         # EOI: the first frame ends
+            break
+        else:
+            scans += m == 0xDA
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return scans
+
+
+def jpeg_coefficient_bytes(im: Image.Image, data: bytes | None = None) -> int:
+    """What libjpeg holds for a progressive or multi-scan JPEG/MPO however small the output
+    (``draft`` scales the output, not this): the whole image's DCT coefficients, 2 bytes each,
+    64 per 8x8 block of each component, blocks rounded up to whole MCUs (4:4:4: 6 bytes a pixel,
+    4:2:0: 3). 0 for a single-scan (baseline) file, which libjpeg decodes a row of MCUs at a
+    time. Call on the opened file before ``draft`` (which changes ``im.size``). ``data``: the
+    file's bytes, to count its scans (without them only the progressive flag is seen)."""
+    if im.format not in ("JPEG", "MPO"):
+        return 0
+    progressive = bool(im.info.get("progressive") or im.info.get("progression"))
+    if not progressive and (data is None or jpeg_scans(data) <= 1):
+        return 0
+    w, h = im.size
+    layers = getattr(im, "layer", None) or [("", 1, 1, 0)] * len(im.getbands())
+    hmax = max(int(c[1]) or 1 for c in layers)
+    vmax = max(int(c[2]) or 1 for c in layers)
+    mcu_w, mcu_h = -(-w // (8 * hmax)), -(-h // (8 * vmax))     # MCUs across and down
+    return sum(mcu_w * (int(c[1]) or 1) * mcu_h * (int(c[2]) or 1) * 64 * 2 for c in layers)
 
 
 def decode_bytes(im: Image.Image, file_size: int = 0) -> int:

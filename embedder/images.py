@@ -155,11 +155,16 @@ def load_image(
             raise ImageLoadError(label, "empty file (0 bytes)")
         with open_image(fp) as im:      # only accepted formats; icons sized by their real frame
             _check_pixels(im, max_pixels, label)
+            full = im.size
+            coeffs = 0
+            if min_side and im.format in ("JPEG", "MPO"):   # progressive: libjpeg's full buffer
+                coeffs = budget.jpeg_coefficient_bytes(
+                    im, data if isinstance(fp, io.BytesIO) else Path(fp).read_bytes())
             if min_side and im.format in ("JPEG", "MPO") and min(im.size) >= 2 * min_side:
                 im.draft(im.mode, (min_side, min_side))   # scale 1/2, 1/4 or 1/8, >= min_side
             if min_side:
                 size = len(data) if isinstance(fp, io.BytesIO) else fp.stat().st_size
-                return _bounded(im, mode, min_side, label, size)
+                return _bounded(im, mode, min_side, label, size, extra=coeffs, full_size=full)
             im.load()  # full decode here, so truncated files fail inside this function
             oriented = ImageOps.exif_transpose(im)
             return _reduced(to_mode(oriented if oriented is not None else im, mode), min_side)
@@ -189,22 +194,26 @@ def load_image(
         raise ImageLoadError(label, f"truncated or corrupt image data ({type(e).__name__}: {e})") from e
 
 
-def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: int) -> Image.Image:
-    """The ``min_side`` path of :func:`load_image` for an opened, not yet loaded image."""
+def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: int, *,
+             extra: int = 0, full_size: tuple[int, int] | None = None) -> Image.Image:
+    """The ``min_side`` path of :func:`load_image` for an opened, not yet loaded image.
+    ``extra``: what the decoder holds besides the frame (a progressive JPEG's coefficients,
+    measured at the stored ``full_size``, before ``draft`` scaled ``im.size``)."""
     factor = max(1, min(im.size) // min_side)
-    need = budget.decode_bytes(im, file_size)
+    need = budget.decode_bytes(im, file_size) + extra
     layout = _raw_layout(im)
     if layout is not None and (frame_too_big(im) or need > budget.BUDGET.capacity):
         orientation = im.getexif().get(0x0112, 1)      # BMP / TIFF: read without a decode
         out = _strips(im, mode, factor, lambda y0, y1: _raw_rows(im, layout, y0, y1))
         return _orient(out, orientation)
     if need > budget.BUDGET.capacity:
-        w, h = im.size
+        w, h = full_size if extra and full_size else im.size
+        kind = f"progressive {im.format}" if extra else im.format
         cap = budget.BUDGET.capacity / (need / (w * h)) / 1e6
         raise ImageTooLargeError(
-            label, f"image too large to decode within the memory budget: {w}x{h} {im.format} "
+            label, f"image too large to decode within the memory budget: {w}x{h} {kind} "
                    f"({w * h / 1e6:.1f} MP, mode {im.mode}) needs about {need / 2 ** 20:.0f} MB, the "
-                   f"decode budget is {budget.BUDGET.capacity / 2 ** 20:.0f} MB, so {im.format} "
+                   f"decode budget is {budget.BUDGET.capacity / 2 ** 20:.0f} MB, so {kind} "
                    f"{im.mode} images are accepted up to {cap:.1f} MP")
     with budget.BUDGET.reserve(need):
         if im.format == "WEBP" and hasattr(im, "_decoder"):
