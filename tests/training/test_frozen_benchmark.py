@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from knn_asserts import recall_bounds
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -64,7 +66,8 @@ def test_pca_head_starts_at_the_frozen_ranking_and_training_is_seeded(splits, ca
     metrics = ("R@1", "R@2", "R@4", "R@8", "NMI", "F1", "MAP@R")
     assert [a.last_metrics[k] for k in metrics] == [b.last_metrics[k] for k in metrics]
     assert a.history[-1]["steps"] == len(train) // 6
-    assert a.initial_metrics["R@1"] == pytest.approx(start["R@1"])
+    low, high = recall_bounds(head(torch.from_numpy(test.features)).detach().numpy(), test.labels, 1)
+    assert low - 1e-9 <= a.initial_metrics["R@1"] <= high + 1e-9   # the trainer's batches: ties at rank 1
     assert set(a.last_metrics) >= {"R@1", "NMI", "MAP@R"}
 
 

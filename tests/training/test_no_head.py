@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from knn_asserts import recall_bounds
+
 
 def _cfg(root, out, **kw):
     from training.config import TrainConfig
@@ -26,11 +28,11 @@ def _cfg(root, out, **kw):
     return TrainConfig(**base).validate()
 
 
-def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(cub_root, tmp_path):
+def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(cub_mini, tmp_path):
     from embedder import Embedder, EmbedderConfig, OnnxEmbedder
     from training import train
 
-    cfg = _cfg(cub_root, tmp_path / "run")
+    cfg = _cfg(cub_mini, tmp_path / "run")
     result = train(cfg)
     # epoch 0 ranks exactly as the pretrained GeM features of the same network (no layer between)
     from training.run_state import build_datasets, build_preprocessing
@@ -43,8 +45,8 @@ def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(c
     with torch.no_grad():
         e = torch.cat([ref(torch.stack([test[i][0] for i in range(j, min(j + 32, len(test)))]))
                        for j in range(0, len(test), 32)]).numpy()
-    want = evaluate(e, test.labels, ks=(1,), clustering=False)["R@1"]
-    assert result.initial_metrics["R@1"] == pytest.approx(want, abs=1e-6)
+    low, high = recall_bounds(e, test.labels, 1)      # the run embedded in other batches: ties at rank 1
+    assert low - 1e-9 <= result.initial_metrics["R@1"] <= high + 1e-9
     # the evaluation classes, in the split's order, for a gallery of exactly them (README)
     assert (result.run_dir / "eval_classes.txt").read_text().splitlines() == test.split.classes
     # the last stage moved, nothing earlier did; the embedding is the 1280-d pooled feature
@@ -61,12 +63,12 @@ def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(c
     assert v.shape == (1, 1280) and np.isclose(np.linalg.norm(v), 1.0, atol=1e-4)
 
 
-def test_dim_0_is_refused_where_nothing_would_train(cub_root, tmp_path):
+def test_dim_0_is_refused_where_nothing_would_train(cub_mini, tmp_path):
     from training.config import ConfigError
 
     with pytest.raises(ConfigError, match="dim=0"):
-        _cfg(cub_root, tmp_path / "run", trainable="head")
+        _cfg(cub_mini, tmp_path / "run", trainable="head")
     with pytest.raises(ConfigError, match="dim=-1"):
-        _cfg(cub_root, tmp_path / "run", dim=-1)
+        _cfg(cub_mini, tmp_path / "run", dim=-1)
     with pytest.raises(ConfigError, match="head_init='pca'"):
-        _cfg(cub_root, tmp_path / "run", head_init="pca")
+        _cfg(cub_mini, tmp_path / "run", head_init="pca")
