@@ -51,6 +51,7 @@ state). Ray is imported lazily.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -75,10 +76,15 @@ from .manifest import Manifest
 from .ray_sources import READER_MEMORY
 from .shards import shard_paths
 
+_log = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 5.0       # a fan-out's bound: shards slower than this are left out
 OPEN_TIMEOUT_S = 120.0        # how long opening waits for every actor to load its part
 DEFAULT_CONCURRENCY = 8       # Ray calls one actor runs at once (ready, endpoint, where)
 HANDSHAKE_TIMEOUT_S = 10.0    # an actor drops a connection that has not passed the challenge by then
+LINK_HANDSHAKE_S = 2.0        # the router's connect + challenge to an actor, in the background
+CONNECT_SLICE_S = 1.0         # at most this much of a fan-out's bound waits for reconnections
+ACCEPT_BACKOFF_S = (0.05, 1.0)   # an actor's accept() failing (EMFILE ...): first and last pause
 
 
 @dataclass(frozen=True)
@@ -175,12 +181,27 @@ class ShardSearcher:
                 "part": self.part_file}
 
     def _accept(self) -> None:
+        """Accept connections until :meth:`close`. A failing ``accept()`` (EMFILE/ENFILE: out of
+        descriptors; ENOBUFS, ECONNABORTED ...) is logged and retried after a pause that grows
+        to ``ACCEPT_BACKOFF_S[1]``: before issue 39 one such error ended this thread for good,
+        and the port kept completing TCP handshakes that nobody answered."""
+        pause = ACCEPT_BACKOFF_S[0]
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="shard-conn", daemon=True).start()
+            except OSError as e:
+                if self._listener.fileno() == -1:      # closed: the actor is going away
+                    return
+                _log.warning("shard data plane %s: accept failed (%s); retrying in %.2f s",
+                             self.part_file, e, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            try:
+                threading.Thread(target=self._serve, args=(sock,), name="shard-conn", daemon=True).start()
+            except RuntimeError:                       # no thread to be had: drop this peer
+                sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
         """One router connection: the challenge (bounded: a silent peer is dropped), then
@@ -255,52 +276,106 @@ def _tune_fd(fd: int, timeout: float | None) -> None:
         s.close()
 
 
-def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
-    """A connection to a shard actor's data plane, authenticated both ways within ``timeout``
-    seconds (connect, challenge); its reads and writes stay bounded by ``timeout``."""
-    conn = _connection(socket.create_connection(endpoint, timeout=timeout), timeout)
+def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float,
+              handshake: float | None = None) -> Connection:
+    """A connection to a shard actor's data plane, authenticated both ways within ``handshake``
+    seconds (connect, challenge; default ``timeout``); its reads and writes stay bounded by
+    ``timeout``."""
+    hs = timeout if handshake is None else handshake
+    conn = _connection(socket.create_connection(endpoint, timeout=hs), hs)
     try:
         answer_challenge(conn, authkey)
         deliver_challenge(conn, authkey)
+        _tune_fd(conn.fileno(), timeout)
     except BaseException:
         conn.close()
         raise
     return conn
 
 
-class _Link:
+class ShardLink:
     """The router's connections to one shard actor: idle ones are reused (one per search in
     flight), a broken or late one is closed and the actor is asked (a Ray call) where it
-    listens now; until it has answered, the shard is left out of searches at once."""
+    listens now; until it has answered, the shard is left out of searches at once.
+
+    New connections are made by a background thread (connect + challenge bounded by
+    ``LINK_HANDSHAKE_S``), never inside a search: a search waits for one at most until the
+    ``until`` it is given (a slice of its bound shared by every shard), else leaves the shard
+    out and the connection, once made, serves the next search. Before issue 39 the search made
+    it itself, within the fan-out's whole bound: one actor that accepted TCP but never sent the
+    challenge held every search for that bound, so the healthy shards' answers came too late."""
 
     def __init__(self, actor: Any, authkey: bytes, endpoint: tuple[str, int] | None, timeout: float) -> None:
         self.actor, self.authkey, self.endpoint, self.timeout = actor, authkey, endpoint, timeout
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.idle: list[Connection] = []
         self.asking: Any = None                    # the pending endpoint() call, if any
+        self.connecting = False                    # a background connect is under way
+        self.closed = False
 
-    def take(self, ray: Any) -> Connection | None:
-        """A connection to send a search on, or None (the shard is left out of this search)."""
+    def take(self, ray: Any, until: float | None = None) -> Connection | None:
+        """A connection to send a search on, or None (the shard is left out of this search).
+        ``until`` (``time.monotonic()``): how long to wait for a new connection (default: a
+        slice of ``timeout``, at most ``CONNECT_SLICE_S``)."""
+        if until is None:
+            until = time.monotonic() + min(CONNECT_SLICE_S, self.timeout / 4)
         with self.lock:
             if self.idle:
                 return self.idle.pop()
-            if self.endpoint is None:
-                if self.asking is None:
-                    self.asking = self.actor.endpoint.remote()
-                ready, _ = ray.wait([self.asking], timeout=0)
-                if not ready:
-                    return None
-                ref, self.asking = self.asking, None
-                try:
-                    self.endpoint = tuple(ray.get(ref))
-                except ray.exceptions.RayError:
-                    return None                    # asked again by the next search
-            endpoint = self.endpoint
+            if not self._start(ray):
+                return None
+            while not self.idle and self.connecting:
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self.changed.wait(left)
+            return self.idle.pop() if self.idle else None
+
+    def prepare(self, ray: Any) -> None:
+        """Start a background connect now if the next :meth:`take` will need one (a fan-out
+        prepares every shard first, so their connects run at once, not one after another)."""
+        with self.lock:
+            if not self.idle:
+                self._start(ray)
+
+    def _start(self, ray: Any) -> bool:
+        """(Lock held.) The endpoint asked for if unknown, and a background connect started
+        if none is under way; False while the endpoint is not known (the shard is left out)."""
+        if self.endpoint is None:
+            if self.asking is None:
+                self.asking = self.actor.endpoint.remote()
+            ready, _ = ray.wait([self.asking], timeout=0)
+            if not ready:
+                return False
+            ref, self.asking = self.asking, None
+            try:
+                self.endpoint = tuple(ray.get(ref))
+            except ray.exceptions.RayError:
+                return False                       # asked again by the next search
+        if not self.connecting:
+            self.connecting = True
+            threading.Thread(target=self._connect, args=(self.endpoint,), daemon=True,
+                             name="shard-link").start()
+        return True
+
+    def _connect(self, endpoint: tuple[str, int]) -> None:
+        """The background connect: an authenticated connection joins ``idle``, or the endpoint
+        is forgotten (the actor is asked where it listens again: it may have restarted)."""
         try:
-            return open_link(endpoint, self.authkey, self.timeout)
+            conn: Connection | None = open_link(endpoint, self.authkey, self.timeout,
+                                                handshake=min(self.timeout, LINK_HANDSHAKE_S))
         except (OSError, EOFError, AuthenticationError):
-            self.forget()
-            return None
+            conn = None
+        with self.lock:
+            self.connecting = False
+            if conn is None:
+                self.endpoint = None
+            elif self.closed:
+                conn.close()
+            else:
+                self.idle.append(conn)
+            self.changed.notify_all()
 
     def give(self, conn: Connection) -> None:
         with self.lock:
@@ -318,6 +393,7 @@ class _Link:
 
     def close(self) -> None:
         with self.lock:
+            self.closed = True
             conns, self.idle = self.idle, []
         for c in conns:
             c.close()
@@ -451,7 +527,7 @@ class Router:
         cls = ray.remote(ShardSearcher)
         self.keys: list[tuple] = []
         self.actors: list[Any] = []
-        self.links: list[_Link] = []
+        self.links: list[ShardLink] = []
         for i, s in enumerate(self.shards):
             part = s / PART_FILE
             where = config.placement(i, s) if config.placement else _near(shard_node(s))
@@ -468,7 +544,7 @@ class Router:
                 str(part), params, config.threads, authkey))
             self.actors.append(actor)
             self.keys.append(key)
-            self.links.append(_Link(actor, authkey, None, config.timeout))
+            self.links.append(ShardLink(actor, authkey, None, config.timeout))
         self._finalizer = weakref.finalize(self, _release, list(self.keys), list(self.links))
         self.counts = self._ready()
         self.ntotal = int(sum(self.counts) + self.held.ntotal)
@@ -569,8 +645,11 @@ class Router:
             dq, iq = self.ivf.quantizer.search(q, min(self.ivf.nprobe, self.ivf.nlist))
         message = ForkingPickler.dumps((q, k, dq, iq))     # Connection.send's pickle, once for all
         waiting: dict[Connection, int] = {}
+        until = time.monotonic() + min(CONNECT_SLICE_S, self.config.timeout / 4)   # reconnections
+        for link in self.links:                     # every shard's connect, if any, at once
+            link.prepare(self.ray)
         for i, link in enumerate(self.links):
-            conn = link.take(self.ray)
+            conn = link.take(self.ray, until)
             if conn is None:
                 continue
             try:
@@ -642,7 +721,7 @@ class Router:
         self._finalizer()
 
 
-def _release(keys: Sequence[tuple], links: Sequence[_Link]) -> None:
+def _release(keys: Sequence[tuple], links: Sequence[ShardLink]) -> None:
     for link in links:
         link.close()
     _POOL.release(keys)

@@ -1,0 +1,88 @@
+"""One wedged shard cannot take the fan-out down (issue 39, FAIL 4), without Ray (as
+tests/indexer/test_fanout_link.py): an actor's accept loop survives accept() errors (EMFILE),
+and a shard whose port accepts TCP but never sends the challenge is left out of a partial
+answer within the bound while the healthy shards' answers are returned (before: the router
+connected inside the shared bound, so every shard counted as late: 503 "no shard answered").
+
+Real parts (faiss IVF on disk, memory-mapped), real TCP sockets on 127.0.0.1, the stdlib's
+challenge; the router is the real ``Router._fanout`` over real ``ShardLink``s (the Ray calls
+it makes only to look an actor's endpoint up again are not reached)."""
+from __future__ import annotations
+
+import os
+import resource
+import secrets
+import socket
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from indexer.fanout import RayServing, Router, ShardLink, ShardSearcher, open_link
+
+D = 16
+
+
+@pytest.fixture(scope="module")
+def part(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1000, D)).astype(np.float32)
+    index = faiss.index_factory(D, "IVF4,Flat")
+    index.train(x)
+    index.add_with_ids(x, np.arange(1000, dtype=np.int64))
+    path = tmp_path_factory.mktemp("fanout-wedged") / "part.faiss"
+    faiss.write_index(index, str(path))
+    return path, rng.standard_normal((5, D)).astype(np.float32)
+
+
+def test_accept_loop_survives_running_out_of_descriptors(part) -> None:
+    path, q = part
+    key = secrets.token_bytes(32)
+    s = ShardSearcher(str(path), "nprobe=4", 1, key, host="127.0.0.1")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        n_open = len(os.listdir("/proc/self/fd")) - 1                # less listdir's own
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n_open + 1, hard))
+        try:
+            c = socket.create_connection(s.endpoint(), timeout=5)   # takes the last descriptor
+            time.sleep(0.5)                                        # the actor's accept(): EMFILE
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        c.close()
+        with open_link(s.endpoint(), key, timeout=10) as conn:     # still served afterwards
+            conn.send((q, 3, None, None))
+            assert conn.poll(10)
+            d, i = conn.recv()
+        assert i.shape == (len(q), 3) and (i >= 0).all()
+    finally:
+        s.close()
+
+
+def test_a_shard_that_never_sends_the_challenge_is_left_out_within_the_bound(part) -> None:
+    path, q = part
+    key = secrets.token_bytes(32)
+    healthy = [ShardSearcher(str(path), "nprobe=4", 1, key, host="127.0.0.1") for _ in range(2)]
+    wedged = socket.create_server(("127.0.0.1", 0), backlog=8)     # TCP accepted by the kernel, never answered
+    bound = 3.0
+    router = Router.__new__(Router)                                 # the fan-out without Ray
+    router.config, router.ivf, router.ray = RayServing(timeout=bound), None, None
+    router.directory, router.keep_max = path.parent, False
+    router.held = faiss.IndexIDMap(faiss.IndexFlatL2(D))
+    ends = [healthy[0].endpoint(), wedged.getsockname()[:2], healthy[1].endpoint()]
+    router.links = [ShardLink(None, key, tuple(e), bound) for e in ends]
+    try:
+        for _ in range(2):                  # the first connects every shard, the second reuses
+            t0 = time.monotonic()
+            d, i, missing = router._fanout(q, 5)
+            took = time.monotonic() - t0
+            assert missing == [1], missing
+            assert took < bound, took
+            assert i.shape == (len(q), 5) and (i >= 0).all()
+    finally:
+        for link in router.links:
+            link.close()
+        for s in healthy:
+            s.close()
+        wedged.close()
