@@ -62,7 +62,7 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
         args.auth = (user, pw)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port: expected 1..65535, got {args.port}")
-    if args.max_upload_mb <= 0:
+    if not 0 < args.max_upload_mb < float("inf"):     # nan and inf too (issue 39)
         raise UsageError(f"--max-upload-mb: expected a positive number, got {args.max_upload_mb}")
     if args.upload_max_age < 2:
         raise UsageError(f"--upload-max-age: expected at least 2 seconds, got {args.upload_max_age}")
@@ -72,6 +72,15 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
         ips = [x.strip() for x in args.forwarded_allow_ips.split(",") if x.strip()]
         if not ips:
             raise UsageError("--forwarded-allow-ips: expected addresses such as 127.0.0.1 or 10.0.0.0/8, got nothing")
+        import ipaddress
+
+        for ip in ips:      # "*" would believe any peer's X-Forwarded-For: any client picks its address
+            try:
+                ipaddress.ip_network(ip, strict=False)
+            except ValueError:
+                raise UsageError(f"--forwarded-allow-ips: {ip!r} is not an IP address or network (name "
+                                 "the proxy's own address, e.g. 127.0.0.1 or 10.0.0.0/8; '*' is refused: "
+                                 "every client could then choose its address)") from None
         args.forwarded_allow_ips = ips
     if args.name is not None and len(args.name) != len(args.index):
         raise UsageError(f"--name: give one name per --index ({len(args.index)}), got {len(args.name)}")
@@ -117,6 +126,7 @@ def _ray_serving(args: argparse.Namespace) -> object:
 
 def _serve(args: argparse.Namespace) -> int:
     from indexer import IndexDir, IndexerError
+    from indexer.lock import IndexBusyError
 
     expected = (*EXPECTED, *_expected())
     for d in args.index:    # before anything is started or emptied: a wrong --index is one line
@@ -135,6 +145,10 @@ def _serve(args: argparse.Namespace) -> int:
         names = ["demo"]
         try:
             indexes = [ensure_demo_index(args.demo_dir)]
+        except IndexBusyError as e:     # the lock's own hint names indexer's --wait, which app.py lacks
+            raise IndexerError(f"could not build the demo index in {args.demo_dir}: "
+                               f"{one_line(e).split('; try again')[0]}; start app.py again when it "
+                               "has finished") from e
         except expected as e:   # one line (run_main), saying what was being done
             raise IndexerError(f"could not build the demo index in {args.demo_dir}: {one_line(e)}") from e
         qdir = args.demo_dir / "queries"

@@ -52,6 +52,8 @@ FORMATS = {   # name -> (file name, how the base RGB photo is saved)
     # issue 28: containers whose frame is another format, or one of several frames
     "ICO PNG": "icon.ico", "CUR PNG": "cursor.cur", "MPO": "x.mpo", "WebP anim": "anim.webp",
     "GIF anim": "anim.gif", "APNG": "anim.png",
+    # issue 39: libjpeg keeps a progressive file's whole coefficient buffer, whatever draft asks
+    "JPEG progressive": "prog.jpg", "MPO progressive": "prog.mpo",
 }
 CONTAINERS = ["ICO PNG", "CUR PNG", "MPO", "WebP anim", "GIF anim", "APNG"]
 WEBP = ("WebP", "WebP anim")         # made at --webp-megapixels (just under WebP's own cap)
@@ -188,6 +190,11 @@ def make_images(out: Path, megapixels: float, names: list[str], webp_megapixels:
             base.save(p, compression="tiff_lzw")
         elif name == "JPEG":
             base.save(p, quality=90)
+        elif name == "JPEG progressive":            # 4:4:4, as the issue's probe
+            base.save(p, quality=90, progressive=True, subsampling=0)
+        elif name == "MPO progressive":
+            base.save(p, "MPO", save_all=True, append_images=[base.transpose(Image.FLIP_LEFT_RIGHT)],
+                      quality=90, progressive=True, subsampling=0)
         else:
             base.save(p)
         paths[name] = p

@@ -97,6 +97,25 @@ def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.nda
     return worst
 
 
+def _public_config(cfg: dict) -> dict:
+    """The config as the ONNX file records it: a local weights file by its name only (issue 39:
+    the absolute path told anyone who can read the model where the server keeps its files;
+    :func:`_weights_record` adds its sha256)."""
+    if cfg.get("weights"):
+        cfg = {**cfg, "weights": Path(str(cfg["weights"])).name}
+    return cfg
+
+
+def _weights_record(cfg: dict) -> dict:
+    """``weights_file`` (basename) and ``weights_sha256`` of a local weights file, else nothing."""
+    from .hashing import file_sha256
+
+    w = Path(str(cfg.get("weights") or "")).expanduser()
+    if not cfg.get("weights") or not w.is_file():
+        return {}
+    return {"weights_file": w.name, "weights_sha256": file_sha256(w)}
+
+
 def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str = "",
                 parity_images: list | None = None) -> Path:
     """Export ``model`` to a single self-contained .onnx file with a dynamic batch axis.
@@ -132,7 +151,8 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
                 "normalized": "true" if m.config.normalize else "false",
                 "source_hash": source_hash,
                 "preprocessing": pre.to_json(),
-                "config": json.dumps(m.config.to_dict(), sort_keys=True),
+                "config": json.dumps(_public_config(m.config.to_dict()), sort_keys=True),
+                **_weights_record(m.config.to_dict()),
                 "exporter": exporter,
                 "torch_version": torch.__version__,
             })

@@ -85,6 +85,24 @@ def basic_auth_ok(headers: dict[bytes, bytes], auth: tuple[str, str]) -> bool:
     return bool(sep) and ok_user and ok_pw
 
 
+#: The one key every client address that is not an IP address shares (issue 39): a trusted
+#: proxy's X-Forwarded-For becomes the ASGI client as it is, so garbage there ("x", "unknown",
+#: a fresh random string per request) would otherwise count as a new client each time.
+NOT_AN_ADDRESS = "not-an-ip-address"
+
+
+def client_key(scope: dict) -> str:
+    """The client address the throttle and the stream cap count: the ASGI client's host when
+    it is an IP address, else :data:`NOT_AN_ADDRESS` (all such clients together)."""
+    import ipaddress
+
+    host = str((scope.get("client") or ("",))[0] or "")
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return NOT_AN_ADDRESS
+
+
 def _has_body(headers: dict[bytes, bytes]) -> bool:
     length = headers.get(b"content-length", b"0").strip()
     return b"transfer-encoding" in headers or (length.isdigit() and int(length) > 0)
@@ -113,7 +131,7 @@ class RequestGuard:
 
     async def _stream(self, scope: dict, receive: Any, send: Any) -> None:
         """A long-lived Gradio stream: a login first (with --auth), a bounded number per client."""
-        client = (scope.get("client") or ("unknown",))[0]
+        client = client_key(scope)
         if self.auth is not None and not self.sessions.logged_in(dict(scope.get("headers") or [])):
             await _answer(scope, receive, send, 401, "log in first (this stream needs a session)", CLOSE)
             return
@@ -137,7 +155,7 @@ class RequestGuard:
         api = path.startswith("/api/") or path == "/api"
         headers = dict(scope.get("headers") or [])
         has_body = _has_body(headers)
-        client = (scope.get("client") or ("unknown",))[0]
+        client = client_key(scope)
         login_form = method == "POST" and path.rstrip("/") == "/login" and self.auth is not None
         close = CLOSE if has_body else {}
 

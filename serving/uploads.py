@@ -78,4 +78,4 @@ def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT
         raise UploadError(str(e), status=413) from None
     except ImageLoadError as e:
         raise UploadError(f"{name}: not a readable image ({e.reason}); expected a PNG, JPEG, "
-                          f"WebP, BMP or GIF file", status=415) from None
+                          f"WebP, GIF, BMP, TIFF or ICO file", status=415) from None
