@@ -332,8 +332,8 @@ def _search(args: argparse.Namespace) -> None:
 
     idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
                      ray=ray_serving(args))
-    hits = idx.search([args.image], args.k, dba=DBA[args.dba])[0]
-    partial = getattr(idx.faiss, "partial", None)
+    found = idx.answer(idx.embed([args.image]), args.k, dba=DBA[args.dba])
+    hits, partial = idx.hits(found.scores[0], found.ids[0]), found.partial
     if partial:     # over Ray, a shard did not answer in time: said, on stderr
         print(f"indexer search: warning: partial answer: shard(s) {', '.join(map(str, partial))} did not "
               f"answer within {args.shard_timeout:g} s", file=sys.stderr)

@@ -21,6 +21,7 @@ import numpy as np
 from embedder.files import atomic_target
 
 from .errors import IndexerError
+from .searchable import Answer
 
 INDEX_TYPES = ("auto", "flat", "ivf", "ivfhnsw", "hnsw", "sq8", "sq8rf", "ivfpq", "pqfsrf", "pqfsr8")
 # flat: exact. ivf: IVF-Flat. ivfhnsw: IVF-Flat whose nlist centroids are found through an HNSW
@@ -420,7 +421,7 @@ def write_atomic(index: faiss.Index, path: str | Path) -> None:
 
 
 class SearchableIndex:
-    """A read-only faiss index for concurrent queries.
+    """A read-only faiss index for concurrent queries (a :class:`indexer.searchable.Searchable`).
 
     CPU faiss searches are const and release the GIL, so threads share one index without a
     lock. GPU indexes are not thread-safe, so GPU searches are serialised.
@@ -445,10 +446,15 @@ class SearchableIndex:
         self.d = cpu.d
         self.ntotal = cpu.ntotal
 
-    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    summary = None                      # the whole index in RAM
+
+    def missing(self) -> list[int]:
+        return []
+
+    def search(self, q: np.ndarray, k: int) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
         if self.gpu:
             with self._lock:
-                return self.index.search(q, k)
-        return self.index.search(q, k)
+                return Answer(*self.index.search(q, k))
+        return Answer(*self.index.search(q, k))

@@ -33,8 +33,8 @@ that fails or answers late is closed, its shard left out of that answer, and the
 again where it listens (a restarted actor has a new port).
 
 Node loss: a fan-out waits at most ``timeout`` seconds; a shard whose actor did not answer in
-time or died is left out and named in :attr:`Router.partial` (per thread: the last search of the
-calling thread), which serving turns into the answer's ``partial`` field; :meth:`Router.missing`
+time or died is left out and named in the answer's ``partial`` (``searchable.Answer``), which
+serving passes on in its own answer; :meth:`Router.missing`
 pings every actor (``/api/health``). A search that arrives while a fan-out is in flight waits
 for it and goes out with the next one (:meth:`Router.search`), so it ends within about twice
 the bound. Actors are restarted by Ray for ever (``max_restarts=-1``);
@@ -73,6 +73,7 @@ from . import faiss_index as fx
 from .errors import IndexerError
 from .index_dir import MANIFEST, PART_FILE
 from .manifest import Manifest
+from .searchable import Answer
 from .ray_sources import READER_MEMORY
 from .shards import shard_paths
 
@@ -498,8 +499,10 @@ class _Request:
 
 
 class Router:
-    """A sharded index's parts searched by their shards' actors: ``PartsIndex``'s face
-    (``search``, ``ntotal``, ``d``), plus :attr:`partial` and :meth:`missing`."""
+    """A sharded index's parts searched by their shards' actors (a
+    :class:`indexer.searchable.Searchable`): each answer names the shards it left out."""
+
+    summary = None                      # each shard's actor holds its own part
 
     def __init__(self, directory: Path, manifest: Manifest, config: RayServing) -> None:
         ray = _ray()
@@ -548,7 +551,6 @@ class Router:
         self._finalizer = weakref.finalize(self, _release, list(self.keys), list(self.links))
         self.counts = self._ready()
         self.ntotal = int(sum(self.counts) + self.held.ntotal)
-        self._local = threading.local()
         self._cv = threading.Condition()
         self._queue: list[_Request] = []
         self._leading = False
@@ -576,14 +578,9 @@ class Router:
                                    f"({task_error(e)})") from None
         return out
 
-    @property
-    def partial(self) -> list[int]:
-        """The shards left out of the calling thread's last search (empty: it was whole)."""
-        return list(getattr(self._local, "partial", ()))
-
-    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(D, I) of the parts searched as one, as ``PartsIndex.search``; shards that did not
-        answer within the bound are left out and recorded in :attr:`partial`.
+    def search(self, q: np.ndarray, k: int) -> Answer:
+        """The parts searched as one, as ``PartsIndex.search``; shards that did not answer
+        within the bound are left out and named in the answer's ``partial``.
 
         Concurrent searches share fan-outs: while one is in flight, the searches that arrive
         (with the same k) queue and go out together as the next one (one message per shard
@@ -602,10 +599,9 @@ class Router:
                     break
                 self._leading = True
             self._lead()                # a batch (this request's, or the first queued k's)
-        self._local.partial = req.partial
         if req.error is not None:
             raise req.error
-        return req.result
+        return Answer(*req.result, tuple(req.partial))
 
     def _lead(self) -> None:
         """Send what is queued (the first request's k) as one fan-out, hand the rows out, and
@@ -617,12 +613,11 @@ class Router:
                 self._queue = [r for r in self._queue if r.k != k]
             qs = batch[0].q if len(batch) == 1 else np.concatenate([r.q for r in batch])
             d = i = error = None
-            self._local.partial = []
+            missing: list[int] = []
             try:
-                d, i = self._fanout(qs, k)
+                d, i, missing = self._fanout(qs, k)
             except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
                 error = e
-            missing = self._local.partial
             row = 0
             for r in batch:
                 n = len(r.q)
@@ -634,9 +629,9 @@ class Router:
                 self._leading = False
                 self._cv.notify_all()
 
-    def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One fan-out of ``q`` to every shard's actor over its direct connection and the merge
-        (sets this thread's :attr:`partial`). A shard is left out when it has no connection now
+    def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """One fan-out of ``q`` to every shard's actor over its direct connection and the merge:
+        (D, I, the shards left out). A shard is left out when it has no connection now
         (its endpoint is being asked for again), its connection fails, it answers with an error,
         or it has not answered ``timeout`` seconds after the send."""
         deadline = time.monotonic() + self.config.timeout
@@ -682,7 +677,6 @@ class Router:
         missing = [i for i in range(len(self.links)) if i not in got]
         ds = [got[i][0] for i in sorted(got)]
         is_ = [got[i][1] for i in sorted(got)]
-        self._local.partial = missing
         if missing and self.config.strict:
             raise IndexerError(f"{self.directory}: shard(s) {', '.join(map(str, missing))} did not answer "
                                f"within {self.config.timeout:g} s; the answer would be partial")
@@ -693,8 +687,8 @@ class Router:
         ds.append(dh)
         is_.append(ih)
         if len(ds) == 1:
-            return ds[0], is_[0]
-        return faiss.merge_knn_results(np.stack(ds), np.stack(is_), keep_max=self.keep_max)
+            return ds[0], is_[0], missing
+        return (*faiss.merge_knn_results(np.stack(ds), np.stack(is_), keep_max=self.keep_max), missing)
 
     def missing(self, timeout: float | None = None) -> list[int]:
         """The shards whose actor does not answer now (within ``timeout``, default the fan-out's

@@ -33,6 +33,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -85,6 +86,42 @@ def basic_auth_ok(headers: dict[bytes, bytes], auth: tuple[str, str]) -> bool:
     return bool(sep) and ok_user and ok_pw
 
 
+UPLOAD_ROUTE = "/gradio_api/upload"
+UPLOAD_CAP_ENV = "DAS_UPLOAD_DIR_MB"
+
+
+def upload_folder_cap(limit: int) -> int:
+    """What Gradio's upload folder may hold at once (issue 39: uploads had no quota; one client
+    wrote 394 MB/s, kept 15 min): ``$DAS_UPLOAD_DIR_MB``, else 64 uploads at the size cap, at
+    least 256 MB. Past it, uploads are refused with 429 until older ones expire."""
+    raw = os.environ.get(UPLOAD_CAP_ENV, "").strip()
+    if raw:
+        try:
+            return max(1, int(float(raw) * 2 ** 20))
+        except ValueError:
+            raise ValueError(f"{UPLOAD_CAP_ENV}={raw!r}: expected a number of megabytes") from None
+    return max(64 * int(limit), 256 * 2 ** 20)
+
+
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """Disk bytes held under ``folder`` (allocated blocks; symlinks not followed)."""
+    total, stack = 0, [os.fspath(folder)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        else:
+                            total += e.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+    return total
+
+
 #: The one key every client address that is not an IP address shares (issue 39): a trusted
 #: proxy's X-Forwarded-For becomes the ASGI client as it is, so garbage there ("x", "unknown",
 #: a fresh random string per request) would otherwise count as a new client each time.
@@ -115,8 +152,12 @@ class RequestGuard:
     def __init__(self, app: Any, *, max_bytes: int, limit: int, auth: tuple[str, str] | None = None,
                  throttle: LoginThrottle | None = None, sessions: GradioSessions | None = None,
                  body_timeout: float = BODY_TIMEOUT_S, anon_body_timeout: float = ANON_BODY_TIMEOUT_S,
-                 max_streams: int = MAX_STREAMS_PER_CLIENT):
+                 max_streams: int = MAX_STREAMS_PER_CLIENT, upload_dir: str | None = None,
+                 upload_dir_cap: int | None = None):
         self.app, self.max_bytes, self.limit, self.auth = app, max_bytes, limit, auth
+        # Gradio's upload folder (the app's own, serving.tempdir) and what it may hold at once
+        self.upload_dir = upload_dir or os.environ.get("GRADIO_TEMP_DIR")
+        self.upload_dir_cap = upload_dir_cap or upload_folder_cap(limit)
         self.max_streams = max_streams
         self._streams: dict[str, int] = {}      # client address -> streams open now
         self.throttle = throttle or LoginThrottle()
@@ -177,6 +218,14 @@ class RequestGuard:
         if not logged_in:
             logged_in = self.sessions.logged_in(headers)
         length = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if method == "POST" and path.rstrip("/").endswith(UPLOAD_ROUTE) and self.upload_dir:
+            held_now = folder_bytes(self.upload_dir)
+            if held_now + self.limit > self.upload_dir_cap:     # room for one more at the cap
+                await _answer(scope, receive, send, 429, (
+                    f"the upload folder is full ({held_now / 2 ** 20:.0f} MB held, at most "
+                    f"{self.upload_dir_cap / 2 ** 20:.0f} MB; {UPLOAD_CAP_ENV}); uploads expire after "
+                    "--upload-max-age seconds: retry then"), {"Retry-After": "60", **close})
+                return
         if length.isdigit() and int(length) > self.max_bytes:
             # the rest of the body is never read, so the connection cannot be reused
             await _answer(scope, receive, send, 413, too_large(int(length), self.limit), CLOSE)

@@ -59,3 +59,28 @@ def test_onnx_metadata_names_the_weights_file_not_its_path(tmp_path: Path) -> No
     assert "secret-dir" not in json.dumps(meta)
     assert json.loads(meta["config"])["weights"] == "r10.pth"
     assert meta["weights_file"] == "r10.pth" and meta["weights_sha256"] == file_sha256(w)
+
+
+def test_upload_folder_cap_answers_429_until_uploads_expire(tmp_path: Path) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from serving.limits import RequestGuard
+
+    async def ok(request):                      # stands in for Gradio's upload route
+        await request.body()
+        return PlainTextResponse("stored")
+
+    inner = Starlette(routes=[Route("/gradio_api/upload", ok, methods=["POST"])])
+    mb = 2 ** 20
+    guarded = RequestGuard(inner, max_bytes=mb + 4096, limit=mb, upload_dir=str(tmp_path),
+                           upload_dir_cap=3 * mb)
+    client = TestClient(guarded)
+    assert client.post("/gradio_api/upload", content=b"x" * 1000).status_code == 200
+    (tmp_path / "old-upload").write_bytes(b"\1" * (2 * mb + 1))      # 2 MB held + 1 MB more > 3 MB
+    r = client.post("/gradio_api/upload", content=b"x" * 1000)
+    assert r.status_code == 429 and "upload folder is full" in r.text and r.headers["retry-after"]
+    (tmp_path / "old-upload").unlink()                                # expired
+    assert client.post("/gradio_api/upload", content=b"x" * 1000).status_code == 200
