@@ -1,5 +1,5 @@
 """A timm ViT and a timm CNN (timm's tiny test models, random init, handed over as weights
-files) through every path: 1 epoch of DAS training on real cub-dev photos with the trunk cache
+files) through every path: 1 epoch of DAS training on real cub-dev photos (`cub_mini`) with the trunk cache
 off and on, ONNX export with the parity check, a training-free export through
 `python -m embedder pretrained --backbone`, `indexer build`, and search through a running app."""
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _changed(before: dict, run: Path) -> set[str]:
     ("vit", "cls", "last:2", ("backbone.net.blocks.4.", "backbone.net.blocks.5.", "backbone.net.norm.")),
     ("cnn", "model", "last:1", ("backbone.net.stages.3.", "backbone.net.head.norm.")),
 ])
-def test_trains_with_das_cache_off_and_on_and_exports(cub_root, tmp_path, weights, arch, pooling,
+def test_trains_with_das_cache_off_and_on_and_exports(cub_mini, tmp_path, weights, arch, pooling,
                                                       trainable, trains):
     from embedder import OnnxEmbedder
     from training import train
@@ -63,10 +63,10 @@ def test_trains_with_das_cache_off_and_on_and_exports(cub_root, tmp_path, weight
     name = {"vit": "timm:test_vit", "cnn": "timm:test_convnext"}[arch]
     kw = dict(backbone=name, weights=str(weights[arch]), pooling=pooling, trainable=trainable,
               layer_decay=0.75)
-    before = build_model(_cfg(cub_root, tmp_path / "x", **kw)).state_dict()
+    before = build_model(_cfg(cub_mini, tmp_path / "x", **kw)).state_dict()
     for cache in (False, True):
         run = tmp_path / f"cache{int(cache)}"
-        cfg = _cfg(cub_root, run, trunk_cache=cache, export_onnx=cache, **kw)
+        cfg = _cfg(cub_mini, run, trunk_cache=cache, export_onnx=cache, **kw)
         train(cfg)
         changed = _changed(before, run)
         assert any(k.startswith(trains) for k in changed) and any(k.startswith("head.") for k in changed)
@@ -86,7 +86,7 @@ def test_trains_with_das_cache_off_and_on_and_exports(cub_root, tmp_path, weight
 
     model, _ = load_checkpoint(tmp_path / "cache1" / "best.pt")
     assert model.config.weights == str(weights[arch])
-    img = sorted(cub_root.rglob("*.jpg"))[0]
+    img = sorted(cub_mini.rglob("*.jpg"))[0]
     with torch.no_grad():
         ref = model(torch.from_numpy(onnx.prepare(img)[None])).numpy()
     np.testing.assert_allclose(onnx.embed([img]), ref, atol=1e-4)

@@ -1,4 +1,4 @@
-"""Fine-tuning on real cub-dev photos (3 + 3 species, 64 px, a few steps): which weights train,
+"""Fine-tuning on real cub-dev photos (3 + 3 species of `cub_mini`, 12 photos each, 64 px, a few steps): which weights train,
 the cached trunk against the full network, the cache's reuse, and the exported ONNX model."""
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def _initial(cfg):
     return model
 
 
-def test_last1_trains_only_the_last_stage_and_the_head(cub_root, tmp_path):
+def test_last1_trains_only_the_last_stage_and_the_head(cub_mini, tmp_path):
     from training import train
 
-    cfg = _cfg(cub_root, tmp_path / "run", head_init="random")
+    cfg = _cfg(cub_mini, tmp_path / "run", head_init="random")
     before = _initial(cfg).state_dict()
     train(cfg)
     after = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["state_dict"]
@@ -48,7 +48,7 @@ def test_last1_trains_only_the_last_stage_and_the_head(cub_root, tmp_path):
     assert frozen == set(), sorted(frozen)[:5]          # stem, stages 0-5, their BN statistics
 
 
-def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_root, tmp_path):
+def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_mini, tmp_path):
     from training.data import ImageDataset, load_splits
     from training.distributed import DistInfo
     from training.run_state import build_preprocessing
@@ -56,10 +56,10 @@ def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_root, t
     from training.step import build_criterion, compute_loss
     from training.trunk_cache import trunk_activations
 
-    cfg = _cfg(cub_root, tmp_path / "run", trainable="last:2", frozen_bn=True)
+    cfg = _cfg(cub_mini, tmp_path / "run", trainable="last:2", frozen_bn=True)
     model = _initial(cfg)
     split = split_stages(model, cfg.trainable)
-    train_split, _ = load_splits("folder", cub_root, max_classes=3)
+    train_split, _ = load_splits("folder", cub_mini, max_classes=3)
     pre = build_preprocessing(cfg)
     ds = ImageDataset(train_split, pre.eval_transform())
     acts = trunk_activations(split.prefix, ds, pre, what="t", views=2, seed=5,
@@ -89,16 +89,16 @@ def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_root, t
     assert model.training and not any(m.training for m in split.prefix.modules())
 
 
-def test_trunk_cache_is_reused_and_keyed_by_views(cub_root, tmp_path, monkeypatch):
+def test_trunk_cache_is_reused_and_keyed_by_views(cub_mini, tmp_path, monkeypatch):
     from training.data import ImageDataset, load_splits
     from training.run_state import build_preprocessing
     from training.stages import split_stages
     from training.trunk_cache import trunk_activations
 
-    cfg = _cfg(cub_root, tmp_path / "run", trainable="head")
+    cfg = _cfg(cub_mini, tmp_path / "run", trainable="head")
     model = _initial(cfg)
     split = split_stages(model, "head")
-    _, test = load_splits("folder", cub_root, max_classes=2)
+    _, test = load_splits("folder", cub_mini, max_classes=2)
     pre = build_preprocessing(cfg)
     ds = ImageDataset(test, pre.eval_transform())
     a = np.array(trunk_activations(split.prefix, ds, pre, what="h", cache_dir=tmp_path, progress=False))
@@ -112,16 +112,16 @@ def test_trunk_cache_is_reused_and_keyed_by_views(cub_root, tmp_path, monkeypatc
     assert len(list(tmp_path.glob("*.npy"))) == 2
 
 
-def test_cached_run_exports_the_whole_network_to_onnx(cub_root, tmp_path):
+def test_cached_run_exports_the_whole_network_to_onnx(cub_mini, tmp_path):
     from embedder import OnnxEmbedder, load_checkpoint
     from embedder.metrics import evaluate
     from training import train
     from training.data import load_splits
 
     out = tmp_path / "run"
-    res = train(_cfg(cub_root, out, trunk_cache=True, export_onnx=True, parity_images=4,
+    res = train(_cfg(cub_mini, out, trunk_cache=True, export_onnx=True, parity_images=4,
                      frozen_bn=True, steps_per_epoch=0))
-    train_split, test = load_splits("folder", cub_root, max_classes=3)
+    train_split, test = load_splits("folder", cub_mini, max_classes=3)
     assert res.onnx_path is not None and res.history[-1]["steps"] == len(train_split) // 6
     emb = OnnxEmbedder(res.onnx_path, device="cpu", threads=2).embed(test.paths)
     model, _ = load_checkpoint(res.best_checkpoint)
@@ -133,7 +133,7 @@ def test_cached_run_exports_the_whole_network_to_onnx(cub_root, tmp_path):
     assert cfg_saved["trunk_cache"] is True
 
 
-def test_pca_head_starts_at_the_pooled_ranking(cub_root, tmp_path):
+def test_pca_head_starts_at_the_pooled_ranking(cub_mini, tmp_path):
     """With head_init = "pca" the untrained embedder ranks the test images (nearly) as its
     pooled features do, so training starts from the pretrained ranking."""
     from embedder.metrics import evaluate
@@ -141,11 +141,11 @@ def test_pca_head_starts_at_the_pooled_ranking(cub_root, tmp_path):
     from training.data import ImageDataset, load_splits
     from training.run_state import build_preprocessing
 
-    cfg = _cfg(cub_root, tmp_path / "run", trainable="head", trunk_cache=True, dim=32, epochs=1,
+    cfg = _cfg(cub_mini, tmp_path / "run", trainable="head", trunk_cache=True, dim=32, epochs=1,
                steps_per_epoch=1)
     res = train(cfg)
     model = _initial(cfg)
-    _, test = load_splits("folder", cub_root, max_classes=3)
+    _, test = load_splits("folder", cub_mini, max_classes=3)
     ds = ImageDataset(test, build_preprocessing(cfg).eval_transform())
     with torch.no_grad():
         pooled = torch.cat([model.features(torch.stack([ds[i][0] for i in range(s, min(s + 32, len(ds)))]))
@@ -155,11 +155,11 @@ def test_pca_head_starts_at_the_pooled_ranking(cub_root, tmp_path):
     assert abs(res.initial_metrics["R@1"] - raw) < 0.1
 
 
-def test_validation_classes_never_read_the_test_split(cub_root, tmp_path):
+def test_validation_classes_never_read_the_test_split(cub_mini, tmp_path):
     from training.data import ImageDataset, load_splits
     from training.finetune import carve_validation
 
-    train, test = load_splits("folder", cub_root, max_classes=4)
+    train, test = load_splits("folder", cub_mini, max_classes=4)
     t = ImageDataset(train, lambda im: im)
     tr, va, rows_t, rows_v = carve_validation(t, ImageDataset(test, lambda im: im), 1)
     assert tr.split.classes == train.classes[:3] and va.split.classes == train.classes[3:]
@@ -169,11 +169,11 @@ def test_validation_classes_never_read_the_test_split(cub_root, tmp_path):
         carve_validation(t, t, 4)
 
 
-def test_optimizer_groups_and_warmup(tmp_path, cub_root):
+def test_optimizer_groups_and_warmup(tmp_path, cub_mini):
     from training.config import ConfigError, TrainConfig
     from training.run_state import RunState
 
-    cfg = _cfg(cub_root, tmp_path / "r", lr=1e-4, backbone_lr=1e-5, warmup_epochs=2, epochs=6,
+    cfg = _cfg(cub_mini, tmp_path / "r", lr=1e-4, backbone_lr=1e-5, warmup_epochs=2, epochs=6,
                lr_milestones=[4])
     state = RunState.build(cfg, np.array([0, 0, 1, 1, 2, 2]), 3, torch.device("cpu"), None)
     lrs = {g["name"]: g["lr"] for g in state.optimizer.param_groups}
@@ -195,16 +195,16 @@ def test_optimizer_groups_and_warmup(tmp_path, cub_root):
                        np.array([0, 0, 1, 1]), 2, torch.device("cpu"), None)
 
 
-def test_cache_name_separates_what_the_prefix_computes(tmp_path, cub_root):
+def test_cache_name_separates_what_the_prefix_computes(tmp_path, cub_mini):
     """The pooled features of a head-only run depend on the pooling; stage activations do not
     depend on the head, so runs that differ only in the head share a cache."""
     from training.finetune import cache_name
 
-    cfg = _cfg(cub_root, tmp_path / "r", trainable="head")
+    cfg = _cfg(cub_mini, tmp_path / "r", trainable="head")
     names = {cache_name(_replaced(cfg, pooling=p)) for p in ("avg", "gem", "avgmax")}
     assert len(names) == 3
     assert cache_name(_replaced(cfg, pooling="gem", gem_p=4.0)) not in names
-    last = _cfg(cub_root, tmp_path / "r", trainable="last:2")
+    last = _cfg(cub_mini, tmp_path / "r", trainable="last:2")
     assert cache_name(last) == cache_name(_replaced(last, dim=512, pooling="avg",
                                                               head_init="random"))
 

@@ -1,4 +1,4 @@
-"""benchmarks/finetune_table2.py on real cub-dev photos (2 + 2 species, 64 px, 2 steps): one
+"""benchmarks/finetune_table2.py on real cub-dev photos (2 + 2 species of `cub_mini`, 64 px, 2 steps): one
 shared trunk cache, paired report, training-free rows, resumable."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_finetune_grid(cub_root, tmp_path, monkeypatch):
+def test_tiny_finetune_grid(cub_mini, tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
     from benchmarks import finetune_table2
 
     cache, out = tmp_path / "cache", tmp_path / "grid"
-    argv = ["--root", str(cub_root), "--methods", "multisimilarity:none", "--seeds", "0", "1",
+    argv = ["--root", str(cub_mini), "--methods", "multisimilarity:none", "--seeds", "0", "1",
             "--out", str(out)] + [a for kv in (
                 "max_classes=2", "input_size=64", "epochs=1", "steps_per_epoch=2", "trunk_views=1", "dim=8",
                 "batch_size=4", "per_class=2", f"cache_dir={cache}", "threads=2")

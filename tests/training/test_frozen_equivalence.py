@@ -3,7 +3,7 @@ is part of the model (checkpoint, export), not only of the training inputs.
 
 The loop itself was compared with the deleted training/frozen.py head loop at commit 01f5fbc
 (this file's first version: same seed, per-epoch R@1 / NMI / MAP@R equal to 3 decimals, with
-and without DAS); the figures are in benchmarks/RESULTS-training.md ("One training loop")."""
+and without DAS); the figures are in docs/benchmarks/history.md ("One training loop")."""
 from __future__ import annotations
 
 import sys
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_cached_pooled_features_are_the_gallery_embedders(cub_root, tmp_path, pretrained_onnx):
+def test_cached_pooled_features_are_the_gallery_embedders(cub_mini, tmp_path, pretrained_onnx):
     """The trainer's float32 pooled-feature cache, L2-normalised, equals the ONNX default
     embedder's output for the same photos (what `indexer build` stores), to float noise."""
     sys.path.insert(0, str(REPO))
@@ -25,10 +25,10 @@ def test_cached_pooled_features_are_the_gallery_embedders(cub_root, tmp_path, pr
     from embedder import OnnxEmbedder
     from training.data import load_splits
 
-    train, test = frozen_splits(cub_root, cache=tmp_path / "cache", max_classes=1, progress=False)
+    train, test = frozen_splits(cub_mini, cache=tmp_path / "cache", max_classes=1, progress=False)
     cached = list((tmp_path / "cache").glob("*.npy"))
     assert len(cached) == 2 and all(np.load(p).dtype == np.float32 for p in cached)
-    tr_split, _ = load_splits("folder", cub_root, max_classes=1)
+    tr_split, _ = load_splits("folder", cub_mini, max_classes=1)
     emb = OnnxEmbedder(pretrained_onnx, device="cpu")
     onnx = np.concatenate([e for _, e, _ in emb.embed_iter(enumerate(tr_split.paths),
                                                             progress=False)])
