@@ -95,16 +95,15 @@ def ray_call_router():
     from indexer.fanout import Router
 
     class RayCallRouter(Router):
-        def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
             refs = [a.search.remote(q, k) for a in self.actors]
             dh, ih = self.held.search(q, k)
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout)
             if len(ready) != len(refs):
                 raise RuntimeError("a shard did not answer in the benchmark")
             got = ray.get(refs)
-            self._local.partial = []
-            return faiss.merge_knn_results(np.stack([g[0] for g in got] + [dh]),
-                                           np.stack([g[1] for g in got] + [ih]), keep_max=self.keep_max)
+            return (*faiss.merge_knn_results(np.stack([g[0] for g in got] + [dh]),
+                                             np.stack([g[1] for g in got] + [ih]), keep_max=self.keep_max), [])
     return RayCallRouter
 
 
@@ -184,8 +183,8 @@ def main() -> None:
         qs = np.ascontiguousarray(np.random.default_rng(7).standard_normal((a.queries, a.dim)), dtype=np.float32)
         faiss.normalize_L2(qs)
         _, i1 = local.search(qs, a.k)                 # recall equal: the same ids for every query
-        _, i2 = router.search(qs, a.k)
-        assert router.partial == [], router.partial
+        _, i2, partial = router.search(qs, a.k)
+        assert partial == (), partial
         np.testing.assert_array_equal(i2, i1)
         np.testing.assert_array_equal(calls.search(qs, a.k)[1], i1)
         sides = {"one process": local, "fan-out, direct connections": router, "fan-out, Ray calls": calls}

@@ -1,4 +1,8 @@
-"""``Index``: the read-only, thread-safe query face of an index directory (what serving uses)."""
+"""``Index``: the read-only, thread-safe query face of an index directory (what serving uses).
+
+``Index.open`` is the one factory: it opens the directory's layout in a serving mode (in RAM,
+codes only under ``max_memory``, over Ray) and hands the Index every part at construction:
+nothing is set on an Index, or swapped inside it, afterwards."""
 from __future__ import annotations
 
 import json
@@ -14,12 +18,10 @@ from embedder.preprocess import Preprocessing
 from embedder.vectors import l2_normalize
 
 from .errors import IndexerError
-from .faiss_index import SearchableIndex
-from .index_dir import IndexDir
 from .layouts import Layout, layout_of
-from .manifest import Manifest
 from .model import load_embedder
 from .neighbours import Neighbourhoods
+from .searchable import Answer, Searchable
 from .store import GalleryStore
 
 
@@ -42,27 +44,25 @@ class Index:
     index: :meth:`reopen` gives the directory's current state (what a server does after an add).
     """
 
-    def __init__(self, directory: Path, manifest: Manifest, store: GalleryStore,
-                 faiss_index: SearchableIndex, device: str = "auto") -> None:
-        self.directory = directory
-        self.files = IndexDir(directory)
-        self.manifest = manifest
-        self.store = store
-        self.faiss = faiss_index
-        self.dim: int = manifest.dim
-        self.model_hash: str = manifest.model_hash
+    def __init__(self, layout: Layout, store: GalleryStore, searchable: Searchable,
+                 neighbours: Neighbourhoods | None, *, device: str = "auto", max_memory: int | None = None,
+                 ray: Any = None, embedder: Any = None) -> None:
+        """Every part as :meth:`open` made it (``max_memory``, ``ray``: the serving mode, kept
+        by :meth:`reopen`; ``embedder``: a loaded one of this index's model, else loaded lazily)."""
+        self.layout, self.manifest, self.files = layout, layout.manifest, layout.d
+        self.directory: Path = layout.d.path
+        self.store, self.faiss, self.neighbours = store, searchable, neighbours
+        self.dim: int = self.manifest.dim
+        self.model_hash: str = self.manifest.model_hash
+        self.max_memory, self.ray = max_memory, ray
         self._device = device
-        self._embedder: Any = None
+        self._embedder: Any = embedder
         self._lock = threading.Lock()
-        self.max_memory: int | None = None      # set by Index.open(max_memory=...): codes only
-        self.neighbours: Neighbourhoods | None = None   # DBA re-ranking (indexer.neighbours)
-        self.layout: Layout | None = None               # set by Index.open (indexer.layouts)
-        self.ray: Any = None                            # Index.open(ray=...): kept by reopen
 
     @classmethod
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
              store: GalleryStore | None = None, max_memory: int | str | None = None,
-             ray: Any = None) -> "Index":
+             ray: Any = None, embedder: Any = None) -> "Index":
         """Open an index directory of either layout (:func:`indexer.layouts.layout_of` decides,
         from the manifest) after checking its files (:mod:`indexer.validate`): a damaged one
         fails with one line naming the file. ``check_model`` also requires ``model.onnx``
@@ -72,30 +72,33 @@ class Index:
         ``ray``: a Ray address (``HOST:PORT``, ``auto``, ``local``) or an
         :class:`indexer.fanout.RayServing`: a sharded index's parts are searched by one Ray
         actor per shard on the node that built it (:mod:`indexer.fanout`); the store is still
-        read here, from the shared filesystem."""
+        read here, from the shared filesystem. ``embedder``: one already loaded, kept when it is
+        this index's model (:meth:`reopen`)."""
         if ray is not None and max_memory is not None:
             raise IndexerError("--max-memory and --ray exclude each other: over Ray each shard's "
                                "actor holds its own part")
         layout = layout_of(directory)
+        m = layout.manifest
         store, fi, nb = layout.open(device=device, check_model=check_model, store=store,
                                     mmap=max_memory is not None, ray=ray)
-        idx = cls(layout.d.path, layout.manifest, store, fi, device)
-        idx.layout, idx.neighbours, idx.ray = layout, nb, ray
+        budget = None
         if max_memory is not None:
+            from embedder.cli import memory_size
+
             from .rerank import serve_codes
 
-            return serve_codes(idx, max_memory)
-        return idx
+            budget = memory_size(max_memory)
+            fi = serve_codes(fi, store, m.model_hash, budget)
+        if embedder is not None and (embedder.model_hash, embedder.dim) != (m.model_hash, m.dim):
+            embedder = None
+        return cls(layout, store, fi, nb, device=device, max_memory=budget, ray=ray, embedder=embedder)
 
     def reopen(self) -> "Index":
         """The directory's current state as a new Index (after ``indexer add/remove``), sharing
         this one's store and, when the model is unchanged, its loaded embedder. This Index stays
         usable, so requests already running on it finish undisturbed."""
-        new = Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory,
-                         ray=self.ray)
-        if new.model_hash == self.model_hash and new.dim == self.dim:
-            new._embedder = self._embedder
-        return new
+        return Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory,
+                          ray=self.ray, embedder=self._embedder)
 
     @property
     def embedder(self) -> Any:
@@ -118,7 +121,15 @@ class Index:
 
     def search_embeddings(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
                           exclude: Sequence[int | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, ids), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF answers.
+        """(scores, ids) of :meth:`answer` (what most callers need: an index in one process
+        never leaves a shard out)."""
+        scores, ids, _ = self.answer(emb, k, dba=dba, exclude=exclude)
+        return scores, ids
+
+    def answer(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
+               exclude: Sequence[int | None] | None = None) -> Answer:
+        """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF
+        answers; ``partial``: the shards an index served over Ray left out (empty: whole).
 
         Queries are L2-normalised here: the index holds normalised vectors and ranks by cosine.
         ``dba``: re-rank the top candidates with the gallery's augmented vectors
@@ -147,15 +158,15 @@ class Index:
         if not dba:
             if own is None:
                 return self.faiss.search(q, k)
-            scores, ids = self.faiss.search(q, min(k + 1, len(self)))
+            scores, ids, partial = self.faiss.search(q, min(k + 1, len(self)))
             ids, scores = drop_self(ids, own, k, scores)
-            return scores, ids
+            return Answer(scores, ids, partial)
         from .neighbours import rerank
 
         nb = self.neighbours
-        _, cand = self.faiss.search(q, min(max(nb.params.depth, k) + (own is not None), len(self)))
-        return rerank(nb, q, cand, k, exclude=None if own is None else list(exclude),
-                      vectors=lambda ids: self.embeddings(ids))
+        _, cand, partial = self.faiss.search(q, min(max(nb.params.depth, k) + (own is not None), len(self)))
+        return Answer(*rerank(nb, q, cand, k, exclude=None if own is None else list(exclude),
+                              vectors=lambda ids: self.embeddings(ids)), partial)
 
     def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
         """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""

@@ -21,7 +21,7 @@ from embedder.hashing import file_sha256
 
 from .errors import IndexerError
 from .manifest import FORMAT, Manifest
-from .validate import check_faiss_file, check_lmdb, check_model_file, read_faiss
+from .validate import check_faiss_file, check_lmdb, check_model_file
 
 # every file name of both layouts (indexer.layouts), here and nowhere else
 MANIFEST = "manifest.json"
@@ -148,10 +148,3 @@ class IndexDir:
         if emb.dim != manifest.dim:
             raise IndexerError(f"{path}: dimension mismatch: model gives {emb.dim}-d embeddings, "
                                f"index holds {manifest.dim}-d")
-
-    def read_index(self, manifest: Manifest) -> Any:
-        """``index.faiss`` for updating, after its size/checksum and dimension checks."""
-        check_faiss_file(self.index_file, manifest.index_file or {})
-        index = read_faiss(self.index_file)
-        self.check_index_dim(index.d, manifest)
-        return index

@@ -16,6 +16,7 @@ parts are opened as one) lives here. Nothing outside this module tells the layou
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -134,16 +135,11 @@ class Single:
         return {"index_file": self.d.index_record()} if changed else {}
 
     def store_counts(self, faiss_n: int, store: Any) -> tuple[int, int]:
-        """(images stored, of them embedded by the index's model): the embeddings are counted
-        only when the store's count differs from faiss's (a health check stays cheap)."""
-        own = store is None
-        st = GalleryStore(self.d.store_dir) if own else store
-        try:
+        """(images stored, of them embedded by the index's model; counted only when the store's
+        count differs from faiss's: a health check stays cheap). ``store``: the server's, kept open."""
+        with nullcontext(store) if store is not None else GalleryStore(self.d.store_dir) as st:
             n = len(st)
             return n, (n if n == faiss_n else n - len(st.missing_embeddings(self.manifest.model_hash)))
-        finally:
-            if own:
-                st.close()
 
 
 class Sharded:

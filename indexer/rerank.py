@@ -25,6 +25,7 @@ import numpy as np
 
 from . import faiss_index as fx
 from .errors import IndexerError, size_text
+from .searchable import Answer
 
 RERANK_FACTOR = 10          # k' = 10 k candidates from the codes (the top 100 for k = 10)
 TRAIN_POINTS = 65_536       # codec training sample (SQ ranges, PQ codebooks: 256 x 39 at least)
@@ -163,23 +164,25 @@ def store_vectors(store: Any, model_hash: str) -> Vectors:
 
 
 class ReRanked:
-    """``SearchableIndex``'s face over codes: k' = factor x k candidates from the codes, ranked
-    by exact inner product with the vectors ``vectors`` reads (the store)."""
+    """Codes in RAM (a :class:`indexer.searchable.Searchable`): k' = factor x k candidates from
+    the codes, ranked by exact inner product with the vectors ``vectors`` reads (the store)."""
 
     def __init__(self, codes: faiss.Index, vectors: Vectors, *, codec: str, memory_bytes: int,
                  nprobe: int, factor: int = RERANK_FACTOR, budget: int | None = None) -> None:
         self.cpu_index = self.index = codes
         self.vectors, self.codec, self.factor = vectors, codec, int(factor)
-        self.gpu = False
         self.d, self.ntotal = codes.d, int(codes.ntotal)
         self.memory_bytes = int(memory_bytes)
         self.summary = {"codes": codec, "rerank_factor": self.factor, "memory_bytes": self.memory_bytes,
                         "max_memory": budget, "nprobe": int(nprobe)}
 
+    def missing(self) -> list[int]:
+        return []
+
     def candidates(self, q: np.ndarray, k: int) -> np.ndarray:
         return self.index.search(q, max(1, min(self.factor * k, self.ntotal)))[1]
 
-    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, q: np.ndarray, k: int) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
         cand = self.candidates(q, k)
@@ -198,7 +201,7 @@ class ReRanked:
             sc = np.take_along_axis(exact, top, axis=1)
             scores[s:s + BLOCK, :top.shape[1]] = sc
             ids[s:s + BLOCK, :top.shape[1]] = np.where(np.isfinite(sc), np.take_along_axis(c, top, axis=1), -1)
-        return scores, ids
+        return Answer(scores, ids)
 
 
 def choose_codec(ntotal: int, dim: int, nlist: int, budget: int) -> str:
@@ -243,18 +246,14 @@ def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str 
                     memory_bytes=fx.memory_bytes(n, ivf.code_size, ivf.nlist, dim))
 
 
-def serve_codes(idx: Any, max_memory: int | str) -> Any:
-    """``Index.open(..., max_memory=...)``: swap an opened index's faiss index (read memory-mapped)
-    for its codes re-ranked from the index's own store(s), when it does not fit the budget."""
-    from embedder.cli import memory_size
-
-    budget = memory_size(max_memory)
-    r = codes_only(idx.faiss.cpu_index, store_vectors(idx.store, idx.model_hash), budget)
-    if r is not None:
-        idx.faiss = r
-        release_freed()
-    idx.max_memory = budget
-    return idx
+def serve_codes(fi: Any, store: Any, model_hash: str, budget: int) -> Any:
+    """What ``Index.open(..., max_memory=...)`` serves: the opened index (read memory-mapped) as
+    it is when it fits ``budget`` bytes, else its codes re-ranked from the index's own store(s)."""
+    r = codes_only(fi.cpu_index, store_vectors(store, model_hash), budget)
+    if r is None:
+        return fi
+    release_freed()
+    return r
 
 
 def release_freed() -> None:
@@ -269,15 +268,6 @@ def release_freed() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def describe(fi: Any) -> str:
-    """One line for a log: what a codes-only index holds."""
-    s = getattr(fi, "summary", None)
-    if not s:
-        return "the whole index in RAM"
-    return (f"{s['codes']} codes ({size_text(s['memory_bytes'])}), top {s['rerank_factor']} x k "
-            f"re-ranked with exact vectors from the store")
 
 
 __all__ = ["ReRanked", "codes_only", "serve_codes", "compress", "choose_codec", "codecs",

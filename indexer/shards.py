@@ -37,6 +37,7 @@ from . import stream
 from .errors import IndexerError
 from .index_dir import MANIFEST, OWNER_FILE, PART_FILE, STORE_DIR, IndexDir
 from .manifest import Manifest
+from .searchable import Answer
 from .store import GalleryStore
 from .validate import check_faiss_file, check_lmdb, damaged, faiss_reason
 
@@ -180,7 +181,7 @@ class ShardedStore:
 
 
 class PartsIndex:
-    """``SearchableIndex``'s face (search, ntotal, d) over the parts searched as one."""
+    """The parts searched as one in this process (a :class:`indexer.searchable.Searchable`)."""
 
     def __init__(self, directory: Path, manifest: Manifest) -> None:
         sh = manifest.sharded
@@ -191,9 +192,13 @@ class PartsIndex:
         except RuntimeError as e:
             raise damaged(directory, f"faiss cannot read a part ({faiss_reason(e)})") from None
         fx.set_search_params(self.cpu_index, manifest.search_params or "")
-        self.index, self.gpu = self.cpu_index, False
         self.d, self.ntotal = self.cpu_index.d, int(self.cpu_index.ntotal)
 
-    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    summary = None                      # the whole index in RAM (memory-mapped parts)
+
+    def missing(self) -> list[int]:
+        return []
+
+    def search(self, q: np.ndarray, k: int) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
-        return self.cpu_index.search(q, max(1, min(int(k), max(1, self.ntotal))))
+        return Answer(*self.cpu_index.search(q, max(1, min(int(k), max(1, self.ntotal)))))

@@ -137,15 +137,3 @@ def measure_qps(index: faiss.Index, queries: np.ndarray, k: int = K,
         index.search(q, k)
         times.append(time.perf_counter() - t0)
     return len(q) / max(float(np.median(times)), 1e-9)
-
-
-
-def retuned(index: faiss.Index, spec: faiss_index.IndexSpec, q: np.ndarray, truth: np.ndarray,
-            own: np.ndarray, target: float) -> dict:
-    """The manifest fields of an index retuned on self-queries ``q`` (ids ``own``): a single
-    index's or a sharded one's (``update.retune``, after ``indexer add/remove``)."""
-    value, rq = tune(index, spec, q, truth, target, own=own)
-    recall = round(float(rq.mean()), 4)
-    return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
-            "recall_at_10": recall, "tuning_recall_at_10": recall, "tuning_queries": int(len(own)),
-            "heldout_queries": 0}

@@ -1,12 +1,7 @@
-"""``indexer add/remove/repair/info``, written once for both layouts against
-:class:`indexer.layouts.Layout`: a single index is a layout of one part, a sharded index one of a
-part per shard (plus a held-out part), so every update is the same walk over (store, faiss file)
-pairs and ends in the same :func:`sync`.
-
-The library's functions (:func:`add_images`, :func:`remove_items`, :func:`repair_index`) hold
-the directory's writer lock (:mod:`indexer.lock`) and read the manifest once, under it, so a
-library caller is as safe as the CLI (which only calls them).
-"""
+"""``indexer add/remove/repair/info``, written once against :class:`indexer.layouts.Layout`: every
+update is the same walk over the layout's (store, faiss file) parts and ends in one :func:`sync`.
+Each holds the directory's writer lock and reads the manifest once, under it, so a library caller
+is as safe as the CLI (which only calls them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +28,7 @@ from .model import load_embedder
 from .pipeline import IngestStats, embed_missing, ingest
 from .sources import Rows, StoreSource
 from .store import GalleryStore
-from .tuning import K, heldout_size, retuned
+from .tuning import K, heldout_size, tune
 from .walk import GalleryFile, walk_gallery
 
 
@@ -99,17 +94,14 @@ def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | 
 
 
 def info(directory: str | Path, *, deep: bool = False) -> dict:
-    """``indexer info``'s facts: ``manifest``, ``layout`` (its name), ``store`` (images, labels
-    and models over every part's store), ``parts`` (per part: its shard folder or None, images
-    stored, vectors in its faiss file), ``held`` (a held-out part's vectors, or None), ``checksums`` (the line on the faiss
-    files' recorded sizes and sha256) and
-    ``counts`` (a :class:`CountCheck`; None for a shard). ``deep``: read every record of every
-    store first; a page LMDB cannot read raises in one line naming the file."""
+    """``indexer info``'s facts: ``manifest``, ``layout`` (its name), ``store`` (over every part's
+    store), ``parts`` (per part: its shard folder or None, images, vectors), ``held`` (a held-out
+    part's vectors, or None), ``checksums`` (a line) and ``counts`` (None for a shard). ``deep``:
+    read every record of every store first (a page LMDB cannot read: one line naming the file)."""
     layout = layout_of(directory)
     m = layout.manifest
     layout.check(model=not m.is_shard)
-    parts, labels, models, items = [], set(), set(), 0
-    walked = {}
+    parts, labels, models, items, walked = [], set(), set(), 0, {}
     for p in layout.parts:
         with GalleryStore(p.store_dir) as st:
             if deep:
@@ -290,7 +282,12 @@ def retune(layout: Layout, per_part: list[np.ndarray], ids: np.ndarray, sources:
     k = min(K, n - 1) if n > 1 else 1
     truth = drop_self(stream.exact_truth(sources, q, min(k + 1, n), exclude=np.zeros(0, np.int64), dups=dups),
                       own, k)[0]
-    return retuned(layout.as_one(), fx.IndexSpec.from_manifest(m), q, truth, own, m.target_recall)
+    spec = fx.IndexSpec.from_manifest(m)
+    value, rq = tune(layout.as_one(), spec, q, truth, m.target_recall, own=own)
+    recall = round(float(rq.mean()), 4)
+    return {"nprobe": int(value) if spec.nlist else 0, "search_params": spec.search_params(value),
+            "recall_at_10": recall, "tuning_recall_at_10": recall, "tuning_queries": int(len(own)),
+            "heldout_queries": 0}
 
 
 def _sync_neighbours(d: IndexDir, manifest: Manifest, wants: list[np.ndarray],

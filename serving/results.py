@@ -83,6 +83,12 @@ class Query:
     path: str | None = None
     name: str = "query"
     embeddings: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # per index (Searcher.embed)
+    origin: Snapshot | None = field(default=None, repr=False)   # the index state it was found in
+
+    def on(self, name: str) -> "Snapshot | str":
+        """What a request on index ``name`` looks up: the snapshot this gallery query was found
+        in when it is that index's (one request, one state), else the name."""
+        return self.origin if self.origin is not None and self.origin.name == name else name
 
 
 @dataclass

@@ -9,8 +9,10 @@ after ``indexer add/remove`` the new state replaces the old between requests (se
 
 One request, one index state: every method looks the named index up ONCE (:meth:`snapshot`)
 and passes that ``Index`` down to the embedding, the exclusion of the query itself, the search,
-the thumbnails and the answer's fields. A reload swaps the searcher's entry, never the Index a
-request holds, so no request embeds with one state and searches another.
+the thumbnails and the answer's fields; a gallery Query keeps the Snapshot it was found in
+(``Query.origin``), so searching, probing and drawing it on that index resolve nothing again.
+A reload swaps the searcher's entry, never the Index a request holds, so no request embeds with
+one state and searches another.
 """
 from __future__ import annotations
 
@@ -35,18 +37,6 @@ from .uploads import bounded_decode
 
 ImageSource = str | Path | bytes | Image.Image
 IndexRef = str | Snapshot | None       # an index name (None: the default) or a request's Snapshot
-
-
-def partial_shards(snap: Snapshot) -> list[int]:
-    """The shards the calling thread's last search of ``snap`` left out: an index served over
-    Ray (``indexer.fanout.Router.partial``) whose shard did not answer in time; else none."""
-    return list(getattr(snap.index.faiss, "partial", None) or [])
-
-
-def missing_shards(idx: Index) -> list[int]:
-    """The shards of an index served over Ray whose actor does not answer now (none in-process)."""
-    missing = getattr(idx.faiss, "missing", None)
-    return list(missing()) if callable(missing) else []
 
 
 def _index_name(directory: Path, taken: set[str]) -> str:
@@ -140,7 +130,7 @@ class Searcher:
                     problems[name] = f"index {name!r}: {counts.message}"
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 problems[name] = f"index {name!r}: {str(e).splitlines()[0]}"
-            gone = missing_shards(idx)
+            gone = idx.faiss.missing()
             if gone and name not in problems:
                 problems[name] = (f"index {name!r}: shard(s) {', '.join(map(str, gone))} not answering "
                                   "(node lost?); answers leave them out until Ray restarts their actors")
@@ -186,12 +176,12 @@ class Searcher:
             raise RequestError("no query: upload an image, or name a gallery image by id or path")
         meta = self._meta(snap, id)
         return Query(id=int(id), source=snap.name, label=label or meta.get("label"), path=meta.get("path"),
-                     name=meta.get("path") or f"{snap.name}#{id}")
+                     name=meta.get("path") or f"{snap.name}#{id}", origin=snap)
 
     def query_image(self, q: Query) -> Image.Image:
         """The query's pixels (for gallery queries, decoded from the source index's LMDB)."""
         if q.image is None:
-            data = self.index(q.source).image_bytes(q.id)
+            data = (q.origin.index if q.origin is not None else self.index(q.source)).image_bytes(q.id)
             q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
                                      max_pixels=DEFAULT_MAX_PIXELS)
         return q.image
@@ -237,12 +227,13 @@ class Searcher:
         return snap.index.has_dba if dba is None else bool(dba)
 
     def _nearest(self, snap: Snapshot, emb: np.ndarray, k: int, exclude: Sequence[int | None] | None,
-                 thumbnails: bool, dba: bool) -> list[list[Result]]:
-        """What every search comes down to, on one snapshot with k and dba already checked."""
-        scores, ids = snap.index.search_embeddings(emb, k, dba=dba, exclude=exclude)
+                 thumbnails: bool, dba: bool) -> tuple[list[list[Result]], list[int]]:
+        """What every search comes down to, on one snapshot with k and dba already checked: each
+        row's Results, and the shards the answer left out (an index served over Ray)."""
+        scores, ids, partial = snap.index.answer(emb, k, dba=dba, exclude=exclude)
         return [[Result(h.id, h.score, h.label, h.path, snap.name,
                         self.thumbnail(snap, h.id) if thumbnails else None)
-                 for h in snap.index.hits(s, i)] for s, i in zip(scores, ids)]
+                 for h in snap.index.hits(s, i)] for s, i in zip(scores, ids)], list(partial)
 
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
@@ -253,7 +244,7 @@ class Searcher:
         the store no longer has are skipped."""
         snap = self.snapshot(index)
         return self._nearest(snap, np.atleast_2d(np.asarray(emb, dtype=np.float32)), check_k(k),
-                             None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap))
+                             None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap))[0]
 
     def search(self, query: Query | ImageSource | int, k: int = 10, *, index: IndexRef = None,
                exclude_self: bool = True, thumbnails: bool = False, dba: bool | None = None) -> SearchResult:
@@ -272,14 +263,13 @@ class Searcher:
         if not qs:
             return []
         excl = [q.id if exclude_self and self._own(snap, q) else None for q in qs]
-        rows = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba)
-        missing = partial_shards(snap)
+        rows, missing = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba)
         return [SearchResult(snap.name, q, r, dba, missing) for q, r in zip(qs, rows)]
 
     def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:
         """The same query on every open index, side by side."""
         q = self.query(query)
-        return {name: self.search(q, k, index=name, **kw) for name in self.indexes}
+        return {name: self.search(q, k, index=q.on(name), **kw) for name in self.indexes}
 
     # -- thumbnails -----------------------------------------------------------------------
     def thumbnail_png(self, index: IndexRef, id: int) -> bytes:
@@ -333,7 +323,7 @@ class Searcher:
                              f"#{a} and #{b} of class {label!r}")
                 kinds += ["shifting"] * len(n)
         all_emb = np.concatenate([v[None]] + embs) if embs else v[None]
-        rows = self._nearest(snap, all_emb, k, [excl] * len(all_emb), thumbnails, idx.has_dba)
+        rows = self._nearest(snap, all_emb, k, [excl] * len(all_emb), thumbnails, idx.has_dba)[0]
         orig = rows[0]
         table = probes.stability_rows([r.id for r in orig], [r.score for r in orig], [r.label for r in orig],
                                       [(nm, kd, [r.id for r in rs], [r.score for r in rs], [r.label for r in rs])
@@ -345,7 +335,7 @@ class Searcher:
     def probe_all(self, query: Query | ImageSource | int, k: int = 6, **kw: Any) -> dict[str, ProbeReport]:
         """The same probes on every open index (the paper's baseline vs DAS comparison)."""
         q = self.query(query)
-        return {name: self.probe(q, k, index=name, **kw) for name in self.indexes}
+        return {name: self.probe(q, k, index=q.on(name), **kw) for name in self.indexes}
 
     def describe(self, index: IndexRef = None) -> dict[str, Any]:
         """Manifest plus live facts, for the Index tab and GET /api/indexes."""
@@ -353,7 +343,7 @@ class Searcher:
         idx = snap.index
         return {"name": snap.name, "directory": str(self.directories.get(snap.name, "")), "size": len(idx),
                 "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest.to_dict(),
-                "memory": getattr(idx.faiss, "summary", None)}   # codes only: indexer.rerank
+                "memory": idx.faiss.summary}   # codes only: indexer.rerank
 
 
 __all__ = ["Searcher", "Snapshot", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",

@@ -243,3 +243,18 @@ def test_the_layout_branch_check_sees_each_form():
             "y = a if manifest.sharded else b\nif args.sharded:\nstore = ShardedStore(dirs)\n"
             "files = manifest.sharded['files']\n")
     assert [line for line, _ in layout_branches(code)] == [1, 2, 3, 4]
+
+
+# The searchable index is one type (issue 40): serving reads an answer's partial from the answer
+# and a mode's facts from indexer.searchable.Searchable, never by probing for an attribute, and
+# no answer travels as per-thread state.
+_PROBE = re.compile(r"getattr\([^,]*\.faiss\b|threading\.local\(")
+PER_THREAD_OK = {"indexer/lmdb_env.py"}     # LMDB read transactions are per thread by LMDB's rule
+
+
+def test_no_attribute_probing_of_the_searchable_index_and_no_thread_local_answers():
+    wrong = [f"{path}:{i} {ln.strip()}" for path in _modules()
+             if _owner(path) in (*PACKAGES, "app") and path.as_posix() not in PER_THREAD_OK
+             for i, ln in enumerate((REPO / path).read_text().splitlines(), 1) if _PROBE.search(ln)]
+    assert not wrong, "probing or thread-local state:\n" + "\n".join(wrong)
+    assert _PROBE.search('p = getattr(idx.faiss, "partial", None)') and _PROBE.search("x = threading.local()")

@@ -89,7 +89,8 @@ def test_flat_needs_no_tuning_and_ids_roundtrip(tmp_path: Path) -> None:
     np.testing.assert_array_equal(fx.index_ids(index), np.sort(ids))
     fx.write_atomic(index, tmp_path / "i.faiss")
     back = fx.SearchableIndex(tmp_path / "i.faiss", device="cpu")
-    s, i = back.search(x[:5], 3)
+    s, i, partial = back.search(x[:5], 3)
+    assert partial == ()                                      # one process: always whole
     np.testing.assert_array_equal(i[:, 0], ids[:5])           # every vector finds itself first
     np.testing.assert_allclose(s[:, 0], 1.0, atol=1e-5)
     assert list(tmp_path.iterdir()) == [tmp_path / "i.faiss"]  # no temporary left behind
@@ -156,14 +157,14 @@ def test_every_type_keeps_ids_params_and_removals(index_type: str, tmp_path: Pat
         assert faiss.downcast_index(back.cpu_index.index).hnsw.efSearch == 32
     if spec.k_factor:
         assert faiss.downcast_index(back.cpu_index.index).k_factor == spec.k_factor
-    s, i = back.search(x[:20], 5)
+    s, i, _ = back.search(x[:20], 5)
     np.testing.assert_array_equal(i[:, 0], ids[:20])            # ids, not row numbers
     np.testing.assert_allclose(s[:, 0], 1.0, atol=1e-3)         # exact re-ranking: cosine 1
     # removal works for every type (HNSW graphs and refine wrappers are refilled)
     np.testing.assert_array_equal(fx.index_ids(index), ids)
     keep = np.ones(3_000, bool)
     keep[:100] = False
-    fx.remove(index, ids[:100], x[keep], ids[keep])
+    fx.remove(index, ids[:100], lambda: (x[keep], ids[keep]))
     np.testing.assert_array_equal(fx.index_ids(index), ids[100:])
     fx.set_search_params(index, spec.search_params(value))
     assert not np.isin(index.search(x[:100], 5)[1], ids[:100]).any()

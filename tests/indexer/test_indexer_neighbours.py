@@ -139,7 +139,7 @@ def test_switch_per_search(dba_index: Path) -> None:
     ids, x = idx.store.all_embeddings(idx.model_hash)
     q = x[:20] + 0.05 * np.random.default_rng(1).normal(size=x[:20].shape).astype(np.float32)
     s_plain, i_plain = idx.search_embeddings(q, 5, dba=False)
-    s_faiss, i_faiss = idx.faiss.search(q / np.linalg.norm(q, axis=1, keepdims=True), 5)
+    s_faiss, i_faiss, _ = idx.faiss.search(q / np.linalg.norm(q, axis=1, keepdims=True), 5)
     np.testing.assert_array_equal(i_plain, i_faiss)
     s_dba, i_dba = idx.search_embeddings(q, 5, dba=True)
     np.testing.assert_array_equal(idx.search_embeddings(q, 5)[1], i_dba)         # the default

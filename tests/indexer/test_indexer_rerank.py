@@ -128,7 +128,7 @@ def test_pq_codes_answer_as_the_in_ram_index_where_their_candidates_hold_it(tmp_
     budget = fx.memory_bytes(len(x), 8, 64, 32)
     r = rerank.codes_only(mapped, lambda i: (i, x[(i - 1) // 3]), budget)
     assert r.summary["codes"] == "PQ8" and r.memory_bytes <= budget
-    _, got = r.search(q, 10)
+    got = r.search(q, 10).ids
     _, ram = index.search(q, 10)
     cand = r.candidates(q, 10)
     held = [i for i in range(len(q)) if set(ram[i]) <= set(cand[i])]

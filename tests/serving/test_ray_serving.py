@@ -93,10 +93,10 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
     x = local.embeddings(ids)
     for k in (1, 5, 10, len(local) + 3):
         s1, i1 = local.search_embeddings(x, k)
-        s2, i2 = remote.search_embeddings(x, k)
+        s2, i2, partial = remote.answer(x, k)
         np.testing.assert_array_equal(i2, i1)
         np.testing.assert_array_equal(s2, s1)
-        assert remote.faiss.partial == []
+        assert partial == ()
     # the searches went over each actor's own authenticated connection (the data plane), not
     # through Ray: one open connection per shard, to the address its node has in Ray
     for link in remote.faiss.links:
@@ -110,8 +110,9 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
         return (j, kk, *remote.faiss.search(x[j:j + 2], kk))
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(one, range(0, 60)))
-    for j, kk, d, i in got:
-        want_d, want_i = local.faiss.search(x[j:j + 2], kk)
+    for j, kk, d, i, partial in got:
+        want_d, want_i, _ = local.faiss.search(x[j:j + 2], kk)
+        assert partial == ()
         np.testing.assert_array_equal(i, want_i)
         np.testing.assert_array_equal(d, want_d)
     # gallery queries (the query left out of its own row) and the default soft-affinity actors
@@ -121,7 +122,7 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
     np.testing.assert_array_equal(i2, i1)
     np.testing.assert_array_equal(s2, s1)
     # ... placed on the node that holds each shard (the build's record: shards/ray.json)
-    held = [shard_node(p) for p in soft.layout.shards]
+    held = [shard_node(p.shard) for p in soft.layout.parts]
     assert all(held), held
     assert [w["node"] for w in soft.faiss.where()] == held
     soft.faiss.close()

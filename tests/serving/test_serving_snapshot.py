@@ -102,3 +102,39 @@ def test_a_reload_between_embed_and_search_does_not_mix_two_states(served):
                    files={"image": (photo.name, photo.read_bytes(), "image/png")})
     top = r.json()["results"]
     assert len(top) == k and top[0]["path"].endswith(photo.name) and top[0]["score"] > 0.999
+
+
+def test_a_ui_search_a_probe_and_an_api_search_each_resolve_each_index_once(searcher, monkeypatch):
+    """One request, one state (issue 40): the page's search with a gallery pick, its probes and
+    an API search look each index up once (``Searcher.index``, where a reload can land), and
+    pass that snapshot down: to the query, the search, the thumbnails and the drawn query."""
+    from collections import Counter
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from serving.api import add_api_routes
+    from serving.ui import build_ui
+
+    demo = build_ui(searcher)
+    handler = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+    client = TestClient(add_api_routes(FastAPI(), searcher))
+    pick = str(searcher.index().ids_for_label(searcher.index().labels()[0])[0])
+    real, seen = searcher.index, Counter()
+
+    def counted(name=None):
+        seen[name or searcher.default] += 1
+        return real(name)
+
+    monkeypatch.setattr(searcher, "index", counted)
+    status = handler["search_dba"](None, pick, None, 5, True)[0]
+    assert status.startswith("Query **") and "⚠" not in status, status
+    assert seen == Counter({n: 1 for n in searcher.names}), seen
+    seen.clear()
+    status = handler["probes"](None, pick, None, 4, 2, "0.5, 2", 0, 0.5, "0.5", None, 0)[0]
+    assert status.startswith("Query **") and "⚠" not in status, status
+    assert seen == Counter({n: 1 for n in searcher.names}), seen
+    seen.clear()
+    r = client.post("/api/search", data={"id": pick, "k": "5", "index": searcher.names[1]})
+    assert r.status_code == 200 and len(r.json()["results"]) == 5, r.text
+    assert seen == Counter({searcher.names[1]: 1}), seen
