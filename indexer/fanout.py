@@ -344,6 +344,8 @@ class ShardLink:
         """(Lock held.) The endpoint asked for if unknown, and a background connect started
         if none is under way; False while the endpoint is not known (the shard is left out)."""
         if self.endpoint is None:
+            if self.actor is None:                 # a link to a fixed endpoint: nobody to ask
+                return False
             if self.asking is None:
                 self.asking = self.actor.endpoint.remote()
             ready, _ = ray.wait([self.asking], timeout=0)

@@ -20,7 +20,7 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer.fanout import RayServing, Router, ShardLink, ShardSearcher, open_link
+from indexer.fanout import LINK_HANDSHAKE_S, RayServing, Router, ShardLink, ShardSearcher, open_link
 
 D = 16
 
@@ -80,6 +80,10 @@ def test_a_shard_that_never_sends_the_challenge_is_left_out_within_the_bound(par
             assert missing == [1], missing
             assert took < bound, took
             assert i.shape == (len(q), 5) and (i >= 0).all()
+        time.sleep(LINK_HANDSHAKE_S + 0.5)  # the wedged connect has given up: left out at once
+        t0 = time.monotonic()
+        _, _, missing = router._fanout(q, 5)
+        assert missing == [1] and time.monotonic() - t0 < bound, missing
     finally:
         for link in router.links:
             link.close()
