@@ -53,9 +53,11 @@ def int8_model(tag: str, cache: Path, calibration: list[Path]) -> Path:
     from embedder.quantize import quantize_embedder
 
     fp32 = model_for(tag, cache)
-    from embedder.quantize import QUANT_FORMAT, QUANTIZED_OPS
+    from embedder.quantize import DEFAULT_RECIPE, QUANT_FORMAT, QUANTIZED_OPS
 
     recipe = f"{QUANT_FORMAT} {' '.join(QUANTIZED_OPS)}\n"
+    if DEFAULT_RECIPE.tag != "minmax-pc-stem-256":   # issue 41's recipe: a new file (old caches kept)
+        recipe += DEFAULT_RECIPE.tag + "\n"
     key = hashlib.sha256((recipe + "\n".join(map(str, calibration))).encode()).hexdigest()[:10]
     out = cache / f"{fp32.stem}-int8-{key}.onnx"
     if not out.is_file():

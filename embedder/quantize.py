@@ -2,7 +2,7 @@
 
 Why: on a CPU with AVX-512 VNNI (or AVX2) onnxruntime runs int8 convolutions about twice as
 fast as fp32 ones, and indexing a gallery is almost all convolution. The recipe, chosen by
-measurement on cub-dev validation species (BENCHMARKS.md "int8 embedders"):
+measurement on cub-dev validation species (docs/benchmarks/embedder.md, int8):
 
 - QDQ format (QuantizeLinear/DequantizeLinear pairs that onnxruntime fuses into QLinearConv),
   per-channel int8 weights, uint8 activations (the U8S8 kernels VNNI runs natively);
@@ -13,7 +13,13 @@ measurement on cub-dev validation species (BENCHMARKS.md "int8 embedders"):
   into the conv's output range. GeM pooling (x^p), the mean and the L2 normalisation stay float:
   they cost nothing and powers amplify rounding;
 - activation ranges calibrated on a few hundred images of the user's own gallery, prepared with
-  the model's own preprocessing (what it will see), min/max per tensor.
+  the model's own preprocessing (what it will see), min/max per tensor;
+- 7-bit weights (``reduce_range``, issue 41): on a CPU without VNNI (AVX2 only, the project's
+  2-core machine) onnxruntime multiplies u8 x s8 with VPMADDUBSW, whose int16 sums saturate with
+  full-range weights: the int8 default lost 1.0 R@1 and 2.0 MAP@R on cub-val there (0.5 / +0.3
+  where it was first measured). :class:`QuantRecipe` names every option; the grid it was chosen
+  from (images 64-512, min/max / entropy / percentile, per-channel, float nodes) is in
+  docs/benchmarks/quality-round5.md.
 
 onnxruntime's own tools do the work (``quant_pre_process`` then ``quantize_static``); this
 module only feeds them real images and carries the embedder's metadata (preprocessing, dim,
@@ -40,6 +46,8 @@ from .images import IMAGE_SUFFIXES, ImageLoadError
 
 DEFAULT_IMAGES = 256
 QUANTIZED_OPS = ("Conv", "Clip", "Add")
+METHODS = ("minmax", "entropy", "percentile")
+FLOAT_NODES = ("none", "stem", "head", "stem+head", "stem+adds")
 #: a quantised model whose mean cosine to fp32 on calibration images is below this is broken
 #: (measured: 0.99+ for EfficientNet-Lite with the recipe above, 0.75 without Clip)
 MIN_MEAN_COSINE = 0.95
@@ -48,6 +56,46 @@ QUANT_FORMAT = "qdq-u8s8-per-channel-float-stem"
 
 class QuantizationError(ValueError):
     """The calibration images or the quantised model are unusable (one-line message)."""
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """How a model is quantised: calibration ``method`` (onnxruntime's CalibrationMethod:
+    min/max, entropy or percentile of a histogram), ``per_channel`` weights, which nodes stay
+    float (``float_nodes``: ``stem`` = :func:`input_convs`, ``head`` = :func:`head_nodes`, both,
+    ``stem+adds`` = the stem and every residual Add, or none), how many calibration ``images``
+    a folder gives, and the ``percentile`` kept by the percentile method."""
+
+    method: str = "minmax"
+    per_channel: bool = True
+    float_nodes: str = "stem"
+    images: int = DEFAULT_IMAGES
+    percentile: float = 99.999
+    #: 7-bit weights: on CPUs without VNNI (AVX2 only) onnxruntime's U8S8 kernels multiply with
+    #: VPMADDUBSW, whose int16 sums saturate with full-range weights (onnxruntime's docs)
+    reduce_range: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantizationError(f"calibration method {self.method!r}: expected one of {', '.join(METHODS)}")
+        if self.float_nodes not in FLOAT_NODES:
+            raise QuantizationError(f"float nodes {self.float_nodes!r}: expected one of {', '.join(FLOAT_NODES)}")
+        if self.images < 1:
+            raise QuantizationError(f"calibration image count must be >= 1, got {self.images}")
+
+    @property
+    def tag(self) -> str:
+        """Short name (benchmark rows, cache keys): ``minmax-pc-stem-256``."""
+        m = self.method if self.method != "percentile" else f"pct{self.percentile:g}"
+        return (f"{m}-{'pc' if self.per_channel else 'pt'}-{self.float_nodes}-{self.images}"
+                + ("-rr" if self.reduce_range else ""))
+
+
+#: the recipe `embedder quantize` and `indexer build --int8` use (issue 41, chosen on cub-val:
+#: docs/benchmarks/quality-round5.md): min/max, per-channel, stem float, 256 images, and 7-bit
+#: weights: on the project's AVX2 CPU full-range weights lost 1.0-1.4 R@1 and ~2 MAP@R to fp32
+#: (Lite1; Lite0+Lite1) where reduce_range lost 1.3 / 0.27 R@1 and 0.65 / 0.35 MAP@R
+DEFAULT_RECIPE = QuantRecipe(reduce_range=True)
 
 
 @dataclass
@@ -99,6 +147,43 @@ def input_convs(proto: Any) -> list[str]:
     return [n.name for n in proto.graph.node if n.op_type == "Conv" and n.input and n.input[0] in inputs]
 
 
+def head_nodes(proto: Any) -> list[str]:
+    """Names of the quantisable nodes at the float end of each backbone: every Conv/Clip/Add
+    that feeds or is fed by a float op (GeM's clamp before its power, the clamp of the L2
+    norm) and the Conv feeding such a Clip (``conv_head``, whose output the GeM power x^p
+    amplifies); what ``float_nodes="head"`` keeps float."""
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    consumers: dict[str, list[Any]] = {}
+    for n in proto.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    out: list[str] = []
+    for n in proto.graph.node:
+        if n.op_type not in QUANTIZED_OPS:
+            continue
+        src = producer.get(n.input[0]) if n.input else None
+        fed_float = src is not None and src.op_type not in QUANTIZED_OPS
+        feeds_float = any(c.op_type not in QUANTIZED_OPS for o in n.output for c in consumers.get(o, []))
+        if fed_float or feeds_float:
+            if n.op_type == "Clip" and src is not None and src.op_type == "Conv" and src.name not in out:
+                out.append(src.name)
+            if n.name not in out:
+                out.append(n.name)
+    return out
+
+
+def float_node_names(proto: Any, policy: str) -> list[str]:
+    """The nodes ``policy`` (:data:`FLOAT_NODES`) keeps float in ``proto``, in graph order."""
+    names = set()
+    if "stem" in policy:
+        names.update(input_convs(proto))
+    if "head" in policy:
+        names.update(head_nodes(proto))
+    if "adds" in policy:    # the residual sums (each block's output) kept float
+        names.update(n.name for n in proto.graph.node if n.op_type == "Add")
+    return [n.name for n in proto.graph.node if n.name in names]
+
+
 def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: list[tuple[str, str]],
              progress: bool) -> Iterator[np.ndarray]:
     """Preprocessed (N, C, H, W) batches of ``files`` with the model's own preprocessing;
@@ -121,36 +206,43 @@ def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: lis
 
 
 class _Reader:
-    """onnxruntime's CalibrationDataReader over preprocessed batches (kept for the final check)."""
+    """onnxruntime's CalibrationDataReader over preprocessed batches, read one batch per
+    ``collect_data`` call (``set_range``; quantize_static's strided calibration), so the
+    histogram calibrators merge per batch instead of holding every batch's activations."""
 
-    def __init__(self, input_name: str, batches: Iterator[np.ndarray], keep: int) -> None:
-        self.input_name, self.batches, self.keep = input_name, batches, keep
-        self.kept: list[np.ndarray] = []
-        self.seen = 0
+    def __init__(self, input_name: str, batches: list[np.ndarray]) -> None:
+        self.input_name, self.batches = input_name, batches
+        self.pos, self.end = 0, len(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.pos, self.end = start_index, min(end_index, len(self.batches))
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        x = next(self.batches, None)
-        if x is None:
+        if self.pos >= self.end:
             return None
-        self.seen += len(x)
-        if sum(len(k) for k in self.kept) < self.keep:
-            self.kept.append(x)
-        return {self.input_name: x}
+        self.pos += 1
+        return {self.input_name: self.batches[self.pos - 1]}
 
-    def rewind(self) -> None:  # quantize_static calls it only for multi-pass calibrators
-        pass
+    def rewind(self) -> None:
+        self.pos, self.end = 0, len(self.batches)
 
 
 def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike | Sequence[Path],
-                      out: str | os.PathLike, *, images: int = DEFAULT_IMAGES, batch_size: int = 16,
+                      out: str | os.PathLike, *, images: int | None = None, batch_size: int = 16,
                       progress: bool = False, check_images: int = 32,
-                      log: Callable[[str], None] | None = None) -> QuantizeReport:
+                      log: Callable[[str], None] | None = None,
+                      recipe: QuantRecipe = DEFAULT_RECIPE) -> QuantizeReport:
     """Write the int8 (QDQ) version of the exported embedder ``model`` to ``out``.
 
-    ``calibration``: a folder (up to ``images`` of its images are used, spread over it) or a
-    list of image files. Corrupt images are skipped and reported; none at all is an error.
-    The output keeps ``model``'s metadata plus ``quantization`` (JSON: format, ops, image count,
-    the fp32 file's sha256) and is only moved into place after the int8/fp32 check.
+    ``calibration``: a folder (up to ``images`` of its images, default ``recipe.images``, are
+    used, spread over it) or a list of image files. Corrupt images are skipped and reported;
+    none at all is an error. ``recipe``: method, per-channel, float nodes (:class:`QuantRecipe`).
+    The output keeps ``model``'s metadata plus ``quantization`` (JSON: format, ops, float
+    nodes, method, image count, the fp32 file's sha256) and is only moved into place after the
+    int8/fp32 check.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -163,41 +255,52 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
     if is_quantized(fp32.metadata):
         raise ModelLoadError(model, "already quantised (metadata 'quantization'); quantise the fp32 export")
     files = (list(calibration) if isinstance(calibration, (list, tuple))
-             else calibration_files(calibration, images))
+             else calibration_files(calibration, images or recipe.images))
     if not files:
         raise QuantizationError("no calibration images given")
     skipped: list[tuple[str, str]] = []
-    batches = _batches(fp32, files, batch_size, skipped, progress)
-    first = next(batches, None)   # before onnxruntime sees an empty reader
-    if first is None:
+    batches = list(_batches(fp32, files, batch_size, skipped, progress))
+    if not batches:   # before onnxruntime sees an empty reader
         raise QuantizationError(f"none of the {len(files)} calibration images could be read "
                                 f"(first: {skipped[0][0]}: {skipped[0][1]})")
-    reader = _Reader(fp32.input_name, itertools.chain([first], batches), check_images)
+    reader = _Reader(fp32.input_name, batches)
+    seen = sum(len(b) for b in batches)
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[recipe.method]
+    # histograms are merged one batch at a time (quantize_static's strided calibration) instead
+    # of holding every batch's activations (GBs at 256 photos); min/max reads all batches at once
+    extra: dict[str, Any] = {} if recipe.method == "minmax" else {"CalibStridedMinMax": 1}
+    if recipe.method == "percentile":
+        extra["CalibPercentile"] = recipe.percentile
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="das-quantize-") as tmp:
         pre = Path(tmp) / "pre.onnx"
         # symbolic shape inference trips over the Expand of the L2 normalisation; onnx's own
         # shape inference is enough for Conv/Clip/Add
         quant_pre_process(str(model), str(pre), skip_symbolic_shape=True)
-        stems = input_convs(onnx.load(str(pre)))
+        floats = float_node_names(onnx.load(str(pre)), recipe.float_nodes)
         with atomic_target(out, suffix=".onnx") as tmp_out:
-            quantize_static(str(pre), tmp_out, reader, quant_format=QuantFormat.QDQ, per_channel=True,
+            quantize_static(str(pre), tmp_out, reader, quant_format=QuantFormat.QDQ,
+                            per_channel=recipe.per_channel, reduce_range=recipe.reduce_range,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=stems,
-                            # min/max calibration keeps only per-batch minima and maxima
-                            calibrate_method=CalibrationMethod.MinMax)
+                            op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=floats,
+                            calibrate_method=method, extra_options=extra)
             proto = onnx.load(tmp_out)
             write_metadata(proto, {**fp32.metadata, "quantization": json.dumps({
-                "format": QUANT_FORMAT, "ops": list(QUANTIZED_OPS), "float_nodes": stems,
-                "calibration": "minmax", "calibration_images": reader.seen, "fp32_sha256": fp32.model_hash})})
+                "format": QUANT_FORMAT, "ops": list(QUANTIZED_OPS), "float_nodes": floats,
+                "float_policy": recipe.float_nodes, "per_channel": recipe.per_channel,
+                "reduce_range": recipe.reduce_range,
+                "calibration": recipe.method, **({"percentile": recipe.percentile}
+                                                 if recipe.method == "percentile" else {}),
+                "calibration_images": seen, "fp32_sha256": fp32.model_hash})})
             onnx.save(proto, tmp_out)
-            mean_cos, min_cos = _check(fp32, tmp_out, np.concatenate(reader.kept)[:check_images])
+            mean_cos, min_cos = _check(fp32, tmp_out, np.concatenate(batches)[:check_images])
             if mean_cos < MIN_MEAN_COSINE:
                 raise QuantizationError(
                     f"{model}: the int8 model's embeddings differ from fp32 (mean cosine "
                     f"{mean_cos:.3f} on calibration images, expected >= {MIN_MEAN_COSINE}); "
                     "not written")
-    report = QuantizeReport(out, reader.seen, skipped, mean_cos, min_cos)
+    report = QuantizeReport(out, seen, skipped, mean_cos, min_cos)
     if log is not None:
         for path, why in skipped:
             log(f"skipped {path}: {why}")
@@ -220,7 +323,8 @@ def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
     """The int8 version of ``model`` calibrated on ``calibration`` (a folder), made once into
     ``$DAS_CACHE/int8/`` (what ``indexer build --int8`` uses). The file name holds the fp32
     model's hash and a hash of the calibration files (relative paths and sizes), so rerunning a
-    build on the same gallery (to resume it) gets the same int8 model and keeps its embeddings."""
+    build on the same gallery (to resume it) gets the same int8 model and keeps its embeddings;
+    a changed :data:`DEFAULT_RECIPE` is part of the name too (a new recipe, a new file)."""
     from .pretrained import cache_dir, made_once
     from .runtime import read_metadata
 
@@ -232,6 +336,7 @@ def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
     listing = "\n".join(f"{f.relative_to(root).as_posix()}\t{f.stat().st_size}" for f in files)
     import hashlib
 
-    key = hashlib.sha256(f"{file_sha256(model)}\n{listing}".encode()).hexdigest()[:16]
+    recipe = "" if DEFAULT_RECIPE.tag == "minmax-pc-stem-256" else f"\n{DEFAULT_RECIPE.tag}"
+    key = hashlib.sha256(f"{file_sha256(model)}\n{listing}{recipe}".encode()).hexdigest()[:16]
     return made_once(cache_dir() / "int8" / f"{model.stem}-int8-{key}.onnx",
                      lambda out: quantize_embedder(model, files, out, progress=progress))

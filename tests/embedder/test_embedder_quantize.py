@@ -169,3 +169,60 @@ def test_calibration_follows_linked_class_folders_once(tmp_path: Path, cub_root)
     want = sum(1 for c in classes for f in c.iterdir() if f.suffix.lower() in (".jpg", ".jpeg", ".png"))
     assert len(files) == want and want > 0
     assert {f.parent.name for f in files} == {c.name for c in classes}
+
+
+def test_default_recipe_is_applied_and_its_float_nodes_stay_float(pretrained_onnx, cub_gallery, tmp_path):
+    """The recipe chosen on cub-val (issue 41, embedder.quantize.DEFAULT_RECIPE) is what runs:
+    its method and options are in the metadata, the nodes it keeps float are float in the int8
+    graph (fp32 weights, no QuantizeLinear on their outputs) while the rest is int8, and the
+    int8 embeddings stay parallel to fp32's (the check quantize_embedder makes)."""
+    from embedder.quantize import DEFAULT_RECIPE, float_node_names, quantize_embedder
+
+    _, files, _ = cub_gallery
+    out = tmp_path / "default-recipe.onnx"
+    r = quantize_embedder(pretrained_onnx, files[::3], out)
+    q = json.loads(OnnxEmbedder(out).metadata["quantization"])
+    assert (q["calibration"], q["per_channel"], q["float_policy"], q["reduce_range"]) == (
+        DEFAULT_RECIPE.method, DEFAULT_RECIPE.per_channel, DEFAULT_RECIPE.float_nodes,
+        DEFAULT_RECIPE.reduce_range)
+    assert DEFAULT_RECIPE.tag == "minmax-pc-stem-256-rr"   # the recipe chosen on cub-val (issue 41)
+    assert q["calibration_images"] == len(files[::3])
+    want = float_node_names(onnx.load(str(pretrained_onnx)), DEFAULT_RECIPE.float_nodes)
+    assert q["float_nodes"] == want and want
+    g = onnx.load(str(out)).graph
+    kinds = {t.name: t.data_type for t in g.initializer}
+    nodes = {n.name: n for n in g.node}
+    consumers: dict[str, list[str]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n.op_type)
+    for name in want:
+        n = nodes[name]      # still in the graph, not fused into a quantised op
+        if n.op_type == "Conv":
+            assert kinds[n.input[1]] == onnx.TensorProto.FLOAT, name
+        assert "QuantizeLinear" not in [c for o in n.output for c in consumers.get(o, [])], name
+    quantised_convs = [n for n in g.node if n.op_type == "Conv" and n.name not in want]
+    assert quantised_convs and all(kinds.get(n.input[1]) is None for n in quantised_convs)  # via DequantizeLinear
+    assert r.mean_cosine >= 0.97 and r.min_cosine >= 0.9, (r.mean_cosine, r.min_cosine)
+
+
+def test_recipe_options_are_checked_and_named():
+    from embedder.quantize import QuantizationError, QuantRecipe
+
+    assert QuantRecipe("percentile", False, "stem+head", 64, 99.99).tag == "pct99.99-pt-stem+head-64"
+    assert QuantRecipe(reduce_range=True).tag == "minmax-pc-stem-256-rr"
+    for bad in (dict(method="kl"), dict(float_nodes="tail"), dict(images=0)):
+        with pytest.raises(QuantizationError):
+            QuantRecipe(**bad)
+
+
+def test_head_nodes_are_the_pooling_inputs(pretrained_onnx):
+    """head_nodes: the conv feeding GeM (through its clamp), that clamp, and the clamp of the L2
+    norm: the quantisable nodes next to the float pooling and normalisation."""
+    from embedder.quantize import head_nodes, input_convs
+
+    g = onnx.load(str(pretrained_onnx))
+    ops = {n.name: n.op_type for n in g.graph.node}
+    heads = head_nodes(g)
+    assert [ops[h] for h in heads] == ["Conv", "Clip", "Clip"]
+    assert not set(heads) & set(input_convs(g))
