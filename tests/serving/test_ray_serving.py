@@ -181,6 +181,7 @@ def surviving(directory: Path, lost: list[int]) -> Index:
     from indexer import faiss_index as fx
     from indexer import stream
     from indexer.index_dir import PART_FILE
+    from indexer.searchable import Answer
     from indexer.shards import shard_paths
 
     idx = Index.open(directory)
@@ -189,8 +190,17 @@ def surviving(directory: Path, lost: list[int]) -> Index:
     files = [p / PART_FILE for i, p in enumerate(shard_paths(directory, m)) if i not in lost]
     parts = stream.open_parts(files + [directory / m.sharded["held"]], trained)
     fx.set_search_params(parts, m.search_params or "")
-    idx.faiss = parts
-    return idx
+
+    class Surviving:            # those parts as an indexer.searchable.Searchable, searched here
+        d, ntotal, summary = parts.d, parts.ntotal, None
+
+        def missing(self) -> list[int]:
+            return []
+
+        def search(self, q: np.ndarray, k: int) -> Answer:
+            return Answer(*parts.search(q, k))
+
+    return Index(idx.layout, idx.store, Surviving(), None)
 
 
 @pytest.fixture(scope="module")
