@@ -23,6 +23,7 @@ backbone whose only sign is a logged warning. Here:
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,9 @@ def load_weights_file(model: Any, path: Path, in_chans: int = 3) -> None:
         seen["missing"], seen["unexpected"] = list(result.missing_keys), list(result.unexpected_keys)
 
     hook = model.register_load_state_dict_post_hook(record)
+    quiet = logging.getLogger(load_pretrained.__module__)   # its key warnings: ours say more, once
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         # source "": a state dict passed in wins over the hub (timm prefers the hub otherwise)
         load_pretrained(model, pretrained_cfg={**cfg, "source": "", "state_dict": sd, "file": None},
@@ -169,6 +173,7 @@ def load_weights_file(model: Any, path: Path, in_chans: int = 3) -> None:
                             f"{what}") from None
     finally:
         hook.remove()
+        quiet.setLevel(level)
     missing = [k for k in seen.get("missing", []) if not k.endswith(ALLOWED_MISSING_SUFFIX)]
     unexpected = seen.get("unexpected", [])
     if missing or unexpected:
