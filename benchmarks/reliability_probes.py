@@ -35,6 +35,7 @@ PROG = "python -m benchmarks.reliability_probes"
 from benchmarks import reliability_guard_probes as guard_probes   # issue 19's server-guard probes
 from benchmarks import reliability_index_probes as index_probes   # issue 28: sharded index, hostile files
 from benchmarks import reliability_client_probes as client_probes  # issue 28: XFF, Host, streams, icons
+from benchmarks import reliability_round4_probes as round4_probes  # issue 39: names, DBA, weights, ...
 CALTECH = REPO.parent / "shared" / "data" / "caltech101-dev" / "images"
 AUTH = ("probe", "probe-pass")
 MB = 1024 * 1024
@@ -327,6 +328,7 @@ def run(args: argparse.Namespace) -> int | None:
         rows += damage_probes(idx, root)
         rows += writer_probes(idx, root)
         rows += index_probes.round3_rows(idx, root, start_app, AUTH)
+        rows += round4_probes.all_rows(root / "round4")   # issue 39: its own files and small model
     load = os.getloadavg()[0]
     text = ("Command: `python -m benchmarks.reliability_probes`  \n"
             f"Server: `app.py --auth ... --max-upload-mb 1` on 127.0.0.1, 24-photo index (4 Caltech-101 classes), "

@@ -279,6 +279,8 @@ def jpeg_rows() -> list[Row]:
 
 
 def all_rows(root: Path) -> list[Row]:
+    """Every row, on files made under ``root`` (created if missing): the runner's hook."""
+    root.mkdir(parents=True, exist_ok=True)
     model = _small_model(root)
     return (names_rows(root, model) + dba_rows(root, model) + tempdir_rows(root) + weights_rows(root)
             + fanout_rows(root) + jpeg_rows())
