@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from indexer_testlib import copy_characters, run_cli
+from knn_asserts import assert_knn, vector_scorer
 from indexer import Index
 from indexer import Sharded
 from serving.searcher import Searcher
@@ -57,7 +58,9 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
     q = x / np.linalg.norm(x, axis=1, keepdims=True)
     s2, i2 = sharded.search_embeddings(x, 10)                # every gallery image as a query
     s1, i1 = one.search(q, 10)
-    np.testing.assert_array_equal(i2, i1)
+    # up to float ties: look-alike glyphs of the untrained embedder score within 1e-7, and the
+    # parts' heaps merge them in another order than the one index's lists (2 of 2,400 swapped)
+    assert_knn(i2, i1, vector_scorer(q, x, ids), ordered=True, got_scores=s2)
     np.testing.assert_allclose(s2, s1, atol=1e-5)
     # ... and as well as today's merge (trained on other samples: the plan draws them per shard)
     exact = ids[np.argsort(-(q @ x.T), axis=1, kind="stable")[:, :10]]
