@@ -70,17 +70,21 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", type=Path, default=None,
                    help="exported .onnx embedder (default: the offline pretrained ImageNet embedder, "
                         "embedder.pretrained.DEFAULT; `python -m embedder pretrained --help`)")
-    b.add_argument("--int8", action="store_true",
+    b.add_argument("--int8", action=argparse.BooleanOptionalAction, default=None,
                    help="embed with the int8 version of --model (default: of the default embedder), "
                         "quantised once on 256 of the gallery's images and cached in $DAS_CACHE/int8 "
                         "(`python -m embedder quantize --help`); the network runs ~2x as fast, "
-                        "the whole build ~1.6x (BENCHMARKS.md)")
+                        "the whole build ~1.6x (docs/benchmarks/embedder.md). Default (auto): on "
+                        "for the default embedder on a gallery of >= 256 images (the measured "
+                        "default, with --dba: docs/benchmarks/quality-round5.md), off below 256 "
+                        "and with --model (measured for the default embedder only); --shard and "
+                        "--ray builds too. --no-int8: the fp32 model")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
     _ray_arguments(opts(b, "--batch-size", "--workers"))
     index_opts(b)
-    dba_opts(b)
+    dba_opts(b, auto=True)
     opts(b, "--device", "--quiet", "--wait").set_defaults(func=_build)
 
     a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), index=True)
@@ -166,15 +170,25 @@ def positive(text: str) -> int:
 positive.__name__ = "positive integer"      # argparse: "invalid positive integer value: '0'"
 
 
-def dba_opts(sp: argparse.ArgumentParser) -> None:
-    """``--dba`` and its parameters (indexer.neighbours), for build and merge."""
+def dba_opts(sp: argparse.ArgumentParser, auto: bool = False) -> None:
+    """``--dba`` and its parameters (indexer.neighbours), for build and merge; ``auto`` (build):
+    ``--dba``/``--no-dba``, unset = the default of indexer.options.resolve_defaults."""
     from .neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
+    from .options import dba_min_images
 
-    sp.add_argument("--dba", action="store_true",
-                    help="database-side augmentation at serve time: each gallery vector is also "
-                         "kept as the sim^alpha-weighted mean of its --dba-k nearest gallery "
-                         "vectors (itself included) and searches re-rank their top candidates with "
-                         "those (switchable per request; kept right by add/remove)")
+    what = ("database-side augmentation at serve time: each gallery vector is also "
+            "kept as the sim^alpha-weighted mean of its --dba-k nearest gallery "
+            "vectors (itself included) and searches re-rank their top candidates with "
+            "those (switchable per request; kept right by add/remove)")
+    if auto:
+        sp.add_argument("--dba", action=argparse.BooleanOptionalAction, default=None,
+                        help=what + f". Default (auto): on for the default embedder on a gallery of "
+                                    f">= {dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), off "
+                                    "below, with --model, with --shard (the merge's: `indexer "
+                                    "merge --dba`) and with --ray/--sharded (not available there). "
+                                    "--no-dba: without")
+    else:
+        sp.add_argument("--dba", action="store_true", help=what)
     sp.add_argument("--dba-k", type=int, default=DEFAULT_K, metavar="K",
                     help=f"gallery vectors averaged, the item included (default {DEFAULT_K})")
     sp.add_argument("--dba-alpha", type=float, default=DEFAULT_ALPHA, metavar="A",
@@ -261,16 +275,44 @@ def build_options(args: argparse.Namespace) -> BuildOptions:
 DBA = {"auto": None, "on": True, "off": False}
 
 
+def _resolve_defaults(args: argparse.Namespace, ray: bool) -> tuple[str, ...]:
+    """``--int8``/``--dba`` left unset: decided by indexer.options.resolve_defaults (the one
+    place), on a bounded count of the gallery's images (the build's own walk, stopped at the
+    largest threshold). Returns a line per automatic choice that turned something off."""
+    import itertools
+
+    from .options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
+    from .walk import walk_gallery
+
+    if args.int8 is not None and args.dba is not None:
+        return ()
+    found = args.gallery.is_dir()                         # a missing gallery: the build says so
+    images = 0
+    if args.model is None and found:
+        bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
+        images = sum(1 for _ in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None),
+                                                 bound))
+    d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images,
+                         mode="ray" if ray else "shard" if args.shard else "single", dba_k=args.dba_k)
+    args.int8, args.dba = d.int8, d.dba
+    return d.notes if found else ()
+
+
 def _build(args: argparse.Namespace) -> None:
     from .build import build_index
     from .walk import parse_shard
 
+    ray = args.ray is not None or args.shards is not None or args.sharded
+    notes = _resolve_defaults(args, ray)
+    if ray and args.dba:
+        raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
+                         "without --ray, or `indexer merge --dba` the shards")
+    dba_params(args)                                      # bad --dba-* flags: refused before any note
+    for note in notes:
+        print(f"indexer build: {note}", file=sys.stderr)
     if args.int8:
         args.model = _int8_model(args)
-    if args.ray is not None or args.shards is not None or args.sharded:
-        if args.dba:
-            raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
-                             "without --ray, or `indexer merge --dba` the shards")
+    if ray:
         return _print_index_line(_build_with_ray(args), args.out)   # locks --out itself
     shard = parse_shard(args.shard) if args.shard else None
     m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,

@@ -182,7 +182,8 @@ def test_eval_excludes_the_query_itself(built_index: Path, omniglot_gallery: Pat
 
 def test_default_pretrained_embedder_on_photos(tmp_path: Path, photo_paths: list[Path],
                                                pretrained_onnx: Path) -> None:
-    """No --model: the offline ImageNet embedder, so a build works before any training."""
+    """No --model: the offline ImageNet embedder, so a build works before any training. A gallery
+    this small (under 17 images) gets the fp32 model without DBA, each said in one line."""
     from embedder.hashing import file_sha256
 
     gallery = tmp_path / "photos"
@@ -190,9 +191,111 @@ def test_default_pretrained_embedder_on_photos(tmp_path: Path, photo_paths: list
         (gallery / ("even" if i % 2 == 0 else "odd")).mkdir(parents=True, exist_ok=True)
         shutil.copy(p, gallery / ("even" if i % 2 == 0 else "odd") / p.name)
     out = tmp_path / "idx"
-    run_cli("build", gallery, "--out", out, "--quiet")
+    p = run_cli("build", gallery, "--out", out, "--quiet")
+    assert f"fp32 embedder: the gallery holds {len(photo_paths)} images, int8 calibration needs 256" in p.stderr
+    assert f"no DBA: the gallery holds {len(photo_paths)} images, DBA with k=8 needs 17" in p.stderr
     idx = Index.open(out)
     assert idx.manifest["model"]["hash"] == file_sha256(pretrained_onnx) and idx.dim == 1280
+    assert not idx.has_dba
     for p, hits in zip(photo_paths, idx.search(photo_paths, 3)):
         assert hits[0].path.endswith("/" + p.name) and hits[0].score == pytest.approx(1.0, abs=1e-4)
         assert hits[1].score < 0.99     # different photos are not confused
+
+
+def test_build_defaults_policy() -> None:
+    """indexer.options.resolve_defaults, the one place the build's default is decided (issue 41)."""
+    from indexer.options import resolve_defaults as r
+
+    big, mid, tiny = 10_000, 100, 10
+    d = r(None, None, model_given=False, images=big)
+    assert (d.int8, d.dba, d.notes) == (True, True, ())
+    d = r(None, None, model_given=False, images=256)
+    assert (d.int8, d.dba, d.notes) == (True, True, ())
+    d = r(None, None, model_given=False, images=mid)
+    assert (d.int8, d.dba) == (False, True) and len(d.notes) == 1 and "holds 100 images" in d.notes[0]
+    d = r(None, None, model_given=False, images=tiny)
+    assert (d.int8, d.dba) == (False, False) and len(d.notes) == 2
+    assert r(None, None, model_given=False, images=17).dba and not r(None, None, model_given=False, images=16).dba
+    assert r(None, None, model_given=False, images=9, dba_k=4).dba           # 2k + 1 of the given k
+    for n in (tiny, mid, big):                                                # --model: as before
+        d = r(None, None, model_given=True, images=n)
+        assert (d.int8, d.dba, d.notes) == (False, False, ())
+    d = r(False, False, model_given=False, images=big)                        # --no-int8 --no-dba
+    assert (d.int8, d.dba, d.notes) == (False, False, ())
+    d = r(True, True, model_given=True, images=tiny)                          # explicit: kept as today
+    assert (d.int8, d.dba) == (True, True)
+    for mode in ("shard", "ray"):                                             # DBA: not there (yet)
+        d = r(None, None, model_given=False, images=big, mode=mode)
+        assert (d.int8, d.dba) == (True, False) and len(d.notes) == 1
+    # a rerun (same gallery, same count) decides the same
+    assert r(None, None, model_given=False, images=300) == r(None, None, model_given=False, images=300)
+
+
+def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omniglot_root: Path,
+                                                            pretrained_onnx: Path) -> None:
+    """100 images, no --model: fp32 (too few to calibrate int8) with DBA; built, searched. The
+    same gallery rebuilt with --no-int8 --no-dba (an old-style fp32 index) resumes with the same
+    model, drops DBA, reopens and searches with its own model, and `indexer add` keeps it."""
+    from embedder.hashing import file_sha256
+
+    g = tmp_path / "g"
+    files = copy_characters(omniglot_root, g, 5, per_char=20)
+    out = tmp_path / "idx"
+    p = run_cli("build", g, "--out", out, "--quiet")
+    assert "int8 calibration needs 256" in p.stderr and "no DBA" not in p.stderr
+    fp32 = file_sha256(pretrained_onnx)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["model"]["hash"] == fp32 and m["neighbours"]["k"] == 8 and m["count"] == 100
+    q = files[7]
+    s = json.loads(run_cli("search", q, "--index", out, "-k", "3", "--json").stdout)
+    assert len(s) == 3 and s[0]["label"] == q.parent.relative_to(g).as_posix()
+
+    p = run_cli("build", g, "--out", out, "--quiet", "--no-int8", "--no-dba")
+    assert "0 new, 100 unchanged" in p.stdout and p.stderr == ""
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["model"]["hash"] == fp32 and "neighbours" not in m
+    idx = Index.open(out, check_model=True)
+    assert not idx.has_dba and idx.search([q], 1)[0][0].path == q.relative_to(g).as_posix()
+    more = tmp_path / "more"
+    copy_characters(omniglot_root, more, 1, per_char=5, skip_chars=50)
+    assert "added 5 vectors" in run_cli("add", more, "--index", out, "--prefix", "more", "--quiet").stdout
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["model"]["hash"] == fp32 and m["count"] == 105 and "neighbours" not in m
+
+
+@pytest.mark.slow
+def test_default_on_a_cub_gallery_is_int8_with_dba(tmp_path: Path, cub_root: Path, pretrained_onnx: Path) -> None:
+    """The measured default (issue 41, docs/benchmarks/quality-round5.md): no --model on >= 256
+    photos gives the default embedder in int8 (DEFAULT_RECIPE, calibrated on the gallery) with
+    DBA. A rerun of the same command resumes (same int8 file, nothing embedded again); `indexer
+    add` keeps the index's int8 model. The one test that quantises (cached in $DAS_CACHE/int8)."""
+    from embedder.hashing import file_sha256
+    from embedder.quantize import DEFAULT_RECIPE
+
+    g = tmp_path / "birds"
+    species = sorted(p for p in cub_root.iterdir() if p.is_dir())
+    for d in species[:26]:                          # 26 x 10 = 260 photos (symlinks, read in place)
+        (g / d.name).mkdir(parents=True)
+        for f in sorted(d.glob("*.jpg"))[:10]:
+            (g / d.name / f.name).symlink_to(f)
+    out = tmp_path / "idx"
+    p = run_cli("build", g, "--out", out, "--quiet", timeout=900)
+    assert p.stderr == "", p.stderr                 # nothing turned off: no note
+    m = json.loads((out / "manifest.json").read_text())
+    q = json.loads(m["model"]["metadata"]["quantization"])
+    assert q["fp32_sha256"] == file_sha256(pretrained_onnx) and q["calibration_images"] == 256
+    assert q["reduce_range"] == DEFAULT_RECIPE.reduce_range
+    assert m["count"] == 260 and m["neighbours"]["k"] == 8 and m["model"]["dim"] == 1280
+    photo = sorted((g / species[3].name).glob("*.jpg"))[2]
+    s = json.loads(run_cli("search", photo, "--index", out, "-k", "3", "--json").stdout)
+    assert s[0]["label"] == species[3].name
+    p = run_cli("build", g, "--out", out, "--quiet", timeout=900)
+    assert "0 new, 260 unchanged" in p.stdout
+    assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == m["model"]["hash"]
+    more = tmp_path / "more"
+    (more / species[30].name).mkdir(parents=True)
+    for f in sorted((cub_root / species[30].name).glob("*.jpg"))[:3]:
+        (more / species[30].name / f.name).symlink_to(f)
+    run_cli("add", more, "--index", out, "--quiet")
+    m2 = json.loads((out / "manifest.json").read_text())
+    assert m2["model"]["hash"] == m["model"]["hash"] and m2["count"] == 263 and m2["neighbours"]
