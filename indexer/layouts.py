@@ -101,8 +101,8 @@ class Single:
         index.faiss without a recorded checksum (older manifests) is read by faiss instead."""
         m = self.manifest
         self.d.check(m, model=model)
-        if not m.is_shard and not m.index_file:
-            read_faiss(self.d.index_file)
+        if not m.is_shard and not m.index_file:      # its dimension too: an add must not write the store first
+            self.d.check_index_dim(read_faiss(self.d.index_file).d, m)
 
     def check_sizes(self) -> None:
         """Nothing to stat: index.faiss's count is read from its header by the caller."""
