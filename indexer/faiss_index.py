@@ -179,7 +179,7 @@ def new_index(spec: IndexSpec, dim: int) -> faiss.Index:
 
 KMEANS_APPROX_FROM = 8_192         # nlist from which CPU k-means assigns approximately (the crossover
                                     # selection.HNSW_QUANTIZER_FROM uses for the same reason; see
-                                    # BENCHMARKS.md "k-means at 16,384 lists")
+                                    # docs/benchmarks/scaling.md "k-means at 16,384 lists")
 KMEANS_PROBE = 8                    # approx: coarse groups (of sqrt(nlist)) a point's centroid is sought in
 KMEANS_REFINE = 3                   # approx: k-means iterations after the two-level start (2 were
                                     # within 0.005 of exact at 4,096 and 8,192 lists, 1 was not)
@@ -242,7 +242,7 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
     products instead of points x k (1/16 of them at 16,384 lists).
     Written here because faiss lacks it: faiss's recipe for IVF65536_HNSW32 training
     (faiss.Clustering with an IndexHNSWFlat over the centroids) measured slower per iteration
-    than exact assignment at 16,384 lists on 2 cores (BENCHMARKS.md), and inserts into its graph
+    than exact assignment at 16,384 lists on 2 cores (docs/benchmarks/scaling.md), and inserts into its graph
     on all threads under locks (the same graph, hence centroids, is not promised twice). Empty
     lists are split as faiss does (``reassign_centroids``). ``on_iteration(i, centroids)`` after
     the two-level start (i = 0) and after each refinement (benchmarks). Besides the sample, it
