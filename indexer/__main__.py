@@ -293,7 +293,7 @@ def _resolve_defaults(args: argparse.Namespace, ray: bool) -> tuple[str, ...]:
         images = sum(1 for _ in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None),
                                                  bound))
     d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images,
-                         mode="ray" if ray else "shard" if args.shard else "single", dba_k=args.dba_k)
+                         mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k)
     args.int8, args.dba = d.int8, d.dba
     return d.notes if found else ()
 

@@ -83,7 +83,7 @@ class BuildDefaults:
 
 
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
-                     mode: str = "single", dba_k: int = 8) -> BuildDefaults:
+                     mode: str = "process", dba_k: int = 8) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (issue 41; measured in
     docs/benchmarks/quality-round5.md). ``int8``/``dba``: the flags (None = auto; True/False =
     ``--int8``/``--no-int8``, ``--dba``/``--no-dba``, kept as given). Auto:
@@ -92,8 +92,9 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
       :data:`INT8_MIN_IMAGES` images, DBA when it holds >= :func:`dba_min_images` (``dba_k``);
       the measured winner (int8 + DBA) on a gallery that can calibrate it;
     - ``--model M``: fp32 and no DBA, as before (the measurement covers the default embedder only);
-    - ``mode`` "shard" (``--shard i/n``: DBA is the merge's) and "ray" (``--ray``/``--sharded``:
-      no DBA yet): DBA stays off; int8 as above (the count is the whole gallery's, so every
+    - ``mode`` (how the build runs): "process" (one process builds the whole index); "shard"
+      (``--shard i/n``: DBA is the merge's) and "ray" (``--ray``/``--sharded``: no DBA yet):
+      DBA stays off; int8 as above (the count is the whole gallery's, so every
       shard and every rerun gets the same model).
 
     ``images``: the gallery's image count, or a bound of it at least the largest threshold
@@ -106,7 +107,7 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
             notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
                          f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
     if dba is None:
-        dba = not model_given and mode == "single" and images >= dba_min_images(dba_k)
+        dba = not model_given and mode == "process" and images >= dba_min_images(dba_k)
         if not model_given and not dba:
             notes.append("no DBA: " + (
                 "--shard builds leave it to `indexer merge --dba`" if mode == "shard" else
