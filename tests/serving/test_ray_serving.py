@@ -122,9 +122,16 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
     np.testing.assert_array_equal(i2, i1)
     np.testing.assert_array_equal(s2, s1)
     # ... placed on the node that holds each shard (the build's record: shards/ray.json)
+    import ray
+
     held = [shard_node(p.shard) for p in soft.layout.parts]
     assert all(held), held
-    assert [w["node"] for w in soft.faiss.where()] == held
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    placed = [w["node"] for w in soft.faiss.where()]
+    # a node the node-loss test killed and revived has a new id: soft affinity places that
+    # shard elsewhere (whatever order the tests run in, every live recorded node is kept)
+    assert [p for p, h in zip(placed, held) if h in alive] == [h for h in held if h in alive], (placed, held)
+    assert any(h in alive for h in held) or all(p in alive for p in placed)
     soft.faiss.close()
 
 

@@ -35,6 +35,7 @@ def page(chromium, server):          # chromium first: no browser, no server sta
 def test_upload_and_search_shows_k_labelled_results(page, demo_dirs):
     path, label = labelled_folder(demo_dirs[1])[0]
     k = 5
+    page.get_by_role("tab", name="Search").click()      # the page is the module's: another test may have left another tab open
     page.locator("#search-image input[type=file]").set_input_files(str(path))
     page.wait_for_selector("#search-image img")
     slider = page.locator("#search-k input[type=number]")

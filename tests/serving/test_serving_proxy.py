@@ -110,13 +110,14 @@ def test_thumbnail_urls_ignore_the_host_header(server, demo_dirs):
     assert httpx.get(url + thumbs[0], auth=auth, timeout=30).status_code == 200
 
 
-def _block(url: str, headers: dict[str, str], min_wait: int = 4) -> int:
+def _block(url: str, headers: dict[str, str], min_wait: int = 4, client: httpx.Client | None = None) -> int:
     """Fail logins from ``headers``' client until it is blocked for at least ``min_wait`` s (the
     back-off doubles per failure after a block ends: 1, 2, 4 s); returns the Retry-After."""
+    get = (client or httpx).get
     for _ in range(10):
-        httpx.get(f"{url}/api/health", auth=WRONG, headers=headers, timeout=10)
+        get(f"{url}/api/health", auth=WRONG, headers=headers, timeout=10)
     while True:
-        r = httpx.get(f"{url}/api/health", auth=WRONG, headers=headers, timeout=10)
+        r = get(f"{url}/api/health", auth=WRONG, headers=headers, timeout=10)
         if r.status_code == 429:
             wait = int(r.headers["Retry-After"])
             if wait >= min_wait:
@@ -125,19 +126,23 @@ def _block(url: str, headers: dict[str, str], min_wait: int = 4) -> int:
 
 
 def test_forwarded_for_does_not_escape_the_throttle(plain):
-    """Last in the module (127.0.0.1 stays blocked). With no proxy named, X-Forwarded-For is
-    ignored: a blocked peer stays blocked whatever address it claims, right password or not."""
+    """With no proxy named, X-Forwarded-For is ignored: a blocked peer stays blocked whatever
+    address it claims, right password or not. The blocked peer is 127.0.0.2 (the server listens
+    on 127.0.0.1; all of 127/8 is loopback), so the module's other tests, from 127.0.0.1, are not
+    blocked whatever order they run in."""
     url, _ = plain
-    _block(url, {})
-    for i in range(5):
-        fresh = {"X-Forwarded-For": f"203.0.113.{i + 1}"}
-        right = httpx.get(f"{url}/api/health", auth=AUTH, headers=fresh, timeout=10)
-        assert right.status_code == 429, (fresh, right.status_code)
-        wrong = httpx.get(f"{url}/api/health", auth=WRONG, headers=fresh, timeout=10)
-        assert wrong.status_code == 429, (fresh, wrong.status_code)
-    form = httpx.post(f"{url}/login", data={"username": AUTH[0], "password": AUTH[1]},
-                      headers={"X-Forwarded-For": "198.51.100.7"}, timeout=10)
-    assert form.status_code == 429
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2")) as peer:
+        _block(url, {}, client=peer)
+        for i in range(5):
+            fresh = {"X-Forwarded-For": f"203.0.113.{i + 1}"}
+            right = peer.get(f"{url}/api/health", auth=AUTH, headers=fresh, timeout=10)
+            assert right.status_code == 429, (fresh, right.status_code)
+            wrong = peer.get(f"{url}/api/health", auth=WRONG, headers=fresh, timeout=10)
+            assert wrong.status_code == 429, (fresh, wrong.status_code)
+        form = peer.post(f"{url}/login", data={"username": AUTH[0], "password": AUTH[1]},
+                         headers={"X-Forwarded-For": "198.51.100.7"}, timeout=10)
+        assert form.status_code == 429
+    assert httpx.get(f"{url}/api/health", auth=AUTH, timeout=10).status_code == 200     # 127.0.0.1: not blocked
 
 
 def test_forwarded_for_is_believed_from_a_named_proxy(proxied):
