@@ -116,17 +116,17 @@ def _expected() -> tuple[type[BaseException], ...]:
 
 
 def _ray_serving(args: argparse.Namespace) -> object:
-    """``--ray``: sharded indexes searched by one Ray actor per shard (indexer.fanout)."""
+    """``--ray``: sharded indexes searched by one Ray actor per shard (indexer.ray.fanout)."""
     if args.ray is None:
         return None
-    from indexer.fanout import RayServing
+    from indexer.ray.fanout import RayServing
 
     return RayServing(address=args.ray, timeout=args.shard_timeout)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from indexer import IndexDir, IndexerError
-    from indexer.lock import IndexBusyError
+    from indexer.directory.lock import IndexBusyError
 
     expected = (*EXPECTED, *_expected())
     for d in args.index:    # before anything is started or emptied: a wrong --index is one line

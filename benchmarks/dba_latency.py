@@ -1,4 +1,4 @@
-"""Search latency with and without DBA re-ranking (indexer.neighbours), same process, same run.
+"""Search latency with and without DBA re-ranking (indexer.ann.neighbours), same process, same run.
 
     python -m benchmarks.dba_latency --index DIR [--queries FOLDER] [--n 100] [--rounds 4] [-k 10]
 

@@ -3,7 +3,7 @@
 Candidates: what exists: pretrained variants (embedder.pretrained names: ``lite1-gem4-224``,
 ``lite0-gem4-224``, the two-backbone ``lite0+lite1-gem4``), each fp32 or int8
 (``VARIANT:RECIPE``, RECIPE an embedder.quantize.QuantRecipe tag as benchmarks/int8_calibration.py
-reads them, calibrated on cub-val photos), each with DBA re-ranking off and on (indexer.neighbours,
+reads them, calibrated on cub-val photos), each with DBA re-ranking off and on (indexer.ann.neighbours,
 default k/alpha/depth; leave-one-out with its guard, benchmarks.neighbour_rerank.leave_one_out).
 
 Protocol: benchmarks/int8_embedder.py's: cub-dev species sorted by name, first half = validation
@@ -57,7 +57,7 @@ def build_rates(models: dict[str, Path], dba: dict[str, bool], files: list[Path]
     repeat, order alternating, median)."""
     from embedder import OnnxEmbedder
     from indexer import build_index
-    from indexer.neighbours import DbaParams
+    from indexer.ann.neighbours import DbaParams
 
     tmp = Path(tempfile.mkdtemp(prefix="default-choice-"))
     try:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     from benchmarks.neighbour_rerank import leave_one_out
     from embedder.metrics import evaluate
-    from indexer.neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
+    from indexer.ann.neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
 
     t0 = time.perf_counter()
     val_files, _ = split_files("cub-val", args.cub, args.caltech)

@@ -1,4 +1,4 @@
-"""The fan-out's cost: a sharded index searched by one Ray actor per shard (``indexer.fanout``)
+"""The fan-out's cost: a sharded index searched by one Ray actor per shard (``indexer.ray.fanout``)
 against the same parts searched as one in this process (``stream.open_parts``: what
 ``shards.PartsIndex`` serves), on one machine.
 
@@ -92,7 +92,7 @@ def ray_call_router():
     import faiss
     import ray
 
-    from indexer.fanout import Router
+    from indexer.ray.fanout import Router
 
     class RayCallRouter(Router):
         def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -157,9 +157,9 @@ def main() -> None:
     import faiss
     import ray
 
-    from indexer import faiss_index as fx
-    from indexer import stream
-    from indexer.fanout import RayServing, Router
+    from indexer.ann import faiss_index as fx
+    from indexer.ann import stream
+    from indexer.ray.fanout import RayServing, Router
 
     faiss.omp_set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="fanout-bench-", dir=a.work))

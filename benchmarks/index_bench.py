@@ -18,7 +18,7 @@ network namespace and, alone, replaces only its own section:
     unshare -n sh -c 'ip link set lo up && python -m benchmarks.index_bench --skip-synthetic \
         --skip-ingest --ray-images 400 --out bench_out/indexer.md'
 
-Part 1 builds the index exactly as ``indexer build`` does (``indexer.selection.build``: index
+Part 1 builds the index exactly as ``indexer build`` does (``indexer.ann.selection.build``: index
 type chosen by measurement on a sample, search parameter tuned to recall@10 >= 0.95 vs exact on
 held-out gallery vectors) on clustered synthetic unit vectors, then measures on 1000 fresh
 queries (not gallery vectors): recall@10 vs exact search, and queries/s at the tuned setting
@@ -109,7 +109,7 @@ def qps(index, q: np.ndarray, k: int = 10, min_seconds: float = 1.0) -> float:
 def synthetic(n: int, d: int, seed: int = 0, nq: int = 1000) -> dict:
     import faiss
 
-    from indexer import faiss_index, selection, tuning
+    from indexer.ann import faiss_index, selection, tuning
 
     rng = np.random.default_rng(seed)
     centres = class_centres(n, d, rng)
@@ -236,7 +236,7 @@ def lowrank(n: int, d: int, seed: int = 0, nq: int = 1000, autofaiss_python: str
     autofaiss's default; Flat's queries/s measured in the same rounds as each index's."""
     import faiss
 
-    from indexer import selection, tuning
+    from indexer.ann import selection, tuning
 
     faiss.omp_set_num_threads(2)
     law = low_rank_law(d, seed)
@@ -313,7 +313,7 @@ def replace_lowrank_section(text: str, section: list[str]) -> str:
 def lowrank_section(rows: list[dict], cmd: str, seconds: float) -> list[str]:
     """The low-rank table (ours vs autofaiss, each against Flat in the same rounds) and, per
     gallery, the candidates our selection measured on its sample."""
-    from indexer.selection import SAMPLE_CAP
+    from indexer.ann.selection import SAMPLE_CAP
 
     lines = [LOWRANK_HEAD + " (near a 16-dim subspace: 1000 overlapping clusters there, "
              "noise off it; see `low_rank`); 1000 fresh queries in one batch; recall@10 against exact "
@@ -397,7 +397,8 @@ def ray_vs_single(n_images: int, model: Path, label: str, shards: int = 2, repea
     import ray
 
     from indexer import build_index
-    from indexer.ray_build import build_with_ray, connect, only_loopback
+    from indexer.build.ray_build import build_with_ray
+    from indexer.ray.cluster import connect, only_loopback
 
     if not only_loopback():
         raise SystemExit("--ray-images starts Ray, which listens beyond loopback: run inside a private "

@@ -30,7 +30,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from indexer import faiss_index as fx
+from indexer.ann import faiss_index as fx
 
 
 def data(points: int, gallery: int, features: Path | None, d: int = 128, queries: int = 1000

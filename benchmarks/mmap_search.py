@@ -1,5 +1,5 @@
 """Single-query search on a memory-mapped IVF index: faiss's on-disk lists' prefetch threads on
-(faiss's default) and off (``indexer.faiss_index.no_prefetch``), beside the same index in RAM.
+(faiss's default) and off (``indexer.ann.faiss_index.no_prefetch``), beside the same index in RAM.
 
     python -m benchmarks.mmap_search                       # 100k x 128, IVF256,Flat, nprobe 16
 
@@ -18,7 +18,7 @@ import faiss
 import numpy as np
 
 from embedder.cli import run_main
-from indexer.faiss_index import no_prefetch
+from indexer.ann.faiss_index import no_prefetch
 
 PROG = "python -m benchmarks.mmap_search"
 

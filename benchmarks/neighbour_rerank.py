@@ -1,4 +1,4 @@
-"""Neighbourhood re-ranking at serve time: database-side augmentation (DBA, indexer.neighbours)
+"""Neighbourhood re-ranking at serve time: database-side augmentation (DBA, indexer.ann.neighbours)
 and alpha query expansion, chosen on cub-dev validation species, reported on its test species and
 on caltech101-dev (issue 30, item 3).
 
@@ -15,12 +15,12 @@ once and cached under --cache (outside the repo). Two protocols per split:
 * held-out: each class's photos shuffled (3 seeds) and halved; one half queries, the other half is
   the gallery (the DBA vectors are made from the gallery only); queries are never in the gallery;
 * leave-one-out: every photo queries all the others; DBA vectors made from the whole split, with
-  the guard of indexer.neighbours.rerank (neighbours' augmented vectors rebuilt without the query)
+  the guard of indexer.ann.neighbours.rerank (neighbours' augmented vectors rebuilt without the query)
   and, to show the inflation the guard removes, without it.
 
 DBA is measured served as indexer serves it (plain top-``depth`` candidates re-ordered by their
 augmented vectors) and as a full search over the augmented vectors; both are the code the index
-runs (indexer.neighbours). Alpha-QE (query + sim^alpha-weighted top-m gallery vectors, searched
+runs (indexer.ann.neighbours). Alpha-QE (query + sim^alpha-weighted top-m gallery vectors, searched
 again) is computed here: it is not shipped unless it pays on validation.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def alpha_qe(q: np.ndarray, g: np.ndarray, m: int, alpha: float) -> np.ndarray:
 
 def heldout(x: np.ndarray, y: np.ndarray, methods: dict, depth_out: int, seeds=SEEDS) -> dict:
     """Mean metrics over ``seeds`` of each method on half/half splits of every class."""
-    from indexer import neighbours as nbm
+    from indexer.ann import neighbours as nbm
 
     out: dict[str, list[dict]] = {m: [] for m in methods}
     for seed in seeds:
@@ -132,7 +132,7 @@ def leave_one_out(x: np.ndarray, y: np.ndarray, k: int, alpha: float, depth: int
                   depth_out: int) -> dict:
     """Every item queries the rest: plain, DBA with the guard, DBA without it (inflated)."""
     from embedder.knn import drop_self
-    from indexer import neighbours as nbm
+    from indexer.ann import neighbours as nbm
 
     ids = np.arange(len(x), dtype=np.int64)
     r = np.array([(y == c).sum() - 1 for c in y])

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int | None:
     spec = importlib.util.spec_from_file_location("stream_stages_of_repo", stages)
     sb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sb)
-    from indexer import faiss_index, stream, tuning
+    from indexer.ann import faiss_index, stream, tuning
 
     if args.max_queries:
         tuning.MAX_QUERIES = args.max_queries

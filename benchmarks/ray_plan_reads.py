@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int | None:
-    from indexer.ray_build import build_with_ray, only_loopback
+    from indexer.build.ray_build import build_with_ray
+    from indexer.ray.cluster import only_loopback
 
     if not only_loopback():
         sys.exit("Ray listens beyond loopback: run this in a private network namespace (unshare -n)")

@@ -447,7 +447,7 @@ def writer_probes(idx: Path, root: Path) -> list[tuple[str, str, str]]:
                  "the lock goes with it; the next writer proceeds; counts agree after it",
                  f"killed: exit {p.returncode}; next add exit {nxt.returncode}; " + _info(d)))
     d = _writer_copy(idx, root / "w3")
-    damage = ("import hashlib, sys\nfrom indexer import GalleryStore\nfrom indexer.store import NewItem\n"
+    damage = ("import hashlib, sys\nfrom indexer import GalleryStore\nfrom indexer.store.gallery import NewItem\n"
               "with GalleryStore(sys.argv[1], readonly=False) as st:\n    m = st.models()[0]; i = int(st.ids()[0])\n"
               "    data = st.get_bytes(i) + b'x'\n    st.put_items([NewItem('x/x.jpg', 'x', data, "
               "hashlib.sha256(data).hexdigest(), 1, 1)], st.get_embeddings(m, [i]), m)\n")

@@ -55,7 +55,7 @@ def make_tree(root: Path, n: int, per_dir: int = 1000) -> None:
 
 def _task_walk(root: str, shard: str, n: str) -> dict:
     """Before: one shard task's walk (the whole gallery, its share kept by path hash)."""
-    from indexer.walk import shard_of, walk_gallery
+    from indexer.store.walk import shard_of, walk_gallery
 
     t0 = time.perf_counter()
     kept = sum(1 for f in walk_gallery(root) if shard_of(f.relpath, int(n)) == int(shard))
@@ -64,7 +64,7 @@ def _task_walk(root: str, shard: str, n: str) -> dict:
 
 def _count_walk(root: str) -> dict:
     """Before: the driver's own walk, counting files for the progress bar."""
-    from indexer.walk import walk_gallery
+    from indexer.store.walk import walk_gallery
 
     t0 = time.perf_counter()
     n = sum(1 for _ in walk_gallery(root))
@@ -73,7 +73,7 @@ def _count_walk(root: str) -> dict:
 
 def _split(root: str, lists_dir: str, n: str) -> dict:
     """After: the driver's one walk, writing the S lists."""
-    from indexer.walk import split_walk
+    from indexer.store.walk import split_walk
 
     lists = [Path(lists_dir) / str(i) / "files.jsonl" for i in range(int(n))]
     for p in lists:
@@ -86,7 +86,7 @@ def _split(root: str, lists_dir: str, n: str) -> dict:
 
 def _read_list(root: str, path: str) -> dict:
     """After: a shard task reading its own list (what a retry repeats)."""
-    from indexer.walk import read_file_list
+    from indexer.store.walk import read_file_list
 
     t0 = time.perf_counter()
     n = sum(1 for _ in read_file_list(root, path))

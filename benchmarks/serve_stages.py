@@ -21,7 +21,7 @@ def _serve_gen(work: str, n: str, d: str, nlist: str) -> dict:
 
     from benchmarks.index_bench import low_rank, low_rank_law
 
-    from indexer import faiss_index as fx
+    from indexer.ann import faiss_index as fx
     from indexer import GalleryStore, NewItem
 
     n, d, nlist = int(n), int(d), int(nlist)
@@ -58,7 +58,7 @@ def _serve(work: str, mode: str, nprobe: str) -> dict:
     import faiss
     import numpy as np
 
-    from indexer import rerank, tuning
+    from indexer.ann import served as rerank, tuning
     from indexer import GalleryStore
 
     faiss.omp_set_num_threads(2)

@@ -1,4 +1,4 @@
-"""What the per-read store check (indexer.lmdb_env: fstat/stat before each LMDB read, so a
+"""What the per-read store check (indexer.store.lmdb_env: fstat/stat before each LMDB read, so a
 data.mdb truncated under a running server is refused instead of killing it with SIGBUS) costs
 on search latency, against the same searches with the check switched off in the same process.
 

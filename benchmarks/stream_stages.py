@@ -120,7 +120,7 @@ def _plan(work: str, shards: str, index_type: str, nlist: str = "0", seed: str =
 
     import faiss
 
-    from indexer import stream
+    from indexer.ann import stream
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -144,7 +144,7 @@ def _fill(work: str, shards: str, i: str) -> dict:
 
     import faiss
 
-    from indexer import faiss_index, stream
+    from indexer.ann import faiss_index, stream
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -163,7 +163,7 @@ def _tune(work: str, shards: str) -> dict:
 
     import faiss
 
-    from indexer import faiss_index, stream
+    from indexer.ann import faiss_index, stream
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -183,7 +183,7 @@ def _merge(work: str, shards: str) -> dict:
     """Stage 4: the parts combined into one on-disk IVF index (faiss.contrib.ondisk)."""
     import faiss
 
-    from indexer import ondisk
+    from indexer.ann import ondisk
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -206,7 +206,7 @@ def _merge(work: str, shards: str) -> dict:
 def _truth(work: str, shards: str) -> "object":
     import numpy as np
 
-    from indexer import stream
+    from indexer.ann import stream
 
     srcs = _sources(work, int(shards))
     q = np.load(Path(work) / "queries.npy")
@@ -221,7 +221,7 @@ def _eval(work: str, shards: str) -> dict:
 
     from benchmarks.index_bench import timed_batches
 
-    from indexer import faiss_index, ondisk, stream, tuning
+    from indexer.ann import faiss_index, ondisk, stream, tuning
 
     faiss.omp_set_num_threads(2)
     fields = json.loads((Path(work) / "fields.json").read_text())
@@ -247,7 +247,7 @@ def _baseline(work: str, shards: str) -> dict:
     import faiss
     import numpy as np
 
-    from indexer import selection, tuning
+    from indexer.ann import selection, tuning
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -277,7 +277,7 @@ def _baseline_same(work: str, shards: str, seed: str = "0") -> dict:
     import faiss
     import numpy as np
 
-    from indexer import faiss_index, selection, tuning
+    from indexer.ann import faiss_index, selection, tuning
 
     faiss.omp_set_num_threads(2)
     fields = json.loads((Path(work) / "fields.json").read_text())

@@ -125,7 +125,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "--workers": dict(type=int, default=None, help="image decoding threads (default: the CPU count)"),
     "--max-memory": dict(type=memory_size, default=None, metavar="SIZE", help=SERVE_MEMORY_HELP),
     "-k": dict(type=int, default=10, help="neighbours per query (default 10)"),
-    # serving a sharded index across Ray nodes (indexer.fanout): one actor per shard
+    # serving a sharded index across Ray nodes (indexer.ray.fanout): one actor per shard
     "--ray": dict(default=None, metavar="ADDRESS|auto|local",
                   help="search a sharded index with one Ray actor per shard, on the node that built "
                        "it (the head's HOST:PORT, auto: the cluster `ray start` runs here, local: a "

@@ -1,7 +1,7 @@
 """Exact k nearest neighbours with ids and drop lists: the one copy that evaluation
-(:mod:`embedder.metrics`), DBA (``indexer.neighbours``), index tuning (``indexer.selection``,
-``indexer.tuning``, ``indexer.shard_build``), the streaming build's shards (``indexer.sources``)
-and search (``indexer.index``) share.
+(:mod:`embedder.metrics`), DBA (``indexer.ann.neighbours``), index tuning (``indexer.ann.selection``,
+``indexer.ann.tuning``, ``indexer.build.sharded``), the streaming build's shards (``indexer.store.sources``)
+and search (``indexer.layouts.index``) share.
 
 numpy and faiss only (no sklearn, no torch), so the serving process imports it cheaply. The
 search is faiss's exact ``faiss.knn`` over blocks of gallery rows with a ``faiss.ResultHeap``

@@ -4,7 +4,7 @@ No torch here: serving stays a light process. Images are decoded and preprocesse
 pool (:func:`decode_ahead`, also the indexer's reader's) while the session runs the previous
 batch (PIL decoding and onnxruntime both release the GIL, so threads overlap for real);
 :meth:`OnnxEmbedder.run` is the embedding runner's reader and embedder stages, under
-``embed_iter`` and ``indexer.pipeline``. ``embed_iter`` reports bad images as failures instead
+``embed_iter`` and ``indexer.store.ingest``. ``embed_iter`` reports bad images as failures instead
 of stopping, because one corrupt file must not abort indexing a gallery.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ class OnnxEmbedder:
     def run(self, chunks: Iterator[T], read: Callable[[T], R],
             settle: Callable[[R], Iterable[tuple[Any, np.ndarray]]], *, workers: int | None = None,
             seconds: dict[str, float] | None = None) -> Iterator[tuple[list[Any], np.ndarray]]:
-        """The embedding runner's reader and embedder stages (``indexer.pipeline`` adds the
+        """The embedding runner's reader and embedder stages (``indexer.store.ingest`` adds the
         writer): ``read(chunk)`` of each chunk in the decode threads (:func:`decode_ahead`),
         ``settle(result)`` here picks the (key, preprocessed array) pairs to embed, and every full
         batch is embedded while the threads decode the next chunks. Yields ``(keys, raw

@@ -5,23 +5,22 @@ Python (what serving uses).
 """
 from __future__ import annotations
 
-from .build import build_index, merge_shards
-from .consistency import CountCheck, check_counts
+from .ann.options import BuildOptions
+from .build.single import build_index, merge_shards
+from .build.ray_build import build_with_ray
+from .build.sharded import build_sharded
+from .build.update import Change, add_images, info, remove_items, repair_index
+from .directory.index_dir import IndexDir
+from .directory.lock import IndexBusyError, holder, is_locked, writer_lock
+from .directory.manifest import Manifest
 from .errors import IndexerError
-from .index import Hit, Index
-from .index_dir import IndexDir
-from .layouts import Layout, Sharded, Single, layout_of
-from .lock import IndexBusyError, holder, is_locked, writer_lock
-from .manifest import Manifest
-from .options import BuildOptions
-from .shard_build import build_sharded
-from .store import GalleryStore, NewItem
-from .update import Change, add_images, info, remove_items, repair_index
+from .layouts.counts import CountCheck, check_counts
+from .layouts.index import Hit, Index
+from .layouts.layout import Layout, Sharded, Single, layout_of
+from .ray.fanout import RayServing
+from .store.gallery import GalleryStore, NewItem
 
 __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
-           "merge_shards", "build_sharded", "repair_index", "info", "Change", "Manifest", "BuildOptions",
-           "layout_of", "Layout", "Single", "Sharded", "IndexerError", "check_counts", "CountCheck", "NewItem",
-           "writer_lock", "IndexBusyError", "holder", "is_locked",
-           # modules of plain functions (faiss.contrib style), public as a whole
-           "faiss_index", "selection", "tuning", "stream", "sources", "ondisk", "walk",
-           "ray_build", "fanout", "rerank", "neighbours", "layouts", "update"]
+           "merge_shards", "build_sharded", "build_with_ray", "repair_index", "info", "Change", "Manifest",
+           "BuildOptions", "layout_of", "Layout", "Single", "Sharded", "RayServing", "IndexerError",
+           "check_counts", "CountCheck", "NewItem", "writer_lock", "IndexBusyError", "holder", "is_locked"]

@@ -2,7 +2,7 @@
 
     POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery-relative
                                 path>, looked up in LMDB), k=10, index=<name>, dba=true|false
-                                (DBA re-ranking, indexer.neighbours; also a query parameter;
+                                (DBA re-ranking, indexer.ann.neighbours; also a query parameter;
                                 default: on for an index built with --dba)
     GET  /api/thumb/{index}/{id}  PNG thumbnail rendered from LMDB bytes
     GET  /api/indexes           what each open index's manifest says

@@ -1,7 +1,7 @@
 """Recall@k of an open index, for the Evaluate tab: on a labelled query folder, or leave-one-out
 on the gallery itself (each gallery image queries the rest, the paper's protocol).
 
-Both go through the indexer's own ``indexer eval`` functions (indexer.evaluate), so the app and
+Both go through the indexer's own ``indexer eval`` functions (indexer.layouts.evaluate), so the app and
 the CLI report the same number for the same index: a query that is a gallery item is left out
 of its own results (and, with DBA, out of its neighbours' augmented vectors).
 """
@@ -34,7 +34,7 @@ def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None
                     ks: Sequence[int] = DEFAULT_KS, source: str | None = None) -> EvalResult:
     """Recall@k on a labelled query folder (``indexer eval --queries``); unreadable files are
     skipped and listed."""
-    from indexer.evaluate import evaluate_queries
+    from indexer.layouts.evaluate import evaluate_queries
 
     snap = searcher.snapshot(index)
     out = evaluate_queries(snap.index, Path(folder), ks)
@@ -46,7 +46,7 @@ def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequen
                      max_queries: int = 2000, seed: int = 0) -> EvalResult:
     """Leave-one-out Recall@k (``indexer eval`` without queries): each (sampled) labelled
     gallery image queries the rest with its stored vector."""
-    from indexer.evaluate import evaluate_gallery as leave_one_out
+    from indexer.layouts.evaluate import evaluate_gallery as leave_one_out
 
     snap = searcher.snapshot(index)
     out = leave_one_out(snap.index, ks, max_queries=max_queries, seed=seed)

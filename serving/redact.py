@@ -80,7 +80,7 @@ def _shards(name: str, directory: Path) -> list[tuple[str, Path]]:
     """("index NAME shard I", its folder) for each part of the index that lies in a folder of
     its own, outside its directory (a sharded index's shards: messages about their files must
     not name them either); none for a single index, whose one part is the directory."""
-    from indexer.layouts import layout_of
+    from indexer.layouts.layout import layout_of
 
     try:
         parts = layout_of(directory).parts

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, MutableMapping
 
-from indexer.index_dir import manifest_stamp
+from indexer.directory.index_dir import manifest_stamp
 
 log = logging.getLogger(__name__)
 

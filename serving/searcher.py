@@ -67,8 +67,8 @@ class Searcher:
         """Open each index directory read-only; names default to the directory names.
         ``check_model`` also requires each directory's model.onnx (what a server needs).
         ``max_memory``: each index holds at most that much in RAM, as codes re-ranked with the
-        exact vectors of its store (``indexer.rerank``; kept across reloads). ``ray``: sharded
-        indexes are searched by one Ray actor per shard (``indexer.fanout``; kept across reloads;
+        exact vectors of its store (``indexer.ann.served``; kept across reloads). ``ray``: sharded
+        indexes are searched by one Ray actor per shard (``indexer.ray.fanout``; kept across reloads;
         an answer that left a shard out says so in ``SearchResult.partial``)."""
         if isinstance(directories, (str, Path)):
             directories = [directories]
@@ -343,7 +343,7 @@ class Searcher:
         idx = snap.index
         return {"name": snap.name, "directory": str(self.directories.get(snap.name, "")), "size": len(idx),
                 "dim": idx.dim, "labels": len(idx.labels()), "manifest": idx.manifest.to_dict(),
-                "memory": idx.faiss.summary}   # codes only: indexer.rerank
+                "memory": idx.faiss.summary}   # codes only: indexer.ann.served
 
 
 __all__ = ["Searcher", "Snapshot", "Query", "Result", "SearchResult", "ProbeReport", "UnknownIdError",

@@ -16,7 +16,7 @@ from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
 from indexer import IndexerError
-from indexer.index_dir import MANIFEST
+from indexer.directory.index_dir import MANIFEST
 
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS

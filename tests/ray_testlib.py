@@ -9,13 +9,17 @@ namespace: the main run does not collect those modules (each directory's conftes
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import signal
 import socket
 import struct
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -35,7 +39,7 @@ def loopback_up() -> None:
 
 def require_private_network(module: str) -> None:
     """Skip the calling module (at import) unless only loopback exists here."""
-    from indexer.ray_build import only_loopback
+    from indexer.ray.cluster import only_loopback
 
     if not only_loopback():
         pytest.skip(f"Ray listens beyond loopback: run {module} in a private network namespace "
@@ -120,3 +124,60 @@ def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+
+
+# ---------------------------------------------------------------------------- shard task hooks
+# Through indexer.build.ray_build.SHARD_HOOK_ENV: the CLI's Ray workers import this module as
+# ``tests.ray_testlib`` (Ray puts the driver's working directory, the repository, on their path).
+HOLD_S = 300.0
+
+
+def shard_hook(name: str, spec: str) -> dict[str, str]:
+    """The environment that runs ``name`` (``kill_after``, ``hold_after``) with ``spec`` ("i:N:MARKER")
+    in every shard task of an ``indexer build --ray``."""
+    from indexer.build.ray_build import SHARD_HOOK_ENV
+
+    return {SHARD_HOOK_ENV: f"tests.ray_testlib:{name}:{spec}"}
+
+
+def _attempt(spec: str, shard: int) -> tuple[int, Path] | None:
+    """(N, MARKER) when ``spec`` ("i:N:MARKER") is for this shard's attempt (MARKER not made yet)."""
+    i, after, marker = spec.split(":", 2)
+    return None if int(i) != shard or os.path.exists(marker) else (int(after), Path(marker))
+
+
+def kill_after(spec: str, shard: int) -> Callable[[int], None] | None:
+    """Shard i's worker SIGKILLs itself once N of its files are settled (committed, or skipped),
+    on the attempt that creates MARKER (so the retry runs to the end): the real failure path,
+    Ray notices a dead worker and retries the task."""
+    got = _attempt(spec, shard)
+    if got is None:
+        return None
+    after, marker = got
+
+    def check(done: int) -> None:
+        if done >= after:
+            marker.write_text(f"shard {shard} killed after {done} files, pid {os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+    return check
+
+
+def hold_after(spec: str, shard: int) -> Callable[[int], None] | None:
+    """Losing a whole node: shard i's task, on the attempt that creates MARKER, writes its node id
+    there once N of its files are settled and then waits (at most HOLD_S) with its work committed
+    so far, so that a test can remove that node mid-task."""
+    got = _attempt(spec, shard)
+    if got is None:
+        return None
+    after, marker = got
+    held = threading.Event()
+
+    def check(done: int) -> None:
+        if done >= after and not held.is_set():
+            held.set()
+            import ray
+
+            marker.write_text(json.dumps({"node": ray.get_runtime_context().get_node_id(),
+                                          "pid": os.getpid(), "done": done}) + "\n")
+            time.sleep(HOLD_S)
+    return check

@@ -31,11 +31,27 @@ KNOWN_CIRCLES: set[frozenset[str]] = set()     # issue 31 removed the last three
 
 
 def _modules() -> list[Path]:
-    """Every module of the product and its tools, as paths relative to the repository."""
+    """Every module of the product and its tools (subpackages included), as paths relative to
+    the repository."""
     out = [Path("app.py")]
     for d in (*PACKAGES, "benchmarks", "configs"):
-        out += sorted(p.relative_to(REPO) for p in (REPO / d).glob("*.py"))
+        out += sorted(p.relative_to(REPO) for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts)
     return out
+
+
+def _dotted(path: Path) -> str:
+    """``indexer/ann/stream.py`` -> ``indexer.ann.stream``; a package's ``__init__.py`` -> the package."""
+    parts = list(path.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _absolute(path: Path, node: ast.ImportFrom) -> str:
+    """The module an ``ImportFrom`` in ``path`` names, relative imports resolved."""
+    if node.level == 0:
+        return node.module or ""
+    package = list(path.parent.parts)
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _imports(path: Path) -> list[tuple[str, list[str], int]]:
@@ -75,7 +91,8 @@ def test_benchmarks_use_the_public_faces():
             where = f"{path}:{line} {module}"
             if len(parts) == 1:
                 wrong += [f"{where}: {n} is not in {module}.__all__" for n in names if n not in faces[module]]
-            elif parts[0] == "training" or parts[1] in faces[parts[0]]:
+            elif parts[0] == "training" or parts[1] in faces[parts[0]] or (
+                    parts[0] == "indexer" and parts[1] in INDEXER_LAYERS):
                 wrong += [f"{where}: {n} is private" for n in names if n.startswith("_")]
             else:
                 wrong.append(f"{where}: {parts[1]} is not a public module of {parts[0]}")
@@ -171,8 +188,7 @@ def test_the_private_access_check_sees_modules_objects_and_their_chains():
 def _module_imports() -> dict[str, set[str]]:
     """Each product module's imports of other modules of its own package (relative or absolute,
     at any level of the file), not counting its package's face."""
-    mods = {f"{p.parts[0]}.{p.stem}": p for p in _modules()
-            if p.parts[0] in PACKAGES and p.name != "__init__.py"}
+    mods = {_dotted(p): p for p in _modules() if p.parts[0] in PACKAGES and p.name != "__init__.py"}
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         pkg = path.parts[0]
@@ -181,7 +197,7 @@ def _module_imports() -> dict[str, set[str]]:
             if isinstance(n, ast.Import):
                 targets = [a.name for a in n.names]
             elif isinstance(n, ast.ImportFrom):
-                base = pkg + ("." + n.module if n.module else "") if n.level == 1 else (n.module or "")
+                base = _absolute(path, n)
                 targets = [base, *(f"{base}.{a.name}" for a in n.names)]
             else:
                 continue
@@ -208,6 +224,63 @@ def test_no_import_circle_between_the_modules_of_a_package():
     assert not new, "import circles between modules of one package:\n" + "\n".join(new)
 
 
+# indexer's subpackages (and its two shared modules) in layers: a module imports only from its own
+# layer or a lower one (docs/ARCHITECTURE.md draws it), so no two subpackages import each other.
+INDEXER_LAYERS = {"errors": 0, "searchable": 0, "directory": 1, "store": 2, "ann": 3, "ray": 4,
+                  "layouts": 5, "build": 6, "audit": 7, "cli": 8, "__main__": 9, "__init__": 10}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "__init__"
+
+
+def test_indexer_subpackages_depend_one_way():
+    wrong = []
+    for path in _modules():
+        if path.parts[0] != "indexer":
+            continue
+        me = _layer(_dotted(path))
+        assert me in INDEXER_LAYERS, f"{path}: a new part of indexer/; give it a layer in INDEXER_LAYERS"
+        for n in ast.walk(ast.parse((REPO / path).read_text())):
+            if isinstance(n, ast.ImportFrom):
+                targets = [_absolute(path, n)]
+            elif isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            else:
+                continue
+            for t in targets:
+                if t.split(".")[0] != "indexer" or t == "indexer":
+                    continue
+                other = _layer(t)
+                if other != me and INDEXER_LAYERS[other] >= INDEXER_LAYERS[me]:
+                    wrong.append(f"{path}:{n.lineno} ({me}) imports {t} ({other})")
+    assert not wrong, "imports against indexer's layers:\n" + "\n".join(wrong)
+
+
+def private_imports(path: Path, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each private name (``_x``, not a dunder) imported from a product module."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and _absolute(path, n).split(".")[0] in (*PACKAGES, "app"):
+            out += [(n.lineno, a.name) for a in n.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name another module needs is a public seam of the module that owns it (issue 40: the
+    fan-out imported ``_ray`` and ``_near`` from the Ray build)."""
+    wrong = [f"{path}:{line} imports {name}" for path in _modules() if _owner(path) in (*PACKAGES, "app")
+             for line, name in private_imports(path, ast.parse((REPO / path).read_text()))]
+    assert not wrong, "private names imported across modules:\n" + "\n".join(wrong)
+
+
+def test_the_private_import_check_sees_relative_and_absolute_imports():
+    code = ("from ..build.ray_build import _ray as r\nfrom .x import a, _b\nfrom indexer.y import _c\n"
+            "from os import _exit\nfrom . import __version__\n")
+    found = private_imports(Path("indexer/ray/fanout.py"), ast.parse(code))
+    assert found == [(1, "_ray"), (2, "_b"), (3, "_c")]
+
+
 def test_the_table_of_faces_lists_each_package_all():
     text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
     for pkg in PACKAGES:
@@ -219,8 +292,9 @@ def test_the_table_of_faces_lists_each_package_all():
 
 
 # Single vs sharded is told apart in the layouts' own code only (issue 40): everything else works
-# on the indexer.layouts.Layout protocol. ``args.sharded`` (the CLI's build flag) is not a layout.
-LAYOUT_CODE = {"indexer/layouts.py", "indexer/shards.py", "indexer/manifest.py"}
+# on the indexer.layouts.layout.Layout protocol. ``args.sharded`` (the CLI's build flag) is not a layout.
+LAYOUT_CODE = {"indexer/layouts/layout.py", "indexer/layouts/shards.py", "indexer/directory/manifest.py",
+               "indexer/directory/shard_files.py"}
 _LAYOUT_BRANCH = re.compile(r"isinstance\([^)]*\bSharded\b|\bis_sharded\b|[=!]=\s*[\"']s(ingle|harded)[\"']"
                             r"|[\"']s(ingle|harded)[\"']\s*[=!]=|\b(if|elif|and|or|not)\b[^#]*(?<!args)\.sharded\b")
 
@@ -235,7 +309,7 @@ def test_no_layout_branch_outside_the_layouts_code():
     wrong = [f"{path}:{line} {ln}" for path in _modules()
              if _owner(path) in (*PACKAGES, "app") and path.as_posix() not in LAYOUT_CODE
              for line, ln in layout_branches((REPO / path).read_text())]
-    assert not wrong, "single vs sharded decided outside indexer/layouts.py:\n" + "\n".join(wrong)
+    assert not wrong, "single vs sharded decided outside indexer/layouts/:\n" + "\n".join(wrong)
 
 
 def test_the_layout_branch_check_sees_each_form():
@@ -249,7 +323,7 @@ def test_the_layout_branch_check_sees_each_form():
 # and a mode's facts from indexer.searchable.Searchable, never by probing for an attribute, and
 # no answer travels as per-thread state.
 _PROBE = re.compile(r"getattr\([^,]*\.faiss\b|threading\.local\(")
-PER_THREAD_OK = {"indexer/lmdb_env.py"}     # LMDB read transactions are per thread by LMDB's rule
+PER_THREAD_OK = {"indexer/store/lmdb_env.py"}     # LMDB read transactions are per thread by LMDB's rule
 
 
 def test_no_attribute_probing_of_the_searchable_index_and_no_thread_local_answers():

@@ -60,7 +60,7 @@ def test_an_icon_around_a_huge_png_is_refused_before_decoding(lying_icon, no_dec
             assert msg.startswith(f"{name or gallery_file}: ICO frame is a 12000x12000 PNG but the "
                                   "icon's directory says 256x256"), msg
             assert "refused before decoding" in msg and "\n" not in msg
-    from indexer.reader import header_size                             # the indexer's header peek
+    from indexer.store.reader import header_size                             # the indexer's header peek
 
     assert header_size(lying_icon) == (0, 0)
 

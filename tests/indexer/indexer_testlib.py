@@ -107,7 +107,7 @@ def assert_same_index(merged: Any, single: Any, gallery: Path) -> None:
     """Same ids, same vectors, same search answers (by vector and by image file)."""
     import numpy as np
 
-    from indexer.faiss_index import index_ids
+    from indexer.ann.faiss_index import index_ids
 
     ms, mm = single.manifest, merged.manifest
     assert mm["index_type"] == ms["index_type"] == "ivf"

@@ -1,4 +1,4 @@
-"""The one embedding runner (indexer.pipeline.run: reader -> embedder -> writer, with per-stage
+"""The one embedding runner (indexer.store.ingest.run: reader -> embedder -> writer, with per-stage
 seconds) under the missing-embedding pass, and the one decode thread pool under it (issue 31)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from embedder import OnnxEmbedder
 from embedder.vectors import l2_normalize
-from indexer.pipeline import embed_missing, run
-from indexer.store import GalleryStore, NewItem
+from indexer.store.ingest import embed_missing, run
+from indexer.store.gallery import GalleryStore, NewItem
 
 
 def _item(path: str, data: bytes) -> NewItem:

@@ -1,4 +1,4 @@
-"""The serving fan-out's data plane without Ray (indexer.fanout): a shard searcher's port answers
+"""The serving fan-out's data plane without Ray (indexer.ray.fanout): a shard searcher's port answers
 only a peer that passes the HMAC challenge with its key, never unpickles anything before that,
 and answers (D, I) equal to the part's own search.
 
@@ -19,7 +19,8 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer.fanout import ShardSearcher, open_link
+from indexer.ray.actor import ShardSearcher
+from indexer.ray.link import open_link
 
 D, NLIST = 16, 8
 

@@ -20,7 +20,9 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer.fanout import LINK_HANDSHAKE_S, RayServing, Router, ShardLink, ShardSearcher, open_link
+from indexer.ray.actor import ShardSearcher
+from indexer.ray.fanout import RayServing, Router
+from indexer.ray.link import LINK_HANDSHAKE_S, ShardLink, open_link
 
 D = 16
 

@@ -19,7 +19,7 @@ import pytest
 
 from indexer_testlib import REPO, copy_characters, run_cli, serve_app
 from indexer import check_counts
-from indexer.lock import writer_lock
+from indexer.directory.lock import writer_lock
 
 KINDS = ("single", "merged", "sharded", "sharded_flat")
 BUDGET = "30K"      # below every kind's full index (240 x 64-d: 62 KB), above its SQ8 codes (17 KB)
@@ -175,7 +175,9 @@ def test_add_remove_repair_info_through_the_library_hold_the_lock(
     import threading
 
     import indexer
-    from indexer import IndexBusyError, manifest, update
+    from indexer import IndexBusyError
+    from indexer.directory import manifest
+    from indexer.build import update
 
     d = _writable_copy(kind, built_index, two_shards, tmp_path)
     new = copy_characters(omniglot_root, tmp_path / "new", 1, per_char=4, skip_chars=12)

@@ -13,7 +13,7 @@ import pytest
 from indexer_testlib import copy_characters, run_cli
 from knn_asserts import recall_bounds
 from indexer import GalleryStore, Index, build_index, check_counts
-from indexer.index_dir import INDEX_FILE, STORE_DIR
+from indexer.directory.index_dir import INDEX_FILE, STORE_DIR
 
 
 def test_build_stores_every_image_and_searches_itself_first(built_index: Path, omniglot_gallery: Path) -> None:
@@ -203,8 +203,8 @@ def test_default_pretrained_embedder_on_photos(tmp_path: Path, photo_paths: list
 
 
 def test_build_defaults_policy() -> None:
-    """indexer.options.resolve_defaults, the one place the build's default is decided (issue 41)."""
-    from indexer.options import resolve_defaults as r
+    """indexer.ann.options.resolve_defaults, the one place the build's default is decided (issue 41)."""
+    from indexer.ann.options import resolve_defaults as r
 
     big, mid, tiny = 10_000, 100, 10
     d = r(None, None, model_given=False, images=big)

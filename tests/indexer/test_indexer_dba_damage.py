@@ -1,7 +1,7 @@
 """A damaged ``neighbours.npz`` (DBA) is seen by ``indexer info`` (and ``--deep``) and by the
 server's ``/api/health``, as ``search`` and ``app.py`` see it at open (issue 39, FAIL 3; before:
 info exit 0 in 7 of 7 cases, health 200 while the next restart failed). One check for all:
-``indexer.neighbours.check``. Real index built by the CLI, damage made on disk."""
+``indexer.ann.neighbours.check``. Real index built by the CLI, damage made on disk."""
 from __future__ import annotations
 
 import hashlib

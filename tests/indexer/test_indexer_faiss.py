@@ -7,9 +7,10 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer import faiss_index as fx
+from indexer.ann import faiss_index as fx
 from embedder.knn import exact_knn
-from indexer import tuning
+from indexer.ann import tuning
+from indexer.ann.served import SearchableIndex
 from indexer.errors import IndexerError
 
 
@@ -88,7 +89,7 @@ def test_flat_needs_no_tuning_and_ids_roundtrip(tmp_path: Path) -> None:
     assert value == 0 and rq.tolist() == [1.0] * 50
     np.testing.assert_array_equal(fx.index_ids(index), np.sort(ids))
     fx.write_atomic(index, tmp_path / "i.faiss")
-    back = fx.SearchableIndex(tmp_path / "i.faiss", device="cpu")
+    back = SearchableIndex(tmp_path / "i.faiss", device="cpu")
     s, i, partial = back.search(x[:5], 3)
     assert partial == ()                                      # one process: always whole
     np.testing.assert_array_equal(i[:, 0], ids[:5])           # every vector finds itself first
@@ -121,7 +122,7 @@ def test_write_atomic_keeps_old_file_on_failure(tmp_path: Path) -> None:
 @pytest.mark.parametrize("index_type", ["sq8", "ivfpq"])
 def test_compressed_options_report_the_recall_they_reach(index_type: str) -> None:
     """SQ8 / IVF-PQ for large galleries: tuned like IVF-Flat, and honest when the target is out of reach."""
-    from indexer.selection import build as make_index
+    from indexer.ann.selection import build as make_index
 
     x = clustered(10_000, 32, centers=100, spread=0.5)
     ids = np.arange(10_000, dtype=np.int64)
@@ -149,7 +150,7 @@ def test_every_type_keeps_ids_params_and_removals(index_type: str, tmp_path: Pat
     value = 8 if spec.nlist else 32
     fx.set_search_params(index, spec.search_params(value))
     fx.write_atomic(index, tmp_path / "i.faiss")
-    back = fx.SearchableIndex(tmp_path / "i.faiss", device="cpu")
+    back = SearchableIndex(tmp_path / "i.faiss", device="cpu")
     # the tuned parameters travel in the file
     if spec.nlist:
         assert faiss.extract_index_ivf(back.cpu_index).nprobe == 8
@@ -175,7 +176,7 @@ def test_memory_mapped_ivf_lists_search_without_prefetch_threads(tmp_path: Path)
     """Reading an IVF index memory-mapped for serving (codes-only serving, merge_ondisk's index;
     sharded parts and fan-out actors too) turns faiss's per-search prefetch threads off (4.5x a single
     query's time here: benchmarks.mmap_search), and answers as the index in RAM does."""
-    from indexer import ondisk
+    from indexer.ann import ondisk
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4000, 32)).astype("float32")
@@ -194,7 +195,7 @@ def test_memory_mapped_ivf_lists_search_without_prefetch_threads(tmp_path: Path)
         return int(lists.prefetch_nthread)
 
     assert prefetch_threads(faiss.read_index(str(path), faiss.IO_FLAG_MMAP)) > 0   # faiss's default
-    served = fx.SearchableIndex(path, nprobe=4, mmap=True)
+    served = SearchableIndex(path, nprobe=4, mmap=True)
     assert prefetch_threads(served.cpu_index) == 0
     ondisk.merge_ondisk(index, [path], tmp_path / "merged.faiss")
     merged = ondisk.read_ondisk(tmp_path / "merged.faiss")

@@ -108,7 +108,7 @@ def test_second_sharded_index_over_the_same_shards_is_refused(two_shards: Path, 
     run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet")   # its own: a rebuild
     assert check_counts(tmp_path / "a").ok
 
-    from indexer.lock import writer_lock
+    from indexer.directory.lock import writer_lock
 
     with writer_lock(s1, "test: a shard being rebuilt"):      # a shard folder being written
         p = run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet", check=False)
@@ -256,7 +256,7 @@ def test_ray_init_that_never_returns_is_bounded(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import indexer.ray_build as rb, os; rb.loopback_works = lambda: True; "
+    code = ("import indexer.ray.cluster as rb, os; rb.loopback_works = lambda: True; "
             "print('pid', os.getpid(), flush=True); rb.connect('local', 1)")
     p = subprocess.run([*_netns_without_loopback(), sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),

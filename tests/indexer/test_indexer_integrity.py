@@ -93,7 +93,7 @@ def test_add_updates_the_checksum(built_index, omniglot_root, tmp_path):
 
 _GROW = """
 import hashlib, sys
-from indexer.store import GalleryStore, NewItem
+from indexer.store.gallery import GalleryStore, NewItem
 data = b"x" * int(sys.argv[2])
 with GalleryStore(sys.argv[1], readonly=False) as w:
     w.put_items([NewItem("padding.png", None, data, hashlib.sha256(data).hexdigest(), 1, 1)])
@@ -103,7 +103,7 @@ with GalleryStore(sys.argv[1], readonly=False) as w:
 def test_reader_survives_a_writer_growing_the_map(built_index, tmp_path):
     """A reader whose mapping is smaller than the file becomes (LMDB's MapResizedError) keeps
     answering, and sees the writer's data: what a server does during `indexer add`."""
-    from indexer.store import GalleryStore
+    from indexer.store.gallery import GalleryStore
 
     store_dir = tmp_path / "store.lmdb"
     shutil.copytree(built_index / "store.lmdb", store_dir, ignore=shutil.ignore_patterns("lock.mdb"))

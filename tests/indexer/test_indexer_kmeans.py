@@ -6,10 +6,10 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer import faiss_index as fx
-from indexer import stream
+from indexer.ann import faiss_index as fx
+from indexer.ann import stream
 from indexer.errors import IndexerError
-from indexer.sources import ArraySource
+from indexer.store.sources import ArraySource
 
 D, NLIST = 32, 128
 

@@ -1,4 +1,4 @@
-"""DBA re-ranking (indexer.neighbours, ``indexer build --dba``): the augmented vectors are what
+"""DBA re-ranking (indexer.ann.neighbours, ``indexer build --dba``): the augmented vectors are what
 their definition says, stay equal to a fresh build's under ``indexer add``/``remove``, are
 recorded and checked like index.faiss, switch per search, and a query that is a gallery item is
 answered as if the gallery did not hold it (the leave-one-out guard). Real Omniglot images, a
@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer import Index, neighbours
+from indexer import Index
+from indexer.ann import neighbours
 from indexer.errors import IndexerError
 from indexer_testlib import copy_characters, run_cli
 

@@ -13,8 +13,9 @@ import pytest
 
 from indexer_testlib import run_cli
 from knn_asserts import assert_knn, vector_scorer
-from indexer import Index, rerank
-from indexer import faiss_index as fx
+from indexer import Index
+from indexer.ann import served as rerank
+from indexer.ann import faiss_index as fx
 from indexer.errors import IndexerError
 from serving.searcher import Searcher
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from indexer_testlib import REPO, copy_characters, run_cli
 from indexer import GalleryStore, Index
-from indexer.index_dir import STORE_DIR
+from indexer.directory.index_dir import STORE_DIR
 
 
 def _committed(store_dir: Path) -> int:

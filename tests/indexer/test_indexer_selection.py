@@ -13,14 +13,14 @@ import pytest
 
 from indexer_testlib import copy_characters, run_cli
 from indexer import Index
-from indexer import faiss_index as fx
+from indexer.ann import faiss_index as fx
 from embedder.knn import exact_knn
-from indexer import tuning
-from indexer import selection
-from indexer.__main__ import _print_candidates
-from indexer.selection import build as make_index
+from indexer.ann import tuning
+from indexer.ann import selection
+from indexer.cli.read import print_candidates as _print_candidates
+from indexer.ann.selection import build as make_index
 from indexer.errors import IndexerError
-from indexer.index_dir import IndexDir
+from indexer.directory.index_dir import IndexDir
 
 
 def low_rank(n: int, d: int, seed: int, *, rank: int = 16, clusters: int = 200,
@@ -126,7 +126,7 @@ def test_choose_ties_budget_and_unreachable_target() -> None:
 
 
 def test_build_options_check_the_memory_size_once() -> None:
-    from indexer.options import BuildOptions
+    from indexer.ann.options import BuildOptions
 
     assert BuildOptions(index_memory="4G").index_memory == 4 * 2 ** 30
     assert BuildOptions.of(max_memory="512MiB").index_memory == 512 * 2 ** 20    # the old name

@@ -9,9 +9,9 @@ import numpy as np
 from indexer_testlib import run_cli
 from knn_asserts import assert_knn, vector_scorer
 from indexer import GalleryStore, Index
-from indexer.faiss_index import index_ids
-from indexer.index_dir import STORE_DIR
-from indexer.walk import shard_of
+from indexer.ann.faiss_index import index_ids
+from indexer.directory.index_dir import STORE_DIR
+from indexer.store.walk import shard_of
 
 
 def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery: Path, small_onnx: Path) -> None:

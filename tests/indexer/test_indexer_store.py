@@ -10,7 +10,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from indexer.store import GalleryStore, NewItem, id_for_sha256
+from indexer.store.gallery import GalleryStore, NewItem, id_for_sha256
 
 MODEL = hashlib.sha256(b"some model").hexdigest()
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from benchmarks.index_bench import low_rank, low_rank_law
-from indexer import faiss_index as fx
-from indexer import selection, shard_sample, stream, tuning
+from indexer.ann import faiss_index as fx
+from indexer.ann import selection, sample as shard_sample, stream, tuning
 from indexer.errors import IndexerError
-from indexer.ondisk import merge_ondisk, read_ondisk
-from indexer.sources import ArraySource, Source
+from indexer.ann.ondisk import merge_ondisk, read_ondisk
+from indexer.store.sources import ArraySource, Source
 
 
 N, D = 14_000, 32

@@ -13,11 +13,11 @@ import pytest
 
 from embedder.images import IMAGE_SUFFIXES
 from indexer import IndexDir, IndexerError, build_index, merge_shards
-from indexer import faiss_index as fx
-from indexer import selection
+from indexer.ann import faiss_index as fx
+from indexer.ann import selection
 from indexer.__main__ import main
-from indexer.manifest import FORMAT, Manifest
-from indexer.ray_build import build_with_ray
+from indexer.directory.manifest import FORMAT, Manifest
+from indexer.build.ray_build import build_with_ray
 from indexer_testlib import REPO
 
 OLD = Path(__file__).parent / "data" / "manifests-main-7c05da6"
@@ -55,7 +55,7 @@ def test_a_manifest_of_the_wrong_shape_is_refused_in_one_line(broken: dict, why:
 def test_only_schema_keys_are_written_and_unknown_keys_read_back(tmp_path: Path) -> None:
     old = json.loads((OLD / "flat.json").read_text())
     d = IndexDir(tmp_path)
-    with pytest.raises(IndexerError, match=r"\['nprob'\] are not fields of indexer.manifest.Manifest"):
+    with pytest.raises(IndexerError, match=r"\['nprob'\] are not fields of indexer.directory.manifest.Manifest"):
         d.write_manifest({**old, "nprob": 3})                         # a misspelt key is a bug here
     assert not d.manifest_file.exists()
     d.manifest_file.write_text(json.dumps({**old, "added_by_a_newer_version": [1]}))
@@ -115,7 +115,7 @@ def test_every_build_entry_refuses_bad_input_with_the_same_line(tmp_path: Path) 
 def test_ray_build_is_a_library() -> None:
     """Its command line (flags, summary line) is the indexer CLI's; the library neither parses
     arguments nor prints (progress goes through tqdm)."""
-    tree = ast.parse((REPO / "indexer" / "ray_build.py").read_text())
+    tree = ast.parse((REPO / "indexer" / "build" / "ray_build.py").read_text())
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     assert "print" not in names and "argparse" not in imports
@@ -152,7 +152,7 @@ def test_build_options_are_checked_once_and_passed_through(tmp_path: Path, omnig
                                                            small_onnx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The build's options are one value, checked when made (once per build), and the one
     selection.build receives is that same value; the old keyword spellings still work."""
-    from indexer.options import BuildOptions
+    from indexer.ann.options import BuildOptions
     from indexer_testlib import copy_characters
 
     copy_characters(omniglot_root, tmp_path / "g", 2, per_char=6)

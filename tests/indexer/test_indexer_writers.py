@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from indexer import GalleryStore, Index, check_counts, writer_lock
-from indexer.faiss_index import index_ids
-from indexer.lock import holder, is_locked
-from indexer.validate import read_faiss
+from indexer.ann.faiss_index import index_ids
+from indexer.directory.lock import holder, is_locked
+from indexer.directory.validate import read_faiss
 from indexer_testlib import REPO, copy_characters, run_cli
 
 
@@ -127,7 +127,7 @@ def test_inconsistent_index_info_exits_nonzero_naming_the_repair(index_copy: Pat
 
     import numpy as np
 
-    from indexer.store import NewItem
+    from indexer.store.gallery import NewItem
 
     with GalleryStore(index_copy / "store.lmdb", readonly=False) as st:
         model = st.models()[0]

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer.ray_build import FAULT_ENV
-from ray_testlib import loopback_up, require_private_network
+from ray_testlib import loopback_up, require_private_network, shard_hook
 
 require_private_network("tests/indexer/test_ray.py")
 
@@ -25,9 +24,9 @@ ray = pytest.importorskip("ray")
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
 from indexer_testlib import assert_same_index, ray_gallery, run_cli, single_build  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
-from indexer.index_dir import STORE_DIR  # noqa: E402
-from indexer.index_dir import FILE_LIST  # noqa: E402
-from indexer.walk import read_file_list, shard_of  # noqa: E402
+from indexer.directory.index_dir import STORE_DIR  # noqa: E402
+from indexer.directory.index_dir import FILE_LIST  # noqa: E402
+from indexer.store.walk import read_file_list, shard_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: s
                                                   small_onnx: Path, single: Index) -> None:
     out, marker = tmp_path / "ray", tmp_path / "killed.txt"
     # shard 0's worker SIGKILLs itself after its first commit (256 images), on the first attempt
-    env = {FAULT_ENV: f"0:1:{marker}"}
+    env = shard_hook("kill_after", f"0:1:{marker}")
     p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
                 "--shards", "2", *FLAGS, env=env)
     assert marker.exists(), "the fault never fired"
@@ -121,7 +120,7 @@ def test_sharded_ray_build_equals_a_single_build(ray_sharded: tuple[Path, str], 
     shard's part from a quantizer trained once, and the parts searched as one answer as well as
     the one-process build does."""
     from indexer import Sharded
-    from indexer.index_dir import PART_FILE
+    from indexer.directory.index_dir import PART_FILE
 
     out, stdout = ray_sharded
     assert "attempts per shard: 1, 1" in stdout, stdout
@@ -155,9 +154,9 @@ def test_plan_reads_run_in_the_shards_readers_and_equal_the_in_process_plan(
     in the readers' processes, not here."""
     import faiss
 
-    from indexer import stream
-    from indexer.ray_sources import open_readers
-    from indexer.sources import StoreSource
+    from indexer.ann import stream
+    from indexer.ray.readers import open_readers
+    from indexer.store.sources import StoreSource
 
     out, _ = ray_sharded
     dirs = [out / "shards" / str(i) for i in range(2)]
@@ -216,8 +215,8 @@ def test_a_killed_reader_is_restarted_and_its_stream_goes_on(ray_sharded: tuple[
     import signal
 
     from indexer.errors import IndexerError
-    from indexer.ray_sources import open_readers
-    from indexer.sources import StoreSource
+    from indexer.ray.readers import open_readers
+    from indexer.store.sources import StoreSource
 
     out, _ = ray_sharded
     d = out / "shards" / "0"

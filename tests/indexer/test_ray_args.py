@@ -11,7 +11,7 @@ import pytest
 
 from indexer import IndexerError
 from indexer.__main__ import main
-from indexer.ray_build import default_shards, plan_resources
+from indexer.build.ray_build import default_shards, plan_resources
 
 
 def _one_line_error(capsys: pytest.CaptureFixture, argv: list, *needles: str) -> None:

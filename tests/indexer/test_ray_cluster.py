@@ -28,7 +28,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from ray_testlib import LocalCluster, local_cluster, require_private_network
+from ray_testlib import LocalCluster, local_cluster, require_private_network, shard_hook
 
 require_private_network("tests/indexer/test_ray_cluster.py")
 
@@ -37,9 +37,9 @@ ray = pytest.importorskip("ray")
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
 from indexer_testlib import REPO, assert_same_index, copy_characters, ray_gallery, run_cli, single_build  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
-from indexer.faiss_index import index_ids  # noqa: E402
-from indexer.index_dir import PART_FILE, STORE_DIR  # noqa: E402
-from indexer.ray_build import HOLD_ENV, RUN_FILE  # noqa: E402
+from indexer.ann.faiss_index import index_ids  # noqa: E402
+from indexer.directory.index_dir import PART_FILE, STORE_DIR  # noqa: E402
+from indexer.directory.index_dir import RUN_FILE
 
 WAIT_S = 300.0                                         # bound on every wait for the cluster or a build
 
@@ -105,9 +105,9 @@ def test_sharded_build_reads_and_fills_each_shard_on_the_node_that_built_it(
     this process from the same stores."""
     import faiss
 
-    from indexer import stream
-    from indexer.ray_sources import open_readers
-    from indexer.sources import StoreSource
+    from indexer.ann import stream
+    from indexer.ray.readers import open_readers
+    from indexer.store.sources import StoreSource
 
     facts = run_facts(sharded)
     nodes = facts["nodes"]
@@ -180,13 +180,13 @@ def assert_same_sharded(got: Path, want: Path) -> None:
 def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_undisturbed(
         tmp_path: Path, cluster: LocalCluster, gallery: Path, small_onnx: Path, single: Index,
         sharded: Path, layout: str) -> None:
-    """Shard 0's task stops once its first 256 images are committed (HOLD_ENV); the test removes
+    """Shard 0's task stops once its first 256 images are committed (``ray_testlib.hold_after``); the test removes
     its node; Ray reruns the task on the other worker node, which finds those 256 in the shard's
     store and embeds only the rest. Merged: the index is the one-process build's; ``--sharded``:
     the undisturbed sharded build's, read and filled where the shards now are. The node comes
     back (a new node id) for the tests after."""
     out, marker = tmp_path / "idx", tmp_path / "held.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", HOLD_ENV: f"0:1:{marker}"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", **shard_hook("hold_after", f"0:1:{marker}")}
     cmd = [sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
            "--out", str(out), "--ray", cluster.address, "--shards", "2", *FLAGS]
     if layout == "sharded":
@@ -248,8 +248,8 @@ def test_a_reader_whose_node_is_gone_runs_on_another_node(cluster: LocalCluster,
     """Soft node affinity falls back: a reader whose node is removed mid-stream is restarted on
     another node and its id stream goes on whole; a reader asked for a node that no longer
     exists (the build's record after that node died) opens elsewhere and answers."""
-    from indexer.ray_sources import open_readers
-    from indexer.sources import StoreSource
+    from indexer.ray.readers import open_readers
+    from indexer.store.sources import StoreSource
 
     d = sharded / "shards" / "0"
     m = json.loads((sharded / "manifest.json").read_text())

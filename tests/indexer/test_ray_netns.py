@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ci_gate import skip_or_fail
-from indexer.ray_build import INSTALL_HINT, only_loopback
+from indexer.ray.cluster import INSTALL_HINT, only_loopback
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

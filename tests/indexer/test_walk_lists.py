@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from indexer.walk import read_file_list, shard_of, split_walk, walk_gallery
+from indexer.store.walk import read_file_list, shard_of, split_walk, walk_gallery
 
 
 def test_split_walk_lists_equal_per_shard_walks(tmp_path: Path, omniglot_gallery: Path) -> None:

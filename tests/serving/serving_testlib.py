@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from indexer.walk import walk_gallery
+from indexer.store.walk import walk_gallery
 
 
 def labelled_folder(root: Path) -> list[tuple[Path, str]]:

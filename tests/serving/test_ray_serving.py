@@ -1,4 +1,4 @@
-"""Serving a sharded index across Ray nodes (indexer.fanout) on a local 3-node cluster
+"""Serving a sharded index across Ray nodes (indexer.ray.fanout) on a local 3-node cluster
 (``ray.cluster_utils.Cluster``): one actor per shard, each pinned to its own node; answers equal
 the in-process search; a node killed under 4 HTTP clients' load leaves every answer either whole
 or marked partial (and equal to the search of the surviving shards), /api/health names the lost
@@ -30,7 +30,7 @@ require_private_network("tests/serving/test_ray_serving.py")
 ray = pytest.importorskip("ray")
 
 from indexer import Index, IndexerError  # noqa: E402
-from indexer.fanout import RayServing, Router, shard_node  # noqa: E402
+from indexer.ray.fanout import RayServing, Router, shard_node  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHARDS = 3
@@ -58,7 +58,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def sharded(cluster, tmp_path_factory, omniglot_root, small_onnx) -> Path:
     """`indexer build --ray --sharded` (the library call) of 10 characters in 3 shards: IVF."""
-    from indexer.ray_build import build_with_ray
+    from indexer.build.ray_build import build_with_ray
 
     root = tmp_path_factory.mktemp("ray-serving")
     gallery = copy_chars(omniglot_root, root / "gallery", 10)
@@ -185,11 +185,11 @@ def surviving(directory: Path, lost: list[int]) -> Index:
     """The in-process Index whose faiss index is the parts of the shards NOT lost (+ held)."""
     import faiss
 
-    from indexer import faiss_index as fx
-    from indexer import stream
-    from indexer.index_dir import PART_FILE
+    from indexer.ann import faiss_index as fx
+    from indexer.ann import stream
+    from indexer.directory.index_dir import PART_FILE
     from indexer.searchable import Answer
-    from indexer.shards import shard_paths
+    from indexer.directory.shard_files import shard_paths
 
     idx = Index.open(directory)
     m = idx.manifest

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 _DAMAGE = """
 import hashlib, sys
 from indexer import GalleryStore
-from indexer.store import NewItem
+from indexer.store.gallery import NewItem
 with GalleryStore(sys.argv[1] + "/store.lmdb", readonly=False) as st:
     model = st.models()[0]
     first = int(st.ids()[0])

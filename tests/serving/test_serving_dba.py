@@ -14,7 +14,7 @@ import pytest
 def dba_index(tmp_path_factory, demo_dirs, pretrained_index) -> Path:
     """The session's pretrained index rebuilt with --dba (its store reused: nothing re-embedded)."""
     from indexer import build_index
-    from indexer.neighbours import DbaParams
+    from indexer.ann.neighbours import DbaParams
 
     out = tmp_path_factory.mktemp("idx-dba") / "dba"
     shutil.copytree(pretrained_index, out)

@@ -1,0 +1,379 @@
+"""Database-side augmentation (DBA): each gallery vector replaced, for ranking, by the
+similarity^alpha-weighted mean of its k nearest gallery vectors (itself included, weight 1),
+re-normalised; queries are ranked against these augmented vectors.
+
+Why: a photo whose own embedding is atypical of its class is pulled towards its close neighbours,
+which are mostly of its class; on unseen cub-dev species this lifts R@1 (docs/benchmarks/indexer.md, "Neighbourhood
+re-ranking"). Why by hand: faiss, pytorch-metric-learning and the other libraries the project uses
+have no DBA; it is a few lines over faiss's exact k-NN (:func:`embedder.knn.exact_knn`).
+
+How it is served: the faiss index keeps the plain vectors. A search with DBA asks the index for
+its top ``depth`` candidates and re-orders them by the query's inner product with their augmented
+vectors (kept in ``neighbours.npz`` next to ``index.faiss``), so it is a per-request switch
+(:meth:`indexer.Index.search_embeddings`, ``dba=``) that costs one (depth x d) product.
+
+What is stored per gallery item: its ``k`` nearest *other* items (ids and inner products): the
+first ``k - 1`` make the augmented vector, the last is a spare, so that a query which is itself a
+gallery item (leave-one-out evaluation, a gallery-id search) is answered as if it were not in the
+gallery: a candidate whose first ``k - 1`` neighbours include the query gets its augmented
+vector recomputed from its neighbours without the query (:func:`rerank`, ``exclude``). Without
+that, the query's own vector sits inside its neighbours' augmented vectors and leave-one-out
+figures are inflated.
+
+Under ``indexer add/remove`` (:func:`update`) only the items whose neighbour lists can change are
+searched again: added items, items that listed a removed item, and items to which an added item is
+at least as close as their current last neighbour. The result equals a fresh build's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from embedder.knn import exact_knn
+from embedder.vectors import l2_normalize
+
+from ..errors import IndexerError
+
+NEIGHBOURS_FILE = "neighbours.npz"
+#: Chosen on cub-dev validation species, held-out halves, 10 splits (benchmarks/neighbour_rerank.py,
+#: docs/benchmarks/indexer.md): the best R@1 (within 0.05 of k=8, alpha=7) with the best MAP@R among those.
+DEFAULT_K = 8
+DEFAULT_ALPHA = 5.0
+DEFAULT_DEPTH = 100         # candidates from the plain index that a DBA search re-orders
+_BLOCK = 4096               # gallery rows per block of the exact k-NN (bounded memory)
+_MARGIN = 1e-5              # float slack when deciding whether an added item may enter a list
+
+Vectors = Callable[[np.ndarray], np.ndarray]    # ids -> their plain (normalised) vectors
+
+
+@dataclass(frozen=True)
+class DbaParams:
+    """``k``: gallery vectors averaged, the item itself included (k >= 2); ``alpha``: the weight
+    exponent of a neighbour's inner product; ``depth``: plain candidates re-ordered per query."""
+
+    k: int = DEFAULT_K
+    alpha: float = DEFAULT_ALPHA
+    depth: int = DEFAULT_DEPTH
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 2:
+            raise IndexerError(f"DBA k={self.k!r}: expected an integer >= 2 (the item and at least one neighbour)")
+        if not np.isfinite(self.alpha) or self.alpha < 0:
+            raise IndexerError(f"DBA alpha={self.alpha!r}: expected a finite number >= 0")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
+            raise IndexerError(f"DBA depth={self.depth!r}: expected a positive integer")
+
+    def record(self) -> dict:
+        """The manifest's ``neighbours`` entry (with the file's record added by the writer)."""
+        return {"method": "dba", "k": self.k, "alpha": float(self.alpha), "depth": self.depth,
+                "file": NEIGHBOURS_FILE}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "DbaParams":
+        if not isinstance(rec, dict) or rec.get("method") != "dba":
+            raise IndexerError(f"manifest neighbours {rec!r}: expected {{'method': 'dba', 'k', 'alpha', 'depth'}}")
+        try:
+            return cls(int(rec["k"]), float(rec["alpha"]), int(rec["depth"]))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise IndexerError(f"manifest neighbours {rec!r}: {type(e).__name__}: {e}; expected "
+                               "integers k >= 2 and depth >= 1 and a number alpha") from None
+
+
+@dataclass
+class Neighbourhoods:
+    """Every gallery item's neighbour list and augmented vector, rows in ascending id order."""
+
+    params: DbaParams
+    ids: np.ndarray         # (n,) int64, ascending
+    nbr: np.ndarray         # (n, k) int64: nearest other items, best first, -1 where fewer exist
+    sims: np.ndarray        # (n, k) float32: their inner products with the item
+    aug: np.ndarray         # (n, d) float32: augmented, normalised vectors
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each id (-1 for an id not held, e.g. faiss's -1 padding)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(self.ids):
+            return np.full(ids.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return np.where(self.ids[pos] == ids, pos, -1)
+
+    # -- the file ---------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from embedder.files import atomic_target
+
+        with atomic_target(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, ids=self.ids, nbr=self.nbr, sims=self.sims, aug=self.aug,
+                     params=np.array([self.params.k, self.params.alpha, self.params.depth], dtype=np.float64))
+
+    @classmethod
+    def load(cls, path: str | Path, params: DbaParams, dim: int) -> "Neighbourhoods":
+        """Read ``neighbours.npz``; one line naming the file when it does not match ``params``/``dim``."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                nb = cls(params, z["ids"].astype(np.int64), z["nbr"].astype(np.int64),
+                         z["sims"].astype(np.float32), z["aug"].astype(np.float32))
+                saved = tuple(z["params"].tolist())
+        except (OSError, ValueError, KeyError) as e:
+            raise IndexerError(f"{path}: unreadable neighbour file ({str(e).splitlines()[0]}); "
+                               "rerun `indexer build` to rewrite it") from None
+        n = len(nb.ids)
+        if (saved != (params.k, params.alpha, params.depth) or nb.nbr.shape != (n, params.k)
+                or nb.sims.shape != (n, params.k) or nb.aug.shape != (n, dim)):
+            raise IndexerError(f"{path}: does not match the manifest (k={params.k}, alpha={params.alpha}, "
+                               f"{dim}-d); rerun `indexer build` to rewrite it")
+        return nb
+
+
+# ---------------------------------------------------------------------------- building
+def neighbour_lists(q_ids: np.ndarray, xq: np.ndarray, ids: np.ndarray, x: np.ndarray, m: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Each query item's ``m`` nearest other items of the gallery (``ids``, ``x``), exact, by
+    inner product: (ids, sims), each (len(q_ids), m), -1 / 0 padded. The item itself is
+    dropped by id (a query that is no gallery item drops nothing)."""
+    nq = len(q_ids)
+    if nq == 0:
+        return np.zeros((0, m), np.int64), np.zeros((0, m), np.float32)
+    sims, nbr = exact_knn(xq, x, m, "ip", ids=ids, own=q_ids, block=_BLOCK)
+    return nbr, np.where(nbr >= 0, sims, 0.0).astype(np.float32)
+
+
+def augment(x_self: np.ndarray, x_nbrs: np.ndarray, sims: np.ndarray, alpha: float) -> np.ndarray:
+    """normalise(x + sum_j max(s_j, 0)^alpha x_j): (n, d) from (n, d), (n, m, d), (n, m).
+    A padded neighbour (weight 0, any vector) adds nothing."""
+    w = np.maximum(sims, 0.0).astype(np.float32) ** np.float32(alpha)
+    return l2_normalize(x_self + np.einsum("nm,nmd->nd", w, x_nbrs, dtype=np.float32))
+
+
+def _augment_subset(ids: np.ndarray, x: np.ndarray, nbr: np.ndarray, sims: np.ndarray,
+                    rows: np.ndarray, k: int, alpha: float) -> np.ndarray:
+    """Augmented vectors of gallery ``rows`` from the first k - 1 entries of their neighbour
+    lists (gallery ``ids`` ascending, ``x`` aligned)."""
+    use, s = nbr[rows, :k - 1], sims[rows, :k - 1].copy()
+    s[use < 0] = 0.0
+    xn = x[np.searchsorted(ids, np.maximum(use, 0)).clip(0, len(ids) - 1)]
+    return augment(x[rows], xn, s, alpha)
+
+
+def _sorted(ids: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    return ids[order], np.ascontiguousarray(np.asarray(x, dtype=np.float32)[order])
+
+
+def build(ids: np.ndarray, x: np.ndarray, params: DbaParams | None = None,
+          *, progress: bool = False) -> Neighbourhoods:
+    """Neighbour lists and augmented vectors of a whole gallery: one exact k-NN of the gallery
+    against itself, O(n^2 d) (about 2 s for 10k x 1280 on 2 cores; 100k takes minutes)."""
+    params = params or DbaParams()
+    ids, x = _sorted(ids, x)
+    nbr = np.full((len(ids), params.k), -1, np.int64)
+    sims = np.zeros((len(ids), params.k), np.float32)
+    starts = range(0, len(ids), _BLOCK)
+    if progress and len(ids) > _BLOCK:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="DBA neighbours", unit="block")
+    for i in starts:
+        nbr[i:i + _BLOCK], sims[i:i + _BLOCK] = neighbour_lists(ids[i:i + _BLOCK], x[i:i + _BLOCK], ids, x, params.k)
+    return Neighbourhoods(params, ids, nbr, sims,
+                          _augment_subset(ids, x, nbr, sims, np.arange(len(ids)), params.k, params.alpha))
+
+
+def update(nb: Neighbourhoods, ids: np.ndarray, x: np.ndarray) -> tuple[Neighbourhoods, int]:
+    """``nb`` brought to the gallery (``ids``, ``x``) after items were added and/or removed:
+    (new neighbourhoods, items whose lists were searched again). Only lists that can change are
+    recomputed (see the module's docstring), each by the same exact k-NN a fresh build runs."""
+    ids, x = _sorted(ids, x)
+    k = nb.params.k
+    old_row = nb.rows(ids)                      # row in nb of each current item, -1: added
+    added = old_row < 0
+    removed = nb.ids[~np.isin(nb.ids, ids)]
+    if not added.any() and not len(removed):
+        return nb, 0
+    nbr = np.where(old_row[:, None] >= 0, nb.nbr[old_row], -1)
+    sims = np.where(old_row[:, None] >= 0, nb.sims[old_row], 0.0).astype(np.float32)
+    redo = added.copy()
+    if len(removed):
+        redo |= np.isin(nbr, removed).any(1)
+    if added.any() and (~added).any():
+        # an old item's list changes only if an added item is at least as close as its last
+        # neighbour (or its list is not full yet)
+        best, _ = exact_knn(x[~added], x[added], 1, "ip")
+        last = np.where(nbr[~added, -1] >= 0, sims[~added, -1], -np.inf)
+        old = np.nonzero(~added)[0]
+        redo[old[best[:, 0] >= last - _MARGIN]] = True
+    rows = np.nonzero(redo)[0]
+    for i in range(0, len(rows), _BLOCK):
+        r = rows[i:i + _BLOCK]
+        nbr[r], sims[r] = neighbour_lists(ids[r], x[r], ids, x, k)
+    aug = np.where(old_row[:, None] >= 0, nb.aug[np.maximum(old_row, 0)], 0.0).astype(np.float32)
+    if len(rows):
+        aug[rows] = _augment_subset(ids, x, nbr, sims, rows, k, nb.params.alpha)
+    return Neighbourhoods(nb.params, ids, nbr, sims, aug), int(len(rows))
+
+
+# ---------------------------------------------------------------------------- searching
+def rerank(nb: Neighbourhoods, q: np.ndarray, cand: np.ndarray, k: int,
+           exclude: Sequence[int | None] | None = None, vectors: Vectors | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Re-order each query's plain candidates (``cand``, (n, depth) ids, -1 padded) by the
+    query's inner product with their augmented vectors: (scores, ids), each (n, k), -1 / NaN
+    padded. ``exclude[r]``: a gallery id that row r's query *is*: it is left out of the row,
+    and candidates that have it among their first k - 1 neighbours are scored with augmented
+    vectors made without it (``vectors`` reads the plain vectors needed), as if the query were
+    not in the gallery."""
+    q = np.asarray(q, dtype=np.float32)
+    n = len(q)
+    out_ids = np.full((n, k), -1, np.int64)
+    out_sc = np.full((n, k), np.nan, np.float32)
+    kk = nb.params.k
+    for r in range(n):
+        c = cand[r]
+        e = None if exclude is None or exclude[r] is None else int(exclude[r])
+        c = c[(c >= 0) & (c != (e if e is not None else -1))]
+        rows = nb.rows(c)
+        c, rows = c[rows >= 0], rows[rows >= 0]     # an id added after this snapshot: not held
+        a = nb.aug[rows]
+        if e is not None and vectors is not None and len(rows):
+            hit = np.nonzero((nb.nbr[rows, :kk - 1] == e).any(1))[0]
+            if len(hit):
+                a = a.copy()
+                try:
+                    a[hit] = _without(nb, rows[hit], e, vectors)
+                except KeyError:    # a neighbour removed since this snapshot: keep the vectors
+                    pass
+        s = a @ q[r]
+        top = np.argsort(-s, kind="stable")[:k]
+        out_ids[r, :len(top)] = c[top]
+        out_sc[r, :len(top)] = s[top]
+    return out_sc, out_ids
+
+
+def _without(nb: Neighbourhoods, rows: np.ndarray, e: int, vectors: Vectors) -> np.ndarray:
+    """Augmented vectors of ``rows`` made from their first k - 1 neighbours other than ``e``
+    (the spare k-th neighbour moves up)."""
+    kk = nb.params.k
+    lists = [(nb.nbr[r][nb.nbr[r] != e][:kk - 1], nb.sims[r][nb.nbr[r] != e][:kk - 1]) for r in rows]
+    need = np.unique(np.concatenate([nb.ids[rows]] + [l[l >= 0] for l, _ in lists]))
+    xs = np.asarray(vectors(need), dtype=np.float32)
+    at = {int(i): j for j, i in enumerate(need)}
+    x_self = xs[[at[int(nb.ids[r])] for r in rows]]
+    x_n = np.zeros((len(rows), kk - 1, xs.shape[1]), np.float32)
+    w = np.zeros((len(rows), kk - 1), np.float32)
+    for j, (l, s) in enumerate(lists):
+        for t, (i, si) in enumerate(zip(l, s)):
+            if i >= 0:
+                x_n[j, t], w[j, t] = xs[at[int(i)]], si
+    return augment(x_self, x_n, w, nb.params.alpha)
+
+
+# ---------------------------------------------------------------------------- in an index directory
+def write(directory: str | Path, nb: Neighbourhoods) -> dict:
+    """Save ``neighbours.npz`` in ``directory`` (atomically, before the manifest that names it)
+    and return the manifest's ``neighbours`` record: parameters, size and sha256."""
+    from embedder.hashing import file_sha256
+
+    path = Path(directory) / NEIGHBOURS_FILE
+    nb.save(path)
+    return {**nb.params.record(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+#: The arrays of ``neighbours.npz`` and the dtype kind each must have ("i": signed integers,
+#: "f": floats); their shapes follow from the manifest (:func:`check`).
+_ARRAYS = {"ids": "i", "nbr": "i", "sims": "f", "aug": "f", "params": "f"}
+_verified: dict[str, tuple] = {}    # path -> (dev, ino, size, mtime_ns, sha256) last verified here
+
+
+def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array of an ``.npz`` from the zip directory and the ``.npy``
+    headers alone: no array is read, nothing is unpickled (an object dtype is refused as the
+    pickle it would be). Raises ValueError/OSError/zipfile errors on anything else."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        for name in _ARRAYS:
+            if f"{name}.npy" not in names:
+                raise ValueError(f"no array {name!r} in it (holds {sorted(names)[:6]})")
+            with z.open(f"{name}.npy") as f:
+                major, _ = np.lib.format.read_magic(f)
+                read = (np.lib.format.read_array_header_1_0 if major == 1
+                        else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read(f, max_header_size=10_000)
+            if dtype.hasobject:
+                raise ValueError(f"array {name!r} holds Python objects (a pickle); refused unread")
+            out[name] = (tuple(shape), dtype)
+    return out
+
+
+def check(directory: str | Path, manifest: dict, *, verify_hash: bool | None = True) -> None:
+    """The one check of ``neighbours.npz`` against the manifest (no-op for an index without
+    DBA): what ``search``/``app.py`` run at open (:func:`read`, then the values), ``indexer
+    info`` and ``/api/health`` (through :func:`indexer.layouts.counts.check_counts`).
+
+    The file exists with the size and sha256 the manifest recorded; it is a zip of ``.npy``
+    arrays (headers read, never unpickled) with ``ids`` (n,), ``nbr``/``sims`` (n, k), ``aug``
+    (n, dim), ``params`` (3,) of integer/float dtypes, n = the manifest's ``count``, and the
+    file's own k/alpha/depth equal to the manifest's. Each failure is one line naming the file.
+    ``verify_hash``: True hashes the file; None hashes it only when its inode, size or mtime
+    changed since the last check in this process passed (``/api/health``: a read of the file
+    once per change, not per request); False never.
+    """
+    from ..directory.validate import check_faiss_file, damaged
+
+    rec = manifest.get("neighbours")
+    if not rec:
+        return
+    path = Path(directory) / NEIGHBOURS_FILE
+    params = DbaParams.from_record(rec)
+    check_faiss_file(path, rec, verify_hash=False)
+    if verify_hash is not False and "sha256" in rec:
+        st = path.stat()
+        sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, rec["sha256"])
+        if verify_hash or _verified.get(str(path)) != sig:
+            check_faiss_file(path, rec, verify_hash=True)
+            _verified[str(path)] = sig
+    try:
+        heads = _array_headers(path)
+        with np.load(path, allow_pickle=False) as z:
+            saved = tuple(float(v) for v in np.asarray(z["params"], dtype=np.float64).ravel())
+    except Exception as e:  # noqa: BLE001 - zipfile/numpy raise many kinds for a garbled file
+        _verified.pop(str(path), None)
+        raise damaged(path, f"not a readable neighbour file ({type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0][:160]})") from None
+    n, k, dim = int(manifest["count"]), params.k, int(manifest["dim"])
+    want = {"ids": (n,), "nbr": (n, k), "sims": (n, k), "aug": (n, dim), "params": (3,)}
+    for name, kind in _ARRAYS.items():
+        shape, dtype = heads[name]
+        if shape != want[name] or dtype.kind != kind:
+            _verified.pop(str(path), None)
+            raise damaged(path, f"array {name!r} is {shape} {dtype}, the manifest (count {n}, "
+                                f"k={k}, {dim}-d) needs {want[name]} of {'integers' if kind == 'i' else 'floats'}")
+    if saved != (float(params.k), float(params.alpha), float(params.depth)):
+        _verified.pop(str(path), None)
+        raise IndexerError(f"{path}: made with k={saved[0]:g}, alpha={saved[1]:g}, depth={saved[2]:g}, "
+                           f"the manifest says k={params.k}, alpha={params.alpha:g}, depth={params.depth}; "
+                           f"the index is damaged: rebuild it with `python -m indexer build --dba`")
+
+
+def read(directory: str | Path, manifest: dict) -> Neighbourhoods | None:
+    """The directory's neighbourhoods when its manifest records DBA (else None), after
+    :func:`check` (size, sha256, arrays' shapes and dtypes, k/alpha, row count)."""
+    rec = manifest.get("neighbours")
+    if not rec:
+        return None
+    check(directory, manifest)
+    path = Path(directory) / NEIGHBOURS_FILE
+    return Neighbourhoods.load(path, DbaParams.from_record(rec), int(manifest["dim"]))
+
+
+def remove_file(directory: str | Path) -> None:
+    """A rebuild without DBA leaves no stale ``neighbours.npz`` behind."""
+    (Path(directory) / NEIGHBOURS_FILE).unlink(missing_ok=True)

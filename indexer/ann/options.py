@@ -1,0 +1,117 @@
+"""``BuildOptions``: how an index is chosen and tuned, one frozen value checked once.
+
+Why one value: build, ``--shard``, ``--ray``, merge and the sharded build all take the same six
+choices and hand them on (build_index -> selection.build; merge_shards; build_sharded ->
+stream.plan; build_with_ray -> either). Loose, they were re-checked at five sites; here they are
+checked when the value is made, in one line naming the option, before any work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from embedder.cli import memory_size
+
+from ..errors import IndexerError
+from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
+from ..directory.manifest import DEFAULT_TARGET_RECALL
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """``index_memory``: the BUILD's budget in bytes (``indexer build --index-memory``): index
+    types whose codes alone exceed it are not built. Not the serving budget (``--max-memory``,
+    :mod:`indexer.ann.served`). A size text ("4G") is accepted and stored as bytes."""
+
+    index_type: str = "auto"
+    flat_threshold: int = DEFAULT_FLAT_THRESHOLD
+    nlist: int | None = None
+    target_recall: float = DEFAULT_TARGET_RECALL
+    seed: int = 0
+    index_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.index_type not in INDEX_TYPES:
+            raise IndexerError(f"index type {self.index_type!r}: expected one of {', '.join(INDEX_TYPES)}")
+        if not 0 < self.target_recall <= 1:
+            raise IndexerError(f"target recall {self.target_recall}: expected 0 < target <= 1")
+        for name in ("flat_threshold", "nlist"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise IndexerError(f"{name.replace('_', '-')} {v}: expected a positive integer")
+        try:
+            object.__setattr__(self, "index_memory", memory_size(self.index_memory))
+        except ValueError as e:
+            raise IndexerError(str(e)) from None
+
+    @classmethod
+    def of(cls, options: "BuildOptions | None" = None, **kw: Any) -> "BuildOptions":
+        """``options`` with the keyword spellings of the build functions applied (``max_memory``
+        is the old name of ``index_memory``); checked once, here."""
+        if "max_memory" in kw:
+            kw["index_memory"] = kw.pop("max_memory")
+        unknown = set(kw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown build option(s): {', '.join(sorted(unknown))}")
+        if options is None:
+            return cls(**kw)
+        return replace(options, **kw) if kw else options     # already checked: passed on as is
+
+
+# ---------------------------------------------------------------------------- the build's default
+#: below this many gallery images the default stays fp32: int8 calibration reads
+#: embedder.quantize.DEFAULT_IMAGES (256) of the gallery's own images
+INT8_MIN_IMAGES = 256
+
+
+def dba_min_images(k: int) -> int:
+    """Gallery images from which DBA is on by default: each item's list holds k - 1 neighbours;
+    with fewer than 2k + 1 images every list reaches across most of the gallery (lists of a
+    tiny gallery are padded, and averaging with strangers only blurs)."""
+    return 2 * k + 1
+
+
+@dataclass(frozen=True)
+class BuildDefaults:
+    """What ``indexer build`` runs with: ``int8`` (the int8 version of the embedder, calibrated
+    on the gallery) and ``dba`` (DBA neighbourhoods); ``notes``: one line per automatic choice
+    that turned something off, for the user."""
+
+    int8: bool
+    dba: bool
+    notes: tuple[str, ...] = ()
+
+
+def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
+                     mode: str = "process", dba_k: int = 8) -> BuildDefaults:
+    """The one place ``indexer build``'s default is decided (issue 41; measured in
+    docs/benchmarks/quality-round5.md). ``int8``/``dba``: the flags (None = auto; True/False =
+    ``--int8``/``--no-int8``, ``--dba``/``--no-dba``, kept as given). Auto:
+
+    - the default embedder (``model_given`` False): int8 when the gallery holds >=
+      :data:`INT8_MIN_IMAGES` images, DBA when it holds >= :func:`dba_min_images` (``dba_k``);
+      the measured winner (int8 + DBA) on a gallery that can calibrate it;
+    - ``--model M``: fp32 and no DBA, as before (the measurement covers the default embedder only);
+    - ``mode`` (how the build runs): "process" (one process builds the whole index); "shard"
+      (``--shard i/n``: DBA is the merge's) and "ray" (``--ray``/``--sharded``: no DBA yet):
+      DBA stays off; int8 as above (the count is the whole gallery's, so every
+      shard and every rerun gets the same model).
+
+    ``images``: the gallery's image count, or a bound of it at least the largest threshold
+    (a count, not a sample: the same gallery gives the same choice, so a rerun resumes).
+    """
+    notes = []
+    if int8 is None:
+        int8 = not model_given and images >= INT8_MIN_IMAGES
+        if not model_given and not int8:
+            notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
+                         f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
+    if dba is None:
+        dba = not model_given and mode == "process" and images >= dba_min_images(dba_k)
+        if not model_given and not dba:
+            notes.append("no DBA: " + (
+                "--shard builds leave it to `indexer merge --dba`" if mode == "shard" else
+                "--ray/--sharded builds do not compute it yet" if mode == "ray" else
+                f"the gallery holds {images} images, DBA with k={dba_k} needs "
+                f"{dba_min_images(dba_k)}"))
+    return BuildDefaults(bool(int8), bool(dba), tuple(notes))

@@ -1,0 +1,372 @@
+"""``indexer build --ray``: one walk on the driver, one Ray task per shard, then the merge.
+
+The driver walks the gallery once and writes each shard's share to ``DIR/shards/i/files.jsonl``
+(:func:`indexer.store.walk.split_walk`); a task, and any retry of it, reads only its own list. Ray is
+the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
+inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
+finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
+so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
+which is why the result equals a single-machine build. With ``sharded`` the shards stay: the
+plan's reads run in one reader actor per shard (:mod:`indexer.ray.readers`) and a second pass
+fills each shard's part, both on the node whose task built the shard.
+
+Every path (gallery, ``DIR``) must mean the same files on every node: a shared filesystem. Each
+shard's LMDB store has one writer (its task) and is read by the merge only after that task ended.
+Ray is imported lazily: it is an optional extra (``pip install "das-retrieval[ray]"``).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import IndexerError
+from ..directory.index_dir import FILE_LIST, PART_FILE, PLAN_FILE, RUN_FILE, SHARDS_DIR, STORE_DIR, IndexDir
+from ..directory.lock import writer_lock
+from ..directory.manifest import Manifest
+from ..ann.options import BuildOptions
+from ..ray.cluster import alive_nodes, connect, near, ray_module
+from ..ray.readers import task_error
+from ..store.walk import read_file_list, split_walk
+
+# A shard task's hook (tests' and drills' faults: tests/ray_testlib.py): "MODULE:FUNCTION:ARG"
+# calls MODULE.FUNCTION(ARG, shard) in each task, which returns None or a check called with the
+# task's settled file count (committed or skipped) after each batch. Read on the driver (a
+# worker's environment is its raylet's); MODULE is imported in the worker (Ray puts the driver's
+# working directory on its path).
+SHARD_HOOK_ENV = "DAS_RAY_SHARD_HOOK"
+
+
+
+
+
+
+# ---------------------------------------------------------------------------- progress
+class _Progress:
+    """Files done per shard, kept by a small Ray actor so that one bar can cover all shards.
+
+    A new attempt of a shard resets its count (a retry re-counts what the dead attempt stored,
+    as "unchanged"), so the total never counts an image twice. Also keeps the node each attempt
+    ran on (a retry after a node died runs elsewhere: the build's ``ray.attempt_nodes``).
+    Runs on the driver's node (``_ingest_shards``): an actor on a worker node would die with it
+    and take the build down with the task that Ray was about to retry.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.done = [0] * n
+        self.attempts = [0] * n
+        self.nodes: list[list[str]] = [[] for _ in range(n)]
+
+    def start(self, i: int, node: str = "") -> None:
+        self.done[i] = 0
+        self.attempts[i] += 1
+        self.nodes[i].append(node)
+
+    def add(self, i: int, k: int) -> None:
+        self.done[i] += k
+
+    def state(self) -> tuple[list[int], list[int], list[list[str]]]:
+        return self.done, self.attempts, self.nodes
+
+
+class _Reporter:
+    """Task side of the progress actor: batches counts to one call per ``every`` seconds."""
+
+    def __init__(self, actor: Any, shard: int, every: float = 0.5) -> None:
+        self.actor, self.shard, self.every = actor, shard, every
+        self.pending, self.total, self.last = 0, 0, time.monotonic()
+        self.lock = threading.Lock()          # called from ingest's main and commit threads
+        # Wait for the actor to take the start: a call still queued in this worker when it is
+        # killed would be lost, and the attempt not counted.
+        import ray
+
+        ray.get(actor.start.remote(shard, ray.get_runtime_context().get_node_id()))
+
+    def __call__(self, k: int) -> None:
+        with self.lock:
+            self.pending += k
+            self.total += k
+            if time.monotonic() - self.last >= self.every:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.actor.add.remote(self.shard, self.pending)
+            self.pending, self.last = 0, time.monotonic()
+
+
+def shard_hook(spec: str | None, shard: int) -> Callable[[int], None] | None:
+    """``SHARD_HOOK_ENV``'s check for this shard's task, or None."""
+    if not spec:
+        return None
+    module, name, arg = spec.split(":", 2)
+    return getattr(importlib.import_module(module), name)(arg, shard)
+
+
+# ---------------------------------------------------------------------------- the task
+def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
+                actor: Any, hook: str | None = None) -> dict:
+    """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
+    files the driver listed for it in ``shard_dir/files.jsonl`` (no walk of the gallery).
+    ``hook``: the driver's ``SHARD_HOOK_ENV``."""
+    from .single import build_index
+    from ..directory.model import load_embedder
+
+    report = _Reporter(actor, shard)
+    check = shard_hook(hook, shard)
+
+    def on_done(k: int) -> None:
+        report(k)
+        if check is not None:
+            check(report.total)
+
+    emb = load_embedder(model, device=opts["device"], batch_size=opts["batch_size"],
+                        threads=opts["threads"])
+    m = build_index(gallery, shard_dir, model, shard=(shard, n), batch_size=opts["batch_size"],
+                    workers=opts["workers"], device=opts["device"], progress=False, embedder=emb,
+                    on_done=on_done, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
+    with report.lock:
+        report.flush()
+    import ray
+
+    return {**m, "node": ray.get_runtime_context().get_node_id()}   # where the shard now lives
+
+
+def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> tuple[int, str]:
+    """The second Ray pass of ``--sharded``: this shard's vectors, read from its own store, into
+    a copy of the trained empty index, written beside the store (``stream.fill``). Returns the
+    part's size and the node that filled it."""
+    import faiss
+    import ray
+
+    from ..ann import faiss_index as fx
+    from ..ann import stream
+    from ..store.sources import StoreSource
+
+    src = StoreSource(Path(shard_dir) / STORE_DIR, model_hash, dim)
+    try:
+        part = stream.fill(src, faiss.read_index(trained_file), skip)
+    finally:
+        src.close()
+    fx.write_atomic(part, Path(shard_dir) / PART_FILE)
+    return int(part.ntotal), ray.get_runtime_context().get_node_id()
+
+
+
+
+class _RayFill:
+    """``build_sharded``'s ``fill_parts``: one Ray task per shard, with the ingest tasks'
+    resources, on the node whose task built the shard (elsewhere if it is gone); ``nodes``: where
+    each part was filled (the build's ``ray.fill_nodes``)."""
+
+    def __init__(self, ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
+                 dim: int, progress: bool, nodes: list) -> None:
+        self.ray, self.dirs, self.res, self.max_retries = ray, dirs, res, max_retries
+        self.model_hash, self.dim, self.progress, self.near = model_hash, dim, progress, nodes
+        self.nodes: list[str | None] = [None] * len(dirs)
+
+    def __call__(self, trained_file: Path, skip: list) -> None:
+        ray = self.ray
+        task = ray.remote(fill_part)
+        refs = [task.options(max_retries=self.max_retries, retry_exceptions=False, **self.res, **near(node))
+                .remote(str(d), str(trained_file), sk, self.model_hash, self.dim)
+                for d, sk, node in zip(self.dirs, skip, self.near)]
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(refs), desc="filling the shards' parts (Ray)", unit="shard",
+                  disable=not self.progress) as bar:
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                i = refs.index(ready[0])
+                try:
+                    self.nodes[i] = ray.get(ready[0])[1]
+                except ray.exceptions.RayError as e:
+                    for p in pending:
+                        ray.cancel(p)
+                    raise IndexerError(f"filling shard {i}'s part failed: {task_error(e)}; rerun the "
+                                       "same command to resume") from None
+                bar.update(1)
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+
+
+def plan_resources(nodes: list[dict], shards: int, cpus_per_shard: int | None = None) -> dict:
+    """What each shard task reserves: one GPU where the cluster has GPUs (onnxruntime and faiss
+    then use it), and CPUs: as many as the cluster has per shard, but never more than one node
+    holds, since a task runs on one node (a request no node can meet would wait forever)."""
+    node_cpus = max((int(r.get("CPU", 0)) for r in nodes), default=1) or 1
+    total_cpus = sum(int(r.get("CPU", 0)) for r in nodes)
+    cpus = cpus_per_shard or max(1, min(node_cpus, total_cpus // max(1, shards)))
+    if cpus > node_cpus:
+        raise IndexerError(f"--cpus-per-shard {cpus}: no node of the cluster has that many CPUs "
+                           f"(largest: {node_cpus})")
+    gpus = 1 if sum(r.get("GPU", 0) for r in nodes) >= 1 else 0
+    return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def default_shards(nodes: list[dict]) -> int:
+    """One shard per GPU of the cluster, else one per node."""
+    gpus = int(sum(r.get("GPU", 0) for r in nodes))
+    return max(1, gpus or len(nodes))
+
+
+def _check_plan(root: Path, gallery: Path, n: int, model_hash: str) -> None:
+    """Refuse to resume shards cut differently (or from another gallery or model): shard i of
+    2 is not shard i of 3, and a store resumed under the wrong cut would keep foreign images."""
+    plan = {"gallery": str(gallery), "shards": n, "model_hash": model_hash}
+    path = root / PLAN_FILE
+    if path.exists():
+        old = json.loads(path.read_text())
+        for key, what in (("shards", "--shards"), ("gallery", "gallery"), ("model_hash", "model")):
+            if old.get(key) != plan[key]:
+                raise IndexerError(f"{root}: holds shards of another build ({what} {old.get(key)} "
+                                   f"instead of {plan[key]}); use the same {what} to resume, or "
+                                   "delete that folder to start over")
+        return
+    if any(root.iterdir()):
+        raise IndexerError(f"{root}: exists and is not a --ray shards folder; delete it or choose "
+                           "another --out")
+    path.write_text(json.dumps(plan, indent=2) + "\n")
+
+
+def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | None = None, *,
+                   address: str | None = "local", shards: int | None = None,
+                   max_retries: int = 3, cpus_per_shard: int | None = None,
+                   num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
+                   device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
+                   options: BuildOptions | None = None, **option_kw: Any) -> Manifest:
+    """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
+
+    Shards go to ``out/shards/<i>``; ``options`` (or its fields by name): how the index is
+    chosen, as for ``build_index``. With
+    ``sharded`` the shards stay there as the index's parts (``shard_build.build_sharded``: one
+    training on a sample of their stores, then a second Ray pass in which each shard fills its
+    part), instead of being copied into one store and one index. Every input is checked (the
+    same checks as ``build_index``) before Ray starts.
+    Holds ``out``'s writer lock (:mod:`indexer.directory.lock`) from once the inputs are checked and Ray
+    is there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
+    Returns the merged manifest with ``ray`` (in ``extra``): shards, attempts per shard,
+    resources per task, the node that built each shard (``nodes``) and the nodes of every
+    attempt (``attempt_nodes``), with ``--sharded`` where each reader and fill ran; the same facts
+    go to ``out/shards/ray.json``.
+    """
+    from .single import gallery_files, merge_shards
+    from ..directory.model import load_embedder
+
+    t0 = time.perf_counter()
+    gallery, out = Path(gallery).resolve(), Path(out).resolve()
+    gallery_files(gallery)
+    build_opts = BuildOptions.of(options, **option_kw)
+    for name, v in (("--shards", shards), ("--cpus-per-shard", cpus_per_shard),
+                    ("--batch-size", batch_size), ("--workers", workers)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v}: expected a positive integer")
+    if max_retries < 0:
+        raise ValueError(f"--max-retries={max_retries}: expected 0 or more")
+    emb = load_embedder(model, device="cpu", batch_size=batch_size)   # fails fast on a bad model
+    ray = ray_module()
+    with writer_lock(out, "indexer build --ray", wait=wait):
+        started = connect(address, num_cpus)
+        try:
+            nodes = alive_nodes(ray)
+            n = shards or default_shards(nodes)
+            res = plan_resources(nodes, n, cpus_per_shard)
+            opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
+                    "threads": res["num_cpus"], "device": device}
+            dirs, found, attempts, where, tried = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n,
+                                                                 res, opts, max_retries, progress)
+            if sharded:
+                from ..ray.readers import open_readers
+                from .sharded import build_sharded
+
+                fill = _RayFill(ray, dirs, res, max_retries, emb.model_hash, int(emb.dim), progress, where)
+                # the plan's reads run where the shards are (ray_sources), the fill as tasks there
+                readers = open_readers(ray, dirs, emb.model_hash, int(emb.dim), max_retries=max_retries,
+                                       threads=res["num_cpus"], nodes=where)
+                try:
+                    m = build_sharded(dirs, out, options=build_opts, device=device, progress=progress,
+                                      fill_parts=fill, sources=readers, wait=wait)
+                finally:
+                    for r in readers:
+                        r.close()
+                plan_nodes = [r.node for r in readers]      # where each reader was at its close
+                stage = {"census": "next_ids", "samples": "sample", "truth": "knn"}
+                plan_bytes = {k: sum(r.received[v] for r in readers) for k, v in stage.items()}
+        finally:
+            if started:
+                ray.shutdown()
+        if not sharded:
+            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress)
+        ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
+                     "nodes": where, "attempt_nodes": tried, "seconds": round(time.perf_counter() - t0, 3)}
+        if sharded:
+            ray_facts["plan_bytes"] = plan_bytes      # what the shards' readers sent the driver
+            ray_facts["plan_nodes"] = plan_nodes      # where each shard's reader ran
+            ray_facts["fill_nodes"] = fill.nodes      # where each shard's part was filled
+        # where each shard was built (its reader, fill and serving actors' place), for operators
+        (out / SHARDS_DIR / RUN_FILE).write_text(json.dumps(ray_facts, indent=2) + "\n")
+        return m.replace(extra={**m.extra, "ray": ray_facts})
+
+
+def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: dict, opts: dict,
+                   max_retries: int, progress: bool) -> tuple[list[Path], int, list[int], list, list]:
+    """The Ray pass: the one walk split into ``n`` file lists under ``root``, one ``build_shard``
+    task each. Returns (shard directories, files found, attempts per shard, the node that built
+    each shard, the nodes each shard's attempts ran on)."""
+    root.mkdir(parents=True, exist_ok=True)
+    _check_plan(root, gallery, n, emb.model_hash)
+    shared = IndexDir(root)                     # tasks read the model from the shared path
+    shared.copy_model(emb.path, emb.model_hash)
+    dirs = [root / str(i) for i in range(n)]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    listed = split_walk(gallery, [d / FILE_LIST for d in dirs], progress)   # the one walk of this build
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=here).remote(n)
+    ray.get(actor.state.remote())               # up before any task reports to it
+    task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
+    hook = os.environ.get(SHARD_HOOK_ENV)
+    refs = {task.remote(str(gallery), str(d), str(shared.model_file), i, n, opts, actor, hook): i
+            for i, d in enumerate(dirs)}
+    from tqdm.auto import tqdm
+
+    with tqdm(total=sum(listed), desc=f"indexing ({n} shards on Ray)", unit="img",
+              disable=not progress) as bar:
+        manifests = _wait_all(ray, refs, actor, n, bar)
+        found = sum(int(m["ingest"]["found"]) for m in manifests.values())
+        bar.n, bar.total = found, max(bar.total or 0, found)   # the shards' own counts are the final word
+        bar.refresh()
+    nodes = [manifests[i].get("node") for i in range(n)]
+    _, attempts, attempt_nodes = ray.get(actor.state.remote())
+    return dirs, found, attempts, nodes, attempt_nodes
+
+
+def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, dict]:
+    """Each shard's manifest once all tasks ended, the bar following the actor's counts; the
+    first task that fails for good cancels the rest and ends in one line."""
+    pending, manifests = list(refs), {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        for r in ready:
+            i = refs[r]
+            try:
+                manifests[i] = ray.get(r)
+            except ray.exceptions.RayError as e:
+                for p in pending:
+                    ray.cancel(p)
+                attempts = ray.get(actor.state.remote())[1][i]
+                raise IndexerError(f"shard {i}/{n} failed after {attempts} attempt(s): "
+                                   f"{task_error(e)}; rerun the same command to resume") from None
+        bar.n = sum(ray.get(actor.state.remote())[0])
+        bar.refresh()
+    return manifests

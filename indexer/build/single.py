@@ -1,0 +1,182 @@
+"""Build and merge single index directories (their files: :mod:`indexer.directory.index_dir`); updates of
+either layout are :mod:`indexer.build.update`'s."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import faiss
+import numpy as np
+
+from embedder.images import IMAGE_SUFFIXES
+
+from ..ann import faiss_index as fx
+from ..ann import neighbours, selection
+from ..errors import IndexerError
+from ..directory.index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
+from ..directory.lock import writer_lock
+from ..directory.manifest import Manifest
+from ..directory.model import load_embedder, model_info
+from ..ann.options import BuildOptions
+from ..store.ingest import ingest
+from ..store.gallery import GalleryStore
+from ..store.walk import GalleryFile, shard_of, walk_gallery
+
+# ---------------------------------------------------------------------------- build
+def gallery_files(gallery: str | Path, shard: tuple[int, int] | None = None) -> Iterator[GalleryFile]:
+    """Every build's one gallery check (``indexer build``, ``--shard``, ``--ray``): a folder
+    holding at least one image-named entry (the embedder's ``IMAGE_SUFFIXES``). Returns the walk
+    (shard ``i`` of ``n``'s share of it) still lazy: ingest consumes it on a helper thread,
+    overlapped with embedding (for a small model, listing a big folder first costs a few
+    percent of the build)."""
+    gallery = Path(gallery)
+    if not gallery.is_dir():
+        raise IndexerError(f"{gallery}: gallery folder not found")
+    files = walk_gallery(gallery)
+    first = next(files, None)
+    if first is None:
+        raise IndexerError(f"{gallery}: empty gallery (no {'/'.join(sorted(IMAGE_SUFFIXES))} files)")
+    files = itertools.chain([first], files)
+    return files if shard is None else (f for f in files if shard_of(f.relpath, shard[1]) == shard[0])
+
+
+def build_index(gallery: str | Path, out: str | Path, model: str | Path | None = None, *,
+                options: BuildOptions | None = None, shard: tuple[int, int] | None = None,
+                batch_size: int = 32, workers: int | None = None, device: str = "auto",
+                progress: bool = True, embedder: Any = None,
+                on_done: Callable[[int], None] | None = None, wait: bool = False,
+                files: Iterable[GalleryFile] | None = None,
+                dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
+    """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
+
+    Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
+    Holds ``out``'s writer lock (:mod:`indexer.directory.lock`; ``wait``: wait for another writer instead
+    of refusing). ``files``: the entries to ingest, already listed and checked (``indexer build
+    --ray`` hands a shard task its share of the driver's one walk), instead of walking
+    ``gallery``. ``dba``: also compute the gallery's neighbourhoods for DBA re-ranking at serve
+    time (:mod:`indexer.ann.neighbours`; a shard build leaves that to the merge). ``options`` (or
+    its fields by name, ``option_kw``; ``max_memory`` the old name of ``index_memory``): how the
+    index is chosen, checked before any work. Returns the manifest.
+    """
+    t0 = time.perf_counter()
+    gallery, out = Path(gallery), Path(out)
+    files = gallery_files(gallery, shard) if files is None else files
+    opts = BuildOptions.of(options, **option_kw)        # checked before the work
+    emb = embedder or load_embedder(model, device=device, batch_size=batch_size)
+    with writer_lock(out, "indexer build", wait=wait):
+        out.mkdir(parents=True, exist_ok=True)
+        d = IndexDir(out)
+        with GalleryStore(d.store_dir, readonly=False) as store:
+            stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done)
+            d.write_report(stats.skipped)
+            ids, x = store.all_embeddings(emb.model_hash)
+        d.copy_model(emb.path, emb.model_hash)
+        extra = {"gallery": str(gallery.resolve()), "report": REPORT,
+                 "ingest": {**dataclasses.asdict(stats), "skipped": len(stats.skipped)}}
+        if shard is not None:
+            return d.write_manifest(Manifest(
+                model=model_info(emb, MODEL_FILE), dim=int(emb.dim), count=int(len(ids)), index_type=None,
+                shard={"i": shard[0], "n": shard[1]}, build_seconds=round(time.perf_counter() - t0, 3),
+                **extra))
+        if len(ids) == 0:
+            raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
+                               f"reasons in {d.report_file})")
+        index, fields = selection.build(ids, x, opts, device=device, progress=progress)
+        extra["neighbours"] = _neighbours(d, ids, x, dba, progress)
+        extra["build_seconds"] = round(time.perf_counter() - t0, 3)
+        return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra)
+
+
+def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray, dba: neighbours.DbaParams | None,
+                progress: bool) -> dict | None:
+    """Write the DBA neighbourhoods (before the manifest that records them), or remove a stale
+    file when the index is built without them; the manifest's ``neighbours`` record."""
+    if dba is None:
+        neighbours.remove_file(d.path)
+        return None
+    return neighbours.write(d.path, neighbours.build(ids, x, dba, progress=progress))
+
+
+def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> Manifest:
+    fx.write_atomic(index, d.index_file)
+    return d.write_manifest(Manifest(model=model, **fields, **extra, index_file=d.index_record(),
+                                     built_at=now_utc()))
+
+
+# ---------------------------------------------------------------------------- merge
+def check_shards(dirs: Sequence[IndexDir]) -> list[Manifest]:
+    """The shards' manifests, refusing shards of different models or widths and a shard given
+    twice (one line each); `indexer merge` and the sharded index (shard_build) both start here."""
+    manifests = [d.read_manifest() for d in dirs]
+    first = manifests[0]
+    for d, m in zip(dirs, manifests):
+        if m.model_hash != first.model_hash:
+            raise IndexerError(f"{d.path}: built with model {m.model_hash[:12]}, but {dirs[0].path} with "
+                               f"{first.model_hash[:12]}; shards must share one model")
+        if m.dim != first.dim:
+            raise IndexerError(f"{d.path}: dimension mismatch ({m.dim} vs {first.dim})")
+    seen = [(m.shard["i"], m.shard["n"]) for m in manifests if m.is_shard]
+    if len(set(seen)) != len(seen):
+        raise IndexerError(f"the same shard is given twice: {seen}")
+    return manifests
+
+
+def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Manifest]) -> dict:
+    """What a merged or sharded index takes from its shards: their model and skip reports
+    (written into ``dst``), and its manifest's ``shards`` ([i, n] of each shard's), ``ingest``
+    (the files their builds skipped, together) and ``report``."""
+    dst.copy_model(dirs[0].model_file, manifests[0].model_hash)
+    dst.write_report([r for d in dirs for r in d.read_report()])
+    return {"shards": [[m.shard["i"], m.shard["n"]] for m in manifests if m.is_shard],
+            "ingest": {"skipped": sum(int((m.ingest or {}).get("skipped", 0)) for m in manifests)},
+            "report": REPORT}
+
+
+def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
+                 device: str = "auto", progress: bool = True, wait: bool = False,
+                 dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
+    """``indexer merge``: one quantizer trained over all shards, their inverted lists merged.
+
+    The training sample is picked by position in the id-sorted union of all shards, exactly as
+    a single-process build picks it, so the merged index equals a single build's. Holds
+    ``out``'s writer lock (``wait``: wait for another writer). ``options``: as ``build_index``.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    opts = BuildOptions.of(options, **option_kw)
+    dirs = [IndexDir(d) for d in shard_dirs]
+    if not dirs:
+        raise IndexerError("merge needs at least one shard directory")
+    manifests = check_shards(dirs)
+    model_hash = manifests[0].model_hash
+    with ExitStack() as opened:
+        parts = [opened.enter_context(GalleryStore(d.store_dir)).all_embeddings(model_hash) for d in dirs]
+    parts = [p for p in parts if len(p[0])]
+    if not parts:
+        raise IndexerError("the shards hold no images")
+    kept, have = [], np.zeros(0, dtype=np.int64)
+    for pids, px in parts:          # same content in two shards (two paths): keep one vector
+        m = ~np.isin(pids, have)
+        kept.append((pids[m], px[m]))
+        have = np.concatenate([have, pids[m]])
+    parts = kept
+    all_ids = np.concatenate([p[0] for p in parts])
+    order = np.argsort(all_ids, kind="stable")
+    all_ids = all_ids[order]
+    x = np.concatenate([p[1] for p in parts])[order]
+    with writer_lock(out, "indexer merge", wait=wait):
+        out.mkdir(parents=True, exist_ok=True)
+        dst_dir = IndexDir(out)
+        with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
+            for d in dirs:
+                with GalleryStore(d.store_dir) as s:
+                    dst.copy_from(s, model_hash)
+        index, fields = selection.build(all_ids, x, opts, device=device, parts=parts, progress=progress)
+        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], **from_shards(dst_dir, dirs, manifests),
+                 "neighbours": _neighbours(dst_dir, all_ids, x, dba, progress),
+                 "build_seconds": round(time.perf_counter() - t0, 3)}
+        return _write_index_dir(dst_dir, index, fields, manifests[0].model, extra)

@@ -1,0 +1,154 @@
+"""The commands that read an index directory: search, eval, info (the manifest's facts, the
+layout's parts, the selection's table)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from embedder.cli import UsageError
+
+from ..directory.manifest import Manifest
+from ..errors import IndexerError
+
+
+DBA = {"auto": None, "on": True, "off": False}
+
+
+def ray_serving(args: argparse.Namespace, strict: bool = False) -> Any:
+    """``--ray``/``--shard-timeout`` as ``Index.open``'s ``ray`` (None: in this process).
+    ``strict`` (eval): a figure must not come from a partial answer: a shard left out fails
+    the run in one line (``fanout.RayServing.strict``)."""
+    if args.ray is None:
+        return None
+    from ..ray.fanout import RayServing
+
+    return RayServing(address=args.ray, timeout=args.shard_timeout, strict=strict)
+
+
+def search(args: argparse.Namespace) -> None:
+    from ..layouts.index import Index
+
+    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
+                     ray=ray_serving(args))
+    found = idx.answer(idx.embed([args.image]), args.k, dba=DBA[args.dba])
+    hits, partial = idx.hits(found.scores[0], found.ids[0]), found.partial
+    if partial:     # over Ray, a shard did not answer in time: said, on stderr
+        print(f"indexer search: warning: partial answer: shard(s) {', '.join(map(str, partial))} did not "
+              f"answer within {args.shard_timeout:g} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps([h.__dict__ for h in hits], indent=2))
+    else:
+        for r, h in enumerate(hits, 1):
+            print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
+    from ..layouts.evaluate import evaluate_gallery, evaluate_queries
+    from ..layouts.index import Index
+
+    if args.max_queries is not None and not args.leave_one_out:
+        raise UsageError("--max-queries needs --leave-one-out")
+    dba = DBA[args.dba]
+    idx = Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
+                     max_memory=args.max_memory, ray=ray_serving(args, strict=True))
+    if dba and not idx.has_dba:
+        raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
+    if args.leave_one_out:
+        res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries)
+    else:
+        res = evaluate_queries(idx, args.queries, args.k, dba=dba)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    if args.leave_one_out:
+        print(f"{res['queries']} gallery items, each left out of its own results (leave-one-out)")
+    else:
+        print(f"{res['queries']} queries ({res['self_matches']} also in the gallery, excluded from "
+              f"their own results), {len(res['skipped'])} skipped")
+    rows = [("DBA" if res["dba"] else "plain", res["recall"])]
+    other = res.get("recall_plain") or res.get("recall_dba")
+    if other is not None:
+        rows.append(("plain" if res["dba"] else "DBA", other))
+    for name, rec in rows:
+        tag = f" ({name})" if len(rows) > 1 else ""
+        for k, v in rec.items():
+            print(f"Recall@{k}{tag}: {v:.4f}")
+    return 0
+
+
+def info(args: argparse.Namespace) -> None:
+    """``indexer info``: the library's facts (indexer.build.update.info) as a table or JSON; counts
+    that differ end in the one error line (exit 1) after the table."""
+    from ..build.update import info
+
+    facts = info(args.index, deep=args.deep)
+    m, counts = facts["manifest"], facts["counts"]
+    if args.json:
+        out = {"manifest": m.to_dict(), **{k: v for k, v in facts.items()
+                                           if k in ("store", "parts", "held")}}
+        out["counts"] = counts and {**{k: getattr(counts, k) for k in ("store", "embedded", "faiss",
+                                                                         "manifest", "busy")},
+                                    "ok": counts.ok, "message": counts.message}
+        print(json.dumps(out, indent=2))
+    else:
+        for store, walked in facts.get("deep", {}).items():
+            print(f"deep:     {store}: every record read ({sum(walked.values())} in {len(walked)} databases)")
+        print_layout(args.index, m, facts)
+        if counts is not None:
+            print(f"counts:   {counts.message if counts.ok else 'DIFFER (see below)'}")
+    if counts is not None and not counts.ok:
+        raise IndexerError(counts.message)
+
+
+def print_layout(directory: Path, m: Manifest, facts: dict) -> None:
+    """The table of either layout: what the manifest says, then its parts (a shard's folder
+    named per line), the held-out part and the stores."""
+    mod, shards = m.model, [p for p in facts["parts"] if p["shard"]]
+    print(f"index:    {directory}" + (f" ({facts['layout']}: {len(shards)} shards searched as one)" if shards else ""))
+    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
+    if m.is_shard:
+        print(f"shard:    {m.shard['i']}/{m.shard['n']} (merge before searching)")
+    else:
+        print(f"faiss:    {m.index_type} ({m.factory}), {m.count} vectors, metric {m.metric}")
+        if m.search_params or m.nlist:
+            print(f"search:   {m.search_params or f'nprobe={m.nprobe}'}" + (f", nlist {m.nlist}" if m.nlist else ""))
+            print(f"recall:   {m.recall_text()}")
+        print_candidates(m)
+        nb = m.neighbours
+        if nb:
+            print(f"rerank:   DBA, k={nb['k']} (item included), weights sim^{nb['alpha']:g}, top "
+                  f"{nb['depth']} re-ranked (neighbours.npz, {nb.get('bytes', 0) / 2 ** 20:.1f} MiB)")
+        for i, s in enumerate(shards):
+            print(f"shard {i}:  {s['shard']}: {s['images']} images stored, {s['vectors']} vectors in its part")
+        if facts["held"] is not None:
+            print(f"held-out: {facts['held']} vectors in the held-out part")
+        print(f"checksum: {facts['checksums']}")
+    st = facts["store"]
+    print(f"store:    {st['items']} images, {st['labels']} labels, embeddings from {st['models']} model(s)")
+    print(f"built:    {m.built_at} in {m.build_seconds}s; skipped "
+          f"{(m.ingest or {}).get('skipped', 0)} (see {m.report})")
+
+
+def print_candidates(m: dict) -> None:
+    """The selection's table (manifests from before it have none: nothing is printed)."""
+    from ..errors import size_text
+
+    rows = m.get("candidates")
+    if not rows:
+        return
+    print(f"chosen by measurement in {m.get('selection_seconds', 0):.1f}s on a sample "
+          f"(q/s: one batch of the tuning queries, Flat's scaled to the gallery size; memory "
+          f"extrapolated to the gallery"
+          + (f"; budget {size_text(m['max_memory'])}" if m.get("max_memory") else "") + "):")
+    print(f"  {'':1} {'type':7} {'factory':32} {'search params':34} {'recall':>6} {'q/s':>9} "
+          f"{'MiB':>7} {'build s':>7}")
+    for r in rows:
+        mark = "*" if r.get("chosen") else ("-" if not (r["meets_target"] and r["fits_memory"]) else "")
+        print(f"  {mark:1} {r['index_type']:7} {r['factory']:32} {r['search_params'] or '(exact)':34} "
+              f"{r['recall_at_10']:6.3f} {r.get('rank_qps', r['qps']):9,.0f} {r['memory_bytes'] / 2 ** 20:7.0f} "
+              f"{r['build_seconds']:7.1f}")
+    print("  (* chosen, - misses the target or the memory budget)")

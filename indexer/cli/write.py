@@ -1,0 +1,177 @@
+"""The commands that write an index directory: build (one process, ``--shard``, ``--ray``),
+merge, add, remove, repair. Each holds the directory's writer lock through the library."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from embedder.cli import UsageError
+
+from ..ann.options import BuildOptions
+from ..directory.manifest import Manifest
+
+
+def build_options(args: argparse.Namespace) -> BuildOptions:
+    """The ``index_opts`` flags as one checked value (indexer.ann.options)."""
+    return BuildOptions(args.index_type, args.flat_threshold, args.nlist, args.target_recall, args.seed,
+                        args.index_memory)
+
+
+def dba_params(args: argparse.Namespace) -> object:
+    """The --dba flags as a DbaParams (None without --dba; the parameters alone are refused)."""
+    from ..ann.neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K, DbaParams
+
+    if not args.dba:
+        if (args.dba_k, args.dba_alpha, args.dba_depth) != (DEFAULT_K, DEFAULT_ALPHA, DEFAULT_DEPTH):
+            raise UsageError("--dba-k/--dba-alpha/--dba-depth need --dba")
+        return None
+    return DbaParams(args.dba_k, args.dba_alpha, args.dba_depth)
+
+
+def int8_model(args: argparse.Namespace) -> Path:
+    """``indexer build --int8``: the int8 version of --model (or the default), calibrated on the
+    gallery (embedder.quantize.int8_model_path; the same gallery gives the same file, so a rerun
+    resumes)."""
+    from embedder import default_model_path
+    from embedder.quantize import int8_model_path
+
+    from ..directory.model import load_embedder
+
+    fp32 = load_embedder(args.model, device="cpu").path if args.model else default_model_path()
+    if not args.gallery.is_dir():
+        raise ValueError(f"{args.gallery}: gallery folder not found")
+    return int8_model_path(fp32, args.gallery, progress=not args.quiet)
+
+
+def build_with_ray_command(args: argparse.Namespace) -> Manifest:
+    """``indexer build --ray``: the flags only --ray takes, the build, the shard summary line."""
+    from ..directory.index_dir import SHARDS_DIR
+    from ..build.ray_build import build_with_ray
+
+    if args.ray is None:
+        raise UsageError(("--sharded" if args.sharded and args.shards is None else "--shards")
+                         + " needs --ray (for one shard by hand use --shard i/n)")
+    if args.shard:
+        raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
+    m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
+                       max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
+                       batch_size=args.batch_size, workers=args.workers, device=args.device,
+                       progress=not args.quiet, wait=args.wait, sharded=args.sharded,
+                       options=build_options(args))
+    r = m.extra["ray"]
+    skipped = int((m.ingest or {}).get("skipped", 0))
+    print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
+          f"{r['num_cpus']} CPU per task; attempts per shard: {', '.join(map(str, r['attempts']))}), "
+          f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m.report})" if skipped else "")
+          + f"; shards kept in {Path(args.out) / SHARDS_DIR}")
+    return m
+
+
+def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> tuple[str, ...]:
+    """``--int8``/``--dba`` left unset: decided by indexer.ann.options.resolve_defaults (the one
+    place), on a bounded count of the gallery's images (the build's own walk, stopped at the
+    largest threshold). Returns a line per automatic choice that turned something off."""
+    import itertools
+
+    from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
+    from ..store.walk import walk_gallery
+
+    if args.int8 is not None and args.dba is not None:
+        return ()
+    found = args.gallery.is_dir()                         # a missing gallery: the build says so
+    images = 0
+    if args.model is None and found:
+        bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
+        images = sum(1 for _ in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None),
+                                                 bound))
+    d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images,
+                         mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k)
+    args.int8, args.dba = d.int8, d.dba
+    return d.notes if found else ()
+
+
+def build(args: argparse.Namespace) -> None:
+    from ..build.single import build_index
+    from ..store.walk import parse_shard
+
+    ray = args.ray is not None or args.shards is not None or args.sharded
+    notes = resolve_build_defaults(args, ray)
+    if ray and args.dba:
+        raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
+                         "without --ray, or `indexer merge --dba` the shards")
+    dba_params(args)                                      # bad --dba-* flags: refused before any note
+    for note in notes:
+        print(f"indexer build: {note}", file=sys.stderr)
+    if args.int8:
+        args.model = int8_model(args)
+    if ray:
+        return print_index_line(build_with_ray_command(args), args.out)   # locks --out itself
+    shard = parse_shard(args.shard) if args.shard else None
+    m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
+                    batch_size=args.batch_size, workers=args.workers, device=args.device,
+                    progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+    ing = m.ingest
+    print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
+          f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
+          + (f" (reasons in {args.out / m.report})" if ing["skipped"] else ""))
+    if m.is_shard:
+        print(f"shard {m.shard['i']}/{m.shard['n']}: {m.count} images in {args.out}")
+    else:
+        print_index_line(m, args.out)
+
+
+def merge(args: argparse.Namespace) -> None:
+    if args.sharded:
+        from ..build.sharded import build_sharded
+
+        if args.dba:
+            raise UsageError("--dba is not available with merge --sharded yet; merge without --sharded")
+        m = build_sharded(args.shards, args.out, options=build_options(args), device=args.device,
+                          progress=not args.quiet, wait=args.wait)      # locks --out and the shards
+    else:
+        from ..build.single import merge_shards
+
+        m = merge_shards(args.shards, args.out, options=build_options(args), device=args.device,
+                         progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+    print_index_line(m, args.out)
+
+
+def add(args: argparse.Namespace) -> None:
+    from ..build.update import add_images
+
+    c = add_images(args.index, args.folder, args.model, prefix=args.prefix, batch_size=args.batch_size,
+                   workers=args.workers, device=args.device, progress=not args.quiet, wait=args.wait)
+    print(c.stats.summary())
+    if c.shard is not None:
+        print(f"added {c.added} vectors to shard {c.shard}; index now holds {c.manifest.count}, "
+              f"retuned to {c.manifest.search_params}")
+    else:
+        print(f"added {c.added} vectors; index now holds {c.manifest.count}, nprobe {c.manifest.nprobe}")
+
+
+def remove(args: argparse.Namespace) -> None:
+    from ..build.update import remove_items
+
+    c = remove_items(args.index, args.targets, wait=args.wait)
+    print("\n".join(c.messages))
+    print(f"index now holds {c.manifest.count}")
+
+
+def repair(args: argparse.Namespace) -> None:
+    from ..build.update import repair_index
+
+    c = repair_index(args.index, batch_size=args.batch_size, workers=args.workers, device=args.device,
+                     progress=not args.quiet, wait=args.wait)
+    print(f"repaired: embedded {c.embedded}, added {c.added} and dropped {c.removed} "
+          f"faiss vectors; index now holds {c.manifest.count}")
+
+
+def print_index_line(m: Manifest, out: Path) -> None:
+    params = f", {m.search_params}" if m.search_params else (
+        f", nlist {m.nlist}, nprobe {m.nprobe}" if m.nlist else "")
+    held = " on held-out queries" if m.heldout_queries else ""
+    print(f"{m.index_type} index of {m.count} x {m.dim}{params}, recall@10 vs exact{held} "
+          f"{m.recall_at_10:.3f} (target {m.target_recall}) in {m.build_seconds:.1f}s -> {out}")
+    if m.warning:
+        print(f"warning: {m.warning}", file=sys.stderr)

@@ -1,0 +1,128 @@
+"""Checks of an index directory's files before anything opens them.
+
+A damaged file must end in one line that names it and says how to repair it, never in a
+signal or a traceback. The dangerous case is LMDB: it maps ``data.mdb`` into memory, and a file
+cut shorter than its own meta page says makes the first read past the end kill the process with
+SIGBUS. So the meta pages are read with plain file I/O first and the file size is compared with
+what they promise. ``index.faiss`` gets its size and sha256 recorded in the manifest when it is
+written (build, add, remove, merge) and compared on open; ``model.onnx`` must match the model
+hash the manifest records.
+
+Every check lives here; :class:`indexer.directory.index_dir.IndexDir` decides which apply to a directory.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from embedder.hashing import file_sha256
+
+from ..errors import IndexerError
+
+REPAIR = "rebuild the index with `python -m indexer build`"
+
+# LMDB 0.9 data file: pages 0 and 1 are meta pages. A page starts with a 16-byte header
+# (pgno u64, pad u16, flags u16, lower/upper u16 u16); the meta body follows:
+#   magic u32, version u32, address u64, mapsize u64, dbs[2] (48 bytes each), last_pg u64, txnid u64
+# and the page size is stored in dbs[0].md_pad (the free DB's pad). Native byte order.
+_PAGEHDR = 16
+_META = struct.Struct("=IIQQ48s48sQQ")
+_MAGIC = 0xBEEFC0DE
+_DATA_VERSION = 1
+_P_META = 0x08
+
+
+def damaged(path: Path | str, what: str) -> IndexerError:
+    """The one-line error for a damaged index file."""
+    return IndexerError(f"{path}: {what}; the index is damaged: {REPAIR}")
+
+
+def _read_meta(f, offset: int) -> tuple[int, int, int, int] | None:
+    """(page size, last page, txnid, mapsize) of the meta page at ``offset``, or None."""
+    f.seek(offset)
+    raw = f.read(_PAGEHDR + _META.size)
+    if len(raw) < _PAGEHDR + _META.size:
+        return None
+    flags = struct.unpack_from("=H", raw, 10)[0]
+    magic, version, _addr, mapsize, free_db, _main_db, last_pg, txnid = _META.unpack_from(raw, _PAGEHDR)
+    if magic != _MAGIC or version != _DATA_VERSION or not flags & _P_META:
+        return None
+    psize = struct.unpack_from("=I", free_db, 0)[0]
+    return psize, last_pg, txnid, mapsize
+
+
+def check_lmdb(store_dir: str | Path) -> None:
+    """Refuse a ``data.mdb`` that LMDB would crash on: not LMDB, or shorter than it says.
+
+    LMDB picks the meta page with the larger transaction id; its last used page bounds the file
+    size. A writer in another process only ever grows the file before it commits a meta page,
+    so the check holds while ``indexer add`` writes.
+    """
+    path = Path(store_dir) / "data.mdb"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            first = _read_meta(f, 0)
+            if first is None:
+                raise damaged(path, "not an LMDB data file (bad or missing meta page)")
+            psize = first[0]
+            if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
+                raise damaged(path, f"not an LMDB data file (page size {psize})")
+            second = _read_meta(f, psize)
+    except FileNotFoundError:
+        raise IndexerError(f"{path}: gallery store missing; {REPAIR}") from None
+    except OSError as e:
+        raise IndexerError(f"{path}: unreadable ({e.strerror or e})") from None
+    metas = [m for m in (first, second) if m is not None and m[0] == psize]
+    _, last_pg, _, _ = max(metas, key=lambda m: m[2])
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise damaged(path, f"truncated ({size} bytes, its LMDB meta page needs {need})")
+
+
+def check_faiss_file(path: str | Path, rec: dict, *, verify_hash: bool = True) -> None:
+    """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``).
+
+    Manifests written before checksums were recorded only get the existence and a non-empty
+    check; faiss's own reader still fails on them, which ``SearchableIndex`` turns into one line.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise IndexerError(f"{path}: index file missing; {REPAIR}") from None
+    if size == 0:
+        raise damaged(path, "empty file")
+    if "bytes" in rec and size != int(rec["bytes"]):
+        raise damaged(path, f"{size} bytes, the manifest recorded {rec['bytes']} (truncated or "
+                            f"overwritten)")
+    if verify_hash and "sha256" in rec:
+        sha = file_sha256(path)
+        if sha != rec["sha256"]:
+            raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec['sha256'][:12]}")
+
+
+def read_faiss(path: str | Path):
+    """faiss.read_index, with faiss's multi-line C++ error turned into the one-line repair hint."""
+    import faiss
+
+    try:
+        return faiss.read_index(str(path))
+    except RuntimeError as e:
+        raise damaged(path, f"faiss cannot read it ({faiss_reason(e)})") from None
+
+
+def faiss_reason(e: BaseException) -> str:
+    """The informative tail of a faiss C++ error ("Error in <signature> at <file>: Error: ...")."""
+    text = " ".join(str(e).split())
+    return (text.rsplit("Error: ", 1)[-1] or "unreadable")[:160]
+
+
+def check_model_file(path: str | Path, want: str | None) -> None:
+    """``model.onnx`` is there and is the model (hash ``want``) the index was built with."""
+    path = Path(path)
+    if not path.is_file():
+        raise IndexerError(f"{path}: model file missing (the index's embedder; image queries need it); "
+                           f"{REPAIR}")
+    if want and file_sha256(path) != want:
+        raise damaged(path, f"model differs from the one the index was built with ({want[:12]})")

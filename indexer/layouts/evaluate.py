@@ -1,0 +1,117 @@
+"""``indexer eval``: Recall@k of an index on a labelled query folder, or leave-one-out on its
+own gallery.
+
+The metric itself comes from ``embedder.metrics`` (one definition for training, indexing and
+serving). A query whose exact content is in the gallery (same sha256, hence the same id) is
+removed from its own results, as in the paper's protocol where the query is excluded.
+
+With DBA re-ranking (:mod:`indexer.ann.neighbours`) a query that is a gallery item would also sit
+inside its neighbours' augmented vectors and lift them towards itself: such queries are passed
+to the search as ``exclude``, which rebuilds those neighbours' augmented vectors without the
+query, so a leave-one-out figure is what the same photo gets as a query the gallery never held.
+A query folder whose photos are not in the gallery (a held-out split) needs no such care.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..errors import IndexerError
+from .index import Index
+from ..store.gallery import id_for_sha256
+from ..store.walk import walk_gallery
+
+
+def _ks(ks: Sequence[int]) -> list[int]:
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise IndexerError(f"k values {ks}: expected positive integers")
+    return ks
+
+
+def _recall(index: Index, emb: np.ndarray, labels: Sequence[str], own: Sequence[int | None],
+            ks: list[int], dba: bool | None) -> dict[int, float]:
+    """Recall@k of queries ``emb`` (``own[r]``: the gallery id query r is, left out and guarded)."""
+    from embedder.metrics import recall_at_k_of_labels
+
+    kmax = min(ks[-1], len(index))
+    _, ids = index.search_embeddings(emb, kmax, dba=dba, exclude=list(own))
+    neighbor_labels = [[_label(index, int(i)) for i in row if i >= 0] for row in ids]
+    rec = recall_at_k_of_labels(neighbor_labels, list(labels), [k for k in ks if k <= kmax])
+    return {int(k): float(v) for k, v in rec.items()}
+
+
+def _both(index: Index, emb: np.ndarray, labels: Sequence[str], own: Sequence[int | None],
+          ks: list[int], dba: bool | None) -> dict:
+    """The figures as asked (``dba``; None: as the index serves by default) and, for an index
+    with DBA neighbourhoods, the other setting beside them (``recall_plain`` / ``recall_dba``)."""
+    used = index.has_dba if dba is None else bool(dba)
+    out = {"recall": _recall(index, emb, labels, own, ks, used), "dba": used}
+    if index.has_dba:
+        out["recall_dba" if not used else "recall_plain"] = _recall(index, emb, labels, own, ks, not used)
+    return out
+
+
+def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 2, 4, 8),
+                     *, progress: bool = False, dba: bool | None = None) -> dict:
+    """{"recall": {k: value}, "dba": used, "queries": n, "skipped": [...], "self_matches": m},
+    plus "recall_plain" or "recall_dba" (the other setting) for an index with DBA."""
+    queries = Path(queries)
+    if not queries.is_dir():
+        raise IndexerError(f"{queries}: query folder not found")
+    ks = _ks(ks)
+    files = list(walk_gallery(queries))
+    skipped = [{"path": f.relpath, "reason": f.problem} for f in files if f.problem]
+    unlabeled = [f for f in files if not f.problem and f.label is None]
+    skipped += [{"path": f.relpath, "reason": "no label (query at the folder root)"} for f in unlabeled]
+    todo = [f for f in files if not f.problem and f.label is not None]
+    if not todo:
+        raise IndexerError(f"{queries}: no labelled query images (put them in one folder per label)")
+
+    def items() -> Iterator[tuple[tuple[str, str, int], bytes]]:
+        for f in todo:
+            try:
+                data = f.abspath.read_bytes()
+            except OSError as e:
+                skipped.append({"path": f.relpath, "reason": f"unreadable: {e.strerror or e}"})
+                continue
+            yield (f.relpath, f.label, id_for_sha256(hashlib.sha256(data).hexdigest())), data
+
+    keys, embs = [], []
+    for kk, emb, failures in index.embedder.embed_iter(items(), progress=progress):
+        keys += kk
+        embs.append(emb)
+        skipped += [{"path": key[0], "reason": getattr(e, "reason", str(e))} for key, e in failures]
+    if not keys:
+        raise IndexerError(f"{queries}: no query image could be read ({len(skipped)} skipped)")
+    own = [own_id if own_id in index else None for _, _, own_id in keys]   # a query the gallery holds
+    res = _both(index, np.concatenate(embs), [lab for _, lab, _ in keys], own, ks, dba)
+    return {**res, "queries": len(keys), "self_matches": sum(o is not None for o in own),
+            "skipped": skipped}
+
+
+def evaluate_gallery(index: Index, ks: Sequence[int] = (1, 2, 4, 8), *, dba: bool | None = None,
+                     max_queries: int | None = None, seed: int = 0) -> dict:
+    """Leave-one-out on the index's own gallery: each labelled item (a sample of ``max_queries``)
+    queries all the others with its stored vector (nothing is embedded). Same keys as
+    :func:`evaluate_queries`; every query is a gallery item, so each is excluded and guarded."""
+    ks = _ks(ks)
+    ids = [i for lab in index.labels() for i in index.ids_for_label(lab)]
+    if not ids:
+        raise IndexerError(f"{index.directory}: the gallery has no labels to evaluate against")
+    if max_queries is not None and len(ids) > max_queries:
+        ids = sorted(np.random.default_rng(seed).choice(ids, size=max_queries, replace=False).tolist())
+    labels = [index.meta(i).get("label") for i in ids]
+    res = _both(index, index.embeddings(ids), labels, ids, ks, dba)
+    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": []}
+
+
+def _label(index: Index, id: int) -> str | None:
+    """A neighbour's label; None (a miss) when it left the store after the index was loaded."""
+    try:
+        return index.meta(id).get("label")
+    except KeyError:
+        return None

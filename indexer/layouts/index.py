@@ -1,0 +1,248 @@
+"""``Index``: the read-only, thread-safe query face of an index directory (what serving uses).
+
+``Index.open`` is the one factory: it opens the directory's layout in a serving mode (in RAM,
+codes only under ``max_memory``, over Ray) and hands the Index every part at construction:
+nothing is set on an Index, or swapped inside it, afterwards."""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from embedder.knn import drop_self
+from embedder.preprocess import Preprocessing
+from embedder.vectors import l2_normalize
+
+from ..errors import IndexerError
+from .layout import Layout, layout_of
+from ..directory.model import load_embedder
+from ..ann.neighbours import Neighbourhoods
+from ..searchable import Answer, Searchable
+from ..store.gallery import GalleryStore
+
+
+@dataclass
+class Hit:
+    id: int
+    score: float
+    label: str | None
+    path: str
+
+
+class Index:
+    """An opened index directory.
+
+    Safe for concurrent queries from threads: the faiss index is only read (CPU searches release
+    the GIL; GPU searches are serialised), the LMDB store is opened read-only lazily in each
+    process (and keeps working while ``indexer add`` writes), and the onnxruntime session is
+    thread-safe. The embedder is loaded on first use, so ``Index.open`` followed by
+    ``search_embeddings`` never touches onnxruntime. An open Index is a snapshot of the faiss
+    index: :meth:`reopen` gives the directory's current state (what a server does after an add).
+    """
+
+    def __init__(self, layout: Layout, store: GalleryStore, searchable: Searchable,
+                 neighbours: Neighbourhoods | None, *, device: str = "auto", max_memory: int | None = None,
+                 ray: Any = None, embedder: Any = None) -> None:
+        """Every part as :meth:`open` made it (``max_memory``, ``ray``: the serving mode, kept
+        by :meth:`reopen`; ``embedder``: a loaded one of this index's model, else loaded lazily)."""
+        self.layout, self.manifest, self.files = layout, layout.manifest, layout.d
+        self.directory: Path = layout.d.path
+        self.store, self.faiss, self.neighbours = store, searchable, neighbours
+        self.dim: int = self.manifest.dim
+        self.model_hash: str = self.manifest.model_hash
+        self.max_memory, self.ray = max_memory, ray
+        self._device = device
+        self._embedder: Any = embedder
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
+             store: GalleryStore | None = None, max_memory: int | str | None = None,
+             ray: Any = None, embedder: Any = None) -> "Index":
+        """Open an index directory of either layout (:func:`indexer.layouts.layout.layout_of` decides,
+        from the manifest) after checking its files (:mod:`indexer.directory.validate`): a damaged one
+        fails with one line naming the file. ``check_model`` also requires ``model.onnx``
+        (image queries need it); ``store`` reuses an open store of the same directory.
+        ``max_memory``: the SERVING budget: hold only the index's codes within it and re-rank
+        from the store(s) (:mod:`indexer.ann.served`); the files are then read memory-mapped.
+        ``ray``: a Ray address (``HOST:PORT``, ``auto``, ``local``) or an
+        :class:`indexer.ray.fanout.RayServing`: a sharded index's parts are searched by one Ray
+        actor per shard on the node that built it (:mod:`indexer.ray.fanout`); the store is still
+        read here, from the shared filesystem. ``embedder``: one already loaded, kept when it is
+        this index's model (:meth:`reopen`)."""
+        if ray is not None and max_memory is not None:
+            raise IndexerError("--max-memory and --ray exclude each other: over Ray each shard's "
+                               "actor holds its own part")
+        layout = layout_of(directory)
+        m = layout.manifest
+        store, fi, nb = layout.open(device=device, check_model=check_model, store=store,
+                                    mmap=max_memory is not None, ray=ray)
+        budget = None
+        if max_memory is not None:
+            from embedder.cli import memory_size
+
+            from ..ann.served import serve_codes
+
+            budget = memory_size(max_memory)
+            fi = serve_codes(fi, store, m.model_hash, budget)
+        if embedder is not None and (embedder.model_hash, embedder.dim) != (m.model_hash, m.dim):
+            embedder = None
+        return cls(layout, store, fi, nb, device=device, max_memory=budget, ray=ray, embedder=embedder)
+
+    def reopen(self) -> "Index":
+        """The directory's current state as a new Index (after ``indexer add/remove``), sharing
+        this one's store and, when the model is unchanged, its loaded embedder. This Index stays
+        usable, so requests already running on it finish undisturbed."""
+        return Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory,
+                          ray=self.ray, embedder=self._embedder)
+
+    @property
+    def embedder(self) -> Any:
+        """The index's own embedder (``model.onnx`` in the directory), loaded once, lazily."""
+        if self._embedder is None:
+            with self._lock:
+                if self._embedder is None:
+                    emb = load_embedder(self.files.model_file, device=self._device)
+                    self.files.check_embedder(emb, self.manifest)
+                    self._embedder = emb
+        return self._embedder
+
+    def __len__(self) -> int:
+        return int(self.faiss.ntotal)
+
+    @property
+    def has_dba(self) -> bool:
+        """Whether the index was built with DBA neighbourhoods (``indexer build --dba``)."""
+        return self.neighbours is not None
+
+    def search_embeddings(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
+                          exclude: Sequence[int | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) of :meth:`answer` (what most callers need: an index in one process
+        never leaves a shard out)."""
+        scores, ids, _ = self.answer(emb, k, dba=dba, exclude=exclude)
+        return scores, ids
+
+    def answer(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
+               exclude: Sequence[int | None] | None = None) -> Answer:
+        """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF
+        answers; ``partial``: the shards an index served over Ray left out (empty: whole).
+
+        Queries are L2-normalised here: the index holds normalised vectors and ranks by cosine.
+        ``dba``: re-rank the top candidates with the gallery's augmented vectors
+        (:mod:`indexer.ann.neighbours`); None: on when the index was built with them. ``exclude[r]``:
+        a gallery id that query r is (a leave-one-out or gallery-id query): it is left out of its
+        row, and with DBA its neighbours' augmented vectors are made without it.
+        """
+        q = np.asarray(emb, dtype=np.float32)
+        if q.ndim == 1:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise ValueError(f"query embeddings of shape {tuple(np.shape(emb))}: dimension mismatch, "
+                             f"expected (n, {self.dim})")
+        if k < 1:
+            raise ValueError(f"k={k}: expected k >= 1")
+        if dba and self.neighbours is None:
+            raise ValueError(f"{self.directory}: built without DBA neighbourhoods; rebuild it with "
+                             "`indexer build --dba` to re-rank with them")
+        dba = self.neighbours is not None if dba is None else bool(dba)
+        if exclude is not None and len(exclude) != len(q):
+            raise ValueError(f"exclude: expected {len(q)} entries (one per query), got {len(exclude)}")
+        own = None if exclude is None or all(e is None for e in exclude) else \
+            np.array([-1 if e is None else int(e) for e in exclude], dtype=np.int64)
+        q = l2_normalize(q)
+        k = min(k, len(self))
+        if not dba:
+            if own is None:
+                return self.faiss.search(q, k)
+            scores, ids, partial = self.faiss.search(q, min(k + 1, len(self)))
+            ids, scores = drop_self(ids, own, k, scores)
+            return Answer(scores, ids, partial)
+        from ..ann.neighbours import rerank
+
+        nb = self.neighbours
+        _, cand, partial = self.faiss.search(q, min(max(nb.params.depth, k) + (own is not None), len(self)))
+        return Answer(*rerank(nb, q, cand, k, exclude=None if own is None else list(exclude),
+                              vectors=lambda ids: self.embeddings(ids)), partial)
+
+    def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
+        """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""
+        out = []
+        for s, i in zip(scores, ids):
+            if i < 0:
+                continue
+            try:
+                m = self.store.get_meta(int(i))
+            except KeyError:
+                continue
+            out.append(Hit(int(i), float(s), m.get("label"), m["path"]))
+        return out
+
+    def search(self, images: Sequence[Any], k: int = 10, *, dba: bool | None = None) -> list[list[Hit]]:
+        """Embed ``images`` (paths, bytes or PIL images) and return the top-k hits of each
+        (``dba``: as :meth:`search_embeddings`).
+
+        Raises the embedder's ImageLoadError (naming the image) for an unreadable image.
+        """
+        if len(images) == 0:
+            return []
+        scores, ids = self.search_embeddings(self.embed(images), k, dba=dba)
+        return [self.hits(s, i) for s, i in zip(scores, ids)]
+
+    def embed(self, images: Sequence[Any]) -> np.ndarray:
+        """(n, dim) embeddings of ``images`` (paths, bytes or PIL images) by the index's own
+        model, the space its vectors live in; ImageLoadError names an unreadable image."""
+        return self.embedder.embed(list(images))
+
+    @property
+    def decode_side(self) -> int:
+        """The shorter side an image needs to be decoded at for this index's model (read from
+        the preprocessing its manifest records, so an upload is decoded small before the model
+        is even loaded); the default preprocessing's when the manifest records none."""
+        try:
+            pre = self.manifest["model"]["metadata"]["preprocessing"]
+            return Preprocessing.from_dict(json.loads(pre)).decode_side
+        except (KeyError, TypeError, ValueError):
+            return Preprocessing().decode_side
+
+    def embeddings(self, ids: Sequence[int]) -> np.ndarray:
+        """Stored (normalised) gallery embeddings, in the order of ``ids``; KeyError if unknown."""
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
+
+    # -- the gallery behind the index (what serving reads; ids are content hashes) ----------
+    def __contains__(self, id: object) -> bool:
+        return id in self.store
+
+    def meta(self, id: int) -> dict:
+        """path, paths, label, width, height, sha256, bytes of a stored image; KeyError if none."""
+        return self.store.get_meta(int(id))
+
+    def image_bytes(self, id: int) -> bytes:
+        return self.store.get_bytes(int(id))
+
+    def id_for_path(self, rel_path: str) -> int | None:
+        return self.store.id_for_path(str(rel_path))
+
+    def labels(self) -> list[str]:
+        return self.store.labels()
+
+    def ids_for_label(self, label: str) -> list[int]:
+        return self.store.ids_for_label(label)
+
+    def stored(self) -> int:
+        """How many images the store holds: a real LMDB read (``len(self)`` is faiss's count),
+        after reading each database's first record (garbage there: StoreUnavailable)."""
+        self.store.probe()
+        return len(self.store)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return f"Index({str(self.directory)!r}, {m.index_type}, n={len(self)}, dim={self.dim}, nprobe={m.nprobe})"

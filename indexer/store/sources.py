@@ -1,0 +1,157 @@
+"""Where the streaming build's vectors come from: one ``Source`` per shard.
+
+The plan (``indexer.ann.stream``) and the fill ask a shard only for what it can answer where it
+lives: its ids in chunks (the census), the rows at given positions (the samples), its own exact
+top-k of the held-out queries (``knn``: the exact answers), its vectors in chunks (its own
+fill). ``StoreSource`` reads a shard's LMDB store in this process; ``ArraySource`` wraps arrays
+(the benchmarks' synthetic shards, tests); ``indexer.ray.readers.RemoteSource`` is the same
+interface answered by a Ray actor on the shard's node, so only ids, counts, sample rows and
+nq x k answers reach the driver.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from embedder.knn import exact_knn
+
+from .gallery import GalleryStore
+
+CHUNK = 65_536
+
+
+class Source(Protocol):
+    """One shard's vectors: its ids ascending (all at once, or in chunks, or just how many), its
+    vectors in chunks, by id, at given positions of its id order (a sample), and its own exact
+    top-k of some queries."""
+
+    dim: int
+
+    def ids(self) -> np.ndarray: ...
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]: ...
+    def count(self) -> int: ...
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+    def get(self, ids: np.ndarray) -> np.ndarray: ...
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Iterator[Any]:
+    """``sources[s].method(*args[s])`` for each shard, in shard order. A source that lives
+    elsewhere (it has ``submit``: ``indexer.ray.readers.RemoteSource``) gets its call at once,
+    so the shards work in parallel; the answers are taken one at a time, in order, so the
+    caller can hold one shard's answer at a time. Local sources answer in turn."""
+    started = [src.submit(method, *a) if hasattr(src, "submit") else None
+               for src, a in zip(sources, args)]
+    for src, a, pending in zip(sources, args, started):
+        yield pending.result() if pending is not None else getattr(src, method)(*a)
+
+
+class ChunkedSource:
+    """What a source answers from its chunks: its ids, their count, its exact top-k (the base of
+    StoreSource, ArraySource and ``ray_sources.RemoteSource``)."""
+
+    dim: int
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]: ...
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+
+    def ids(self) -> np.ndarray:
+        parts = list(self.id_chunks())
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def count(self) -> int:
+        return sum(len(c) for c in self.id_chunks())
+
+    def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This shard's exact top-k of ``q`` but ``drop``, in one pass over its chunks."""
+        return exact_knn(q, self.chunks(), k, "ip", exclude=drop)
+
+    def close(self) -> None:
+        pass
+
+
+class StoreSource(ChunkedSource):
+    """A shard's LMDB store: the embeddings of one model, read in chunks (never all at once)."""
+
+    def __init__(self, store_dir: str | Path, model_hash: str, dim: int) -> None:
+        self.store = GalleryStore(store_dir)
+        self.model_hash, self.dim = model_hash, int(dim)
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        """The ids ascending, ``size`` at a time."""
+        return (ids for ids, _ in self.store.iter_embeddings(self.model_hash, size, vectors=False))
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.store.iter_embeddings(self.model_hash, size)
+
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vectors) at ``positions`` (ascending) of the id order: one pass over the keys."""
+        positions = np.asarray(positions, dtype=np.int64)
+        got, at = [], 0
+        for c in self.id_chunks():
+            lo, hi = np.searchsorted(positions, [at, at + len(c)])
+            got.append(c[positions[lo:hi] - at])
+            at += len(c)
+        ids = np.concatenate(got) if got else np.zeros(0, np.int64)
+        return ids, self.get(ids)
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.store.get_embeddings(self.model_hash, [int(i) for i in ids])
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ArraySource(ChunkedSource):
+    """(ids ascending, vectors) already in arrays, e.g. ``np.load(..., mmap_mode="r")``: the
+    benchmark's synthetic shards, and tests."""
+
+    def __init__(self, ids: np.ndarray, x: np.ndarray) -> None:
+        self._ids, self.x, self.dim = np.asarray(ids, dtype=np.int64), x, int(x.shape[1])
+
+    def ids(self) -> np.ndarray:
+        return self._ids
+
+    def id_chunks(self, size: int = CHUNK) -> Iterator[np.ndarray]:
+        return (ids for ids, _ in self.chunks(size))
+
+    def count(self) -> int:
+        return len(self._ids)
+
+    def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        return (np.asarray(self._ids[positions], dtype=np.int64),
+                np.ascontiguousarray(self.x[positions], dtype=np.float32))
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for s in range(0, len(self._ids), size):
+            yield self._ids[s:s + size], np.ascontiguousarray(self.x[s:s + size], dtype=np.float32)
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.x[np.searchsorted(self._ids, ids)], dtype=np.float32)
+
+
+class Rows:
+    """Given ids and their owning shards as a lazy array: ``rows[positions]`` fetches those
+    vectors from the shards that own them (the self-queries of ``shard_build.retune_sharded``)."""
+
+    def __init__(self, ids: np.ndarray, owner: np.ndarray, sources: Sequence[Source]) -> None:
+        self.ids, self.owner, self.sources = ids, owner, sources
+        self.shape = (len(ids), sources[0].dim)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), self.shape[1]), dtype=np.float32)
+        own = self.owner[rows]
+        for s in np.unique(own):
+            m = own == s
+            out[m] = self.sources[int(s)].get(self.ids[rows[m]])
+        return out
