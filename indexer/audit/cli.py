@@ -1,0 +1,98 @@
+"""``python -m indexer audit`` (and ``python -m indexer.audit``): the audit's command line.
+
+``add_parser(subparsers)`` adds the ``audit`` command to ``python -m indexer``'s parser;
+``run(args)`` is its handler; ``main(argv)`` runs it standalone through the kit's
+``embedder.cli.run_main`` (usage 2, a one-line error and 1, Ctrl-C 130).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from embedder.cli import add_options, run_main
+from indexer import IndexerError
+
+from .duplicates import DEFAULT_THRESHOLD
+from .source import ray_serving
+from .run import DEFAULT_K, DEFAULT_TOP, KINDS, print_summary, run_audit, write_audit
+
+DESCRIPTION = ("Audit a gallery from its index: near-duplicate groups, likely mislabelled images "
+               "(each with the label its neighbourhood suggests), outliers and the most confused "
+               "class pairs, from the index's own kNN graph. Writes JSONL + CSV per kind, PNG "
+               "contact sheets and summary.json into --out (replaced as a whole: never half "
+               "written), and prints a summary. A gallery without labels (no class sub-folders) "
+               "gets near-duplicates and outliers only.")
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise ValueError(text)
+    return v
+
+
+_positive.__name__ = "positive integer"
+
+
+def _cosine(text: str) -> float:
+    v = float(text)
+    if not -1.0 <= v <= 1.0:
+        raise ValueError(text)
+    return v
+
+
+_cosine.__name__ = "cosine (-1..1)"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``audit`` to a parser's subcommands (``python -m indexer``'s), its handler set."""
+    p = subparsers.add_parser("audit", help="near-duplicates, likely mislabelled images, outliers, "
+                                            "confused classes", description=DESCRIPTION)
+    configure(p)
+    return p
+
+
+def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--index", type=Path, required=True, metavar="DIR", help="index directory to audit")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="where to write the audit (default: DIR/audit beside the index's files)")
+    p.add_argument("-k", type=_positive, default=DEFAULT_K,
+                   help=f"neighbours per image in the kNN graph (default {DEFAULT_K})")
+    p.add_argument("--threshold", type=_cosine, default=DEFAULT_THRESHOLD,
+                   help=f"cosine from which two images are near-duplicates (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--top", type=_positive, default=DEFAULT_TOP,
+                   help=f"rows written per ranked list (default {DEFAULT_TOP})")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                   help="what to compute (default all; mislabelled and confused need labels: "
+                        "asking for them on a gallery without labels is an error)")
+    p.add_argument("--no-sheets", dest="sheets", action="store_false", help="no PNG contact sheets")
+    add_options(p, "--quiet", "--json", "--ray", "--shard-timeout")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """The handler: audit, write, print the summary (or it as JSON with --json)."""
+    ray = None if args.ray is None else ray_serving(args.ray, args.shard_timeout)
+    a = run_audit(args.index, k=args.k, threshold=args.threshold, kinds=tuple(args.kinds),
+                  progress=not args.quiet, ray=ray)
+    out = args.out if args.out is not None else args.index / "audit"
+    info = write_audit(a, out, top=args.top, sheets=args.sheets)
+    if args.json:
+        import json
+
+        print(json.dumps({**info, "out": str(out)}, indent=2))
+    else:
+        print_summary(info, out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import lmdb
+
+    p = configure(argparse.ArgumentParser(prog="python -m indexer.audit", description=DESCRIPTION))
+    return run_main("indexer audit", p, argv, expected=(IndexerError, lmdb.Error))
+
+
+__all__ = ["add_parser", "configure", "run", "main"]

@@ -1,0 +1,96 @@
+"""Writing an audit: JSONL and CSV per kind, PNG contact sheets, summary.json, a printed summary.
+
+Nothing is written half: every file goes into a temporary folder beside ``--out``, which then
+replaces ``--out`` by renames (an older audit there is moved aside first and removed after), so
+a reader sees the old audit or the new one, and a failed or interrupted audit leaves ``--out``
+as it was (only a ``.audit-*`` folder beside it, removed on the way out).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+THUMB = 112             # pixels, a contact sheet's thumbnail side
+SHEET_ROWS = 20         # rows per contact sheet
+SHEET_COLS = 6          # the item and 5 neighbours (or a group's members)
+
+
+@contextmanager
+def replacing_dir(out: Path) -> Iterator[Path]:
+    """A fresh temporary folder beside ``out`` that replaces ``out`` when the block succeeds."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".audit-{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".audit-{out.name}.old.", dir=out.parent))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_rows(folder: Path, name: str, rows: Sequence[dict], columns: Sequence[str]) -> None:
+    """``name.jsonl`` (every field, nested lists too) and ``name.csv`` (``columns``)."""
+    with open(folder / f"{name}.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(folder / f"{name}.csv", "w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r.get(c) for c in columns})
+
+
+def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: str) -> bool:
+    """A PNG of ``rows`` of (image bytes, caption) cells; False (nothing written) when empty.
+    An image that does not decode any more is a grey cell with its caption."""
+    from PIL import Image, ImageDraw
+
+    from embedder import load_image
+
+    rows = [r for r in rows[:SHEET_ROWS] if r]
+    if not rows:
+        return False
+    cap, pad = 26, 4
+    cols = max(len(r) for r in rows)
+    W, H = cols * (THUMB + pad) + pad, 24 + len(rows) * (THUMB + cap + pad)
+    sheet = Image.new("RGB", (W, H), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((pad, 6), title, fill="black")
+    for i, row in enumerate(rows):
+        y = 24 + i * (THUMB + cap + pad)
+        for j, (data, caption) in enumerate(row[:cols]):
+            x = pad + j * (THUMB + pad)
+            try:
+                im = load_image(data, min_side=THUMB)
+                im.thumbnail((THUMB, THUMB))
+                sheet.paste(im, (x + (THUMB - im.width) // 2, y + (THUMB - im.height) // 2))
+            except Exception:           # noqa: BLE001 - a damaged blob is a grey cell, not a failed audit
+                draw.rectangle((x, y, x + THUMB, y + THUMB), fill=(200, 200, 200))
+            if j == 0:
+                draw.rectangle((x - 2, y - 2, x + THUMB + 1, y + THUMB + 1), outline="red", width=2)
+            for li, line in enumerate(_wrap(caption, 18)[:2]):
+                draw.text((x, y + THUMB + 2 + li * 11), line, fill="black")
+    sheet.save(path, format="PNG")
+    return True
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return [text[i:i + width] for i in range(0, len(text), width)] or [""]
+
+
+__all__ = ["replacing_dir", "write_rows", "contact_sheet"]

@@ -1,0 +1,257 @@
+"""One audit of an index directory: the kNN graph once, then the four kinds from it.
+
+(a) near-duplicates and (c) outliers for every gallery; (b) mislabelled images and (d) confused
+class pairs need labels (the class sub-folders the build recorded): a gallery without any gets
+(a) and (c) and the summary says why (b) and (d) are missing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import report
+from .duplicates import DEFAULT_THRESHOLD, DuplicateGroup, near_duplicates
+from .graph import KnnGraph, build_graph
+from .labels import ClassView, ConfusedPair, class_view, confused_pairs, mislabelled
+from .outliers import OutlierScores, outlier_scores, ranked
+from .source import Gallery, open_gallery
+
+DEFAULT_K = 10          # neighbours per image (chosen on validation classes)
+DEFAULT_TOP = 1000      # rows written per ranked list (mislabelled, outliers)
+KINDS = ("duplicates", "mislabelled", "outliers", "confused")
+LABEL_KINDS = ("mislabelled", "confused")
+NO_LABELS = ("the gallery has no labels (no image is in a class sub-folder): mislabelled and confused "
+             "classes need them (outliers are ranked by kNN distance alone: a group of similar "
+             "off-topic photos larger than k is not seen)")
+
+
+@dataclass
+class Audit:
+    """What one audit found, by gallery row (``gallery.ids[row]`` is the image's id)."""
+
+    gallery: Gallery
+    graph: KnnGraph
+    threshold: float
+    duplicates: list[DuplicateGroup]
+    outliers: OutlierScores
+    view: ClassView | None = None                       # None: no labels
+    confused: list[ConfusedPair] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)   # kind -> why not computed
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def mislabelled(self, top: int | None = None) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64) if self.view is None else mislabelled(self.view, top)
+
+    def outlier_rows(self, top: int | None = None) -> np.ndarray:
+        return ranked(self.outliers, top)
+
+
+def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold: float = DEFAULT_THRESHOLD,
+              kinds: tuple[str, ...] = KINDS, progress: bool = False, ray: Any = None,
+              **params: float) -> Audit:
+    """Audit an index directory (or an opened :class:`Gallery`). ``kinds``: the ones asked for;
+    asking for a label kind of a gallery without labels is an error (ValueError), not asking
+    leaves them out with the reason in ``skipped``. ``params``: labels.class_view's weights."""
+    bad = [x for x in kinds if x not in KINDS]
+    if bad:
+        raise ValueError(f"unknown audit kinds {bad}: expected some of {list(KINDS)}")
+    if k < 1:
+        raise ValueError(f"-k {k}: expected a positive number of neighbours")
+    if not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"--threshold {threshold}: a cosine similarity is between -1 and 1")
+    g = directory if isinstance(directory, Gallery) else open_gallery(directory, ray=ray)
+    t = {}
+    t0 = time.perf_counter()
+    if len(g.ids) - 1 < k:
+        raise ValueError(f"-k {k}: the gallery holds only {len(g.ids)} images, so each has at most "
+                         f"{len(g.ids) - 1} others; use -k {max(1, len(g.ids) - 1)} or less")
+    skipped: dict[str, str] = {}
+    if not g.has_labels:
+        asked = [x for x in kinds if x in LABEL_KINDS]
+        if asked and tuple(kinds) != KINDS:
+            raise ValueError(f"{g.directory}: {NO_LABELS}; asked for {', '.join(asked)}")
+        skipped.update({x: NO_LABELS for x in LABEL_KINDS})
+    graph = build_graph(g, k, progress=progress)
+    t["graph"] = time.perf_counter() - t0
+    view = None
+    if g.has_labels:
+        t0 = time.perf_counter()
+        view = class_view(g, graph, **params)
+        t["classes"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dups = near_duplicates(graph, threshold) if "duplicates" in kinds else []
+    out = outlier_scores(graph, view)
+    conf = confused_pairs(view, graph) if view is not None and "confused" in kinds else []
+    t["kinds"] = time.perf_counter() - t0
+    skipped.update({x: "not asked for" for x in KINDS if x not in kinds and x not in skipped})
+    return Audit(g, graph, threshold, dups, out, view, conf, skipped, t)
+
+
+# ---------------------------------------------------------------------------- writing
+def _item(a: Audit, row: int) -> dict:
+    g = a.gallery
+    try:
+        m = g.meta(row)
+    except KeyError:                         # removed since the audit opened the store
+        m = {}
+    code = int(g.codes[row])
+    return {"id": int(g.ids[row]), "path": m.get("path"), "label": g.label_names[code] if code >= 0 else None}
+
+
+def _neighbours(a: Audit, row: int, n: int = 5) -> list[dict]:
+    out = []
+    for j, s in zip(a.graph.nbr[row][:n], a.graph.sim[row][:n]):
+        if j >= 0:
+            out.append({**_item(a, int(j)), "cosine": round(float(s), 4)})
+    return out
+
+
+def _f(x: float) -> float | None:
+    return None if x is None or not np.isfinite(x) else round(float(x), 4)
+
+
+def lists(a: Audit, top: int = DEFAULT_TOP) -> dict[str, list[dict]]:
+    """The four lists as rows (what the JSONL files hold; the API can serve the same)."""
+    g, out = a.gallery, {}
+    out["duplicates"] = [{"group": i + 1, "max_cosine": _f(grp.max_sim), "size": len(grp.rows),
+                          "labels_differ": len({int(g.codes[r]) for r in grp.rows}) > 1,
+                          "items": [_item(a, r) for r in grp.rows],
+                          "max_score": _f(grp.max_score),
+                          "pairs": [{"a": int(g.ids[x]), "b": int(g.ids[y]), "cosine": _f(s), "score": _f(sc)}
+                                    for x, y, s, sc in grp.pairs]}
+                         for i, grp in enumerate(a.duplicates[:top])]
+    if a.view is not None:
+        v = a.view
+        out["mislabelled"] = [{"rank": i + 1, **_item(a, r),
+                               "suggested": g.label_names[v.suggested[r]] if v.suggested[r] >= 0 else None,
+                               "score": _f(v.score[r]), "margin": _f(v.margin[r]), "p_label": _f(v.p_given[r]),
+                               "p_suggested": _f(v.p_suggested[r]), "neighbours_agree": _f(v.knn_agree[r]),
+                               "neighbours": _neighbours(a, r)}
+                              for i, r in enumerate(a.mislabelled(top).tolist())]
+        out["confused"] = [{"rank": i + 1, "label_a": g.label_names[p.a], "label_b": g.label_names[p.b],
+                            "images_a": int(v.counts[p.a]), "images_b": int(v.counts[p.b]),
+                            "edges": p.edges, "rate": _f(p.rate), "flagged": p.suggested}
+                           for i, p in enumerate(a.confused)]
+    o = a.outliers
+    out["outliers"] = [{"rank": i + 1, **_item(a, r), "score": _f(o.score[r]), "knn_far": _f(o.knn_far[r]),
+                        "class_far": _f(o.class_far[r]), "own_class_far": _f(o.own_far[r]),
+                        "mixed_neighbours": _f(o.mixed[r]),
+                        "neighbours": _neighbours(a, r)}
+                       for i, r in enumerate(a.outlier_rows(top).tolist())]
+    return out
+
+
+COLUMNS = {
+    "duplicates": ["group", "size", "max_cosine", "max_score", "labels_differ", "id", "path", "label"],
+    "mislabelled": ["rank", "id", "path", "label", "suggested", "score", "margin", "p_label", "p_suggested",
+                    "neighbours_agree"],
+    "outliers": ["rank", "id", "path", "label", "score", "knn_far", "class_far", "own_class_far",
+                 "mixed_neighbours"],
+    "confused": ["rank", "label_a", "label_b", "images_a", "images_b", "edges", "rate", "flagged"],
+}
+
+
+def summary(a: Audit, rows: dict[str, list[dict]]) -> dict:
+    g = a.gallery
+    return {"index": str(g.directory), "images": int(len(g.ids)), "labels": len(g.label_names),
+            "labelled_images": int((g.codes >= 0).sum()), "k": a.graph.k,
+            "duplicate_threshold": a.threshold, "index_type": g.index.manifest.index_type,
+            "scores": "exact" if g.exact_scores else "recomputed from the stored vectors",
+            "found": {"duplicate_groups": len(a.duplicates),
+                      "duplicate_images": int(sum(len(x.rows) for x in a.duplicates)),
+                      **({"mislabelled": int(len(a.mislabelled())), "confused_pairs": len(a.confused)}
+                         if a.view is not None else {})},
+            "written": {kind: len(r) for kind, r in rows.items()},
+            "skipped": a.skipped, "seconds": {x: round(s, 2) for x, s in a.seconds.items()}}
+
+
+def write_audit(a: Audit, out: str | Path, *, top: int = DEFAULT_TOP, sheets: bool = True) -> dict:
+    """Write the lists, contact sheets and summary.json into ``out`` (replaced as a whole)."""
+    rows = lists(a, top)
+    info = summary(a, rows)
+    with report.replacing_dir(Path(out)) as tmp:
+        for kind, r in rows.items():
+            if kind == "duplicates":        # the CSV: one line per member
+                flat = [{**{c: grp[c] for c in ("group", "size", "max_cosine", "max_score", "labels_differ")}, **it}
+                        for grp in r for it in grp["items"]]
+                report.write_rows(tmp, kind, r, [])
+                _csv_only(tmp, kind, flat)
+            else:
+                report.write_rows(tmp, kind, r, COLUMNS[kind])
+        if sheets:
+            info["sheets"] = _sheets(a, rows, tmp)
+        (tmp / "summary.json").write_text(json_text(info))
+    return info
+
+
+def _csv_only(folder: Path, kind: str, rows: list[dict]) -> None:
+    import csv
+
+    with open(folder / f"{kind}.csv", "w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS[kind], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _sheets(a: Audit, rows: dict[str, list[dict]], tmp: Path) -> list[str]:
+    g, done = a.gallery, []
+
+    def cell(item: dict, extra: str = "") -> tuple[Any, str]:
+        row = int(g.rows_of(np.array([item["id"]]))[0])
+        try:
+            data = g.image_bytes(row)
+        except KeyError:
+            data = b""
+        return data, f"{item['label'] or '-'}{extra}"
+
+    def nb_cells(r: dict) -> list:
+        return [cell(r), *[cell(n, f" {n['cosine']:.2f}") for n in r["neighbours"]]]
+
+    plan = {
+        "duplicates": [[cell(it) for it in grp["items"][:report.SHEET_COLS]] for grp in rows["duplicates"]],
+        "outliers": [nb_cells(r) for r in rows["outliers"]],
+    }
+    if "mislabelled" in rows:
+        plan["mislabelled"] = [[cell(r, f" -> {r['suggested']}"), *nb_cells(r)[1:]] for r in rows["mislabelled"]]
+    titles = {"duplicates": "near-duplicate groups (each row one group)",
+              "mislabelled": "likely mislabelled: image (label -> suggested), then its nearest neighbours",
+              "outliers": "outliers: image, then its nearest neighbours"}
+    sheets = tmp / "sheets"
+    sheets.mkdir()
+    for kind, cells in plan.items():
+        if report.contact_sheet(sheets / f"{kind}.png", cells, titles[kind]):
+            done.append(f"sheets/{kind}.png")
+    return done
+
+
+def json_text(x: Any) -> str:
+    import json
+
+    return json.dumps(x, indent=2, ensure_ascii=False) + "\n"
+
+
+def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
+    import sys
+
+    f = file or sys.stdout
+    fd = info["found"]
+    print(f"audited {info['images']} images ({info['labelled_images']} labelled, {info['labels']} labels) "
+          f"of {info['index']}, k={info['k']}, {info['index_type']} index", file=f)
+    print(f"  near-duplicates: {fd['duplicate_groups']} groups, {fd['duplicate_images']} images "
+          f"(pair score >= {info['duplicate_threshold']}: cosine + its lead over the neighbourhoods)", file=f)
+    if "mislabelled" in fd:
+        print(f"  likely mislabelled: {fd['mislabelled']} images nearer another label's images than their own", file=f)
+        print(f"  confused class pairs: {fd['confused_pairs']} listed", file=f)
+    print(f"  outliers: ranked, top {info['written']['outliers']} written", file=f)
+    for kind, why in info["skipped"].items():
+        print(f"  {kind}: not computed: {why}", file=f)
+    if out is not None:
+        print(f"-> {out} (JSONL + CSV per kind, sheets/*.png, summary.json)", file=f)
+
+
+__all__ = ["Audit", "run_audit", "write_audit", "lists", "summary", "print_summary", "DEFAULT_K",
+           "DEFAULT_TOP", "KINDS"]

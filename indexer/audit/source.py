@@ -1,0 +1,147 @@
+"""The audit's one seam to the rest of ``indexer``: what it reads of an index directory.
+
+Every name the audit needs of ``indexer`` is imported here, and only from the package's face
+(``indexer.__all__``), so that when indexer's modules move only this file changes. What it
+reads: the gallery's ids and stored vectors (the LMDB store(s) of every part the layout lists:
+a single index's one store, a sharded index's shard stores; a codes-only IVF-PQ index still
+stores every vector there), the labels (the store's label table: the class sub-folder of each
+image), and the index's own faiss search (Flat below the flat threshold, IVF at scale, the
+parts of a sharded index searched as one, or over Ray).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from embedder.vectors import l2_normalize
+from indexer import GalleryStore, Index, IndexerError, check_counts
+
+#: index types whose search scores are exact inner products of the stored vectors (Flat, IVF
+#: lists of full vectors, HNSW, or codes re-ranked with the full vectors); the others' scores
+#: come from codes (SQ8, PQ) and are recomputed here from the stored vectors.
+EXACT_SCORE_TYPES = frozenset({"flat", "ivf", "ivfhnsw", "hnsw", "sq8rf", "pqfsrf"})
+
+
+@dataclass
+class Gallery:
+    """An opened index for the audit: ids (in stream order), labels, the search, the images."""
+
+    index: Any
+    ids: np.ndarray                         # (n,) int64, the order rows have everywhere
+    label_names: list[str]                  # code -> label
+    codes: np.ndarray                       # (n,) int32 label code per row, -1 = no label
+    exact_scores: bool
+    _sorter: np.ndarray = field(repr=False, default=None)   # type: ignore[assignment]
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.index.directory)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.dim)
+
+    @property
+    def has_labels(self) -> bool:
+        return bool((self.codes >= 0).any())
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each id (-1: not in the gallery, e.g. faiss's -1 padding)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        s = self._sorter
+        pos = np.searchsorted(self.ids, ids, sorter=s).clip(0, len(s) - 1)
+        rows = s[pos]
+        return np.where(self.ids[rows] == ids, rows, -1)
+
+    def chunks(self, size: int = 65_536) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, normalised float32 vectors) of the gallery in row order, ``size`` rows at
+        a time (one chunk in memory at a time; the rows' ids are ``self.ids[start:...]``)."""
+        start = raw = 0
+        for cids, x in _stream(self.index, size):
+            if self._first is not None:                 # a copy stored in a later shard too: skipped
+                x = x[self._first[raw:raw + len(cids)]]
+            raw += len(cids)
+            if len(x):
+                yield start, l2_normalize(np.asarray(x, dtype=np.float32))
+                start += len(x)
+
+    _first: np.ndarray | None = field(repr=False, default=None)
+
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        """Stored normalised vectors of ``rows`` (random reads from the store)."""
+        return l2_normalize(self.index.embeddings(self.ids[np.asarray(rows)]))
+
+    def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The index's own faiss search (no DBA re-ranking: the plain kNN of the vectors)."""
+        ans = self.index.faiss.search(np.ascontiguousarray(x, dtype=np.float32), k)
+        if ans.partial:
+            raise IndexerError(f"{self.directory}: shards {list(ans.partial)} did not answer; the "
+                               "audit needs every shard (retry, or raise --shard-timeout)")
+        return ans.scores, ans.ids
+
+    def meta(self, row: int) -> dict:
+        return self.index.meta(int(self.ids[row]))
+
+    def image_bytes(self, row: int) -> bytes:
+        return self.index.image_bytes(int(self.ids[row]))
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def _stream(index: Any, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, vectors) chunks of every part's store embedded by the index's model."""
+    for part in index.layout.parts:
+        st = GalleryStore(part.store_dir)
+        yield from st.iter_embeddings(index.model_hash, size)
+
+
+def ray_serving(address: str, timeout: float) -> Any:
+    """``--ray``/``--shard-timeout`` as ``Index.open``'s ``ray``: strict, since a graph with a
+    shard left out would be wrong without a word (a shard that does not answer fails the audit)."""
+    from indexer import RayServing
+
+    return RayServing(address=address, timeout=timeout, strict=True)
+
+
+def open_gallery(directory: str | Path, *, device: str = "cpu", ray: Any = None) -> Gallery:
+    """Open ``directory`` for the audit; one ``IndexerError`` line when it is damaged (any file
+    the index's own checks refuse), when the store(s) and the faiss index disagree on the count
+    (naming ``indexer repair``), or when it holds no image."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise IndexerError(f"{directory}: no index directory here")
+    counts = check_counts(directory)
+    if not counts.ok:
+        raise IndexerError(counts.message)
+    index = Index.open(directory, device=device, ray=ray)
+    ids_parts = [c for part in index.layout.parts
+                 for c, _ in GalleryStore(part.store_dir).iter_embeddings(index.model_hash, vectors=False)]
+    ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+    first = None
+    _, where = np.unique(ids, return_index=True)
+    if len(where) != len(ids):              # content stored in two shards: indexed once, by the first
+        first = np.zeros(len(ids), dtype=bool)
+        first[where] = True
+        ids = ids[first]
+    if len(ids) != len(index):
+        raise IndexerError(f"{directory}: the store(s) hold {len(ids)} vectors of the index's model "
+                           f"but the faiss index holds {len(index)}; run `python -m indexer repair "
+                           f"--index {directory}` first")
+    if not len(ids):
+        raise IndexerError(f"{directory}: the index holds no image to audit")
+    sorter = np.argsort(ids, kind="stable")
+    names = sorted(index.labels())
+    codes = np.full(len(ids), -1, dtype=np.int32)
+    g = Gallery(index, ids, names, codes, index.manifest.index_type in EXACT_SCORE_TYPES, sorter, first)
+    for c, lab in enumerate(names):
+        rows = g.rows_of(np.asarray(index.ids_for_label(lab), dtype=np.int64))
+        rows = rows[rows >= 0]
+        codes[rows[codes[rows] < 0]] = c        # an image stored under two labels keeps the first
+    return g
+
+
+__all__ = ["Gallery", "open_gallery", "EXACT_SCORE_TYPES"]

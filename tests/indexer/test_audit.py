@@ -1,0 +1,174 @@
+"""``python -m indexer.audit`` (issue 42): detection on real bird photos with injected faults,
+the no-label path, sharded indexes and bad input.
+
+The faulty gallery: cub_mini's 8 species x 12 photos (symlinks, read in place) with 2 labels
+flipped, 3 transformed copies (resized, re-encoded, cropped) and 2 off-domain photos
+(scikit-image's), indexed with the default pretrained embedder (fp32 with --model) and DBA.
+Assertions are on sets (a flipped label in the top 2N, a copy in its original's group), never
+on the order of equal scores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from indexer_testlib import REPO, run_cli
+
+
+def run_audit_cli(*args: object, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    p = subprocess.run([sys.executable, "-m", "indexer.audit", *map(str, args)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"audit {args} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def rows(folder: Path, kind: str) -> list[dict]:
+    return [json.loads(x) for x in (folder / f"{kind}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory, cub_mini: Path, photo_paths: list[Path],
+           pretrained_onnx: Path) -> dict:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("audit-faulty")
+    gal = root / "gallery"
+    shutil.copytree(cub_mini, gal, symlinks=True)
+    classes = sorted(d.name for d in gal.iterdir())
+    flipped = {}
+    # two flips between species of the two halves (a bird far from its new class's birds)
+    for src, dst in ((classes[0], classes[5]), (classes[6], classes[1])):
+        f = sorted((gal / src).iterdir())[3]
+        new = gal / dst / f"flip_{f.name}"
+        os.replace(f, new)
+        flipped[f"{dst}/{new.name}"] = src
+    copies = []
+    for c, kind in zip((classes[2], classes[3], classes[4]), ("resized", "reencoded", "cropped")):
+        f = sorted((gal / c).iterdir())[0]
+        im = Image.open(f).convert("RGB")
+        q = 90
+        if kind == "resized":
+            im = im.resize((im.width // 2, im.height // 2), Image.BICUBIC)
+        elif kind == "cropped":
+            w, h = im.size
+            im = im.crop((w // 14, h // 14, w - w // 14, h - h // 14))
+        else:
+            q = 25
+        im.save(gal / c / f"copy_{kind}.jpg", quality=q)
+        copies.append((f"{c}/{f.name}", f"{c}/copy_{kind}.jpg"))
+    ood = []
+    for p, c in zip(photo_paths[:2], (classes[1], classes[6])):
+        (gal / c / f"ood_{p.name}").symlink_to(p)
+        ood.append(f"{c}/ood_{p.name}")
+    idx = root / "index"
+    run_cli("build", gal, "--model", pretrained_onnx, "--dba", "--out", idx, "--quiet")
+    out = root / "audit"
+    p = run_audit_cli("--index", idx, "--out", out, "--quiet")
+    return {"index": idx, "out": out, "flipped": flipped, "copies": copies, "ood": ood, "stdout": p.stdout}
+
+
+def test_flipped_labels_rank_first_with_their_true_label_suggested(faulty: dict) -> None:
+    mis = rows(faulty["out"], "mislabelled")
+    n = len(faulty["flipped"])
+    top = {r["path"]: r["suggested"] for r in mis[:2 * n]}
+    assert set(faulty["flipped"]) <= set(top), f"flipped {faulty['flipped']} not in the top {2 * n}: {mis[:2 * n]}"
+    assert all(top[p] == true for p, true in faulty["flipped"].items())
+    assert {r["label"] for r in mis} and all(r["margin"] > 0 for r in mis)
+
+
+def test_transformed_copies_are_grouped_with_their_originals(faulty: dict) -> None:
+    groups = rows(faulty["out"], "duplicates")
+    group_of = {it["path"]: g["group"] for g in groups for it in g["items"]}
+    for a, b in faulty["copies"]:
+        assert group_of.get(a) is not None and group_of.get(a) == group_of.get(b), (a, b, groups)
+    injected = {p for pair in faulty["copies"] for p in pair}
+    assert sum(len(g["items"]) for g in groups) <= len(injected) + 2     # nothing much else grouped
+
+
+def test_off_domain_photos_are_the_top_outliers(faulty: dict) -> None:
+    ranked = [r["path"] for r in rows(faulty["out"], "outliers")]
+    assert set(faulty["ood"]) <= set(ranked[:2 * len(faulty["ood"])]), ranked[:6]
+
+
+def test_outputs_csv_sheets_summary_and_the_printed_summary(faulty: dict) -> None:
+    out = faulty["out"]
+    for kind in ("duplicates", "mislabelled", "outliers", "confused"):
+        assert (out / f"{kind}.csv").read_text().count("\n") >= 2, kind
+    info = json.loads((out / "summary.json").read_text())
+    assert info["images"] == 96 + 3 + 2 and info["labels"] == 8 and not info["skipped"]
+    assert set(info["sheets"]) == {"sheets/duplicates.png", "sheets/mislabelled.png", "sheets/outliers.png"}
+    from PIL import Image
+
+    assert Image.open(out / "sheets" / "mislabelled.png").width > 400
+    conf = rows(out, "confused")
+    assert conf and all(c["label_a"] < c["label_b"] for c in conf)
+    assert "likely mislabelled" in faulty["stdout"] and "near-duplicates" in faulty["stdout"]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".audit-")]
+
+
+def test_library_face_gives_the_same_rows(faulty: dict) -> None:
+    from indexer.audit import lists, run_audit
+
+    a = run_audit(faulty["index"])
+    lib = lists(a)
+    assert {r["path"] for r in lib["mislabelled"]} == {r["path"] for r in rows(faulty["out"], "mislabelled")}
+    assert a.graph.k == 10 and (a.graph.nbr >= 0).all()
+    ids = a.gallery.ids
+    assert not (a.graph.nbr == __import__("numpy").arange(len(ids))[:, None]).any()   # its own id left out
+
+
+def test_a_gallery_without_labels_gets_duplicates_and_outliers_only(tmp_path: Path, omniglot_paths: list[Path],
+                                                                    small_onnx: Path) -> None:
+    gal = tmp_path / "flat"
+    gal.mkdir()
+    for i, p in enumerate(omniglot_paths[:16]):
+        shutil.copy(p, gal / f"{i:02d}.png")
+    idx = tmp_path / "idx"
+    run_cli("build", gal, "--model", small_onnx, "--out", idx, "--quiet")
+    p = run_audit_cli("--index", idx, "--out", tmp_path / "a", "-k", "5", "--quiet")
+    assert "mislabelled: not computed: the gallery has no labels" in p.stdout
+    files = {f.name for f in (tmp_path / "a").iterdir()}
+    assert {"duplicates.jsonl", "outliers.jsonl", "summary.json"} <= files and "mislabelled.jsonl" not in files
+    assert len(rows(tmp_path / "a", "outliers")) == 16
+    bad = run_audit_cli("--index", idx, "--out", tmp_path / "b", "--kinds", "mislabelled", check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "no labels" in bad.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_sharded_and_merged_indexes_give_the_same_audit(two_shards: Path, tmp_path: Path) -> None:
+    got = {}
+    for name in ("sharded", "merged"):
+        run_audit_cli("--index", two_shards / name, "--out", tmp_path / name, "--quiet", "--no-sheets")
+        got[name] = rows(tmp_path / name, "outliers")
+    assert len(got["sharded"]) == len(got["merged"]) == 240
+    top = {n: {r["path"] for r in got[n][:20]} for n in got}
+    assert len(top["sharded"] & top["merged"]) >= 18        # IVF on both: the same up to a probe
+
+
+def test_bad_input_is_one_line_exit_1_and_nothing_written(built_index: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier audit")
+    big = run_audit_cli("--index", built_index, "--out", out, "-k", "240", check=False)
+    assert big.returncode == 1 and len(big.stderr.strip().splitlines()) == 1
+    assert "-k 240: the gallery holds only 240 images" in big.stderr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(built_index, damaged)
+    f = damaged / "index.faiss"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    bad = run_audit_cli("--index", damaged, "--out", out, check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "index.faiss" in bad.stderr
+    none = run_audit_cli("--index", tmp_path / "nothing", "--out", out, check=False)
+    assert none.returncode == 1 and len(none.stderr.strip().splitlines()) == 1
+    usage = run_audit_cli("--index", built_index, "-k", "0", check=False)
+    assert usage.returncode == 2
+    assert [x.name for x in out.iterdir()] == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".audit-")]
