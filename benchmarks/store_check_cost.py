@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int | None:
     images = [store.get_bytes(i) for i in ids]
 
     def set_check(on: bool) -> None:
-        store.check_reads = on          # the per-read file check (indexer/lmdb_env.py) on or off
+        store.check_reads = on          # the per-read file check (indexer/store/lmdb_env.py) on or off
 
     def search(q) -> bool:
         searcher.search(q, args.k)

@@ -6,9 +6,9 @@ Python (what serving uses).
 from __future__ import annotations
 
 from .ann.options import BuildOptions
-from .build.single import build_index, merge_shards
 from .build.ray_build import build_with_ray
 from .build.sharded import build_sharded
+from .build.single import build_index, merge_shards
 from .build.update import Change, add_images, info, remove_items, repair_index
 from .directory.index_dir import IndexDir
 from .directory.lock import IndexBusyError, holder, is_locked, writer_lock

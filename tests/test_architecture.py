@@ -1,8 +1,9 @@
 """docs/ARCHITECTURE.md cannot go stale silently: the one-way imports it draws, computed with
 ``ast`` from today's tree (every import, at module level or inside a function); no import circle
-between a package's modules; benchmarks only through the packages' public faces, by import and by
-attribute (no ``x._name`` on a product module or object); its module map names exactly the
-modules there are, and its table of faces exactly each package's ``__all__``."""
+between a package's modules; indexer's subpackages in layers that import one way; no private name
+imported across product modules; benchmarks only through the packages' public faces, by import and
+by attribute (no ``x._name`` on a product module or object); its module map names exactly the
+modules there are (subpackages included), and its table of faces exactly each package's ``__all__``."""
 from __future__ import annotations
 
 import ast
@@ -234,27 +235,37 @@ def _layer(module: str) -> str:
     return module.split(".")[1] if module.count(".") else "__init__"
 
 
-def test_indexer_subpackages_depend_one_way():
-    wrong = []
-    for path in _modules():
-        if path.parts[0] != "indexer":
+def layer_violations(path: Path, tree: ast.AST) -> list[str]:
+    """Each import in ``path`` (an indexer module) of a module in a layer above its own, or of
+    another subpackage in the same layer."""
+    me, wrong = _layer(_dotted(path)), []
+    assert me in INDEXER_LAYERS, f"{path}: a new part of indexer/; give it a layer in INDEXER_LAYERS"
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            targets = [_absolute(path, n)]
+        elif isinstance(n, ast.Import):
+            targets = [a.name for a in n.names]
+        else:
             continue
-        me = _layer(_dotted(path))
-        assert me in INDEXER_LAYERS, f"{path}: a new part of indexer/; give it a layer in INDEXER_LAYERS"
-        for n in ast.walk(ast.parse((REPO / path).read_text())):
-            if isinstance(n, ast.ImportFrom):
-                targets = [_absolute(path, n)]
-            elif isinstance(n, ast.Import):
-                targets = [a.name for a in n.names]
-            else:
-                continue
-            for t in targets:
-                if t.split(".")[0] != "indexer" or t == "indexer":
-                    continue
+        for t in targets:
+            if t.split(".")[0] == "indexer" and t != "indexer":
                 other = _layer(t)
                 if other != me and INDEXER_LAYERS[other] >= INDEXER_LAYERS[me]:
                     wrong.append(f"{path}:{n.lineno} ({me}) imports {t} ({other})")
+    return wrong
+
+
+def test_indexer_subpackages_depend_one_way():
+    wrong = [w for path in _modules() if path.parts[0] == "indexer"
+             for w in layer_violations(path, ast.parse((REPO / path).read_text()))]
     assert not wrong, "imports against indexer's layers:\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_sees_upward_and_sideways_imports():
+    code = ("from ..build.ray_build import connect\nfrom ..directory.manifest import Manifest\n"
+            "from . import fanout\nimport indexer.layouts.index\nfrom indexer import Index\n")
+    found = layer_violations(Path("indexer/ray/readers.py"), ast.parse(code))
+    assert [w.split(" ", 1)[0] for w in found] == ["indexer/ray/readers.py:1", "indexer/ray/readers.py:4"]
 
 
 def private_imports(path: Path, tree: ast.AST) -> list[tuple[int, str]]:

@@ -9,8 +9,8 @@ from typing import Sequence
 import faiss
 import numpy as np
 
-from . import faiss_index as fx
 from ..errors import IndexerError
+from . import faiss_index as fx
 
 
 def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_index: str | Path,

@@ -12,9 +12,9 @@ from typing import Any
 
 from embedder.cli import memory_size
 
+from ..directory.manifest import DEFAULT_TARGET_RECALL
 from ..errors import IndexerError
 from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
-from ..directory.manifest import DEFAULT_TARGET_RECALL
 
 
 @dataclass(frozen=True)

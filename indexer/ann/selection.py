@@ -25,8 +25,8 @@ import numpy as np
 
 from embedder.knn import exact_knn
 
-from . import faiss_index as fx
 from ..errors import IndexerError, size_text
+from . import faiss_index as fx
 from .options import BuildOptions
 from .tuning import K, Holdout, clears, holdout, measure_qps, recalls, tune
 

@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, Sequence
 import faiss
 import numpy as np
 
-from . import faiss_index as fx
 from ..errors import IndexerError, size_text
 from ..searchable import Answer
+from . import faiss_index as fx
 
 RERANK_FACTOR = 10          # k' = 10 k candidates from the codes (the top 100 for k = 10)
 TRAIN_POINTS = 65_536       # codec training sample (SQ ranges, PQ codebooks: 256 x 39 at least)

@@ -33,12 +33,12 @@ from typing import Sequence
 import faiss
 import numpy as np
 
-from . import faiss_index as fx
 from ..errors import IndexerError
-from .options import BuildOptions
-from .selection import SAMPLE_CAP, SELECT_FROM, candidates, index_fields, select
-from .sample import Sample, View, census, draw
 from ..store.sources import Source, answers
+from . import faiss_index as fx
+from .options import BuildOptions
+from .sample import Sample, View, census, draw
+from .selection import SAMPLE_CAP, SELECT_FROM, candidates, index_fields, select
 from .tuning import K, Holdout, heldout_size, recalls, tune
 
 

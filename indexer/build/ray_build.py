@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import IndexerError
+from ..ann.options import BuildOptions
 from ..directory.index_dir import FILE_LIST, PART_FILE, PLAN_FILE, RUN_FILE, SHARDS_DIR, STORE_DIR, IndexDir
 from ..directory.lock import writer_lock
 from ..directory.manifest import Manifest
-from ..ann.options import BuildOptions
+from ..errors import IndexerError
 from ..ray.cluster import alive_nodes, connect, near, ray_module
 from ..ray.readers import task_error
 from ..store.walk import read_file_list, split_walk

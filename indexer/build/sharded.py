@@ -15,14 +15,14 @@ import numpy as np
 
 from ..ann import faiss_index as fx
 from ..ann import stream
-from .single import check_shards, from_shards
-from ..errors import IndexerError
+from ..ann.options import BuildOptions
 from ..directory.index_dir import HELD_FILE, PART_FILE, TRAINED_FILE, IndexDir, now_utc
 from ..directory.lock import writer_lock
 from ..directory.manifest import Manifest
-from ..ann.options import BuildOptions
 from ..directory.shard_files import claim_parts, file_records, record_owner, relative
+from ..errors import IndexerError
 from ..store.sources import Source, StoreSource
+from .single import check_shards, from_shards
 
 FillParts = Callable[[Path, list[np.ndarray]], None]   # (trained file, skip ids per shard)
 

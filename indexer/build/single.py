@@ -16,14 +16,14 @@ from embedder.images import IMAGE_SUFFIXES
 
 from ..ann import faiss_index as fx
 from ..ann import neighbours, selection
-from ..errors import IndexerError
+from ..ann.options import BuildOptions
 from ..directory.index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
 from ..directory.lock import writer_lock
 from ..directory.manifest import Manifest
 from ..directory.model import load_embedder, model_info
-from ..ann.options import BuildOptions
-from ..store.ingest import ingest
+from ..errors import IndexerError
 from ..store.gallery import GalleryStore
+from ..store.ingest import ingest
 from ..store.walk import GalleryFile, shard_of, walk_gallery
 
 # ---------------------------------------------------------------------------- build

@@ -17,18 +17,18 @@ from embedder.knn import drop_self
 
 from ..ann import faiss_index as fx
 from ..ann import neighbours, stream
-from ..layouts.counts import CountCheck, check_counts, faiss_ntotal
-from ..errors import IndexerError
+from ..ann.tuning import K, heldout_size, tune
 from ..directory.index_dir import IndexDir, now_utc
-from ..layouts.layout import Layout, Part, layout_of
-from ..store.lmdb_faults import DiskFullError
 from ..directory.lock import writer_lock
 from ..directory.manifest import Manifest
 from ..directory.model import load_embedder
-from ..store.ingest import IngestStats, embed_missing, ingest
-from ..store.sources import Rows, StoreSource
+from ..errors import IndexerError
+from ..layouts.counts import CountCheck, check_counts, faiss_ntotal
+from ..layouts.layout import Layout, Part, layout_of
 from ..store.gallery import GalleryStore
-from ..ann.tuning import K, heldout_size, tune
+from ..store.ingest import IngestStats, embed_missing, ingest
+from ..store.lmdb_faults import DiskFullError
+from ..store.sources import Rows, StoreSource
 from ..store.walk import GalleryFile, walk_gallery
 
 

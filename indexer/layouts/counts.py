@@ -15,13 +15,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import IndexerError
 from ..directory.index_dir import IndexDir, manifest_stamp
-from .layout import layout_of
 from ..directory.lock import is_locked
 from ..directory.manifest import Manifest
-from ..store.gallery import GalleryStore
 from ..directory.validate import damaged
+from ..errors import IndexerError
+from ..store.gallery import GalleryStore
+from .layout import layout_of
 
 _HEADER = struct.Struct("<4siq")   # fourcc, d (int32), ntotal (int64): every faiss index starts so
 

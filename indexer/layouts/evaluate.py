@@ -20,9 +20,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import IndexerError
-from .index import Index
 from ..store.gallery import id_for_sha256
 from ..store.walk import walk_gallery
+from .index import Index
 
 
 def _ks(ks: Sequence[int]) -> list[int]:

@@ -17,12 +17,12 @@ from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from embedder.vectors import l2_normalize
 
-from ..errors import IndexerError
-from .layout import Layout, layout_of
-from ..directory.model import load_embedder
 from ..ann.neighbours import Neighbourhoods
+from ..directory.model import load_embedder
+from ..errors import IndexerError
 from ..searchable import Answer, Searchable
 from ..store.gallery import GalleryStore
+from .layout import Layout, layout_of
 
 
 @dataclass

@@ -24,14 +24,14 @@ from typing import Any, Protocol, Sequence
 import faiss
 
 from ..ann import neighbours
-from ..errors import IndexerError
 from ..ann.served import SearchableIndex
 from ..directory.index_dir import PART_FILE, STORE_DIR, IndexDir
 from ..directory.manifest import Manifest
-from .shards import PartsIndex, ShardedStore
 from ..directory.shard_files import check_files, describe_changed, file_records, relative, shard_paths
-from ..store.gallery import GalleryStore
 from ..directory.validate import check_model_file, damaged, faiss_reason, read_faiss
+from ..errors import IndexerError
+from ..store.gallery import GalleryStore
+from .shards import PartsIndex, ShardedStore
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ import numpy as np
 from ..ann import faiss_index as fx
 from ..ann import stream
 from ..directory.index_dir import PART_FILE, STORE_DIR
-from ..directory.shard_files import shard_paths
 from ..directory.manifest import Manifest
+from ..directory.shard_files import shard_paths
+from ..directory.validate import damaged, faiss_reason
 from ..searchable import Answer
 from ..store.gallery import GalleryStore
-from ..directory.validate import damaged, faiss_reason
 
 
 # ---------------------------------------------------------------------------- reading

@@ -25,17 +25,9 @@ class ShardSearcher:
     """The Ray actor: one shard's part, memory-mapped on its node, searched with the index's
     search parameters. Stateless between searches, so a restarted actor answers the same.
 
-    Ray places, restarts and pings it (the control plane); the searches themselves come over a
-    direct data plane: a TCP port this actor opens on its node's address (:meth:`endpoint`),
-    where each connection must first pass the stdlib's HMAC challenge both ways
-    (``multiprocessing.connection.deliver_challenge`` / ``answer_challenge``) with ``authkey``,
-    a random key the serving process made for this actor. Only then are pickled ``(q, k, dq,
-    iq)`` messages read from it (the router's coarse assignment ``dq, iq``, or None for the
-    part's own search), each answered with ``(D, I)`` on the same connection. A thread serves
-    each connection (faiss releases the GIL, so connections search in parallel). Why not a Ray
-    call per search: each costs about 1 ms of task submission and object-store hops to one
-    actor, 3-4 ms to four on this machine's loaded cores, against about 1 ms for the whole
-    search in one process (docs/benchmarks/scaling.md)."""
+    Searches come over the data plane (:mod:`indexer.ray.link`; :meth:`endpoint` says where):
+    pickled ``(q, k, dq, iq)`` (the router's coarse assignment ``dq, iq``, or None for the part's
+    own search), each answered with ``(D, I)``; a thread per connection (faiss releases the GIL)."""
 
     def __init__(self, part_file: str, search_params: str, threads: int = 1, authkey: bytes = b"",
                  host: str | None = None) -> None:

@@ -132,10 +132,3 @@ def _descendants(pid: int) -> list[int]:
 def alive_nodes(ray: Any) -> list[dict]:
     """The resources (``{"CPU": 32.0, "GPU": 4.0, ...}``) of each live node of the cluster."""
     return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-
-
-def join(address: str | None) -> None:
-    """Join the cluster unless this process already has (:func:`connect`: one line for an
-    unreachable address)."""
-    if not ray_module().is_initialized():
-        connect(address)

@@ -21,16 +21,8 @@ router itself (it lives in the index directory, beside the manifest). The merge 
 ``merge_knn_results`` (what ``IndexShards`` uses), in the same part order, so ids, distances and
 the -1 padding are those of the in-process search.
 
-Two planes: Ray places the actors, restarts them, answers health pings and tells the router
-where each actor listens (Ray calls); the queries and (D, I) answers go over a direct TCP
-connection from the router to each actor (:func:`open_link`), authenticated both ways by the
-stdlib's HMAC challenge with a random key the serving process made for that actor and passed
-to it at creation (never logged): the same trust model as Ray's own unauthenticated ports on a
-private cluster network, plus the key; nothing is unpickled from a peer before it passed the
-challenge. Why: a Ray call costs ~1 ms to one actor and 3-4 ms to four on a loaded node, the
-whole search ~1 ms (docs/benchmarks/scaling.md, "Serving a sharded index across Ray nodes"). A connection
-that fails or answers late is closed, its shard left out of that answer, and the actor asked
-again where it listens (a restarted actor has a new port).
+Two planes: Ray places, restarts and pings the actors; queries and answers go over the data
+plane (:mod:`indexer.ray.link`).
 
 Node loss: a fan-out waits at most ``timeout`` seconds; a shard whose actor did not answer in
 time or died is left out and named in the answer's ``partial`` (``searchable.Answer``), which
@@ -66,15 +58,15 @@ import faiss
 import numpy as np
 
 from ..ann import faiss_index as fx
-from ..errors import IndexerError
 from ..directory.index_dir import MANIFEST, PART_FILE, RUN_FILE
 from ..directory.manifest import Manifest
+from ..directory.shard_files import shard_paths
+from ..errors import IndexerError
 from ..searchable import Answer
 from .actor import ShardSearcher, plain_ivf
-from .cluster import join, near, ray_module
+from .cluster import connect, near, ray_module
 from .link import CONNECT_SLICE_S, ShardLink
 from .readers import READER_MEMORY
-from ..directory.shard_files import shard_paths
 
 _log = logging.getLogger(__name__)
 
@@ -200,7 +192,7 @@ class Router:
 
     def __init__(self, directory: Path, manifest: Manifest, config: RayServing) -> None:
         ray = ray_module()
-        join(config.address)
+        connect(config.address)        # joins unless this process already has
         self.ray, self.config = ray, config
         self.directory = Path(directory)
         sh = manifest.sharded
@@ -423,6 +415,3 @@ def wait_whole(router: Router, timeout: float) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-__all__ = ["RayServing", "Router", "shard_node", "wait_whole", "DEFAULT_TIMEOUT_S"]

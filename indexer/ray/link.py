@@ -1,6 +1,13 @@
-"""The fan-out's data plane: the router's direct TCP connections to the shard actors, each
-authenticated both ways by the stdlib's HMAC challenge before anything is unpickled from it
-(:mod:`indexer.ray.fanout` says why a Ray call per search is not used)."""
+"""The fan-out's data plane. Ray places the actors, restarts them, answers health pings and tells
+the router where each actor listens (Ray calls); the queries and (D, I) answers go over a direct
+TCP connection from the router to each actor (:func:`open_link`), authenticated both ways by the
+stdlib's HMAC challenge with a random key the serving process made for that actor and passed to
+it at creation (never logged): the same trust model as Ray's own unauthenticated ports on a
+private cluster network, plus the key; nothing is unpickled from a peer before it passed the
+challenge. Why: a Ray call costs ~1 ms to one actor and 3-4 ms to four on a loaded node, the
+whole search ~1 ms (docs/benchmarks/scaling.md, "Serving a sharded index across Ray nodes"). A
+connection that fails or answers late is closed, its shard left out of that answer, and the
+actor asked again where it listens (a restarted actor has a new port)."""
 from __future__ import annotations
 
 import os

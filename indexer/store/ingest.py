@@ -31,8 +31,8 @@ from embedder.runtime import DECODE_WORKERS, chunked
 from embedder.vectors import l2_normalize
 
 from ..errors import IndexerError
-from .reader import DECODED, FAILED, SKIP, TOUCH, UNCHANGED, prefetch, read_chunk
 from .gallery import GalleryStore, NewItem, Snapshot
+from .reader import DECODED, FAILED, SKIP, TOUCH, UNCHANGED, prefetch, read_chunk
 from .walk import GalleryFile
 
 

@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterator, Self, Sequence
 
 import lmdb
 
-from ..errors import IndexerError
 from ..directory.validate import check_lmdb
+from ..errors import IndexerError
 from .lmdb_faults import DAMAGE, FULL_DISK_SLACK, READ_DAMAGE, DiskFullError, MappedFile, StoreUnavailable, damaged_store
 
 
