@@ -12,6 +12,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (README's command runs `-n 2`): how many workers share this machine. Each
+# gets its share of the cores for torch, faiss and OpenMP, and so do the processes it starts
+# (they inherit OMP_NUM_THREADS): two workers with a thread per core each would run 4 spinning
+# OpenMP threads on 2 cores.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if XDIST_WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
+
 # The fused DAS kernels (training/das_triton.py) are checked on CPU in Triton's interpreter,
 # which has to be switched on before anything imports triton. Never on a CUDA machine: there
 # the same tests run the compiled kernels.
@@ -20,6 +28,17 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+# The modules that take minutes, longest first: they start first, so that under xdist
+# (`--dist loadfile`) the short ones fill the other worker around them instead of one of them
+# starting last and running alone (figures: CONTRIBUTING.md, "How long the suite takes").
+SLOW_FIRST = ("tests/indexer/test_ray_netns.py", "tests/training/test_device_suite.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {m: i for i, m in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(rank)))   # stable
 
 
 def _omniglot_root() -> Path:
@@ -112,9 +131,14 @@ def omniglot_paths(omniglot_root: Path) -> list[Path]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Keep exported default models out of the user's ~/.cache during tests."""
+    """Keep exported default models out of the user's ~/.cache during tests. Under xdist the
+    workers share one cache (their base temps' common parent): the default model is exported
+    once, not once a worker (``default_model_path`` is safe for concurrent first use)."""
     if "DAS_CACHE" not in os.environ:
-        os.environ["DAS_CACHE"] = str(tmp_path_factory.mktemp("das-cache"))
+        base = tmp_path_factory.getbasetemp()
+        cache = (base.parent if XDIST_WORKERS else base) / "das-cache"
+        cache.mkdir(exist_ok=True)
+        os.environ["DAS_CACHE"] = str(cache)
     return Path(os.environ["DAS_CACHE"])
 
 

@@ -56,4 +56,4 @@ def test_readme_and_ci_install_through_the_constraints():
     assert INSTALL in readme, f"README's install command should be: {INSTALL}"
     run = (REPO / ".ci" / "run").read_text()
     assert re.search(r"pip install .*-c constraints\.txt -e \"\.\[cpu,dev\]\"", run), ".ci/run must install through constraints.txt"
-    assert "python -m pytest -q" in readme and "python -m pytest -q" in run
+    assert "python -m pytest -q -n auto" in readme and "python -m pytest -q -n auto" in run

@@ -10,9 +10,10 @@ it makes only to look an actor's endpoint up again are not reached)."""
 from __future__ import annotations
 
 import os
-import resource
 import secrets
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,9 +21,9 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer.ray.actor import ShardSearcher
+from indexer.ray.link import LINK_HANDSHAKE_S, ShardLink
 from indexer.ray.fanout import RayServing, Router
-from indexer.ray.link import LINK_HANDSHAKE_S, ShardLink, open_link
+from indexer.ray.actor import ShardSearcher
 
 D = 16
 
@@ -39,27 +40,45 @@ def part(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
     return path, rng.standard_normal((5, D)).astype(np.float32)
 
 
-def test_accept_loop_survives_running_out_of_descriptors(part) -> None:
-    path, q = part
-    key = secrets.token_bytes(32)
-    s = ShardSearcher(str(path), "nprobe=4", 1, key, host="127.0.0.1")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+# Run in a child process of its own: RLIMIT_NOFILE is per process, and in the test process other
+# threads (pytest-timeout's, an xdist worker's channel) may open or close a descriptor inside the
+# window, so that the client's connect() or the actor's accept() gets the last one.
+ACCEPT_SURVIVES = """
+import os, resource, secrets, socket, sys, time
+import numpy as np
+from indexer.ray.actor import ShardSearcher
+from indexer.ray.link import open_link
+path, q = sys.argv[1], np.load(sys.argv[2])
+key = secrets.token_bytes(32)
+s = ShardSearcher(path, "nprobe=4", 1, key, host="127.0.0.1")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+try:
+    n_open = len(os.listdir("/proc/self/fd")) - 1                # less listdir's own
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n_open + 1, hard))
     try:
-        n_open = len(os.listdir("/proc/self/fd")) - 1                # less listdir's own
-        resource.setrlimit(resource.RLIMIT_NOFILE, (n_open + 1, hard))
-        try:
-            c = socket.create_connection(s.endpoint(), timeout=5)   # takes the last descriptor
-            time.sleep(0.5)                                        # the actor's accept(): EMFILE
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        c.close()
-        with open_link(s.endpoint(), key, timeout=10) as conn:     # still served afterwards
-            conn.send((q, 3, None, None))
-            assert conn.poll(10)
-            d, i = conn.recv()
-        assert i.shape == (len(q), 3) and (i >= 0).all()
+        c = socket.create_connection(s.endpoint(), timeout=5)   # takes the last descriptor
+        time.sleep(0.5)                                        # the actor's accept(): EMFILE
     finally:
-        s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    c.close()
+    with open_link(s.endpoint(), key, timeout=10) as conn:     # still served afterwards
+        conn.send((q, 3, None, None))
+        assert conn.poll(10), "no answer after EMFILE"
+        d, i = conn.recv()
+    assert i.shape == (len(q), 3) and (i >= 0).all(), i
+finally:
+    s.close()
+print("served after EMFILE")
+"""
+
+
+def test_accept_loop_survives_running_out_of_descriptors(part, tmp_path) -> None:
+    path, q = part
+    np.save(tmp_path / "q.npy", q)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", ACCEPT_SURVIVES, str(path), str(tmp_path / "q.npy")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "served after EMFILE" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_a_shard_that_never_sends_the_challenge_is_left_out_within_the_bound(part) -> None:

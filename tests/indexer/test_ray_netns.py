@@ -55,9 +55,11 @@ def test_ray_tests_in_a_private_network_namespace(tmp_path: Path) -> None:
         if isinstance(found, str):
             skip_or_fail(f"Ray tests need a private network namespace: {found}")
         prefix = found
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}   # not a worker
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     report = tmp_path / "ray.xml"
-    cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    # -n 0: serial inside, whatever PYTEST_ADDOPTS says (the clusters are sized for 2 cores)
+    cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
            f"--junitxml={report}", *(str(REPO / m) for m in RAY_MODULES)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = p.stdout + p.stderr
