@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from shared_fixture import shared_fixture
 
 from indexer_testlib import REPO, copy_characters, run_cli  # noqa: F401 (fixtures use them)
 
@@ -19,17 +20,14 @@ collect_ignore = ["test_ray.py", "test_ray_cluster.py"]
 @pytest.fixture(scope="session")
 def omniglot_gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
     """12 characters x 20 drawings = 240 real Omniglot images, labelled Alphabet/characterNN."""
-    root = tmp_path_factory.mktemp("omniglot-gallery")
-    copy_characters(omniglot_root, root, 12)
-    return root
+    return shared_fixture(tmp_path_factory, "omniglot-gallery", lambda out: copy_characters(omniglot_root, out, 12))
 
 
 @pytest.fixture(scope="session")
 def built_index(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path, small_onnx: Path) -> Path:
     """A Flat index of ``omniglot_gallery`` built through the CLI; tests must not modify it."""
-    out = tmp_path_factory.mktemp("built") / "idx"
-    run_cli("build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet")
-    return out
+    return shared_fixture(tmp_path_factory, "built-idx", lambda out: run_cli(
+        "build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet"))
 
 
 @pytest.fixture(scope="session")
@@ -37,11 +35,12 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path,
     """``s0``, ``s1`` (``--shard i/2`` of ``omniglot_gallery``, IVF lists), ``merged`` (``indexer
     merge``) and ``sharded`` (``merge --sharded``): built once for the sharded and the re-ranking
     tests; tests must not modify them (copy first)."""
-    root = tmp_path_factory.mktemp("two_shards")
-    flags = ["--quiet", "--flat-threshold", "100"]       # IVF lists: where "as one" can go wrong
-    for i in range(2):
-        run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
-                "--out", root / f"s{i}", *flags)
-    run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *flags)
-    run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *flags)
-    return root
+    def build(root: Path) -> None:
+        flags = ["--quiet", "--flat-threshold", "100"]       # IVF lists: where "as one" can go wrong
+        for i in range(2):
+            run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
+                    "--out", root / f"s{i}", *flags)
+        run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *flags)
+        run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *flags)
+
+    return shared_fixture(tmp_path_factory, "two_shards", build)

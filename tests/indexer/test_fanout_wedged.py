@@ -42,10 +42,11 @@ def part(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
 
 # Run in a child process of its own: RLIMIT_NOFILE is per process, and in the test process other
 # threads (pytest-timeout's, an xdist worker's channel) may open or close a descriptor inside the
-# window, so that the client's connect() or the actor's accept() gets the last one.
+# window, so that the client's connect() or the actor's accept() gets the last one. Inside the
+# window nothing may need a file: connect()'s getaddrinfo imports the idna codec on first use.
 ACCEPT_SURVIVES = """
-import os, resource, secrets, socket, sys, time
-import numpy as np
+import encodings.idna, os, resource, secrets, socket, sys, time   # idna: getaddrinfo's codec, imported
+import numpy as np                                              # now, not inside the window (a file)
 from indexer.ray.actor import ShardSearcher
 from indexer.ray.link import open_link
 path, q = sys.argv[1], np.load(sys.argv[2])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from shared_fixture import shared_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 # Ray modules run in private network namespaces (tests/indexer/test_ray_netns.py), not here
@@ -26,26 +27,25 @@ def demo_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(gallery, queries): 8 photo classes x 5 views, 2 held-out query views each."""
     from serving.demo import make_demo_gallery
 
-    root = tmp_path_factory.mktemp("serving-demo")
-    return make_demo_gallery(root, views=5, queries=2, size=160, classes=DEMO_CLASSES, progress=False)
+    root = shared_fixture(tmp_path_factory, "serving-demo", lambda out: make_demo_gallery(
+        out, views=5, queries=2, size=160, classes=DEMO_CLASSES, progress=False))
+    return root / "gallery", root / "queries"
 
 
 @pytest.fixture(scope="session")
 def pretrained_index(tmp_path_factory, demo_dirs, pretrained_onnx) -> Path:
     from indexer import build_index
 
-    out = tmp_path_factory.mktemp("idx-pretrained") / "pretrained"
-    build_index(demo_dirs[0], out, model=pretrained_onnx, progress=False)
-    return out
+    return shared_fixture(tmp_path_factory, "pretrained",    # the directory's name is the index's
+                          lambda out: build_index(demo_dirs[0], out, model=pretrained_onnx, progress=False))
 
 
 @pytest.fixture(scope="session")
 def small_index(tmp_path_factory, demo_dirs, small_onnx) -> Path:
     from indexer import build_index
 
-    out = tmp_path_factory.mktemp("idx-small") / "small"
-    build_index(demo_dirs[0], out, model=small_onnx, progress=False)
-    return out
+    return shared_fixture(tmp_path_factory, "small",
+                          lambda out: build_index(demo_dirs[0], out, model=small_onnx, progress=False))
 
 
 @pytest.fixture(scope="session")
