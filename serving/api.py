@@ -3,7 +3,10 @@
     POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery-relative
                                 path>, looked up in LMDB), k=10, index=<name>, dba=true|false
                                 (DBA re-ranking, indexer.ann.neighbours; also a query parameter;
-                                default: on for an index built with --dba)
+                                default: on for an index built with --dba); box=x0,y0,x1,y1
+                                (search that region of the image, pixels); image repeated (up
+                                to 16, within the upload limit together): one result list for
+                                the images fused (serving.queries)
     GET  /api/thumb/{index}/{id}  PNG thumbnail rendered from LMDB bytes
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness (503 naming what is not served: e.g. a shard whose Ray
@@ -32,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from indexer import IndexerError
 
 from .limits import RequestGuard
+from .queries import check_count, parse_box
 from .redact import Redactor
 from .results import RequestError, UnknownIdError, check_k, parse_dba
 from .searcher import Searcher
@@ -92,24 +96,32 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         return [redact.description(searcher.describe(n)) for n in searcher.names]
 
     @app.post("/api/search")
-    def search(request: Request, image: UploadFile | None = File(None), k: str = Form("10"),
+    def search(request: Request, image: list[UploadFile] | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
-               path: str | None = Form(None), dba: str | None = Form(None)) -> dict[str, Any]:
+               path: str | None = Form(None), dba: str | None = Form(None),
+               box: str | None = Form(None)) -> dict[str, Any]:
         # One index state for the whole request (a reload meanwhile never mixes two): the
-        # index, k and dba are checked once, before any decoding, on this snapshot.
+        # index, k, dba, box and the number of images are checked once, before any decoding.
         snap = searcher.snapshot(index)
         kk = check_k(k)
         use_dba = searcher.check_dba(parse_dba(dba if dba is not None else request.query_params.get("dba")), snap)
-        img, qname = None, None
-        if image is not None:
-            fname = image.filename or "image"
-            data = image.file.read(max_upload_bytes + 1)
+        images = image or []
+        check_count(len(images))
+        region = parse_box(box)
+        if region is not None and len(images) > 1:
+            raise RequestError(f"box: a region of one query image; got {len(images)} images")
+        # a box is in the upload's own pixels: decode it whole (the pixel cap still holds)
+        side = None if region is not None else searcher.decode_side
+        parts = []
+        for upload in images:
+            fname = upload.filename or "image"
+            data = upload.file.read(max_upload_bytes + 1)
             if len(data) > max_upload_bytes:
-                raise RequestError(f"{fname}: {too_large(image.size, max_upload_bytes)}", 413)
-            img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side)
-            qname = image.filename or "upload"
+                raise RequestError(f"{fname}: {too_large(upload.size, max_upload_bytes)}", 413)
+            img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=side)
+            parts.append(searcher.query(img, name=upload.filename or "upload", box=region))
         # else id or path: a gallery image, looked up in LMDB, never opened
-        query = searcher.query(img, id=id, path=path, index=snap, name=qname)
+        query = searcher.fused(parts) if parts else searcher.query(None, id=id, path=path, index=snap, box=region)
         res = searcher.search(query, kk, index=snap, dba=use_dba)
         # relative to the server, never built from the Host header (a client-chosen name)
         base = request.scope.get("root_path", "").rstrip("/")

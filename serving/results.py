@@ -74,7 +74,8 @@ class Query:
 
     A gallery query carries its id in ``source`` (the index it came from), so that index can
     use the stored embedding and leave the query itself out of its results; other indexes embed
-    the same bytes with their own embedder.
+    the same bytes with their own embedder. A fused query (``Searcher.fused``) has ``parts``, the
+    queries it stands for, and no pixels of its own: its embedding is theirs fused.
     """
     image: Image.Image | None = None
     id: int | None = None
@@ -84,6 +85,7 @@ class Query:
     name: str = "query"
     embeddings: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # per index (Searcher.embed)
     origin: Snapshot | None = field(default=None, repr=False)   # the index state it was found in
+    parts: tuple["Query", ...] = ()                              # a fused query's queries
 
     def on(self, name: str) -> "Snapshot | str":
         """What a request on index ``name`` looks up: the snapshot this gallery query was found

@@ -28,7 +28,7 @@ from embedder import ImageLoadError
 from embedder.images import DEFAULT_MAX_PIXELS
 from indexer import Index, IndexDir, check_counts
 
-from . import probes
+from . import probes, queries
 from .reload import IndexWatcher
 from .results import (ProbeReport, Query, RequestError, Result, SearchResult, Snapshot, UnknownIdError,
                       check_k)
@@ -147,21 +147,27 @@ class Searcher:
     # -- queries --------------------------------------------------------------------------
     def query(self, image: Query | ImageSource | int | None = None, *, id: int | str | None = None,
               path: str | None = None, index: IndexRef = None, label: str | None = None,
-              name: str | None = None) -> Query:
+              name: str | None = None, box: Any = None) -> Query:
         """The one way to a Query (the API, the UI and every Searcher method come here): an image,
         decoded now (a bad file fails here with ImageLoadError); else a gallery id (an integer,
         also as the first argument, or the digits a form sends) or a gallery-relative path
         (looked up in the store, never read from disk) in ``index``. A Query is returned as it
-        is. ``label`` sets or overrides the query's label. UnknownIdError for an id or path the
-        index does not have; RequestError for no query or a malformed id."""
+        is. ``label`` sets or overrides the query's label. ``box`` (x0,y0,x1,y1 in the image's
+        pixels, :func:`serving.queries.parse_box`): search that region only; a region of a
+        gallery image is a new image (its photo is not left out of the results: finding the
+        photo a detail comes from is the point). UnknownIdError for an id or path the index does
+        not have; RequestError for no query, a malformed id or a box outside the image."""
         if isinstance(image, Query):
             return image
         if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
             image, id = None, int(image)
+        region = queries.parse_box(box)
         if image is not None:
-            img = bounded_decode(image, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
             nm = name or (str(image) if isinstance(image, (str, Path)) else "query")
-            return Query(image=img, label=label, name=nm)
+            if region is None:
+                img = bounded_decode(image, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
+                return Query(image=img, label=label, name=nm)
+            return self._region(image, region, nm, label)
         snap = self.snapshot(index)
         if id is None and path is not None:
             id = snap.index.id_for_path(path)
@@ -175,11 +181,38 @@ class Searcher:
         if id is None:
             raise RequestError("no query: upload an image, or name a gallery image by id or path")
         meta = self._meta(snap, id)
+        nm = meta.get("path") or f"{snap.name}#{id}"
+        if region is not None:
+            return self._region(snap.index.image_bytes(int(id)), region, nm, label or meta.get("label"))
         return Query(id=int(id), source=snap.name, label=label or meta.get("label"), path=meta.get("path"),
-                     name=meta.get("path") or f"{snap.name}#{id}", origin=snap)
+                     name=nm, origin=snap)
+
+    def _region(self, image: ImageSource, box: queries.Box, name: str, label: str | None) -> Query:
+        """A Query of ``box`` of ``image``: decoded at full size (the box is in its pixels; the
+        pixel cap still holds), cut, then reduced as any query is."""
+        full = bounded_decode(image, name=name, min_side=None, max_pixels=DEFAULT_MAX_PIXELS)
+        cut = queries.crop(full, box, name)
+        img = bounded_decode(cut, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
+        return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
+
+    def fused(self, parts: Sequence[Query], *, label: str | None = None) -> Query:
+        """One Query for several (each made by :meth:`query`): searched with their embeddings'
+        normalised mean (:func:`serving.queries.fuse`), one result list. A single part is
+        returned as it is; none is "no query"; more than MAX_QUERY_IMAGES is refused. A gallery
+        image among the parts is not left out of the results."""
+        queries.check_count(len(parts))
+        if not parts:
+            raise RequestError("no query: upload an image, or name a gallery image by id or path")
+        if len(parts) == 1:
+            return parts[0]
+        return Query(parts=tuple(parts), label=label or next((p.label for p in parts if p.label), None),
+                     name=f"{len(parts)} images fused ({', '.join(p.name for p in parts[:3])}"
+                          f"{', ...' if len(parts) > 3 else ''})")
 
     def query_image(self, q: Query) -> Image.Image:
         """The query's pixels (for gallery queries, decoded from the source index's LMDB)."""
+        if q.parts:
+            raise RequestError(f"{q.name}: this needs one query image, not several fused")
         if q.image is None:
             data = (q.origin.index if q.origin is not None else self.index(q.source)).image_bytes(q.id)
             q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
@@ -192,9 +225,10 @@ class Searcher:
 
     def _embed(self, snap: Snapshot, qs: Sequence[Query]) -> np.ndarray:
         """(n, d) embeddings of ``qs`` in the snapshot's space, cached on each query: a gallery
-        item of the index keeps its stored vector, the rest are embedded in one batched run."""
+        item of the index keeps its stored vector, the rest are embedded in one batched run; a
+        fused query's parts are embedded with them and fused."""
         todo = []
-        for q in qs:
+        for q in [p for q in qs for p in (q.parts or (q,))]:
             if snap.name in q.embeddings:
                 continue
             if self._own(snap, q):
@@ -207,6 +241,9 @@ class Searcher:
         if todo:
             for q, v in zip(todo, snap.index.embed([self.query_image(q) for q in todo])):
                 q.embeddings[snap.name] = np.asarray(v, dtype=np.float32)
+        for q in qs:
+            if q.parts and snap.name not in q.embeddings:
+                q.embeddings[snap.name] = queries.fuse(np.stack([p.embeddings[snap.name] for p in q.parts]))
         return np.stack([q.embeddings[snap.name] for q in qs])
 
     @staticmethod

@@ -20,6 +20,7 @@ from indexer.directory.index_dir import MANIFEST
 
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
+from .queries import MAX_QUERY_IMAGES, check_count, parse_box
 from .redact import Redactor
 from .render import probe_grid, result_items
 from .results import RequestError, check_k
@@ -117,18 +118,29 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
     redactor = Redactor(searcher.directories)
     labels = sorted({lab for n in names for lab in searcher.index(n).labels()})
 
-    def make_query(img_path: str | None, pick: str | None, label: str | None) -> Query:
-        img = name = None
-        if img_path:
-            p = Path(img_path)
-            if not is_in_or_equal(str(p), get_upload_folder()):
-                # Gradio refuses such paths before this runs (serving.server); never read one
-                raise UploadError(f"{p.name}: not an upload; upload the image through the page")
-            check_size(p.stat().st_size, p.name, max_upload_bytes)
-            img = decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes,
-                                min_side=searcher.decode_side)
-            name = p.name
-        return searcher.query(img, id=pick or None, label=label or None, name=name)
+    def upload(path: str, whole: bool = False) -> Image.Image:
+        p = Path(path)
+        if not is_in_or_equal(str(p), get_upload_folder()):
+            # Gradio refuses such paths before this runs (serving.server); never read one
+            raise UploadError(f"{p.name}: not an upload; upload the image through the page")
+        check_size(p.stat().st_size, p.name, max_upload_bytes)
+        # a region is in the upload's own pixels: decoded whole then (the pixel cap still holds)
+        return decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes,
+                             min_side=None if whole else searcher.decode_side)
+
+    def make_query(img_path: str | None, pick: str | None, label: str | None, region: str | None = None,
+                   more: list[str] | None = None) -> Query:
+        """The query column's values -> one Query: the image or pick (``region``: a box of it),
+        fused with the ``more`` images when there are any (serving.queries)."""
+        box = parse_box(region)
+        check_count(len(more or []) + 1, "more images")
+        img = upload(img_path, whole=box is not None) if img_path else None
+        q = searcher.query(img, id=pick or None, label=label or None,
+                           name=Path(img_path).name if img_path else None, box=box)
+        if not more:
+            return q
+        return searcher.fused([q, *(searcher.query(upload(m), name=Path(m).name) for m in more)],
+                              label=label or None)
 
     def fail(e: Exception, n_out: int) -> list[Any]:
         msg = getattr(e, "message", None) or str(e)
@@ -137,9 +149,9 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
 
     # -- handlers -------------------------------------------------------------------------
     def do_search(img_path: str | None, pick: str | None, label: str | None, k: float,
-                  dba: bool = True) -> list[Any]:
+                  dba: bool = True, region: str | None = None, more: list[str] | None = None) -> list[Any]:
         try:
-            q = make_query(img_path, pick, label)
+            q = make_query(img_path, pick, label, region, more)
             kk = int(k)
             # checked: each index's default (DBA where built with it); unchecked: plain everywhere
             use = None if dba else False
@@ -209,6 +221,11 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                 with gr.Column(scale=1):
                     s_query = _query_inputs("search", picks, labels, height=260,
                                             label_text="Query label (optional: frames results green/red)")
+                    s_region = gr.Textbox(label="Box x0,y0,x1,y1 (optional: search that region of the "
+                                                "image, in its pixels)", elem_id="search-box")
+                    s_more = gr.File(file_count="multiple", file_types=["image"], type="filepath",
+                                     label=f"More query images (optional, up to {MAX_QUERY_IMAGES - 1}: "
+                                           "one result list for all of them)", elem_id="search-more")
                     s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
                     with_dba = [n for n in names if searcher.index(n).has_dba]
                     s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
@@ -223,7 +240,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
             # inputs for programs written against it (each index's default: DBA where built with
             # it): an event with no trigger on the page, an API endpoint only.
-            s_btn.click(do_search, [*s_query, s_k, s_dba], [s_status, *s_gals], api_name="search_dba")
+            s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more], [s_status, *s_gals], api_name="search_dba")
             gr.on([], do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
         with gr.Tab("Probes", id="probes"):

@@ -57,6 +57,30 @@ def test_upload_and_search_shows_k_labelled_results(page, demo_dirs):
     assert path.name in page.locator("#search-status").inner_text()
 
 
+def test_region_and_more_images_in_the_search_tab(page, demo_dirs):
+    """The Search tab's region field and multi-upload reach the search (issue 42 item 3): the
+    status names the box, then the fused images; a box outside the image is one warning line."""
+    (path, label), (other, _) = labelled_folder(demo_dirs[1])[:2]
+    page.get_by_role("tab", name="Search").click()
+    page.locator("#search-image input[type=file]").set_input_files(str(path))
+    page.wait_for_selector("#search-image img")
+    region = page.locator("#search-box textarea")
+    region.fill("0,0,80,80")
+    page.locator("#search-btn").click()
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('[0,0,80,80]')")
+    assert page.locator("#search-results-0 .gallery-item img").count() > 0
+    region.fill("0,0,5000,80")                                    # outside the 160-px photo
+    page.locator("#search-btn").click()
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('box:')")
+    assert "outside" in page.locator("#search-status").inner_text()
+    region.fill("")
+    page.locator("#search-more input[type=file]").set_input_files([str(other)])
+    page.wait_for_function(f"document.querySelector('#search-more').innerText.includes('{other.name}')")
+    page.locator("#search-btn").click()
+    page.wait_for_function("document.querySelector('#search-status').innerText.includes('2 images fused')")
+    assert path.name in page.locator("#search-status").inner_text()
+
+
 def test_probes_tab_shows_a_row_per_probe(page, demo_dirs):
     page.get_by_role("tab", name="Probes").click()
     label = labelled_folder(demo_dirs[1])[-1][1]
