@@ -20,7 +20,7 @@ _EXPORTS = {
     "default_model_path": "pretrained", "pretrained_embedder": "pretrained",
     "default_parity_images": "export",
 }
-PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize")   # `from embedder import metrics`
+PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize", "regions")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..audit.cli import add_parser as add_audit_parser
 from ..cli import read, write
 
 DEFAULT_DIR = "indexes/default"
@@ -94,8 +95,15 @@ def parser() -> argparse.ArgumentParser:
                                     "folder. Single and sharded indexes alike."),
          "--batch-size", "--workers", "--device", "--quiet", "--wait", index=True).set_defaults(func=write.repair)
 
-    s = sub.add_parser("search", help="the k nearest gallery images of a query image")
-    s.add_argument("image", type=Path)
+    s = sub.add_parser("search", help="the k nearest gallery images of a query image, or of every "
+                                      "image of a folder (batch)")
+    s.add_argument("image", type=Path, help="a query image, or a folder of them (searched in batches; "
+                                           "unreadable files skipped and reported)")
+    s.add_argument("--box", metavar="X0,Y0,X1,Y1", default=None,
+                   help="search this region of the image only (pixels of the image as shown)")
+    s.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="with a folder: write the top-k of each file to FILE, .jsonl or .csv "
+                        "(default: JSON lines on stdout)")
     s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="DBA re-ranking (auto: on for an index built with --dba)")
     opts(s, "-k", "--json", "--device", "--max-memory", "--ray", "--shard-timeout",
@@ -144,6 +152,7 @@ def parser() -> argparse.ArgumentParser:
     index_opts(m)
     dba_opts(m)
     opts(m, "--device", "--quiet", "--wait").set_defaults(func=write.merge)
+    add_audit_parser(sub)
     return p
 
 

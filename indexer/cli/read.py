@@ -28,21 +28,74 @@ def ray_serving(args: argparse.Namespace, strict: bool = False) -> Any:
     return RayServing(address=args.ray, timeout=args.shard_timeout, strict=strict)
 
 
-def search(args: argparse.Namespace) -> None:
-    from ..layouts.index import Index
-
-    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
-                     ray=ray_serving(args))
-    found = idx.answer(idx.embed([args.image]), args.k, dba=DBA[args.dba])
-    hits, partial = idx.hits(found.scores[0], found.ids[0]), found.partial
-    if partial:     # over Ray, a shard did not answer in time: said, on stderr
+def warn_partial(partial: Any, args: argparse.Namespace) -> None:
+    if len(partial):     # over Ray, a shard did not answer in time: said, on stderr
         print(f"indexer search: warning: partial answer: shard(s) {', '.join(map(str, partial))} did not "
               f"answer within {args.shard_timeout:g} s", file=sys.stderr)
+
+
+def search(args: argparse.Namespace) -> None:
+    """``indexer search IMAGE [--box]``, or ``indexer search FOLDER [--out FILE]`` (batch)."""
+    from embedder import load_image
+    from embedder.regions import crop, parse_box
+
+    from ..layouts.index import Index
+
+    box = parse_box(args.box, "--box")
+    if args.image.is_dir():
+        if box is not None:
+            raise UsageError("--box is a region of one image; a folder is searched whole")
+        return search_folder(args)
+    if args.out is not None:
+        raise UsageError("--out is for a folder of queries (one image prints its results)")
+    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
+                     ray=ray_serving(args))
+    if not args.image.is_file():
+        raise IndexerError(f"{args.image}: no such image or folder")
+    query = args.image if box is None else crop(load_image(args.image, mode="RGB"), box, str(args.image), "--box")
+    found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
+    hits = idx.hits(found.scores[0], found.ids[0])
+    warn_partial(found.partial, args)
     if args.json:
         print(json.dumps([h.__dict__ for h in hits], indent=2))
     else:
         for r, h in enumerate(hits, 1):
             print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
+
+
+def search_folder(args: argparse.Namespace) -> None:
+    """Every image under a folder searched (embedded in batches, with progress), its top-k
+    written as JSON lines or CSV rows (query, rank, id, score, label, path); an unreadable file
+    is skipped and listed on stderr, as a gallery's are at build time."""
+    from ..layouts.evaluate import search_files
+
+    if args.out is not None and args.out.suffix.lower() not in (".jsonl", ".csv"):
+        raise UsageError(f"--out {args.out}: expected a .jsonl or .csv file")
+    from ..layouts.index import Index
+
+    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
+                     ray=ray_serving(args))
+    rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
+                                          progress=True)
+    warn_partial(partial, args)
+    out = sys.stdout if args.out is None else None
+    tmp = None if args.out is None else args.out.with_name(f".{args.out.name}.partial")
+    with (open(tmp, "w", newline="") if tmp else out) as fh:       # replaced whole, never half written
+        if args.out is not None and args.out.suffix.lower() == ".csv":
+            import csv
+
+            w = csv.writer(fh)
+            w.writerow(["query", "rank", "id", "score", "label", "path"])
+            w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path]
+                        for q, hits in rows for r, h in enumerate(hits, 1))
+        else:
+            for q, hits in rows:
+                fh.write(json.dumps({"query": q, "results": [h.__dict__ for h in hits]}) + "\n")
+    if tmp is not None:
+        tmp.replace(args.out)
+        print(f"{len(rows)} queries searched, top-{args.k} each -> {args.out}", file=sys.stderr)
+    for s in skipped:
+        print(f"indexer search: skipped {s['path']}: {s['reason']}", file=sys.stderr)
 
 
 def evaluate(args: argparse.Namespace) -> int:

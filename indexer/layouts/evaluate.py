@@ -93,6 +93,33 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
             "skipped": skipped}
 
 
+def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None = None,
+                 progress: bool = False) -> tuple[list[tuple[str, list]], list[dict], list[int]]:
+    """Batch search: every image under ``folder`` (any depth) embedded in batches and searched;
+    returns ([(relative path, hits)], skipped [{"path", "reason"}], shards left out). A query
+    that is also a gallery item is not left out of its results (as ``indexer search``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise IndexerError(f"{folder}: query folder not found")
+    files = list(walk_gallery(folder))
+    skipped = [{"path": f.relpath, "reason": f.problem} for f in files if f.problem]
+    todo = [f for f in files if not f.problem]
+    if not todo:
+        raise IndexerError(f"{folder}: no query images ({len(skipped)} skipped)")
+    out: list[tuple[str, list]] = []
+    partial: set[int] = set()
+    for keys, emb, failures in index.embedder.embed_iter(((f.relpath, f.abspath) for f in todo),
+                                                         progress=progress, total=len(todo)):
+        skipped += [{"path": key, "reason": getattr(e, "reason", str(e))} for key, e in failures]
+        if keys:
+            found = index.answer(emb, k, dba=dba)
+            partial.update(found.partial)
+            out += [(key, index.hits(s, i)) for key, s, i in zip(keys, found.scores, found.ids)]
+    if not out:
+        raise IndexerError(f"{folder}: no query image could be read ({len(skipped)} skipped)")
+    return out, skipped, sorted(partial)
+
+
 def evaluate_gallery(index: Index, ks: Sequence[int] = (1, 2, 4, 8), *, dba: bool | None = None,
                      max_queries: int | None = None, seed: int = 0) -> dict:
     """Leave-one-out on the index's own gallery: each labelled item (a sample of ``max_queries``)
