@@ -8,6 +8,9 @@
                                 to 16, within the upload limit together): one result list for
                                 the images fused (serving.queries)
     GET  /api/thumb/{index}/{id}  PNG thumbnail rendered from LMDB bytes
+    GET  /api/audit/{index}     the gallery audit: near-duplicate groups, likely mislabelled
+                                images (with the suggested label), outliers, confused class
+                                pairs (indexer.audit; once per index version, kept beside it)
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness (503 naming what is not served: e.g. a shard whose Ray
                                 node is lost)
@@ -132,6 +135,11 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         if res.partial:     # served over Ray and a shard did not answer in time: named, not hidden
             out["partial"] = res.partial
         return out
+
+    @app.get("/api/audit/{index}")
+    def audit(index: str) -> dict[str, Any]:
+        """The index's audit lists (indexer.audit; computed once per index version)."""
+        return {"index": index, **searcher.audit(index)}
 
     @app.get("/api/thumb/{index}/{id}")
     def thumb(index: str, id: str) -> Response:

@@ -27,6 +27,7 @@ from PIL import Image
 from embedder import ImageLoadError
 from embedder.images import DEFAULT_MAX_PIXELS
 from indexer import Index, IndexDir, check_counts
+from indexer.audit import served_audit
 
 from . import probes, queries
 from .reload import IndexWatcher
@@ -373,6 +374,16 @@ class Searcher:
         """The same probes on every open index (the paper's baseline vs DAS comparison)."""
         q = self.query(query)
         return {name: self.probe(q, k, index=q.on(name), **kw) for name in self.indexes}
+
+    def audit(self, index: IndexRef = None) -> dict[str, Any]:
+        """The gallery audit of ``index`` (near-duplicates, likely mislabelled images, outliers,
+        confused classes: ``indexer.audit``), computed once per index version and kept beside
+        it, never per request; RequestError for an index opened without its directory."""
+        snap = self.snapshot(index)
+        directory = self.directories.get(snap.name)
+        if directory is None:
+            raise RequestError(f"index {snap.name!r} was not opened from a directory: no audit")
+        return served_audit(directory)
 
     def describe(self, index: IndexRef = None) -> dict[str, Any]:
         """Manifest plus live facts, for the Index tab and GET /api/indexes."""

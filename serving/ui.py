@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import gradio as gr
 import numpy as np
@@ -31,6 +31,10 @@ GALLERY_LOO = "gallery (leave-one-out)"
 # Most numbers a list field (scales, shift values, k values) may hold: each scale or shift value
 # is one more search per open index (400 values cost 26 CPU-seconds in one request).
 MAX_LIST_VALUES = 16
+#: the Audit tab's galleries (kind, title) and how many images each shows
+AUDIT_GALLERIES = (("mislabelled", "Likely mislabelled (label → suggested · score)"),
+                   ("duplicates", "Near-duplicate groups"), ("outliers", "Outliers (score)"))
+AUDIT_SHOWN = 24
 P_MAX_TOPK, P_MAX_RANDOM = 64, 6        # the Probes sliders' ranges, checked again server-side
 
 
@@ -212,83 +216,134 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
 
         return [msg, pd.DataFrame(rows, columns=head), png]
 
+    def do_audit(name: str) -> list[Any]:
+        """The Audit tab: each list as thumbnails with captions, the ids behind them (for a click)."""
+        try:
+            found = searcher.audit(name)
+        except (ValueError, IndexerError) as e:
+            return fail(e, len(AUDIT_GALLERIES) + 1) + [[[] for _ in AUDIT_GALLERIES]]
+        items = {"mislabelled": [(x, f"{x['label']} → {x['suggested']} · {x['score']:.2f}")
+                                 for x in found.get("mislabelled", [])],
+                 "duplicates": [(x, f"group {g['group']} · {x['label'] or ''} · max cos {g['max_cosine']:.3f}")
+                                for g in found["duplicates"] for x in g["items"]],
+                 "outliers": [(x, f"{x['label'] or ''} · {x['score']:.2f}") for x in found["outliers"]]}
+        gals = [[(searcher.thumbnail(name, x["id"]), cap) for x, cap in items[kind][:AUDIT_SHOWN]]
+                for kind, _ in AUDIT_GALLERIES]
+        ids = [[x["id"] for x, _ in items[kind][:AUDIT_SHOWN]] for kind, _ in AUDIT_GALLERIES]
+        conf = [[c["label_a"], c["label_b"], c["edges"], c["rate"]] for c in found.get("confused", [])]
+        f = found["summary"]["found"]
+        why = "".join(f"\n\n{kind}: {reason}" for kind, reason in found["summary"]["skipped"].items()
+                      if reason != "not asked for")
+        msg = (f"**{name}**: {found['summary']['images']} images · {f.get('mislabelled', 0)} likely mislabelled · "
+               f"{f['duplicate_groups']} near-duplicate groups · outliers ranked · "
+               f"{f.get('confused_pairs', 0)} confused class pairs{why}")
+        return [msg, *gals, conf, ids]
+
+    def open_in_search(n: int) -> Callable[..., list[Any]]:
+        """The click handler of the n-th audit gallery: the Search tab, that image picked (the
+        upload cleared). A named function: Gradio passes SelectData by the annotation."""
+        def clicked(ids: list[list[int]], evt: gr.SelectData) -> list[Any]:
+            return [gr.Tabs(selected="search"), None, str(ids[n][evt.index])]
+        return clicked
+
     # -- layout ---------------------------------------------------------------------------
     # delete_cache: result thumbnails Gradio writes to its cache are removed after an hour.
     with gr.Blocks(title=title, analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
         gr.Markdown(f"# {title}\nIndexes: " + ", ".join(f"**{n}** ({len(searcher.index(n))} images)" for n in names))
-        with gr.Tab("Search", id="search"):
-            with gr.Row():
-                with gr.Column(scale=1):
-                    s_query = _query_inputs("search", picks, labels, height=260,
-                                            label_text="Query label (optional: frames results green/red)")
-                    s_region = gr.Textbox(label="Box x0,y0,x1,y1 (optional: search that region of the "
-                                                "image, in its pixels)", elem_id="search-box")
-                    s_more = gr.File(file_count="multiple", file_types=["image"], type="filepath",
-                                     label=f"More query images (optional, up to {MAX_QUERY_IMAGES - 1}: "
-                                           "one result list for all of them)", elem_id="search-more")
-                    s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
-                    with_dba = [n for n in names if searcher.index(n).has_dba]
-                    s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
-                                        label="DBA re-ranking (neighbourhood-augmented gallery vectors)"
-                                              + (f": {', '.join(with_dba)}" if with_dba else
-                                                 ": no open index was built with --dba"))
-                    s_btn = gr.Button("Search", variant="primary", elem_id="search-btn")
-                with gr.Column(scale=3):
-                    s_status = gr.Markdown(elem_id="search-status")
-                    s_gals = [gr.Gallery(label=f"Results — {n}", columns=4, height="auto", object_fit="contain",
-                                         elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
-            # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
-            # inputs for programs written against it (each index's default: DBA where built with
-            # it): an event with no trigger on the page, an API endpoint only.
-            s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more], [s_status, *s_gals], api_name="search_dba")
-            gr.on([], do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
+        with gr.Tabs(selected="search") as tabs:
+            with gr.Tab("Search", id="search"):
+                with gr.Row():
+                    with gr.Column(scale=1):
+                        s_query = _query_inputs("search", picks, labels, height=260,
+                                                label_text="Query label (optional: frames results green/red)")
+                        s_region = gr.Textbox(label="Box x0,y0,x1,y1 (optional: search that region of the "
+                                                    "image, in its pixels)", elem_id="search-box")
+                        s_more = gr.File(file_count="multiple", file_types=["image"], type="filepath",
+                                         label=f"More query images (optional, up to {MAX_QUERY_IMAGES - 1}: "
+                                               "one result list for all of them)", elem_id="search-more")
+                        s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
+                        with_dba = [n for n in names if searcher.index(n).has_dba]
+                        s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
+                                            label="DBA re-ranking (neighbourhood-augmented gallery vectors)"
+                                                  + (f": {', '.join(with_dba)}" if with_dba else
+                                                     ": no open index was built with --dba"))
+                        s_btn = gr.Button("Search", variant="primary", elem_id="search-btn")
+                    with gr.Column(scale=3):
+                        s_status = gr.Markdown(elem_id="search-status")
+                        s_gals = [gr.Gallery(label=f"Results — {n}", columns=4, height="auto", object_fit="contain",
+                                             elem_id=f"search-results-{i}", format="png") for i, n in enumerate(names)]
+                # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
+                # inputs for programs written against it (each index's default: DBA where built with
+                # it): an event with no trigger on the page, an API endpoint only.
+                s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more], [s_status, *s_gals], api_name="search_dba")
+                gr.on([], do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
-        with gr.Tab("Probes", id="probes"):
-            gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "
-                        "semantic shifting (query + r_b × difference of two gallery embeddings of one class), "
-                        "as in the DAS paper's supplementary section L. Each row: the probe's top-k, with "
-                        "overlap@k against the original top-k and precision@k when the query's label is known.")
-            with gr.Row():
-                with gr.Column(scale=1):
-                    p_query = _query_inputs("probe", picks, labels, height=220, label_text="Query label (optional)")
-                    p_k = gr.Slider(1, 20, value=6, step=1, label="k")
-                    p_topk = gr.Slider(1, P_MAX_TOPK, value=4, step=1, label="K channels scaled (top-K by value)")
-                    p_scales = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SCALES), label="Scales")
-                    p_nrand = gr.Slider(0, P_MAX_RANDOM, value=0, step=1, label="Random scalings (per channel U[1-r_s, 1+r_s])")
-                    p_rs = gr.Slider(0.05, 0.95, value=0.5, step=0.05, label="r_s")
-                    p_shifts = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SHIFTS), label="Shift r_b values")
-                    p_shift_label = gr.Dropdown(labels, value=None, label="Shift class (when the query's label is unknown)")
-                    p_seed = gr.Number(0, precision=0, label="Seed")
-                    p_btn = gr.Button("Run probes", variant="primary", elem_id="probe-btn")
-                with gr.Column(scale=3):
-                    p_status = gr.Markdown(elem_id="probe-status")
-                    p_grids = [gr.Image(label=f"Probes — {n}", show_label=False, type="pil", format="png", interactive=False,
-                                        elem_id=f"probe-grid-{i}") for i, n in enumerate(names)]
-                    p_table = gr.Dataframe(headers=["index", "probe", "overlap@k", "precision@k"],
-                                           label="Stability", interactive=False, elem_id="probe-table")
-            p_btn.click(do_probes, [*p_query, p_k, p_topk, p_scales, p_nrand, p_rs, p_shifts, p_shift_label, p_seed],
-                        [p_status, *p_grids, p_table], api_name="probes")
+            with gr.Tab("Probes", id="probes"):
+                gr.Markdown("Test-time semantic scaling (top-K channels of the query embedding scaled) and "
+                            "semantic shifting (query + r_b × difference of two gallery embeddings of one class), "
+                            "as in the DAS paper's supplementary section L. Each row: the probe's top-k, with "
+                            "overlap@k against the original top-k and precision@k when the query's label is known.")
+                with gr.Row():
+                    with gr.Column(scale=1):
+                        p_query = _query_inputs("probe", picks, labels, height=220, label_text="Query label (optional)")
+                        p_k = gr.Slider(1, 20, value=6, step=1, label="k")
+                        p_topk = gr.Slider(1, P_MAX_TOPK, value=4, step=1, label="K channels scaled (top-K by value)")
+                        p_scales = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SCALES), label="Scales")
+                        p_nrand = gr.Slider(0, P_MAX_RANDOM, value=0, step=1, label="Random scalings (per channel U[1-r_s, 1+r_s])")
+                        p_rs = gr.Slider(0.05, 0.95, value=0.5, step=0.05, label="r_s")
+                        p_shifts = gr.Textbox(", ".join(f"{s:g}" for s in DEFAULT_SHIFTS), label="Shift r_b values")
+                        p_shift_label = gr.Dropdown(labels, value=None, label="Shift class (when the query's label is unknown)")
+                        p_seed = gr.Number(0, precision=0, label="Seed")
+                        p_btn = gr.Button("Run probes", variant="primary", elem_id="probe-btn")
+                    with gr.Column(scale=3):
+                        p_status = gr.Markdown(elem_id="probe-status")
+                        p_grids = [gr.Image(label=f"Probes — {n}", show_label=False, type="pil", format="png", interactive=False,
+                                            elem_id=f"probe-grid-{i}") for i, n in enumerate(names)]
+                        p_table = gr.Dataframe(headers=["index", "probe", "overlap@k", "precision@k"],
+                                               label="Stability", interactive=False, elem_id="probe-table")
+                p_btn.click(do_probes, [*p_query, p_k, p_topk, p_scales, p_nrand, p_rs, p_shifts, p_shift_label, p_seed],
+                            [p_status, *p_grids, p_table], api_name="probes")
 
-        with gr.Tab("Evaluate", id="evaluate"):
-            gr.Markdown("Recall@k of every open index: leave-one-out on the gallery (each labelled image "
-                        "queries the rest), or on a labelled query folder (`<folder>/<label>/<images>`) "
-                        "given to the server with `--queries`.")
-            with gr.Row():
-                e_src = gr.Dropdown([GALLERY_LOO, *query_sets], value=(list(query_sets) or [GALLERY_LOO])[0],
-                                    label="Queries", elem_id="eval-source")
-                e_ks = gr.Textbox("1, 2, 4, 8", label="k values")
-                e_btn = gr.Button("Evaluate", variant="primary", elem_id="eval-btn")
-            e_status = gr.Markdown()
-            with gr.Row():
-                e_table = gr.Dataframe(label="Recall@k (%)", interactive=False, elem_id="eval-table")
-                e_plot = gr.Image(label="Recall@k", type="pil", format="png", interactive=False)
-            e_btn.click(do_eval, [e_src, e_ks], [e_status, e_table, e_plot], api_name="evaluate")
+            with gr.Tab("Evaluate", id="evaluate"):
+                gr.Markdown("Recall@k of every open index: leave-one-out on the gallery (each labelled image "
+                            "queries the rest), or on a labelled query folder (`<folder>/<label>/<images>`) "
+                            "given to the server with `--queries`.")
+                with gr.Row():
+                    e_src = gr.Dropdown([GALLERY_LOO, *query_sets], value=(list(query_sets) or [GALLERY_LOO])[0],
+                                        label="Queries", elem_id="eval-source")
+                    e_ks = gr.Textbox("1, 2, 4, 8", label="k values")
+                    e_btn = gr.Button("Evaluate", variant="primary", elem_id="eval-btn")
+                e_status = gr.Markdown()
+                with gr.Row():
+                    e_table = gr.Dataframe(label="Recall@k (%)", interactive=False, elem_id="eval-table")
+                    e_plot = gr.Image(label="Recall@k", type="pil", format="png", interactive=False)
+                e_btn.click(do_eval, [e_src, e_ks], [e_status, e_table, e_plot], api_name="evaluate")
 
-        with gr.Tab("Index", id="index"):
-            for n in names:
-                info = redactor.description(searcher.describe(n))     # no server paths on the page
-                gr.Markdown(_describe_md(info))
-                gr.JSON(info.get("manifest", {}), label=f"{MANIFEST} — {n}")
+            with gr.Tab("Index", id="index"):
+                for n in names:
+                    info = redactor.description(searcher.describe(n))     # no server paths on the page
+                    gr.Markdown(_describe_md(info))
+                    gr.JSON(info.get("manifest", {}), label=f"{MANIFEST} — {n}")
+
+            with gr.Tab("Audit", id="audit"):
+                gr.Markdown("The gallery audited from its index's own neighbours (computed once per index "
+                            "version, kept beside the index): likely mislabelled images (label → the label "
+                            "their neighbours suggest), near-duplicate groups, outliers and the most confused "
+                            "class pairs. Click an image to search with it.")
+                with gr.Row():
+                    a_index = gr.Dropdown(names, value=names[0], label="Index", elem_id="audit-index")
+                    a_btn = gr.Button("Audit", variant="primary", elem_id="audit-btn")
+                a_status = gr.Markdown(elem_id="audit-status")
+                a_gals = [gr.Gallery(label=title, columns=6, height="auto", object_fit="contain", format="png",
+                                     allow_preview=False, elem_id=f"audit-{kind}")
+                          for kind, title in AUDIT_GALLERIES]
+                a_conf = gr.Dataframe(headers=["class a", "class b", "neighbour edges", "rate"],
+                                      label="Most confused class pairs", interactive=False, elem_id="audit-confused")
+                a_ids = gr.State([[] for _ in AUDIT_GALLERIES])
+            a_btn.click(do_audit, [a_index], [a_status, *a_gals, a_conf, a_ids], api_name="audit")
+            for n, gal in enumerate(a_gals):     # a click searches with that gallery image
+                gal.select(open_in_search(n), [a_ids], [tabs, s_query[0], s_query[1]], api_name=False).then(
+                    do_search, [*s_query, s_k, s_dba], [s_status, *s_gals], api_name=False)
     return demo
 
 

@@ -8,7 +8,8 @@ wired). What it reads of ``indexer`` goes through one seam, :mod:`indexer.audit.
 from __future__ import annotations
 
 from .run import DEFAULT_K, KINDS, Audit, lists, print_summary, run_audit, summary, write_audit
+from .served import served_audit
 from .source import Gallery, open_gallery
 
 __all__ = ["Audit", "run_audit", "write_audit", "lists", "summary", "print_summary", "Gallery",
-           "open_gallery", "DEFAULT_K", "KINDS"]
+           "open_gallery", "DEFAULT_K", "KINDS", "served_audit"]

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from embedder.vectors import l2_normalize
-from indexer import GalleryStore, Index, IndexerError, check_counts
+from indexer import GalleryStore, Index, IndexDir, IndexerError, check_counts
 
 #: index types whose search scores are exact inner products of the stored vectors (Flat, IVF
 #: lists of full vectors, HNSW, or codes re-ranked with the full vectors); the others' scores
@@ -145,3 +145,9 @@ def open_gallery(directory: str | Path, *, device: str = "cpu", ray: Any = None)
 
 
 __all__ = ["Gallery", "open_gallery", "EXACT_SCORE_TYPES"]
+
+
+def manifest_file(directory: str | Path) -> Path:
+    """The index's manifest (its version: every change rewrites it last); IndexerError when
+    ``directory`` is not an index."""
+    return IndexDir(directory).require().manifest_file

@@ -100,3 +100,18 @@ def test_probes_tab_shows_a_row_per_probe(page, demo_dirs):
     page.wait_for_function("(e => e && e.complete && e.naturalWidth > 0)(document.querySelector('#probe-grid-0 img'))")
     ok = page.locator("#probe-grid-0 img").evaluate("e => e.complete && e.naturalHeight > 600")
     assert ok    # one row per probe: 7 rows of thumbnails
+
+
+def test_audit_tab_lists_the_gallery_and_a_click_searches_with_it(page):
+    """The Audit tab (issue 42 item 2): the lists with thumbnails, a status with the counts; a
+    click on an outlier opens the Search tab with that image picked and its results shown."""
+    page.get_by_role("tab", name="Audit").click()
+    page.locator("#audit-btn").click()
+    page.wait_for_function("document.querySelector('#audit-status').innerText.includes('near-duplicate groups')")
+    page.wait_for_function("document.querySelectorAll('#audit-outliers .gallery-item img').length > 0")
+    status = page.locator("#audit-status").inner_text()
+    assert "40 images" in status and "likely mislabelled" in status
+    page.locator("#audit-outliers .gallery-item").first.click()
+    page.wait_for_selector("#search-btn", state="visible")
+    page.wait_for_function("document.querySelectorAll('#search-results-0 .gallery-item img').length > 0")
+    assert "Query" in page.locator("#search-status").inner_text()

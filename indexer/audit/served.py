@@ -1,0 +1,59 @@
+"""The audit a server shows (issue 42 item 2): computed once per index version, never per
+request. The version is the manifest's sha256 (``indexer add/remove/repair`` rewrite it), and
+the lists are kept in ``DIR/audit.json`` beside the index, so a restarted server does not
+recompute them either; a read-only index directory keeps them in the server's memory only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from .run import DEFAULT_K, lists, run_audit, summary
+from .source import manifest_file, open_gallery
+
+CACHE_FILE = "audit.json"
+SERVED_TOP = 60            # rows per list a page shows (the CLI writes DEFAULT_TOP)
+_LOCKS: dict[Path, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def version(directory: str | Path) -> str:
+    """The index's version: the sha256 of its manifest (what every change rewrites last)."""
+    return hashlib.sha256(manifest_file(directory).read_bytes()).hexdigest()
+
+
+def served_audit(directory: str | Path, *, top: int = SERVED_TOP) -> dict[str, Any]:
+    """{"version", "summary", "duplicates", "outliers", and with labels "mislabelled",
+    "confused"} for the index in ``directory``: read from DIR/audit.json when it is of the
+    index's current version, else computed (once: concurrent callers wait for the first) and
+    stored there. No server path in it (the summary's "index" is left out)."""
+    d = Path(directory).resolve()
+    with _LOCKS_GUARD:
+        lock = _LOCKS.setdefault(d, threading.Lock())
+    with lock:
+        key = version(d)
+        try:
+            cached = json.loads((d / CACHE_FILE).read_text())
+            if cached.get("version") == key:
+                return cached
+        except (OSError, ValueError):
+            pass
+        g = open_gallery(d)
+        a = run_audit(g, k=min(DEFAULT_K, max(1, len(g.ids) - 1)))     # a tiny gallery: its all
+        rows = lists(a, top)
+        info = {k: v for k, v in summary(a, rows).items() if k != "index"}
+        out = {"version": key, "summary": info, **rows}
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{CACHE_FILE}.", dir=d)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(out, fh)
+            os.replace(tmp, d / CACHE_FILE)
+        except OSError:             # a read-only index directory: this process keeps it
+            pass
+        return out
+
