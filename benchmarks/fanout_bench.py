@@ -170,7 +170,7 @@ def main() -> None:
         manifest.search_params = f"nprobe={a.nprobe}"
         print(f"index: {a.n:,} x {a.dim} in {a.shards} shards, IVF{a.nlist} nprobe {a.nprobe} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        local = stream.open_parts([root / s / "part.faiss" for s in manifest.sharded["shards"]]
+        local = stream.open_parts([root / s / "part.faiss" for s in manifest.sharded.shards]
                                   + [root / "held.faiss"], faiss.read_index(str(root / "trained.faiss")))
         fx.set_search_params(local, manifest.search_params)
         cluster = start_cluster(a.shards)

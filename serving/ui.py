@@ -15,7 +15,7 @@ import numpy as np
 from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
-from indexer import IndexerError
+from indexer import IndexerError, Manifest
 from indexer.directory.index_dir import MANIFEST
 
 from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
@@ -88,13 +88,11 @@ def _pick_choices(searcher: Searcher, per_label: int = 2, limit: int = 400) -> l
 
 def _describe_md(info: Mapping[str, Any]) -> str:
     """The Index tab's table: live counts and the manifest fields a user asks about first."""
-    m = info.get("manifest") or {}
-    model = m.get("model") or {}
+    m = Manifest.from_dict(info["manifest"], where=f"index {info['name']!r}", strict=False)
     rows = [("images", info.get("size")), ("classes", info.get("labels")), ("dim", info.get("dim")),
-            ("model", model.get("backbone")), ("model file", model.get("source")),
-            ("model sha256", str(model.get("hash", ""))[:16]), ("index type", m.get("index_type")),
-            ("nprobe", m.get("nprobe")), ("measured recall@10 (vs exact)", m.get("recall_at_10")),
-            ("target recall", m.get("target_recall")), ("built", m.get("built_at"))]
+            ("model", m.model.backbone), ("model file", m.model.source), ("model sha256", m.model_hash[:16]),
+            ("index type", m.index_type), ("nprobe", m.nprobe), ("measured recall@10 (vs exact)", m.recall_at_10),
+            ("target recall", m.target_recall), ("built", m.built_at)]
     body = "\n".join(f"| {k} | {'—' if v in (None, '') else v} |" for k, v in rows)
     return f"### {info['name']}\n\n| field | value |\n| --- | --- |\n{body}\n"
 

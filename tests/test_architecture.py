@@ -330,6 +330,43 @@ def test_the_layout_branch_check_sees_each_form():
     assert [line for line, _ in layout_branches(code)] == [1, 2, 3, 4]
 
 
+
+# The manifest is typed all the way down (issue 40): outside indexer/directory/ a record of it is
+# read by attribute (``m.sharded.held``), never by string key (``m["model"]``, ``m.sharded["held"]``,
+# ``m.get("neighbours")``). Rows of other tables that share a key name are listed with their reason.
+MANIFEST_RECORDS = {"model", "index_file", "shard", "sharded", "neighbours", "ingest", "candidates"}
+NOT_MANIFEST_READS = {("indexer/cli/read.py", "p['shard']"), ("indexer/cli/read.py", "s['shard']"),  # info's parts rows
+                      ("indexer/audit/run.py", "r['neighbours']")}                                    # the audit's rows
+
+
+def record_key_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of each read of a manifest record by string key: ``x["model"]``,
+    ``x.get("sharded")``, ``x.model["hash"]``, ``x.sharded.get("files")`` (writes are not reads)."""
+    out = []
+    for n in ast.walk(tree):
+        is_get = isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args
+        key = n.slice if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Load) else n.args[0] if is_get else None
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            continue
+        on = n.value if isinstance(n, ast.Subscript) else n.func.value
+        if key.value in MANIFEST_RECORDS or (isinstance(on, ast.Attribute) and on.attr in MANIFEST_RECORDS):
+            out.append((n.lineno, ast.unparse(n)))
+    return out
+
+
+def test_no_manifest_record_is_read_by_string_key_outside_the_directory_subpackage():
+    wrong = [f"{path}:{line} {code}" for path in _modules()
+             if _owner(path) in (*PACKAGES, "app") and not path.as_posix().startswith("indexer/directory/")
+             for line, code in record_key_reads(ast.parse((REPO / path).read_text()))
+             if (path.as_posix(), code) not in NOT_MANIFEST_READS]
+    assert not wrong, "manifest records read by string key (read the typed fields):\n" + "\n".join(wrong)
+
+
+def test_the_record_key_check_sees_each_form():
+    code = ('a = m["model"]["hash"]\nb = manifest.get("neighbours")\nc = m.sharded["held"]\n'
+            'd = m.model.get("source")\nfields["neighbours"] = rec\ne = m.sharded.held\nf = x["count"]\n')
+    assert sorted(line for line, _ in record_key_reads(ast.parse(code))) == [1, 2, 3, 4]
+
 # The searchable index is one type (issue 40): serving reads an answer's partial from the answer
 # and a mode's facts from indexer.searchable.Searchable, never by probing for an attribute, and
 # no answer travels as per-thread state.

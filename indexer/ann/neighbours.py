@@ -35,6 +35,7 @@ import numpy as np
 from embedder.knn import exact_knn
 from embedder.vectors import l2_normalize
 
+from ..directory.manifest import Manifest, NeighboursRecord
 from ..errors import IndexerError
 
 NEIGHBOURS_FILE = "neighbours.npz"
@@ -66,20 +67,12 @@ class DbaParams:
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
             raise IndexerError(f"DBA depth={self.depth!r}: expected a positive integer")
 
-    def record(self) -> dict:
-        """The manifest's ``neighbours`` entry (with the file's record added by the writer)."""
-        return {"method": "dba", "k": self.k, "alpha": float(self.alpha), "depth": self.depth,
-                "file": NEIGHBOURS_FILE}
-
     @classmethod
-    def from_record(cls, rec: dict) -> "DbaParams":
-        if not isinstance(rec, dict) or rec.get("method") != "dba":
-            raise IndexerError(f"manifest neighbours {rec!r}: expected {{'method': 'dba', 'k', 'alpha', 'depth'}}")
-        try:
-            return cls(int(rec["k"]), float(rec["alpha"]), int(rec["depth"]))
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise IndexerError(f"manifest neighbours {rec!r}: {type(e).__name__}: {e}; expected "
-                               "integers k >= 2 and depth >= 1 and a number alpha") from None
+    def from_record(cls, rec: NeighboursRecord) -> "DbaParams":
+        """The manifest's record (its keys' types checked when it was read)."""
+        if rec.method != "dba":
+            raise IndexerError(f"manifest neighbours method {rec.method!r}: expected 'dba'")
+        return cls(rec.k, float(rec.alpha), rec.depth)
 
 
 @dataclass
@@ -274,14 +267,16 @@ def _without(nb: Neighbourhoods, rows: np.ndarray, e: int, vectors: Vectors) -> 
 
 
 # ---------------------------------------------------------------------------- in an index directory
-def write(directory: str | Path, nb: Neighbourhoods) -> dict:
+def write(directory: str | Path, nb: Neighbourhoods) -> NeighboursRecord:
     """Save ``neighbours.npz`` in ``directory`` (atomically, before the manifest that names it)
     and return the manifest's ``neighbours`` record: parameters, size and sha256."""
     from embedder.hashing import file_sha256
 
     path = Path(directory) / NEIGHBOURS_FILE
     nb.save(path)
-    return {**nb.params.record(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    p = nb.params
+    return NeighboursRecord(method="dba", k=p.k, alpha=float(p.alpha), depth=p.depth, file=NEIGHBOURS_FILE,
+                            bytes=path.stat().st_size, sha256=file_sha256(path))
 
 
 #: The arrays of ``neighbours.npz`` and the dtype kind each must have ("i": signed integers,
@@ -313,7 +308,7 @@ def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     return out
 
 
-def check(directory: str | Path, manifest: dict, *, verify_hash: bool | None = True) -> None:
+def check(directory: str | Path, manifest: Manifest, *, verify_hash: bool | None = True) -> None:
     """The one check of ``neighbours.npz`` against the manifest (no-op for an index without
     DBA): what ``search``/``app.py`` run at open (:func:`read`, then the values), ``indexer
     info`` and ``/api/health`` (through :func:`indexer.layouts.counts.check_counts`).
@@ -328,15 +323,15 @@ def check(directory: str | Path, manifest: dict, *, verify_hash: bool | None = T
     """
     from ..directory.validate import check_faiss_file, damaged
 
-    rec = manifest.get("neighbours")
+    rec = manifest.neighbours
     if not rec:
         return
     path = Path(directory) / NEIGHBOURS_FILE
     params = DbaParams.from_record(rec)
     check_faiss_file(path, rec, verify_hash=False)
-    if verify_hash is not False and "sha256" in rec:
+    if verify_hash is not False and rec.sha256 is not None:
         st = path.stat()
-        sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, rec["sha256"])
+        sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, rec.sha256)
         if verify_hash or _verified.get(str(path)) != sig:
             check_faiss_file(path, rec, verify_hash=True)
             _verified[str(path)] = sig
@@ -348,7 +343,7 @@ def check(directory: str | Path, manifest: dict, *, verify_hash: bool | None = T
         _verified.pop(str(path), None)
         raise damaged(path, f"not a readable neighbour file ({type(e).__name__}: "
                             f"{(str(e).splitlines() or [''])[0][:160]})") from None
-    n, k, dim = int(manifest["count"]), params.k, int(manifest["dim"])
+    n, k, dim = manifest.count, params.k, manifest.dim
     want = {"ids": (n,), "nbr": (n, k), "sims": (n, k), "aug": (n, dim), "params": (3,)}
     for name, kind in _ARRAYS.items():
         shape, dtype = heads[name]
@@ -363,15 +358,15 @@ def check(directory: str | Path, manifest: dict, *, verify_hash: bool | None = T
                            f"the index is damaged: rebuild it with `python -m indexer build --dba`")
 
 
-def read(directory: str | Path, manifest: dict) -> Neighbourhoods | None:
+def read(directory: str | Path, manifest: Manifest) -> Neighbourhoods | None:
     """The directory's neighbourhoods when its manifest records DBA (else None), after
     :func:`check` (size, sha256, arrays' shapes and dtypes, k/alpha, row count)."""
-    rec = manifest.get("neighbours")
+    rec = manifest.neighbours
     if not rec:
         return None
     check(directory, manifest)
     path = Path(directory) / NEIGHBOURS_FILE
-    return Neighbourhoods.load(path, DbaParams.from_record(rec), int(manifest["dim"]))
+    return Neighbourhoods.load(path, DbaParams.from_record(rec), manifest.dim)
 
 
 def remove_file(directory: str | Path) -> None:

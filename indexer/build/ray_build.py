@@ -133,7 +133,7 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
         report.flush()
     import ray
 
-    return {**m, "node": ray.get_runtime_context().get_node_id()}   # where the shard now lives
+    return m, ray.get_runtime_context().get_node_id()   # the manifest, and where the shard now lives
 
 
 def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> tuple[int, str]:
@@ -343,16 +343,16 @@ def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: d
     with tqdm(total=sum(listed), desc=f"indexing ({n} shards on Ray)", unit="img",
               disable=not progress) as bar:
         manifests = _wait_all(ray, refs, actor, n, bar)
-        found = sum(int(m["ingest"]["found"]) for m in manifests.values())
+        found = sum(m.ingest.found for m, _ in manifests.values())
         bar.n, bar.total = found, max(bar.total or 0, found)   # the shards' own counts are the final word
         bar.refresh()
-    nodes = [manifests[i].get("node") for i in range(n)]
+    nodes = [manifests[i][1] for i in range(n)]
     _, attempts, attempt_nodes = ray.get(actor.state.remote())
     return dirs, found, attempts, nodes, attempt_nodes
 
 
-def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, dict]:
-    """Each shard's manifest once all tasks ended, the bar following the actor's counts; the
+def _wait_all(ray: Any, refs: dict, actor: Any, n: int, bar: Any) -> dict[int, tuple]:
+    """Each shard's (manifest, node) once all tasks ended, the bar following the actor's counts; the
     first task that fails for good cancels the rest and ends in one line."""
     pending, manifests = list(refs), {}
     while pending:

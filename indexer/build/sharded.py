@@ -53,7 +53,7 @@ def _build_sharded(dirs: list[IndexDir], out: Path, opts: BuildOptions, device: 
     claim_parts(out, [d.path for d in dirs])      # another sharded index's parts: refused
     model, dim = manifests[0].model, manifests[0].dim
     if sources is None:
-        sources = [StoreSource(d.store_dir, model["hash"], dim) for d in dirs]
+        sources = [StoreSource(d.store_dir, model.hash, dim) for d in dirs]
     try:
         p = stream.plan(sources, opts, device=device, progress=progress)
         if fill_parts is not None:         # the plan's reads are done: free the readers now

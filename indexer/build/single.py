@@ -119,7 +119,7 @@ def check_shards(dirs: Sequence[IndexDir]) -> list[Manifest]:
                                f"{first.model_hash[:12]}; shards must share one model")
         if m.dim != first.dim:
             raise IndexerError(f"{d.path}: dimension mismatch ({m.dim} vs {first.dim})")
-    seen = [(m.shard["i"], m.shard["n"]) for m in manifests if m.is_shard]
+    seen = [(m.shard.i, m.shard.n) for m in manifests if m.is_shard]
     if len(set(seen)) != len(seen):
         raise IndexerError(f"the same shard is given twice: {seen}")
     return manifests
@@ -131,8 +131,8 @@ def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Man
     (the files their builds skipped, together) and ``report``."""
     dst.copy_model(dirs[0].model_file, manifests[0].model_hash)
     dst.write_report([r for d in dirs for r in d.read_report()])
-    return {"shards": [[m.shard["i"], m.shard["n"]] for m in manifests if m.is_shard],
-            "ingest": {"skipped": sum(int((m.ingest or {}).get("skipped", 0)) for m in manifests)},
+    return {"shards": [[m.shard.i, m.shard.n] for m in manifests if m.is_shard],
+            "ingest": {"skipped": sum(m.ingest.skipped for m in manifests if m.ingest)},
             "report": REPORT}
 
 

@@ -20,7 +20,7 @@ from ..ann import neighbours, stream
 from ..ann.tuning import K, heldout_size, tune
 from ..directory.index_dir import IndexDir, now_utc
 from ..directory.lock import writer_lock
-from ..directory.manifest import Manifest
+from ..directory.manifest import Manifest, NeighboursRecord
 from ..directory.model import load_embedder
 from ..errors import IndexerError
 from ..layouts.counts import CountCheck, check_counts, faiss_ntotal
@@ -291,7 +291,7 @@ def retune(layout: Layout, per_part: list[np.ndarray], ids: np.ndarray, sources:
 
 
 def _sync_neighbours(d: IndexDir, manifest: Manifest, wants: list[np.ndarray],
-                     sources: Sequence[StoreSource]) -> dict:
+                     sources: Sequence[StoreSource]) -> NeighboursRecord:
     """The DBA neighbourhoods brought to the store's items: the lists that an added or removed
     item can change are searched again (:func:`indexer.ann.neighbours.update`; equal to a fresh
     build's); a missing or damaged file is rebuilt whole."""
@@ -307,7 +307,7 @@ def _sync_neighbours(d: IndexDir, manifest: Manifest, wants: list[np.ndarray],
         nb = neighbours.build(ids, x, neighbours.DbaParams.from_record(rec))
     else:
         nb, redone = neighbours.update(nb, ids, x)
-        if not redone and rec.get("sha256"):
+        if not redone and rec.sha256:
             return rec
     return neighbours.write(d.path, nb)
 

@@ -162,9 +162,9 @@ def print_layout(directory: Path, m: Manifest, facts: dict) -> None:
     named per line), the held-out part and the stores."""
     mod, shards = m.model, [p for p in facts["parts"] if p["shard"]]
     print(f"index:    {directory}" + (f" ({facts['layout']}: {len(shards)} shards searched as one)" if shards else ""))
-    print(f"model:    {mod.get('backbone')} {mod['hash'][:12]} ({mod['dim']}-d) from {mod.get('source')}")
+    print(f"model:    {mod.backbone} {mod.hash[:12]} ({mod.dim}-d) from {mod.source}")
     if m.is_shard:
-        print(f"shard:    {m.shard['i']}/{m.shard['n']} (merge before searching)")
+        print(f"shard:    {m.shard.i}/{m.shard.n} (merge before searching)")
     else:
         print(f"faiss:    {m.index_type} ({m.factory}), {m.count} vectors, metric {m.metric}")
         if m.search_params or m.nlist:
@@ -173,8 +173,8 @@ def print_layout(directory: Path, m: Manifest, facts: dict) -> None:
         print_candidates(m)
         nb = m.neighbours
         if nb:
-            print(f"rerank:   DBA, k={nb['k']} (item included), weights sim^{nb['alpha']:g}, top "
-                  f"{nb['depth']} re-ranked (neighbours.npz, {nb.get('bytes', 0) / 2 ** 20:.1f} MiB)")
+            print(f"rerank:   DBA, k={nb.k} (item included), weights sim^{nb.alpha:g}, top "
+                  f"{nb.depth} re-ranked (neighbours.npz, {(nb.bytes or 0) / 2 ** 20:.1f} MiB)")
         for i, s in enumerate(shards):
             print(f"shard {i}:  {s['shard']}: {s['images']} images stored, {s['vectors']} vectors in its part")
         if facts["held"] is not None:
@@ -183,25 +183,25 @@ def print_layout(directory: Path, m: Manifest, facts: dict) -> None:
     st = facts["store"]
     print(f"store:    {st['items']} images, {st['labels']} labels, embeddings from {st['models']} model(s)")
     print(f"built:    {m.built_at} in {m.build_seconds}s; skipped "
-          f"{(m.ingest or {}).get('skipped', 0)} (see {m.report})")
+          f"{m.ingest.skipped if m.ingest else 0} (see {m.report})")
 
 
-def print_candidates(m: dict) -> None:
+def print_candidates(m: Manifest) -> None:
     """The selection's table (manifests from before it have none: nothing is printed)."""
     from ..errors import size_text
 
-    rows = m.get("candidates")
+    rows = m.candidates
     if not rows:
         return
-    print(f"chosen by measurement in {m.get('selection_seconds', 0):.1f}s on a sample "
+    print(f"chosen by measurement in {m.selection_seconds or 0:.1f}s on a sample "
           f"(q/s: one batch of the tuning queries, Flat's scaled to the gallery size; memory "
           f"extrapolated to the gallery"
-          + (f"; budget {size_text(m['max_memory'])}" if m.get("max_memory") else "") + "):")
+          + (f"; budget {size_text(m.max_memory)}" if m.max_memory else "") + "):")
     print(f"  {'':1} {'type':7} {'factory':32} {'search params':34} {'recall':>6} {'q/s':>9} "
           f"{'MiB':>7} {'build s':>7}")
     for r in rows:
-        mark = "*" if r.get("chosen") else ("-" if not (r["meets_target"] and r["fits_memory"]) else "")
-        print(f"  {mark:1} {r['index_type']:7} {r['factory']:32} {r['search_params'] or '(exact)':34} "
-              f"{r['recall_at_10']:6.3f} {r.get('rank_qps', r['qps']):9,.0f} {r['memory_bytes'] / 2 ** 20:7.0f} "
-              f"{r['build_seconds']:7.1f}")
+        mark = "*" if r.chosen else ("-" if not (r.meets_target and r.fits_memory) else "")
+        print(f"  {mark:1} {r.index_type:7} {r.factory:32} {r.search_params or '(exact)':34} "
+              f"{r.recall_at_10:6.3f} {r.rank_qps if r.rank_qps is not None else r.qps:9,.0f} {r.memory_bytes / 2 ** 20:7.0f} "
+              f"{r.build_seconds:7.1f}")
     print("  (* chosen, - misses the target or the memory budget)")

@@ -60,7 +60,7 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
                        progress=not args.quiet, wait=args.wait, sharded=args.sharded,
                        options=build_options(args))
     r = m.extra["ray"]
-    skipped = int((m.ingest or {}).get("skipped", 0))
+    skipped = m.ingest.skipped if m.ingest else 0
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
           f"{r['num_cpus']} CPU per task; attempts per shard: {', '.join(map(str, r['attempts']))}), "
           f"{skipped} skipped" + (f" (reasons in {Path(args.out) / m.report})" if skipped else "")
@@ -112,11 +112,11 @@ def build(args: argparse.Namespace) -> None:
                     batch_size=args.batch_size, workers=args.workers, device=args.device,
                     progress=not args.quiet, wait=args.wait, dba=dba_params(args))
     ing = m.ingest
-    print(f"{ing['found']} files: {ing['new']} new, {ing['unchanged']} unchanged, "
-          f"{ing['duplicates']} duplicate content, {ing['skipped']} skipped"
-          + (f" (reasons in {args.out / m.report})" if ing["skipped"] else ""))
+    print(f"{ing.found} files: {ing.new} new, {ing.unchanged} unchanged, "
+          f"{ing.duplicates} duplicate content, {ing.skipped} skipped"
+          + (f" (reasons in {args.out / m.report})" if ing.skipped else ""))
     if m.is_shard:
-        print(f"shard {m.shard['i']}/{m.shard['n']}: {m.count} images in {args.out}")
+        print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
         print_index_line(m, args.out)
 

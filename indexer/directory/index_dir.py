@@ -20,7 +20,7 @@ from embedder.files import atomic_target
 from embedder.hashing import file_sha256
 
 from ..errors import IndexerError
-from .manifest import FORMAT, Manifest
+from .manifest import FORMAT, FileRecord, Manifest
 from .validate import check_faiss_file, check_lmdb, check_model_file
 
 # every file name of both layouts (indexer.layouts.layout), here and nowhere else
@@ -112,25 +112,25 @@ class IndexDir:
         with atomic_target(self.model_file) as tmp:
             shutil.copyfile(src, tmp)
 
-    def index_record(self) -> dict:
+    def index_record(self) -> FileRecord:
         """The manifest's record of ``index.faiss`` (size and sha256), taken right after writing it
         (``faiss_index.write_atomic``) and compared on every open."""
-        return {"bytes": self.index_file.stat().st_size, "sha256": file_sha256(self.index_file)}
+        return FileRecord(bytes=self.index_file.stat().st_size, sha256=file_sha256(self.index_file))
 
     # -- open or refuse -------------------------------------------------------------------
     def check(self, manifest: Manifest, *, model: bool = False, verify_hash: bool = True) -> None:
         """All file checks (:mod:`indexer.directory.validate`) before anything maps or parses a file."""
         check_lmdb(self.store_dir)
         if not manifest.is_shard:
-            check_faiss_file(self.index_file, manifest.index_file or {}, verify_hash=verify_hash)
+            check_faiss_file(self.index_file, manifest.index_file or FileRecord(), verify_hash=verify_hash)
         if model:
-            check_model_file(self.model_file, manifest.model.get("hash"))
+            check_model_file(self.model_file, manifest.model.hash)
 
     def refuse_shard(self, manifest: Manifest) -> None:
         """A shard holds a store but no index: it is merged, never searched or updated."""
         if manifest.is_shard:
             s = manifest.shard
-            raise IndexerError(f"{self.path}: is shard {s['i']}/{s['n']}, not an index; "
+            raise IndexerError(f"{self.path}: is shard {s.i}/{s.n}, not an index; "
                                "run `indexer merge` first")
 
     def check_index_dim(self, d: int, manifest: Manifest) -> None:
@@ -144,7 +144,7 @@ class IndexDir:
         want = manifest.model_hash
         if emb.model_hash != want:
             raise IndexerError(f"{path}: model {emb.model_hash[:12]} differs from the model this index "
-                               f"was built with ({want[:12]}, {manifest.model.get('source')}); "
+                               f"was built with ({want[:12]}, {manifest.model.source}); "
                                "use that model or rebuild with `indexer build`")
         if emb.dim != manifest.dim:
             raise IndexerError(f"{path}: dimension mismatch: model gives {emb.dim}-d embeddings, "

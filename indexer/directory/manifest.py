@@ -3,17 +3,20 @@
 Every writer (build, add/remove/repair, merge, the sharded and the Ray builds) makes a
 :class:`Manifest` and every reader goes through :meth:`Manifest.read`, so a key that is not a
 field here cannot be written, and a manifest whose fields have the wrong shape is refused in
-one line before anything trusts it. Fields not recorded (None) stay out of the JSON: manifests
-written before a field existed read back unchanged, and keys written by a newer version are
-kept (``extra``) and written back as they were.
+one line before anything trusts it. Typed all the way down: each nested record is a :class:`Record`
+dataclass whose annotations are the check (a dict given to a constructor or read is converted).
+Fields not recorded (None) stay out of the JSON; keys of a newer version and explicit nulls are
+kept (``extra``) and written back as they were: a manifest reads back and writes back unchanged.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
 from embedder.files import atomic_target
 
@@ -23,15 +26,107 @@ FORMAT = "das-index/1"
 DEFAULT_TARGET_RECALL = 0.95    # recall@10 vs exact search that the search parameter is tuned to
 
 
-@dataclass
-class Manifest(Mapping):
+@dataclass(kw_only=True)
+class Record:
+    """A JSON object with typed keys: unknown keys and explicit nulls are kept in ``extra``."""
+
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, d: Any, key: str = "") -> "Record":
+        """``d`` (a JSON object) checked against the annotations and converted, nested records too."""
+        hints = _hints(cls)
+        need = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        if not isinstance(d, dict) or any(d.get(k) is None for k in need):
+            raise IndexerError(f"key {_q(key)}: {_short(d)} is not an object with "
+                         + (", ".join(f"{key}.{k}" for k in need) or "fields"))
+        known = {k: _load(hints[k], v, f"{key}.{k}".lstrip(".")) for k, v in d.items() if k in hints and v is not None}
+        return cls(**known, extra={k: v for k, v in d.items() if k not in known})
+
+    def to_dict(self) -> dict:
+        """The JSON object, without the fields not recorded."""
+        out = {f.name: _dump(getattr(self, f.name)) for f in fields(self)
+               if f.name != "extra" and getattr(self, f.name) is not None}
+        return {**self.extra, **out}
+
+
+@dataclass(kw_only=True)
+class ModelRecord(Record):               # model_info(): the embedder the index was built with
+    hash: str
+    file: str | None = None                 # its copy in the directory
+    source: str | None = None
+    dim: int | None = None
+    normalized: bool | None = None
+    backbone: str | None = None
+    metadata: dict | None = None            # the ONNX file's metadata (the embedder's own keys)
+
+
+@dataclass(kw_only=True)
+class FileRecord(Record):                # a file's size and sha256, compared on open; {} before checksums
+    bytes: int | None = None
+    sha256: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.bytes is not None or self.sha256 is not None
+
+
+@dataclass(kw_only=True)
+class ShardRecord(Record):               # indexer build --shard i/n
+    i: int
+    n: int
+
+
+@dataclass(kw_only=True)
+class ShardedRecord(Record):             # a sharded index: its shard folders, trained/held files, file records
+    shards: list[str]
+    trained: str
+    held: str
+    files: dict[str, FileRecord] | None = None
+
+
+@dataclass(kw_only=True)
+class NeighboursRecord(FileRecord):      # DBA re-ranking (indexer.ann.neighbours), neighbours.npz's record
+    method: str
+    k: int
+    alpha: float
+    depth: int
+    file: str | None = None
+
+
+@dataclass(kw_only=True)
+class IngestRecord(Record):              # IngestStats, skipped as a count (a merged index: only that)
+    skipped: int
+    found: int | None = None
+    new: int | None = None
+    unchanged: int | None = None
+    duplicates: int | None = None
+    embedded: int | None = None
+
+
+@dataclass(kw_only=True)
+class Candidate(Record):                 # a row of the selection's table (indexer.ann.selection.select)
+    index_type: str
+    factory: str
+    sample_factory: str | None = None
+    search_params: str | None = None
+    recall_at_10: float | None = None
+    qps: float | None = None
+    rank_qps: float | None = None
+    memory_bytes: int | None = None
+    build_seconds: float | None = None
+    meets_target: bool | None = None
+    fits_memory: bool | None = None
+    chosen: bool | None = None
+
+
+@dataclass(kw_only=True)
+class Manifest(Record, Mapping):
     """The keys of ``manifest.json``; ``indexer info`` shows them. None: not recorded.
 
     Read its fields as attributes. The read-only mapping view (``m["count"]``, ``m.get(...)``)
-    is kept for code that still reads a manifest as the JSON object (serving, evaluate,
-    benchmarks, tests); :meth:`to_dict` is the JSON boundary."""
+    gives the JSON object's values, for benchmarks and tests; :meth:`to_dict` is the JSON boundary."""
 
-    model: dict                             # model_info(): hash, file, source, dim, backbone, ...
+    model: ModelRecord
     dim: int
     count: int                              # vectors in the index (a shard: images in its store)
     index_type: str | None = None           # always written; None: a shard (a store, no index)
@@ -51,25 +146,35 @@ class Manifest(Mapping):
     train_seconds: float | None = None
     kmeans: str | None = None               # which k-means found the IVF lists: exact, approx, gpu
     max_memory: int | None = None           # bytes, when the build had a budget
-    candidates: list | None = None          # the selection's table (selection.select)
+    candidates: list[Candidate] | None = None
     selection_seconds: float | None = None
     warning: str | None = None
-    index_file: dict | None = None          # {"bytes", "sha256"} of index.faiss, compared on open
+    index_file: FileRecord | None = None    # index.faiss, compared on open
     gallery: str | None = None
-    ingest: dict | None = None              # IngestStats, "skipped" as a count
+    ingest: IngestRecord | None = None
     report: str | None = None               # report.jsonl: the skipped files and why
-    shard: dict | None = None               # {"i", "n"}: a shard, merged before it is searched
+    shard: ShardRecord | None = None        # a shard, merged before it is searched
     merged_from: list | None = None
-    shards: list | None = None              # [[i, n], ...]: the shards it was built from
-    sharded: dict | None = None             # a sharded index: {"shards", "trained", "held", "files"}
-    stage_seconds: dict | None = None
-    neighbours: dict | None = None          # DBA re-ranking (indexer.ann.neighbours): method, k, alpha,
-                                            # depth, file, bytes, sha256 of neighbours.npz
+    shards: list[list[int]] | None = None   # [[i, n], ...]: the shards it was built from
+    sharded: ShardedRecord | None = None
+    stage_seconds: dict[str, float] | None = None
+    neighbours: NeighboursRecord | None = None
     build_seconds: float | None = None
     built_at: str | None = None
     updated_at: str | None = None
     format: str = FORMAT
-    extra: dict = field(default_factory=dict, repr=False)   # keys of a newer version, kept as read
+
+    def __post_init__(self) -> None:
+        """A dict given for a record (a writer's) is converted; every value checked on the way."""
+        for name, hint in _hints(type(self)).items():
+            v = getattr(self, name)
+            if name != "extra" and v is not None:
+                object.__setattr__(self, name, _load(hint, v, name))
+        for name in ("dim", "count"):
+            if getattr(self, name) < 0:
+                raise IndexerError(f"key {name!r}: {getattr(self, name)} is not a count")
+        if self.search_params and not all("=" in p for p in self.search_params.split(",")):
+            raise IndexerError(f"key 'search_params': {self.search_params[:40]!r} is not name=value[,name=value]")
 
     # -- dict <-> Manifest -----------------------------------------------------------------
     @classmethod
@@ -78,23 +183,22 @@ class Manifest(Mapping):
         here and is refused; otherwise (a reader) it is kept in ``extra``."""
         if not isinstance(d, dict):
             raise IndexerError(f"{where}: not a {FORMAT} manifest (a JSON object was expected)")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        unknown = {k: v for k, v in d.items() if k not in known}
+        unknown = sorted(k for k in d if k not in _hints(cls) or k == "extra")
         if strict and unknown:
-            raise IndexerError(f"{where}: manifest key(s) {sorted(unknown)} are not fields of "
+            raise IndexerError(f"{where}: manifest key(s) {unknown} are not fields of "
                                "indexer.directory.manifest.Manifest")
-        m = cls(**{k: v for k, v in d.items() if k in known}, extra=unknown) \
-            if {"model", "dim", "count"} <= d.keys() else None
-        problem = _problem(d, m)
-        if problem:
-            raise IndexerError(f"{where}: not a {FORMAT} manifest ({problem})")
-        return m  # type: ignore[return-value]
+        try:
+            if d.get("format") != FORMAT:
+                raise IndexerError(f"format {d.get('format')!r}")
+            if any(d.get(k) is None for k in ("model", "dim", "count")):
+                raise IndexerError(f"missing {', '.join(k for k in ('model', 'dim', 'count') if d.get(k) is None)}")
+            return cls.of(d)        # type: ignore[return-value]
+        except IndexerError as e:   # the key named; the file added here
+            raise IndexerError(f"{where}: not a {FORMAT} manifest ({e})") from None
 
     def to_dict(self) -> dict:
-        """The JSON object, without the fields not recorded."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"
-               and (getattr(self, f.name) is not None or f.name == "index_type")}
-        return {**self.extra, **out}
+        """The JSON object, without the fields not recorded (``index_type`` always written)."""
+        return {**super().to_dict(), "index_type": self.index_type}
 
     # -- what callers ask of it ------------------------------------------------------------
     @property
@@ -109,7 +213,7 @@ class Manifest(Mapping):
 
     @property
     def model_hash(self) -> str:
-        return self.model["hash"]
+        return self.model.hash
 
     def replace(self, **changes: Any) -> "Manifest":
         """A copy with ``changes`` (field names; a name that is no field is a TypeError)."""
@@ -126,11 +230,9 @@ class Manifest(Mapping):
             on = f"{self.tuning_queries or 0} self-queries (retuned after add/remove)"
         return f"@10 vs exact {self.recall_at_10} on {on}, target {self.target_recall}"
 
-    # -- the read-only mapping view (the JSON object's keys) ---------------------------------
+    # -- the read-only mapping view (the JSON object's keys and values) ----------------------
     def __getitem__(self, key: str) -> Any:
-        if key in _FIELDS and (getattr(self, key) is not None or key == "index_type"):
-            return getattr(self, key)
-        return self.extra[key]
+        return self.to_dict()[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.to_dict())
@@ -164,76 +266,42 @@ class Manifest(Mapping):
             f.write("\n")
 
 
-_FIELDS = frozenset(f.name for f in fields(Manifest)) - {"extra"}
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return {k: v for k, v in get_type_hints(cls).items() if k != "extra"}
 
 
-def _problem(d: dict, m: Manifest | None) -> str:
-    """What is wrong with the shape of ``d`` (as read back into ``m``), or ""."""
-    if d.get("format") != FORMAT:
-        return f"format {d.get('format')!r}"
-    if m is None:
-        return f"missing {', '.join(k for k in ('model', 'dim', 'count') if k not in d)}"
-    if not isinstance(m.model, dict) or not isinstance(m.model.get("hash"), str):
-        return "key 'model.hash' is not a string"
-    for name in ("dim", "count"):
-        v = getattr(m, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            return f"key {name!r}: {_short(v)} is not a count"
-    for name, keys in (("index_file", ()), ("shard", ("i", "n")), ("sharded", ("shards", "trained", "held")),
-                       ("neighbours", ("method", "k", "alpha", "depth", "sha256"))):
-        v = getattr(m, name)
-        if v is not None and not (isinstance(v, dict) and all(k in v for k in keys)):
-            return f"key {name!r} is not an object with {'/'.join(keys) or 'fields'}"
-    return _wrong_type(m) or _wrong_nested(m)
+def _load(hint: Any, v: Any, key: str) -> Any:
+    """``v`` checked against the annotation ``hint`` (``key``: its name in the messages) and
+    converted (a record's object into the record): the types themselves are the schema."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is UnionType:                          # every union here is X | None
+        return None if v is None else _load(next(a for a in args if a is not type(None)), v, key)
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return v if isinstance(v, hint) else hint.of(v, key)
+    want = origin or hint
+    if not isinstance(v, (int, float) if want is float else want) or (isinstance(v, bool) and want is not bool):
+        name = getattr(want, "__name__", str(want))
+        raise IndexerError(f"key {_q(key)}: {_short(v)} is not {'an' if name[0] in 'aeiou' else 'a'} {name}")
+    if origin is list:
+        return [_load(args[0], x, f"{key}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        return {k: _load(args[1], x, f"{key}.{k}") for k, x in v.items()}
+    return v
 
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "dict": (dict,), "list": (list,)}
+def _dump(v: Any) -> Any:
+    if isinstance(v, Record):
+        return v.to_dict()
+    if isinstance(v, list):
+        return [_dump(x) for x in v]
+    return {k: _dump(x) for k, x in v.items()} if isinstance(v, dict) else v
 
 
-def _wrong_type(m: Manifest) -> str:
-    """The first field whose value is not of its annotated type (``"nprobe": "abc"`` would
-    otherwise reach ``int()`` in a searcher and fail there, naming neither file nor key)."""
-    for f in fields(m):
-        if f.name == "extra":
-            continue
-        v = getattr(m, f.name)
-        kinds = [k.strip() for k in str(f.type).split("|")]
-        if v is None and "None" in kinds:
-            continue
-        ok = tuple(t for k in kinds for t in _TYPES.get(k, ()))
-        if ok and (not isinstance(v, ok) or isinstance(v, bool)):
-            want = " or ".join(k for k in kinds if k != "None")
-            return f"key {f.name!r}: {_short(v)} is not {'an' if want[0] in 'aeiou' else 'a'} {want}"
-    return ""
-
-
-def _wrong_nested(m: Manifest) -> str:
-    """The nested records readers index into: the shard folders and faiss file records."""
-    if m.index_file is not None and not _is_record(m.index_file):
-        return f"key 'index_file': {_short(m.index_file)} is not a {{bytes, sha256}} record"
-    if m.shard is not None and not all(_is_int(m.shard.get(k)) for k in ("i", "n")):
-        return f"key 'shard': {_short(m.shard)} is not {{i, n}} counts"
-    if m.sharded is not None:
-        sh = m.sharded
-        if not (isinstance(sh["shards"], list) and all(isinstance(p, str) for p in sh["shards"])):
-            return f"key 'sharded.shards': {_short(sh['shards'])} is not a list of folders"
-        for k in ("trained", "held"):
-            if not isinstance(sh[k], str):
-                return f"key 'sharded.{k}': {_short(sh[k])} is not a file name"
-        files = sh.get("files", {})
-        if not isinstance(files, dict) or not all(isinstance(k, str) and _is_record(v) for k, v in files.items()):
-            return f"key 'sharded.files': {_short(files)} is not file -> {{bytes, sha256}} records"
-    if m.search_params and not all("=" in p for p in m.search_params.split(",")):
-        return f"key 'search_params': {m.search_params[:40]!r} is not name=value[,name=value]"
-    return ""
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_record(v: object) -> bool:
-    return isinstance(v, dict) and (not v or (_is_int(v.get("bytes")) and isinstance(v.get("sha256"), str)))
+def _q(key: str) -> str:
+    """``index_file.bytes`` as ``'index_file'.bytes``: the manifest's key quoted."""
+    head, dot, rest = key.partition(".")
+    return repr(head) + dot + rest
 
 
 def _short(v: object) -> str:

@@ -12,13 +12,13 @@ from embedder.hashing import file_sha256
 
 from ..errors import IndexerError
 from .index_dir import MANIFEST, OWNER_FILE, PART_FILE, STORE_DIR, IndexDir
-from .manifest import Manifest
+from .manifest import FileRecord, Manifest
 from .validate import check_faiss_file, check_lmdb
 
 
 def shard_paths(directory: Path, manifest: Manifest) -> list[Path]:
     """The shard folders (absolute, ``..`` folded: ``relative`` may name them through it)."""
-    return [Path(os.path.normpath(Path(directory).absolute() / p)) for p in manifest.sharded["shards"]]
+    return [Path(os.path.normpath(Path(directory).absolute() / p)) for p in manifest.sharded.shards]
 
 
 def relative(directory: Path, shard: Path) -> str:
@@ -36,14 +36,14 @@ def relative(directory: Path, shard: Path) -> str:
     return Path(os.path.relpath(s, d)).as_posix()
 
 
-def file_records(out: Path, files: Sequence[Path]) -> dict:
+def file_records(out: Path, files: Sequence[Path]) -> dict[str, FileRecord]:
     """Size and sha256 of each faiss file, checked on open (as ``index.faiss``'s record is)."""
-    return {relative(out, f): {"bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files}
+    return {relative(out, f): FileRecord(bytes=f.stat().st_size, sha256=file_sha256(f)) for f in files}
 
 
 def check_files(directory: Path, manifest: Manifest, verify_hash: bool = True) -> None:
     """Every store and faiss file the manifest lists, before anything maps one (one line each)."""
-    recs = manifest.sharded.get("files", {})
+    recs = manifest.sharded.files or {}
     for s in shard_paths(directory, manifest):
         check_lmdb(s / STORE_DIR)
     for rel, rec in recs.items():

@@ -18,6 +18,7 @@ from pathlib import Path
 from embedder.hashing import file_sha256
 
 from ..errors import IndexerError
+from .manifest import FileRecord
 
 REPAIR = "rebuild the index with `python -m indexer build`"
 
@@ -80,7 +81,7 @@ def check_lmdb(store_dir: str | Path) -> None:
         raise damaged(path, f"truncated ({size} bytes, its LMDB meta page needs {need})")
 
 
-def check_faiss_file(path: str | Path, rec: dict, *, verify_hash: bool = True) -> None:
+def check_faiss_file(path: str | Path, rec: FileRecord, *, verify_hash: bool = True) -> None:
     """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``).
 
     Manifests written before checksums were recorded only get the existence and a non-empty
@@ -93,13 +94,13 @@ def check_faiss_file(path: str | Path, rec: dict, *, verify_hash: bool = True) -
         raise IndexerError(f"{path}: index file missing; {REPAIR}") from None
     if size == 0:
         raise damaged(path, "empty file")
-    if "bytes" in rec and size != int(rec["bytes"]):
-        raise damaged(path, f"{size} bytes, the manifest recorded {rec['bytes']} (truncated or "
+    if rec.bytes is not None and size != rec.bytes:
+        raise damaged(path, f"{size} bytes, the manifest recorded {rec.bytes} (truncated or "
                             f"overwritten)")
-    if verify_hash and "sha256" in rec:
+    if verify_hash and rec.sha256 is not None:
         sha = file_sha256(path)
-        if sha != rec["sha256"]:
-            raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec['sha256'][:12]}")
+        if sha != rec.sha256:
+            raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec.sha256[:12]}")
 
 
 def read_faiss(path: str | Path):

@@ -203,8 +203,7 @@ class Index:
         the preprocessing its manifest records, so an upload is decoded small before the model
         is even loaded); the default preprocessing's when the manifest records none."""
         try:
-            pre = self.manifest["model"]["metadata"]["preprocessing"]
-            return Preprocessing.from_dict(json.loads(pre)).decode_side
+            return Preprocessing.from_dict(json.loads(self.manifest.model.metadata["preprocessing"])).decode_side
         except (KeyError, TypeError, ValueError):
             return Preprocessing().decode_side
 

@@ -17,7 +17,7 @@ parts are opened as one) lives here. Nothing outside this module tells the layou
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -93,7 +93,7 @@ class Single:
     def checksums(self) -> str:
         """``indexer info``'s line on the faiss file's recorded size and sha256."""
         rec = self.manifest.index_file
-        return (f"index.faiss {rec['bytes']} bytes, sha256 {rec['sha256'][:16]} verified" if rec
+        return (f"index.faiss {rec.bytes} bytes, sha256 {rec.sha256[:16]} verified" if rec
                 else "not recorded (built before checksums; rebuild to add one)")
 
     def check(self, *, model: bool = False) -> None:
@@ -157,11 +157,11 @@ class Sharded:
 
     @property
     def checksums(self) -> str:
-        return f"{len(self.manifest.sharded.get('files') or {})} faiss files, sizes and sha256 verified"
+        return f"{len(self.manifest.sharded.files or {})} faiss files, sizes and sha256 verified"
 
     @property
     def held_file(self) -> Path:
-        return self.d.path / self.manifest.sharded["held"]
+        return self.d.path / self.manifest.sharded.held
 
     def check(self, *, model: bool = False) -> None:
         check_files(self.d.path, self.manifest)
@@ -174,15 +174,15 @@ class Sharded:
         ``indexer merge --sharded`` over the same shard folder is named as such, not as a count
         mismatch that ``repair`` would not mend."""
         directory = self.d.path
-        for rel, rec in (self.manifest.sharded.get("files") or {}).items():
+        for rel, rec in (self.manifest.sharded.files or {}).items():
             f = directory / rel
             try:
                 size = f.stat().st_size
             except FileNotFoundError:
                 raise IndexerError(f"{f}: missing (the sharded index {directory} lists it); rebuild "
                                    "with `python -m indexer merge --sharded`") from None
-            if size != int(rec.get("bytes", size)):
-                raise IndexerError(describe_changed(directory, f, size, int(rec["bytes"])))
+            if rec.bytes is not None and size != rec.bytes:
+                raise IndexerError(describe_changed(directory, f, size, rec.bytes))
 
     def open(self, *, device: str, check_model: bool, store: Any, mmap: bool,
              ray: Any = None) -> tuple[Any, Any, Any]:
@@ -208,8 +208,8 @@ class Sharded:
         """The manifest's ``sharded`` record with the changed files' sizes and sha256 (keys of
         older manifests, absolute, named as now)."""
         sh, d = self.manifest.sharded, self.d.path
-        old = {relative(d, d / k): v for k, v in sh.get("files", {}).items()}
-        return {"sharded": {**sh, "files": {**old, **file_records(d, changed)}}}
+        old = {relative(d, d / k): v for k, v in (sh.files or {}).items()}
+        return {"sharded": replace(sh, files={**old, **file_records(d, changed)})}
 
     def store_counts(self, faiss_n: int, store: Any) -> tuple[int, int]:
         """The parts' count for both: content stored in two shards is indexed once, so the

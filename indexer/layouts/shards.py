@@ -102,8 +102,8 @@ class PartsIndex:
     def __init__(self, directory: Path, manifest: Manifest) -> None:
         sh = manifest.sharded
         try:
-            self.trained = faiss.read_index(str(directory / sh["trained"]))
-            files = [p / PART_FILE for p in shard_paths(directory, manifest)] + [directory / sh["held"]]
+            self.trained = faiss.read_index(str(directory / sh.trained))
+            files = [p / PART_FILE for p in shard_paths(directory, manifest)] + [directory / sh.held]
             self.cpu_index = stream.open_parts(files, self.trained)
         except RuntimeError as e:
             raise damaged(directory, f"faiss cannot read a part ({faiss_reason(e)})") from None

@@ -198,8 +198,8 @@ class Router:
         sh = manifest.sharded
         params = manifest.search_params or ""
         try:
-            trained = faiss.read_index(str(self.directory / sh["trained"]))
-            self.held = fx.no_prefetch(faiss.read_index(str(self.directory / sh["held"]), faiss.IO_FLAG_MMAP))
+            trained = faiss.read_index(str(self.directory / sh.trained))
+            self.held = fx.no_prefetch(faiss.read_index(str(self.directory / sh.held), faiss.IO_FLAG_MMAP))
         except RuntimeError as e:
             from ..directory.validate import damaged, faiss_reason
 

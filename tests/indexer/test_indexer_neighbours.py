@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer import Index
+from indexer import Index, IndexDir
 from indexer.ann import neighbours
 from indexer.errors import IndexerError
 from indexer_testlib import copy_characters, run_cli
@@ -37,8 +37,7 @@ def dba_index(tmp_path_factory: pytest.TempPathFactory, gallery8: Path, small_on
 
 
 def _state(directory: Path) -> neighbours.Neighbourhoods:
-    m = json.loads((directory / "manifest.json").read_text())
-    return neighbours.read(directory, m)
+    return neighbours.read(directory, IndexDir(directory).read_manifest())
 
 
 def _same(a: neighbours.Neighbourhoods, b: neighbours.Neighbourhoods) -> None:

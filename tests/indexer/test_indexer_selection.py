@@ -21,6 +21,7 @@ from indexer.cli.read import print_candidates as _print_candidates
 from indexer.ann.selection import build as make_index
 from indexer.errors import IndexerError
 from indexer.directory.index_dir import IndexDir
+from indexer.directory.manifest import Manifest
 
 
 def low_rank(n: int, d: int, seed: int, *, rank: int = 16, clusters: int = 200,
@@ -139,13 +140,13 @@ def test_build_options_check_the_memory_size_once() -> None:
 
 def test_info_prints_the_candidates(selected, capsys: pytest.CaptureFixture) -> None:
     _, m = selected
-    _print_candidates(m)
+    _print_candidates(Manifest(model={"hash": "0" * 64}, **m))        # the fields as a manifest records them
     out = capsys.readouterr().out.splitlines()
     rows = [line for line in out if line.startswith("  ") and line.split()[0] in ("*", "-", *fx.INDEX_TYPES)]
     assert len(rows) == len(m["candidates"])
     star = [line for line in rows if line.split()[0] == "*"]
     assert len(star) == 1 and m["index_type"] in star[0] and m["search_params"] in star[0]
-    _print_candidates({})                               # a manifest from before: nothing
+    _print_candidates(Manifest(model={"hash": "0" * 64}, dim=64, count=1))   # a manifest from before: nothing
     assert capsys.readouterr().out == ""
 
 

@@ -193,9 +193,9 @@ def surviving(directory: Path, lost: list[int]) -> Index:
 
     idx = Index.open(directory)
     m = idx.manifest
-    trained = faiss.read_index(str(directory / m.sharded["trained"]))
+    trained = faiss.read_index(str(directory / m.sharded.trained))
     files = [p / PART_FILE for i, p in enumerate(shard_paths(directory, m)) if i not in lost]
-    parts = stream.open_parts(files + [directory / m.sharded["held"]], trained)
+    parts = stream.open_parts(files + [directory / m.sharded.held], trained)
     fx.set_search_params(parts, m.search_params or "")
 
     class Surviving:            # those parts as an indexer.searchable.Searchable, searched here
