@@ -75,10 +75,20 @@ def test_region_and_more_images_in_the_search_tab(page, demo_dirs):
     assert "outside" in page.locator("#search-status").inner_text()
     region.fill("")
     page.locator("#search-more input[type=file]").set_input_files([str(other)])
-    page.wait_for_function(f"document.querySelector('#search-more').innerText.includes('{other.name}')")
-    page.locator("#search-btn").click()
-    page.wait_for_function("document.querySelector('#search-status').innerText.includes('2 images fused')")
-    assert path.name in page.locator("#search-status").inner_text()
+    # The upload finishes in the background and the File component shows it in its own way:
+    # search until the answer is the fused one (the click before the upload ends searches one).
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    fused = "document.querySelector('#search-status').innerText.includes('2 images fused')"
+    for _ in range(6):
+        page.locator("#search-btn").click()
+        try:
+            page.wait_for_function(fused, timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            continue
+    status = page.locator("#search-status").inner_text()
+    assert "2 images fused" in status and path.name in status, (status, page.locator("#search-more").inner_text())
 
 
 def test_probes_tab_shows_a_row_per_probe(page, demo_dirs):
