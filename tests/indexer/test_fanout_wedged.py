@@ -43,7 +43,8 @@ def part(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
 # Run in a child process of its own: RLIMIT_NOFILE is per process, and in the test process other
 # threads (pytest-timeout's, an xdist worker's channel) may open or close a descriptor inside the
 # window, so that the client's connect() or the actor's accept() gets the last one. Inside the
-# window nothing may need a file: connect()'s getaddrinfo imports the idna codec on first use.
+# window nothing may need a file: connect()'s getaddrinfo imports the idna codec on first use,
+# and the client's socket is made before it (the searcher's threads may open one meanwhile).
 ACCEPT_SURVIVES = """
 import encodings.idna, os, resource, secrets, socket, sys, time   # idna: getaddrinfo's codec, imported
 import numpy as np                                              # now, not inside the window (a file)
@@ -54,11 +55,13 @@ key = secrets.token_bytes(32)
 s = ShardSearcher(path, "nprobe=4", 1, key, host="127.0.0.1")
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 try:
+    c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)       # the client's descriptor first
+    c.settimeout(5)
     n_open = len(os.listdir("/proc/self/fd")) - 1                # less listdir's own
-    resource.setrlimit(resource.RLIMIT_NOFILE, (n_open + 1, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n_open, hard))   # no new one: accept() gets EMFILE
     try:
-        c = socket.create_connection(s.endpoint(), timeout=5)   # takes the last descriptor
-        time.sleep(0.5)                                        # the actor's accept(): EMFILE
+        c.connect(tuple(s.endpoint()))                          # needs no new descriptor
+        time.sleep(0.5)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     c.close()
