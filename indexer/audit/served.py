@@ -20,6 +20,7 @@ CACHE_FILE = "audit.json"
 SERVED_TOP = 60            # rows per list a page shows (the CLI writes DEFAULT_TOP)
 _LOCKS: dict[Path, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
+_MEMO: dict[Path, dict[str, Any]] = {}     # the audit this process last served, per directory
 
 
 def version(directory: str | Path) -> str:
@@ -29,31 +30,43 @@ def version(directory: str | Path) -> str:
 
 def served_audit(directory: str | Path, *, top: int = SERVED_TOP) -> dict[str, Any]:
     """{"version", "summary", "duplicates", "outliers", and with labels "mislabelled",
-    "confused"} for the index in ``directory``: read from DIR/audit.json when it is of the
-    index's current version, else computed (once: concurrent callers wait for the first) and
-    stored there. No server path in it (the summary's "index" is left out)."""
+    "confused"} for the index in ``directory``: the one this process last served when it is of
+    the index's current version, else DIR/audit.json when it is, else computed (once:
+    concurrent callers wait for the first) and stored there. No server path in it (the
+    summary's "index" is left out). A request costs one read of the manifest."""
     d = Path(directory).resolve()
     with _LOCKS_GUARD:
         lock = _LOCKS.setdefault(d, threading.Lock())
     with lock:
         key = version(d)
-        try:
-            cached = json.loads((d / CACHE_FILE).read_text())
-            if cached.get("version") == key:
-                return cached
-        except (OSError, ValueError):
-            pass
-        g = open_gallery(d)
-        a = run_audit(g, k=min(DEFAULT_K, max(1, len(g.ids) - 1)))     # a tiny gallery: its all
-        rows = lists(a, top)
-        info = {k: v for k, v in summary(a, rows).items() if k != "index"}
-        out = {"version": key, "summary": info, **rows}
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{CACHE_FILE}.", dir=d)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(out, fh)
-            os.replace(tmp, d / CACHE_FILE)
-        except OSError:             # a read-only index directory: this process keeps it
-            pass
-        return out
+        memo = _MEMO.get(d)
+        if memo is None or memo["version"] != key:
+            memo = _MEMO[d] = _stored(d, key) or _computed(d, key, top)
+        return memo
 
+
+def _stored(d: Path, key: str) -> dict[str, Any] | None:
+    try:
+        cached = json.loads((d / CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return cached if cached.get("version") == key else None
+
+
+def _computed(d: Path, key: str, top: int) -> dict[str, Any]:
+    g = open_gallery(d)
+    a = run_audit(g, k=min(DEFAULT_K, max(1, len(g.ids) - 1)))     # a tiny gallery: all its others
+    rows = lists(a, top)
+    info = {k: v for k, v in summary(a, rows).items() if k != "index"}
+    out = {"version": key, "summary": info, **rows}
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{CACHE_FILE}.", dir=d)
+    except OSError:              # a read-only index directory: kept in this process only
+        return out
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(out, fh)
+        os.replace(tmp, d / CACHE_FILE)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+    return out
