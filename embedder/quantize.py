@@ -226,9 +226,6 @@ class _Reader:
         self.pos += 1
         return {self.input_name: self.batches[self.pos - 1]}
 
-    def rewind(self) -> None:
-        self.pos, self.end = 0, len(self.batches)
-
 
 def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike | Sequence[Path],
                       out: str | os.PathLike, *, images: int | None = None, batch_size: int = 16,

@@ -32,8 +32,6 @@ class Inputs:
     train: Dataset          # images or cached activations, with `.labels`
     evaluate: Dataset       # the evaluation set in the same form
     net: nn.Module          # the module a step (and evaluation) runs on those inputs
-    train_images: ImageDataset   # the training images (class names)
-    eval_images: ImageDataset    # the evaluation images (ONNX parity check)
 
 
 def carve_validation(train: ImageDataset, test: ImageDataset, n: int
@@ -212,4 +210,4 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         init_head_pca(model, model.head_in(_pooled(pooled_fn, centre, cfg.eval_batch_size, device,
                                                    skips)))
         net.train(was)
-    return Inputs(train_in, eval_in, net, train, evaluate)
+    return Inputs(train_in, eval_in, net)

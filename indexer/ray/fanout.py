@@ -407,11 +407,3 @@ def _release(keys: Sequence[tuple], links: Sequence[ShardLink]) -> None:
     _POOL.release(keys)
 
 
-def wait_whole(router: Router, timeout: float) -> bool:
-    """Whether every shard answers within ``timeout`` seconds (polls :meth:`Router.missing`)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not router.missing(timeout=min(2.0, router.config.timeout)):
-            return True
-        time.sleep(0.2)
-    return False
