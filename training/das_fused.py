@@ -1,37 +1,22 @@
 """DAS's fused backend as one object the module owns (`FusedBackend`): when ``backend="auto"``
-may trust the fused Triton kernels (training/das_triton.py), the fused call itself, and its
-CUDA-graph replay (``DAS(graph=True)``). Nothing here imports training/das.py: the module hands
-itself in (`FusedBackend.call(das, ...)`) and reads only DAS's public attributes; the check's
-child process is ``python -m training.das_check``.
+may trust the fused Triton kernels (training/das_triton.py), the fused call, and its CUDA-graph
+replay (``DAS(graph=True)``). It reads only DAS's public attributes (the module hands itself in).
 
-**The self-check.** Triton compiles one binary per *variant*: the constexprs (dim block, batch
-block, K, the DFS / MTS / normalise switches, train or eval), the pointer dtypes (embeddings,
-labels, bank, output) and its integer specialisations (an argument equal to 1 or divisible by
-16: B, d, Z, C and the strides). A check of one small variant says nothing about the others,
-and the first real step would compile them outside any guard. So the check is keyed on all of
-that (`variant_key`), and runs, before a module's first real step of a new variant, at that
-module's real shapes and settings (C, d, K, Z, T, the batch's B, dtypes and strides) on
-synthetic data built to have no top-K ties: eager and fused modules start from the same random
-state (FRM, bank, pointers, counts), run two steps, and must agree on every state tensor (bit
-for bit, ``bank_ptr`` included), on the labels, and on the outputs (to the last bits of the
-normalisation).
+**The self-check.** Triton compiles one binary per *variant* (constexprs, pointer dtypes,
+integer specialisations of B, d, Z, C and strides); checking one variant says nothing of the
+others. So the check is keyed on all of that (`variant_key`) and runs before a module's first
+step of a new variant, at its real shapes and settings on tie-free synthetic data: eager and
+fused modules start from the same state, run two steps, and must agree bit for bit on every
+state tensor and the labels, and on the outputs to the last bits of the normalisation.
+A CUDA fault is sticky (the context is dead, the eager fall-back would crash too), so on CUDA
+the check runs in a child process (``python -m training.das_check SPEC``) on the same GPU; the
+parent then loads its compiled binaries from Triton's cache. On CPU it runs in-process.
 
-A CUDA fault in a kernel (illegal address, failed assert) is sticky: the process's CUDA context
-is dead and the eager code that should take over would crash too. On CUDA the check therefore
-runs in a child process (``python -m training.das_check SPEC``) on the same GPU; whatever
-happens there, the trainer's context is untouched, and Triton's on-disk cache means the parent
-then loads the child's compiled binaries instead of compiling again. On CPU (Triton's
-interpreter, the test suite) it runs in-process: no CUDA context to poison.
-
-**The CUDA graph** (``DAS(graph=True)``): the fused call (update, draw, produce) captured once
-per batch layout and replayed, for when the host cost of launching it is what stands between a
-DAS call and the <= 0.10 ms goal (issue 20): a replay is the two input copies plus one graph
-launch. Only on CUDA, only without gradient through the copies (every detach=True step). The
-returned tensors are the graph's static buffers (the next call of the same layout overwrites
-them; a training step has consumed them by then), and the uniforms come from the same generator
-in graph-safe mode, i.e. not necessarily the numbers the ungraphed call draws. The state ends up
-the same. A capture that fails warns once and the module goes on without a graph.
-`benchmarks/das_overhead.py` times it and `benchmarks/gpu_check.py` reports it against the goal.
+**The CUDA graph** (``DAS(graph=True)``): the fused call captured once per batch layout and
+replayed (two input copies plus one launch), for the <= 0.10 ms goal; CUDA only, detach=True
+steps only. Returned tensors are the graph's static buffers (overwritten by the next call of
+that layout), and the uniforms come from the generator in graph-safe mode (other numbers, same
+state). A failed capture warns once and the module goes on without a graph.
 """
 from __future__ import annotations
 

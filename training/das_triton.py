@@ -1,38 +1,25 @@
 """DAS's training step as two fused Triton kernels, for CUDA.
 
-Why hand-written: on a GPU the eager module (training/das.py) is launch-bound. One call is ~134
-tiny kernels whose GPU time sums to ~0.46 ms (H200, C = 98, d = 512, B = 112), so neither
-CUDA-graph capture nor torch.compile of the same graph gets far below 0.5 ms. One DAS call here
-is three launches: ``update`` (Triton), one ``torch.rand`` of all the call's uniforms (torch's
-own generator, so the random stream is the eager module's), and ``produce`` (Triton):
+Why hand-written: the eager module (training/das.py) is launch-bound on a GPU (~134 tiny
+kernels, ~0.46 ms on an H200), beyond what CUDA graphs or torch.compile recover. Here one call
+is three launches: ``update`` (Triton), one ``torch.rand`` of all uniforms (torch's generator,
+so the random stream is the eager module's), and ``produce`` (Triton):
 
-1. ``update`` (one program per real row; skipped in eval mode):
-   * the label range check (a device-side assert, as the eager module's ``_assert_async``);
-   * DFS: +1 on the FRM cells of the row's signed top-K channels (atomics);
-   * MTS: the first member of each class (in batch order) does the whole class: the exact
-     row hashes of its members (same odd multipliers as ``das_bank.row_hash``), the valid
-     ordered pairs (same class, different bits) in row-major order, the last Z of them
-     written into the class's ring, then the ring pointer and fill count advanced. One
-     program per class means no other program reads that class's pointer while it moves, so
-     the former pair-count / bank-write / pointer kernels need no grid-wide barrier.
-2. ``produce`` (one program per (plane, row)): plane 0 copies the real rows into ``out[:B]``
-   (in their dtype); plane t >= 1 draws its mask (top-K of the class's FRM row), computes
-   ``gamma = lo + (hi - lo) * u``, ``s * v + r_b * t`` and the re-normalisation; every plane
-   also writes its labels, so ``cat([y] * (T + 1))`` costs no separate copy.
+1. ``update`` (one program per real row; skipped in eval): the label range check (device-side
+   assert); DFS: +1 on the FRM cells of the row's signed top-K channels (atomics); MTS: the
+   first member of each class does the whole class (row hashes as ``das_bank.row_hash``, valid
+   ordered pairs in row-major order, the last Z into the ring, pointer and count advanced), so
+   no grid-wide barrier is needed.
+2. ``produce`` (one program per (plane, row)): plane 0 copies the real rows; plane t >= 1 draws
+   its mask (top-K of the class's FRM row), ``s * v + r_b * t`` and re-normalises; every plane
+   writes its labels.
 
-Both kernels read the embeddings and labels through their strides and in their own dtypes
-(float16/bfloat16/float32 rows, any integer labels), so a bf16 or strided input costs no
-conversion or copy. Launches run under ``torch.cuda.device(<the tensors' device>)``: Triton
-launches on the *current* device, and a module on ``cuda:1`` must not fault when the current
-device is ``cuda:0``.
-
-Ties in a top-K go to the lowest channel; torch.topk leaves tie order unspecified, so outputs
-match the eager module exactly whenever the top-K has no tie at its boundary, and the produce
-step's norm may differ from torch's in the last bit (different summation order, FMA).
-
-The same kernel bodies run on CPU tensors under Triton's interpreter (``interpret=True``):
-slow, but it is how the CPU test suite checks them against the eager module. Every launch goes
-through `_launch`, which the tests wrap to count launches.
+Both read inputs through their strides and dtypes (no conversion copy), and launch under
+``torch.cuda.device(<the tensors' device>)`` (Triton launches on the *current* device). Top-K
+ties go to the lowest channel (torch leaves them unspecified), so outputs match the eager module
+exactly when the top-K has no boundary tie; norms may differ in the last bit. On CPU the same
+bodies run under Triton's interpreter (how the CPU suite checks them); every launch goes through
+`_launch`, which tests wrap to count launches.
 """
 
 import functools

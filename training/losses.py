@@ -1,23 +1,15 @@
 """The paper's eight losses (supplementary A) behind one `Criterion`, in two flavours.
 
-``flavour="authors"`` (the default, and what the paper's configs use): each loss and sampler
-as the DAS authors' training framework computes it, since that code, not the supplementary's
-equations, produced the paper's numbers; every difference is listed in
-training/losses_authors.py and training/miners.py. `REGISTRY` holds each loss's module per
+``flavour="authors"`` (default; the paper's configs): each loss and sampler as the DAS authors'
+framework computes it, since that code produced the paper's numbers (differences listed in
+training/losses_authors.py and training/miners.py). `REGISTRY` holds each loss's module per
 flavour, its defaults and its miner policy.
 
-``flavour="pml"``: the project's first implementation, kept for comparison and for users of
-pytorch-metric-learning's conventions. pytorch-metric-learning computes six losses with the
-supplementary's formulas (tests compare each to a direct implementation of its equation) and
-PML's reductions (mean over non-zero terms for contrastive/triplet, Wu et al.'s divisor for
-margin, mean over anchors for lifted/MS/proxies; the paper's sums differ from them only by a
-positive factor per batch). Two are written here: N-pair, because PML's NPairsLoss keeps one
-anchor-positive pair per class and uses only the other classes' positives as negatives,
-whereas eq. (V) takes every different-class embedding of the batch as a negative (which lets
-DAS's produced embeddings act as negatives too); and multi-similarity with its MS mining,
-because PML's miner sorts the whole N x N similarity matrix twice and hands index lists to a
-loss that turns them back into masks (several times the rest of the step at N = 448); the mask
-form here gives the same values and gradients (tested) and never syncs with the host.
+``flavour="pml"``: pytorch-metric-learning's formulas and reductions for six losses (tests check
+each against its equation). Two are written here: N-pair, because PML's NPairsLoss keeps one
+pair per class while eq. (V) takes every different-class embedding (DAS's too) as a negative;
+multi-similarity, because PML's miner sorts the N x N matrix twice and round-trips index lists
+(several times the step at N = 448); the mask form gives the same values and gradients, no sync.
 """
 from __future__ import annotations
 

@@ -1,43 +1,29 @@
-"""The paper's losses as the DAS authors' training framework computes them (``loss_flavour =
-"authors"``): the code that produced the paper's numbers.
-
-Source: the ``loss/`` package of the released DAS code (lizhaoliu-Lec/DAS), itself Roth et
-al.'s ``criteria/`` (Confusezius/Revisiting_Deep_Metric_Learning_PyTorch). Each class below
-states the formula its ``forward`` computes; tests compare them with loop implementations of
-those formulas on hand-made tensors, values and gradients. Written here because no library
-ships them, and several differ from both the paper's supplementary A and
-pytorch-metric-learning (the ``"pml"`` flavour):
+"""The paper's losses as the DAS authors' framework computes them (``loss_flavour = "authors"``):
+the code that produced the paper's numbers (lizhaoliu-Lec/DAS ``loss/``, itself Roth et al.'s
+``criteria/``). No library ships them, and several differ from both supplementary A and
+pytorch-metric-learning (``"pml"``); tests compare each with a loop over its formula:
 
 * triplet: SQUARED distances, ``relu(|a-p|^2 - |a-n|^2 + m)``, mean over all sampled triplets
-  (zeros included). PML: plain distances, mean over non-zero triplets.
-* contrastive: ``mean relu(|a-p + 1e-6| - 0) + mean relu(1 - |a-n + 1e-6|)`` over the sampled
-  triplets' pairs (torch's PairwiseDistance adds 1e-6 to the difference), zeros included.
-  PML: mean over non-zero pairs.
-* margin: ``d = sqrt(|x-y|^2 + 1e-8)``; terms ``relu(d_ap - beta_ya + m)`` and
-  ``relu(beta_ya - d_an + m)`` summed and divided by the number of non-zero terms.
-* generalised lifted structure: what their code computes is NOT eq. (IV): through
-  ``PairwiseDistance`` broadcasting, for each anchor and each CHANNEL c the norm across the
-  positive set ``sqrt(sum_q (a_c - q_c + 1e-6)^2)`` is taken, then ``logsumexp`` runs over the
-  channels (not over the positives); same for the negatives with ``margin - ...``. Loss: mean
-  of ``relu(pos + neg)`` over anchors with a positive, plus ``5e-3 * mean ||x||`` (a norm,
-  not the squared norm of eq. IV). Kept as is: it is what the paper's GenLifted rows ran.
-* N-pair: embeddings divided by 4 first (their "tmp fix" against overflow), ONE random positive
-  per anchor, ``log(1 + sum_r exp(a.r - a.p))`` averaged over anchors with a positive, plus
-  ``5e-3 * mean ||x/4||`` (norm, not squared).
-* multi-similarity: ``S = x x^T`` on the embeddings as given; an anchor with no mined positive
-  or no mined negative is SKIPPED (neither term), and the mean runs over the remaining
-  anchors. PML-flavour mean: over all anchors.
+  (zeros included; PML: plain distances, mean over non-zero).
+* contrastive: ``mean relu(|a-p + 1e-6|) + mean relu(1 - |a-n + 1e-6|)`` over the triplets'
+  pairs, zeros included (PML: non-zero pairs).
+* margin: ``d = sqrt(|x-y|^2 + 1e-8)``; ``relu(d_ap - beta_ya + m) + relu(beta_ya - d_an + m)``
+  summed over the number of non-zero terms.
+* generalised lifted: NOT eq. (IV): ``PairwiseDistance`` broadcasting takes, per anchor and
+  CHANNEL, the norm across the positive set, then ``logsumexp`` over channels (same for
+  negatives with ``margin - ...``); mean ``relu(pos + neg)`` over anchors with a positive, plus
+  ``5e-3 * mean ||x||`` (a norm). Kept: it is what the paper's GenLifted rows ran.
+* N-pair: embeddings / 4 (their overflow fix), ONE random positive per anchor,
+  ``log(1 + sum_r exp(a.r - a.p))`` over anchors with a positive, plus ``5e-3 * mean ||x/4||``.
+* multi-similarity: ``S = x x^T`` as given; an anchor with no mined positive or negative is
+  SKIPPED (PML: mean over all anchors).
 * normalised softmax: ``CE(x . normalize(W)^T / T)``, W uniform in +-1/sqrt(d).
-* ArcFace: their code adds ``cos(theta_y + m) - cos(theta_y)`` to EVERY logit of the row, not
-  only the target's, and a per-row constant does not change a softmax: the margin has no
-  effect, so it trains ``CE(16 * clamp(cos, 1e-10, 1 - 1e-10))`` (negative cosines clamped to
-  ~0). Kept as is, documented in README.
+* ArcFace: their code adds ``cos(theta_y + m) - cos(theta_y)`` to EVERY logit of the row, so the
+  margin has no effect: it trains ``CE(16 * clamp(cos, 1e-10, 1 - 1e-10))``. Kept (README).
 
-Sampled losses read `Triplets` (fixed size with a validity mask): invalid rows are weighted 0
-and means divide by the number of valid rows, so nothing here needs a host sync either. The
-distance and the reduction of each are data (training/loss_parts.py), given here with the
-authors' values. Their N-pair and multi-similarity losses are training/losses.py's
-`NPairLoss` and `MultiSimilarityLoss` with other arguments (its `REGISTRY` gives them).
+Sampled losses weight `Triplets`' invalid rows 0 and divide by the valid count (no host sync).
+Distances and reductions are data (training/loss_parts.py); N-pair and multi-similarity are
+training/losses.py's classes with other arguments (its `REGISTRY`).
 """
 from __future__ import annotations
 

@@ -1,43 +1,24 @@
 """The paper's four sampling methods (supplementary B) as miners returning fixed-size triplets.
 
-A miner maps ``(embeddings, labels[, origin])`` to `Triplets` ``(anchors, positives,
-negatives, valid)``: one candidate triplet per row (per anchor, or N uniform draws for the
-authors' random sampler) plus a validity mask, so the shapes never depend on the data. Rows
-without a positive or a negative are kept with ``valid = False`` instead of being cut out:
-no ``nonzero``, boolean indexing or ``.item()`` anywhere, hence no host synchronisation on a
-GPU (tests record the dispatched ops to check that). ``Triplets.compact()`` gives the plain
-``(a, p, n)`` index lists pytorch-metric-learning's losses take (that one step syncs).
+A miner maps ``(embeddings, labels[, origin])`` to `Triplets` ``(anchors, positives, negatives,
+valid)``: one candidate per row plus a validity mask, so shapes never depend on the data and
+no ``nonzero``/``.item()`` syncs the GPU (tests record the dispatched ops).
+``Triplets.compact()`` gives PML's ``(a, p, n)`` lists (that one step syncs). Both flavours
+draw by inverse CDF over the rows of a weight matrix (no Python loop over anchors):
 
-Two flavours (``build_miner(..., flavour=...)``), both vectorised (inverse CDF over the rows of
-a weight matrix, one uniform per row; no Python loop over anchors):
+* ``"authors"``: as the DAS authors' framework (Roth et al.'s ``batchminer/``) samples:
+  random = ``N`` triplets uniform over *all* valid triplets (with replacement, theirs without:
+  a rare repeat at N = 448); semi-hard / soft-hard as ``"pml"``; distance-weighted on the
+  batch's distances as given, clamped below at 0.5, log-weights minus the row maximum, **no
+  upper cut-off** (theirs is commented out), positive uniform or the anchor itself. Kept
+  differences: weights below e^-87 flushed to 0, D capped at 2 - 1e-4 (theirs: NaN).
+* ``"pml"``: this project's first miners: one triplet per anchor; distance-weighted on
+  L2-normalised embeddings with supplementary B's 1.4 cut-off (uniform fall-back). Not PML's
+  own miners: TripletMarginMiner has no soft-hard mode and returns *all* semi-hard triplets;
+  its DistanceWeightedMiner underflows to 0 at d = 512 and yields NaN rows.
 
-* ``"authors"``: as the DAS authors' training framework samples (their ``sampling/`` package,
-  itself Roth et al.'s ``batchminer/``), which produced the paper's numbers:
-
-  - random: ``N`` triplets drawn uniformly from *all* valid (a, p, n) triplets of the batch
-    (their ``random.sample`` draws without replacement; here with replacement, which differs
-    only in the rare repeated triplet: at N = 448 the pool has over a million triplets);
-  - semi-hard / soft-hard: as in the ``"pml"`` flavour below (identical rules);
-  - distance-weighted: distances of the batch *as given* (no re-normalisation), clamped below
-    at 0.5; log q(D)^-1 with same-label entries set to 0, minus the row maximum (which
-    includes those zeros), exponentiated, same-label weights zeroed; **no upper cut-off**
-    (their 1.4 cut-off is commented out: "made the results slightly worse"); positive uniform
-    among the other same-label rows, or the anchor itself when it has none. Kept differences:
-    weights below e^-87 (float32's smallest normal number) are flushed to 0 where their
-    float32 code keeps denormals (such a negative is never drawn), and D is capped at
-    2 - 1e-4 where theirs yields NaN for antipodal points.
-
-* ``"pml"``: this project's earlier miners, the default before the authors' flavour existed:
-  one triplet per anchor; random = uniform positive and negative per anchor; distance-weighted
-  on L2-normalised embeddings with the 1.4 "largest distance" of supplementary B (zero weight
-  beyond it, uniform fall-back when no negative is nearer), anchors without a positive left
-  out. (Why not PML's own miners: TripletMarginMiner returns *all* semi-hard triplets and has
-  no soft-hard mode; its DistanceWeightedMiner subtracts one global maximum in log space, so
-  its weights underflow to 0 at d = 512, and yields NaN rows when no negative lies under the
-  cut-off.)
-
-A positive is always another index than its anchor (except the authors' distance sampler's
-self fall-back): a DAS copy equal to its anchor is a different index and a genuine positive.
+A positive is always another index than its anchor (except the authors' self fall-back): a DAS
+copy equal to its anchor is a different index and a genuine positive.
 """
 from __future__ import annotations
 

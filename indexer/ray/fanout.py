@@ -1,44 +1,26 @@
 """Serving a sharded index across Ray nodes: one actor per shard, and the router that fans a
 query batch out to them and merges their top-k.
 
-Why: ``Index.open`` serves a sharded index in one process (:class:`indexer.layouts.shards.PartsIndex`:
-every part memory-mapped there), so the whole index must fit one machine's page cache and
-CPUs. Here each shard's part is searched by a ``ShardSearcher`` actor on the node that built
-the shard (``cluster.near``: soft affinity to the node ``OUT/shards/ray.json`` records for it,
-:func:`shard_node`; elsewhere at once if that node is gone), and :class:`Router` stands where
-``PartsIndex`` stands in an :class:`indexer.Index` (``search(q, k) -> (D, I)``, ``ntotal``,
-``d``), so ``Index``, ``Searcher``, the API and the UI are unchanged. Only the query vectors go
-out and (distances, ids) come back; the store (metadata, thumbnails) is read by the serving
-process from the shared filesystem, as the build already requires (every path means the same
-files on every node).
+Why: ``Index.open`` serves a sharded index in one process (every part memory-mapped there), so
+the index must fit one machine. Here each part is searched by a ``ShardSearcher`` actor on the
+node that built it (soft affinity, :func:`shard_node`), and :class:`Router` stands where
+``PartsIndex`` stands, so ``Index``, ``Searcher``, the API and the UI are unchanged. Only query
+vectors go out and (distances, ids) come back; the store is read from the shared filesystem.
 
-Equal answers: every part is a copy of the trained index (the same coarse quantizer) searched
-with the index's search parameters, so each actor's top-k is exactly the shard's share of what
-``IndexShardsIVF`` computes in one process. As there, the coarse assignment (which lists each
-query probes) is computed once, by the router, and sent with the queries; each actor only scans
-those lists (``search_preassigned``). The held-out vectors' small part is searched by the
-router itself (it lives in the index directory, beside the manifest). The merge is faiss's own
-``merge_knn_results`` (what ``IndexShards`` uses), in the same part order, so ids, distances and
-the -1 padding are those of the in-process search.
+Equal answers: every part shares the trained coarse quantizer; the router assigns lists once and
+each actor scans only those (``search_preassigned``); the held-out part is searched by the
+router; faiss's ``merge_knn_results`` merges in part order, so ids, distances and -1 padding are
+those of the in-process search. Ray places and restarts the actors; queries travel over the
+data plane (:mod:`indexer.ray.link`).
 
-Two planes: Ray places, restarts and pings the actors; queries and answers go over the data
-plane (:mod:`indexer.ray.link`).
+Node loss: a fan-out waits at most ``timeout`` seconds; a shard that did not answer is left out
+and named in the answer's ``partial``; a search arriving mid fan-out joins the next one, so it
+ends within about twice the bound. Actors restart for ever; every shard missing is an
+IndexerError (the API's 503).
 
-Node loss: a fan-out waits at most ``timeout`` seconds; a shard whose actor did not answer in
-time or died is left out and named in the answer's ``partial`` (``searchable.Answer``), which
-serving passes on in its own answer; :meth:`Router.missing`
-pings every actor (``/api/health``). A search that arrives while a fan-out is in flight waits
-for it and goes out with the next one (:meth:`Router.search`), so it ends within about twice
-the bound. Actors are restarted by Ray for ever (``max_restarts=-1``);
-an answer is whole again as soon as the shard's actor answers, with no restart of the server.
-When every shard is missing the search fails (IndexerError: the API's 503).
-
-Live updates: a reopened index (``Index.reopen`` after ``indexer add/remove``) gets a new
-Router; actors are shared through a per-process pool keyed by the part file's identity (path,
-inode, mtime, size: parts are replaced atomically, never rewritten in place) and the search
-parameters, so an unchanged shard keeps its actor and a changed one gets a new actor, while
-requests still on the old Router keep the old actors until that Router is gone (one request, one
-state). Ray is imported lazily.
+Live updates: actors are pooled per process by the part file's identity (path, inode, mtime,
+size: parts are replaced atomically) and search parameters, so a reopened index keeps the
+actors of unchanged shards while requests on the old Router keep theirs (one request, one state).
 """
 from __future__ import annotations
 
