@@ -1,28 +1,14 @@
 """Which image formats the decoder opens, decided from the first bytes, before Pillow's open.
 
-Why this exists: ``Image.open`` is lazy for most formats (it reads a header; pixels come at
-``load``), which is what lets :mod:`embedder.decode_budget` size a decode before it happens.
-But not for every plugin Pillow registers: the ICO plugin decodes the largest frame inside
-``open``, and that frame may be a PNG of any size whatever the icon's directory claims (a
-420 KB icon "256x256" holding a 12000x12000 PNG cost 550 MB before any check could run); FLI
-decodes in ``open`` too, EPS runs Ghostscript at ``load``, PSD/ICNS/DDS/... each bring their
-own decoder that nothing here has measured. So:
-
-* only the formats the project serves and indexes are opened at all (:data:`ACCEPTED`: what
-  ``IMAGE_SUFFIXES`` names, plus MPO, a JPEG with extra frames that Pillow opens as JPEG, and
-  ICO/CUR icons); any other file is refused unopened, named by Pillow's own format sniffers
-  (the ``_accept`` prefix checks it runs inside ``open``, so no magic table is copied here);
-* an ICO's frame is sized from the frame's own header (PNG IHDR or the bitmap's header, read
-  with Pillow's parsers, which read headers only) and refused when it is larger than the
-  directory says, before ``Image.open`` decodes it. A truthful icon is at most 256x256.
-
-The other containers are sized from their real frame by Pillow's ``open`` already, which is
-what the decode budget reads: MPO's first frame is a plain JPEG (its SOF), a GIF's logical
-screen is grown to the first frame's extent, APNG frames must fit the IHDR canvas, animated
-WebP frames must fit the VP8X canvas (libwebp's demuxer checks), a TIFF's first IFD is its
-image and JPEG-in-TIFF strips are sized by the IFD's tags (libtiff checks the JPEG stream
-against them); only the first frame is ever decoded (``tests/embedder/test_embedder_containers.py``
-pins each of these).
+Why: ``Image.open`` is lazy for most formats, which lets :mod:`embedder.decode_budget` size a
+decode before it happens, but not for every plugin: ICO decodes its largest frame inside
+``open`` (a 420 KB "256x256" icon holding a 12000x12000 PNG cost 550 MB), FLI too, EPS runs
+Ghostscript, PSD/ICNS/DDS bring unmeasured decoders. So only :data:`ACCEPTED` formats are
+opened (``IMAGE_SUFFIXES``, plus MPO and ICO/CUR), others are refused unopened (named by
+Pillow's own ``_accept`` sniffers), and an ICO frame larger than its directory says is refused
+from its own header before decoding. The other containers (MPO, GIF, APNG, animated WebP, TIFF)
+are sized from their real first frame by Pillow's ``open`` already; only the first frame is
+ever decoded (tests/embedder/test_embedder_containers.py pins each).
 """
 from __future__ import annotations
 

@@ -1,26 +1,15 @@
 """How much memory decoding an image costs, and a process-wide budget that bounds it.
 
-Only JPEG can be decoded smaller than it is stored (libjpeg's DCT scaling, ``Image.draft``).
-Every other format Pillow opens materialises the whole frame before anything can shrink it
-(PNG's zlib stream, GIF's LZW, TIFF through libtiff, WebP through libwebp's animation decoder,
-which Pillow uses for every WebP file and which keeps two RGBA canvases of its own). Those
-decodes are bounded here instead: each one first reserves what it will cost from one budget
-shared by every thread of the process (serving's request threads, ``indexer build``'s decode
-threads), so four 36-megapixel PNGs arriving at once are decoded one after another instead of
-holding four full frames; a file that alone would cost more than the whole budget is refused
-before a single pixel is decoded (:class:`embedder.images.ImageTooLargeError`).
+Only JPEG can be decoded smaller than stored (``Image.draft``); every other format materialises
+the whole frame. So each decode first reserves its cost from one budget shared by every thread
+of the process: four 36-megapixel PNGs at once decode one after another, and a file that alone
+exceeds the budget is refused before a pixel is decoded (``ImageTooLargeError``).
 
-The costs per pixel are measured (``benchmarks/decode_memory.py``, peak RSS of one decode in
-a fresh process): 4.1 bytes for an RGB/RGBA PNG, BMP or TIFF (Pillow stores RGB as 4 bytes),
-1.1 for palette and greyscale images, 6.3 for an LZW TIFF of 2.2 compressed bytes per pixel
-(libtiff maps the file), 16.1 for WebP through Pillow's ``load``; 12 for WebP read the way
-``images._webp_first_frame`` reads it (issue 28: libwebp's frame in strips, no fourth copy),
-which is still charged 16 (see ``_WEBP_BYTES``).
-
-A progressive (or multi-scan) JPEG is the exception to JPEG's scaled decode (issue 39): libjpeg
-keeps every DCT coefficient of the whole image until the last scan, whatever ``draft`` asked
-for, so it is charged that buffer (:func:`jpeg_coefficient_bytes`, 6 bytes a pixel at 4:4:4,
-3 at 4:2:0) on top of its scaled frame.
+Costs per pixel, measured (benchmarks/decode_memory.py, peak RSS in a fresh process): 4.1 bytes
+for RGB/RGBA PNG, BMP or TIFF, 1.1 for palette and greyscale, 6.3 for an LZW TIFF, 16.1 for WebP
+through ``load`` (12 read in strips by ``images._webp_first_frame``, still charged 16). A
+progressive JPEG also keeps every DCT coefficient until its last scan whatever ``draft`` asked,
+so it is charged that buffer (:func:`jpeg_coefficient_bytes`) on top of its scaled frame.
 """
 from __future__ import annotations
 
@@ -171,14 +160,11 @@ SERVING_MMAP_THRESHOLD = 4 * 2 ** 20
 def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
     """Serve every allocation of ``nbytes`` or more with its own mmap, unmapped when freed.
 
-    Why: glibc raises its mmap threshold (up to 32 MB) each time a mmapped block is freed, so
-    after a few large decodes Pillow's 16 MB blocks and a frame's strips come from per-thread
-    heaps, which keep their high-water mark: on a server that had decoded four big PNGs, four
-    10.4 MP WebP searches at once then peaked at +177..214 MB against +114..122 when pinned
-    (benchmarks/reliability_probes.py, issue 28), and the PNGs' residual fell from +126 to
-    +67..72 MB. Setting the threshold explicitly turns glibc's adjustment off. For long-running
-    servers only: a training process would pay a page fault per page of every large tensor it
-    allocates. Returns False where there is no glibc (nothing to pin).
+    Why: glibc raises its mmap threshold (up to 32 MB) as mmapped blocks are freed, so after a
+    few large decodes big blocks come from per-thread heaps that keep their high-water mark
+    (four concurrent WebP searches: +177..214 MB against +114..122 pinned, issue 28). Setting
+    the threshold turns that off. Servers only: training would page-fault every large tensor.
+    Returns False without glibc.
     """
     fn = _libc("mallopt", ctypes.c_int, ctypes.c_int)
     return fn is not None and bool(fn(M_MMAP_THRESHOLD, int(nbytes)))

@@ -1,31 +1,17 @@
 """int8 embedders: onnxruntime static quantisation (QDQ) of an exported embedder.
 
-Why: on a CPU with AVX-512 VNNI (or AVX2) onnxruntime runs int8 convolutions about twice as
-fast as fp32 ones, and indexing a gallery is almost all convolution. The recipe, chosen by
-measurement on cub-dev validation species (docs/benchmarks/embedder.md, int8):
+Why: onnxruntime runs int8 convolutions about twice as fast as fp32 on AVX2/VNNI CPUs, and
+indexing is almost all convolution. The recipe (:class:`QuantRecipe`; measured in
+docs/benchmarks/embedder.md and quality-round5.md): QDQ format, per-channel int8 weights, uint8
+activations; only ``Conv``, ``Clip`` (ReLU6) and ``Add`` quantised, not the stem conv
+(:func:`input_convs`): the Conv alone gets a pre-ReLU6 scale far wider than [0, 6] (cosine 0.75),
+GeM, mean and L2 stay float; ranges calibrated min/max on a few hundred of the user's own images
+through the model's preprocessing; 7-bit weights (``reduce_range``), since without VNNI the u8 x
+s8 int16 sums saturate (the full-range default lost 1.0 R@1 on the 2-core machine).
 
-- QDQ format (QuantizeLinear/DequantizeLinear pairs that onnxruntime fuses into QLinearConv),
-  per-channel int8 weights, uint8 activations (the U8S8 kernels VNNI runs natively);
-- only ``Conv``, ``Clip`` (ReLU6) and ``Add`` (the residuals) are quantised, and not the stem
-  convolution that reads the pixels (:func:`input_convs`). Quantising the Conv
-  alone puts its output's scale on the pre-ReLU6 range, many times wider than the [0, 6] that
-  matters (cosine to fp32 fell to 0.75); with Clip quantised too onnxruntime folds the ReLU6
-  into the conv's output range. GeM pooling (x^p), the mean and the L2 normalisation stay float:
-  they cost nothing and powers amplify rounding;
-- activation ranges calibrated on a few hundred images of the user's own gallery, prepared with
-  the model's own preprocessing (what it will see), min/max per tensor;
-- 7-bit weights (``reduce_range``, issue 41): on a CPU without VNNI (AVX2 only, the project's
-  2-core machine) onnxruntime multiplies u8 x s8 with VPMADDUBSW, whose int16 sums saturate with
-  full-range weights: the int8 default lost 1.0 R@1 and 2.0 MAP@R on cub-val there (0.5 / +0.3
-  where it was first measured). :class:`QuantRecipe` names every option; the grid it was chosen
-  from (images 64-512, min/max / entropy / percentile, per-channel, float nodes) is in
-  docs/benchmarks/quality-round5.md.
-
-onnxruntime's own tools do the work (``quant_pre_process`` then ``quantize_static``); this
-module only feeds them real images and carries the embedder's metadata (preprocessing, dim,
-normalisation) over, adding a ``quantization`` entry, so every consumer (indexer, app) reads the
-int8 file like the fp32 one. A final check compares int8 and fp32 embeddings of calibration
-images and refuses (QuantizationError) a model whose cosine to fp32 is implausibly low.
+onnxruntime's tools do the work (``quant_pre_process``, ``quantize_static``); this module feeds
+them images and carries the embedder's metadata over (plus ``quantization``), so consumers read
+int8 like fp32. A final check refuses (QuantizationError) an implausibly low cosine to fp32.
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """A local weights file (``--weights F``, training's ``weights = F``) loaded into a timm model,
-refused in one line naming the file when it does not fit (issue 39, FAIL 2).
+refused in one line naming the file when it does not fit.
 
-Why not timm's own ``pretrained_cfg_overlay=dict(file=F)``: with ``num_classes=0`` timm drops
-the classifier and then loads with ``strict=False``, so a checkpoint it does not unwrap
-(``{"model_state_dict": ...}``) or another model's weights load as nothing at all: a random
-backbone whose only sign is a logged warning. Here:
-
-* the file is read without running code (``torch.load(weights_only=True)``; safetensors' JSON
-  header first, capped at :data:`MAX_HEADER_BYTES`, before any tensor is read) and the usual
-  wrappers are unwrapped (``state_dict``, ``model``, ``model_state_dict``, ``state_dict_ema``,
-  ``module`` keys; ``module.`` / ``_orig_mod.`` prefixes of DDP and ``torch.compile``);
-* a model with no checkpoint filter of its own (timm's ``checkpoint_filter_fn``, which maps
-  original DINOv2/CLIP/... layouts to timm's names) must find its own key names in the file:
-  a safetensors file naming none of them is refused from its header alone;
-* NaN/inf in a floating tensor is refused, naming the tensor;
-* then timm's own ``load_pretrained`` runs (its filter, input-conv adaptation and classifier
-  drop apply as for a download) and its result is checked: no missing key, no unexpected key,
-  no shape mismatch. Allowed: missing ``num_batches_tracked`` (BatchNorm's step counter, a
-  training statistic, not a weight; old checkpoints lack it) and the classifier keys timm's
-  pretrained config names (dropped: the embedder has no classifier).
+Why not timm's ``pretrained_cfg_overlay=dict(file=F)``: with ``num_classes=0`` it loads with
+``strict=False``, so an unknown wrapper or another model's weights load as nothing (a random
+backbone and a warning). Here the file is read without running code (``weights_only=True``;
+safetensors' header first, capped at :data:`MAX_HEADER_BYTES`); the usual wrappers and
+``module.`` / ``_orig_mod.`` prefixes are unwrapped; a model without a checkpoint filter must
+find its own key names in the file; NaN/inf is refused naming the tensor; then timm's
+``load_pretrained`` runs and must leave no missing, unexpected or mis-shaped key (allowed:
+``num_batches_tracked`` and the classifier keys timm's config names).
 """
 from __future__ import annotations
 

@@ -1,30 +1,17 @@
 """Plain HTTP JSON API for programs that do not use gradio_client.
 
-    POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery-relative
-                                path>, looked up in LMDB), k=10, index=<name>, dba=true|false
-                                (DBA re-ranking, indexer.ann.neighbours; also a query parameter;
-                                default: on for an index built with --dba); box=x0,y0,x1,y1
-                                (search that region of the image, pixels); image repeated (up
-                                to 16, within the upload limit together): one result list for
-                                the images fused (serving.queries)
-    GET  /api/thumb/{index}/{id}  PNG thumbnail rendered from LMDB bytes
-    GET  /api/audit/{index}     the gallery audit: near-duplicate groups, likely mislabelled
-                                images (with the suggested label), outliers, confused class
-                                pairs (indexer.audit; once per index version, kept beside it)
+    POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery path>),
+                                k=10, index=<name>, dba=true|false (default: as built), box=x0,y0,x1,y1;
+                                image repeated (up to 16): one result list for the images fused
+    GET  /api/thumb/{index}/{id}  PNG thumbnail from the LMDB store
+    GET  /api/audit/{index}     near-duplicates, likely mislabelled, outliers, confused pairs
     GET  /api/indexes           what each open index's manifest says
-    GET  /api/health            liveness (503 naming what is not served: e.g. a shard whose Ray
-                                node is lost)
+    GET  /api/health            liveness (503 naming what is not served, e.g. a lost Ray shard)
 
-An index served over Ray (``app.py --ray``) whose shard did not answer within the bound answers
-from the other shards and says so: ``"partial": [shard ids]`` in the search JSON (absent when
-the answer is whole).
-
-Errors are JSON ``{"error": message}`` with 400 (bad value), 401 (auth), 404 (unknown index,
-id or endpoint), 405, 413 (upload too large), 415 (not an image) or 503 (health: an index is
-not served as it is on disk, or its store was damaged under the running server); no response
-ever carries a stack trace or an absolute server path (serving.redact). Auth and the body size
-cap are enforced before the body is read (serving.limits). Nothing here reads a path the client
-sends: thumbnails come from the LMDB store by id.
+An index served over Ray whose shard did not answer in time answers from the others with
+``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413, 415,
+503), never with a stack trace or a server path (serving.redact); auth and the size cap are
+enforced before the body is read (serving.limits); no client-sent path is ever read.
 """
 from __future__ import annotations
 

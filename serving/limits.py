@@ -2,30 +2,19 @@
 
 One pure ASGI middleware (not BaseHTTPMiddleware, so Gradio's streaming routes pass untouched):
 
-* ``/api/*`` with ``--auth``: HTTP basic credentials are checked from the headers, before the
-  route (and FastAPI's form parsing) sees the request, so a stranger's 60 MB body is never read.
-* Failed logins (wrong basic credentials, a refused Gradio ``/login`` form) are counted per client
-  address; past 10 a minute the address gets 429 + Retry-After with an exponential back-off
-  (serving.throttle).
-* Every request: a Content-Length above the cap is answered 413 unread; a body without one
-  (chunked) is counted while the app reads it and answered 413 the moment it passes the cap, so
-  nothing is spooled to disk beyond the cap. Gradio's own upload route applies the same limit
-  (its ``max_file_size``); this cap also bounds its JSON routes.
-* A body must arrive within a deadline (short without a login), else 408.
-* Any answer given while the request body is still unread carries ``Connection: close``: the
-  server (uvicorn/h11) would otherwise read and discard the rest of the body (GBs) to reuse the
-  connection.
-* The cut-off, the deadline and a client disconnect mid-body are raised into the app as
-  Starlette's ``MultiPartException``: that is the error Gradio's upload parser cleans up after
-  (it deletes the temp files it has written), so no refused or aborted upload leaves a file.
-* Gradio's page routes for a visitor without a login: ``gradio_api_info`` is stripped
-  (serving.session), so the login page says nothing about the index.
+* ``/api/*`` with ``--auth``: basic credentials checked from the headers, before any body is read.
+* Failed logins (basic or Gradio ``/login``) counted per client address; past 10 a minute, 429 +
+  Retry-After with exponential back-off (serving.throttle).
+* A Content-Length above the cap: 413 unread; a chunked body is counted as read and cut at the
+  cap (nothing spooled beyond it). A body must arrive within a deadline, else 408.
+* An answer given with the body unread carries ``Connection: close`` (else h11 drains GBs).
+* Cut-off, deadline and mid-body disconnect reach the app as ``MultiPartException``, which
+  Gradio's upload parser cleans up after: no refused upload leaves a file.
+* Without a login, ``gradio_api_info`` is stripped from Gradio's pages (serving.session).
 * ``/api/*``: an unexpected error becomes a JSON 500 without a trace.
-* Gradio's long-lived streams (``/gradio_api/heartbeat/<any>``, ``queue/data``, ``stream/``,
-  ``call/``): with ``--auth``, refused (401) without a login (Gradio serves its heartbeat to
-  anyone, forever: 3,000 held open cost 3,019 file handles and +120 MB); and at most
-  ``MAX_STREAMS_PER_CLIENT`` open at once per client address, logged in or not (429 past that).
-  A browser tab holds one heartbeat and, while a search runs, one queue stream.
+* Gradio's long-lived streams (heartbeat, ``queue/data``, ``stream/``, ``call/``): with
+  ``--auth``, 401 without a login (3,000 open heartbeats cost 3,019 file handles); at most
+  ``MAX_STREAMS_PER_CLIENT`` per client address (429 past that).
 """
 from __future__ import annotations
 

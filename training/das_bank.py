@@ -61,26 +61,17 @@ def row_hash(v: Tensor, weights: Tensor) -> Tensor:
 @torch.no_grad()
 def update_bank(bank: Tensor, bank_ptr: Tensor, bank_count: Tensor, hash_weights: Tensor,
                 v: Tensor, y: Tensor) -> None:
-    """Eq. (transformation)+(fifo), vectorised; see the spec's MTS section.
+    """Eq. (transformation)+(fifo), vectorised with static shapes (no nonzero(), no host sync).
 
-    Exact construction with static shapes (no nonzero(), no host sync), O(B^2) only in
-    four cheap elementwise passes over a (B, B) bool grid:
-
-    1. Stable-sort the batch by label. Each class is then one contiguous diagonal block
-       of the (B, B) pair grid, in batch order, so the grid's row-major order restricted
-       to a class is the spec's write order, and the classes follow each other.
-    2. ``valid`` = same label and different row (hash; the diagonal is excluded by it).
-       One cumsum over the flattened grid numbers every valid pair: the pairs of class c
-       get the consecutive numbers ``[P_c, E_c)`` and the kept ones are the last
-       ``k_c = min(E_c - P_c, Z)``.
-    3. The kept pairs are enumerated directly: entry ``r`` of a static list of
-       ``L = max_kept_pairs(B, Z)`` finds its class by a searchsorted over the running
-       kept counts, hence its pair number, and its grid cell by a searchsorted of that
-       number in the cumsum (which steps by one exactly at valid cells). No B x B
-       scatter or compaction, and only L rows of differences are built.
-    4. One index_put_ writes the L rows. Entries past the kept ones repeat entry 0 (same
-       slot, same value: deterministic); when nothing is kept at all, entry 0 is sent to
-       bank row 0 and that row is restored afterwards, so the write is a no-op.
+    1. Stable-sort the batch by label: each class is a contiguous diagonal block of the (B, B)
+       pair grid, whose row-major order is the spec's write order.
+    2. ``valid`` = same label, different row hash; one cumsum numbers the valid pairs, class c
+       getting ``[P_c, E_c)``, of which the last ``min(E_c - P_c, Z)`` are kept.
+    3. Entry ``r`` of a static list of ``L = max_kept_pairs(B, Z)`` finds its class and pair
+       number by searchsorted over the kept counts, and its grid cell by searchsorted in the
+       cumsum: no B x B scatter, only L rows of differences.
+    4. One index_put_ writes the L rows; surplus entries repeat entry 0 (deterministic), and
+       with nothing kept bank row 0 is restored afterwards.
     """
     B, Z, dim = v.shape[0], bank.shape[1], bank.shape[2]
     if B < 2:

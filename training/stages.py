@@ -1,27 +1,18 @@
 """Which parts of the embedder train: the backbone cut into stages, a frozen prefix and a
-trainable suffix (``TrainConfig.trainable``).
+trainable suffix (``TrainConfig.trainable``: ``"all"`` as the paper, ``"last:N"`` stages plus
+pooling and head, or ``"head"`` on frozen pooled features). Stages per family:
 
-Fine-tuning a pretrained network the way timm / pytorch-metric-learning users do it means
-choosing how deep the gradient goes: ``"all"`` (the paper: the whole network), ``"last:N"`` (the
-last N backbone stages plus the pooling and the head) or ``"head"`` (only the embedding layer,
-on frozen pooled features). Stages:
+* EfficientNet(-Lite) (timm): stem ``conv_stem`` + ``bn1``; the 7 ``blocks``, the last with
+  ``conv_head`` + ``bn2``;
+* ResNet (torchvision or timm): stem ``conv1`` ... ``maxpool``; ``layer1`` .. ``layer4``;
+* ConvNeXt (timm): stem ``stem``; the 4 ``stages``, the last with ``norm_pre``;
+* ViT (timm): stem = patch + position embedding (+ class/register tokens); the ``blocks``, the
+  last with the final ``norm``.
 
-* EfficientNet / EfficientNet-Lite (timm): stem = ``conv_stem`` + ``bn1``; stages = the
-  ``blocks`` (7 MBConv stages), the last one carrying ``conv_head`` + ``bn2`` with it;
-* ResNet (torchvision or timm): stem = ``conv1`` ... ``maxpool``; stages = ``layer1`` .. ``layer4``;
-* ConvNeXt (timm): stem = ``stem``; stages = the 4 ``stages``, the last carrying ``norm_pre``;
-* ViT (timm ``VisionTransformer`` and kin): stem = patch embedding + position embedding (+ the
-  class/register tokens); stages = the transformer ``blocks``, the last carrying the final
-  ``norm``: ``last:N`` trains the last N blocks and the final norm, and the trunk cache stores
-  the tokens after block L-N.
-
-timm has no API to run a model from an intermediate layer on (``forward_intermediates`` only
-returns them), hence the per-family lists here; other architectures train ``all`` or ``head``.
-
-The frozen prefix always runs in eval mode without gradients (its BatchNorm statistics are the
-ImageNet ones), so its output for an image is a fixed function of the image: that is what lets
-training/trunk_cache.py compute it once. Both parts share the Embedder's modules, so the
-checkpoint and the ONNX export are always the whole network.
+timm cannot run a model from an intermediate layer (``forward_intermediates`` only returns
+them), hence the lists; other architectures train ``all`` or ``head``. The prefix runs in eval
+mode without gradients, a fixed function of the image (what training/trunk_cache.py caches);
+both parts share the Embedder's modules, so checkpoint and ONNX export are the whole network.
 """
 from __future__ import annotations
 

@@ -1,29 +1,17 @@
 """The frozen stages' activations, computed once per image and per augmented view, on disk.
 
 With ``trainable = "last:N"`` or ``"head"`` the frozen prefix (training/stages.py) is a fixed
-function of the image: it runs in eval mode with ImageNet BatchNorm statistics and no gradients.
-On a CPU it is also most of the cost of a step (EfficientNet-Lite0's first five stages run at
-112-14 px). So it runs once here, over the centre crop (view 0, what evaluation sees) and
-``views`` random training crops of every image (the paper's augmentation: random resized crop
-+ flip, drawn from a generator seeded per (seed, image), so the views do not depend on batch
-order or threads), and the activations are stored as an fp16 (pooled features: float32)
-``.npy`` memmap of shape
-``(1 + views, N, *activation)``; an epoch then runs only the trainable stages on one of the
-stored views of each image.
+function of the image (eval mode, no gradients) and, on a CPU, most of a step's cost. So it runs
+once here over the centre crop (view 0) and ``views`` random training crops per image (drawn
+from a generator seeded per (seed, image): independent of batch order and threads), stored as an
+fp16 (pooled: float32) ``.npy`` memmap ``(1 + views, N, *activation)``; an epoch runs only the
+trainable stages on one stored view per image.
 
-Key: a hash of the prefix's weights, the trainable spec, the preprocessing, the views and seed,
-and every image's path, size and mtime; a rerun with the same model, data and views reuses the
-file (an added or rewritten image, other weights or another cut give a new file). Files are
-written to a temporary name and renamed, so a reader never sees half a cache.
-
-An image that cannot be decoded (embedder's `ImageLoadError`: truncated, empty, not an image)
-does not stop the build: its rows stay zero and the JSON beside the cache records it as
-``"failed": {row: reason}``; the caller gets the rows through ``failed=`` and leaves them out
-(training/finetune.py). Such a file is never re-checked on a cache hit: the key already holds
-every image's size and mtime, so a file fixed later (rewritten, so a new mtime and almost
-always a new size) gives a new key and a fresh cache, and a hit can only be for the very files
-that failed. Re-checking instead would mean patching rows into a finished file, which the
-write-once, rename-into-place design does not allow.
+Key: a hash of the prefix's weights, the trainable spec, preprocessing, views, seed, and every
+image's path, size and mtime. Written under a temporary name and renamed (never half a cache).
+An undecodable image leaves zero rows, recorded as ``"failed": {row: reason}`` beside it and
+returned through ``failed=``; a hit is never re-checked, since a fixed file has a new mtime and
+so a new key (patching rows into a finished file would break write-once).
 """
 from __future__ import annotations
 

@@ -2,27 +2,17 @@
 similarity^alpha-weighted mean of its k nearest gallery vectors (itself included, weight 1),
 re-normalised; queries are ranked against these augmented vectors.
 
-Why: a photo whose own embedding is atypical of its class is pulled towards its close neighbours,
-which are mostly of its class; on unseen cub-dev species this lifts R@1 (docs/benchmarks/indexer.md, "Neighbourhood
-re-ranking"). Why by hand: faiss, pytorch-metric-learning and the other libraries the project uses
-have no DBA; it is a few lines over faiss's exact k-NN (:func:`embedder.knn.exact_knn`).
+Why: an atypical photo is pulled towards its close neighbours, mostly of its class; on unseen
+cub-dev species this lifts R@1 (docs/benchmarks/indexer.md). No library the project uses has
+DBA; it is a few lines over :func:`embedder.knn.exact_knn`. Served as a per-request switch: the
+faiss index keeps the plain vectors and DBA re-orders its top ``depth`` candidates by their
+augmented vectors (``neighbours.npz``), one (depth x d) product.
 
-How it is served: the faiss index keeps the plain vectors. A search with DBA asks the index for
-its top ``depth`` candidates and re-orders them by the query's inner product with their augmented
-vectors (kept in ``neighbours.npz`` next to ``index.faiss``), so it is a per-request switch
-(:meth:`indexer.Index.search_embeddings`, ``dba=``) that costs one (depth x d) product.
-
-What is stored per gallery item: its ``k`` nearest *other* items (ids and inner products): the
-first ``k - 1`` make the augmented vector, the last is a spare, so that a query which is itself a
-gallery item (leave-one-out evaluation, a gallery-id search) is answered as if it were not in the
-gallery: a candidate whose first ``k - 1`` neighbours include the query gets its augmented
-vector recomputed from its neighbours without the query (:func:`rerank`, ``exclude``). Without
-that, the query's own vector sits inside its neighbours' augmented vectors and leave-one-out
-figures are inflated.
-
-Under ``indexer add/remove`` (:func:`update`) only the items whose neighbour lists can change are
-searched again: added items, items that listed a removed item, and items to which an added item is
-at least as close as their current last neighbour. The result equals a fresh build's.
+Per item the file keeps its ``k`` nearest *other* items: ``k - 1`` make the augmented vector,
+the last is a spare, so a query that is itself a gallery item is answered as if it were not
+(:func:`rerank`, ``exclude``); else leave-one-out figures are inflated. ``indexer add/remove``
+(:func:`update`) searches again only the items whose lists can change; the result equals a
+fresh build's.
 """
 from __future__ import annotations
 

@@ -1,27 +1,17 @@
 """The streaming build: train once on a sample drawn from the shards, fill each shard apart, and
-combine the filled shards on disk, so that no process ever holds all the vectors.
+combine the filled shards on disk, so that no process ever holds all the vectors (the merge,
+``build.merge_shards``, gathers about three copies of N x d x 4 bytes on one node).
 
-Today's merge (``build.merge_shards``) gathers every vector on one node (about three copies of
-N x d x 4 bytes). Here the driver holds counts and fixed-size samples (``indexer.ann.sample``):
-
-1. ``plan``: the shards' counts and cross-shard duplicates (a k-way merge of their sorted id
-   streams), the held-out tuning/check sets and the training sample, drawn by position in the
-   shards' concatenation and read by each shard at its own positions; the type chosen by the
-   measurement of a one-process build (``selection.select``, on such a sample) among the types
-   whose inverted lists can be merged (IVF-Flat, IVF-HNSW, IVF-SQ8, IVF-PQ; the refine wrappers
-   keep every exact vector in memory, which is what this path avoids); the exact answers of the
-   held-out queries: each shard's own exact top-k (``Source.knn``, one streaming pass where the
-   shard is), merged. The samples are as random as a one-process build's but not the same rows,
-   so the index is as good, not identical. Every read goes through a ``Source``
-   (:mod:`indexer.store.sources`); under Ray a reader on the shard's node answers it
-   (:mod:`indexer.ray.readers`).
-2. ``fill``: each shard adds its own vectors to a copy of the trained empty index (a Ray task
-   on the node that holds the shard).
-3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``faiss.IndexShardsIVF``
-   over memory-mapped shard files, one shared quantizer), then the held-out vectors become one
-   more small part (``held_part``).
-4. ``merge_ondisk`` (:mod:`indexer.ann.ondisk`): optionally, one IVF index whose lists live in a
-   file (faiss's ``OnDiskInvertedLists``), written list by list.
+1. ``plan``: counts and cross-shard duplicates (a k-way merge of sorted id streams), held-out
+   tuning/check sets and the training sample (by position in the shards' concatenation), the
+   type as ``selection.select`` measures it among mergeable IVF types (refine wrappers keep every
+   vector in memory), and the held-out queries' exact answers merged from each shard's
+   ``Source.knn``. As random as a one-process build's sample, not the same rows: as good an
+   index, not identical. Reads go through a ``Source`` (under Ray, :mod:`indexer.ray.readers`).
+2. ``fill``: each shard adds its vectors to a copy of the trained empty index.
+3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``IndexShardsIVF`` over
+   memory-mapped files, one quantizer); the held-out vectors become one more part (``held_part``).
+4. optionally ``merge_ondisk`` (:mod:`indexer.ann.ondisk`): one IVF index with on-disk lists.
 """
 from __future__ import annotations
 

@@ -1,34 +1,22 @@
 """(b) Likely mislabelled images and (d) the most confused class pairs; the per-class figures
 the outliers (c) use too.
 
-Why by hand and not cleanlab's Datalab (issue 42 asked to use it if it serves; the measurement
-is in docs/benchmarks/audit.md): Datalab's label issues from a kNN graph need ``pred_probs`` or
-``features`` it fits a classifier to (cross-validated sklearn, O(n x d) copies in RAM, minutes at
-1M), it brings ``datasets`` (pyarrow, pandas, huggingface-hub: ~30 packages) into a server
-environment that has none of them, and its outliers on a given graph are the kNN distance alone,
-which a cluster of off-domain photos defeats (they are each other's neighbours). What is done
-here follows cleanlab's recipe on the index's graph: out-of-sample class probabilities (each
-item left out of its own neighbourhood and of its own class centroid) give the SUGGESTED label
-(the most likely other one) and the margin (cleanlab's ``normalized_margin``); the RANKING is
-by how much nearer the item is to the suggested label's centroid than to its own,
+Why not cleanlab's Datalab (docs/benchmarks/audit.md): on a kNN graph it needs a fitted
+classifier (O(n x d) copies, minutes at 1M), brings ~30 packages (datasets, pyarrow, pandas)
+into the server, and its outliers are the kNN distance alone, which a cluster of off-domain
+photos defeats. Here, cleanlab's recipe on the index's graph: out-of-sample class probabilities
+(each item left out of its neighbourhood and its class centroid) give the SUGGESTED label and
+the margin (``normalized_margin``); the RANKING is
 
     score = cos(x, centroid[suggested]) - cos(x, centroid[label] without x) - max(0, m - best)
 
-``best`` its cosine to the nearest centroid, ``m`` the gallery's median of ``best``: an
-off-domain photo (far from every class) is the outlier list's business and is pushed down
-here. On cub-dev validation species with 2% flipped labels and 1% off-domain photos this
-ranking put 0.90 flipped labels in the top N against 0.77-0.80 for the margin alone (which
-saturates at 1 for most flips and so ties them with off-domain photos), at every k, temperature
-and share tried (docs/benchmarks/audit.md). Listed: the rows with score > 0 and margin > 0.
-
-The class probabilities of an item mix two views of the same embeddings:
-
-- its k nearest other items' labels, each weighted ``exp((sim - 1) / KNN_TEMP)``;
-- a softmax over its cosine to every class centroid (mean of the class's vectors, itself left
-  out of its own), temperature ``CENTROID_TEMP``: robust where the kNN view is noisy (few
-  neighbours of the true class, or a neighbourhood of other off-domain items), and what makes
-  an off-domain image (equally far from every class) rank lower than a flipped label (near its
-  true class).
+``best`` the cosine to the nearest centroid, ``m`` the gallery's median of it: off-domain photos
+are the outlier list's business and sink here. On cub-dev with 2% flipped labels and 1%
+off-domain photos this put 0.90 of the flips in the top N against 0.77-0.80 for the margin
+alone. Listed: score > 0 and margin > 0. The probabilities mix the k nearest items' labels
+(weights ``exp((sim - 1) / KNN_TEMP)``) and a softmax over the cosines to the class centroids
+(``CENTROID_TEMP``): robust where the kNN view is noisy, and it ranks an off-domain image (far
+from every class) below a flipped label (near its true class).
 """
 from __future__ import annotations
 

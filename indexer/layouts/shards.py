@@ -10,14 +10,10 @@ Layout (``indexer build --ray --sharded`` or ``indexer merge --sharded``)::
     SHARD/store.lmdb      each shard's gallery store, where its task wrote it
     SHARD/part.faiss      its vectors in a copy of the trained index (``stream.fill``)
 
-Shard paths are stored relative to OUT (``relative``: through ``..`` for shards beside it, so
-the directory and its shards can move together and the manifest holds no server path), absolute
-only when they share nothing with OUT but the root; ``serving.redact`` cuts those from answers.
-``Index.open`` opens such a directory (:class:`indexer.layouts.layout.Sharded`) as an
-:class:`indexer.Index` whose faiss index is the parts as one (:class:`PartsIndex`,
-``stream.as_one``: one shared quantizer, so results equal one merged index's) and whose store
-reads each id from the shard that holds it (:class:`ShardedStore`), so serving, ``indexer
-search`` and ``eval`` need nothing else.
+Shard paths are stored relative to OUT (so they move together; no server path in the
+manifest), absolute only when they share nothing but the root (``serving.redact`` cuts those).
+Opened as one :class:`PartsIndex` (one quantizer: results equal one merged index's) and a
+:class:`ShardedStore` that reads each id from its shard.
 """
 from __future__ import annotations
 

@@ -1,26 +1,17 @@
 """LMDB environments shared per process, and reads that survive another process growing the map.
 
-py-lmdb (and LMDB itself) must not open one environment twice in a process, while an Index and
-a tool may both want the same store: environments are shared per (process, path),
-reference-counted and opened on demand. :class:`LmdbStore` is the environment under a store
-(``indexer.store.gallery.GalleryStore`` adds the key layout on top).
+LMDB must not open one environment twice in a process, so environments are shared per (process,
+path), reference-counted, opened on demand (:class:`LmdbStore`; ``GalleryStore`` adds the keys).
+Readers open read-only *with* the lock file (when writable): its reader table keeps ``indexer
+add`` in another process from reusing pages a reader sees. When the writer grows the map, new
+read transactions fail with ``MapResizedError``; ``set_mapsize(0)`` may run only with no
+transaction open, which :class:`ReadGate` ensures (reads share it, a remap takes it alone).
 
-Readers open read-only *with* the lock file (when the directory is writable), because a server
-may read while ``indexer add`` writes in another process: the lock file's reader table is what
-keeps the writer from reusing pages a reader still sees (``lock=False`` is only safe when nobody
-writes). When the writer grows the map past the reader's mapping, LMDB refuses new read
-transactions with ``MapResizedError``; the remedy, ``set_mapsize(0)`` (adopt the new size), may
-only run while no transaction of this process is open. :class:`ReadGate` provides exactly that:
-reads share it, a remap takes it alone.
-
-A file truncated *after* it was mapped is the other danger: the first read of a page past the
-new end kills the whole process with SIGBUS. So every read-only transaction first checks the
-file (:class:`MappedFile`: an ``fstat`` of the mapped inode against the last page LMDB's meta
-says is in use, and a ``stat`` of the path for a file replaced or removed) and refuses with
-:class:`StoreUnavailable` instead of touching it; a replaced file is adopted (the environment
-reopened) once it passes :func:`check_lmdb`. Measured cost: a few microseconds per read
-(RELIABILITY.md). What remains is a race: a truncation between the check and the read, or
-during a long transaction, still hits SIGBUS; the window is one transaction.
+A file truncated *after* it was mapped kills the process with SIGBUS at the first read past
+its end. So each read-only transaction first checks the file (:class:`MappedFile`: an ``fstat``
+against the last page in use, a ``stat`` of the path for replacement) and raises
+:class:`StoreUnavailable` instead; a replaced file is adopted once :func:`check_lmdb` passes. A
+few microseconds per read; a truncation within one transaction remains a race.
 """
 from __future__ import annotations
 
