@@ -109,23 +109,12 @@ def load_image(
 ) -> Image.Image:
     """Decode ``source`` (path, encoded bytes or PIL image) into a fully loaded ``mode`` image.
 
-    ``max_pixels`` is checked from the header, before any pixel is decoded, so a decompression
-    bomb costs nothing; ``None`` disables the check (PIL's own limit still applies).
-    ``name`` labels bytes sources in error messages (e.g. the uploaded file name).
-
-    ``min_side``: the model only needs this many pixels on the shorter side, so a larger image
-    is decoded smaller, by the largest integer factor that keeps the shorter side >= min_side:
-    JPEG through libjpeg's DCT scaling while decoding (``Image.draft``: a 36-megapixel photo
-    never exists in memory at full size), other formats by ``Image.reduce`` (box averaging)
-    right after decoding. An image whose shorter side is below ``2 * min_side`` is returned
-    exactly as with ``min_side=None``. ``None``: full size (training, export parity).
-
-    With ``min_side`` (indexing, serving, thumbnails) the decode is also bounded in memory,
-    whatever the format (:mod:`embedder.decode_budget`): uncompressed BMP/TIFF rows are read and
-    shrunk a strip at a time (the full frame never exists), other formats reserve their
-    measured cost from the process's decode budget first (so concurrent large decodes take
-    turns) and are converted and shrunk a strip at a time; a file that alone would cost more
-    than the budget raises :class:`ImageTooLargeError` before decoding.
+    ``max_pixels`` is checked from the header, before any pixel is decoded (``None``: PIL's own
+    limit only). ``name`` labels bytes sources in errors. ``min_side``: decode smaller, by the
+    largest integer factor keeping the shorter side >= min_side (JPEG by ``Image.draft`` while
+    decoding, others by ``Image.reduce``); ``None``: full size (training, export parity). With
+    ``min_side`` the decode is also bounded in memory (:mod:`embedder.decode_budget`: strips,
+    or a reservation; :class:`ImageTooLargeError` for a file beyond the whole budget).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

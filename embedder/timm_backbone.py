@@ -1,22 +1,12 @@
 """Any timm image model as the embedder's backbone: ``backbone = "timm:<model name>"``.
 
-CNNs and ViTs alike (``timm:vit_small_patch14_dinov2.lvd142m``, ``timm:convnext_tiny.fb_in22k``,
-``timm:vit_base_patch16_siglip_224`` ...). Everything model-specific comes from timm itself:
-
-* the network: ``timm.create_model(name, num_classes=0)`` (no classifier);
-* its weights: ``pretrained = true`` is timm's own source (the Hugging Face hub, or the URL of
-  its pretrained config); ``weights = PATH`` (a local .safetensors / .pth / .bin, a bare state
-  dict or a training checkpoint holding one) is unwrapped and checked to fit, then goes through
-  timm's own ``load_pretrained``, so timm's checkpoint filters (original DINOv2 / CLIP / OpenAI
-  layouts, position embeddings resampled to another input size) apply to it as they do to a
-  download (:mod:`embedder.timm_weights`: a file that does not fit is one line naming it). A machine without the hub gets one line saying which file to put where;
-* its preprocessing: ``timm.data.resolve_data_config`` of its pretrained config (input size, crop
-  ratio, mean/std, interpolation), turned into a :class:`Preprocessing` that is stored with the
-  checkpoint and in the ONNX file like any other.
-
-Token models (ViTs: ``forward_features`` returns (B, N, C) tokens, ``num_prefix_tokens`` of them
-class/register tokens) are pooled by :mod:`embedder.model` (``cls``, ``mean`` / ``gem`` of the
-patch tokens, or the model's own head with ``model``).
+CNNs and ViTs alike (``timm:vit_small_patch14_dinov2.lvd142m``, ``timm:convnext_tiny.fb_in22k``
+...); everything model-specific comes from timm: the network (``create_model(name,
+num_classes=0)``), its weights (``pretrained = true``: timm's own source; ``weights = PATH``:
+checked to fit by :mod:`embedder.timm_weights`, then timm's ``load_pretrained``, so its
+checkpoint filters apply as to a download), and its preprocessing (``resolve_data_config``,
+stored as a :class:`Preprocessing` like any other). Token models (ViTs) are pooled by
+:mod:`embedder.model` (``cls``, ``mean`` / ``gem`` of the patch tokens, or ``model``).
 """
 from __future__ import annotations
 

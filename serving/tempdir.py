@@ -1,21 +1,12 @@
 """The app's own temp folder: Gradio's uploads and cached results go there, and it is emptied
 at start-up, so files a killed server left behind do not pile up across restarts.
 
-Gradio writes to ``$GRADIO_TEMP_DIR`` (default ``/tmp/gradio``, shared by every Gradio app of
-the machine). We give each app a folder of its own below it, named for the port (one server per
-port), and hold an ``flock`` on it while the server runs: start-up empties only a folder nobody
-holds, so neither another app's files nor a still-running server's on the same port are
-touched. Folders of earlier runs on other ports (``das-retrieval-app-*`` beside ours) are removed
-too when nobody holds them and they have not changed for ``STALE_S`` (a server starting at this
-moment has not locked its folder yet). Must run before ``gradio`` is imported (it reads the
-variable at import).
-
-Safety (issue 39): the parent folder is private (created 0700; an existing one must be a real
-directory owned by this user with no group/other write bit, else start-up is refused in one line
-naming it: another local user could otherwise pre-create ``/tmp/das-retrieval-UID`` and point the
-app's folder at theirs, or at a victim's), the app's folder likewise, and everything below is
-opened and removed through directory descriptors without following a symlink (``O_NOFOLLOW``,
-``dir_fd``, ``shutil.rmtree(dir_fd=)``): a link left there is removed as a link, never entered.
+Each app gets a folder below ``$GRADIO_TEMP_DIR`` named for its port, ``flock``-held while it
+runs: start-up empties only folders nobody holds (other ports' ``das-retrieval-app-*`` too once
+unchanged for ``STALE_S``). Must run before ``gradio`` is imported (it reads the variable then).
+Safety: the parent folder must be a real 0700 directory of this user (else one line refusing
+it: another user could pre-create it), and everything below is opened and removed through
+directory descriptors without following symlinks (``O_NOFOLLOW``, ``dir_fd``).
 """
 from __future__ import annotations
 

@@ -1,21 +1,15 @@
 """Densely-Anchored Sampling (DAS, ECCV 2022): DFS + MTS as one plug-in module.
 
-`emb, lab = das(emb, lab)` sits between the embedder and any miner/loss. It follows
-../shared/docs/das-spec.md (the authors' code where the paper is vague):
+`emb, lab = das(emb, lab)` sits between the embedder and any miner/loss, following
+../shared/docs/das-spec.md (the authors' code where the paper is vague): FRM update, bank
+update, then T copies per real embedding. DFS: FRM ``P`` (C x d) counts signed top-K channels;
+a class's mask is the top-K of its row; masked channels get a factor U[1-r_s, 1+r_s] per copy.
+MTS: a per-class FIFO ring (C x Z x d) of intra-class differences (ordered pairs, row-major,
+zeros dropped, last Z kept); a copy is shifted by ``r_b * t`` with ``t`` a uniform filled slot.
+Produce: ``v' = s * v + b``, re-normalised when ``normalize``.
 
-* order: FRM update, bank update, then T copies per real embedding;
-* DFS: FRM ``P`` (C x d) counts each real embedding's signed top-K channels; a class's mask is
-  the top-K of its FRM row; masked channels get an independent factor U[1-r_s, 1+r_s] per copy
-  (or U[lo, hi] with ``scale_bounds``), all others 1;
-* MTS: a per-class FIFO ring (C x Z x d) of intra-class differences ``v_i - v_j`` (ordered
-  pairs i != j, row-major batch order, zero differences dropped, the last Z kept); a copy is
-  shifted by ``r_b * t`` with ``t`` a uniformly drawn filled slot of its class (0 while empty);
-* produce: ``v' = s * v + b``, re-normalised when ``normalize``.
-
-Everything is batched tensor code with no host synchronisation, so the step is cheap on CPU
-and does not stall a CUDA stream. State (FRM, bank, pointers, counts) lives in buffers so that
-``state_dict()`` and ``.to(device)`` carry it; the seeded generator's state travels as the
-module's extra state so that a resumed run draws the same numbers.
+Batched tensor code with no host sync. State lives in buffers (``state_dict()``, ``.to()``);
+the generator's state is the module's extra state, so a resumed run draws the same numbers.
 """
 from __future__ import annotations
 

@@ -231,21 +231,13 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
                   on_iteration: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
     """Spherical k-means whose assignment never compares every point with every centroid.
 
-    Two-level clustering (faiss.contrib.clustering.two_level_clustering: sqrt(k) coarse lists,
-    then each coarse list's points clustered into its share of the k centroids) gives the start;
-    ``refine`` k-means iterations over the whole sample then fix the points that the two-level
-    split put on the wrong side of a coarse border: the centroids are grouped under sqrt(k)
-    coarse centroids, and a point is compared (exact dot products, one matrix product per
-    coarse group) with the centroids of its ``probe`` nearest groups: points x probe x sqrt(k)
-    products instead of points x k (1/16 of them at 16,384 lists).
-    Written here because faiss lacks it: faiss's recipe for IVF65536_HNSW32 training
-    (faiss.Clustering with an IndexHNSWFlat over the centroids) measured slower per iteration
-    than exact assignment at 16,384 lists on 2 cores (docs/benchmarks/scaling.md), and inserts into its graph
-    on all threads under locks (the same graph, hence centroids, is not promised twice). Empty
-    lists are split as faiss does (``reassign_centroids``). ``on_iteration(i, centroids)`` after
-    the two-level start (i = 0) and after each refinement (benchmarks). Besides the sample, it
-    holds at most ~100 bytes a point while refining (the groups near each point and their order,
-    int32; the assignment): ~100 MB at the 10M plan's 1M points, next to the 512 MB sample.
+    Two-level clustering (faiss.contrib.clustering) gives the start; ``refine`` iterations over
+    the sample then compare each point (exact dot products) with the centroids of its ``probe``
+    nearest coarse groups of sqrt(k): 1/16 of the products at 16,384 lists. Why not faiss's HNSW
+    assignment: slower per iteration than exact at 16,384 lists on 2 cores, and not
+    deterministic (docs/benchmarks/scaling.md). Empty lists are split as faiss does.
+    ``on_iteration(i, centroids)`` after the start (i = 0) and each refinement. Holds ~100
+    bytes a point beyond the sample while refining.
     """
     from faiss.contrib.clustering import reassign_centroids, two_level_clustering
     from scipy.sparse import csr_matrix

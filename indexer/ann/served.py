@@ -1,21 +1,13 @@
 """A faiss index as served: whole in RAM (:class:`SearchableIndex`), or, on a node that holds only
-the codes (``--max-memory``): compressed IVF lists in RAM, the
-exact vectors read from the LMDB store(s) to re-rank each query's candidates.
+the codes (``--max-memory``): compressed IVF lists in RAM, the exact vectors read from the LMDB
+store(s) to re-rank each query's candidates.
 
-Why: an IVF-Flat index holds every vector (4d + 8 bytes each: 5.2 GB at 10M x 128) in the
-serving process, and so does a sharded index once its memory-mapped parts have been searched
-(their pages count in its RSS). The store already holds every exact vector, on disk. So a node
-with a memory budget reads the index files memory-mapped, re-encodes their lists once, at
-start-up, into codes with the same coarse quantizer (SQ8: d + 8 bytes a vector; SQ4; PQ: about
-d / 4 + 8), drops the maps, and at query time takes k' = RERANK_FACTOR x k candidates from the
-codes and ranks them by their exact inner products, read from the store (``ReRanked``). The
-lists probed are the same (same quantizer, same nprobe), so when the k' candidates contain the
-in-RAM index's top k, the answer is exactly the in-RAM index's.
-
-faiss's own ``IndexRefineFlat`` does the re-ranking step but keeps the exact vectors in RAM
-(what this avoids), so the re-ranking is written here against the store; the codes are faiss's
-(``IndexIVFScalarQuantizer``, ``IndexIVFPQ``) filled through ``add_core`` with each vector's
-list, so no vector changes list.
+Why: IVF-Flat holds every vector in the serving process (5.2 GB at 10M x 128), and the store
+already holds them on disk. So under a budget the lists are re-encoded once at start-up with the
+same coarse quantizer (SQ8, SQ4 or PQ, via faiss's ``add_core``: no vector changes list), and a
+query takes k' = RERANK_FACTOR x k candidates from the codes, ranked by exact inner products
+read from the store (``ReRanked``): when they contain the in-RAM top k the answer is exactly the
+in-RAM one. faiss's ``IndexRefineFlat`` would keep the exact vectors in RAM, which this avoids.
 """
 from __future__ import annotations
 

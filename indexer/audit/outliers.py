@@ -1,21 +1,14 @@
 """(c) Outliers: images far from everything, and (labelled galleries) from their own class.
 
-- ``knn_far``: 1 - the mean cosine to the item's k nearest other items (the kNN-distance outlier
-  score of cleanlab and of the outlier literature);
-- labelled galleries also: ``class_far``, 1 - the cosine to the NEAREST class centroid (its own
-  without itself); ``own_far``, 1 - the cosine to its own class's centroid (without itself);
-  ``mixed``, 1 - the share of its k neighbours carrying their most common label.
-
-Why the label terms: a group of off-domain photos is its own neighbourhood, so ``knn_far``
-misses it as soon as the group is bigger than k, and photos the embedder maps near the middle
-of everything (Omniglot's drawings among Caltech objects) are not far from any centroid either;
-but such photos carry random labels, so they are far from their own class and their
-neighbourhood agrees on no label, while a flipped label sits in a neighbourhood of one (other)
-class. Score: the sum of the four, equal weights (labelled; chosen on the validation halves of
-cub-dev with 1% Caltech photos and of caltech101-dev with 1% Omniglot drawings, where the kNN
-distance alone found 1.00 and 0.07 of them in the top 2x and the sum 1.00 and 1.00:
-docs/benchmarks/audit.md); ``knn_far`` alone without labels (a cluster of off-domain photos
-bigger than k then goes unseen: said in the summary).
+Score: ``knn_far`` (1 - mean cosine to the k nearest other items, the classic kNN score), plus
+in labelled galleries ``class_far`` (1 - cosine to the nearest class centroid, own without
+itself), ``own_far`` (1 - cosine to its own centroid) and ``mixed`` (1 - the share of its k
+neighbours carrying their most common label), summed with equal weights. Why the label terms:
+a group of off-domain photos bigger than k is its own neighbourhood, and photos mapped near the
+middle of everything are far from no centroid, but they carry random labels (far from their own
+class, a neighbourhood agreeing on nothing). On cub-dev + 1% Caltech and caltech101-dev + 1%
+Omniglot the kNN score found 1.00 and 0.07 in the top 2x, the sum 1.00 and 1.00
+(docs/benchmarks/audit.md). Unlabelled: ``knn_far`` alone (the summary says what it misses).
 """
 from __future__ import annotations
 

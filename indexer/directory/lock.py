@@ -1,19 +1,11 @@
 """One writer per index directory: an exclusive ``fcntl.flock`` on ``DIR/.writer.lock``.
 
-Why: two writers interleave their ``sync_index`` steps (each reads ``index.faiss`` and the
-manifest, then rewrites them), so the slower one finds the files changed under it, gives up, and
-leaves images in the store that faiss never gets: found by nobody, noticed by nothing. LMDB
-itself serialises write transactions, but a whole ``add`` is several of them plus two files.
-
-Why flock: the kernel drops the lock when the holder's descriptor closes, which includes the
-holder being killed (``kill -9``), so there is no stale lock to clean up and no pid-liveness
-guessing. The file also records who holds it (pid, command, start time) for the refusal line;
-that record is informative only, the lock itself is the flock. Readers (``Index.open``, the
-server) never take it: LMDB readers and the atomically replaced manifest need no lock.
-
-The lock is re-entrant for the thread holding it (a flock on a second descriptor of the same
-file would refuse its own process: ``indexer build --ray`` locks ``--out`` and then merges into
-it); another thread of the same process conflicts through the flock like another process.
+Why: two writers interleave their ``sync_index`` steps (read ``index.faiss`` and the manifest,
+rewrite both), and the slower one gives up, leaving stored images faiss never gets. flock is
+dropped by the kernel when the holder dies (``kill -9``): no stale lock. The file records the
+holder (pid, command, start time) for the refusal line only. Readers never take it. The lock is
+re-entrant for its thread (``indexer build --ray`` locks ``--out`` and then merges into it);
+another thread conflicts like another process.
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """The streaming plan's reads where the shards are: one Ray actor per shard (``ShardReader``,
-wrapping the shard's ``StoreSource`` on the node whose task built it) and ``RemoteSource``, the
+wrapping the shard's ``StoreSource`` on the node that built it) and ``RemoteSource``, the
 driver's ``Source`` that calls it.
 
-Why: ``indexer build --ray --sharded`` used to make every read of the plan on the driver, over
-the shared filesystem: each shard's whole id stream (census), a pass over its keys per sample,
-and a pass over all its vectors (the exact answers of the held-out queries). Now the shard's
-node makes those passes; what crosses to the driver is the ids in chunks (the census's k-way
-merge needs them, one chunk a shard at a time, the next one already on its way), the sample rows
-and each shard's nq x k exact answers, which the driver merges (``stream.exact_truth``).
-
-The census keeps every shard's id stream open at once, so all readers must be alive together:
-they reserve no CPU or GPU (a reader waiting for a CPU a fill task would take could wait for
-ever) and use ``threads`` CPUs that nothing else uses during the plan; they reserve a token of
-memory instead (``READER_MEMORY``), without which Ray ignores their soft node affinity. A reader
-whose process dies is restarted and its calls retried (``max_retries``, as the fill tasks); one
-whose node dies is restarted on another node (soft affinity). Its calls carry positions, not
-state, so a retried call answers the same. Ray is imported lazily.
+Why: reading every shard over the shared filesystem on the driver (census, sample passes, exact
+answers) moved all vectors; now only ids in chunks (prefetched), sample rows and each shard's
+nq x k exact answers cross. The census holds every id stream open, so all readers must live at
+once: they reserve no CPU/GPU (else they could wait for ever on fill tasks) but a memory token
+(``READER_MEMORY``, without which Ray ignores soft affinity). Calls carry positions, not state,
+so retries after a restart answer the same. Ray is imported lazily.
 """
 from __future__ import annotations
 

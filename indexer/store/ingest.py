@@ -1,20 +1,14 @@
 """Ingest: read gallery files, dedupe by content, embed while decoding, commit in batches.
 
-The commit unit is one LMDB transaction holding the bytes, metadata, paths and embeddings of a
-few batches, so a build killed at any moment leaves only whole entries behind, and a rerun picks
-up exactly the files that are not committed yet (quick check: same size and mtime, then sha256).
-
-One embedding runner (:func:`run`, as clip-retrieval's: reader -> embedder -> writer, with
-per-stage timings) serves ``indexer build``/``add`` (:func:`ingest`) and the missing-embedding
-pass (:func:`embed_missing`). Why this shape: with a tiny model (small_cnn, 28 px) inference
-costs about as much as the per-image bookkeeping, so every image is touched once. The reader
-(:mod:`indexer.store.reader`, in the embedder's one decode thread pool,
-:func:`embedder.runtime.decode_ahead`) reads a *chunk* of files (one batch) and, from the same
-bytes, hashes, reads the header size and decodes + preprocesses; the main thread only settles
-outcomes (dedupe), stacks ready arrays and runs the session; the writer commits whole batches
-on one thread (one LMDB transaction, one fsync per ``commit_every`` images). The store's state
-before the run is read once up front (:meth:`GalleryStore.snapshot`), so no thread reads LMDB
-per image (reads would queue behind the writer's commits on the store's lock).
+The commit unit is one LMDB transaction of a few batches (bytes, metadata, paths, embeddings), so
+a killed build leaves only whole entries and a rerun picks up exactly the uncommitted files
+(same size and mtime, then sha256). One runner (:func:`run`: reader -> embedder -> writer, with
+per-stage timings) serves ``build``/``add`` (:func:`ingest`) and :func:`embed_missing`; every
+image is touched once, since with a tiny model inference costs about as much as bookkeeping.
+The reader (:mod:`indexer.store.reader`, in the decode pool) hashes, sizes and decodes a chunk
+from the same bytes; the main thread dedupes, stacks and runs the session; the writer commits
+whole batches on one thread. The store's prior state is read once up front
+(:meth:`GalleryStore.snapshot`), so no thread reads LMDB per image behind the writer's lock.
 """
 from __future__ import annotations
 
