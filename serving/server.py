@@ -1,16 +1,10 @@
-"""One ASGI app: the JSON API at /api/* and the Gradio UI mounted at "/".
+"""One ASGI app: the JSON API at /api/* (registered first: a mount at "/" takes every path
+left) and the Gradio UI mounted at "/"; --auth protects both.
 
-The API routes are registered before Gradio is mounted, since a mount at "/" takes every path
-not matched earlier. --auth protects both: Gradio's login page for the UI (and gradio_client's
-``auth=``), HTTP basic auth for /api/*.
-
-File inputs: a Gradio client sends a FileData ``{"path": ...}`` for each image input, and Gradio
-copies that path into its cache before any handler runs. Gradio only checks that the path is
-an upload of its own (in its upload folder) once the Blocks "has launched", a flag
-``Blocks.launch()`` sets and ``gr.mount_gradio_app`` (gradio 6.31) does not; left unset, any
-server path (/etc/passwd, /dev/zero, any gallery photo) was copied and usable. We set the flag
-after mounting: that switches on exactly Gradio's own check (``processing_utils._check_allowed``),
-and a test drives it through the HTTP API.
+File inputs: Gradio copies a client's FileData ``{"path": ...}`` into its cache before any
+handler runs, and checks that it is its own upload only once the Blocks "has launched", which
+``gr.mount_gradio_app`` does not set: any server path was copied. We set the flag after
+mounting, which switches on Gradio's own check (a test drives it through the HTTP API).
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Failed-login throttling per client address (HTTP basic auth on /api and Gradio's /login form).
 
-Without it a stranger could try ~1,400 passwords a second. Policy: up to ``free`` failures in
-any ``window`` seconds cost nothing (typos); each failure past that blocks the address for an
-exponentially growing time (``first_block`` s, then twice that, ... up to ``max_block`` s;
-default 1 s, 2 s, 4 s, ...). While blocked, every
-login attempt from the address (right or wrong) is answered 429 with Retry-After and not even
-checked, so guessing stops paying. A success, or ``window`` x 15 s without failures, forgets the
-address. The table is bounded (oldest entries dropped), so spoofed-looking address churn cannot
-grow memory without limit. Addresses are the TCP peer's: an ``X-Forwarded-For`` header is only
-believed from the proxies named by ``app.py --forwarded-allow-ips`` (none by default), so a
-client cannot pick a fresh address per guess. Behind a proxy that is not named, every client
-shares the proxy's address (the proxy should then rate-limit itself).
+Without it a stranger could try ~1,400 passwords a second. Up to ``free`` failures per
+``window`` seconds cost nothing; each one past that blocks the address for ``first_block``
+seconds, doubling up to ``max_block``; while blocked every attempt gets 429 + Retry-After,
+unchecked. A success, or ``window`` x 15 s without failures, forgets the address; the table is
+bounded. Addresses are the TCP peer's (``X-Forwarded-For`` only from ``--forwarded-allow-ips``).
 """
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Class-balanced batches: `per_class` images from each of `batch_size / per_class` classes.
 
-Epoch definition (SPC-n sampling of Roth et al., as in the paper's supplementary C):
-
-* an epoch has ``len(sampler) = N // batch_size`` batches (``ceil`` with ``drop_last=False``,
-  the last one then shorter), so it shows about as many images as the dataset holds;
-* classes are visited in a fresh random order each epoch; when every class has been used
-  once, a new random order starts (classes never repeat within a batch);
-* each class hands out its images from its own shuffled queue, `per_class` at a time, and
-  reshuffles when the queue runs out, so images are spread evenly and never repeat within
-  a batch;
-* everything is drawn from a generator seeded with ``(seed, epoch)``, so a batch list is a
-  pure function of them; `state_dict()` adds the number of batches already handed out in
-  the current epoch, and after `load_state_dict` the next iteration resumes right there.
+SPC-n sampling (Roth et al., the paper's supplementary C): an epoch has ``N // batch_size``
+batches (``ceil`` without ``drop_last``); classes come in a fresh random order, restarted when
+all were used (never repeated within a batch); each class hands out its own shuffled queue,
+reshuffled when empty. All is drawn from a generator seeded with ``(seed, epoch)``;
+`state_dict()` adds the batches already handed out, so `load_state_dict` resumes right there.
 """
 from __future__ import annotations
 

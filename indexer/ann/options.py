@@ -84,21 +84,12 @@ class BuildDefaults:
 
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
                      mode: str = "process", dba_k: int = 8) -> BuildDefaults:
-    """The one place ``indexer build``'s default is decided (issue 41; measured in
-    docs/benchmarks/quality-round5.md). ``int8``/``dba``: the flags (None = auto; True/False =
-    ``--int8``/``--no-int8``, ``--dba``/``--no-dba``, kept as given). Auto:
-
-    - the default embedder (``model_given`` False): int8 when the gallery holds >=
-      :data:`INT8_MIN_IMAGES` images, DBA when it holds >= :func:`dba_min_images` (``dba_k``);
-      the measured winner (int8 + DBA) on a gallery that can calibrate it;
-    - ``--model M``: fp32 and no DBA, as before (the measurement covers the default embedder only);
-    - ``mode`` (how the build runs): "process" (one process builds the whole index); "shard"
-      (``--shard i/n``: DBA is the merge's) and "ray" (``--ray``/``--sharded``: no DBA yet):
-      DBA stays off; int8 as above (the count is the whole gallery's, so every
-      shard and every rerun gets the same model).
-
-    ``images``: the gallery's image count, or a bound of it at least the largest threshold
-    (a count, not a sample: the same gallery gives the same choice, so a rerun resumes).
+    """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md).
+    ``int8``/``dba``: the flags (None = auto, else kept). Auto: the default embedder gets int8
+    from :data:`INT8_MIN_IMAGES` images and DBA from :func:`dba_min_images` (the measured
+    winner); ``--model M``: fp32, no DBA (only the default was measured); ``mode`` "shard"
+    (DBA is the merge's) and "ray" (no DBA yet) keep DBA off, int8 as above. ``images``: the
+    gallery's count or a bound of it (a count, not a sample, so a rerun resumes the same way).
     """
     notes = []
     if int8 is None:

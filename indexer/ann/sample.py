@@ -1,15 +1,10 @@
 """The streaming plan's samples, drawn shard by shard: the driver holds counts and samples, never
-the union of the shards' ids.
+the union of the shards' ids (that cost ~60-90 bytes a vector: 9 GiB at 100M).
 
-Why: the plan used to build the id-sorted union of every shard (ids, owners, held-out and
-training positions: ~60-90 bytes a vector in transient arrays, 0.9 GiB at 10M, 9 GiB at 100M) to
-draw its samples by position exactly as a one-process build does. Here a position is one in the
-shards' concatenation (each shard's ids ascending, shards in order); positions are drawn with
-memory in the sample's size (``draw``), and each shard reads the vectors at its own positions in
-one pass over its keys (``Sample``; ``Source.sample``). Ids are content hashes, so the
-concatenation order is as random as the id order: the samples are as good, not the same. The
-one thing that needs every id is finding content stored in two shards; ``census`` does it with a
-k-way merge of the shards' sorted id streams, a chunk of each at a time.
+A position is one in the shards' concatenation (each shard's ids ascending); positions are
+drawn in the sample's memory (``draw``) and each shard reads its own in one pass (``Sample``,
+``Source.sample``). Ids are content hashes, so the samples are as random, not the same. Content
+stored in two shards is found by ``census``, a k-way merge of sorted id streams in chunks.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Choosing the faiss index by measurement, and keeping its recall promise for new queries.
 
-Plain functions on arrays, in the style of ``faiss.contrib``. Why measure: which index is
-fastest at a recall target depends on the data, not only on its size. On well-clustered vectors
-IVF-Flat scans a fraction of a percent of the gallery; on vectors near a low-dimensional
-subspace (how image embeddings behave) the same recall needs many more lists scanned, and then
-compressed codes with an exact re-ranking step win. So ``select`` builds a few candidates on a
-sample of the gallery, tunes each one's search parameter to the target, times a batch of queries
-at that setting and keeps the fastest that fits the memory budget.
-
-The promise is for queries from outside the gallery. ``build`` holds two sets of gallery vectors
-out of the index while it is tuned: the tuning set picks the setting, which must clear the target
-by a two-sigma margin (the recall of the smallest passing setting is an estimate from a finite
-set), and the check set, never used for tuning, gives the recall reported in the manifest. Both
-sets are added to the index afterwards.
+Why measure: the fastest index at a recall target depends on the data. On well-clustered vectors
+IVF-Flat scans a fraction of a percent; near a low-dimensional subspace (image embeddings) the
+same recall needs many more lists, and compressed codes with exact re-ranking win. So
+``select`` builds a few candidates on a sample, tunes each to the target, times queries and
+keeps the fastest within the memory budget. The promise is for queries from outside the
+gallery: ``build`` holds out a tuning set (the setting must clear the target by two sigma) and a
+check set (the manifest's recall), both added to the index afterwards.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The gallery's k-nearest-neighbour graph, from the index's own faiss search.
 
-Each stored vector queries the index it is in (exact Flat below the flat threshold, IVF at
-scale with the nprobe the build tuned to its recall target; a sharded index's parts searched as
-one), its own id is dropped by id (``embedder.knn.drop_self``: an identical copy under another
-id stays a neighbour), and rows are kept as row numbers of :class:`~.source.Gallery`. Scores are
-cosine similarities; where the index type scores from codes (SQ8, PQ without exact re-ranking)
-they are recomputed from the stored vectors and each row re-sorted, so thresholds mean the same
-for every index type.
-
-Memory: (n, k) int32 + float32 (80 MB for 1M x 10) plus one chunk of vectors; the vectors of the
-whole gallery are never held at once (the faiss index holds what it holds anyway).
+Each stored vector queries its index (tuned nprobe; sharded parts as one), its own id dropped
+by id (``embedder.knn.drop_self``: a copy under another id stays), rows as row numbers of
+:class:`~.source.Gallery`. Cosine scores; where the index scores from codes they are recomputed
+from the stored vectors and re-sorted, so thresholds mean the same for every type. Memory:
+(n, k) int32 + float32 plus one chunk of vectors.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """``indexer build --ray``: one walk on the driver, one Ray task per shard, then the merge.
 
-The driver walks the gallery once and writes each shard's share to ``DIR/shards/i/files.jsonl``
-(:func:`indexer.store.walk.split_walk`); a task, and any retry of it, reads only its own list. Ray is
-the scheduler (placement, GPUs, retries of tasks whose worker or node died); the work
-inside each task is exactly ``indexer build --shard i/n``, which is resumable: a retried task
-finds what its dead attempt committed in ``DIR/shards/i/store.lmdb`` and ingests only the rest,
-so an image is never stored twice. ``merge_shards`` then trains one quantizer over the union,
-which is why the result equals a single-machine build. With ``sharded`` the shards stay: the
-plan's reads run in one reader actor per shard (:mod:`indexer.ray.readers`) and a second pass
-fills each shard's part, both on the node whose task built the shard.
-
-Every path (gallery, ``DIR``) must mean the same files on every node: a shared filesystem. Each
-shard's LMDB store has one writer (its task) and is read by the merge only after that task ended.
-Ray is imported lazily: it is an optional extra (``pip install "das-retrieval[ray]"``).
+The driver writes each shard's share to ``DIR/shards/i/files.jsonl``; each task is exactly
+``indexer build --shard i/n``, which resumes, so a retried task ingests only what its dead
+attempt did not commit. Ray schedules (placement, GPUs, retries); ``merge_shards`` trains one
+quantizer over the union, so the result equals a single-machine build. With ``sharded`` the
+shards stay: plan reads run in reader actors (:mod:`indexer.ray.readers`) and a second pass fills
+each part, on the node that built the shard. Paths must mean the same files on every node
+(a shared filesystem). Ray is an optional extra, imported lazily.
 """
 from __future__ import annotations
 
@@ -243,20 +237,12 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
                    device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
                    options: BuildOptions | None = None, **option_kw: Any) -> Manifest:
-    """Build ``gallery`` into ``out`` with one Ray task per shard, then merge.
-
-    Shards go to ``out/shards/<i>``; ``options`` (or its fields by name): how the index is
-    chosen, as for ``build_index``. With
-    ``sharded`` the shards stay there as the index's parts (``shard_build.build_sharded``: one
-    training on a sample of their stores, then a second Ray pass in which each shard fills its
-    part), instead of being copied into one store and one index. Every input is checked (the
-    same checks as ``build_index``) before Ray starts.
-    Holds ``out``'s writer lock (:mod:`indexer.directory.lock`) from once the inputs are checked and Ray
-    is there to the end of the merge (which re-enters it); ``wait``: wait for another writer.
-    Returns the merged manifest with ``ray`` (in ``extra``): shards, attempts per shard,
-    resources per task, the node that built each shard (``nodes``) and the nodes of every
-    attempt (``attempt_nodes``), with ``--sharded`` where each reader and fill ran; the same facts
-    go to ``out/shards/ray.json``.
+    """Build ``gallery`` into ``out`` with one Ray task per shard (``out/shards/<i>``), then merge;
+    ``options`` as for ``build_index``. With ``sharded`` the shards stay as the index's parts
+    (``build_sharded``). Every input is checked before Ray starts; ``out``'s writer lock is held
+    from then to the end of the merge (``wait``: wait for another writer). The manifest's
+    ``ray`` entry (also ``out/shards/ray.json``): shards, attempts, resources per task, the
+    node of each shard and of every attempt, and with ``sharded`` where each reader and fill ran.
     """
     from .single import gallery_files, merge_shards
     from ..directory.model import load_embedder

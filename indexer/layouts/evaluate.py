@@ -1,15 +1,8 @@
 """``indexer eval``: Recall@k of an index on a labelled query folder, or leave-one-out on its
-own gallery.
-
-The metric itself comes from ``embedder.metrics`` (one definition for training, indexing and
-serving). A query whose exact content is in the gallery (same sha256, hence the same id) is
-removed from its own results, as in the paper's protocol where the query is excluded.
-
-With DBA re-ranking (:mod:`indexer.ann.neighbours`) a query that is a gallery item would also sit
-inside its neighbours' augmented vectors and lift them towards itself: such queries are passed
-to the search as ``exclude``, which rebuilds those neighbours' augmented vectors without the
-query, so a leave-one-out figure is what the same photo gets as a query the gallery never held.
-A query folder whose photos are not in the gallery (a held-out split) needs no such care.
+own gallery (the metric: ``embedder.metrics``). A query whose content is in the gallery (same
+id) is removed from its own results, and with DBA passed as ``exclude``, which rebuilds its
+neighbours' augmented vectors without it: a leave-one-out figure is what the photo gets as a
+query the gallery never held.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """The two layouts of an index directory behind one :class:`Layout` protocol, chosen from its
-manifest in one place (:func:`layout_of`).
+manifest in one place (:func:`layout_of`): :class:`Single` (``DIR/store.lmdb``,
+``DIR/index.faiss``: one part) and :class:`Sharded` (``DIR/trained.faiss``, ``DIR/held.faiss``
+and each listed shard's ``store.lmdb`` + ``part.faiss``: a part a shard plus a held-out part).
 
-- :class:`Single` (``indexer build``, ``merge``): ``DIR/store.lmdb`` and ``DIR/index.faiss``
-  (:mod:`indexer.directory.index_dir`): a layout of ONE part.
-- :class:`Sharded` (``merge --sharded``, ``build --ray --sharded``): ``DIR/trained.faiss`` and
-  ``DIR/held.faiss``, and in each shard folder it lists ``store.lmdb`` and ``part.faiss``
-  (:mod:`indexer.layouts.shards`): one part a shard, plus a held-out part with no store of its own.
-
-Why a protocol of parts: adding, removing, repairing, syncing, retuning, counting, describing
-and redacting are the same walk over (store, faiss file) pairs for both, so they are written
-once against :class:`Layout` (:mod:`indexer.build.update`, :mod:`indexer.layouts.counts`,
-``serving.redact``); only what truly differs (which files are checked and recorded, how the
-parts are opened as one) lives here. Nothing outside this module tells the layouts apart
-(tests/test_architecture.py greps for it). Every file name is in ``index_dir``.
+Why a protocol of parts: add, remove, repair, sync, retune, counts, describe and redact are the
+same walk over (store, faiss file) pairs, written once against :class:`Layout`; only what truly
+differs lives here, and nothing outside tells the layouts apart (tests/test_architecture.py).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The gallery store: one LMDB environment holding every image's bytes, metadata and embeddings.
 
-Why LMDB: a build can be killed at any moment; every batch of images is committed in one
-transaction (bytes + metadata + path + embedding together), so a rerun sees either the whole
-batch or none of it, never a half-written entry. Ids derive from the content hash, so they are
-stable across reruns, shards and machines (shards merge without renumbering) and identical
-content is stored once.
+Why LMDB: each batch is one transaction (bytes + metadata + path + embedding), so a killed build
+leaves no half-written entry. Ids derive from the content hash: stable across reruns, shards and
+machines (shards merge without renumbering), identical content stored once.
 
 Layout (named sub-databases):
     meta   id(8B)                 -> JSON {path, paths, label, width, height, sha256, bytes}
