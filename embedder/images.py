@@ -1,13 +1,8 @@
-"""Image loading shared by training, indexing and serving.
+"""Image loading shared by training, indexing and serving (PIL and numpy only, never torch).
 
-Every package decodes images through :func:`load_image` so that a photo looks the same to the
-model whether it was seen during evaluation, indexing or a search request: EXIF orientation is
-applied, transparency is composited on white (not black, which is what a bare ``convert`` does),
-16-bit and float images are scaled into 0..255 instead of being clipped, and every way a file
-can be bad surfaces as one exception type, :class:`ImageLoadError`, so callers (the indexer's
-skip report, the HTTP API's 400 answer) only need to catch one thing.
-
-This module needs PIL and numpy only, never torch: serving imports it.
+Every package decodes through :func:`load_image`, so a photo looks the same to the model in
+evaluation, indexing and search: EXIF orientation applied, transparency on white (not black),
+16-bit and float scaled into 0..255, and every bad file one :class:`ImageLoadError`.
 """
 from __future__ import annotations
 
@@ -229,14 +224,9 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
 
 def _webp_first_frame(im: Image.Image, mode: str, factor: int) -> tuple[Image.Image, int]:
     """A WebP's first frame, converted and shrunk a strip at a time, and its EXIF orientation.
-
-    Why by hand: Pillow decodes every WebP through libwebp's animation decoder, which composes
-    the frame on two RGBA canvases of its own, hands it over as a bytes copy, and Pillow then
-    decodes that copy into a third RGBA frame (16 bytes a pixel in all). Here the decoder is
-    asked for the frame (``_decoder.get_next()``: what Pillow's own ``load`` calls first; 12
-    bytes a pixel at that moment), dropped at once (its canvases go), and the bytes are read a
-    strip at a time through a zero-copy view (``Image.frombuffer``), so the third frame never
-    exists. Pillow without ``_decoder`` takes the plain path (:func:`_bounded`).
+    Why: Pillow's WebP path holds three RGBA frames (16 bytes a pixel); here the decoder's frame
+    (``_decoder.get_next()``, 12) is dropped at once and its bytes read a strip at a time through
+    ``Image.frombuffer``. Pillow without ``_decoder`` takes :func:`_bounded`.
     """
     orientation = im.getexif().get(0x0112, 1)
     got = im._decoder.get_next()

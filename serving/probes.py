@@ -1,13 +1,8 @@
-"""Test-time DFS/MTS probes (supplementary section L, Figs. V-VI), on numpy only.
-
-The training-time DAS module keeps per-class state (frequency recorder, transformation bank) for
-*training* classes; at query time the classes are new, so the paper probes a trained embedder
-with stateless versions: scale the query's own top-K channels (semantic scaling) and add the
-difference of two gallery embeddings of one class (semantic shifting), then search again. A
-model that learnt real semantics keeps returning the same, correct neighbours.
-
-This module must not import ``training`` (serving never does); the few lines of DFS/MTS needed
-here are written out on numpy, which is why they are not reused from ``training/das.py``.
+"""Test-time DFS/MTS probes (supplementary section L, Figs. V-VI), on numpy only: scale the
+query's own top-K channels (semantic scaling) or add the difference of two gallery embeddings
+of one class (semantic shifting), then search again; a model that learnt real semantics keeps
+its neighbours. Stateless (query classes are new), and written out on numpy because serving
+never imports ``training``.
 """
 from __future__ import annotations
 

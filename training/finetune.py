@@ -1,13 +1,7 @@
 """What a fine-tuning run feeds its steps: images or cached trunk activations, the network that
-runs on them, the validation carve-out, and the PCA start of the embedding layer.
-
-The trainer has one loop; this module decides what flows through it. With ``trainable = "all"``
-images go through the whole Embedder, as in the paper. With frozen stages
-(training/stages.py) images go through the frozen prefix without gradients and then the
-trainable suffix; with ``trunk_cache = true`` the prefix's outputs come from disk
-(training/trunk_cache.py) and only the suffix runs. ``trainable = "head"`` with the cache and
-``head_input = "l2"`` is the frozen-feature benchmark (benchmarks/frozen_table2.py): the gallery
-embedder's pooled features once (float32), a linear head on top.
+runs on them, the validation carve-out, and the PCA start of the embedding layer. ``"all"``:
+images through the whole Embedder; frozen stages: the prefix without gradients, then the
+suffix; ``trunk_cache = true``: the prefix's outputs from disk (training/trunk_cache.py).
 """
 from __future__ import annotations
 
@@ -103,16 +97,10 @@ def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDat
                        test: ImageDataset | None = None, skips: SkipLog | None = None
                        ) -> tuple[np.ndarray, np.ndarray | None]:
     """(training activations (1 + trunk_views, N, ...), test activations (1, M, ...) or None)
-    of the frozen prefix from the trunk cache, computed on first use. A benchmark calls this
-    once in its parent process so that every run it forks reads the same files.
-
-    The crops are data, not part of a run: every seed reads the same cache (seed 0) and draws
-    its own sequence of views from it (CachedViews). Pooled features (``trainable = "head"``)
-    are stored in float32: they are small (one vector per view), and fp16 would be the only
-    difference from the gallery embedder's float32 features.
-
-    Images that could not be decoded go into `skips` (their rows are zero: leave them out);
-    without `skips` the first one raises `ImageLoadError`."""
+    of the frozen prefix from the trunk cache, computed on first use (a benchmark calls it once
+    before forking). Every seed reads the same cache (seed 0) and draws its own views; pooled
+    features are float32, like the gallery embedder's. Undecodable images go into `skips`
+    (zero rows); without `skips` the first raises `ImageLoadError`."""
     from .run_state import build_preprocessing
     from .trunk_cache import trunk_activations
 

@@ -61,17 +61,12 @@ def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, 
                  autocast_dtype: torch.dtype | None = None, aux_weight: float | None = None,
                  parts: dict[str, torch.Tensor] | None = None,
                  exclude_own_copies: bool = False) -> torch.Tensor:
-    """One step's loss on the (gathered) global batch; identical on every rank.
+    """One step's loss on the (gathered) global batch; identical on every rank (miner and loss
+    run under per-step seeded RNGs, so 2 ranks and 1 rank draw the same numbers).
 
-    The miner and loss run under per-step seeded RNGs (see `distributed.seeded_rng`), so a
-    2-rank run and a 1-rank run on the same global batch draw the same numbers.
-
-    With `aux_weight` = w (the authors' ``--aux_loss``; only meaningful with DAS) the loss is
-    ``L(real) + w * L(real + produced)``. DAS runs on the *gathered* batch and puts the real
-    embeddings first, so the real part is exactly the first B_global rows on every rank. The
-    loss on everything is computed first, so switching the aux loss on leaves that term's
-    random draws (miners) exactly as in a run without it. `parts`, when given, receives the
-    detached terms (``"all"``, and ``"real"`` with the aux loss) for logging and the NaN guard.
+    `aux_weight` = w (the authors' ``--aux_loss``, with DAS): ``L(real) + w * L(real +
+    produced)``; DAS puts the real rows first, and the loss on everything runs first, so its
+    draws are those of a run without the aux loss. `parts` receives the detached terms.
     """
     dev = x.device
     with torch.autocast(device_type=dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):

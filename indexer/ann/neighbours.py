@@ -299,17 +299,12 @@ def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
 
 def check(directory: str | Path, manifest: Manifest, *, verify_hash: bool | None = True) -> None:
-    """The one check of ``neighbours.npz`` against the manifest (no-op for an index without
-    DBA): what ``search``/``app.py`` run at open (:func:`read`, then the values), ``indexer
-    info`` and ``/api/health`` (through :func:`indexer.layouts.counts.check_counts`).
-
-    The file exists with the size and sha256 the manifest recorded; it is a zip of ``.npy``
-    arrays (headers read, never unpickled) with ``ids`` (n,), ``nbr``/``sims`` (n, k), ``aug``
-    (n, dim), ``params`` (3,) of integer/float dtypes, n = the manifest's ``count``, and the
-    file's own k/alpha/depth equal to the manifest's. Each failure is one line naming the file.
-    ``verify_hash``: True hashes the file; None hashes it only when its inode, size or mtime
-    changed since the last check in this process passed (``/api/health``: a read of the file
-    once per change, not per request); False never.
+    """The one check of ``neighbours.npz`` against the manifest (no-op without DBA), run at
+    open, by ``indexer info`` and ``/api/health``: recorded size and sha256; a zip of ``.npy``
+    arrays (never unpickled) ``ids``, ``nbr``/``sims``, ``aug``, ``params`` of the right shapes
+    and dtypes, n = ``count``, k/alpha/depth as the manifest's. One line naming the file per
+    failure. ``verify_hash``: True always; None only when the file's stamp changed since the
+    last passing check in this process; False never.
     """
     from ..directory.validate import check_faiss_file, damaged
 

@@ -1,13 +1,8 @@
-"""Tuning a faiss index to a recall target on queries it does not hold, and timing it.
-
-Plain functions on arrays (faiss.contrib style), used by ``selection`` for every candidate and
-for the final index, and by ``update.retune`` after ``indexer add/remove``.
-
-Why held out: a gallery vector searched in an index that holds it always finds itself, and
-its neighbours sit in the lists it helped train, which flatters the recall that new queries
-get. ``holdout`` keeps two sets of gallery vectors out of the index while it is tuned; the
-setting chosen on the first must clear the target by a margin, and the second, never used for
-tuning, measures the recall that is reported.
+"""Tuning a faiss index to a recall target on queries it does not hold, and timing it (used by
+``selection`` and by ``update.retune``). Why held out: a gallery vector always finds itself, and
+its neighbours sit in lists it helped train, which flatters the recall new queries get; so
+``holdout`` keeps a tuning set (the setting must clear the target by a margin) and a check set
+(the reported recall) out of the index while it is tuned.
 """
 from __future__ import annotations
 
@@ -76,14 +71,10 @@ def clears(rq: np.ndarray, target: float) -> bool:
 # ---------------------------------------------------------------------------- tuning and timing
 def tune(index: faiss.Index, spec: faiss_index.IndexSpec, queries: np.ndarray, truth: np.ndarray,
          target: float, *, own: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-    """Smallest value of ``spec.param`` whose recall@k clears ``target`` (see ``clears``).
-
-    Returns (value, per-query recall at it) and leaves the index set to it. ``truth`` holds the
-    exact top-k ids of each query. With ``own`` (self-queries: gallery vectors searched in an
-    index that holds them) each query's own id is dropped from both answers. Recall grows with
-    nprobe / efSearch, so a doubling search and a bisection find the value in O(log max)
-    searches. Flat: (0, exact recall). If the target is out of reach (compressed codes without
-    refine), the maximum value and its recall.
+    """Smallest value of ``spec.param`` whose recall@k clears ``target`` (``clears``), by a
+    doubling search and a bisection; returns (value, per-query recall) and leaves the index
+    set. ``truth``: exact top-k ids; ``own``: self-queries' ids, dropped from both answers.
+    Flat: (0, exact recall); out of reach: the maximum and its recall.
     """
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     k = truth.shape[1]

@@ -52,15 +52,11 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 files: Iterable[GalleryFile] | None = None,
                 dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
-
-    Resumable: rerunning after a kill commits only what is missing and rebuilds the index.
-    Holds ``out``'s writer lock (:mod:`indexer.directory.lock`; ``wait``: wait for another writer instead
-    of refusing). ``files``: the entries to ingest, already listed and checked (``indexer build
-    --ray`` hands a shard task its share of the driver's one walk), instead of walking
-    ``gallery``. ``dba``: also compute the gallery's neighbourhoods for DBA re-ranking at serve
-    time (:mod:`indexer.ann.neighbours`; a shard build leaves that to the merge). ``options`` (or
-    its fields by name, ``option_kw``; ``max_memory`` the old name of ``index_memory``): how the
-    index is chosen, checked before any work. Returns the manifest.
+    Resumable; holds ``out``'s writer lock (``wait``: wait instead of refusing). ``files``:
+    entries already listed (a ``--ray`` shard task's share) instead of walking ``gallery``.
+    ``dba``: also the neighbourhoods for DBA (a shard build leaves that to the merge).
+    ``options`` or its fields by name (``max_memory``: old name of ``index_memory``), checked
+    before any work. Returns the manifest.
     """
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)

@@ -1,14 +1,9 @@
-"""Checks of an index directory's files before anything opens them.
-
-A damaged file must end in one line that names it and says how to repair it, never in a
-signal or a traceback. The dangerous case is LMDB: it maps ``data.mdb`` into memory, and a file
-cut shorter than its own meta page says makes the first read past the end kill the process with
-SIGBUS. So the meta pages are read with plain file I/O first and the file size is compared with
-what they promise. ``index.faiss`` gets its size and sha256 recorded in the manifest when it is
-written (build, add, remove, merge) and compared on open; ``model.onnx`` must match the model
-hash the manifest records.
-
-Every check lives here; :class:`indexer.directory.index_dir.IndexDir` decides which apply to a directory.
+"""Checks of an index directory's files before anything opens them: a damaged file ends in one
+line naming it and the repair, never a signal or a traceback. LMDB maps ``data.mdb``, and a
+file shorter than its meta page says kills the process with SIGBUS at the first read past the
+end, so the meta pages are read with plain I/O and the size compared first. ``index.faiss``'s
+size and sha256 are recorded in the manifest and compared on open; ``model.onnx`` must match
+the recorded model hash. :class:`indexer.directory.index_dir.IndexDir` decides which apply.
 """
 from __future__ import annotations
 

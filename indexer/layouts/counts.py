@@ -1,13 +1,9 @@
 """Do the store, ``index.faiss`` and the manifest agree on how many images the index holds?
 
-Each file can be intact on its own (the checks of :mod:`indexer.directory.validate` pass) while together
-they are out of step: a writer that stopped between committing images to the store and
-rewriting ``index.faiss`` (before the writer lock, two concurrent ``indexer add`` runs did
-exactly that) leaves stored images that no search can ever return. :func:`check_counts` is the
-one comparison; ``indexer info`` exits non-zero on a mismatch and the server's ``/api/health``
-reports it. Cheap enough for every health request: the faiss count is read from the file's
-16-byte header, the store count from LMDB's own statistics; only when they differ are the
-store's embeddings counted.
+Each file can be intact alone while together they are out of step (a writer stopped between the
+store commit and ``index.faiss``): stored images no search returns. :func:`check_counts` is the
+one comparison (``indexer info`` exits non-zero, ``/api/health`` reports it); cheap enough per
+request: the faiss count from its 16-byte header, the store's from LMDB's statistics.
 """
 from __future__ import annotations
 

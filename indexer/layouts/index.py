@@ -34,14 +34,10 @@ class Hit:
 
 
 class Index:
-    """An opened index directory.
-
-    Safe for concurrent queries from threads: the faiss index is only read (CPU searches release
-    the GIL; GPU searches are serialised), the LMDB store is opened read-only lazily in each
-    process (and keeps working while ``indexer add`` writes), and the onnxruntime session is
-    thread-safe. The embedder is loaded on first use, so ``Index.open`` followed by
-    ``search_embeddings`` never touches onnxruntime. An open Index is a snapshot of the faiss
-    index: :meth:`reopen` gives the directory's current state (what a server does after an add).
+    """An opened index directory, safe for concurrent queries from threads (faiss only read,
+    LMDB read-only per process and alive while ``indexer add`` writes, onnxruntime thread-safe).
+    The embedder loads on first use. An open Index is a snapshot: :meth:`reopen` gives the
+    directory's current state.
     """
 
     def __init__(self, layout: Layout, store: GalleryStore, searchable: Searchable,
@@ -63,17 +59,12 @@ class Index:
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
              store: GalleryStore | None = None, max_memory: int | str | None = None,
              ray: Any = None, embedder: Any = None) -> "Index":
-        """Open an index directory of either layout (:func:`indexer.layouts.layout.layout_of` decides,
-        from the manifest) after checking its files (:mod:`indexer.directory.validate`): a damaged one
-        fails with one line naming the file. ``check_model`` also requires ``model.onnx``
-        (image queries need it); ``store`` reuses an open store of the same directory.
-        ``max_memory``: the SERVING budget: hold only the index's codes within it and re-rank
-        from the store(s) (:mod:`indexer.ann.served`); the files are then read memory-mapped.
-        ``ray``: a Ray address (``HOST:PORT``, ``auto``, ``local``) or an
-        :class:`indexer.ray.fanout.RayServing`: a sharded index's parts are searched by one Ray
-        actor per shard on the node that built it (:mod:`indexer.ray.fanout`); the store is still
-        read here, from the shared filesystem. ``embedder``: one already loaded, kept when it is
-        this index's model (:meth:`reopen`)."""
+        """Open an index directory of either layout (:func:`layout_of`) after checking its files
+        (a damaged one fails with one line naming it). ``check_model`` requires ``model.onnx``;
+        ``store`` reuses an open store. ``max_memory``: the SERVING budget: only codes in RAM,
+        re-ranked from the store(s) (:mod:`indexer.ann.served`). ``ray``: an address or a
+        :class:`RayServing`: parts searched by one actor per shard (:mod:`indexer.ray.fanout`).
+        ``embedder``: one already loaded, kept when it is this index's model."""
         if ray is not None and max_memory is not None:
             raise IndexerError("--max-memory and --ray exclude each other: over Ray each shard's "
                                "actor holds its own part")
@@ -129,13 +120,9 @@ class Index:
     def answer(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
                exclude: Sequence[int | None] | None = None) -> Answer:
         """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF
-        answers; ``partial``: the shards an index served over Ray left out (empty: whole).
-
-        Queries are L2-normalised here: the index holds normalised vectors and ranks by cosine.
-        ``dba``: re-rank the top candidates with the gallery's augmented vectors
-        (:mod:`indexer.ann.neighbours`); None: on when the index was built with them. ``exclude[r]``:
-        a gallery id that query r is (a leave-one-out or gallery-id query): it is left out of its
-        row, and with DBA its neighbours' augmented vectors are made without it.
+        answers; ``partial``: shards a Ray-served index left out. Queries are L2-normalised here.
+        ``dba``: re-rank with the augmented vectors (None: as built). ``exclude[r]``: the gallery
+        id query r is, left out of its row and, with DBA, of its neighbours' augmented vectors.
         """
         q = np.asarray(emb, dtype=np.float32)
         if q.ndim == 1:

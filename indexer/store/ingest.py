@@ -51,15 +51,10 @@ class IngestStats:
 def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
         settle: Callable[[Any], Iterable[tuple[Any, np.ndarray]]], commit: Callable[[list, np.ndarray], None],
         *, workers: int | None = None, commit_every: int = 256, seconds: dict | None = None) -> dict:
-    """The embedding runner: reader -> embedder -> writer.
-
-    ``read(chunk)`` runs in the decode threads and ``settle(result)`` on this thread picks the
-    (key, preprocessed array) pairs to embed (:meth:`embedder.OnnxEmbedder.run`); the batches,
-    L2-normalised, go to ``commit(keys, embeddings)`` every ``commit_every`` rows on one commit
-    thread (LMDB write + fsync), overlapping the next batches' inference; at most one commit is
-    in flight (order and memory stay bounded), its failure is raised here, and the last one is
-    awaited. Returns ``seconds`` with each stage's time added: read (summed over the
-    decode threads), embed, write, total.
+    """The embedding runner: reader -> embedder -> writer. ``read(chunk)`` runs in the decode
+    threads, ``settle(result)`` here picks the (key, array) pairs to embed; L2-normalised batches
+    go to ``commit(keys, embeddings)`` every ``commit_every`` rows on one thread, overlapping
+    inference, at most one in flight (its failure raised here). Returns ``seconds`` per stage.
     """
     if commit_every < 1:
         raise ValueError(f"commit_every must be >= 1, got {commit_every}")
@@ -159,17 +154,11 @@ class _Settle:
 def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryFile], embedder: Any,
            *, workers: int | None = None, commit_every: int = 256, progress: bool = True,
            on_done: Callable[[int], None] | None = None) -> IngestStats:
-    """Bring ``files`` into ``store`` with embeddings from ``embedder`` (an OnnxEmbedder).
-
-    The runner (:func:`run`): reader (``workers`` decode threads, default as many as
-    ``embed_iter`` uses, each reading a chunk of one batch) -> embedder (dedupe, batch, embed)
-    -> writer (one commit thread) -> logger (tqdm and ``on_done``). ``files`` may be a lazy
-    iterable (``indexer build`` passes the gallery walk itself): into a fresh store it is
-    consumed by a helper thread, so walking the folder overlaps embedding; into a store that
-    already holds items it is listed first, for the one-pass snapshot. ``on_done(n)`` is told
-    of files whose outcome is final: committed (called from the commit thread, after the
-    transaction), found unchanged, or skipped; the counts add up to ``stats.found``. ``indexer
-    build --ray`` reports shard progress through it. ``stats.seconds``: the runner's stages.
+    """Bring ``files`` into ``store`` with embeddings from ``embedder`` (an OnnxEmbedder), through
+    :func:`run` with ``workers`` decode threads. A lazy ``files`` is consumed by a helper thread
+    into a fresh store (walking overlaps embedding), listed first otherwise (for the snapshot).
+    ``on_done(n)``: files whose outcome is final (committed, unchanged or skipped; they add up to
+    ``stats.found``). ``stats.seconds``: the runner's stages.
     """
     batch_size = int(getattr(embedder, "batch_size", 32))
     workers = workers or DECODE_WORKERS

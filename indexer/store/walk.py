@@ -63,16 +63,11 @@ def label_of(relpath: str) -> str | None:
 
 
 def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
-    """Yield every image-named entry under ``root`` in sorted order.
-
-    Symlinked directories are followed, as ``find -L`` and ``rsync -L`` do (a user who links
-    photo folders into a gallery means them to be indexed), each directory once: one already
-    walked, by its (st_dev, st_ino), is not walked again, so a link to an ancestor cannot loop;
-    such a link is yielded with ``problem`` set (the build's report names it). A symlinked file
-    is read through. Entries with an image suffix that are not regular files are yielded with
-    ``problem`` set, so the build can name them in its report, and so are names that are not
-    valid UTF-8 (:func:`utf8_problem`; their ``relpath`` is :func:`printable_name`'s) and entries
-    the OS refuses to look at (a path over ``PATH_MAX``, 4,096 bytes on Linux: ENAMETOOLONG).
+    """Yield every image-named entry under ``root`` in sorted order. Symlinked directories are
+    followed (as ``find -L``), each (st_dev, st_ino) once, so a link to an ancestor cannot loop
+    (it is yielded with ``problem`` set); symlinked files are read through. Also yielded with
+    ``problem``: image-named non-regular files, names that are not UTF-8 (``relpath`` from
+    :func:`printable_name`) and entries the OS refuses (ENAMETOOLONG).
     """
     root = Path(root)
     if not root.is_dir():
