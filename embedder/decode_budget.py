@@ -68,12 +68,9 @@ def jpeg_scans(data: bytes) -> int:
 
 
 def jpeg_coefficient_bytes(im: Image.Image, data: bytes | None = None) -> int:
-    """What libjpeg holds for a progressive or multi-scan JPEG/MPO however small the output
-    (``draft`` scales the output, not this): the whole image's DCT coefficients, 2 bytes each,
-    64 per 8x8 block of each component, blocks rounded up to whole MCUs (4:4:4: 6 bytes a pixel,
-    4:2:0: 3). 0 for a single-scan (baseline) file, which libjpeg decodes a row of MCUs at a
-    time. Call on the opened file before ``draft`` (which changes ``im.size``). ``data``: the
-    file's bytes, to count its scans (without them only the progressive flag is seen)."""
+    """What libjpeg holds for a progressive or multi-scan JPEG/MPO however small the output: the
+    whole image's DCT coefficients (4:4:4: 6 bytes a pixel, 4:2:0: 3); 0 for a baseline file.
+    Call before ``draft`` (it changes ``im.size``); ``data``: the bytes, to count the scans."""
     if im.format not in ("JPEG", "MPO"):
         return 0
     progressive = bool(im.info.get("progressive") or im.info.get("progression"))
@@ -171,12 +168,7 @@ def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
 
 
 def release_freed_memory() -> None:
-    """Give the pages of a freed frame back to the OS now.
-
-    Why: Pillow allocates a frame in 16 MB blocks; after glibc has mmapped and freed one such
-    block it raises its mmap threshold above that size, so the next frames' blocks come from
-    the heap and stay in the process after they are freed (the "old" rows of the benchmark
-    kept 0.6-2.9 GB). ``malloc_trim(0)`` returns free heap pages of every arena to the OS.
-    """
+    """Give the pages of a freed frame back to the OS now (``malloc_trim(0)``): glibc would keep
+    Pillow's 16 MB blocks in its heaps after a raised mmap threshold (0.6-2.9 GB kept)."""
     if _TRIM is not None:
         _TRIM(0)

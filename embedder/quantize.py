@@ -46,11 +46,9 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True)
 class QuantRecipe:
-    """How a model is quantised: calibration ``method`` (onnxruntime's CalibrationMethod:
-    min/max, entropy or percentile of a histogram), ``per_channel`` weights, which nodes stay
-    float (``float_nodes``: ``stem`` = :func:`input_convs`, ``head`` = :func:`head_nodes`, both,
-    ``stem+adds`` = the stem and every residual Add, or none), how many calibration ``images``
-    a folder gives, and the ``percentile`` kept by the percentile method."""
+    """How a model is quantised: calibration ``method`` (min/max, entropy or percentile),
+    ``per_channel`` weights, ``float_nodes`` (``stem`` = :func:`input_convs`, ``head`` =
+    :func:`head_nodes`, both, ``stem+adds``, or none), calibration ``images``, ``percentile``."""
 
     method: str = "minmax"
     per_channel: bool = True
@@ -218,14 +216,10 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
                       progress: bool = False, check_images: int = 32,
                       log: Callable[[str], None] | None = None,
                       recipe: QuantRecipe = DEFAULT_RECIPE) -> QuantizeReport:
-    """Write the int8 (QDQ) version of the exported embedder ``model`` to ``out``.
-
-    ``calibration``: a folder (up to ``images`` of its images, default ``recipe.images``, are
-    used, spread over it) or a list of image files. Corrupt images are skipped and reported;
-    none at all is an error. ``recipe``: method, per-channel, float nodes (:class:`QuantRecipe`).
-    The output keeps ``model``'s metadata plus ``quantization`` (JSON: format, ops, float
-    nodes, method, image count, the fp32 file's sha256) and is only moved into place after the
-    int8/fp32 check.
+    """Write the int8 (QDQ) version of the exported embedder ``model`` to ``out``, calibrated on
+    a folder (up to ``images`` spread over it) or a list of files (corrupt ones skipped and
+    reported). The output keeps ``model``'s metadata plus ``quantization`` (JSON) and is moved
+    into place only after the int8/fp32 check.
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -303,11 +297,10 @@ def _check(fp32: Any, int8_path: str, x: np.ndarray) -> tuple[float, float]:
 
 def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
                     images: int = DEFAULT_IMAGES, progress: bool = False) -> Path:
-    """The int8 version of ``model`` calibrated on ``calibration`` (a folder), made once into
-    ``$DAS_CACHE/int8/`` (what ``indexer build --int8`` uses). The file name holds the fp32
-    model's hash and a hash of the calibration files (relative paths and sizes), so rerunning a
-    build on the same gallery (to resume it) gets the same int8 model and keeps its embeddings;
-    a changed :data:`DEFAULT_RECIPE` is part of the name too (a new recipe, a new file)."""
+    """The int8 version of ``model`` calibrated on the folder ``calibration``, made once into
+    ``$DAS_CACHE/int8/`` (``indexer build --int8``), named by the fp32 model's hash, the
+    calibration files (paths, sizes) and :data:`DEFAULT_RECIPE`, so a resumed build gets the same
+    model."""
     from .pretrained import cache_dir, made_once
     from .runtime import read_metadata
 

@@ -1,9 +1,6 @@
-"""DAS's state updates: the frequency-recorded matrix (FRM) and the transformation bank ring.
-
-Pure tensor functions that write a `training.das.DAS` module's buffers in place (the FRM
-``P`` (C x d), the bank (C x Z x d) with its per-class write pointer and fill count). They are
-the write side of DAS, kept apart from the producing side so each reads in one sitting; the
-fused Triton kernels (training/das_triton.py) replace both on CUDA.
+"""DAS's state updates (the write side): the frequency-recorded matrix (FRM) and the bank ring,
+as pure tensor functions writing a `training.das.DAS` module's buffers in place; the fused
+Triton kernels (training/das_triton.py) replace them on CUDA.
 """
 from __future__ import annotations
 
@@ -19,12 +16,9 @@ __all__ = ["max_kept_pairs", "row_hash", "update_frm", "update_bank"]
 
 @functools.lru_cache(maxsize=256)
 def max_kept_pairs(batch: int, bank_size: int) -> int:
-    """Static upper bound on the differences one batch can leave in the banks.
-
-    A class with n members brings n(n-1) ordered pairs of which at most Z survive, i.e.
-    min(n(n-1), Z)/n per member; the worst class size over the whole batch bounds the total.
-    A static bound keeps the write path free of data-dependent shapes (no nonzero(), no sync).
-    """
+    """Static upper bound on the differences one batch can leave in the banks: a class of n
+    brings n(n-1) ordered pairs of which at most Z survive; the worst class size bounds the
+    total. Static, so the write path has no data-dependent shapes."""
     if batch < 2:
         return 0
     per_member = max(min(n * (n - 1), bank_size) / n for n in range(2, batch + 1))
@@ -33,27 +27,17 @@ def max_kept_pairs(batch: int, bank_size: int) -> int:
 
 @torch.no_grad()
 def update_frm(frm: Tensor, v: Tensor, y: Tensor, topk: int) -> None:
-    """Eq. (frm): each real embedding adds 1 to P[y, c] for its top-K channels (signed).
-
-    One accumulating index_put_ over the (B, K) cells; the scalar 1 broadcasts, so no
-    (B, K) tensor of ones is built. Repeated cells (two members of a class sharing a
-    channel) add up, as the spec's loop does.
-    """
+    """Eq. (frm): each real embedding adds 1 to P[y, c] for its top-K channels (signed), in one
+    accumulating index_put_ (repeated cells add up, as the spec's loop does)."""
     idx = v.topk(topk, dim=1).indices                                # (B, K)
     one = torch.ones((), device=v.device, dtype=frm.dtype)
     frm.index_put_((y[:, None], idx), one, accumulate=True)
 
 
 def row_hash(v: Tensor, weights: Tensor) -> Tensor:
-    """(B,) int64 key that is equal for bit-identical rows, i.e. rows whose difference is
-    exactly zero.
-
-    A Gram-matrix distance is not exact for duplicates and a dense B x B x d difference
-    costs more than the whole step, so rows are compared through a hash of their float
-    bits (odd random multipliers ``weights``, wrapping int64 arithmetic): equal rows always
-    agree, different rows collide with probability ~2**-63. The int32 bits are promoted to
-    int64 inside the multiply, so no separate int64 copy of the batch is made.
-    """
+    """(B,) int64 key equal for bit-identical rows (difference exactly zero): a hash of the
+    float bits with odd multipliers ``weights`` (wrapping int64; collisions ~2**-63), since a
+    Gram distance is inexact and a B x B x d difference costs more than the step."""
     bits = (v + 0.0).view(torch.int32)                               # +0.0 folds -0.0 into 0.0
     return (bits * weights).sum(dim=1)
 

@@ -35,12 +35,9 @@ _MEAN = MeanReducer()
 
 class NPairLoss(nn.Module):
     """Eq. (V): for every ordered positive pair (a, p),
-    ``log(1 + sum_{r: y_r != y_a} exp(v_a.v_r - v_a.v_p)) + nu * ||v_a||^2``, averaged.
-
-    Every positive of an anchor forms its own (a, p, R) tuple, so with DAS each copy is used.
-    The authors' flavour is the same loss on ``v * scale`` (their 1/4 against overflow) with
-    `one_positive` (ONE uniformly drawn positive per anchor, so the mean runs over anchors with
-    a positive; the regulariser counts only when there is one) and ``reg_power`` 1 (a norm).
+    ``log(1 + sum_{r: y_r != y_a} exp(v_a.v_r - v_a.v_p)) + nu * ||v_a||^2``, averaged (with DAS
+    each copy is used). The authors' flavour: ``v * scale`` (their 1/4), `one_positive` (ONE
+    drawn positive per anchor; mean over anchors with one) and ``reg_power`` 1 (a norm).
     """
 
     def __init__(self, reg_weight: float = 5e-3, scale: float = 1.0, one_positive: bool = False,
@@ -66,15 +63,11 @@ class NPairLoss(nn.Module):
 
 
 class MultiSimilarityLoss(nn.Module):
-    """Eq. (VI) with MS mining (Wang et al.), on masks over the similarity matrix.
-
-    Mining (on detached similarities): positive q kept if ``S_aq - eps < max_r S_ar``,
-    negative r kept if ``S_ar + eps > min_q S_aq``. Loss per anchor:
-    ``1/alpha log(1 + sum_q exp(-alpha (S_aq - lambda))) + 1/beta log(1 + sum_r exp(beta (S_ar
-    - lambda)))``, averaged over all anchors (PML's reduction). Masks and reductions only:
-    no data-dependent shapes, so no host sync on a GPU. The authors' flavour is the same loss
-    with ``normalize=False`` (S on the embeddings as given, not cosines) and
-    ``skip_unmined=True`` (anchors without a mined positive or negative are left out of the mean).
+    """Eq. (VI) with MS mining (Wang et al.), on masks over the similarity matrix (no sync).
+    Mining on detached S: positive q kept if ``S_aq - eps < max_r S_ar``, negative r if
+    ``S_ar + eps > min_q S_aq``; per anchor ``1/alpha log(1 + sum_q exp(-alpha (S_aq - lambda)))
+    + 1/beta log(1 + sum_r exp(beta (S_ar - lambda)))``, mean over all anchors (PML). The
+    authors' flavour: ``normalize=False`` and ``skip_unmined=True`` (unmined anchors left out).
     """
 
     def __init__(self, alpha: float = 2.0, beta: float = 40.0, base: float = 0.5,
@@ -108,12 +101,9 @@ class MultiSimilarityLoss(nn.Module):
 
 
 class Criterion(nn.Module):
-    """A loss with its sampler and its extra learnable parameters.
-
-    `forward(embeddings, labels)` mines on the detached embeddings (real and DAS-produced
-    alike) and returns the scalar loss. `normalize` says whether the embedder (and DAS)
-    should L2-normalise for this loss; `param_groups()` lists margin betas / proxies with
-    the learning rates the paper gives them; `flavour` is "authors" or "pml".
+    """A loss with its sampler and its extra learnable parameters. `forward(embeddings, labels)`
+    mines on the detached embeddings and returns the scalar loss; `normalize`: whether embedder
+    and DAS L2-normalise; `param_groups()`: betas / proxies with the paper's learning rates.
     """
 
     def __init__(self, name: str, loss: nn.Module, miner: Any, normalize: bool,
@@ -211,13 +201,10 @@ DEFAULTS: dict[str, dict[str, float]] = {name: spec.defaults for name, spec in R
 def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
                flavour: str = "authors", **overrides: Any) -> Criterion:
     """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword).
-
-    Contrastive, triplet and margin take "random", "semihard", "softhard" or "distance";
-    with ``flavour="pml"``, ``miner=None`` (or "none") uses every pair/triplet of the batch
-    (the authors' framework always samples, so its flavour needs a sampler). Multi-similarity
-    always uses its own MS mining (miner None or "multisimilarity"); lifted, N-pair and the
-    proxy losses use the whole batch and take no miner. ``miner="default"`` picks the paper's
-    pairing (`LossSpec.miner`). ``miner_options={...}`` is passed to `build_miner`.
+    Contrastive, triplet and margin take "random", "semihard", "softhard" or "distance" (with
+    "pml", ``miner=None`` uses every pair/triplet); multi-similarity uses its MS mining; lifted,
+    N-pair and proxies take no miner. ``miner="default"``: the paper's pairing;
+    ``miner_options`` go to `build_miner`.
     """
     if name not in REGISTRY:
         raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")

@@ -1,11 +1,7 @@
-"""faiss: choosing, training, tuning and persisting the vector index.
-
-Inner product on L2-normalised embeddings (cosine). Small galleries get an exact Flat index;
-above a threshold, ``selection.py`` measures a few of the types below on a sample and keeps the
-fastest that reaches the recall target. The primitives live here: what each type's faiss factory
-string is, k-means, adding and removing vectors, search parameters, persistence. The search
-parameter (``nprobe`` / ``efSearch``) is tuned to the smallest value that reaches a recall@10
-target against exact search (autofaiss tunes under a latency cap instead; we promise recall).
+"""faiss: choosing, training, tuning and persisting the vector index (inner product on
+L2-normalised embeddings: cosine). Small galleries get an exact Flat index; above a threshold
+``selection.py`` measures a few types on a sample. The search parameter is tuned to the smallest
+value reaching a recall@10 target (autofaiss tunes under a latency cap; we promise recall).
 """
 from __future__ import annotations
 
@@ -81,11 +77,8 @@ class IndexSpec:
 
 
 def nlist_for(n: int) -> int:
-    """Number of IVF lists for ``n`` vectors.
-
-    The usual 4*sqrt(n) (rounded to a power of two), but never fewer than 39 training points per
-    centroid, so a small gallery forced onto IVF still trains cleanly.
-    """
+    """IVF lists for ``n`` vectors: 4*sqrt(n) rounded to a power of two, but never fewer than
+    39 training points per centroid."""
     if n < MIN_POINTS_PER_CENTROID:
         return 1
     target = 2 ** round(math.log2(max(1.0, 4 * math.sqrt(n))))
@@ -154,11 +147,8 @@ def use_gpu(device: str = "auto") -> bool:
 
 
 def training_sample(n: int, spec: IndexSpec, seed: int = 0) -> np.ndarray:
-    """Row numbers used to train the quantizer: deterministic for a given gallery size.
-
-    Rows are positions in the id-sorted gallery, so a single-process build and a merge of
-    shards pick the very same vectors.
-    """
+    """Row numbers that train the quantizer: positions in the id-sorted gallery, so a
+    single-process build and a merge of shards pick the very same vectors."""
     if spec.index_type == "flat":
         return np.zeros(0, dtype=np.int64)
     if not spec.nlist:
@@ -186,11 +176,9 @@ KMEANS_METHODS = ("exact", "approx", "gpu")
 
 def kmeans_method(nlist: int, gpus: int = 0, approx_from: int | None = None,
                   points: int | None = None) -> str:
-    """Which k-means ``kmeans`` runs: "gpu" (faiss's exact GPU k-means) when faiss sees a GPU,
-    "approx" on CPU from ``approx_from`` lists (default ``KMEANS_APPROX_FROM``: exact assignment
-    costs points x lists, 1M points into 16,384 lists ~23 min on 2 cores) when the sample has
-    more ``points`` than lists, "exact" otherwise, so small indexes keep the centroids (and
-    results) they had."""
+    """The k-means ``kmeans`` runs: "gpu" (exact) when faiss sees a GPU, "approx" on CPU from
+    ``approx_from`` lists (exact assignment of 1M points into 16,384 lists: ~23 min on 2 cores)
+    when ``points`` exceed the lists, "exact" otherwise (small indexes keep their centroids)."""
     if gpus > 0:
         return "gpu"
     big = nlist >= (approx_from or KMEANS_APPROX_FROM) and (points is None or points > nlist)
@@ -207,11 +195,9 @@ def kmeans_field(spec: IndexSpec, points: int, device: str = "auto") -> dict:
 
 def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0,
            method: str | None = None, progress: bool = False) -> np.ndarray:
-    """Spherical k-means centroids (what IndexIVF.train computes for inner product).
-
-    Separate from ``train`` so that candidates sharing an nlist share one clustering. ``method``
-    (default: ``kmeans_method``) "exact" / "gpu" is faiss.Kmeans; "approx" is ``kmeans_approx``.
-    Every method is deterministic for a given sample and seed.
+    """Spherical k-means centroids (what IndexIVF.train computes for inner product), apart from
+    ``train`` so candidates sharing an nlist share one clustering; ``method`` as
+    ``kmeans_method``. Deterministic for a given sample and seed.
     """
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
     gpu = use_gpu(device)
@@ -289,11 +275,8 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
 
 def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto",
           seed: int = 0, centroids: np.ndarray | None = None, progress: bool = False) -> faiss.Index:
-    """An empty, trained index (the shared quantizer that shards merge into).
-
-    IVF types get their coarse centroids from ``kmeans`` (or ``centroids``), then train their
-    codes (SQ ranges, PQ codebooks) on ``x_train``; Flat and HNSW need no training.
-    """
+    """An empty, trained index (the shared quantizer shards merge into): IVF centroids from
+    ``kmeans`` (or ``centroids``), then codes trained on ``x_train``."""
     index = new_index(spec, dim)
     if not spec.nlist:
         return index
@@ -343,11 +326,8 @@ def set_nprobe(index: faiss.Index, nprobe: int) -> None:
 
 
 def set_search_params(index: faiss.Index, params: str) -> None:
-    """Apply a faiss.ParameterSpace string ("nprobe=8,k_factor_rf=2"; "" does nothing).
-
-    The values are also stored in the index file by faiss.write_index, so an index reads back
-    with the parameters it was tuned to.
-    """
+    """Apply a faiss.ParameterSpace string ("nprobe=8,k_factor_rf=2"; "" does nothing); faiss
+    also writes it into the index file."""
     if params:
         faiss.ParameterSpace().set_index_parameters(index, params)
         if isinstance(index, faiss.IndexShardsIVF) and "quantizer_efSearch=" in params:
@@ -359,11 +339,7 @@ def set_search_params(index: faiss.Index, params: str) -> None:
 def remove(index: faiss.Index, stale: np.ndarray,
            kept: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
     """Drop ``stale`` ids; ``kept()``: (x, ids) the index must hold afterwards, read only when
-    needed.
-
-    IVF and Flat remove in place. HNSW graphs and refine wrappers cannot remove (faiss raises),
-    so they are emptied and refilled with the remaining vectors: training is kept, the rest is
-    the cost of one add.
+    needed: HNSW graphs and refine wrappers cannot remove, so they are refilled (training kept).
     """
     try:
         index.remove_ids(np.ascontiguousarray(stale, dtype=np.int64))
@@ -388,14 +364,9 @@ def is_ivf(index: faiss.Index) -> bool:
 
 
 def no_prefetch(index: faiss.Index) -> faiss.Index:
-    """Turn off the prefetch threads of memory-mapped inverted lists (returns ``index``).
-
-    faiss reads an IVF index with ``IO_FLAG_MMAP`` (and one written by ``ondisk.merge_ondisk``)
-    as ``OnDiskInvertedLists``, whose ``prefetch_lists`` starts ``prefetch_nthread`` (32) threads
-    on every ``IndexIVF.search`` to read the probed lists ahead: meant for slow disks and big
-    batches, on a page-cache-backed serving process it is pure overhead: a single query on a
-    100k x 128 IVF256,Flat mmap'd index took 3.4 ms against 0.48 ms with in-RAM lists, and 0.48 ms
-    again with prefetch off (nprobe 16, one thread; benchmarks.mmap_search). Same answers."""
+    """Turn off the prefetch threads of memory-mapped inverted lists (returns ``index``): faiss
+    starts 32 on every search of ``OnDiskInvertedLists``, pure overhead over the page cache
+    (3.4 ms against 0.48 ms a query, benchmarks.mmap_search). Same answers."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         lists = faiss.downcast_InvertedLists(ivf.invlists)

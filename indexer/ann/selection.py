@@ -36,11 +36,9 @@ def serialized_bytes(index: faiss.Index) -> int:
 
 
 def predicted_bytes(spec: fx.IndexSpec, n: int, dim: int) -> int:
-    """A lower bound of ``spec``'s size over ``n`` vectors, from its factory string alone: the
-    codes (``faiss.contrib.factory_tools.get_code_size``, which reads the factory grammar, so
-    it is not re-derived here), their ids and the IVF centroids (``faiss_index.memory_bytes``,
-    the one memory model), without list overhead. A candidate above the budget by this bound
-    cannot fit, so it is never built."""
+    """A lower bound of ``spec``'s size over ``n`` vectors from its factory string (codes by
+    ``faiss.contrib.factory_tools.get_code_size``, ids, centroids by ``memory_bytes``): a
+    candidate above the budget by it is never built."""
     from faiss.contrib.factory_tools import get_code_size
 
     key = spec.factory.removeprefix("IDMap2,").removesuffix("np")     # ids / training flags: no code
@@ -49,15 +47,10 @@ def predicted_bytes(spec: fx.IndexSpec, n: int, dim: int) -> int:
 
 # ---------------------------------------------------------------------------- candidates
 def candidates(n: int, dim: int, max_memory: int | None = None) -> list[fx.IndexSpec]:
-    """What to try for an ``n`` x ``dim`` gallery, in order of preference on a tie.
-
-    Flat is the reference (and wins when the gallery is small enough). IVF-Flat at the usual
-    nlist and at a quarter of it (longer lists, cheaper to train and to assign); from 8k lists
-    (galleries of millions) the same lists found through an HNSW graph. SQ8 codes re-ranked
-    exactly scan a quarter of the bytes; 4-bit fast-scan PQ re-ranked exactly an eighth, on the
-    coarser lists (scanning codes is cheap, so longer lists cost little and build fast), with two
-    re-ranking depths. HNSW itself while its build is affordable. Where ``max_memory`` cannot
-    hold the vectors, codes that replace them: IVF-SQ8, and fast-scan PQ re-ranked with SQ8.
+    """What to try for an ``n`` x ``dim`` gallery, in order of preference on a tie: Flat (the
+    reference); IVF-Flat at the usual nlist and a quarter of it (HNSW-assigned from 8k lists);
+    SQ8 and 4-bit fast-scan PQ re-ranked exactly (on the coarser lists); HNSW while affordable;
+    under ``max_memory``, codes that replace the vectors (IVF-SQ8, PQ re-ranked with SQ8).
     """
     if n < SELECT_FROM:
         return [fx.choose_spec(n, dim, "ivf")]
@@ -98,11 +91,8 @@ def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
            max_memory: int | None = None, seed: int = 0, device: str = "auto",
            specs: Sequence[fx.IndexSpec] | None = None, progress: bool = False) -> Selection:
     """Build, tune and time each candidate on a sample of ``ho.rows``; keep the fastest that
-    clears the target and whose memory, extrapolated to the gallery, fits ``max_memory``.
-
-    Flat's measured rate is scaled by sample / gallery size for the comparison (its cost grows
-    with n); IVF's per-query cost stays about the same when nlist grows with n. Tuning queries
-    are ``ho.tune`` (not in the sample); the check set is left alone for ``build``'s report.
+    clears the target and whose memory, extrapolated to the gallery, fits ``max_memory`` (Flat's
+    rate scaled by sample / gallery size; tuning queries ``ho.tune``, the check set untouched).
     """
     t_start = time.perf_counter()
     n, dim = x.shape
@@ -194,14 +184,10 @@ def choose(table: list[dict], max_memory: int | None = None) -> int:
 def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *, device: str = "auto",
           trained: faiss.Index | None = None, parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
           progress: bool = False, **option_kw: object) -> tuple[faiss.Index, dict]:
-    """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x):
-    what ``indexer build`` and ``merge`` do once the vectors are in hand.
-
-    The type is chosen by measurement above ``flat_threshold`` (unless ``index_type`` forces
-    one), and the recall reported is measured on held-out gallery vectors. Returns (index,
-    manifest fields). With ``parts`` (shards' (ids, x)) each part fills its own copy of the
-    trained index and the copies are merged with ``merge_from`` where faiss can merge that type.
-    ``option_kw``: :class:`BuildOptions` fields by name (tests, benchmarks).
+    """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x),
+    recall measured on held-out gallery vectors; returns (index, manifest fields). With
+    ``parts`` each fills its own copy of the trained index, merged with ``merge_from``.
+    ``option_kw``: :class:`BuildOptions` fields by name.
     """
     o = BuildOptions.of(options, **option_kw)
     index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory

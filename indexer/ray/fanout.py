@@ -60,11 +60,10 @@ DEFAULT_CONCURRENCY = 8       # Ray calls one actor runs at once (ready, endpoin
 @dataclass(frozen=True)
 class RayServing:
     """How a sharded index is served over Ray (``Index.open(ray=...)``; a bare address string
-    means these defaults). ``address``: the cluster (``HOST:PORT``, ``auto``, ``local``; None:
-    this process is already connected). ``timeout``: the fan-out's bound in seconds.
-    ``placement(i, shard_dir)``: Ray options for shard i's actor instead of the soft affinity to
-    the node that built it (a test pins actors to nodes it will kill). ``strict``: a search that
-    would leave a shard out fails instead (``indexer eval``: no figure from a partial answer)."""
+    means these defaults). ``address``: ``HOST:PORT``, ``auto``, ``local`` or None (connected
+    already); ``timeout``: the fan-out's bound in seconds; ``placement(i, shard_dir)``: Ray
+    options for shard i's actor instead of the soft affinity (tests); ``strict``: fail rather
+    than leave a shard out (``indexer eval``)."""
 
     address: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
@@ -247,13 +246,9 @@ class Router:
         return out
 
     def search(self, q: np.ndarray, k: int) -> Answer:
-        """The parts searched as one, as ``PartsIndex.search``; shards that did not answer
-        within the bound are left out and named in the answer's ``partial``.
-
-        Concurrent searches share fan-outs: while one is in flight, the searches that arrive
-        (with the same k) queue and go out together as the next one (one message per shard
-        for the lot instead of one each), so a lone client waits for nothing and many clients
-        pay the calls' fixed cost once per batch. Each caller gets its own rows."""
+        """The parts searched as one, as ``PartsIndex.search``; shards that did not answer in
+        time are named in ``partial``. Searches arriving (with the same k) while a fan-out is in
+        flight go out together as the next one; each caller gets its own rows."""
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
         req = _Request(q, k)
