@@ -1,12 +1,7 @@
-"""Exact k nearest neighbours with ids and drop lists: the one copy that evaluation
-(:mod:`embedder.metrics`), DBA (``indexer.ann.neighbours``), index tuning (``indexer.ann.selection``,
-``indexer.ann.tuning``, ``indexer.build.sharded``), the streaming build's shards (``indexer.store.sources``)
-and search (``indexer.layouts.index``) share.
-
-numpy and faiss only (no sklearn, no torch), so the serving process imports it cheaply. The
-search is faiss's exact ``faiss.knn`` over blocks of gallery rows with a ``faiss.ResultHeap``
-keeping the best k across blocks (what ``faiss.contrib``'s ``knn_ground_truth`` does, plus the
-ids and drop lists it lacks), not a hand-written loop over distances.
+"""Exact k nearest neighbours with ids and drop lists: the one copy evaluation, DBA, tuning,
+the streaming build's shards and search share. numpy and faiss only (serving imports it):
+``faiss.knn`` over blocks with a ``faiss.ResultHeap`` across them (``knn_ground_truth``'s way,
+plus ids and drop lists).
 """
 from __future__ import annotations
 
@@ -72,13 +67,9 @@ def _blocks(x: np.ndarray, ids: np.ndarray | None, rows: np.ndarray | None, size
 
 def drop_self(ids: np.ndarray, own: np.ndarray, k: int,
               scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each row of ``ids`` without its query's own id ``own[r]`` (or ids ``own[r, :]``; each at
-    its first occurrence), the first ``k`` kept, padded with -1 (``scores``, aligned with
-    ``ids``, with NaN): (ids, scores or None).
-
-    By id, not by distance, so a duplicate image (another id at distance 0) still counts as a
-    neighbour; a row without its query (ties pushed it out; ``own[r]`` -1: none to drop) keeps
-    its first k.
+    """Each row of ``ids`` without its query's own id(s) ``own[r]`` (first occurrence), the first
+    ``k`` kept, padded with -1 (``scores`` aligned, NaN): (ids, scores or None). By id, not
+    distance, so a duplicate image under another id still counts as a neighbour.
     """
     ids = np.asarray(ids)
     own = np.asarray(own).reshape(len(ids), -1)

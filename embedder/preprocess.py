@@ -38,11 +38,8 @@ LITE_SIZES: dict[str, tuple[int, int]] = {"efficientnet_lite0": (224, 256),
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """Eval (resize shorter side + centre crop) and train (random resized crop + flip) pipelines.
-
-    ``train_scale`` and ``hflip`` only affect :meth:`train_transform`; they are stored with the
-    rest so a checkpoint records how it was trained.
-    """
+    """Eval (resize shorter side + centre crop) and train (random resized crop + flip) pipelines;
+    ``train_scale`` and ``hflip`` are stored so a checkpoint records how it was trained."""
 
     input_size: int = 224
     resize: int = 256
@@ -83,12 +80,9 @@ class Preprocessing:
 
     @property
     def decode_side(self) -> int:
-        """The shorter side images are decoded at, at least (``load_image(min_side=...)``).
-
-        Twice ``resize``: the eval resize then still shrinks by >= 2x with PIL's antialiased
-        bilinear filter, so a reduced decode gives (almost) the pixels a full decode would,
-        and images up to twice that size are decoded exactly as before.
-        """
+        """The shorter side images are decoded at, at least (``load_image(min_side=...)``):
+        twice ``resize``, so the eval resize still shrinks >= 2x with an antialiased filter and
+        a reduced decode gives (almost) the full decode's pixels."""
         return 2 * int(self.resize)
 
     def to_dict(self) -> dict:
@@ -133,12 +127,9 @@ class Preprocessing:
 
     def eval_array(self, img: Image.Image) -> np.ndarray:
         """(C, H, W) float32, normalised: what the network is fed at evaluation time.
-
-        ``(x / 255 - mean) / std`` in float32, the same three operations per element as
-        torchvision's ``ToTensor`` + ``Normalize`` (so the same bits as before), but on the bytes
-        transposed to (C, H, W) first and in place, one channel plane at a time: broadcasting
-        over a trailing axis of 3 and transposing floats cost ~1 ms a 224-px photo, a third of
-        its decode + preprocess (benchmarks/preprocess_cost.py)."""
+        ``(x / 255 - mean) / std`` as torchvision's ``ToTensor`` + ``Normalize`` (the same bits),
+        but transposed first and in place per channel plane (a third of decode + preprocess
+        saved: benchmarks/preprocess_cost.py)."""
         a = np.asarray(self.eval_image(img))
         a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
         out = a.astype(np.float32, order="C")
@@ -194,12 +185,9 @@ class _ToMode:
 
 
 def timm_preprocessing(backbone: str) -> Preprocessing:
-    """The eval/train preprocessing of a ``timm:<model name>`` backbone, from timm's data config.
-
-    timm's eval transform resizes the shorter side to ``floor(size / crop_pct)`` and centre-crops
-    ``size``; that is what :class:`Preprocessing` does. (Configs with ``crop_mode`` 'squash' or
-    'border' are rare; they get the centre crop at the same ratio.) Non-square inputs take the
-    height."""
+    """The eval/train preprocessing of a ``timm:<model name>`` backbone, from timm's data config:
+    shorter side to ``floor(size / crop_pct)``, centre crop ``size`` ('squash'/'border' configs
+    get the same centre crop); non-square inputs take the height."""
     from .timm_backbone import timm_data_config     # imports timm: only for timm backbones
 
     dc = timm_data_config(backbone)

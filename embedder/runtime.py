@@ -1,11 +1,8 @@
 """onnxruntime inference for exported embedders: what the indexer and the search service run.
 
-No torch here: serving stays a light process. Images are decoded and preprocessed in one thread
-pool (:func:`decode_ahead`, also the indexer's reader's) while the session runs the previous
-batch (PIL decoding and onnxruntime both release the GIL, so threads overlap for real);
-:meth:`OnnxEmbedder.run` is the embedding runner's reader and embedder stages, under
-``embed_iter`` and ``indexer.store.ingest``. ``embed_iter`` reports bad images as failures instead
-of stopping, because one corrupt file must not abort indexing a gallery.
+No torch here: serving stays light. Images are decoded in one thread pool (:func:`decode_ahead`)
+while the session runs the previous batch (both release the GIL); ``embed_iter`` reports bad
+images as failures instead of stopping: one corrupt file must not abort indexing a gallery.
 """
 from __future__ import annotations
 
@@ -139,12 +136,8 @@ class OnnxEmbedder:
     def embed_iter(self, items: Iterable[tuple[Any, ImageSource]], workers: int | None = None,
                    progress: bool = False, total: int | None = None,
                    ) -> Iterator[tuple[list[Any], np.ndarray, list[tuple[Any, ImageLoadError]]]]:
-        """Yield ``(keys, embeddings, failures)`` per batch, in input order (:meth:`run`).
-
-        ``items`` are ``(key, source)`` pairs, consumed lazily (a generator over a huge gallery
-        is fine: at most a few batches are in flight). Images that fail to load are reported in
-        ``failures`` of the batch during which they were met and never stop the iteration.
-        """
+        """Yield ``(keys, embeddings, failures)`` per batch, in input order, from lazily consumed
+        ``(key, source)`` pairs; images that fail to load are reported, never stop it."""
         workers = workers or DECODE_WORKERS
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
@@ -183,12 +176,10 @@ class OnnxEmbedder:
     def run(self, chunks: Iterator[T], read: Callable[[T], R],
             settle: Callable[[R], Iterable[tuple[Any, np.ndarray]]], *, workers: int | None = None,
             seconds: dict[str, float] | None = None) -> Iterator[tuple[list[Any], np.ndarray]]:
-        """The embedding runner's reader and embedder stages (``indexer.store.ingest`` adds the
-        writer): ``read(chunk)`` of each chunk in the decode threads (:func:`decode_ahead`),
-        ``settle(result)`` here picks the (key, preprocessed array) pairs to embed, and every full
-        batch is embedded while the threads decode the next chunks. Yields ``(keys, raw
-        embeddings)`` per batch, and a last, possibly empty, one. ``seconds``: "read" (summed
-        over the decode threads) and "embed" are added to it."""
+        """The embedding runner's reader and embedder stages: ``read(chunk)`` in the decode
+        threads, ``settle(result)`` here picks the (key, array) pairs, each full batch embedded
+        while the next chunks decode. Yields ``(keys, raw embeddings)`` per batch and a last,
+        possibly empty, one; adds "read" and "embed" to ``seconds``."""
         seconds = {} if seconds is None else seconds
         keys: list[Any] = []
         rows: list[np.ndarray] = []
@@ -238,10 +229,8 @@ def chunked(items: Iterable[T], size: int, on_end: Callable[[int], None] | None 
 
 def decode_ahead(read: Callable[[T], R], chunks: Iterator[T], workers: int) -> Iterator[R]:
     """``read(chunk)`` of each chunk in ``workers`` threads, yielded in input order: the one
-    decode thread pool (``embed_iter``, ``indexer build/add``, the missing-embedding pass).
-    PIL decoding and onnxruntime both release the GIL, so decoding overlaps inference for real.
-    At most ``2 * workers + 1`` chunks are in flight, so memory stays O(batch); on an early
-    exit the queued chunks are cancelled and ``chunks`` is closed (a walking thread stops)."""
+    decode pool. At most ``2 * workers + 1`` chunks in flight (memory O(batch)); on an early
+    exit queued chunks are cancelled and ``chunks`` is closed."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed-decode")
     pending: deque[Future] = deque()
 

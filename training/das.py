@@ -185,11 +185,8 @@ class DAS(nn.Module):
 
     # ------------------------------------------------------------------ produce
     def _mask_index(self, y: Tensor) -> Tensor:
-        """Eq. (mask): (B, K) channel ids of the K highest FRM counts of each anchor's class.
-
-        The top-K is taken per FRM row, so with no more classes than anchors (C <= B, e.g.
-        CARS: 98 classes, batch 112) it is cheaper to rank every class once and look the
-        rows up than to copy B rows of the FRM first; the rows' results are the same."""
+        """Eq. (mask): (B, K) channel ids of the K highest FRM counts of each anchor's class
+        (with C <= B every class is ranked once and looked up: cheaper, same rows)."""
         if self.num_classes <= y.shape[0]:
             return self.frm.topk(self.topk, dim=1).indices.index_select(0, y)
         return self.frm.index_select(0, y).topk(self.topk, dim=1).indices
@@ -233,13 +230,9 @@ class DAS(nn.Module):
 
     def _produce_into(self, base: Tensor, y: Tensor, work: Tensor,
                       gen: torch.Generator | None) -> None:
-        """Write the T copies of ``base`` (B, d, no grad) into ``work`` (T, B, d, float32).
-
-        Same arithmetic as the spec's ``v' = s * v + r_b * t``, per element: unmasked channels
-        ``v + t * r_b``, masked ones ``(v * gamma) + t * r_b`` (both through addcmul), then the
-        division by ``max(||v'||, 1e-12)``. Done in place on one buffer, which is the output
-        itself for fp32 embeddings, so the step allocates one (T+1)B x d tensor.
-        """
+        """Write the T copies of ``base`` (B, d, no grad) into ``work`` (T, B, d, float32): the
+        spec's ``v' = s * v + r_b * t`` per element through addcmul, then ``/ max(||v'||,
+        1e-12)``, in place on one buffer (the output itself for fp32 embeddings)."""
         T, B = work.shape[0], work.shape[1]
         r = self.draw(T, B, gen, base.device)
         idx = flat = factor = scaled = idx_t = None
@@ -280,11 +273,8 @@ class DAS(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """Return ``cat([v, v'_1..v'_T])`` and ``cat([y] * (T+1))``.
-
-        In training mode the FRM and the bank are updated from this batch first (spec order);
-        in eval mode the copies come from the stored state without changing it.
-        """
+        """Return ``cat([v, v'_1..v'_T])`` and ``cat([y] * (T+1))``; training mode first updates
+        the FRM and the bank from this batch (spec order), eval mode leaves the state alone."""
         y = self._check(embeddings, labels)
         T = self.num_produce
         if T == 0:

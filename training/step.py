@@ -1,10 +1,6 @@
-"""One training step's loss, shared by the trainer and the frozen-feature benchmark.
-
-``emb = model(x)``; in DDP the global batch is gathered; ``emb, lab = das(emb, y)`` when DAS
-is on; ``loss = criterion(emb, lab)`` (with the authors' aux loss,
-``criterion(real rows) + w * criterion(emb, lab)``). training/trainer.py runs it on images
-through the embedder, benchmarks/frozen_table2.py on cached features through a small head:
-both call `compute_loss`, so a benchmark figure measures exactly the trainer's step.
+"""One training step's loss, shared by the trainer and the frozen-feature benchmark: ``emb =
+model(x)``, gathered in DDP, ``emb, lab = das(emb, y)`` with DAS, ``loss = criterion(emb, lab)``
+(plus the authors' aux loss); both call `compute_loss`, so a benchmark measures the trainer's step.
 """
 from __future__ import annotations
 
@@ -35,23 +31,16 @@ def build_das(cfg: TrainConfig, num_classes: int, normalize: bool):
 
 
 def aux_weight(cfg: TrainConfig) -> float | None:
-    """The weight w of L(real + produced) when the authors' aux loss is on, else None.
-
-    The aux loss needs produced embeddings to differ from the real ones, so it only applies
-    when DAS is on; with ``das = false`` the plain loss is used (a baseline run of an aux-loss
-    config is then exactly the paper's baseline, not (1 + w) times it).
-    """
+    """The weight w of L(real + produced) when the authors' aux loss is on, else None: without
+    DAS nothing is produced, and the plain loss keeps a baseline run the paper's baseline."""
     return float(cfg.das_aux_weight) if cfg.das and cfg.das_aux_loss else None
 
 
 def step_seed(cfg: TrainConfig, global_step: int) -> int:
-    """The seed of one step's miner/loss RNGs (`distributed.seeded_rng`), equal on every rank.
-
-    ``seed * 1_000_003 + step * 7_919 + 17``, primes both: two (seed, step) pairs meet only if
-    their steps differ by a multiple of 1_000_003, longer than any run, so runs with other seeds
-    never replay a step's draws. The offset keeps step 0 of seed 0 off seed 0 itself, the stream
-    `seed_everything` used to initialise the model; ``% 2**62`` stays inside the 64-bit seeds
-    torch takes. Changing any constant changes every run's draws.
+    """The seed of one step's miner/loss RNGs (`distributed.seeded_rng`), equal on every rank:
+    ``seed * 1_000_003 + step * 7_919 + 17`` (primes: runs with other seeds never replay a
+    step's draws; the offset keeps off `seed_everything`'s stream) ``% 2**62``. Changing any
+    constant changes every run's draws.
     """
     return (cfg.seed * 1_000_003 + global_step * 7_919 + 17) % (2**62)
 

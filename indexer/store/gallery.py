@@ -78,12 +78,9 @@ class Snapshot:
 
 
 class GalleryStore(LmdbStore):
-    """LMDB-backed gallery, opened lazily per process (picklable before first use).
-
-    ``readonly=True`` is safe for many threads and processes, also while one writer (``indexer
-    add``) works in another process: see :mod:`indexer.store.lmdb_env`. Writers (``readonly=False``)
-    grow the map when it fills.
-    """
+    """LMDB-backed gallery, opened lazily per process (picklable before first use). Read-only is
+    safe for many threads and processes while one writer works (:mod:`indexer.store.lmdb_env`);
+    writers grow the map when it fills."""
 
     NAMES = ("meta", "blob", "path", "label", "emb", "info")
     DUPSORT = ("label",)
@@ -234,12 +231,9 @@ class GalleryStore(LmdbStore):
 
     def put_items(self, items: Sequence[NewItem], embeddings: np.ndarray | None = None,
                   model_hash: str | None = None) -> int:
-        """Commit a batch atomically: bytes, metadata, paths and (optionally) embeddings.
-
-        Content already present gains the new path as an alias instead of a second copy.
-        A path that used to hold other content is moved to the new content. Returns how many
-        items were new content.
-        """
+        """Commit a batch atomically: bytes, metadata, paths and (optionally) embeddings. Known
+        content gains the path as an alias; a path that held other content moves to the new
+        content. Returns how many items were new content."""
         if embeddings is not None:
             if model_hash is None:
                 raise ValueError("embeddings need the model hash they were made with")
@@ -367,11 +361,8 @@ class GalleryStore(LmdbStore):
         return self.write(fn)
 
     def copy_from(self, other: "GalleryStore", model_hash: str) -> int:
-        """Copy every item of ``other`` (bytes, metadata, paths, its embedding) into this store.
-
-        Used by ``indexer merge``; batched, idempotent (content-addressed), so a killed merge
-        can simply be rerun.
-        """
+        """Copy every item of ``other`` (bytes, metadata, paths, its embedding) into this store
+        (``indexer merge``); batched and idempotent, so a killed merge is simply rerun."""
         ids = other.ids()
         copied = 0
         for s in range(0, len(ids), 256):

@@ -1,11 +1,7 @@
-"""Ingest's reader: gallery files -> per-file outcomes and preprocessed arrays, read ahead.
-
-Every file is opened and read once: its sha256, its header size and its decode all come from
-the same bytes, in a decode thread (:func:`read_chunk`, run by the embedder's one decode pool,
-:func:`embedder.runtime.decode_ahead`), checked against a one-pass
-:class:`~indexer.store.gallery.Snapshot` of the store (no thread reads LMDB per image);
-:func:`prefetch` runs the gallery walk itself in a thread, so walking overlaps decoding and
-inference.
+"""Ingest's reader: gallery files -> per-file outcomes and preprocessed arrays, read ahead. Each
+file is read once (sha256, header size, decode from the same bytes) in a decode thread,
+checked against a one-pass store :class:`~indexer.store.gallery.Snapshot`; :func:`prefetch` runs
+the walk in a thread, so walking overlaps decoding and inference.
 """
 from __future__ import annotations
 
@@ -28,12 +24,8 @@ _PNG_IHDR = struct.Struct(">4sII")
 
 
 def header_size(data: bytes) -> tuple[int, int]:
-    """Width and height from the header only (the full decode happens in ``prepare``).
-
-    PNG (the common gallery format, and Omniglot's) is read straight from its IHDR chunk, which
-    is what PIL reports too, without opening the image a second time; other formats go
-    through the decoder's guarded lazy open (embedder.containers). (0, 0) when the header is unreadable: the decode names the reason.
-    """
+    """Width and height from the header only: PNG's IHDR read directly, others through the
+    guarded lazy open (embedder.containers); (0, 0) when unreadable (the decode names why)."""
     if len(data) >= 24 and data[:8] == _PNG_SIG:
         tag, w, h = _PNG_IHDR.unpack_from(data, 12)
         if tag == b"IHDR" and w > 0 and h > 0:
@@ -57,12 +49,8 @@ SKIP, UNCHANGED, TOUCH, KNOWN, DECODED, FAILED = range(6)
 
 def read_chunk(chunk: Sequence[GalleryFile], snap: Snapshot, embedder: Any
                ) -> tuple[list[tuple[int, GalleryFile, Any, Any]], list[np.ndarray]]:
-    """Read, hash, size and decode one chunk of files (runs in a decode thread).
-
-    Each file is opened and read once; sha256, the header size and the decode all use those
-    bytes. Returns per-file ``(kind, file, item-or-reason, stat)`` in input order and the
-    preprocessed arrays of the ``DECODED`` ones, in the same order.
-    """
+    """Read, hash, size and decode one chunk of files (in a decode thread): per-file ``(kind,
+    file, item-or-reason, stat)`` in input order and the ``DECODED`` ones' arrays."""
     from embedder.images import ImageLoadError
 
     out: list[tuple[int, GalleryFile, Any, Any]] = []
@@ -108,11 +96,8 @@ def read_chunk(chunk: Sequence[GalleryFile], snap: Snapshot, embedder: Any
 
 
 def prefetch(gen: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Run a generator in its own thread, ``depth`` items ahead.
-
-    Walking the gallery (os.scandir, stat) then overlaps decoding and inference instead of
-    running before them. Exceptions are re-raised in the consumer.
-    """
+    """Run a generator in its own thread, ``depth`` items ahead (exceptions re-raised in the
+    consumer)."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
     stop = threading.Event()

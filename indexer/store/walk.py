@@ -1,9 +1,5 @@
-"""Finding gallery images and deciding which shard owns each one.
-
-The walk is deterministic (sorted) so that ids, shards and progress are reproducible, and it
-reports entries that look like images but cannot be files (a directory named ``x.jpg``, a
-dangling symlink) instead of silently ignoring them.
-"""
+"""Finding gallery images and deciding which shard owns each one: a deterministic (sorted) walk
+that reports entries which look like images but cannot be files instead of ignoring them."""
 from __future__ import annotations
 
 import hashlib
@@ -31,23 +27,15 @@ def is_image_name(name: str) -> bool:
 
 
 def printable_name(name: str) -> str:
-    """``name`` with the bytes of a name that is not valid UTF-8 written as ``\\xe9``.
-
-    Why: Python hands such names over surrogate-escaped (``'caf\\udce9.jpg'``), and every
-    UTF-8 encode of them (LMDB keys, JSON reports, the terminal) raises; this form encodes
-    anywhere and still shows the byte that is wrong.
-    """
+    """``name`` with the bytes of a name that is not valid UTF-8 written as ``\\xe9``: Python's
+    surrogate escapes raise on every UTF-8 encode (LMDB keys, JSON, the terminal)."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def utf8_problem(name: str, what: str = "file") -> str | None:
-    """Why a file or folder named ``name`` is skipped when its name is not valid UTF-8, else None.
-
-    The index keys, reports and answers paths as UTF-8 text (LMDB keys, JSON); a name in
-    another encoding (Latin-1 ``caf\\xe9.jpg`` copied from an old disk) cannot be stored as
-    text without a lossy guess, so it is skipped and named (``repr`` of its bytes) in
-    ``report.jsonl``, instead of aborting the whole build.
-    """
+    """Why a file or folder named ``name`` is skipped when its name is not valid UTF-8, else None:
+    paths are UTF-8 text everywhere, and guessing another encoding would be lossy, so such a name
+    is skipped and named in ``report.jsonl`` instead of aborting the build."""
     try:
         name.encode("utf-8")
         return None
@@ -163,13 +151,9 @@ def shard_of(relpath: str, n: int) -> int:
 
 
 def split_walk(root: str | Path, lists: list[Path], progress: bool = False) -> list[int]:
-    """Walk ``root`` once and write each entry to the list of the shard that owns it.
-
-    Why: with one walk per shard task, S tasks put S times the gallery's metadata traffic on
-    the shared filesystem (~25 us a file locally; 40 min a task at 100M files). One line per
-    entry, ``[relpath, problem]`` in JSON, streamed to the S files as the walk goes, so the
-    driver's memory does not grow with the gallery. Each list is written beside its final name
-    and renamed into place (a killed walk leaves the previous lists). Returns the entries per list.
+    """Walk ``root`` once and write each entry (``[relpath, problem]`` JSON lines, streamed) to
+    the list of the shard that owns it: one walk per task would put S times the metadata traffic
+    on the shared filesystem. Lists are renamed into place. Returns the entries per list.
     """
     from contextlib import ExitStack
 
