@@ -1,10 +1,7 @@
-"""Retrieval metrics of deep metric learning: R@k, NMI, pair-counting F1, MAP@R.
-
-Used by training's evaluation, `indexer eval` and the app's Evaluate tab; numpy in, floats
-out. Neighbours come from faiss in blocks of queries, so SOP's 60k x 512 test set never needs
-an N x N matrix; clustering is faiss k-means, and F1 is counted from the (sparse) contingency
-table instead of N^2 pairs. The label functions are pure, so an index can feed the neighbours
-it found itself (:func:`recall_at_k_of_labels` takes its label lists as they come).
+"""Retrieval metrics of deep metric learning: R@k, NMI, pair-counting F1, MAP@R (training's
+evaluation, `indexer eval`, the app's Evaluate tab). Neighbours from faiss in blocks (never an
+N x N matrix), clustering by faiss k-means, F1 from the sparse contingency table; the label
+functions are pure, so an index can feed its own neighbours (:func:`recall_at_k_of_labels`).
 """
 from __future__ import annotations
 
@@ -40,10 +37,8 @@ def _embeddings_and_labels(embeddings, labels) -> tuple[np.ndarray, np.ndarray]:
 def knn(queries, gallery, k: int, *, exclude_self: bool = False,
         block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """k nearest gallery rows (squared Euclidean) of each query: (distances, indices), (N, k).
-
-    ``exclude_self`` means queries *are* the gallery (same rows, same order): row i's own
-    index is removed from its list (by index, so a duplicate image still counts as a hit).
-    """
+    ``exclude_self``: the queries *are* the gallery; row i's own index is removed (by index, so
+    a duplicate image still counts as a hit)."""
     q = _as_float32(queries, "queries")
     g = _as_float32(gallery, "gallery")
     if q.shape[1] != g.shape[1]:
@@ -91,12 +86,9 @@ def recall_at_k(neighbor_labels: np.ndarray, query_labels: np.ndarray,
 
 def recall_at_k_of_labels(neighbor_labels: Sequence[Sequence[Hashable | None]],
                           query_labels: Sequence[Hashable], ks: Iterable[int]) -> dict[int, float]:
-    """R@k on labels as an index returns them: any hashable labels, one list per query in rank
-    order, shorter than max(ks) when fewer neighbours were found.
-
-    Labels are coded once to integers (the query labels' codes, >= 0); a missing neighbour, an
-    unlabelled one (None) and a label no query has all become -1, which equals no query's code.
-    """
+    """R@k on labels as an index returns them: hashable labels, one rank-ordered list per query
+    (shorter when fewer neighbours were found); missing, unlabelled (None) and unknown labels
+    code to -1, which equals no query's code."""
     ks = [int(k) for k in ks]
     if len(neighbor_labels) != len(query_labels):
         raise ValueError(f"{len(neighbor_labels)} neighbour lists for {len(query_labels)} queries")
@@ -149,11 +141,8 @@ def pair_f1(labels, clusters) -> float:
 
 def cluster_scores(embeddings, labels, seed: int = 0, *, nredo: int = 1,
                    niter: int = 20) -> dict[str, float]:
-    """k-means (faiss) with as many clusters as classes; NMI and pair-counting F1.
-
-    One k-means run of 20 iterations as in Roth et al.'s benchmark code (the DAS authors'
-    base); ``nredo > 1`` keeps the best of several runs when local minima matter more than
-    time (small sets)."""
+    """k-means (faiss) with as many clusters as classes; NMI and pair-counting F1. One run of 20
+    iterations as in Roth et al.'s code; ``nredo > 1`` keeps the best of several (small sets)."""
     x, y = _embeddings_and_labels(embeddings, labels)
     n_clusters = len(np.unique(y))
     if n_clusters < 2:
@@ -169,10 +158,8 @@ def cluster_scores(embeddings, labels, seed: int = 0, *, nredo: int = 1,
 
 def evaluate(embeddings, labels, ks=(1, 2, 4, 8), *, clustering: bool = True,
              map_r: bool = True, seed: int = 0) -> dict[str, float]:
-    """All metrics on a test set (every item a query against all others).
-
-    Keys: "R@k" for each k, "NMI" and "F1" (with `clustering`), "MAP@R" (with `map_r`).
-    """
+    """All metrics on a test set (every item a query against all others): "R@k" for each k,
+    "NMI" and "F1" (with `clustering`), "MAP@R" (with `map_r`)."""
     x, y = _embeddings_and_labels(embeddings, labels)
     ks = [int(k) for k in ks]
     _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)

@@ -96,11 +96,8 @@ class _TimmTrunk(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    """Four conv-BN-ReLU blocks for Omniglot-size grayscale inputs (28 px): CPU runs in minutes.
-
-    Not in timm/torchvision: their smallest networks are built for 224 px RGB and are 10-100x
-    slower on 28 px glyphs than this.
-    """
+    """Four conv-BN-ReLU blocks for Omniglot-size grayscale inputs (28 px): CPU runs in minutes
+    (timm's and torchvision's smallest are 10-100x slower on 28 px glyphs)."""
 
     def __init__(self, in_chans: int = 1, widths: tuple[int, ...] = (32, 64, 128, 256)) -> None:
         super().__init__()
@@ -199,12 +196,8 @@ def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3, *, we
 
 def gem(fmap: Tensor, p: float = 3.0, eps: float = 1e-6, dim: tuple[int, ...] = (2, 3)) -> Tensor:
     """Generalised-mean pooling ``(mean x^p)^(1/p)`` per channel, (B, C, H, W) -> (B, C)
-    (``dim=(1,)``: (B, N, C) tokens -> (B, C)).
-
-    Written out because timm's pooling layers have no GeM; it exports to plain ONNX ops (Clip,
-    Pow, ReduceMean). The clamp keeps the fractional power defined for maps that touch 0 (and
-    drops the negative values of ViT tokens, as GeM does). Computed in float32 so bf16 autocast
-    does not lose the p-th powers."""
+    (``dim=(1,)``: (B, N, C) tokens). timm has no GeM; this exports to plain ONNX ops. The clamp
+    keeps the power defined at 0 (and drops negative ViT tokens); float32 under bf16 autocast."""
     x = fmap.float().clamp(min=eps).pow(p)
     return x.mean(dim=dim).pow(1.0 / p).to(fmap.dtype)
 

@@ -58,12 +58,10 @@ class Searcher:
     def open(cls, directories: Sequence[str | Path] | str | Path, *, names: Sequence[str] | None = None,
              device: str = "auto", check_model: bool = False, max_memory: int | str | None = None,
              ray: Any = None, **kw: Any) -> "Searcher":
-        """Open each index directory read-only; names default to the directory names.
-        ``check_model`` also requires each directory's model.onnx (what a server needs).
-        ``max_memory``: each index holds at most that much in RAM, as codes re-ranked with the
-        exact vectors of its store (``indexer.ann.served``; kept across reloads). ``ray``: sharded
-        indexes are searched by one Ray actor per shard (``indexer.ray.fanout``; kept across reloads;
-        an answer that left a shard out says so in ``SearchResult.partial``)."""
+        """Open each index directory read-only (names default to the directory names);
+        ``check_model`` requires each model.onnx. ``max_memory``: codes in RAM re-ranked from the
+        store (``indexer.ann.served``); ``ray``: sharded indexes searched by one actor per shard
+        (``SearchResult.partial`` names a shard left out); both kept across reloads."""
         if isinstance(directories, (str, Path)):
             directories = [directories]
         dirs = [Path(d) for d in directories]
@@ -142,15 +140,12 @@ class Searcher:
     def query(self, image: Query | ImageSource | int | None = None, *, id: int | str | None = None,
               path: str | None = None, index: IndexRef = None, label: str | None = None,
               name: str | None = None, box: Any = None) -> Query:
-        """The one way to a Query (the API, the UI and every Searcher method come here): an image,
-        decoded now (a bad file fails here with ImageLoadError); else a gallery id (an integer,
-        also as the first argument, or the digits a form sends) or a gallery-relative path
-        (looked up in the store, never read from disk) in ``index``. A Query is returned as it
-        is. ``label`` sets or overrides the query's label. ``box`` (x0,y0,x1,y1 in the image's
-        pixels, :func:`serving.queries.parse_box`): search that region only; a region of a
-        gallery image is a new image (its photo is not left out of the results: finding the
-        photo a detail comes from is the point). UnknownIdError for an id or path the index does
-        not have; RequestError for no query, a malformed id or a box outside the image."""
+        """The one way to a Query (API, UI and every method come here): an image, decoded now
+        (ImageLoadError), else a gallery id (an integer or a form's digits) or a gallery-relative
+        path (looked up in the store, never read from disk) in ``index``; a Query as it is.
+        ``label`` sets its label. ``box`` (x0,y0,x1,y1 pixels, :func:`serving.queries.parse_box`):
+        that region only, a new image (its photo stays in the results). UnknownIdError for an
+        unknown id or path; RequestError for no query, a malformed id or a box outside the image."""
         if isinstance(image, Query):
             return image
         if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
@@ -190,10 +185,9 @@ class Searcher:
         return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
 
     def fused(self, parts: Sequence[Query], *, label: str | None = None) -> Query:
-        """One Query for several (each made by :meth:`query`): searched with their embeddings'
-        normalised mean (:func:`serving.queries.fuse`), one result list. A single part is
-        returned as it is; none is "no query"; more than MAX_QUERY_IMAGES is refused. A gallery
-        image among the parts is not left out of the results."""
+        """One Query for several (each from :meth:`query`), searched with their embeddings'
+        normalised mean (:func:`serving.queries.fuse`); a single part as it is, none is "no
+        query", more than MAX_QUERY_IMAGES refused; gallery parts stay in the results."""
         queries.check_count(len(parts))
         if not parts:
             raise RequestError("no query: upload an image, or name a gallery image by id or path")
@@ -269,10 +263,9 @@ class Searcher:
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
                 dba: bool | None = None) -> list[list[Result]]:
-        """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]`` is an id to
-        leave out of row i (the query itself; with DBA, also out of its neighbours' augmented
-        vectors). ``dba``: DBA re-ranking (None: the index's default, on when it has it). Ids
-        the store no longer has are skipped."""
+        """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]``: an id left out
+        of row i (with DBA also of its neighbours' augmented vectors); ``dba``: None = the
+        index's default. Ids the store no longer has are skipped."""
         snap = self.snapshot(index)
         return self._nearest(snap, np.atleast_2d(np.asarray(emb, dtype=np.float32)), check_k(k),
                              None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap))[0]

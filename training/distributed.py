@@ -1,12 +1,10 @@
 """DistributedDataParallel plumbing for ``torchrun --nproc_per_node=N -m training``.
 
-Each rank embeds its own slice of the global class-balanced batch; embeddings and labels are
-gathered so DAS, the miner and the loss see the whole global batch on every rank, identically.
-`torch.distributed.nn.functional.all_gather` carries gradients back: every rank computes the
-same loss L, so the gradient reaching rank r's slice is the sum over ranks, W * dL/dv_r; DDP then
-averages parameter gradients over the W ranks, which gives exactly dL/dtheta -- no loss scaling.
-The global RNG helpers live here too (per-step seeding, checkpointable states), since keeping
-every rank's draws identical is what they are for.
+Each rank embeds its slice of the global class-balanced batch; embeddings and labels are
+gathered so DAS, miner and loss see the whole batch identically on every rank.
+`torch.distributed.nn.functional.all_gather` sums each slice's gradient over the W ranks
+(W * dL/dv_r) and DDP averages over W: exactly dL/dtheta, no loss scaling. The RNG helpers
+(per-step seeding, checkpointable states) live here: identical draws per rank is their purpose.
 """
 from __future__ import annotations
 
@@ -77,12 +75,8 @@ def cleanup(info: DistInfo) -> None:
 
 
 class RankSlice(Sampler[list[int]]):
-    """This rank's contiguous slice of each global batch from an inner batch sampler.
-
-    The inner sampler is seeded identically on every rank, so all ranks agree on the global
-    batch; contiguous slices keep each class's images together when per_class divides the
-    slice size (not required for correctness, since the batch is gathered before mining).
-    """
+    """This rank's contiguous slice of each global batch from an inner batch sampler, seeded
+    identically on every rank (so all agree on the global batch)."""
 
     def __init__(self, inner, info: DistInfo):
         self.inner = inner
@@ -105,13 +99,8 @@ class RankSlice(Sampler[list[int]]):
 
 @contextlib.contextmanager
 def seeded_rng(seed: int, device: torch.device | None = None):
-    """Run a block on freshly seeded torch/numpy/python RNGs and restore the outer states after.
-
-    The miner and loss draw random numbers (pytorch-metric-learning uses torch and numpy's
-    global RNGs); seeding them per step keeps every rank's draws identical and makes the
-    training trajectory independent of what else consumed random numbers (evaluation,
-    data augmentation on other ranks).
-    """
+    """Run a block on freshly seeded torch/numpy/python RNGs and restore the outer states after:
+    miner and loss draws stay identical on every rank and independent of what else drew."""
     devices = [device] if device is not None and device.type == "cuda" else []
     np_state, py_state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=devices):

@@ -31,11 +31,8 @@ Vectors = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]   # ids -> (foun
 
 
 class SearchableIndex:
-    """A read-only faiss index for concurrent queries (a :class:`indexer.searchable.Searchable`).
-
-    CPU faiss searches are const and release the GIL, so threads share one index without a
-    lock. GPU indexes are not thread-safe, so GPU searches are serialised.
-    """
+    """A read-only faiss index for concurrent queries (a :class:`indexer.searchable.Searchable`):
+    CPU searches release the GIL and share one index without a lock; GPU searches serialise."""
 
     def __init__(self, path: str | Path, nprobe: int = 0, device: str = "auto",
                  search_params: str = "", mmap: bool = False) -> None:
@@ -254,10 +251,9 @@ def choose_codec(ntotal: int, dim: int, nlist: int, budget: int) -> str:
 
 def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str | None = None,
                factor: int = RERANK_FACTOR) -> ReRanked | None:
-    """What a node with ``budget`` bytes for its index serves: None when the index fits as it is
-    (it answers exactly: serve it), else its codes re-ranked from ``vectors``. An index that
-    holds codes already (IVF-SQ8, IVF-PQ; or parts of them searched as one) is re-ranked as it
-    is; ``codec`` forces a codec (tests, benchmarks)."""
+    """What a node with ``budget`` bytes for its index serves: None when the index fits (exact),
+    else its codes re-ranked from ``vectors`` (an index of codes already is re-ranked as it is);
+    ``codec`` forces one (tests, benchmarks)."""
     parts = _ivf_parts(index)
     dim, n = index.d, int(index.ntotal)
     if fx.is_ivf(parts[0]):

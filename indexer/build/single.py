@@ -28,11 +28,9 @@ from ..store.walk import GalleryFile, shard_of, walk_gallery
 
 # ---------------------------------------------------------------------------- build
 def gallery_files(gallery: str | Path, shard: tuple[int, int] | None = None) -> Iterator[GalleryFile]:
-    """Every build's one gallery check (``indexer build``, ``--shard``, ``--ray``): a folder
-    holding at least one image-named entry (the embedder's ``IMAGE_SUFFIXES``). Returns the walk
-    (shard ``i`` of ``n``'s share of it) still lazy: ingest consumes it on a helper thread,
-    overlapped with embedding (for a small model, listing a big folder first costs a few
-    percent of the build)."""
+    """Every build's one gallery check: a folder holding at least one image-named entry.
+    Returns the walk (shard ``i`` of ``n``'s share) still lazy, so ingest overlaps it with
+    embedding."""
     gallery = Path(gallery)
     if not gallery.is_dir():
         raise IndexerError(f"{gallery}: gallery folder not found")
@@ -135,12 +133,9 @@ def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Man
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
                  device: str = "auto", progress: bool = True, wait: bool = False,
                  dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
-    """``indexer merge``: one quantizer trained over all shards, their inverted lists merged.
-
-    The training sample is picked by position in the id-sorted union of all shards, exactly as
-    a single-process build picks it, so the merged index equals a single build's. Holds
-    ``out``'s writer lock (``wait``: wait for another writer). ``options``: as ``build_index``.
-    """
+    """``indexer merge``: one quantizer trained over all shards (the sample picked by position in
+    the id-sorted union, as a single build picks it, so the result equals one), their inverted
+    lists merged. Holds ``out``'s writer lock; ``options`` as ``build_index``."""
     t0 = time.perf_counter()
     out = Path(out)
     opts = BuildOptions.of(options, **option_kw)

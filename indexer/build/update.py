@@ -1,7 +1,6 @@
-"""``indexer add/remove/repair/info``, written once against :class:`indexer.layouts.layout.Layout`: every
-update is the same walk over the layout's (store, faiss file) parts and ends in one :func:`sync`.
-Each holds the directory's writer lock and reads the manifest once, under it, so a library caller
-is as safe as the CLI (which only calls them)."""
+"""``indexer add/remove/repair/info``, written once against :class:`Layout`: each update walks
+the layout's (store, faiss file) parts and ends in one :func:`sync`, under the writer lock with
+the manifest read once, so a library caller is as safe as the CLI."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,10 +93,9 @@ def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | 
 
 
 def info(directory: str | Path, *, deep: bool = False) -> dict:
-    """``indexer info``'s facts: ``manifest``, ``layout`` (its name), ``store`` (over every part's
-    store), ``parts`` (per part: its shard folder or None, images, vectors), ``held`` (a held-out
-    part's vectors, or None), ``checksums`` (a line) and ``counts`` (None for a shard). ``deep``:
-    read every record of every store first (a page LMDB cannot read: one line naming the file)."""
+    """``indexer info``'s facts: ``manifest``, ``layout``, ``store``, ``parts`` (shard folder or
+    None, images, vectors), ``held``, ``checksums`` and ``counts`` (None for a shard). ``deep``:
+    read every record of every store first (an unreadable page: one line naming the file)."""
     layout = layout_of(directory)
     m = layout.manifest
     layout.check(model=not m.is_shard)
@@ -204,9 +202,8 @@ def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence
 
 def sync(layout: Layout, *, seed: int = 0) -> Change:
     """Make each part's faiss file hold exactly its share of the stores (the first part whose
-    store holds an id owns it; a held-out id stays in the held part while some store has it),
-    rewrite the files that change, retune when one did, write the manifest. Idempotent, so it
-    also repairs a crash between a store's commit and its faiss file's rewrite."""
+    store holds an id owns it), rewrite what changes, retune if any did, write the manifest.
+    Idempotent: it also repairs a crash between a commit and a faiss rewrite."""
     m, d = layout.manifest, layout.d
     sources = [StoreSource(p.store_dir, m.model_hash, m.dim) for p in layout.parts]
     try:
@@ -263,10 +260,9 @@ def _sync_part(faiss_file: Path, want: np.ndarray, src: StoreSource) -> tuple[in
 
 def retune(layout: Layout, per_part: list[np.ndarray], ids: np.ndarray, sources: Sequence[StoreSource],
            seed: int = 0) -> dict:
-    """After an update: the search parameter retuned on self-queries drawn from the stores (own
-    id dropped from both answers; no held-out set any more, so ``heldout_queries`` is 0), their
-    exact answers from one streaming pass over the parts' stores (``stream.exact_truth``), the
-    parts searched as one, tuned to the target with the build's margin."""
+    """After an update: the search parameter retuned to the target with the build's margin on
+    self-queries drawn from the stores (own id dropped; no held-out set), exact answers from one
+    pass over the stores (``stream.exact_truth``)."""
     m = layout.manifest
     n = len(ids)
     own = np.sort(np.random.default_rng(seed + 1).choice(ids, size=min(max(1, heldout_size(n, m.dim)), n),

@@ -1,12 +1,10 @@
 """``manifest.json``: the one schema of what an index directory records about itself.
 
-Every writer (build, add/remove/repair, merge, the sharded and the Ray builds) makes a
-:class:`Manifest` and every reader goes through :meth:`Manifest.read`, so a key that is not a
-field here cannot be written, and a manifest whose fields have the wrong shape is refused in
-one line before anything trusts it. Typed all the way down: each nested record is a :class:`Record`
-dataclass whose annotations are the check (a dict given to a constructor or read is converted).
-Fields not recorded (None) stay out of the JSON; keys of a newer version and explicit nulls are
-kept (``extra``) and written back as they were: a manifest reads back and writes back unchanged.
+Every writer makes a :class:`Manifest` and every reader goes through :meth:`Manifest.read`, so an
+unknown key cannot be written and a wrongly shaped manifest is refused in one line. Each nested
+record is a :class:`Record` dataclass whose annotations are the check. Unrecorded fields (None)
+stay out of the JSON; newer keys and explicit nulls are kept (``extra``), so a manifest reads
+and writes back unchanged.
 """
 from __future__ import annotations
 
@@ -121,10 +119,8 @@ class Candidate(Record):                 # a row of the selection's table (index
 
 @dataclass(kw_only=True)
 class Manifest(Record, Mapping):
-    """The keys of ``manifest.json``; ``indexer info`` shows them. None: not recorded.
-
-    Read its fields as attributes. The read-only mapping view (``m["count"]``, ``m.get(...)``)
-    gives the JSON object's values, for benchmarks and tests; :meth:`to_dict` is the JSON boundary."""
+    """The keys of ``manifest.json`` (None: not recorded), read as attributes; the read-only
+    mapping view (``m["count"]``) is for benchmarks and tests; :meth:`to_dict` is the JSON."""
 
     model: ModelRecord
     dim: int

@@ -1,13 +1,10 @@
-"""The fan-out's data plane. Ray places the actors, restarts them, answers health pings and tells
-the router where each actor listens (Ray calls); the queries and (D, I) answers go over a direct
-TCP connection from the router to each actor (:func:`open_link`), authenticated both ways by the
-stdlib's HMAC challenge with a random key the serving process made for that actor and passed to
-it at creation (never logged): the same trust model as Ray's own unauthenticated ports on a
-private cluster network, plus the key; nothing is unpickled from a peer before it passed the
-challenge. Why: a Ray call costs ~1 ms to one actor and 3-4 ms to four on a loaded node, the
-whole search ~1 ms (docs/benchmarks/scaling.md, "Serving a sharded index across Ray nodes"). A
-connection that fails or answers late is closed, its shard left out of that answer, and the
-actor asked again where it listens (a restarted actor has a new port)."""
+"""The fan-out's data plane. Ray places, restarts and pings the actors and tells the router where
+each listens; queries and (D, I) answers go over a direct TCP connection per actor
+(:func:`open_link`), authenticated both ways by the stdlib's HMAC challenge with a per-actor
+random key (never logged; nothing unpickled before the challenge). Why: a Ray call costs ~1 ms
+to one actor and 3-4 ms to four on a loaded node, the whole search ~1 ms
+(docs/benchmarks/scaling.md). A failed or late connection is closed, its shard left out of that
+answer, and the actor asked again where it listens."""
 from __future__ import annotations
 
 import os
@@ -67,16 +64,11 @@ def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float,
 
 
 class ShardLink:
-    """The router's connections to one shard actor: idle ones are reused (one per search in
-    flight), a broken or late one is closed and the actor is asked (a Ray call) where it
-    listens now; until it has answered, the shard is left out of searches at once.
-
-    New connections are made by a background thread (connect + challenge bounded by
-    ``LINK_HANDSHAKE_S``), never inside a search: a search waits for one at most until the
-    ``until`` it is given (a slice of its bound shared by every shard), else leaves the shard
-    out and the connection, once made, serves the next search. Before issue 39 the search made
-    it itself, within the fan-out's whole bound: one actor that accepted TCP but never sent the
-    challenge held every search for that bound, so the healthy shards' answers came too late."""
+    """The router's connections to one shard actor: idle ones reused (one per search in flight),
+    a broken or late one closed and the actor asked where it listens now (the shard left out
+    until it answers). New connections are made by a background thread (bounded by
+    ``LINK_HANDSHAKE_S``), never inside a search, which waits at most until its ``until``: an
+    actor that accepts TCP but never sends the challenge cannot hold every search."""
 
     def __init__(self, actor: Any, authkey: bytes, endpoint: tuple[str, int] | None, timeout: float) -> None:
         self.actor, self.authkey, self.endpoint, self.timeout = actor, authkey, endpoint, timeout

@@ -1,12 +1,8 @@
-"""Where the streaming build's vectors come from: one ``Source`` per shard.
-
-The plan (``indexer.ann.stream``) and the fill ask a shard only for what it can answer where it
-lives: its ids in chunks (the census), the rows at given positions (the samples), its own exact
-top-k of the held-out queries (``knn``: the exact answers), its vectors in chunks (its own
-fill). ``StoreSource`` reads a shard's LMDB store in this process; ``ArraySource`` wraps arrays
-(the benchmarks' synthetic shards, tests); ``indexer.ray.readers.RemoteSource`` is the same
-interface answered by a Ray actor on the shard's node, so only ids, counts, sample rows and
-nq x k answers reach the driver.
+"""Where the streaming build's vectors come from: one ``Source`` per shard, asked only for what
+it can answer where it lives: ids in chunks (census), rows at positions (samples), its exact
+top-k of the held-out queries (``knn``), its vectors in chunks (fill). ``StoreSource`` reads an
+LMDB store here, ``ArraySource`` wraps arrays, ``indexer.ray.readers.RemoteSource`` asks a Ray
+actor on the shard's node.
 """
 from __future__ import annotations
 
@@ -39,10 +35,8 @@ class Source(Protocol):
 
 
 def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Iterator[Any]:
-    """``sources[s].method(*args[s])`` for each shard, in shard order. A source that lives
-    elsewhere (it has ``submit``: ``indexer.ray.readers.RemoteSource``) gets its call at once,
-    so the shards work in parallel; the answers are taken one at a time, in order, so the
-    caller can hold one shard's answer at a time. Local sources answer in turn."""
+    """``sources[s].method(*args[s])`` for each shard, in shard order: remote sources (with
+    ``submit``) get their calls at once and work in parallel; answers are taken one at a time."""
     started = [src.submit(method, *a) if hasattr(src, "submit") else None
                for src, a in zip(sources, args)]
     for src, a, pending in zip(sources, args, started):
