@@ -55,12 +55,8 @@ def _source_name(source: object, name: str | None) -> str:
 
 
 def _scale_to_uint8(arr: np.ndarray) -> np.ndarray:
-    """Map integer/float pixels to 0..255 by their nominal range, never by clipping.
-
-    Integer data above 255 is treated as 16-bit (0..65535, divided by 257 so 65535 -> 255);
-    float data in 0..1 is multiplied by 255. Deciding from the values is a compromise: PIL's
-    "I" and "F" modes do not record the bit depth the file was written with.
-    """
+    """Map integer/float pixels to 0..255 by their nominal range, never by clipping: integers
+    above 255 as 16-bit (/ 257), floats in 0..1 times 255 (PIL's "I"/"F" keep no bit depth)."""
     a = np.nan_to_num(arr.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
     hi = float(a.max()) if a.size else 0.0
     if np.issubdtype(arr.dtype, np.floating) and hi <= 1.0:
@@ -71,10 +67,8 @@ def _scale_to_uint8(arr: np.ndarray) -> np.ndarray:
 
 
 def to_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
-    """Convert any PIL mode to ``mode`` ("RGB" or "L") the way the model expects.
-
-    Returns a new image (never the argument itself), so the caller may close its source.
-    """
+    """Convert any PIL mode to ``mode`` ("RGB" or "L") the way the model expects, as a new
+    image (the caller may close its source)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     src = img.mode

@@ -305,11 +305,8 @@ def _type_name(kind: Any) -> str:
 
 
 def load_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a config file, resolving ``include = "base.toml"`` (or a list) relative to it.
-
-    Included files are merged first, in order, then this file's own keys override them; that is
-    how the per-experiment files stay a few lines long on top of a per-dataset base.
-    """
+    """Read a config file, resolving ``include = "base.toml"`` (or a list) relative to it:
+    included files merge first, in order, then this file's keys override them."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError(f"{path}: include cycle ({' -> '.join(str(p) for p in _seen)})")

@@ -1,8 +1,6 @@
-"""Dataset splits for the paper's benchmarks, Omniglot and any folder of class folders.
-
-Every parser returns two `Split`s (train, test) of image paths with contiguous integer labels;
-`ImageDataset` turns a split into tensors through embedder's `load_image` and a
-`Preprocessing` transform, so decoding and normalisation stay in one place (embedder).
+"""Dataset splits for the paper's benchmarks, Omniglot and any folder of class folders: every
+parser returns two `Split`s (train, test) of paths with contiguous integer labels; `ImageDataset`
+decodes through embedder's `load_image` and a `Preprocessing` transform.
 """
 from __future__ import annotations
 
@@ -235,11 +233,8 @@ def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_cl
 
 
 class ImageDataset(Dataset):
-    """A split as (tensor, label) pairs, decoded by embedder's `load_image`.
-
-    With ``cache=True`` decoded images are kept in memory as uint8 arrays (worth it for small
-    datasets such as Omniglot, whose PNG decoding otherwise dominates a CPU epoch).
-    """
+    """A split as (tensor, label) pairs, decoded by embedder's `load_image`; ``cache=True`` keeps
+    decoded uint8 images in memory (small datasets such as Omniglot)."""
 
     def __init__(self, split: Split, transform: Callable[[Image.Image], torch.Tensor],
                  mode: str = "RGB", cache: bool = False):

@@ -1,9 +1,6 @@
-"""What a training run is made of, built once from the config and saved and restored whole.
-
-`RunState` holds everything a resumed run needs to continue bit-exactly (model, optimiser,
-scheduler, criterion, DAS buffers and generator, sampler position, grad scaler, every RNG
-state, the history so far); `state_dict` / `load_state_dict` are what ``last.pt`` holds, as
-tensors and plain lists so ``torch.load(weights_only=True)`` reads it.
+"""What a training run is made of, built once from the config and saved and restored whole:
+`RunState` holds everything a resumed run needs to continue bit-exactly; `state_dict` is what
+``last.pt`` holds, as tensors and plain lists (``torch.load(weights_only=True)`` reads it).
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The training loop: paper recipe, DAS in the step, evaluation, exact resume, DDP, export.
 
-This is the project's only training loop: the frozen-feature benchmark
-(benchmarks/frozen_table2.py) runs it too, with ``trainable = "head"`` on cached pooled features.
-One step is `step.compute_loss`: ``emb = model(x)``;
-in DDP the global batch is gathered; ``emb, lab = das(emb, y)`` when DAS is on; ``loss =
-criterion(emb, lab)`` (with the authors' aux loss, ``criterion(real rows) + w * criterion(emb,
-lab)``). What a resumed run needs to continue bit-exactly is a `run_state.RunState`, saved as
-``last.pt`` after every epoch.
+The project's only training loop (benchmarks/frozen_table2.py runs it too). One step is
+`step.compute_loss`; what a resumed run needs to continue bit-exactly is a `run_state.RunState`,
+saved as ``last.pt`` after every epoch.
 """
 from __future__ import annotations
 
@@ -92,9 +88,7 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
 def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: TrainConfig,
                     epoch: int, info: distributed.DistInfo, autocast_dtype: torch.dtype | None) -> dict[str, Any]:
     """One epoch of steps (at most ``cfg.steps_per_epoch``); returns its log row (no metrics).
-
-    ``net`` is ``state.model`` or its DDP wrapper; ``loader`` draws from ``state.sampler``
-    (or this rank's slice of it)."""
+    ``net``: ``state.model`` or its DDP wrapper."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
@@ -204,10 +198,7 @@ def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: distrib
 def train(cfg: TrainConfig, *, train_split: Split | None = None,
           test_split: Split | None = None) -> TrainResult:
     """Run (or resume) a training run described by `cfg`; returns where everything went.
-
-    `train_split`/`test_split` replace the dataset named in the config (used by the benchmark
-    to share one parsed split between runs).
-    """
+    `train_split`/`test_split` replace the config's dataset (a benchmark shares one parse)."""
     from embedder import save_checkpoint
 
     cfg.validate()

@@ -80,12 +80,10 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
                       threads: int = 2, progress: bool = True,
                       dtype: type = np.float16,
                       failed: dict[int, str] | None = None) -> np.ndarray:
-    """(1 + views, N, *shape) activations of `prefix` for every image of `dataset` (an
-    `ImageDataset`: its ``image(i)`` decodes, its split's paths key the cache); view 0 is the
-    eval centre crop of `preprocessing`, views 1.. its random training crops. Stored as
-    `dtype` (fp16 halves the disk of feature maps; float32 for pooled features). Returns a
-    read-only memmap of the cached file. Rows of images that could not be decoded are zero and
-    go into `failed` ({row: reason}); without it, the first such image raises `ImageLoadError`.
+    """(1 + views, N, *shape) activations of `prefix` for every image of `dataset` (view 0 the
+    eval centre crop, views 1.. random training crops), stored as `dtype`; returns a read-only
+    memmap. Undecodable images' rows are zero and go into `failed` ({row: reason}); without
+    it, the first raises `ImageLoadError`.
     """
     from tqdm.auto import tqdm
 
@@ -146,11 +144,8 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
 
 
 class CachedViews(Dataset):
-    """(activation, label) pairs from a cache: a random stored view per image and epoch when
-    training (``train=True``; view 0, the centre crop, included), view 0 otherwise.
-
-    The view of image i in epoch e is a pure function of (seed, e, i), so a resumed run sees the
-    same views as an uninterrupted one without any state to save."""
+    """(activation, label) pairs from a cache: in training a random stored view per image and
+    epoch, a pure function of (seed, e, i) (a resumed run sees the same views); view 0 else."""
 
     def __init__(self, acts: np.ndarray, labels: np.ndarray, *, train: bool, seed: int = 0,
                  rows: np.ndarray | None = None) -> None:

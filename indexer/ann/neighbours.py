@@ -205,12 +205,10 @@ def update(nb: Neighbourhoods, ids: np.ndarray, x: np.ndarray) -> tuple[Neighbou
 def rerank(nb: Neighbourhoods, q: np.ndarray, cand: np.ndarray, k: int,
            exclude: Sequence[int | None] | None = None, vectors: Vectors | None = None
            ) -> tuple[np.ndarray, np.ndarray]:
-    """Re-order each query's plain candidates (``cand``, (n, depth) ids, -1 padded) by the
-    query's inner product with their augmented vectors: (scores, ids), each (n, k), -1 / NaN
-    padded. ``exclude[r]``: a gallery id that row r's query *is*: it is left out of the row,
-    and candidates that have it among their first k - 1 neighbours are scored with augmented
-    vectors made without it (``vectors`` reads the plain vectors needed), as if the query were
-    not in the gallery."""
+    """Re-order each query's plain candidates (``cand``, (n, depth) ids, -1 padded) by inner
+    product with their augmented vectors: (scores, ids), (n, k), -1 / NaN padded.
+    ``exclude[r]``: the gallery id row r's query *is*: left out of the row, and its neighbours'
+    augmented vectors remade without it (``vectors`` reads the plain vectors needed)."""
     q = np.asarray(q, dtype=np.float32)
     n = len(q)
     out_ids = np.full((n, k), -1, np.int64)

@@ -41,14 +41,9 @@ SHARD_HOOK_ENV = "DAS_RAY_SHARD_HOOK"
 
 # ---------------------------------------------------------------------------- progress
 class _Progress:
-    """Files done per shard, kept by a small Ray actor so that one bar can cover all shards.
-
-    A new attempt of a shard resets its count (a retry re-counts what the dead attempt stored,
-    as "unchanged"), so the total never counts an image twice. Also keeps the node each attempt
-    ran on (a retry after a node died runs elsewhere: the build's ``ray.attempt_nodes``).
-    Runs on the driver's node (``_ingest_shards``): an actor on a worker node would die with it
-    and take the build down with the task that Ray was about to retry.
-    """
+    """Files done per shard, kept by a small Ray actor on the driver's node so one bar covers
+    all shards. A new attempt resets its shard's count (never counting an image twice) and
+    records its node (``ray.attempt_nodes``)."""
 
     def __init__(self, n: int) -> None:
         self.done = [0] * n

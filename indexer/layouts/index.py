@@ -170,10 +170,7 @@ class Index:
 
     def search(self, images: Sequence[Any], k: int = 10, *, dba: bool | None = None) -> list[list[Hit]]:
         """Embed ``images`` (paths, bytes or PIL images) and return the top-k hits of each
-        (``dba``: as :meth:`search_embeddings`).
-
-        Raises the embedder's ImageLoadError (naming the image) for an unreadable image.
-        """
+        (``dba``: as :meth:`search_embeddings`); ImageLoadError names an unreadable image."""
         if len(images) == 0:
             return []
         scores, ids = self.search_embeddings(self.embed(images), k, dba=dba)

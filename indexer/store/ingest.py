@@ -213,10 +213,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
 def embed_missing(store: GalleryStore, embedder: Any, *, workers: int | None = None,
                   progress: bool = True, commit_every: int = 256, seconds: dict | None = None) -> int:
     """Embed stored content that has no embedding for this model yet (a rebuild with a new
-    model), through the same runner (:func:`run`; ``seconds``: its stages' times are added).
-
-    Reads the original bytes back from the store, so the gallery folder need not exist any more.
-    """
+    model) through :func:`run`, from the stored bytes (the gallery folder may be gone)."""
     model_hash = embedder.model_hash
     todo = store.missing_embeddings(model_hash)
     if not todo:
