@@ -38,12 +38,8 @@ def fail(prog: str, e: BaseException | str, code: int = 1) -> int:
 def run_main(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *,
              expected: tuple[type[BaseException], ...] = (), on_interrupt: str = "interrupted",
              handler: Callable[[argparse.Namespace], Any] | None = None) -> int:
-    """Parse ``argv``, run the chosen command's ``func`` (or ``handler``), apply the error policy.
-
-    The returned int is the exit code (``sys.exit(main())``); a handler returning None means 0.
-    The error line names the command (``python -m indexer build: error: ...``) so a script that
-    runs several commands knows which one failed.
-    """
+    """Parse ``argv``, run the chosen command's ``func`` (or ``handler``), apply the error policy;
+    returns the exit code (None means 0). The error line names the command."""
     args = parser.parse_args(argv)
     cmd = getattr(args, "cmd", None)
     name = f"{prog} {cmd}" if cmd else prog
@@ -68,10 +64,8 @@ def run_main(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | N
 # ---- shared options: one definition each, so every CLI spells and explains them alike ----------
 
 def memory_size(text: str | int | float | None) -> int | None:
-    """"4G", "512M", "1.5GiB", "2000000000" -> bytes; None / "" -> no limit.
-
-    Also an argparse ``type=``: a bad size is then a usage error (exit 2) naming the option.
-    """
+    """Bytes of "4G", "512M", "1.5GiB", "2000000000"; None / "" -> no limit. Also an argparse
+    ``type=`` (a bad size: usage error naming the option)."""
     if text is None or text == "":
         return None
     if isinstance(text, (int, float)):

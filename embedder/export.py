@@ -1,11 +1,8 @@
-"""ONNX export with a parity check against the torch model on real images.
-
-The ONNX file is what indexing and serving run, so it carries everything they need in its
-``metadata_props``: embedding dimension, whether outputs are L2-normalised, the full eval
-preprocessing (JSON), and the hash of the checkpoint it came from. An export that does not
-reproduce the torch model (max abs difference <= 1e-4 and cosine >= 0.9999 per embedding, on
-real images, at batch size 1 and at the full batch) raises :class:`ParityError` instead of
-leaving a silently wrong model behind; the file is only moved into place after the check.
+"""ONNX export with a parity check against the torch model on real images. The file carries in
+its ``metadata_props`` what indexing and serving need (dimension, normalisation, eval
+preprocessing, checkpoint hash). An export that does not reproduce the torch model (max abs
+difference <= 1e-4, cosine >= 0.9999, at batch 1 and full batch) raises :class:`ParityError`;
+the file is moved into place only after the check.
 """
 from __future__ import annotations
 
@@ -118,12 +115,8 @@ def _weights_record(cfg: dict) -> dict:
 
 def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str = "",
                 parity_images: list | None = None) -> Path:
-    """Export ``model`` to a single self-contained .onnx file with a dynamic batch axis.
-
-    ``parity_images`` (paths, bytes or PIL images) are preprocessed with the model's own eval
-    preprocessing for the parity check; by default scikit-image's photos. The check runs before
-    the file is renamed into place, so ``out`` is never a model that failed it.
-    """
+    """Export ``model`` to a single self-contained .onnx file with a dynamic batch axis, checked
+    on ``parity_images`` (default: scikit-image's photos) before it is renamed into place."""
     import onnx
 
     out = Path(out)

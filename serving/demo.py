@@ -1,9 +1,5 @@
-"""A demo gallery from the photos scikit-image ships, so a fresh machine shows the app working.
-
-Each photo is one class; several augmented views of it (crops, flips, colour jitter, rotations)
-are written as files under ``gallery/<class>/`` and a few more under ``queries/<class>/`` for the
-Evaluate tab. Augmentation uses torchvision's transforms on PIL images, seeded, so the demo is
-the same on every machine.
+"""A demo gallery from the photos scikit-image ships, so a fresh machine shows the app working:
+each photo one class, seeded augmented views under ``gallery/<class>/`` and ``queries/<class>/``.
 """
 from __future__ import annotations
 
@@ -61,10 +57,8 @@ def _augmenter(size: int) -> Callable[[Image.Image], Image.Image]:
 def make_demo_gallery(out: str | Path, *, views: int = 8, queries: int = 2, size: int = 256,
                       classes: Sequence[str] | None = None, seed: int = 0,
                       progress: bool = True) -> tuple[Path, Path]:
-    """Write ``out/gallery/<class>/*.jpg`` and ``out/queries/<class>/*.jpg``; returns both dirs.
-
-    View 0 of each class in the gallery is the whole photo (resized), the rest are augmented.
-    """
+    """Write ``out/gallery/<class>/*.jpg`` (view 0 the whole photo) and ``out/queries/<class>/*.jpg``;
+    returns both dirs."""
     import torch
     from tqdm import tqdm
 
@@ -102,10 +96,8 @@ def make_demo_gallery(out: str | Path, *, views: int = 8, queries: int = 2, size
 def ensure_demo_index(root: str | Path = DEFAULT_DEMO_DIR, *, views: int = 8, queries: int = 2,
                       model: str | Path | None = None, progress: bool = True,
                       log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> Path:
-    """Build (once) the demo index under ``root/index`` with the offline pretrained embedder.
-
-    Returns the index directory; an existing complete index is reused.
-    """
+    """Build (once; a complete one is reused) the demo index under ``root/index`` with the
+    offline pretrained embedder; returns its directory."""
     from indexer import IndexDir, build_index
 
     root = Path(root)

@@ -109,10 +109,9 @@ def _layout(shape: tuple[int, ...], stride: list[int], dtype: torch.dtype, devic
 
 
 def check_batch(spec: dict[str, Any], g: torch.Generator, step: int) -> tuple[Tensor, Tensor]:
-    """A batch in the real layout whose top-K has no tie at its boundary (the kernels break
-    ties to the lowest channel, torch.topk in an unspecified order): K + 1 entries of each
-    row are the distinct integers 2..K+2 (exact in every float dtype), the rest are in
-    (-1, 1). One class gets 5 members (its ring wraps), and one row is a duplicate."""
+    """A batch in the real layout whose top-K has no boundary tie (kernels and torch.topk break
+    ties differently): K + 1 entries per row are the integers 2..K+2, the rest in (-1, 1); one
+    class of 5 (its ring wraps) and one duplicate row."""
     B, d, C, K = spec["batch"], spec["dim"], spec["num_classes"], spec["topk"]
     v = torch.rand(B, d, generator=g) * 2 - 1
     top = torch.rand(B, d, generator=g).argsort(dim=1)[:, :min(K + 1, d)]

@@ -208,11 +208,9 @@ def fused_produce(base: Tensor, y: Tensor, frm: Tensor, bank: Tensor, count: Ten
                   r: Tensor | None, out: Tensor, lab: Tensor, *, topk: int, dfs: bool, mts: bool,
                   bounds: tuple[float, float], shift: float, normalize: bool,
                   check_labels: bool, interpret: bool = False) -> None:
-    """Write ``cat([base, copies])`` into ``out`` ((T+1)B, d, any float dtype) and
-    ``cat([y] * (T+1))`` into ``lab``, in one launch.
-
-    ``r`` is the call's one flat draw of uniforms: ``T*B*K`` DFS factors (when ``dfs``) then
-    ``T*B`` bank-slot uniforms (when ``mts``), the order the eager module draws them in."""
+    """Write ``cat([base, copies])`` into ``out`` ((T+1)B, d, any float dtype) and ``cat([y] *
+    (T+1))`` into ``lab`` in one launch; ``r``: the call's uniforms (``T*B*K`` DFS factors, then
+    ``T*B`` bank-slot draws), in the eager module's order."""
     B, D = base.shape
     planes = out.shape[0] // max(B, 1)
     if B == 0 or planes == 0:

@@ -1,9 +1,6 @@
-"""Which device a run trains on, and in which precision.
-
-`TrainConfig.device` accepts ``auto``, ``cpu``, ``cuda`` and ``cuda:N``. Two traps shaped this:
-``torch.cuda.set_device`` refuses an index-less ``torch.device("cuda")`` (it raised on every
-CUDA machine with the default ``auto``), and under torchrun every rank must take the GPU named
-by ``LOCAL_RANK`` whatever the config says, or all ranks pile onto one card.
+"""Which device a run trains on, and in which precision. Two traps: ``torch.cuda.set_device``
+refuses an index-less ``torch.device("cuda")``, and under torchrun every rank must take the GPU
+``LOCAL_RANK`` names, or all ranks pile onto one card.
 """
 from __future__ import annotations
 
@@ -17,11 +14,9 @@ __all__ = ["resolve_device", "amp_dtype"]
 
 
 def resolve_device(name: str, info: DistInfo | None = None) -> torch.device:
-    """The ``torch.device`` this process trains on; on CUDA it is also made current.
-
-    ``auto`` is ``cuda`` when a CUDA device is visible, else ``cpu``. An index-less ``cuda``
-    means the current device (normally 0, i.e. the first of ``CUDA_VISIBLE_DEVICES``), or
-    ``cuda:LOCAL_RANK`` under torchrun; ``cuda:N`` is taken as given in a single process.
+    """The ``torch.device`` this process trains on (made current on CUDA): ``auto`` is ``cuda``
+    when visible, else ``cpu``; index-less ``cuda`` is the current device, or ``cuda:LOCAL_RANK``
+    under torchrun; ``cuda:N`` as given in a single process.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -75,9 +75,7 @@ def _pooled(fn, dataset: Dataset, batch_size: int, device: torch.device,
 @torch.no_grad()
 def init_head_pca(model: nn.Module, pooled: torch.Tensor) -> None:
     """Embedding layer := projection on the top-d principal directions of the training images'
-    pooled features (bias = -W mean): the untrained embedder then ranks images as the centred
-    pooled features do, and training starts from the pretrained ranking instead of from a random
-    projection that first has to rediscover it."""
+    pooled features (bias = -W mean), so training starts from the pretrained ranking."""
     w, mean = pca_directions(pooled, model.head.out_features)
     model.head.weight.copy_(w.to(model.head.weight))
     model.head.bias.copy_((-w @ mean).to(model.head.bias))
@@ -154,10 +152,8 @@ def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, la
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
                    fresh: bool, skips: SkipLog | None = None) -> Inputs:
     """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init.
-
-    With the trunk cache, the images it could not decode go into `skips` and their rows are
-    left out here (``state.sampler`` is rebuilt over the rows that remain); images are
-    otherwise left out batch by batch as they fail (`filter_collate`)."""
+    Images the trunk cache could not decode go into `skips` and their rows are left out
+    (``state.sampler`` rebuilt); otherwise failures drop out batch by batch (`filter_collate`)."""
     from .batching import ClassBalancedBatchSampler
     from .trunk_cache import CachedViews
 

@@ -104,15 +104,11 @@ class AuthorsMargin(nn.Module):
 
 
 class AuthorsLifted(nn.Module):
-    """Their generalised lifted structure loss (see the module docstring for why it is per
-    channel): for anchor a with positives Q and negatives R,
+    """Their generalised lifted structure loss (per channel: see the module docstring):
     ``relu(LSE_c sqrt(sum_q (a_c - q_c + eps)^2) + LSE_c (margin - sqrt(sum_r (a_c - r_c + eps)^2)))``,
-    mean over anchors with a positive, + ``reg_weight * mean_i ||x_i||``.
-
-    The per-channel sums over a set Q are expanded as ``|Q| u_c^2 - 2 u_c sum_q q_c + sum_q
-    q_c^2`` with ``u = a + eps``: two (N, N) x (N, d) products instead of an (N, N, d) tensor
-    (100 MB and most of the step at N = 448); the sums stay far from 0 (a set always holds a
-    genuinely different embedding), so the cancellation is harmless (tested against the loop)."""
+    mean over anchors with a positive, + ``reg_weight * mean_i ||x_i||``. The per-channel sums
+    are expanded (``|Q| u_c^2 - 2 u_c sum_q q_c + sum_q q_c^2``, ``u = a + eps``): two matrix
+    products instead of an (N, N, d) tensor; the cancellation is harmless (tested)."""
 
     def __init__(self, margin: float = 1.0, reg_weight: float = 5e-3) -> None:
         super().__init__()

@@ -67,10 +67,9 @@ def _any_rows(mask: Tensor) -> Tensor:
 
 
 def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One index per row from unnormalised non-negative row weights, by inverse CDF: one
-    uniform per row and a search in the row's cumulative sum (several times faster than
-    `torch.multinomial` on 448 x 448, and free of host syncs). Rows without any weight get
-    index 0 (callers mark those rows invalid)."""
+    """One index per row from non-negative row weights by inverse CDF (one uniform per row, a
+    search in the cumsum: faster than `torch.multinomial`, no host sync); a row without weight
+    gets 0 (callers mark it invalid)."""
     cdf = probs.cumsum(dim=1)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
@@ -106,10 +105,9 @@ class _TripletMiner:
 
     def __call__(self, embeddings: Tensor, labels: Tensor, origin: Tensor | None = None
                  ) -> Triplets:
-        """Triplets of the batch. ``origin`` (N,), optional: the real embedding each row was
-        produced from (DAS copies share their anchor's origin). When given, rows of the same
-        origin are never each other's positives (TrainConfig.das_exclude_own_copies; off by
-        default, as the spec and the authors' code treat copies as ordinary positives)."""
+        """Triplets of the batch. ``origin`` (N,): the real embedding each row was produced
+        from; when given, rows of one origin are never each other's positives
+        (``das_exclude_own_copies``, off by default as in the spec and the authors' code)."""
         if embeddings.dim() != 2 or labels.shape != embeddings.shape[:1]:
             raise ValueError(f"expected embeddings (N, d) and labels (N,), got "
                              f"{tuple(embeddings.shape)} and {tuple(labels.shape)}")
@@ -143,9 +141,7 @@ class RandomMiner(_TripletMiner):
 
 class AuthorsRandomMiner(_TripletMiner):
     """Random sampling as the authors' framework does it: N triplets (N = batch rows), each
-    uniform over all valid (a, p, n) triplets of the batch, i.e. anchor a with probability
-    |P_a| |N_a| / sum, then p and n uniform in its sets. Every row is valid when the batch has
-    any triplet at all."""
+    uniform over all valid (a, p, n) triplets (anchor with probability |P_a| |N_a| / sum)."""
 
     def mine(self, dist, pos, neg, dim):
         n_rows = dist.shape[0]
@@ -188,21 +184,17 @@ class SoftHardMiner(_TripletMiner):
 
 
 def distance_weighted_log_weights(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
-    """log q(D)^-1 for unit vectors in R^dim (supp. eq. XII), with D clipped below at `cutoff`.
-
-    q(D) ~ D^(d-2) (1 - D^2/4)^((d-3)/2); the lower clip is the lambda cut-off of eq. XIII
-    (Wu et al.'s code): it caps the weight of very close negatives. Log space avoids the
-    overflow of D^-(d-2) at d = 512.
+    """log q(D)^-1 for unit vectors in R^dim (supp. eq. XII), D clipped below at `cutoff` (eq.
+    XIII's lambda: caps very close negatives); log space, as D^-(d-2) overflows at d = 512.
     """
     d = dist.clamp(min=cutoff, max=2.0 - 1e-4)
     return (2.0 - dim) * torch.log(d) - ((dim - 3) / 2.0) * torch.log(1.0 - 0.25 * d * d)
 
 
 class DistanceWeightedMiner(_TripletMiner):
-    """Distance-weighted sampling ("pml"; Wu et al., eq. XII-XIII): random positive; negative
-    with P(n|a) ~ q(D_an)^-1, D clipped at `cutoff` (0.5), zero weight at D >=
-    `nonzero_loss_cutoff` (1.4, "largest distance"); uniform over negatives when none is under
-    that distance. Distances are taken on L2-normalised embeddings."""
+    """Distance-weighted sampling ("pml"; Wu et al., eq. XII-XIII) on L2-normalised embeddings:
+    random positive; negative with P(n|a) ~ q(D_an)^-1, D clipped at `cutoff`, zero weight from
+    `nonzero_loss_cutoff` (1.4), uniform when no negative is nearer."""
 
     needs_normalized = True
 
@@ -221,10 +213,8 @@ class DistanceWeightedMiner(_TripletMiner):
         return w / w.sum(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
 
     def _weights(self, dist: Tensor, neg: Tensor, dim: int) -> Tensor:
-        """Unnormalised weights. Each row's own maximum is subtracted in log space, so nothing
-        underflows at d = 512, where the weights span hundreds of orders of magnitude; ratios
-        below e^-80 are floored there (exp's denormal path is 100x slower, and such a
-        negative is never drawn in practice)."""
+        """Unnormalised weights, each row's maximum subtracted in log space (no underflow at
+        d = 512); ratios below e^-80 floored (exp's denormal path is 100x slower)."""
         near = neg & (dist < self.nonzero_loss_cutoff)
         use_near = _any_rows(near)
         allowed = torch.where(use_near, near, neg)
@@ -281,12 +271,9 @@ _CLASSES = {
 
 
 def build_miner(name: str | None, flavour: str = "authors", **kw) -> _TripletMiner | None:
-    """Miner by name: "random" | "semihard" | "softhard" | "distance" | None (whole batch).
-
-    ``flavour``: "authors" (the DAS authors' framework) or "pml" (this project's earlier miners).
-    Keyword arguments go to the miner: ``margin`` (semihard), ``cutoff`` (distance),
-    ``nonzero_loss_cutoff`` (distance, "pml" only), ``generator`` (all; default: torch's
-    global RNG).
+    """Miner by name: "random" | "semihard" | "softhard" | "distance" | None (whole batch), of
+    ``flavour`` "authors" or "pml". Keyword arguments go to the miner (``margin``, ``cutoff``,
+    ``nonzero_loss_cutoff``, ``generator``: default torch's global RNG).
     """
     if flavour not in LOSS_FLAVOURS:
         raise ValueError(f"flavour={flavour!r}: expected one of {LOSS_FLAVOURS}")

@@ -64,10 +64,9 @@ def _train_size(spec: fx.IndexSpec) -> int:
 
 def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, device: str = "auto",
          progress: bool = False, **option_kw: object) -> Plan:
-    """Step 1, on the driver: ``selection.build``'s steps up to the trained empty index (held-out
-    sets, exact answers, choice by measurement, training), on samples each shard reads at its
-    own positions, so the driver's memory is the samples' and does not grow with N.
-    ``option_kw``: :class:`BuildOptions` fields by name (tests, benchmarks)."""
+    """Step 1, on the driver: ``selection.build``'s steps up to the trained empty index, on
+    samples each shard reads at its own positions (the driver's memory does not grow with N).
+    ``option_kw``: :class:`BuildOptions` fields by name."""
     o = BuildOptions.of(options, **option_kw)
     index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory
     t = {"census": time.perf_counter()}
@@ -147,9 +146,7 @@ def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, devi
 def exact_truth(sources: Sequence[Source], q: np.ndarray, k: int, *, exclude: np.ndarray,
                 dups: Sequence[np.ndarray]) -> np.ndarray:
     """Exact top-k ids of ``q`` over every shard's vectors but ``exclude`` and duplicates: each
-    shard searches its own vectors where they are (``Source.knn``, one streaming pass; in
-    parallel when the shards are Ray actors) and only its nq x k answer comes back, merged
-    here with faiss's ResultHeap."""
+    shard answers nq x k where it is (``Source.knn``), merged here with faiss's ResultHeap."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     heap = faiss.ResultHeap(len(q), k, keep_max=True)
     asks = [(q, k, np.union1d(exclude, dups[s])) for s in range(len(sources))]

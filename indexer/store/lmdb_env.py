@@ -304,10 +304,9 @@ class LmdbStore:
                     raise damaged_store(self.path, e, name) from None
 
     def walk(self) -> dict[str, int]:
-        """Read every record of every database, values included (``indexer info --deep``):
-        name -> records. Garbage inside the file (which the open-time checks, reading only the
-        meta pages, cannot see) fails here in one line naming the file and the database. Reads
-        the whole file: seconds per GB, so only on request."""
+        """Read every record of every database, values included (``indexer info --deep``): name
+        -> records. Garbage the open-time checks cannot see fails in one line naming the file
+        and database; seconds per GB, so only on request."""
         out = {}
         for name in self.NAMES:
             n = 0
@@ -321,10 +320,8 @@ class LmdbStore:
         return out
 
     def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        """Run ``fn`` in one write transaction; on MDB_MAP_FULL double the map and retry.
-
-        ``fn`` must only touch the transaction (it may run more than once).
-        """
+        """Run ``fn`` (touching only the transaction; it may run twice) in one write
+        transaction; on MDB_MAP_FULL double the map and retry."""
         if self.readonly:
             raise IndexerError(f"{self.path}: store opened read-only")
         with self._txn_lock:  # type: ignore[union-attr]
@@ -340,10 +337,8 @@ class LmdbStore:
                     raise self._write_failed(e) from None
 
     def _write_failed(self, e: lmdb.Error) -> IndexerError:
-        """A failed write transaction, told in one line. On a full disk, the pages it wrote past
-        the last committed page are given back (the file is cut to the committed size: no
-        reader sees those pages, and the writer lock keeps other writers out), so the failed
-        command leaves the disk as it found it."""
+        """A failed write transaction, told in one line; on a full disk the file is cut back to
+        the committed size, so the failed command leaves the disk as it found it."""
         import shutil
 
         data = self.path / "data.mdb"
