@@ -1,11 +1,7 @@
 """Several embedders as one: their L2-normalised embeddings concatenated, scaled by 1/sqrt(n).
-
-Why: two frozen ImageNet backbones see a photo differently, and the concatenation of their
-unit-length GeM features ranks cub-dev species better than either alone (issue 30;
-docs/benchmarks/embedder.md, "int8 and two-backbone embedders"). Scaling by 1/sqrt(n) keeps the
-result unit-length, so inner product = cosine = the mean of the parts' cosines, and the indexer
-and search service treat it like any other normalised embedder. The parts must share one
-preprocessing: the exported ONNX file has one input, prepared once.
+Two frozen backbones' GeM features together rank cub-dev species better than either alone
+(docs/benchmarks/embedder.md); the scaling keeps unit length (cosine = the parts' mean cosine).
+The parts must share one preprocessing (the ONNX file has one input).
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""A region of a query image (issue 42 item 3), the one definition the server's ``box=``, the
-web page's Box field and ``indexer search --box`` share.
-
-A box is ``x0,y0,x1,y1`` in the pixels of the image as it is shown (after its EXIF orientation,
-which ``load_image`` applies), right and bottom exclusive as PIL crops, so a box drawn on the
-displayed image and one typed by hand mean the same pixels. Errors are ValueErrors whose message
-starts with the field's name (serving turns them into HTTP 400s, the CLI kit into one line).
+"""A region of a query image: the one definition ``box=``, the page's Box field and ``indexer
+search --box`` share. ``x0,y0,x1,y1`` in the pixels of the image as shown (EXIF applied), right
+and bottom exclusive as PIL crops. Errors are ValueErrors starting with the field's name.
 """
 from __future__ import annotations
 

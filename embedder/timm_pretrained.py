@@ -1,12 +1,7 @@
 """Training-free embedders from any timm backbone (``python -m embedder pretrained --backbone
-timm:NAME [--weights PATH] --pooling P``): the backbone's pooled features, no embedding layer,
-L2-normalised, exported to ONNX with the parity check like the default Lite embedder
-(embedder/pretrained.py, whose ``default_model_path`` / ``export_pretrained`` take a
-:class:`TimmSpec` as they take a :class:`~embedder.pretrained.PretrainedSpec`).
-
-The cached export's file name encodes the model, pooling, input size and where the weights came
-from (the hub, or the first 12 hex digits of the weights file's SHA-256), so other weights never
-reuse an old export.
+timm:NAME [--weights PATH] --pooling P``): pooled features, no head, L2-normalised, exported with
+the parity check like the default embedder. The cached file name encodes model, pooling, input
+size and the weights' origin (hub, or the weights file's SHA-256 prefix).
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""uvicorn's h11 protocol with a deadline on request heads.
-
-uvicorn (0.54) closes a connection that stays idle ``timeout_keep_alive`` seconds, but any byte
-received cancels that timer, so a client that sends its headers one byte every few seconds
-holds a connection (and a file descriptor) forever; enough of them starve the server
-(slowloris). Here a connection must deliver each complete request head within
-``HEAD_TIMEOUT_S`` of connecting or of its previous response, else it is closed. Bodies have
-their own deadline in serving.limits (it knows who is logged in).
+"""uvicorn's h11 protocol with a deadline on request heads: any received byte resets uvicorn's
+keep-alive timer, so a client sending a header byte every few seconds holds a connection forever
+(slowloris). Here each complete head must arrive within ``HEAD_TIMEOUT_S`` of connecting or of the
+previous response; bodies have their own deadline in serving.limits.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The query kinds beyond one whole image (issue 42 item 3): a region of the image (defined once
-in :mod:`embedder.regions`, shared with ``indexer search --box``), and several images searched
-as one. Several images are fused the standard way for L2-normalised embeddings: the normalised
-mean of their embeddings (the "average query expansion" of Chum et al. 2007 applied to the query side), which
-ranks by the mean cosine to the query images; one result list comes back.
+"""The query kinds beyond one whole image: a region (:mod:`embedder.regions`) and several images
+searched as one by the normalised mean of their embeddings (average query expansion, Chum et al.
+2007, on the query side): one result list, ranked by the mean cosine.
 """
 from __future__ import annotations
 

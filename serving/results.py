@@ -70,12 +70,9 @@ class Snapshot:
 
 @dataclass
 class Query:
-    """What is being searched for: an uploaded image, or an image already in a gallery.
-
-    A gallery query carries its id in ``source`` (the index it came from), so that index can
-    use the stored embedding and leave the query itself out of its results; other indexes embed
-    the same bytes with their own embedder. A fused query (``Searcher.fused``) has ``parts``, the
-    queries it stands for, and no pixels of its own: its embedding is theirs fused.
+    """What is being searched for: an uploaded image, or a gallery image (its id in ``source``:
+    that index uses the stored embedding and leaves it out; others embed the bytes). A fused
+    query has ``parts`` and no pixels: its embedding is theirs fused.
     """
     image: Image.Image | None = None
     id: int | None = None

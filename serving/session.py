@@ -1,12 +1,9 @@
 """Who is logged in to the Gradio UI, and the login page stripped of everything about the index.
 
-Gradio (6.31) renders its page routes ("/", "/gradio_api/runs") for a visitor without a login as
-the login form, but still embeds ``window.gradio_api_info``: the API description, with every
-dropdown choice (class labels, gallery ids and paths) as examples. Gradio has no switch for
-that, so the guard (serving.limits) rewrites those HTML answers for visitors without a session:
-the api-info literal becomes ``null`` (the login form does not use it; after login the page is
-served whole). If a page without a login carries ``gradio_api_info`` in a form this module does
-not recognise (a Gradio upgrade), :func:`strip_api_info` refuses to pass it on (fail closed).
+Gradio's page routes show a visitor without a login the login form but still embed
+``window.gradio_api_info`` (every dropdown choice: labels, ids, paths) with no switch to stop it,
+so the guard (serving.limits) rewrites that literal to ``null`` for visitors without a session;
+a form :func:`strip_api_info` does not recognise (a Gradio upgrade) is refused (fail closed).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Thumbnails made from gallery bytes (LMDB), cached, plus the green/red match frame.
-
-Thumbnails are always rendered from the store by id, never from a path the client names, so
-no endpoint can be used to read files off the server.
-"""
+"""Thumbnails made from gallery bytes (LMDB) by id, never from a client-named path, cached, plus
+the green/red match frame."""
 from __future__ import annotations
 
 import io
@@ -46,11 +43,8 @@ def to_png(img: Image.Image) -> bytes:
 
 
 class ThumbnailCache:
-    """Thread-safe LRU of encoded PNG thumbnails keyed by (index name, id).
-
-    Thumbnails are small (a few KB) and the same gallery items recur across queries, so caching
-    the encoded bytes saves an LMDB read, a decode and a re-encode per result.
-    """
+    """Thread-safe LRU of encoded PNG thumbnails keyed by (index name, id): saves a read, a
+    decode and an encode per recurring result."""
 
     def __init__(self, capacity: int = 4096, size: int = 160):
         self.capacity = capacity

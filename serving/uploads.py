@@ -1,12 +1,6 @@
-"""Validation of client-supplied images: size limit first, then a real decode.
-
-Both the Gradio UI and the HTTP API go through here so that a too-large upload or a file that
-is not an image gets the same clear message (and HTTP status) everywhere, never a stack trace.
-
-Decoding is where a server's memory goes (a 36-megapixel JPEG is ~110 MB of pixels): images
-are decoded no larger than the embedders need (``load_image(min_side=...)``) and at most
-``MAX_CONCURRENT_DECODES`` at a time, so a burst of large uploads cannot pile up full-size
-bitmaps.
+"""Validation of client-supplied images, for the UI and the API alike: size limit first, then a
+real decode, no larger than the embedders need (``load_image(min_side=...)``) and at most
+``MAX_CONCURRENT_DECODES`` at a time, so a burst of large uploads cannot pile up bitmaps.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Unreadable images in a training run: found while decoding, left out, reported at the end.
-
-A corrupt image is skipped and reported, never fatal to a run (the indexer treats gallery files
-the same way). Nothing is decoded up front for this: the trunk cache records the rows it could
-not decode (training/trunk_cache.py), and the image DataLoaders carry an item's decode error
-back in its batch (`filter_collate`), so a clean dataset pays nothing. `SkipLog` collects the
-failures by path (the first reason wins) and writes ``skipped.jsonl`` in the run directory, one
-``{"path", "reason"}`` object per file, the format of the indexer's ``report.jsonl``.
+Nothing is decoded up front: the trunk cache records its failed rows and the DataLoaders carry an
+item's decode error in its batch (`filter_collate`). `SkipLog` collects them by path (first reason
+wins) into ``skipped.jsonl``, the format of the indexer's ``report.jsonl``.
 """
 from __future__ import annotations
 

@@ -16,14 +16,9 @@ from . import faiss_index as fx
 def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_index: str | Path,
                  params: str = "") -> int:
     """Combine filled parts into one IVF index whose lists live in ``out_index`` + ``.ivfdata``
-    (faiss's ``OnDiskInvertedLists``); read it back with ``read_ondisk``. Returns the count.
-
-    Hand-written rather than ``faiss.contrib.ondisk.merge_ondisk``: that one maps every part and
-    the output into the merging process and copies through the maps, so its peak RSS is about
-    twice the index (measured: 1,056 MiB for a 498 MiB index at 1M x 128), which grows with N on
-    one node. Here faiss allocates the lists (``resize``, in one pre-sized file), the codes and
-    ids go in with ``os.pwrite`` (the page cache, not this process, holds them) and one part is
-    mapped at a time, so the peak is about the largest part, not the index.
+    (``OnDiskInvertedLists``; read back with ``read_ondisk``); returns the count. Not
+    ``faiss.contrib.ondisk.merge_ondisk``, which maps everything (peak RSS ~2x the index): here
+    codes and ids go in by ``os.pwrite``, one part mapped at a time (peak ~ the largest part).
     """
     out_index = Path(out_index)
     data = out_index.with_suffix(".ivfdata")

@@ -1,8 +1,6 @@
-"""Building a sharded index (its layout: :mod:`indexer.layouts.shards`; its updates: :mod:`indexer.build.update`).
-
-``build_sharded`` is the streaming build (:mod:`indexer.ann.stream`) over shard directories that
-each hold a store: one training on a sample drawn from the stores, one part per shard (filled
-here, or by Ray tasks on the shards' nodes: ``fill_parts``), tuning on the parts searched as one.
+"""Building a sharded index: the streaming build (:mod:`indexer.ann.stream`) over shard
+directories that each hold a store: one training on a sample of the stores, one part per shard
+(filled here, or by Ray tasks: ``fill_parts``), tuning on the parts searched as one.
 """
 from __future__ import annotations
 
@@ -31,10 +29,8 @@ def build_sharded(shard_dirs: Sequence[str | Path], out: str | Path, *, options:
                   device: str = "auto", progress: bool = True, fill_parts: FillParts | None = None,
                   sources: Sequence[Source] | None = None, wait: bool = False, **option_kw: object) -> Manifest:
     """Index shard directories where they are; ``out`` gets the manifest that lists them.
-    ``sources``: the shards as the plan reads them (default: their stores, in this process;
-    ``ray_build`` passes readers on the shards' nodes, ``indexer.ray.readers``), closed once the
-    plan is made when ``fill_parts`` fills the parts elsewhere. Holds the writer locks of ``out``
-    and of the shard folders (their part.faiss is rewritten; ``wait``: wait for other writers)."""
+    ``sources``: the shards as the plan reads them (default: their stores here; Ray readers from
+    ``ray_build``). Holds the writer locks of ``out`` and the shard folders (``wait``)."""
     t0 = time.perf_counter()
     out = Path(out)
     opts = BuildOptions.of(options, **option_kw)

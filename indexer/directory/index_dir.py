@@ -1,11 +1,7 @@
 """An index directory: the one owner of its file names, its manifest and its open-or-refuse checks.
-
-An index directory holds ``store.lmdb/`` (the gallery), ``index.faiss``, ``manifest.json``,
-``report.jsonl`` (skipped files) and ``model.onnx`` (a copy of the embedder, so the directory is
-self-contained and ``Index.open`` needs nothing else). Every file is written through
-:func:`embedder.files.atomic_target`, the manifest last, so a reader never sees a manifest that describes an
-index file that is not there yet. The file-integrity checks themselves live in
-:mod:`indexer.directory.validate`; this module decides which apply and when.
+It holds ``store.lmdb/``, ``index.faiss``, ``manifest.json``, ``report.jsonl`` and ``model.onnx``
+(self-contained), each written through :func:`embedder.files.atomic_target`, the manifest last;
+the checks live in :mod:`indexer.directory.validate`, this module decides which apply.
 """
 from __future__ import annotations
 

@@ -22,12 +22,9 @@ ACCEPT_BACKOFF_S = (0.05, 1.0)   # an actor's accept() failing (EMFILE ...): fir
 
 
 class ShardSearcher:
-    """The Ray actor: one shard's part, memory-mapped on its node, searched with the index's
-    search parameters. Stateless between searches, so a restarted actor answers the same.
-
-    Searches come over the data plane (:mod:`indexer.ray.link`; :meth:`endpoint` says where):
-    pickled ``(q, k, dq, iq)`` (the router's coarse assignment ``dq, iq``, or None for the part's
-    own search), each answered with ``(D, I)``; a thread per connection (faiss releases the GIL)."""
+    """The Ray actor: one shard's part, memory-mapped on its node, stateless between searches.
+    Searches come over the data plane (:meth:`endpoint`): pickled ``(q, k, dq, iq)`` (the
+    router's coarse assignment or None), answered ``(D, I)``, a thread per connection."""
 
     def __init__(self, part_file: str, search_params: str, threads: int = 1, authkey: bytes = b"",
                  host: str | None = None) -> None:
@@ -78,10 +75,8 @@ class ShardSearcher:
                 "part": self.part_file}
 
     def _accept(self) -> None:
-        """Accept connections until :meth:`close`. A failing ``accept()`` (EMFILE/ENFILE: out of
-        descriptors; ENOBUFS, ECONNABORTED ...) is logged and retried after a pause that grows
-        to ``ACCEPT_BACKOFF_S[1]``: before issue 39 one such error ended this thread for good,
-        and the port kept completing TCP handshakes that nobody answered."""
+        """Accept connections until :meth:`close`; a failing ``accept()`` (EMFILE, ENOBUFS ...) is
+        logged and retried after a growing pause, so the port never accepts with nobody serving."""
         pause = ACCEPT_BACKOFF_S[0]
         while True:
             try:

@@ -33,10 +33,8 @@ def damaged_store(path: Path, e: BaseException, db: str = "") -> StoreUnavailabl
 
 
 class DiskFullError(IndexerError):
-    """A write transaction failed with the store's disk full. LMDB reports the failed page
-    writes of a commit as EIO ("mdb_txn_commit: Input/output error"), so the full disk is told
-    by the free space left. ``need``: an estimate of what the whole command needs, filled in
-    by the command that knows (``needing``)."""
+    """A write transaction failed with the store's disk full (LMDB reports it as EIO, so the free
+    space tells); ``need``: the whole command's estimate, filled in by ``needing``."""
 
     def __init__(self, data: Path, free: int, given: int, need: int | None = None) -> None:
         self.data, self.free, self.given, self.need = data, free, given, need
@@ -54,14 +52,10 @@ FULL_DISK_SLACK = 1 << 20      # less free than this after a failed write: the d
 
 
 class MappedFile:
-    """``data.mdb`` as this process mapped it: an open descriptor of the same inode, so that a
-    size check costs one ``fstat`` (no path lookup), plus the path to notice a replacement.
-
-    Kept cheap because it runs before every read: LMDB's meta (what the file must hold) is only
-    consulted when the size changed since the last good check (a truncation changes it; a writer
-    that commits without growing the file only uses pages the file has), and the path is looked
-    up at most every ``STAT_EVERY_S`` (a replaced or removed file leaves the mapped inode whole,
-    so that can wait; a truncation cannot)."""
+    """``data.mdb`` as this process mapped it: a descriptor of the same inode (a size check is one
+    ``fstat``) plus the path. Cheap, as it runs before every read: LMDB's meta is consulted only
+    when the size changed, the path at most every ``STAT_EVERY_S`` (a replacement leaves the
+    mapped inode whole; a truncation does not)."""
 
     STAT_EVERY_S = 0.2
 
