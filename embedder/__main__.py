@@ -1,9 +1,5 @@
-"""CLI: ``python -m embedder {export,pretrained,quantize,info}``.
-
-Exit codes (embedder.cli.run_main): 2 bad usage; 1 with one line for bad input (a missing or
-unreadable checkpoint, model or image, an unknown embedder name, a failed parity check or
-quantisation, pretrained weights that cannot be had); 130 Ctrl-C. No tracebacks for user errors.
-"""
+"""CLI: ``python -m embedder {export,pretrained,quantize,info}``; exit codes as embedder.cli's
+``run_main`` (2 bad usage, 1 one line for bad input, 130 Ctrl-C)."""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,6 @@
-"""Checkpoints: a plain dict (state dict + model config + preprocessing).
-
-Only plain types and tensors go in, so ``torch.load(weights_only=True)`` can read a checkpoint
-without executing pickled code, and the preprocessing used for evaluation travels with the
-weights to the ONNX export and from there to indexing and serving.
+"""Checkpoints: a plain dict (state dict + model config + preprocessing) of plain types and
+tensors, so ``torch.load(weights_only=True)`` reads it and the eval preprocessing travels with
+the weights to export, indexing and serving.
 """
 from __future__ import annotations
 

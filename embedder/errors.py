@@ -1,7 +1,5 @@
-"""Exception types, in a module without torch so the CLI and serving can catch them cheaply.
-
-Each carries the offending path and a reason; ``str(e) == f"{path}: {reason}"`` for the file
-errors, so a CLI prints it as its one-line message.
+"""Exception types, without torch so the CLI and serving catch them cheaply; the file errors'
+``str(e) == f"{path}: {reason}"`` is a CLI's one-line message.
 """
 from __future__ import annotations
 

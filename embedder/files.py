@@ -10,10 +10,8 @@ from typing import Iterator
 
 @contextmanager
 def atomic_target(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
-    """Yield a temporary path beside ``path``; on success fsync it and os.replace it onto
-    ``path``, on any error remove it. Readers thus see the old file or the new one, never half
-    of one, even if the writer is killed (checkpoints, ONNX exports, feature caches, and every
-    file of an index directory). ``suffix`` is for writers that insist on an extension."""
+    """Yield a temporary path beside ``path``; on success fsync it and os.replace it onto ``path``,
+    on error remove it: readers see the old file or the new one, never half of one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=suffix, dir=path.parent)
     os.close(fd)

@@ -1,9 +1,6 @@
-"""``python -m indexer``: build, add, remove, repair, search, eval, info, merge.
-
-Every command prints a one-line reason to stderr and exits 1 on bad input (2 for bad usage).
-The commands that write an index directory (build, add, remove, repair, merge) hold its writer
-lock (:mod:`indexer.directory.lock`): a second writer exits 1 naming the first one's pid, or waits with
-``--wait``.
+"""``python -m indexer``: build, add, remove, repair, search, eval, info, merge. Bad input: one
+line, exit 1 (2 bad usage). Writing commands hold the writer lock (:mod:`indexer.directory.lock`):
+a second writer exits 1 naming the first one's pid, or waits with ``--wait``.
 """
 from __future__ import annotations
 

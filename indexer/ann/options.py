@@ -1,9 +1,6 @@
-"""``BuildOptions``: how an index is chosen and tuned, one frozen value checked once.
-
-Why one value: build, ``--shard``, ``--ray``, merge and the sharded build all take the same six
-choices and hand them on (build_index -> selection.build; merge_shards; build_sharded ->
-stream.plan; build_with_ray -> either). Loose, they were re-checked at five sites; here they are
-checked when the value is made, in one line naming the option, before any work.
+"""``BuildOptions``: how an index is chosen and tuned, one frozen value checked once, when made,
+in one line naming the option, before any work (build, ``--shard``, ``--ray``, merge and the
+sharded build all take and hand on the same choices).
 """
 from __future__ import annotations
 

@@ -16,12 +16,9 @@ from ..store.sources import CHUNK, answers
 
 
 def census(sources: Sequence, size: int = CHUNK) -> tuple[list[int], list[np.ndarray]]:
-    """(ids per shard, per shard the ids an earlier shard also holds): the same content in two
-    shards (two paths) is indexed once, by the first shard that has it (as ``stream.union``).
-
-    Every shard yields its ids ascending, so all ids up to the smallest of the current chunks'
-    last ids are in the current chunks: that window is settled and dropped. Memory: one chunk a
-    shard plus the duplicates."""
+    """(ids per shard, per shard the ids an earlier shard also holds): content in two shards is
+    indexed once, by the first. Ids come ascending, so all ids up to the smallest of the current
+    chunks' last ids are settled and dropped: one chunk a shard plus the duplicates in memory."""
     its = [iter(s.id_chunks(size)) for s in sources]
     counts = [0] * len(sources)
     dups: list[list[np.ndarray]] = [[] for _ in sources]

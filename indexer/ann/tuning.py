@@ -111,12 +111,8 @@ def tune(index: faiss.Index, spec: faiss_index.IndexSpec, queries: np.ndarray, t
 
 def measure_qps(index: faiss.Index, queries: np.ndarray, k: int = K,
                 repeats: int = QPS_REPEATS, slow: float = 0.5) -> float:
-    """Queries/s for one batch of ``queries``: median of ``repeats`` timed runs after a warm-up.
-
-    An index that takes over ``slow`` seconds a batch (Flat on a large sample) is timed on
-    batches of a quarter of the queries, 3 times: its rate does not depend on the batch size
-    once a batch fills the cores, and selection should not spend its time there.
-    """
+    """Queries/s for one batch of ``queries``: median of ``repeats`` timed runs after a warm-up;
+    an index slower than ``slow`` s a batch is timed 3 times on a quarter of the queries."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     t0 = time.perf_counter()
     index.search(q, k)
