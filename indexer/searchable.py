@@ -1,8 +1,6 @@
-"""The one type of what an :class:`indexer.Index` searches, whatever its serving mode (in RAM:
-``ann.served.SearchableIndex``, ``layouts.shards.PartsIndex``; codes only: ``ann.served.ReRanked``; over
-Ray: ``ray.fanout.Router``; DBA sits on top, in ``Index``). Why: serving reads which shards an answer left
-out from the answer itself (not per-thread state) and the rest from this protocol, never by
-probing for attributes that only one mode has."""
+"""The one type of what an :class:`indexer.Index` searches, whatever its serving mode (in RAM,
+codes only, parts as one, over Ray; DBA sits on top, in ``Index``): an answer says which shards
+it left out, and nothing is probed for attributes only one mode has."""
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol

@@ -1,8 +1,6 @@
 """Search service over one or more indexes, test-time DFS/MTS probes, HTTP API and web app.
-
-Public names: :class:`Searcher` and the :mod:`serving.probes` module. The web pieces
-(``serving.server.create_app``, ``serving.ui.build_ui``, ``serving.api``) are imported on
-demand so that library users of Searcher do not pay for Gradio.
+Public: :class:`Searcher` and :mod:`serving.probes`; the web pieces are imported on demand, so
+library users of Searcher do not pay for Gradio.
 """
 from __future__ import annotations
 

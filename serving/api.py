@@ -40,10 +40,9 @@ _FORM_OVERHEAD = 64 * 1024
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
                    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                    sessions: GradioSessions | None = None, login_block: float = 1.0) -> FastAPI:
-    """Register /api/* on ``app`` (call before mounting Gradio at "/", which catches the rest),
-    and the request guard (auth for /api/*, body cap for everything) in front of the whole app.
-    ``sessions``: Gradio's logins, once mounted (serving.server fills it in). ``login_block``: the
-    first block after too many failed logins (:class:`serving.throttle.LoginThrottle`)."""
+    """Register /api/* on ``app`` (before Gradio is mounted at "/") and the request guard in front
+    of the whole app. ``sessions``: Gradio's logins (serving.server fills it in);
+    ``login_block``: the first block after too many failed logins."""
     redact = Redactor(searcher.directories)
 
     @app.exception_handler(IndexerError)            # a store truncated/replaced under us, ...

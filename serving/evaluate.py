@@ -1,9 +1,6 @@
-"""Recall@k of an open index, for the Evaluate tab: on a labelled query folder, or leave-one-out
-on the gallery itself (each gallery image queries the rest, the paper's protocol).
-
-Both go through the indexer's own ``indexer eval`` functions (indexer.layouts.evaluate), so the app and
-the CLI report the same number for the same index: a query that is a gallery item is left out
-of its own results (and, with DBA, out of its neighbours' augmented vectors).
+"""Recall@k of an open index for the Evaluate tab, on a labelled query folder or leave-one-out,
+through ``indexer eval``'s own functions (indexer.layouts.evaluate): the app and the CLI report
+the same number.
 """
 from __future__ import annotations
 

@@ -40,12 +40,9 @@ def topk_channels(v: np.ndarray, k: int) -> np.ndarray:
 def semantic_scaling(v: np.ndarray, *, topk: int = 4, scales: Sequence[float] | None = DEFAULT_SCALES,
                      n_random: int = 0, scale_range: float = 0.5, seed: int | None = 0,
                      normalize: bool = True) -> tuple[np.ndarray, list[str]]:
-    """Probe embeddings made by scaling the query's top-K channels.
-
-    Each chosen scale s multiplies all K channels by s (Fig. V shows such a row per scale);
-    each of ``n_random`` random probes draws an independent factor per channel from
-    U[1 - scale_range, 1 + scale_range], as DFS does in training. Returns (P, d) and a name per
-    probe.
+    """Probe embeddings made by scaling the query's top-K channels: each scale s multiplies all K
+    (a row of Fig. V); each of ``n_random`` probes draws a factor per channel from U[1 -
+    scale_range, 1 + scale_range], as DFS does. Returns (P, d) and a name per probe.
     """
     v = _as_vector(v)
     scales = list(scales or [])

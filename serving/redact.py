@@ -1,8 +1,6 @@
-"""No absolute server path in any API answer: where the indexes and galleries live on the
-server's disk is nobody's business but the operator's (it tells an attacker the layout, the
-user name in /home/..., what else to probe). Index directories become the index's name, files
-inside them their path relative to it, and other absolute paths a manifest records (the gallery
-folder, the model file it was built from) their last component."""
+"""No absolute server path in any API answer (it tells an attacker the layout and user names):
+index directories become the index's name, files inside them paths relative to it, and other
+absolute paths a manifest records their last component."""
 from __future__ import annotations
 
 import os

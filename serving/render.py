@@ -1,8 +1,5 @@
-"""Pictures for people: result captions and the probe grid (one row per probe, as in Figs. V-VI).
-
-The grid is drawn with PIL into one PNG so it looks the same in the browser, in a saved file and
-in a report, frames included.
-"""
+"""Pictures for people: result captions and the probe grid (one row per probe, as in Figs. V-VI),
+drawn with PIL into one PNG that looks the same everywhere."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

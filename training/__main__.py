@@ -1,7 +1,5 @@
-"""``python -m training --config FILE [--set key=value ...] [--<option> value ...]``.
-
-Every option is a `TrainConfig` field; the list in ``--help`` (names, defaults, the comment
-next to each field) is generated from the dataclass, so it never drifts from the code.
+"""``python -m training --config FILE [--set key=value ...] [--<option> value ...]``; ``--help``
+is generated from `TrainConfig`'s fields, so it never drifts from the code.
 """
 from __future__ import annotations
 

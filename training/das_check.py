@@ -1,10 +1,6 @@
-"""``python -m training.das_check SPEC_JSON``: the fused DAS kernels' self-check for one kernel
-variant, in a process of its own (training/das_fused.py starts it on CUDA, so that a sticky
-CUDA fault in a kernel cannot poison the trainer's context). Prints ``{"ok": ..., "reason": ...}``
-on its last line; the parent reads that line, or the exit status when the child died.
-
-Errors follow the CLI kit (embedder/cli.py): a missing SPEC or one that is not JSON is a usage
-error (exit 2); a check that fails is not an error (``ok: false``, exit 0).
+"""``python -m training.das_check SPEC_JSON``: the fused DAS kernels' self-check for one variant,
+in its own process (a sticky CUDA fault cannot poison the trainer). Prints ``{"ok": ...,
+"reason": ...}`` on its last line; a bad SPEC is a usage error (exit 2), a failed check is not.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A loss's distance and reducer as objects, in pytorch-metric-learning's shape (a loss is a
-small class over a distance and a reducer): most differences between the DAS authors' framework
-and PML are one of these two (triplet: squared vs plain distances, mean over all sampled terms
-vs over the non-zero ones). Written here rather than using PML's `LpDistance`, `MeanReducer`,
-`AvgNonZeroReducer`: those take index lists and pick non-zero terms by boolean indexing (a
-host sync, data-dependent shapes); these take fixed-size terms with a validity mask.
+"""A loss's distance and reducer as objects, in pytorch-metric-learning's shape: most differences
+between the DAS authors' framework and PML are one of these two. Not PML's own classes: they
+pick non-zero terms by boolean indexing (a host sync); these take fixed-size terms with a mask.
 """
 from __future__ import annotations
 

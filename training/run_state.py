@@ -102,9 +102,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
 def _layer_decay_groups(cfg: TrainConfig, model: nn.Module, params: list[nn.Parameter]
                         ) -> list[dict]:
     """The trainable backbone parameters in timm's layer-decay groups
-    (``timm.optim.param_groups_layer_decay``: layers from the model's ``group_matcher``, no
-    weight decay on biases and norms), each at ``(backbone_lr or lr) x lr_scale``: timm's
-    schedulers apply ``lr_scale`` themselves, torch's (used here) need it in the group's lr."""
+    (``param_groups_layer_decay``), each at ``(backbone_lr or lr) x lr_scale`` (torch's
+    schedulers, unlike timm's, need the scale in the group's lr)."""
     from timm.optim import param_groups_layer_decay
 
     net = getattr(model.backbone, "net", None)

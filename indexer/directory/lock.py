@@ -36,10 +36,8 @@ def lock_path(directory: str | Path) -> Path:
 
 
 def holder(directory: str | Path) -> dict | None:
-    """What the lock file says about its holder ({"pid", "command", "since"}), or None.
-
-    Informative only (the file keeps the last holder's record after it exits): pair it with
-    :func:`is_locked` to know whether that holder still writes."""
+    """What the lock file says about its holder ({"pid", "command", "since"}), or None; the last
+    holder's record stays after it exits, so pair it with :func:`is_locked`."""
     try:
         raw = lock_path(directory).read_text()
         rec = json.loads(raw) if raw.strip() else None
@@ -85,11 +83,8 @@ def _describe(directory: Path) -> str:
 
 @contextmanager
 def writer_lock(directory: str | Path, command: str = "", *, wait: bool = False) -> Iterator[None]:
-    """Hold the directory's writer lock for the ``with`` body (creating the directory if needed).
-
-    Another holder: :class:`IndexBusyError` with the one line "index DIR is being written by pid
-    N (command, since T)", or with ``wait`` block until it is released (a note goes to stderr).
-    """
+    """Hold the directory's writer lock for the ``with`` body (creating the directory if needed);
+    another holder: :class:`IndexBusyError` naming its pid, or with ``wait`` block until released."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(directory)

@@ -48,12 +48,9 @@ def _read_meta(f, offset: int) -> tuple[int, int, int, int] | None:
 
 
 def check_lmdb(store_dir: str | Path) -> None:
-    """Refuse a ``data.mdb`` that LMDB would crash on: not LMDB, or shorter than it says.
-
-    LMDB picks the meta page with the larger transaction id; its last used page bounds the file
-    size. A writer in another process only ever grows the file before it commits a meta page,
-    so the check holds while ``indexer add`` writes.
-    """
+    """Refuse a ``data.mdb`` that LMDB would crash on: not LMDB, or shorter than the last used
+    page of its newest meta page says (a writer grows the file before committing a meta page, so
+    this holds while ``indexer add`` writes)."""
     path = Path(store_dir) / "data.mdb"
     try:
         size = path.stat().st_size
@@ -77,11 +74,8 @@ def check_lmdb(store_dir: str | Path) -> None:
 
 
 def check_faiss_file(path: str | Path, rec: FileRecord, *, verify_hash: bool = True) -> None:
-    """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``).
-
-    Manifests written before checksums were recorded only get the existence and a non-empty
-    check; faiss's own reader still fails on them, which ``SearchableIndex`` turns into one line.
-    """
+    """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``);
+    older manifests without checksums get existence and non-empty only."""
     path = Path(path)
     try:
         size = path.stat().st_size

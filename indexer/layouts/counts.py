@@ -77,12 +77,9 @@ def faiss_ntotal(path: str | Path) -> int:
 
 
 def check_counts(directory: str | Path, store: GalleryStore | None = None) -> CountCheck:
-    """Compare store, ``index.faiss`` and manifest counts of ``directory`` as they are on disk.
-
-    ``store``: an already open store of that directory (the server's), else one is opened
-    read-only for the check. A writer holding the directory's lock, or finishing during the
-    check (the manifest changed under it), makes the result ``busy`` rather than a mismatch.
-    """
+    """Compare store, ``index.faiss`` and manifest counts of ``directory`` as on disk (``store``:
+    an open store of it, else one opened read-only). A writer at work, or one finishing during
+    the check, makes the result ``busy`` rather than a mismatch."""
     d = IndexDir(directory)
     if is_locked(d.path):
         return CountCheck(d.path, busy=True)
@@ -102,10 +99,9 @@ def check_counts(directory: str | Path, store: GalleryStore | None = None) -> Co
 
 
 def _neighbours_busy(d: IndexDir, manifest: Manifest, stamp: object) -> bool:
-    """DBA's ``neighbours.npz`` checked as ``search``/``app.py`` check it at open
-    (:func:`indexer.ann.neighbours.check`: exists, size, sha256 once per change, arrays' shapes and
-    dtypes, k/alpha, rows = count), so ``indexer info`` and ``/api/health`` see what the next
-    open would refuse (issue 39). True: a writer was at work meanwhile (not a damage)."""
+    """DBA's ``neighbours.npz`` checked as an open checks it (:func:`indexer.ann.neighbours.check`),
+    so ``indexer info`` and ``/api/health`` see what the next open would refuse. True: a writer
+    was at work meanwhile."""
     from ..ann import neighbours
 
     try:

@@ -95,10 +95,9 @@ def loopback_works() -> bool:
 
 
 def _give_up(address: str) -> None:
-    """The watchdog's end of a ``ray.init`` that never returns: one line, the Ray processes this
-    one started stopped (by PID: this process's descendants), and exit 1. ``ray.init`` blocks
-    in C++ and cannot be interrupted from Python, and Ray's exit handlers would wait on the
-    same GCS, hence the hard exit."""
+    """The watchdog's end of a ``ray.init`` that never returns (it blocks in C++; Ray's exit
+    handlers would wait on the same GCS): one line, this process's Ray descendants stopped by
+    PID, exit 1."""
     # the library prints nothing, except this last line of a process about to end hard
     os.write(2, (f"indexer build: error: --ray {address}: Ray did not come up in {connect_timeout():.0f} s "
                  "(it cannot reach its GCS; see Ray's log lines above); giving up\n").encode())

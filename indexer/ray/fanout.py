@@ -293,10 +293,8 @@ class Router:
                 self._cv.notify_all()
 
     def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """One fan-out of ``q`` to every shard's actor over its direct connection and the merge:
-        (D, I, the shards left out). A shard is left out when it has no connection now
-        (its endpoint is being asked for again), its connection fails, it answers with an error,
-        or it has not answered ``timeout`` seconds after the send."""
+        """One fan-out of ``q`` to every shard's actor and the merge: (D, I, the shards left out:
+        no connection now, a failed one, an error answer, or no answer ``timeout`` s after send)."""
         deadline = time.monotonic() + self.config.timeout
         dq = iq = None
         if self.ivf is not None:

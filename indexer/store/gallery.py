@@ -155,9 +155,8 @@ class GalleryStore(LmdbStore):
     def iter_embeddings(self, model_hash: str, size: int = 65_536, *, vectors: bool = True
                         ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids ascending, float32 embeddings) of the stored items embedded by ``model_hash``,
-        ``size`` at a time, in one read transaction: a 1M x 512 store is read in chunks, never
-        all at once (the streaming build's shards). Only ids still stored count (an embedding
-        outlives nothing). ``vectors=False``: the ids only (the embeddings are (n, 0))."""
+        ``size`` at a time in one read transaction (never all at once); only ids still stored
+        count. ``vectors=False``: the ids only (embeddings (n, 0))."""
         mk, ids, rows = _model_key(model_hash), [], []
         with self._read() as txn:
             meta, cur = self._db("meta"), txn.cursor(db=self._db("emb"))
