@@ -3,10 +3,8 @@ from __future__ import annotations
 
 
 class IndexerError(RuntimeError):
-    """A problem the user can fix (bad input, wrong model, empty gallery, ...).
-
-    The message is meant to be printed as is, on one line, without a traceback.
-    """
+    """A problem the user can fix (bad input, wrong model, empty gallery, ...): the message is
+    printed as is, on one line, without a traceback."""
 
 
 def size_text(b: int | float) -> str:

@@ -116,9 +116,8 @@ class Neighbourhoods:
 # ---------------------------------------------------------------------------- building
 def neighbour_lists(q_ids: np.ndarray, xq: np.ndarray, ids: np.ndarray, x: np.ndarray, m: int
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Each query item's ``m`` nearest other items of the gallery (``ids``, ``x``), exact, by
-    inner product: (ids, sims), each (len(q_ids), m), -1 / 0 padded. The item itself is
-    dropped by id (a query that is no gallery item drops nothing)."""
+    """Each query item's ``m`` nearest other gallery items (exact, inner product): (ids, sims),
+    (len(q_ids), m), -1 / 0 padded; the item itself dropped by id."""
     nq = len(q_ids)
     if nq == 0:
         return np.zeros((0, m), np.int64), np.zeros((0, m), np.float32)
@@ -169,9 +168,8 @@ def build(ids: np.ndarray, x: np.ndarray, params: DbaParams | None = None,
 
 
 def update(nb: Neighbourhoods, ids: np.ndarray, x: np.ndarray) -> tuple[Neighbourhoods, int]:
-    """``nb`` brought to the gallery (``ids``, ``x``) after items were added and/or removed:
-    (new neighbourhoods, items whose lists were searched again). Only lists that can change are
-    recomputed (see the module's docstring), each by the same exact k-NN a fresh build runs."""
+    """``nb`` brought to the gallery after adds/removes: (new neighbourhoods, items searched
+    again); only lists that can change are recomputed, by the exact k-NN a fresh build runs."""
     ids, x = _sorted(ids, x)
     k = nb.params.k
     old_row = nb.rows(ids)                      # row in nb of each current item, -1: added
@@ -274,9 +272,8 @@ _verified: dict[str, tuple] = {}    # path -> (dev, ino, size, mtime_ns, sha256)
 
 
 def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """(shape, dtype) of each array of an ``.npz`` from the zip directory and the ``.npy``
-    headers alone: no array is read, nothing is unpickled (an object dtype is refused as the
-    pickle it would be). Raises ValueError/OSError/zipfile errors on anything else."""
+    """(shape, dtype) of each array of an ``.npz`` from the zip directory and ``.npy`` headers
+    alone (nothing read or unpickled; an object dtype refused); ValueError/OSError otherwise."""
     import zipfile
 
     out = {}

@@ -16,9 +16,8 @@ from .faiss_index import DEFAULT_FLAT_THRESHOLD, INDEX_TYPES
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """``index_memory``: the BUILD's budget in bytes (``indexer build --index-memory``): index
-    types whose codes alone exceed it are not built. Not the serving budget (``--max-memory``,
-    :mod:`indexer.ann.served`). A size text ("4G") is accepted and stored as bytes."""
+    """``index_memory``: the BUILD's budget in bytes (``--index-memory``; a size text is accepted):
+    types whose codes alone exceed it are not built. Not the serving ``--max-memory``."""
 
     index_type: str = "auto"
     flat_threshold: int = DEFAULT_FLAT_THRESHOLD
@@ -62,17 +61,15 @@ INT8_MIN_IMAGES = 256
 
 
 def dba_min_images(k: int) -> int:
-    """Gallery images from which DBA is on by default: each item's list holds k - 1 neighbours;
-    with fewer than 2k + 1 images every list reaches across most of the gallery (lists of a
-    tiny gallery are padded, and averaging with strangers only blurs)."""
+    """Gallery images from which DBA is on by default (2k + 1): below, every item's k - 1
+    neighbours reach across most of the gallery, and averaging with strangers only blurs."""
     return 2 * k + 1
 
 
 @dataclass(frozen=True)
 class BuildDefaults:
-    """What ``indexer build`` runs with: ``int8`` (the int8 version of the embedder, calibrated
-    on the gallery) and ``dba`` (DBA neighbourhoods); ``notes``: one line per automatic choice
-    that turned something off, for the user."""
+    """What ``indexer build`` runs with: ``int8`` and ``dba``; ``notes``: a line per automatic
+    choice that turned something off."""
 
     int8: bool
     dba: bool

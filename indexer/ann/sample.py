@@ -51,9 +51,8 @@ def census(sources: Sequence, size: int = CHUNK) -> tuple[list[int], list[np.nda
 
 
 def draw(rng: np.random.Generator, n: int, size: int, exclude: np.ndarray | None = None) -> np.ndarray:
-    """``size`` distinct positions of [0, n) not in ``exclude`` (sorted), ascending; all of them
-    when fewer are left. Memory in ``size``, not ``n``: numpy's ``choice(replace=False)``
-    permutes all of [0, n) once size > n / 50, which is the growth with N this module removes."""
+    """``size`` distinct positions of [0, n) not in ``exclude``, ascending (all when fewer are
+    left), in memory of ``size``, not ``n`` (numpy's ``choice`` permutes all of [0, n))."""
     exclude = np.zeros(0, np.int64) if exclude is None else np.asarray(exclude, dtype=np.int64)
     left = n - len(exclude)
     if size >= left:

@@ -165,9 +165,8 @@ def _unbuilt(spec: fx.IndexSpec, least: int) -> dict:
 
 
 def choose(table: list[dict], max_memory: int | None = None) -> int:
-    """Row number of the fastest candidate that meets the target and fits; ties (within TIE of
-    the fastest) go to the earlier row, so close calls do not flip between runs. If none meets
-    the target, the fitting one with the highest recall; if none fits, an IndexerError."""
+    """Row of the fastest candidate that meets the target and fits (ties within TIE: the earlier
+    row); else the fitting one with the best recall; none fits: IndexerError."""
     fit = [i for i, r in enumerate(table) if r["fits_memory"]]
     if not fit:
         small = min(table, key=lambda r: r["memory_bytes"])

@@ -288,9 +288,8 @@ def serve_codes(fi: Any, store: Any, model_hash: str, budget: int) -> Any:
 
 
 def release_freed() -> None:
-    """Hand the re-encoding's freed buffers back to the OS (glibc's ``malloc_trim``): glibc keeps
-    freed heap memory below its raised mmap threshold, which would count in the RSS this node
-    promises to keep small. A no-op where there is no glibc."""
+    """Hand the re-encoding's freed buffers back to the OS (glibc's ``malloc_trim``; a no-op
+    without glibc), which would otherwise count in the RSS this node promises to keep small."""
     import ctypes
     import gc
 

@@ -178,9 +178,8 @@ def held_part(p: Plan) -> faiss.Index:
 
 # ---------------------------------------------------------------------------- 3. search as one
 def open_parts(paths: Sequence[str | Path], trained: faiss.Index, mmap: bool = True) -> faiss.Index:
-    """Shard index files searched as one index: ``IndexShardsIVF`` (one shared coarse quantizer,
-    so a query is assigned to its lists once, not once per shard) for IVF types, ``IndexShards``
-    for Flat. Files are memory-mapped: the page cache, not this process, holds the lists."""
+    """Shard index files searched as one: ``IndexShardsIVF`` (one shared quantizer, lists
+    assigned once) for IVF types, ``IndexShards`` for Flat; memory-mapped files."""
     flags = faiss.IO_FLAG_MMAP if mmap else 0
     parts = [fx.no_prefetch(faiss.read_index(str(p), flags)) for p in paths]
     return as_one(parts, trained)

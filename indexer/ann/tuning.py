@@ -39,9 +39,8 @@ class Holdout:
 
 
 def heldout_size(n: int, dim: int) -> int:
-    """The one held-out-size rule (this build and the streaming one, ``stream.plan``): up to
-    MAX_QUERIES rows a set, 10% of a small gallery, fewer for a large, wide gallery so that
-    their exact answers cost at most GT_BUDGET."""
+    """The one held-out-size rule (this build and ``stream.plan``): up to MAX_QUERIES rows a set,
+    10% of a small gallery, fewer for a large, wide one (exact answers within GT_BUDGET)."""
     return min(MAX_QUERIES, n // 10, max(250, int(GT_BUDGET / (2 * max(n, 1) * dim))))
 
 

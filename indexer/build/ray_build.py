@@ -100,8 +100,7 @@ def shard_hook(spec: str | None, shard: int) -> Callable[[int], None] | None:
 def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
                 actor: Any, hook: str | None = None) -> dict:
     """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
-    files the driver listed for it in ``shard_dir/files.jsonl`` (no walk of the gallery).
-    ``hook``: the driver's ``SHARD_HOOK_ENV``."""
+    files listed in ``shard_dir/files.jsonl``; ``hook``: the driver's ``SHARD_HOOK_ENV``."""
     from .single import build_index
     from ..directory.model import load_embedder
 
@@ -126,9 +125,8 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
 
 
 def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim: int) -> tuple[int, str]:
-    """The second Ray pass of ``--sharded``: this shard's vectors, read from its own store, into
-    a copy of the trained empty index, written beside the store (``stream.fill``). Returns the
-    part's size and the node that filled it."""
+    """The second Ray pass of ``--sharded``: this shard's vectors into a copy of the trained
+    empty index beside its store (``stream.fill``); returns the part's size and the node."""
     import faiss
     import ray
 
@@ -149,8 +147,7 @@ def fill_part(shard_dir: str, trained_file: str, skip: Any, model_hash: str, dim
 
 class _RayFill:
     """``build_sharded``'s ``fill_parts``: one Ray task per shard, with the ingest tasks'
-    resources, on the node whose task built the shard (elsewhere if it is gone); ``nodes``: where
-    each part was filled (the build's ``ray.fill_nodes``)."""
+    resources, on the shard's node if alive; ``nodes``: where each part was filled."""
 
     def __init__(self, ray: Any, dirs: list[Path], res: dict, max_retries: int, model_hash: str,
                  dim: int, progress: bool, nodes: list) -> None:
@@ -188,9 +185,8 @@ class _RayFill:
 
 
 def plan_resources(nodes: list[dict], shards: int, cpus_per_shard: int | None = None) -> dict:
-    """What each shard task reserves: one GPU where the cluster has GPUs (onnxruntime and faiss
-    then use it), and CPUs: as many as the cluster has per shard, but never more than one node
-    holds, since a task runs on one node (a request no node can meet would wait forever)."""
+    """What each shard task reserves: one GPU where the cluster has GPUs, and the cluster's CPUs
+    per shard but never more than one node holds (an unmeetable request waits forever)."""
     node_cpus = max((int(r.get("CPU", 0)) for r in nodes), default=1) or 1
     total_cpus = sum(int(r.get("CPU", 0)) for r in nodes)
     cpus = cpus_per_shard or max(1, min(node_cpus, total_cpus // max(1, shards)))
@@ -299,9 +295,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
 
 def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: dict, opts: dict,
                    max_retries: int, progress: bool) -> tuple[list[Path], int, list[int], list, list]:
-    """The Ray pass: the one walk split into ``n`` file lists under ``root``, one ``build_shard``
-    task each. Returns (shard directories, files found, attempts per shard, the node that built
-    each shard, the nodes each shard's attempts ran on)."""
+    """The Ray pass: the one walk split into ``n`` file lists under ``root``, a ``build_shard``
+    task each. Returns (shard dirs, files found, attempts, each shard's node, attempt nodes)."""
     root.mkdir(parents=True, exist_ok=True)
     _check_plan(root, gallery, n, emb.model_hash)
     shared = IndexDir(root)                     # tasks read the model from the shared path

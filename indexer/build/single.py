@@ -121,8 +121,7 @@ def check_shards(dirs: Sequence[IndexDir]) -> list[Manifest]:
 
 def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Manifest]) -> dict:
     """What a merged or sharded index takes from its shards: their model and skip reports
-    (written into ``dst``), and its manifest's ``shards`` ([i, n] of each shard's), ``ingest``
-    (the files their builds skipped, together) and ``report``."""
+    (written into ``dst``), and the manifest's ``shards``, ``ingest`` and ``report``."""
     dst.copy_model(dirs[0].model_file, manifests[0].model_hash)
     dst.write_report([r for d in dirs for r in d.read_report()])
     return {"shards": [[m.shard.i, m.shard.n] for m in manifests if m.is_shard],

@@ -50,8 +50,7 @@ def add_images(directory: str | Path, folder: str | Path, model: str | Path | No
                prefix: str = "", batch_size: int = 32, workers: int | None = None, device: str = "auto",
                progress: bool = True, wait: bool = False) -> Change:
     """``indexer add``: ingest another folder into the part whose store holds the fewest images
-    (a sharded index's shards stay even, and one part is rewritten) and sync the index, holding
-    the directory's writer lock throughout (``wait``: wait for another writer)."""
+    and sync, under the writer lock (``wait``: wait for another writer)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise IndexerError(f"{folder}: folder not found")
@@ -79,9 +78,8 @@ def remove_items(directory: str | Path, targets: Sequence[str], *, wait: bool = 
 
 def repair_index(directory: str | Path, *, batch_size: int = 32, workers: int | None = None,
                  device: str = "auto", progress: bool = True, wait: bool = False) -> Change:
-    """``indexer repair``: bring the faiss files and the manifest in step with the store(s)
-    (embed what the index's model has not embedded, then :func:`sync`), under the writer lock.
-    What ``indexer info`` names when the counts differ; needs no gallery folder."""
+    """``indexer repair``: embed what the model has not embedded, then :func:`sync` the faiss
+    files and the manifest to the store(s), under the writer lock; needs no gallery folder."""
     with _locked(directory, "indexer repair", wait):
         layout = _ready(layout_of(directory))
         emb = update_embedder(layout.d, layout.manifest, None, device, batch_size)
@@ -162,9 +160,8 @@ def ingest_folder(store: GalleryStore, folder: Path, prefix: str, emb: Any, rewr
 
 
 def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None = None) -> int:
-    """About what adding ``files`` takes on disk: their bytes (the store keeps each image), an
-    embedding and ~1 KB of keys and page slack each, and a second copy of ``index_file`` (the
-    index is rewritten beside itself, then renamed). An upper bound where content repeats."""
+    """About what adding ``files`` takes on disk (an upper bound): their bytes, an embedding and
+    ~1 KB of keys each, and a second copy of ``index_file`` (rewritten beside itself)."""
     total = 0
     for f in files:
         if f.problem is None:
@@ -178,9 +175,8 @@ def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None
 
 
 def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence[str], where: Path) -> list[str]:
-    """Remove each target (a stored path, else an id) from every store that holds it: one line
-    each (the stores' ``(store, " from SHARD")`` suffix names the shard). Every target is looked
-    up first, so an unknown one refuses the whole command and nothing is removed."""
+    """Remove each target (a stored path, else an id) from every store that holds it, one line
+    each; all are looked up first, so an unknown one refuses the command and nothing goes."""
     def holds(store: GalleryStore, t: str) -> bool:
         return store.id_for_path(t) is not None or (t.isdigit() and int(t) in store)
 
@@ -288,9 +284,8 @@ def retune(layout: Layout, per_part: list[np.ndarray], ids: np.ndarray, sources:
 
 def _sync_neighbours(d: IndexDir, manifest: Manifest, wants: list[np.ndarray],
                      sources: Sequence[StoreSource]) -> NeighboursRecord:
-    """The DBA neighbourhoods brought to the store's items: the lists that an added or removed
-    item can change are searched again (:func:`indexer.ann.neighbours.update`; equal to a fresh
-    build's); a missing or damaged file is rebuilt whole."""
+    """The DBA neighbourhoods brought to the store's items (:func:`neighbours.update`, equal to a
+    fresh build's); a missing or damaged file is rebuilt whole."""
     rec = manifest.neighbours
     ids = np.concatenate(wants)
     order = np.argsort(ids, kind="stable")

@@ -18,9 +18,8 @@ DBA = {"auto": None, "on": True, "off": False}
 
 
 def ray_serving(args: argparse.Namespace, strict: bool = False) -> Any:
-    """``--ray``/``--shard-timeout`` as ``Index.open``'s ``ray`` (None: in this process).
-    ``strict`` (eval): a figure must not come from a partial answer: a shard left out fails
-    the run in one line (``fanout.RayServing.strict``)."""
+    """``--ray``/``--shard-timeout`` as ``Index.open``'s ``ray`` (None: in this process);
+    ``strict`` (eval): a shard left out fails the run in one line."""
     if args.ray is None:
         return None
     from ..ray.fanout import RayServing
@@ -64,9 +63,8 @@ def search(args: argparse.Namespace) -> None:
 
 
 def search_folder(args: argparse.Namespace) -> None:
-    """Every image under a folder searched (embedded in batches, with progress), its top-k
-    written as JSON lines or CSV rows (query, rank, id, score, label, path); an unreadable file
-    is skipped and listed on stderr, as a gallery's are at build time."""
+    """Every image under a folder searched in batches, its top-k written as JSON lines or CSV
+    rows; an unreadable file is skipped and listed on stderr."""
     from ..layouts.evaluate import search_files
 
     if args.out is not None and args.out.suffix.lower() not in (".jsonl", ".csv"):

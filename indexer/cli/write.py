@@ -31,8 +31,7 @@ def dba_params(args: argparse.Namespace) -> object:
 
 def int8_model(args: argparse.Namespace) -> Path:
     """``indexer build --int8``: the int8 version of --model (or the default), calibrated on the
-    gallery (embedder.quantize.int8_model_path; the same gallery gives the same file, so a rerun
-    resumes)."""
+    gallery (``int8_model_path``: the same gallery gives the same file)."""
     from embedder import default_model_path
     from embedder.quantize import int8_model_path
 
@@ -69,9 +68,8 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
 
 
 def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> tuple[str, ...]:
-    """``--int8``/``--dba`` left unset: decided by indexer.ann.options.resolve_defaults (the one
-    place), on a bounded count of the gallery's images (the build's own walk, stopped at the
-    largest threshold). Returns a line per automatic choice that turned something off."""
+    """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
+    gallery (the walk stopped at the largest threshold); a line per choice that turned one off."""
     import itertools
 
     from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
