@@ -44,9 +44,8 @@ def frame_bytes(mode: str, size: tuple[int, int]) -> int:
 
 
 def jpeg_scans(data: bytes) -> int:
-    """How many scans (SOS markers) the first JPEG frame of ``data`` has: its markers are walked
-    to the first EOI (an MPO's later frames are not counted); entropy-coded bytes are skipped by
-    their ``FF00`` stuffing and restart markers."""
+    """How many scans (SOS markers) the first JPEG frame of ``data`` has, its markers walked to the
+    first EOI (entropy-coded bytes skipped by their ``FF00`` stuffing and restart markers)."""
     n, i, scans = len(data), 2, 0
     while i < n - 1:
         if data[i] != 0xFF:
@@ -98,10 +97,8 @@ def decode_bytes(im: Image.Image, file_size: int = 0) -> int:
 
 
 class DecodeBudget:
-    """A counting semaphore over bytes: ``reserve(n)`` waits until ``n`` more fit.
-
-    A reservation larger than the whole budget never fits; callers refuse such files before
-    asking (one that asks anyway runs alone). Waiters are woken in no particular order."""
+    """A counting semaphore over bytes: ``reserve(n)`` waits until ``n`` more fit; one larger
+    than the whole budget runs alone (callers refuse such files first). No wake-up order."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)

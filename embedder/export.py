@@ -95,9 +95,8 @@ def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.nda
 
 
 def _public_config(cfg: dict) -> dict:
-    """The config as the ONNX file records it: a local weights file by its name only (issue 39:
-    the absolute path told anyone who can read the model where the server keeps its files;
-    :func:`_weights_record` adds its sha256)."""
+    """The config as the ONNX file records it: a local weights file by its name only (no server
+    path in the model; :func:`_weights_record` adds its sha256)."""
     if cfg.get("weights"):
         cfg = {**cfg, "weights": Path(str(cfg["weights"])).name}
     return cfg

@@ -174,9 +174,8 @@ def load_image(
 
 def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: int, *,
              extra: int = 0, full_size: tuple[int, int] | None = None) -> Image.Image:
-    """The ``min_side`` path of :func:`load_image` for an opened, not yet loaded image.
-    ``extra``: what the decoder holds besides the frame (a progressive JPEG's coefficients,
-    measured at the stored ``full_size``, before ``draft`` scaled ``im.size``)."""
+    """The ``min_side`` path of :func:`load_image` for an opened, not yet loaded image; ``extra``:
+    what the decoder holds besides the frame (a progressive JPEG's coefficients)."""
     factor = max(1, min(im.size) // min_side)
     need = budget.decode_bytes(im, file_size) + extra
     layout = _raw_layout(im)
@@ -247,9 +246,8 @@ _STRIP_PIXELS = 1 << 20     # pixels per strip: a few MB per strip whatever the 
 
 
 def _strips(im: Image.Image, mode: str, factor: int, rows) -> Image.Image:
-    """Convert and shrink ``im`` a horizontal strip at a time: ``rows(y0, y1)`` gives the strip
-    in ``im``'s own mode. Strip heights are multiples of ``factor``, so the result is exactly
-    the whole-image ``to_mode(...).reduce(factor)``."""
+    """Convert and shrink ``im`` a strip at a time (``rows(y0, y1)``: the strip in ``im``'s mode);
+    heights are multiples of ``factor``, so it equals ``to_mode(...).reduce(factor)``."""
     w, h = im.size
     step = max(factor, _STRIP_PIXELS // max(w, 1) // factor * factor)
     out = Image.new(mode, (-(-w // factor), -(-h // factor)))

@@ -36,9 +36,8 @@ def _embeddings_and_labels(embeddings, labels) -> tuple[np.ndarray, np.ndarray]:
 
 def knn(queries, gallery, k: int, *, exclude_self: bool = False,
         block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
-    """k nearest gallery rows (squared Euclidean) of each query: (distances, indices), (N, k).
-    ``exclude_self``: the queries *are* the gallery; row i's own index is removed (by index, so
-    a duplicate image still counts as a hit)."""
+    """k nearest gallery rows (squared Euclidean) of each query: (distances, indices), (N, k);
+    ``exclude_self``: queries *are* the gallery, each row's own index removed (by index)."""
     q = _as_float32(queries, "queries")
     g = _as_float32(gallery, "gallery")
     if q.shape[1] != g.shape[1]:
@@ -86,9 +85,8 @@ def recall_at_k(neighbor_labels: np.ndarray, query_labels: np.ndarray,
 
 def recall_at_k_of_labels(neighbor_labels: Sequence[Sequence[Hashable | None]],
                           query_labels: Sequence[Hashable], ks: Iterable[int]) -> dict[int, float]:
-    """R@k on labels as an index returns them: hashable labels, one rank-ordered list per query
-    (shorter when fewer neighbours were found); missing, unlabelled (None) and unknown labels
-    code to -1, which equals no query's code."""
+    """R@k on labels as an index returns them: one rank-ordered list of hashable labels per query
+    (maybe short); missing, None and unknown labels code to -1, no query's code."""
     ks = [int(k) for k in ks]
     if len(neighbor_labels) != len(query_labels):
         raise ValueError(f"{len(neighbor_labels)} neighbour lists for {len(query_labels)} queries")

@@ -95,8 +95,7 @@ class PretrainedSpec:
 @dataclass(frozen=True)
 class ConcatSpec:
     """Several training-free embedders in one file (:class:`embedder.concat.ConcatEmbedder`):
-    ``cat(f_1, ..., f_n) / sqrt(n)`` of their unit-length features, so the result is unit-length
-    and its cosine is the mean of the parts' cosines. The parts must share one preprocessing."""
+    ``cat(f_1, ..., f_n) / sqrt(n)``, unit-length; the parts share one preprocessing."""
 
     parts: tuple[PretrainedSpec, ...]
 

@@ -186,9 +186,8 @@ def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: lis
 
 
 class _Reader:
-    """onnxruntime's CalibrationDataReader over preprocessed batches, read one batch per
-    ``collect_data`` call (``set_range``; quantize_static's strided calibration), so the
-    histogram calibrators merge per batch instead of holding every batch's activations."""
+    """onnxruntime's CalibrationDataReader over preprocessed batches, one batch per
+    ``collect_data`` call (``set_range``), so histogram calibrators never hold every batch."""
 
     def __init__(self, input_name: str, batches: list[np.ndarray]) -> None:
         self.input_name, self.batches = input_name, batches

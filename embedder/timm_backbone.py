@@ -61,9 +61,8 @@ def _pretrained_cfg(name: str) -> dict:
 
 
 def timm_data_config(backbone: str) -> dict:
-    """What timm's pretrained config says a model's input is (``timm.data.resolve_data_config``):
-    ``embedder.preprocess.preprocessing_for`` turns it into a :class:`Preprocessing` (this module
-    imports nothing of preprocess, so the two are not a circle)."""
+    """What timm's pretrained config says a model's input is (``resolve_data_config``), for
+    ``preprocessing_for`` (this module imports nothing of preprocess: no circle)."""
     from timm.data import resolve_data_config
 
     name = model_name(backbone)
@@ -108,10 +107,8 @@ def check_weights_file(weights: str | os.PathLike) -> Path:
 
 def create_timm_model(backbone: str, *, pretrained: bool = False, weights: str = "",
                       input_size: int | None = None, in_chans: int = 3):
-    """The timm model without its classifier (``num_classes=0``), weights loaded by timm.
-
-    ``input_size`` other than the pretrained config's is passed as ``img_size`` to models that
-    take one (ViTs: their position embeddings are resampled to it when weights load)."""
+    """The timm model without its classifier (``num_classes=0``), weights loaded by timm; another
+    ``input_size`` goes as ``img_size`` to models that take one (ViTs resample positions)."""
     import timm
 
     name = model_name(backbone)

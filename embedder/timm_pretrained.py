@@ -17,9 +17,8 @@ from .timm_backbone import check_weights_file, is_timm, model_name
 
 @dataclass(frozen=True)
 class TimmSpec:
-    """A training-free embedder from a timm backbone: weights from the hub (``weights=""``) or a
-    local file, a pooling (``model``: the model's own head-less output), an input size (0: the
-    model's own)."""
+    """A training-free embedder from a timm backbone: hub (``weights=""``) or local weights, a
+    pooling (``model``: its own head-less output), an input size (0: the model's own)."""
 
     backbone: str                 # "timm:<model name>"
     weights: str = ""             # local weights file ("" = timm's source, the hub)

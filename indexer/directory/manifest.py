@@ -216,9 +216,8 @@ class Manifest(Record, Mapping):
         return replace(self, **changes)
 
     def recall_text(self) -> str:
-        """``indexer info``'s recall line, for single and sharded indexes alike: on what queries
-        the recall was measured. After ``add``/``remove`` there is no held-out set any more (the
-        index holds every vector) and the figure is the retuning's, on self-queries."""
+        """``indexer info``'s recall line: on what queries the recall was measured (after
+        ``add``/``remove``, the retuning's self-queries: no held-out set remains)."""
         if self.heldout_queries:
             on = (f"{self.heldout_queries} held-out queries (tuned on {self.tuning_queries}: "
                   f"{self.tuning_recall_at_10})")

@@ -23,8 +23,7 @@ def shard_paths(directory: Path, manifest: Manifest) -> list[Path]:
 
 def relative(directory: Path, shard: Path) -> str:
     """How the manifest names a shard (or a file in one): relative to the index directory when
-    inside it; relative through ``..`` when both lie under one folder other than the root (shards
-    beside the index move with it, and the manifest names no server path); else absolute."""
+    inside it, through ``..`` when both lie under one folder other than the root, else absolute."""
     d, s = Path(directory).resolve(), Path(shard).resolve()
     try:
         return s.relative_to(d).as_posix()
@@ -70,9 +69,8 @@ def part_owner(shard: Path) -> Path | None:
 
 
 def claim_parts(out: Path, shards: Sequence[Path]) -> None:
-    """Refuse to build ``out`` over shards whose part belongs to another sharded index that
-    still lists them (filling the parts again would rewrite the files that index searches and
-    checks), in one line; otherwise nothing. ``record_owner`` marks them once built."""
+    """Refuse, in one line, to build ``out`` over shards whose part another sharded index still
+    lists (it would rewrite files that index searches); ``record_owner`` marks them once built."""
     me = Path(out).resolve()
     for s in shards:
         owner = part_owner(s)

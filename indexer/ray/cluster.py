@@ -38,9 +38,8 @@ def near(node: str | None) -> dict:
 
 
 def connect(address: str | None, num_cpus: int | None = None) -> bool:
-    """Join a Ray cluster. ``local`` starts a private instance on this machine; ``auto`` finds
-    the one ``ray start`` runs here; anything else is the head's ``HOST:PORT``. Returns whether
-    this call started it (and so must shut it down)."""
+    """Join a Ray cluster: ``local`` starts a private one, ``auto`` finds the one ``ray start``
+    runs here, else the head's ``HOST:PORT``. Returns whether this call started it."""
     ray = ray_module()
     if ray.is_initialized():
         return False

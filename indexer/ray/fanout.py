@@ -86,9 +86,8 @@ class RayServing:
 
 
 def shard_node(shard: Path) -> str | None:
-    """The Ray node id that holds ``shard``: where the last ``--ray`` build filled its part
-    (``fill_nodes``) or, failing that, built it (``nodes``), as ``OUT/shards/ray.json`` records
-    them (``RUN_FILE``); older builds: the shard manifest's ``node``. None: no record."""
+    """The Ray node id that holds ``shard``: where the last ``--ray`` build filled (else built) it,
+    per ``OUT/shards/ray.json``; older builds: the shard manifest's ``node``; None: no record."""
     shard = Path(shard)
     try:
         facts = json.loads((shard.parent / RUN_FILE).read_text())

@@ -49,8 +49,7 @@ def tune_fd(fd: int, timeout: float | None) -> None:
 def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float,
               handshake: float | None = None) -> Connection:
     """A connection to a shard actor's data plane, authenticated both ways within ``handshake``
-    seconds (connect, challenge; default ``timeout``); its reads and writes stay bounded by
-    ``timeout``."""
+    seconds (default ``timeout``); its reads and writes stay bounded by ``timeout``."""
     hs = timeout if handshake is None else handshake
     conn = connection(socket.create_connection(endpoint, timeout=hs), hs)
     try:
@@ -80,9 +79,8 @@ class ShardLink:
         self.closed = False
 
     def take(self, ray: Any, until: float | None = None) -> Connection | None:
-        """A connection to send a search on, or None (the shard is left out of this search).
-        ``until`` (``time.monotonic()``): how long to wait for a new connection (default: a
-        slice of ``timeout``, at most ``CONNECT_SLICE_S``)."""
+        """A connection to send a search on, or None (the shard is left out of this search);
+        ``until``: how long to wait for a new one (default a slice of ``timeout``)."""
         if until is None:
             until = time.monotonic() + min(CONNECT_SLICE_S, self.timeout / 4)
         with self.lock:

@@ -30,9 +30,8 @@ READER_MEMORY = 2 ** 20
 
 
 def task_error(e: BaseException) -> str:
-    """The first line of what went wrong in a task (the task's own exception, not Ray's wrapper);
-    for an actor whose ``__init__`` raised, Ray keeps only the traceback's text: its last line,
-    without the exception's class."""
+    """The first line of what went wrong in a task (its own exception, not Ray's wrapper); for a
+    failed actor ``__init__``, the traceback's last line (Ray keeps only the text)."""
     if getattr(e, "actor_init_failed", False):
         last = [ln.strip() for ln in str(e).splitlines() if ln.strip()][-1]
         head, _, rest = last.partition(": ")
@@ -61,9 +60,8 @@ class ShardReader:
                 "calls": dict(self.calls)}
 
     def _next(self, kind: str, start: int, size: int) -> Any:
-        """The chunk of ``size`` that starts at position ``start`` of the id order: the open
-        iterator goes on when the call follows the last one; otherwise (a retried call, a
-        restarted reader) one is opened and the chunks before ``start`` are skipped."""
+        """The chunk of ``size`` at position ``start`` of the id order: the open iterator goes on
+        when the call follows the last one, else (a retry, a restart) one is opened and skipped."""
         c = self.cursor
         if c is None or c[:3] != (kind, size, start):
             it = self.src.id_chunks(size) if kind == "ids" else self.src.chunks(size)
@@ -120,9 +118,8 @@ class Pending:
 
 
 class RemoteSource(ChunkedSource):
-    """A ``Source`` whose reads run in the shard's ``ShardReader``; counts the bytes that reach
-    the driver per method (``received``); ``node``: the reader's node when last asked (at open
-    and at close: the build records where its plan's reads ran)."""
+    """A ``Source`` whose reads run in the shard's ``ShardReader``; ``received``: bytes reaching
+    the driver per method; ``node``: the reader's node at open and close."""
 
     def __init__(self, ray: Any, actor: Any, shard: int, dim: int) -> None:
         self.ray, self.actor, self.shard, self.dim = ray, actor, shard, int(dim)
@@ -200,9 +197,8 @@ class RemoteSource(ChunkedSource):
 def open_readers(ray: Any, shard_dirs: Sequence[str | Path], model_hash: str, dim: int, *,
                  max_retries: int = 3, threads: int = 1,
                  nodes: Sequence[str | None] | None = None) -> list[RemoteSource]:
-    """One ``ShardReader`` per shard directory, on ``nodes[i]`` (the node whose task built shard
-    i; elsewhere if that node is gone), each answering once before the plan starts: a shard
-    that cannot be opened fails here, by name."""
+    """One ``ShardReader`` per shard directory, on ``nodes[i]`` (elsewhere if gone), each
+    answering once before the plan starts: a shard that cannot be opened fails here, by name."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ..directory.index_dir import STORE_DIR

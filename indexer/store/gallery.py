@@ -175,9 +175,8 @@ class GalleryStore(LmdbStore):
             yield np.array(ids, dtype=np.int64), np.stack(rows)
 
     def snapshot(self, model_hash: str, relpaths: Iterable[str]) -> Snapshot:
-        """What the store holds for ``model_hash`` and ``relpaths``, read in one transaction (an
-        ingest reads this once instead of LMDB per file). A store not created yet stays
-        uncreated: its creation (a few fsyncs) belongs to the writer's first commit."""
+        """What the store holds for ``model_hash`` and ``relpaths``, read in one transaction; a
+        store not created yet stays so (its creation belongs to the writer's first commit)."""
         snap = Snapshot({}, set())
         if not self.exists or len(self) == 0:
             return snap

@@ -209,9 +209,8 @@ def _adopt(shared: SharedEnv, path: Path) -> None:
 
 
 class LmdbStore:
-    """An LMDB environment with named databases (``NAMES``), opened lazily in each process
-    (so a store pickles before first use), read and written through :meth:`_read` and
-    :meth:`write`. Subclasses own the key layout; this class owns only the environment."""
+    """An LMDB environment with named databases (``NAMES``), opened lazily per process (it
+    pickles before first use); subclasses own the key layout, this class the environment."""
 
     NAMES: tuple[str, ...] = ()
     DUPSORT: tuple[str, ...] = ()
@@ -273,9 +272,8 @@ class LmdbStore:
 
     @contextmanager
     def _read(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction. In a writer, reads and writes from several threads (the ingest
-        reader thread and the committing thread) are serialised, because growing the map is
-        only allowed while no transaction of this process is open."""
+        """A read transaction; in a writer, serialised with the writes of other threads (growing
+        the map needs no transaction of this process open)."""
         try:
             if self._txn_lock is None:      # read-only: survives a writer growing the map
                 self.env  # noqa: B018 - opens lazily

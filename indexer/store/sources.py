@@ -19,9 +19,8 @@ CHUNK = 65_536
 
 
 class Source(Protocol):
-    """One shard's vectors: its ids ascending (all at once, or in chunks, or just how many), its
-    vectors in chunks, by id, at given positions of its id order (a sample), and its own exact
-    top-k of some queries."""
+    """One shard's vectors: its ids ascending (at once, in chunks, or a count), its vectors in
+    chunks, by id or at positions (a sample), and its exact top-k of some queries."""
 
     dim: int
 
