@@ -80,9 +80,8 @@ UPLOAD_CAP_ENV = "DAS_UPLOAD_DIR_MB"
 
 
 def upload_folder_cap(limit: int) -> int:
-    """What Gradio's upload folder may hold at once (issue 39: uploads had no quota; one client
-    wrote 394 MB/s, kept 15 min): ``$DAS_UPLOAD_DIR_MB``, else 64 uploads at the size cap, at
-    least 256 MB. Past it, uploads are refused with 429 until older ones expire."""
+    """What Gradio's upload folder may hold at once: ``$DAS_UPLOAD_DIR_MB``, else 64 uploads at
+    the size cap, at least 256 MB; past it uploads get 429 until older ones expire."""
     raw = os.environ.get(UPLOAD_CAP_ENV, "").strip()
     if raw:
         try:

@@ -75,9 +75,8 @@ class Redactor:
 
 
 def _shards(name: str, directory: Path) -> list[tuple[str, Path]]:
-    """("index NAME shard I", its folder) for each part of the index that lies in a folder of
-    its own, outside its directory (a sharded index's shards: messages about their files must
-    not name them either); none for a single index, whose one part is the directory."""
+    """("index NAME shard I", its folder) for each part in a folder of its own outside the
+    directory (messages about its files must not name it); none for a single index."""
     from indexer.layouts.layout import layout_of
 
     try:

@@ -185,9 +185,8 @@ class Searcher:
         return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
 
     def fused(self, parts: Sequence[Query], *, label: str | None = None) -> Query:
-        """One Query for several (each from :meth:`query`), searched with their embeddings'
-        normalised mean (:func:`serving.queries.fuse`); a single part as it is, none is "no
-        query", more than MAX_QUERY_IMAGES refused; gallery parts stay in the results."""
+        """One Query for several (each from :meth:`query`), searched with their normalised mean
+        embedding; one part as it is, none "no query", over MAX_QUERY_IMAGES refused."""
         queries.check_count(len(parts))
         if not parts:
             raise RequestError("no query: upload an image, or name a gallery image by id or path")
@@ -212,9 +211,8 @@ class Searcher:
         return self._embed(self.snapshot(index), [q])[0]
 
     def _embed(self, snap: Snapshot, qs: Sequence[Query]) -> np.ndarray:
-        """(n, d) embeddings of ``qs`` in the snapshot's space, cached on each query: a gallery
-        item of the index keeps its stored vector, the rest are embedded in one batched run; a
-        fused query's parts are embedded with them and fused."""
+        """(n, d) embeddings of ``qs`` in the snapshot's space, cached on each query: stored
+        vectors for its gallery items, one batched run for the rest, fused parts fused."""
         todo = []
         for q in [p for q in qs for p in (q.parts or (q,))]:
             if snap.name in q.embeddings:
@@ -242,9 +240,8 @@ class Searcher:
 
     # -- search ---------------------------------------------------------------------------
     def check_dba(self, dba: bool | None, index: IndexRef = None) -> bool:
-        """The DBA setting a request gets on ``index``: None -> the index's default (on when it
-        was built with DBA neighbourhoods), False -> off, True -> on, only for an index built
-        with them (else a RequestError)."""
+        """The DBA setting a request gets on ``index``: None -> the index's default, False ->
+        off, True -> on (a RequestError for an index built without DBA)."""
         snap = self.snapshot(index)
         if dba and not snap.index.has_dba:
             raise RequestError(f"dba: index {snap.name!r} was built without DBA re-ranking "
@@ -263,9 +260,8 @@ class Searcher:
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
                 dba: bool | None = None) -> list[list[Result]]:
-        """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]``: an id left out
-        of row i (with DBA also of its neighbours' augmented vectors); ``dba``: None = the
-        index's default. Ids the store no longer has are skipped."""
+        """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]``: an id left out of
+        row i (with DBA, of its neighbours too); ``dba`` None: the index's default."""
         snap = self.snapshot(index)
         return self._nearest(snap, np.atleast_2d(np.asarray(emb, dtype=np.float32)), check_k(k),
                              None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap))[0]
@@ -362,9 +358,8 @@ class Searcher:
         return {name: self.probe(q, k, index=q.on(name), **kw) for name in self.indexes}
 
     def audit(self, index: IndexRef = None) -> dict[str, Any]:
-        """The gallery audit of ``index`` (near-duplicates, likely mislabelled images, outliers,
-        confused classes: ``indexer.audit``), computed once per index version and kept beside
-        it, never per request; RequestError for an index opened without its directory."""
+        """The gallery audit of ``index`` (``indexer.audit``), computed once per index version and
+        kept beside it; RequestError for an index opened without its directory."""
         snap = self.snapshot(index)
         directory = self.directories.get(snap.name)
         if directory is None:

@@ -39,9 +39,8 @@ def _base(base: str | Path | None) -> Path:
 
 
 def _open_private(name: str | Path, dir_fd: int | None = None, shown: Path | None = None) -> int:
-    """Create ``name`` (0700) or open the existing one, refusing anything another user could
-    change: a symlink, not a directory, another owner, group/other write bits. Returns an
-    ``O_DIRECTORY`` descriptor of the very folder that was checked (no path is looked up again)."""
+    """Create ``name`` (0700) or open it, refusing what another user could change (a symlink, not
+    a directory, another owner, group/other write): an ``O_DIRECTORY`` fd of the checked folder."""
     shown = shown or Path(name)
     try:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
@@ -70,9 +69,8 @@ def _open_private(name: str | Path, dir_fd: int | None = None, shown: Path | Non
 
 
 def claim_temp_dir(port: int, base: str | Path | None = None) -> tuple[Path, int | None]:
-    """Create, lock and empty this app's temp folder and point Gradio at it.
-    Returns (folder, entries removed), or (folder, None) when another live process holds it.
-    UnsafeTempDirError (one line naming the folder) when it or its parent is not private."""
+    """Create, lock and empty this app's temp folder and point Gradio at it: (folder, entries
+    removed), or (folder, None) when a live process holds it; UnsafeTempDirError if not private."""
     parent = _base(base)
     parent.parent.mkdir(parents=True, exist_ok=True)
     base_fd = _open_private(parent)
@@ -103,9 +101,8 @@ def claim_temp_dir(port: int, base: str | Path | None = None) -> tuple[Path, int
 
 
 def _empty(dir_fd: int) -> int:
-    """Remove every entry of the folder open as ``dir_fd`` but the lock file; a symlink is
-    removed as a link (its target untouched), a directory through descriptors (``rmtree``'s
-    ``dir_fd`` form, which never follows a link inside). Returns the entries removed."""
+    """Remove every entry of the folder ``dir_fd`` but the lock file, symlinks as links and
+    directories through descriptors (never following a link); returns the count."""
     removed = 0
     for entry in os.scandir(dir_fd):
         if entry.name == LOCK_NAME:

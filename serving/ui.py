@@ -39,9 +39,8 @@ P_MAX_TOPK, P_MAX_RANDOM = 64, 6        # the Probes sliders' ranges, checked ag
 
 
 def query_image(**kw: Any) -> gr.Image:
-    """gr.Image whose preprocessing failure (a file that is not an image) becomes a clear gr.Error
-    instead of PIL's internal message. The instance's preprocess is wrapped rather than gr.Image
-    subclassed, because Gradio writes a .pyi stub next to any module defining a subclass."""
+    """gr.Image whose preprocessing failure (not an image) becomes a clear gr.Error; the
+    instance's preprocess is wrapped, since Gradio writes a .pyi stub beside any subclass."""
     comp = gr.Image(**kw)
     inner = comp.preprocess
 

@@ -176,9 +176,8 @@ class DAS(nn.Module):
         return labels
 
     def _use_fused(self, embeddings: Tensor, labels: Tensor) -> bool:
-        """``triton``: always; ``eager``: never; ``auto``: on CUDA, once the self-check of this
-        batch's kernel variant (training/das_fused.py) passed. A failed check leaves this
-        module on the eager code for that variant, its state untouched, with one warning."""
+        """``triton``: always; ``eager``: never; ``auto``: on CUDA once this batch's kernel variant
+        passed its self-check (a failure keeps the eager code for it, with one warning)."""
         if self.backend != "auto":
             return self.backend == "triton"
         return self.fused.wanted(self, embeddings, labels)
@@ -207,9 +206,8 @@ class DAS(nn.Module):
         return lo + (hi - lo) * r[:T * B * self.topk].view(T, B, self.topk)
 
     def _shift_draw(self, y: Tensor, T: int, r: Tensor) -> tuple[Tensor, Tensor]:
-        """Eq. (shifting), the draw: (flat, factor) with flat (T*B,) the bank rows of a
-        uniformly drawn filled slot of each anchor's class and factor (1, B, 1) = r_b, or 0
-        while the class's bank is empty (its slot 0 is then read and multiplied by 0)."""
+        """Eq. (shifting), the draw: (flat, factor): flat (T*B,) the bank rows of a uniform filled
+        slot of each anchor's class, factor (1, B, 1) = r_b, or 0 while its bank is empty."""
         B = y.shape[0]
         count = self.bank_count.index_select(0, y)                           # (B,)
         u = r[T * B * self.topk * self.dfs:].view(T, B)
@@ -231,8 +229,7 @@ class DAS(nn.Module):
     def _produce_into(self, base: Tensor, y: Tensor, work: Tensor,
                       gen: torch.Generator | None) -> None:
         """Write the T copies of ``base`` (B, d, no grad) into ``work`` (T, B, d, float32): the
-        spec's ``v' = s * v + r_b * t`` per element through addcmul, then ``/ max(||v'||,
-        1e-12)``, in place on one buffer (the output itself for fp32 embeddings)."""
+        spec's ``v' = s * v + r_b * t`` through addcmul, then ``/ max(||v'||, 1e-12)``, in place."""
         T, B = work.shape[0], work.shape[1]
         r = self.draw(T, B, gen, base.device)
         idx = flat = factor = scaled = idx_t = None

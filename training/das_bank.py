@@ -16,9 +16,8 @@ __all__ = ["max_kept_pairs", "row_hash", "update_frm", "update_bank"]
 
 @functools.lru_cache(maxsize=256)
 def max_kept_pairs(batch: int, bank_size: int) -> int:
-    """Static upper bound on the differences one batch can leave in the banks: a class of n
-    brings n(n-1) ordered pairs of which at most Z survive; the worst class size bounds the
-    total. Static, so the write path has no data-dependent shapes."""
+    """Static upper bound on the differences one batch can leave in the banks (a class of n
+    brings n(n-1) pairs, at most Z survive), so the write path has no data-dependent shapes."""
     if batch < 2:
         return 0
     per_member = max(min(n * (n - 1), bank_size) / n for n in range(2, batch + 1))
@@ -35,9 +34,8 @@ def update_frm(frm: Tensor, v: Tensor, y: Tensor, topk: int) -> None:
 
 
 def row_hash(v: Tensor, weights: Tensor) -> Tensor:
-    """(B,) int64 key equal for bit-identical rows (difference exactly zero): a hash of the
-    float bits with odd multipliers ``weights`` (wrapping int64; collisions ~2**-63), since a
-    Gram distance is inexact and a B x B x d difference costs more than the step."""
+    """(B,) int64 key equal for bit-identical rows: a hash of the float bits with odd multipliers
+    ``weights`` (wrapping; collisions ~2**-63), cheaper and exacter than a pairwise difference."""
     bits = (v + 0.0).view(torch.int32)                               # +0.0 folds -0.0 into 0.0
     return (bits * weights).sum(dim=1)
 

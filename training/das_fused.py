@@ -109,9 +109,8 @@ def _layout(shape: tuple[int, ...], stride: list[int], dtype: torch.dtype, devic
 
 
 def check_batch(spec: dict[str, Any], g: torch.Generator, step: int) -> tuple[Tensor, Tensor]:
-    """A batch in the real layout whose top-K has no boundary tie (kernels and torch.topk break
-    ties differently): K + 1 entries per row are the integers 2..K+2, the rest in (-1, 1); one
-    class of 5 (its ring wraps) and one duplicate row."""
+    """A batch in the real layout whose top-K has no boundary tie: K + 1 entries per row are the
+    integers 2..K+2, the rest in (-1, 1); one class of 5 (its ring wraps), one duplicate row."""
     B, d, C, K = spec["batch"], spec["dim"], spec["num_classes"], spec["topk"]
     v = torch.rand(B, d, generator=g) * 2 - 1
     top = torch.rand(B, d, generator=g).argsort(dim=1)[:, :min(K + 1, d)]
@@ -221,18 +220,16 @@ class _Captured:
 
 
 class FusedBackend:
-    """The fused path of one DAS module: its verdicts per kernel variant and its CUDA graphs
-    per batch layout. The module is handed in on every call (no back-reference, so a
-    ``deepcopy`` or ``.to()`` of the module cannot leave the backend pointing at another)."""
+    """The fused path of one DAS module: verdicts per kernel variant, CUDA graphs per batch
+    layout; the module is handed in on every call (no back-reference to go stale on a copy)."""
 
     def __init__(self) -> None:
         self.verdicts: dict[tuple, bool] = {}     # auto: self-check verdict per kernel variant
         self.graphs: dict[tuple, _Captured] = {}  # graph=True: one capture per batch layout
 
     def wanted(self, das, emb: Tensor, y: Tensor) -> bool:
-        """The auto backend's choice for this batch's variant: checked on first sight; a pass
-        says so on stderr (the training log shows which kernels ran), a failure warns once,
-        naming the cause, and leaves the module on the eager code for that variant."""
+        """The auto backend's choice for this batch's variant, checked on first sight: a pass is
+        said on stderr, a failure warns once and keeps the eager code for that variant."""
         if not candidate(emb.device):
             return False
         key = variant_key(das, emb, y)

@@ -178,9 +178,8 @@ def _pow2(n: int) -> int:
 
 
 def _launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **meta) -> None:
-    """The one place a kernel is launched: on CUDA under the tensors' own device (Triton uses
-    the current one), with device-side asserts compiled in (the label check); integer
-    overflow sanitising stays off (the row hash wraps on purpose)."""
+    """The one place a kernel is launched: under the tensors' own CUDA device, device-side asserts
+    on (the label check), overflow sanitising off (the row hash wraps on purpose)."""
     if device.type == "cuda":
         with torch.cuda.device(device):
             kernel[grid](*args, **meta, debug=True, sanitize_overflow=False)
@@ -192,9 +191,8 @@ def _launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **meta) 
 def fused_update(v: Tensor, y: Tensor, frm: Tensor, bank: Tensor, ptr: Tensor, count: Tensor,
                  hash_weights: Tensor, *, topk: int, dfs: bool, mts: bool,
                  interpret: bool = False) -> None:
-    """FRM and bank update of one batch, in place (the eager ``das_bank.update_frm`` +
-    ``update_bank``), in one launch. ``v`` (B, d) float rows and ``y`` (B,) integer labels, any
-    strides, on the state's device; labels out of range fail the device-side assert."""
+    """FRM and bank update of one batch in place (eager ``update_frm`` + ``update_bank``), one
+    launch; ``v`` (B, d) float, ``y`` (B,) integer, any strides; bad labels fail the assert."""
     B, D = v.shape
     if B == 0:
         return

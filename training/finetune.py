@@ -31,8 +31,7 @@ class Inputs:
 def carve_validation(train: ImageDataset, test: ImageDataset, n: int
                      ) -> tuple[ImageDataset, ImageDataset, np.ndarray | None, np.ndarray | None]:
     """(train, evaluation, train rows, evaluation rows): with ``n > 0`` the last `n` training
-    classes become the evaluation set (eval transform) and the test split is never read; rows
-    index the full training split (for its trunk cache). ``n = 0``: (train, test, None, None)."""
+    classes evaluate (the test split unread); ``n = 0``: (train, test, None, None)."""
     if n <= 0:
         return train, test, None, None
     split = train.split
@@ -82,9 +81,8 @@ def init_head_pca(model: nn.Module, pooled: torch.Tensor) -> None:
 
 
 def cache_name(cfg: TrainConfig) -> str:
-    """What the frozen prefix computes, for the trunk cache's name and key: the backbone and the
-    cut, plus the pooling when the prefix ends with it (``"head"``). The head's width and init
-    are not in it, so runs that differ only there share one cache."""
+    """What the frozen prefix computes, for the trunk cache's name and key (backbone, cut, and
+    pooling for ``"head"``); runs differing only in the head share one cache."""
     name = f"{cfg.backbone}-{cfg.trainable}"
     if cfg.trainable == "head":
         name += f"-{cfg.pooling}" + (f"{cfg.gem_p:g}" if cfg.pooling == "gem" else "")
@@ -122,9 +120,8 @@ def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDat
 
 def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, labels: np.ndarray,
                    which: str, min_per_class: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, labels) of `rows` (None: all of `ds`) without the unreadable images and without
-    classes left with fewer than `min_per_class` readable ones (the batch sampler needs
-    per_class images of every class); a note for each class dropped; an error below 2."""
+    """(rows, labels) of `rows` (None: all of `ds`) without unreadable images and classes left
+    under `min_per_class`; a note per class dropped; an error below 2."""
     rows = np.arange(len(ds)) if rows is None else np.asarray(rows)
     ok = skips.readable(ds.split.paths[r] for r in rows)
     if ok.all():
@@ -151,9 +148,8 @@ def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, la
 
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
                    fresh: bool, skips: SkipLog | None = None) -> Inputs:
-    """Datasets and network of a run; `fresh` (not resumed) runs also get the PCA head init.
-    Images the trunk cache could not decode go into `skips` and their rows are left out
-    (``state.sampler`` rebuilt); otherwise failures drop out batch by batch (`filter_collate`)."""
+    """Datasets and network of a run; `fresh` runs also get the PCA head init. Rows the trunk
+    cache could not decode are left out (sampler rebuilt); else failures drop out per batch."""
     from .batching import ClassBalancedBatchSampler
     from .trunk_cache import CachedViews
 

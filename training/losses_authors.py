@@ -80,9 +80,8 @@ class AuthorsContrastive(nn.Module):
 
 
 class AuthorsMargin(nn.Module):
-    """Wu et al.'s margin loss: terms ``relu(d_ap - beta + m)`` and ``relu(beta - d_an + m)`` with
-    a learnable beta per anchor class, reduced over the non-zero terms (+ nu * sum beta), on
-    ``d = sqrt(|x-y|^2 + 1e-8)``."""
+    """Wu et al.'s margin loss on ``d = sqrt(|x-y|^2 + 1e-8)``: ``relu(d_ap - beta + m)`` and
+    ``relu(beta - d_an + m)``, a learnable beta per class, over the non-zero terms (+ nu sum beta)."""
 
     def __init__(self, num_classes: int, margin: float = 0.2, beta: float = 1.2,
                  nu: float = 0.0, distance: PairDistance = PairDistance(floor=1e-8),

@@ -67,9 +67,8 @@ def _any_rows(mask: Tensor) -> Tensor:
 
 
 def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One index per row from non-negative row weights by inverse CDF (one uniform per row, a
-    search in the cumsum: faster than `torch.multinomial`, no host sync); a row without weight
-    gets 0 (callers mark it invalid)."""
+    """One index per row from non-negative row weights by inverse CDF (faster than
+    `torch.multinomial`, no host sync); a row without weight gets 0 (marked invalid)."""
     cdf = probs.cumsum(dim=1)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
@@ -170,9 +169,8 @@ class SemiHardMiner(_TripletMiner):
 
 
 class SoftHardMiner(_TripletMiner):
-    """Soft-hard (Roth et al., eq. X-XI), as both frameworks do it: positive from those farther
-    than the closest negative, negative from those closer than the farthest positive; each
-    falls back to its whole set when that is empty."""
+    """Soft-hard (Roth et al., eq. X-XI): positive among those farther than the closest negative,
+    negative among those closer than the farthest positive, each else its whole set."""
 
     def choose(self, dist, pos, neg, dim):
         inf = torch.full_like(dist, math.inf)
@@ -233,9 +231,8 @@ class DistanceWeightedMiner(_TripletMiner):
 
 
 class AuthorsDistanceMiner(_TripletMiner):
-    """Distance-weighted sampling as the authors' framework does it (see the module docstring):
-    lower cut-off only, same-label rows weighted 0, positive uniform (the anchor itself when it
-    has no other positive)."""
+    """Distance-weighted sampling as the authors' framework does it (module docstring): lower
+    cut-off only, same-label rows weight 0, positive uniform (else the anchor itself)."""
 
     def __init__(self, cutoff: float = 0.5, generator: torch.Generator | None = None) -> None:
         super().__init__(generator)

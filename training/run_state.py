@@ -67,9 +67,8 @@ def build_components(cfg: TrainConfig, num_classes: int):
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
                     split: StageSplit | None = None):
-    """Adam over the trainable part of the model, plus the criterion's own groups (betas,
-    proxies) at theirs. The embedding layer trains at `lr`, the backbone at `backbone_lr` when
-    set (the paper's trunk/head split); frozen stages (`split`) are in no group."""
+    """Adam over the trainable model (embedding layer at `lr`, backbone at `backbone_lr` when set;
+    frozen stages in no group) plus the criterion's own groups at their rates."""
     if split is not None:
         backbone, head = split.backbone_params, split.head_params
     else:

@@ -29,9 +29,8 @@ class UnreadableDataError(DatasetLayoutError):
 
 
 class SkipLog:
-    """The images a run could not decode, by path, plus notes on classes left out because of
-    them. Saved in ``last.pt`` (`state_dict`), so a resumed run still reports what it skipped
-    before the interruption."""
+    """The images a run could not decode, by path, plus notes on classes left out; saved in
+    ``last.pt`` so a resumed run still reports them."""
 
     def __init__(self) -> None:
         self.reasons: dict[str, str] = {}
@@ -116,9 +115,8 @@ class Readable(Dataset):
 
 def filter_collate(items: list) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                          list[tuple[str, str]]]:
-    """(inputs, labels, [(path, reason), ...]): the readable items collated as usual, the
-    unreadable ones as (path, reason) pairs. Runs in the DataLoader's workers, so the errors
-    travel back with the batch; inputs and labels are None when no item was readable."""
+    """(inputs, labels, [(path, reason), ...]): readable items collated as usual, in the
+    DataLoader's workers; inputs and labels are None when no item was readable."""
     bad = [(e.path, e.reason) for e in items if isinstance(e, ImageLoadError)]
     good = [t for t in items if not isinstance(t, ImageLoadError)]
     if not good:

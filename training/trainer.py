@@ -53,9 +53,8 @@ class TrainResult:
 def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, device: torch.device,
                    autocast_dtype: torch.dtype | None = None,
                    skips: SkipLog | None = None) -> dict[str, float]:
-    """R@k, NMI, F1, MAP@R on the test split (embedder.metrics), without touching the training
-    RNG streams, so evaluating more or less often never changes the trajectory. Unreadable
-    images are left out (into `skips`); the labels are those of the images embedded."""
+    """R@k, NMI, F1, MAP@R on the test split, without touching the training RNG streams (how
+    often one evaluates never changes the trajectory); unreadable images go to `skips`."""
     from embedder.metrics import evaluate
 
     skips = SkipLog() if skips is None else skips
@@ -168,9 +167,8 @@ def _on_device(x: torch.Tensor, device: torch.device, cfg: TrainConfig) -> torch
 
 def _too_thin(x: torch.Tensor | None, y: torch.Tensor | None, info: distributed.DistInfo,
               skips: SkipLog) -> bool:
-    """A batch that lost unreadable images: True when what is left cannot make a step (no
-    image, or one class: no negatives). In DDP the ranks would gather batches of different
-    sizes, so there it is an error naming the file instead."""
+    """A batch that lost unreadable images: True when the rest cannot make a step (no image, or
+    one class); in DDP, where ranks must gather equal batches, an error naming the file."""
     if info.enabled:
         path, why = next(reversed(skips.reasons.items()))
         raise UnreadableDataError(

@@ -79,8 +79,7 @@ def codecs(dim: int) -> list[tuple[str, int]]:
 
 def _ivf_parts(index: faiss.Index) -> list[faiss.Index]:
     """The indexes whose lists make up ``index``: the parts of a sharded index searched as one
-    (``IndexShardsIVF`` of IVF parts; ``IndexShards`` of ``IDMap2,Flat`` parts, a small sharded
-    gallery), else the index itself."""
+    (``IndexShardsIVF`` or, a small sharded gallery, ``IndexShards`` of Flat), else itself."""
     if isinstance(index, (faiss.IndexShardsIVF, faiss.IndexShards)):
         return [faiss.downcast_index(index.at(i)) for i in range(index.count())]
     return [index]
@@ -129,9 +128,8 @@ def _empty_codes(quantizer: faiss.Index, dim: int, nlist: int, codec: str) -> fa
 
 
 def compress(index: faiss.Index, codec: str, nprobe: int = 1) -> faiss.Index:
-    """The codes of an IVF-Flat (or IndexShardsIVF of IVF-Flat parts, or IDMap2,Flat) index:
-    one IVF index of ``codec`` codes on the same coarse quantizer (a single list whose centroid
-    does not matter for a Flat index, probed whole), each vector in its original list."""
+    """The codes of an IVF-Flat (or its parts as one, or IDMap2,Flat) index: one IVF index of
+    ``codec`` codes on the same quantizer (Flat: one list), each vector in its original list."""
     parts = _ivf_parts(index)
     dim = index.d
     if fx.is_ivf(parts[0]):
@@ -251,9 +249,8 @@ def choose_codec(ntotal: int, dim: int, nlist: int, budget: int) -> str:
 
 def codes_only(index: faiss.Index, vectors: Vectors, budget: int, *, codec: str | None = None,
                factor: int = RERANK_FACTOR) -> ReRanked | None:
-    """What a node with ``budget`` bytes for its index serves: None when the index fits (exact),
-    else its codes re-ranked from ``vectors`` (an index of codes already is re-ranked as it is);
-    ``codec`` forces one (tests, benchmarks)."""
+    """What a node with ``budget`` bytes for its index serves: None when it fits (exact), else
+    its codes re-ranked from ``vectors``; ``codec`` forces one (tests, benchmarks)."""
     parts = _ivf_parts(index)
     dim, n = index.d, int(index.ntotal)
     if fx.is_ivf(parts[0]):

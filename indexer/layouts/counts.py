@@ -78,8 +78,7 @@ def faiss_ntotal(path: str | Path) -> int:
 
 def check_counts(directory: str | Path, store: GalleryStore | None = None) -> CountCheck:
     """Compare store, ``index.faiss`` and manifest counts of ``directory`` as on disk (``store``:
-    an open store of it, else one opened read-only). A writer at work, or one finishing during
-    the check, makes the result ``busy`` rather than a mismatch."""
+    an open one, else opened read-only); a writer at work makes the result ``busy``."""
     d = IndexDir(directory)
     if is_locked(d.path):
         return CountCheck(d.path, busy=True)
@@ -99,9 +98,8 @@ def check_counts(directory: str | Path, store: GalleryStore | None = None) -> Co
 
 
 def _neighbours_busy(d: IndexDir, manifest: Manifest, stamp: object) -> bool:
-    """DBA's ``neighbours.npz`` checked as an open checks it (:func:`indexer.ann.neighbours.check`),
-    so ``indexer info`` and ``/api/health`` see what the next open would refuse. True: a writer
-    was at work meanwhile."""
+    """DBA's ``neighbours.npz`` checked as an open checks it, so ``indexer info`` and
+    ``/api/health`` see what the next open would refuse; True: a writer was at work meanwhile."""
     from ..ann import neighbours
 
     try:

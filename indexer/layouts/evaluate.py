@@ -88,9 +88,8 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
 
 def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None = None,
                  progress: bool = False) -> tuple[list[tuple[str, list]], list[dict], list[int]]:
-    """Batch search: every image under ``folder`` (any depth) embedded in batches and searched;
-    returns ([(relative path, hits)], skipped [{"path", "reason"}], shards left out). A query
-    that is also a gallery item is not left out of its results (as ``indexer search``)."""
+    """Batch search of every image under ``folder``: ([(relative path, hits)], skipped [{"path",
+    "reason"}], shards left out); a gallery item stays in its results (as ``indexer search``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise IndexerError(f"{folder}: query folder not found")
@@ -115,9 +114,8 @@ def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None =
 
 def evaluate_gallery(index: Index, ks: Sequence[int] = (1, 2, 4, 8), *, dba: bool | None = None,
                      max_queries: int | None = None, seed: int = 0) -> dict:
-    """Leave-one-out on the index's own gallery: each labelled item (a sample of ``max_queries``)
-    queries all the others with its stored vector (nothing is embedded). Same keys as
-    :func:`evaluate_queries`; every query is a gallery item, so each is excluded and guarded."""
+    """Leave-one-out: each labelled item (a sample of ``max_queries``) queries the others with
+    its stored vector, excluded and guarded. Same keys as :func:`evaluate_queries`."""
     ks = _ks(ks)
     ids = [i for lab in index.labels() for i in index.ids_for_label(lab)]
     if not ids:

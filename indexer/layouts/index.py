@@ -85,9 +85,8 @@ class Index:
         return cls(layout, store, fi, nb, device=device, max_memory=budget, ray=ray, embedder=embedder)
 
     def reopen(self) -> "Index":
-        """The directory's current state as a new Index (after ``indexer add/remove``), sharing
-        this one's store and, when the model is unchanged, its loaded embedder. This Index stays
-        usable, so requests already running on it finish undisturbed."""
+        """The directory's current state as a new Index, sharing this one's store and (same
+        model) embedder; this Index stays usable for requests still running on it."""
         return Index.open(self.directory, device=self._device, store=self.store, max_memory=self.max_memory,
                           ray=self.ray, embedder=self._embedder)
 
@@ -183,9 +182,8 @@ class Index:
 
     @property
     def decode_side(self) -> int:
-        """The shorter side an image needs to be decoded at for this index's model (read from
-        the preprocessing its manifest records, so an upload is decoded small before the model
-        is even loaded); the default preprocessing's when the manifest records none."""
+        """The shorter side an image needs to be decoded at for this index's model, from the
+        manifest's preprocessing (before the model loads); the default's when none is recorded."""
         try:
             return Preprocessing.from_dict(json.loads(self.manifest.model.metadata["preprocessing"])).decode_side
         except (KeyError, TypeError, ValueError):
