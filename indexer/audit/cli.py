@@ -15,7 +15,8 @@ from indexer import IndexerError
 
 from .duplicates import DEFAULT_THRESHOLD
 from .source import ray_serving
-from .run import DEFAULT_K, DEFAULT_TOP, KINDS, print_summary, run_audit, write_audit
+from .run import DEFAULT_K, DEFAULT_TOP, DEFAULT_VERIFY_MAX, KINDS, print_summary, run_audit, write_audit
+from .verify import MIN_INLIERS
 
 DESCRIPTION = ("Audit a gallery from its index: near-duplicate groups, likely mislabelled images "
                "(each with the label its neighbourhood suggests), outliers and the most confused "
@@ -33,6 +34,16 @@ def _positive(text: str) -> int:
 
 
 _positive.__name__ = "positive integer"
+
+
+def _count(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise ValueError(text)
+    return v
+
+
+_count.__name__ = "count (0 or more)"
 
 
 def _cosine(text: str) -> float:
@@ -60,7 +71,16 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("-k", type=_positive, default=DEFAULT_K,
                    help=f"neighbours per image in the kNN graph (default {DEFAULT_K})")
     p.add_argument("--threshold", type=_cosine, default=DEFAULT_THRESHOLD,
-                   help=f"cosine from which two images are near-duplicates (default {DEFAULT_THRESHOLD})")
+                   help=f"pair score (cosine + its lead over both neighbourhoods) from which two images "
+                        f"are near-duplicates (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check near-duplicate candidates below --threshold by their pixels (by default "
+                        "the pairs among each other's 2 nearest that score a little below it are matched "
+                        f"with ORB keypoints + RANSAC, and those with >= {MIN_INLIERS} inliers that agree "
+                        "pixel by pixel once aligned are the same picture, e.g. a cropped or resized copy)")
+    p.add_argument("--verify-max", type=_count, default=DEFAULT_VERIFY_MAX, metavar="PAIRS",
+                   help=f"check at most this many candidate pairs by pixels, best scored first (default "
+                        f"{DEFAULT_VERIFY_MAX}: about 20-40 ms CPU a pair; 0: none)")
     p.add_argument("--top", type=_positive, default=DEFAULT_TOP,
                    help=f"rows written per ranked list (default {DEFAULT_TOP})")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
@@ -76,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     """The handler: audit, write, print the summary (or it as JSON with --json)."""
     ray = None if args.ray is None else ray_serving(args.ray, args.shard_timeout)
     a = run_audit(args.index, k=args.k, threshold=args.threshold, kinds=tuple(args.kinds),
-                  progress=not args.quiet, ray=ray)
+                  progress=not args.quiet, ray=ray, verify=args.verify, verify_max=args.verify_max)
     out = args.out if args.out is not None else args.index / "audit"
     info = write_audit(a, out, top=args.top, sheets=args.sheets)
     if args.json:

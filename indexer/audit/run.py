@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from . import report
-from .duplicates import DEFAULT_THRESHOLD, DuplicateGroup, near_duplicates
+from . import verify as geometric
+from .duplicates import DEFAULT_THRESHOLD, DuplicateGroup, candidates, near_duplicates
 from .graph import KnnGraph, build_graph
 from .labels import ClassView, ConfusedPair, class_view, confused_pairs, mislabelled
 from .outliers import OutlierScores, outlier_scores, ranked
@@ -22,6 +23,9 @@ from .source import Gallery, open_gallery
 
 DEFAULT_K = 10          # neighbours per image (chosen on validation classes)
 DEFAULT_TOP = 1000      # rows written per ranked list (mislabelled, outliers)
+#: candidate pairs verified by pixels at most, best score first (bounds the audit's time: about
+#: 20-40 ms CPU a pair, docs/benchmarks/audit.md)
+DEFAULT_VERIFY_MAX = 5000
 KINDS = ("duplicates", "mislabelled", "outliers", "confused")
 LABEL_KINDS = ("mislabelled", "confused")
 NO_LABELS = ("the gallery has no labels (no image is in a class sub-folder): mislabelled and confused "
@@ -42,6 +46,7 @@ class Audit:
     confused: list[ConfusedPair] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)   # kind -> why not computed
     seconds: dict[str, float] = field(default_factory=dict)
+    verified: dict[str, Any] = field(default_factory=dict)  # the pixel check of near-duplicates
 
     def mislabelled(self, top: int | None = None) -> np.ndarray:
         return np.zeros(0, dtype=np.int64) if self.view is None else mislabelled(self.view, top)
@@ -52,10 +57,12 @@ class Audit:
 
 def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold: float = DEFAULT_THRESHOLD,
               kinds: tuple[str, ...] = KINDS, progress: bool = False, ray: Any = None,
-              **params: float) -> Audit:
+              verify: bool = True, verify_max: int = DEFAULT_VERIFY_MAX, **params: float) -> Audit:
     """Audit an index directory (or an opened :class:`Gallery`). ``kinds``: the ones asked for;
     asking for a label kind of a gallery without labels is an error (ValueError), not asking
-    leaves them out with the reason in ``skipped``. ``params``: labels.class_view's weights."""
+    leaves them out with the reason in ``skipped``. ``verify``: near-duplicate candidates below
+    the threshold checked by pixels (ORB + RANSAC, :mod:`.verify`), at most ``verify_max``
+    pairs, best first. ``params``: labels.class_view's weights."""
     bad = [x for x in kinds if x not in KINDS]
     if bad:
         raise ValueError(f"unknown audit kinds {bad}: expected some of {list(KINDS)}")
@@ -63,6 +70,8 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
         raise ValueError(f"-k {k}: expected a positive number of neighbours")
     if not -1.0 <= threshold <= 1.0:
         raise ValueError(f"--threshold {threshold}: a cosine similarity is between -1 and 1")
+    if verify_max < 0:
+        raise ValueError(f"--verify-max {verify_max}: expected 0 or more pairs")
     g = directory if isinstance(directory, Gallery) else open_gallery(directory, ray=ray)
     t = {}
     t0 = time.perf_counter()
@@ -82,13 +91,35 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
         t0 = time.perf_counter()
         view = class_view(g, graph, **params)
         t["classes"] = time.perf_counter() - t0
+    dups, checked = [], {}
+    if "duplicates" in kinds:
+        extra = None
+        if verify and verify_max > 0:
+            t0 = time.perf_counter()
+            extra, checked = _verified(g, graph, threshold, verify_max)
+            t["verify"] = time.perf_counter() - t0
+        dups = near_duplicates(graph, threshold, extra)
     t0 = time.perf_counter()
-    dups = near_duplicates(graph, threshold) if "duplicates" in kinds else []
     out = outlier_scores(graph, view)
     conf = confused_pairs(view, graph) if view is not None and "confused" in kinds else []
     t["kinds"] = time.perf_counter() - t0
     skipped.update({x: "not asked for" for x in KINDS if x not in kinds and x not in skipped})
-    return Audit(g, graph, threshold, dups, out, view, conf, skipped, t)
+    return Audit(g, graph, threshold, dups, out, view, conf, skipped, t, checked)
+
+
+def _verified(g: Gallery, graph: KnnGraph, threshold: float, cap: int) -> tuple[tuple, dict[str, Any]]:
+    """The candidate pairs below the threshold that the pixel check confirms, and its counts."""
+    a, b, cos, score = candidates(graph, threshold)
+    n = min(len(a), cap)
+    t0, c0 = time.perf_counter(), time.process_time()
+    v = geometric.verify_pairs(a[:n], b[:n], g.image_bytes)
+    sec, cpu = time.perf_counter() - t0, time.process_time() - c0
+    ok, inl = v.same, v.inliers
+    info = {"candidates": int(len(a)), "checked": int(n), "confirmed": int(ok.sum()),
+            "min_inliers": geometric.MIN_INLIERS, "max_differ": geometric.MAX_DIFFER,
+            "ms_per_pair": round(1000 * sec / n, 1) if n else None,
+            "cpu_ms_per_pair": round(1000 * cpu / n, 1) if n else None}
+    return (a[:n][ok], b[:n][ok], cos[:n][ok], score[:n][ok], inl[ok]), info
 
 
 # ---------------------------------------------------------------------------- writing
@@ -121,8 +152,8 @@ def lists(a: Audit, top: int = DEFAULT_TOP) -> dict[str, list[dict]]:
                           "labels_differ": len({int(g.codes[r]) for r in grp.rows}) > 1,
                           "items": [_item(a, r) for r in grp.rows],
                           "max_score": _f(grp.max_score),
-                          "pairs": [{"a": int(g.ids[x]), "b": int(g.ids[y]), "cosine": _f(s), "score": _f(sc)}
-                                    for x, y, s, sc in grp.pairs]}
+                          "pairs": [{"a": int(g.ids[x]), "b": int(g.ids[y]), "cosine": _f(s), "score": _f(sc),
+                                     "inliers": n} for x, y, s, sc, n in grp.pairs]}
                          for i, grp in enumerate(a.duplicates[:top])]
     if a.view is not None:
         v = a.view
@@ -159,7 +190,8 @@ def summary(a: Audit, rows: dict[str, list[dict]]) -> dict:
     g = a.gallery
     return {"index": str(g.directory), "images": int(len(g.ids)), "labels": len(g.label_names),
             "labelled_images": int((g.codes >= 0).sum()), "k": a.graph.k,
-            "duplicate_threshold": a.threshold, "index_type": g.index.manifest.index_type,
+            "duplicate_threshold": a.threshold, "duplicates_verified": a.verified or None,
+            "index_type": g.index.manifest.index_type,
             "scores": "exact" if g.exact_scores else "recomputed from the stored vectors",
             "found": {"duplicate_groups": len(a.duplicates),
                       "duplicate_images": int(sum(len(x.rows) for x in a.duplicates)),
@@ -243,6 +275,13 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
           f"of {info['index']}, k={info['k']}, {info['index_type']} index", file=f)
     print(f"  near-duplicates: {fd['duplicate_groups']} groups, {fd['duplicate_images']} images "
           f"(pair score >= {info['duplicate_threshold']}: cosine + its lead over the neighbourhoods)", file=f)
+    v = info.get("duplicates_verified")
+    if v:
+        print(f"    verified by pixels (ORB + RANSAC >= {v['min_inliers']} inliers, then aligned and compared): "
+              f"{v['confirmed']} of "
+              f"{v['checked']} candidate pairs below it confirmed"
+              + (f" ({v['candidates'] - v['checked']} more left unchecked: --verify-max)"
+                 if v["candidates"] > v["checked"] else ""), file=f)
     if "mislabelled" in fd:
         print(f"  likely mislabelled: {fd['mislabelled']} images nearer another label's images than their own", file=f)
         print(f"  confused class pairs: {fd['confused_pairs']} listed", file=f)
@@ -254,4 +293,4 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
 
 
 __all__ = ["Audit", "run_audit", "write_audit", "lists", "summary", "print_summary", "DEFAULT_K",
-           "DEFAULT_TOP", "KINDS"]
+           "DEFAULT_TOP", "DEFAULT_VERIFY_MAX", "KINDS"]

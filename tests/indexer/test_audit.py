@@ -172,3 +172,83 @@ def test_bad_input_is_one_line_exit_1_and_nothing_written(built_index: Path, tmp
     assert usage.returncode == 2
     assert [x.name for x in out.iterdir()] == ["keep.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".audit-")]
+
+
+def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Path) -> None:
+    """ORB + RANSAC + the aligned comparison (indexer.audit.verify): a bird photo and its central
+    80% crop are one picture, two different photos of the same species are not (nor is a photo
+    and its crop with the bird painted over: the frames of one scene); a file that does not
+    decode is 0 inliers, not an error."""
+    import io
+
+    from PIL import Image
+
+    from indexer.audit import verify
+
+    species = sorted(d for d in cub_mini.iterdir() if d.is_dir())[0]
+    photos = sorted(species.iterdir())[:4]
+    data = [p.read_bytes() for p in photos]
+    im = Image.open(photos[0]).convert("RGB")
+    w, h = im.size
+    buf = io.BytesIO()
+    im.crop((w // 10, h // 10, w - w // 10, h - h // 10)).save(buf, format="JPEG", quality=90)
+    data.append(buf.getvalue())
+    data.append(b"not an image")
+    edited = im.copy()                              # the middle third blanked: one scene, another moment
+    edited.paste((128, 128, 128), (w // 3, h // 3, 2 * w // 3, 2 * h // 3))
+    buf = io.BytesIO()
+    edited.save(buf, format="JPEG", quality=90)
+    data.append(buf.getvalue())
+    crop, junk, frame = len(data) - 3, len(data) - 2, len(data) - 1
+    a = [0, 0, 0, 1, 2, 0, 0]
+    b = [crop, 1, 2, 3, 3, junk, frame]
+    got = verify.verify_pairs(a, b, lambda r: data[r])
+    assert got.same.tolist() == [True, False, False, False, False, False, False], got
+    assert got.inliers[0] >= verify.MIN_INLIERS and got.inliers[5] == 0, got
+    assert got.inliers[6] >= verify.MIN_INLIERS and got.differ[6] > verify.MAX_DIFFER, got
+
+
+def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_are_not(faulty: dict) -> None:
+    """With the score threshold out of reach (nothing grouped by the embedding alone), the pixel
+    check of the uncertain band (each image's 2 nearest) groups every transformed copy with its
+    original and no two different photos, though the band's other pairs are the gallery's
+    closest photos of one species."""
+    import numpy as np
+
+    from indexer.audit import open_gallery
+    from indexer.audit.duplicates import candidates, near_duplicates
+    from indexer.audit.graph import build_graph
+    from indexer.audit.verify import verify_pairs
+
+    g = open_gallery(faulty["index"])
+    graph = build_graph(g, 10)
+    path = [g.meta(r)["path"] for r in range(len(g.ids))]
+    a, b, cos, score = candidates(graph, threshold=3.0, lower=-3.0)
+    assert len(a) >= len(g.ids) // 2
+    v = verify_pairs(a, b, g.image_bytes)
+    ok, inl = v.same, v.inliers
+    assert not near_duplicates(graph, 3.0)                          # the score alone: nothing
+    groups = near_duplicates(graph, 3.0, (a[ok], b[ok], cos[ok], score[ok], inl[ok]))
+    group_of = {path[r]: i for i, grp in enumerate(groups) for r in grp.rows}
+    for x, y in faulty["copies"]:
+        assert x in group_of and group_of[x] == group_of[y], (x, y, inl[(np.array(path)[a] == x)])
+    copies = {p for pair in faulty["copies"] for p in pair}
+    same_species = [(path[x], path[y]) for x, y in zip(a, b) if path[x].split("/")[0] == path[y].split("/")[0]
+                    and not {path[x], path[y]} <= copies]
+    assert len(same_species) >= 50
+    wrong = [(path[x], path[y], int(n)) for x, y, n in zip(a[ok], b[ok], inl[ok]) if not {path[x], path[y]} <= copies]
+    assert not wrong, wrong
+    faults_summary = json.loads((faulty["out"] / "summary.json").read_text())["duplicates_verified"]
+    assert faults_summary["checked"] == faults_summary["candidates"] >= faults_summary["confirmed"] >= 0
+
+
+def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
+    p = run_audit_cli("--help")
+    assert "--no-verify" in p.stdout and "--verify-max" in p.stdout
+    run_audit_cli("--index", faulty["index"], "--out", tmp_path / "off", "--quiet", "--no-sheets", "--no-verify")
+    assert json.loads((tmp_path / "off" / "summary.json").read_text())["duplicates_verified"] is None
+    run_audit_cli("--index", faulty["index"], "--out", tmp_path / "one", "--quiet", "--no-sheets", "--verify-max", "1")
+    v = json.loads((tmp_path / "one" / "summary.json").read_text())["duplicates_verified"]
+    assert v["checked"] == min(1, v["candidates"])
+    bad = run_audit_cli("--index", faulty["index"], "--verify-max", "-1", check=False)
+    assert bad.returncode == 2
