@@ -18,7 +18,7 @@ Why the second check: inliers alone say the two images share a rigid part, not t
 one picture. Frames shot from one tripod (Caltech's Faces: one person, one office wall, the
 head moving) share their whole background, 30-76 inliers; a copy agrees everywhere it overlaps
 (injected copies: at most 0.4% of the overlap differs; frames of one scene: 6-27%). Chosen on
-the validation galleries: ``MIN_INLIERS`` between two different photos' most (24: a burst of
+the validation galleries: ``MIN_INLIERS`` between two different photos' most (20: a burst of
 one bird on one branch) and the copies' fewest (49); ``MAX_DIFFER`` between the copies' most
 and the frames' fewest. (The second check was added after the report galleries showed the
 frames: docs/benchmarks/audit.md says so.)
