@@ -22,7 +22,7 @@ by process group) and FAILs, and what it finished is still reported (the grid wr
 as it ends). Exit 0 when every step passed.
 
 ``--dry-run`` runs the same steps on the CPU with tiny settings (3 + 3 species at 64 px, one
-epoch of 4 steps, one seed, one pair; gpu_check --quick without its CUDA tests): what CI can check of
+epoch of 4 steps, one seed, one pair, the recipe not exported; gpu_check --quick without its CUDA tests): what CI can check of
 this script and of gpu_check's plumbing.
 """
 from __future__ import annotations
@@ -50,7 +50,10 @@ SHARES = {"photos": 0.55}
 #: paths are those of a full epoch; a full pass over 3 species cost ~30 s per run)
 DRY_SET = ["max_classes=3", "epochs=1", "steps_per_epoch=4", "eval_every=1", "lr_milestones=[2]",
            "warmup_epochs=0", "input_size=64", "resize=72", "batch_size=6", "per_class=2",
-           "workers=0", "device=cpu", "amp=off", "channels_last=false", "threads=1"]
+           "workers=0", "device=cpu", "amp=off", "channels_last=false", "threads=1",
+           # the Lite1 export (dynamo) was 30 of the recipe's 41 CPU seconds; the export path
+           # stays checked by gpu_check's training row (a small network, parity-checked)
+           "export_onnx=false"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +139,8 @@ def photo_commands(args) -> dict[str, list[str]]:
     return {"recipe": recipe, "grid": grid}
 
 
-def recipe_row(out: Path, rc: int, secs: float) -> Row:
+def recipe_row(out: Path, rc: int, secs: float, export: bool = True) -> Row:
+    """``export``: whether the run was asked for its ONNX file (not in --dry-run)."""
     metrics, onnx = out / "recipe" / "metrics.json", out / "recipe" / "model.onnx"
     if not metrics.is_file():
         return Row("photo recipe (cub-dev, seed 0)", False,
@@ -147,8 +151,9 @@ def recipe_row(out: Path, rc: int, secs: float) -> Row:
             f"{100 * first.get('MAP@R', float('nan')):.2f} -> fine-tuned R@1 "
             f"{100 * last.get('R@1', float('nan')):.2f} MAP@R "
             f"{100 * last.get('MAP@R', float('nan')):.2f}; ONNX "
-            f"{'exported + parity-checked' if onnx.is_file() else 'MISSING'} ({secs:.0f} s)")
-    ok = rc == 0 and onnx.is_file() and "R@1" in last and "R@1" in first
+            f"{'exported + parity-checked' if onnx.is_file() else 'MISSING' if export else 'not asked for'}"
+            f" ({secs:.0f} s)")
+    ok = rc == 0 and (onnx.is_file() or not export) and "R@1" in last and "R@1" in first
     return Row("photo recipe (cub-dev, seed 0)", ok, note)
 
 
@@ -169,7 +174,7 @@ def step_photos(args, deadline: float) -> list[Row]:
     codes = _wait_all(procs, deadline)
     secs = time.monotonic() - t0
     n_runs = 2 * (1 if args.dry_run else len(PAIRS) * len(SEEDS))
-    return [recipe_row(args.out, codes["recipe"], secs),
+    return [recipe_row(args.out, codes["recipe"], secs, export=not args.dry_run),
             grid_row(args.out, codes["grid"], secs, n_runs)]
 
 

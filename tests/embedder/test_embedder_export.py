@@ -73,21 +73,39 @@ def test_preprocessing_round_trips_checkpoint_to_onnx(trained_like, omniglot_pat
 
 
 def test_default_model_path_concurrent_first_use(tmp_path, monkeypatch):
-    """Two first uses at once: one export, both get the same complete file, no temp files."""
+    """Two first uses at once: one export, both get the same complete file, no temp files.
+    The export is the real one (export_onnx's atomic write) of a small network in the default's
+    place: the lock is what is under test here; the default's own export is checked by the
+    ``pretrained_onnx`` fixture and test_pretrained_embedder (an 1,280-d Lite1 export here cost
+    46 s of the suite for the same lock)."""
     import os
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from embedder import pretrained
     from embedder.pretrained import MODEL_NAME, cache_dir, default_model_path
 
-    if (cache_dir() / f"{MODEL_NAME}.onnx").exists():  # fixture ran first (other order): fresh dir
-        monkeypatch.setenv("DAS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DAS_CACHE", str(tmp_path / "cache"))
+    exports, started = [], threading.Barrier(2)
+
+    def export_small(name, out):
+        exports.append(name)
+        return export_onnx(Embedder(EmbedderConfig(backbone="small_cnn", dim=32)).eval(), out)
+
+    monkeypatch.setattr(pretrained, "export_pretrained", export_small)
+
+    def first_use(_):
+        started.wait(timeout=30)          # both threads ask before either has a file
+        return default_model_path()
+
     with ThreadPoolExecutor(2) as pool:
-        paths = list(pool.map(lambda _: default_model_path(), range(2)))
-    assert paths[0] == paths[1] and paths[0].parent == cache_dir()
-    assert OnnxEmbedder(paths[0]).dim == 1280  # complete and valid
+        paths = list(pool.map(first_use, range(2)))
+    assert len(exports) == 1, exports
+    assert paths[0] == paths[1] == cache_dir() / f"{MODEL_NAME}.onnx"
+    assert OnnxEmbedder(paths[0]).dim == 32  # complete and valid
     assert sorted(p.name for p in cache_dir().iterdir()) == sorted(
         [paths[0].name, f".{MODEL_NAME}.lock"])
-    assert default_model_path() == paths[0] and os.path.getsize(paths[0]) > 1_000_000
+    assert default_model_path() == paths[0] and len(exports) == 1 and os.path.getsize(paths[0]) > 1000
 
 
 def test_pretrained_embedder(pretrained_onnx, photo_paths):

@@ -51,6 +51,16 @@ def test_a_partial_grid_fails_and_says_how_far_it_got(tmp_path):
     assert row.ok is False and row.note.startswith("5 of 12 runs, exit 124")
 
 
+def test_a_recipe_without_its_onnx_fails_unless_none_was_asked_for(tmp_path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "metrics.json").write_text(json.dumps(
+        {"initial": {"R@1": 0.7, "MAP@R": 0.4}, "last": {"R@1": 0.8, "MAP@R": 0.5}}))
+    missing = device_suite.recipe_row(tmp_path, 0, 10.0)
+    assert missing.ok is False and "ONNX MISSING" in missing.note
+    dry = device_suite.recipe_row(tmp_path, 0, 10.0, export=False)
+    assert dry.ok is True and "ONNX not asked for" in dry.note and "R@1 70.00" in dry.note
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_without_cuda_it_says_so_in_one_line(capsys):
     """A usage error of the CLI kit: the usage, then one error line; exit 2."""
@@ -63,7 +73,7 @@ def test_without_cuda_it_says_so_in_one_line(capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(1250)      # the subprocess has 1200 s
 def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
-    """Every step on the CPU: the recipe with its training-free start and ONNX export, the
+    """Every step on the CPU: the recipe with its training-free start (not exported), the
     grid with and without DAS in two processes at once, gpu_check's training runs; one
     summary with a PASS row each and the grid's table."""
     out = tmp_path / "suite"
@@ -75,7 +85,7 @@ def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
     summary = (out / "summary.md").read_text()
     assert summary.count("**PASS**") == 3 and "FAIL" not in summary
     assert "training-free start R@1" in summary and "-> fine-tuned R@1" in summary
-    assert (out / "recipe" / "model.onnx").is_file()
+    assert "ONNX not asked for" in summary and not (out / "recipe" / "model.onnx").exists()
     m = json.loads((out / "recipe" / "metrics.json").read_text())
     assert m["initial"]["R@1"] > 0 and m["last_epoch"] == 1
     runs = json.loads((out / "grid" / "runs.json").read_text())
