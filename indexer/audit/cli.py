@@ -13,10 +13,9 @@ from pathlib import Path
 from embedder.cli import add_options, run_main
 from indexer import IndexerError
 
-from .duplicates import DEFAULT_THRESHOLD
-from .source import ray_serving
+from .duplicates import DEFAULT_THRESHOLD, MIN_INLIERS
 from .run import DEFAULT_K, DEFAULT_TOP, DEFAULT_VERIFY_MAX, KINDS, print_summary, run_audit, write_audit
-from .verify import MIN_INLIERS
+from .source import ray_serving
 
 DESCRIPTION = ("Audit a gallery from its index: near-duplicate groups, likely mislabelled images "
                "(each with the label its neighbourhood suggests), outliers and the most confused "

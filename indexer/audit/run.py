@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from . import report
-from . import verify as geometric
-from .duplicates import DEFAULT_THRESHOLD, DuplicateGroup, candidates, near_duplicates
+from .duplicates import (DEFAULT_THRESHOLD, MAX_DIFFER, MIN_INLIERS, DuplicateGroup, candidates, near_duplicates,
+                         verify_pairs)
 from .graph import KnnGraph, build_graph
 from .labels import ClassView, ConfusedPair, class_view, confused_pairs, mislabelled
 from .outliers import OutlierScores, outlier_scores, ranked
@@ -61,7 +61,7 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
     """Audit an index directory (or an opened :class:`Gallery`). ``kinds``: the ones asked for;
     asking for a label kind of a gallery without labels is an error (ValueError), not asking
     leaves them out with the reason in ``skipped``. ``verify``: near-duplicate candidates below
-    the threshold checked by pixels (ORB + RANSAC, :mod:`.verify`), at most ``verify_max``
+    the threshold checked by pixels (ORB + RANSAC, ``duplicates.verify_pairs``), at most ``verify_max``
     pairs, best first. ``params``: labels.class_view's weights."""
     bad = [x for x in kinds if x not in KINDS]
     if bad:
@@ -112,11 +112,11 @@ def _verified(g: Gallery, graph: KnnGraph, threshold: float, cap: int) -> tuple[
     a, b, cos, score = candidates(graph, threshold)
     n = min(len(a), cap)
     t0, c0 = time.perf_counter(), time.process_time()
-    v = geometric.verify_pairs(a[:n], b[:n], g.image_bytes)
+    v = verify_pairs(a[:n], b[:n], g.image_bytes)
     sec, cpu = time.perf_counter() - t0, time.process_time() - c0
     ok, inl = v.same, v.inliers
-    info = {"candidates": int(len(a)), "checked": int(n), "confirmed": int(ok.sum()),
-            "min_inliers": geometric.MIN_INLIERS, "max_differ": geometric.MAX_DIFFER,
+    info = {"band": int(len(a)), "checked": int(n), "confirmed": int(ok.sum()),
+            "min_inliers": MIN_INLIERS, "max_differ": MAX_DIFFER,
             "ms_per_pair": round(1000 * sec / n, 1) if n else None,
             "cpu_ms_per_pair": round(1000 * cpu / n, 1) if n else None}
     return (a[:n][ok], b[:n][ok], cos[:n][ok], score[:n][ok], inl[ok]), info
@@ -280,8 +280,8 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
         print(f"    verified by pixels (ORB + RANSAC >= {v['min_inliers']} inliers, then aligned and compared): "
               f"{v['confirmed']} of "
               f"{v['checked']} candidate pairs below it confirmed"
-              + (f" ({v['candidates'] - v['checked']} more left unchecked: --verify-max)"
-                 if v["candidates"] > v["checked"] else ""), file=f)
+              + (f" ({v['band'] - v['checked']} more left unchecked: --verify-max)"
+                 if v["band"] > v["checked"] else ""), file=f)
     if "mislabelled" in fd:
         print(f"  likely mislabelled: {fd['mislabelled']} images nearer another label's images than their own", file=f)
         print(f"  confused class pairs: {fd['confused_pairs']} listed", file=f)

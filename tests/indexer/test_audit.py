@@ -175,7 +175,7 @@ def test_bad_input_is_one_line_exit_1_and_nothing_written(built_index: Path, tmp
 
 
 def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Path) -> None:
-    """ORB + RANSAC + the aligned comparison (indexer.audit.verify): a bird photo and its central
+    """ORB + RANSAC + the aligned comparison (indexer.audit.duplicates.verify_pairs): a bird photo and its central
     80% crop are one picture, two different photos of the same species are not (nor is a photo
     and its crop with the bird painted over: the frames of one scene); a file that does not
     decode is 0 inliers, not an error."""
@@ -183,7 +183,7 @@ def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Pa
 
     from PIL import Image
 
-    from indexer.audit import verify
+    from indexer.audit import duplicates as verify
 
     species = sorted(d for d in cub_mini.iterdir() if d.is_dir())[0]
     photos = sorted(species.iterdir())[:4]
@@ -216,9 +216,8 @@ def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_a
     import numpy as np
 
     from indexer.audit import open_gallery
-    from indexer.audit.duplicates import candidates, near_duplicates
+    from indexer.audit.duplicates import candidates, near_duplicates, verify_pairs
     from indexer.audit.graph import build_graph
-    from indexer.audit.verify import verify_pairs
 
     g = open_gallery(faulty["index"])
     graph = build_graph(g, 10)
@@ -239,7 +238,7 @@ def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_a
     wrong = [(path[x], path[y], int(n)) for x, y, n in zip(a[ok], b[ok], inl[ok]) if not {path[x], path[y]} <= copies]
     assert not wrong, wrong
     faults_summary = json.loads((faulty["out"] / "summary.json").read_text())["duplicates_verified"]
-    assert faults_summary["checked"] == faults_summary["candidates"] >= faults_summary["confirmed"] >= 0
+    assert faults_summary["checked"] == faults_summary["band"] >= faults_summary["confirmed"] >= 0
 
 
 def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
@@ -249,6 +248,6 @@ def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "off" / "summary.json").read_text())["duplicates_verified"] is None
     run_audit_cli("--index", faulty["index"], "--out", tmp_path / "one", "--quiet", "--no-sheets", "--verify-max", "1")
     v = json.loads((tmp_path / "one" / "summary.json").read_text())["duplicates_verified"]
-    assert v["checked"] == min(1, v["candidates"])
+    assert v["checked"] == min(1, v["band"])
     bad = run_audit_cli("--index", faulty["index"], "--verify-max", "-1", check=False)
     assert bad.returncode == 2
