@@ -24,7 +24,7 @@ from .source import Gallery, open_gallery
 DEFAULT_K = 10          # neighbours per image (chosen on validation classes)
 DEFAULT_TOP = 1000      # rows written per ranked list (mislabelled, outliers)
 #: candidate pairs verified by pixels at most, best score first (bounds the audit's time: about
-#: 20-40 ms CPU a pair, docs/benchmarks/audit.md)
+#: 30-45 ms CPU a pair, docs/benchmarks/audit.md)
 DEFAULT_VERIFY_MAX = 5000
 KINDS = ("duplicates", "mislabelled", "outliers", "confused")
 LABEL_KINDS = ("mislabelled", "confused")
