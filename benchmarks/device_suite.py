@@ -13,7 +13,7 @@ Steps, each a row of one summary (OUT/summary.md, also printed):
    a. the GPU photo recipe (configs/photos_finetune_gpu.toml: the shipped training-free
       embedder, every stage fine-tuned, multi-similarity) on cub-dev, seed 0, with the
       training-free start evaluated beside it (epoch 0) and the ONNX export parity-checked;
-   b. ``benchmarks.finetune_table2`` with that recipe: triplet [semihard], margin [distance],
+   b. ``benchmarks.training.finetune_table2`` with that recipe: triplet [semihard], margin [distance],
       multi-similarity x seeds 0 1, with and without DAS, ``--jobs`` runs at once;
 2. ``benchmarks.gpu_check`` (CUDA tests, DAS kernels and their goals, training CLI, bf16),
    after the photos so that its timings run on a quiet GPU.
@@ -125,7 +125,7 @@ def photo_commands(args) -> dict[str, list[str]]:
     recipe = [py, "-m", "training", "--config", RECIPE, "--root", str(args.root),
               "--out", str(out / "recipe"), "--seed", "0", "--eval_initial", "true",
               "--set", f"workers={args.workers}"]
-    grid = [py, "-m", "benchmarks.finetune_table2", "--config", RECIPE, "--root", str(args.root),
+    grid = [py, "-m", "benchmarks.training.finetune_table2", "--config", RECIPE, "--root", str(args.root),
             "--methods", *(PAIRS[-1:] if args.dry_run else PAIRS),
             "--seeds", *map(str, SEEDS[:1] if args.dry_run else SEEDS),
             "--jobs", str(min(args.jobs, 2) if args.dry_run else args.jobs), "--no-baselines",

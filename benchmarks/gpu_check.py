@@ -21,7 +21,7 @@ check rather than the figures:
    beat the untrained model's R@1;
 3. ``python -m embedder info`` on the exported model;
 4. one short run with bf16 autocast and a bf16 bank, again on the fused kernels;
-5. the CUDA rows of benchmarks/das_overhead.py (DAS module per call for the eager code, the
+5. the CUDA rows of benchmarks/training/das_overhead.py (DAS module per call for the eager code, the
    fused kernels and the fused kernels in a CUDA graph; CUDA launches per call; full step with
    / without DAS incl. ResNet50 @ 224), each goal of the GPU issues printed with its figure.
 Exit status 0 when every step and goal passed. Full outputs go to --out
@@ -260,7 +260,7 @@ def bench_goals(figures: dict, device: str) -> list[tuple[str, bool | None, str]
 
 def step_bench(args, env) -> tuple[bool, str, list[tuple[str, bool | None, str]]]:
     table, figs = args.out / "das_overhead.md", args.out / "das_overhead.json"
-    cmd = [sys.executable, "-m", "benchmarks.das_overhead", "--devices", args.device,
+    cmd = [sys.executable, "-m", "benchmarks.training.das_overhead", "--devices", args.device,
            "--out", str(table), "--json", str(figs)]
     if args.quick:
         cmd += ["--module-steps", "5", "--steps", "2", "--warmup", "1",

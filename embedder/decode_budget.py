@@ -5,7 +5,7 @@ the whole frame. So each decode first reserves its cost from one budget shared b
 of the process: four 36-megapixel PNGs at once decode one after another, and a file that alone
 exceeds the budget is refused before a pixel is decoded (``ImageTooLargeError``).
 
-Costs per pixel, measured (benchmarks/decode_memory.py, peak RSS in a fresh process): 4.1 bytes
+Costs per pixel, measured (benchmarks/embedder/decode_memory.py, peak RSS in a fresh process): 4.1 bytes
 for RGB/RGBA PNG, BMP or TIFF, 1.1 for palette and greyscale, 6.3 for an LZW TIFF, 16.1 for WebP
 through ``load`` (12 read in strips by ``images._webp_first_frame``, still charged 16). A
 progressive JPEG also keeps every DCT coefficient until its last scan whatever ``draft`` asked,

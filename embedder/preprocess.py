@@ -129,7 +129,7 @@ class Preprocessing:
         """(C, H, W) float32, normalised: what the network is fed at evaluation time.
         ``(x / 255 - mean) / std`` as torchvision's ``ToTensor`` + ``Normalize`` (the same bits),
         but transposed first and in place per channel plane (a third of decode + preprocess
-        saved: benchmarks/preprocess_cost.py)."""
+        saved: benchmarks/embedder/preprocess_cost.py)."""
         a = np.asarray(self.eval_image(img))
         a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
         out = a.astype(np.float32, order="C")

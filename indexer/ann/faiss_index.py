@@ -366,7 +366,7 @@ def is_ivf(index: faiss.Index) -> bool:
 def no_prefetch(index: faiss.Index) -> faiss.Index:
     """Turn off the prefetch threads of memory-mapped inverted lists (returns ``index``): faiss
     starts 32 on every search of ``OnDiskInvertedLists``, pure overhead over the page cache
-    (3.4 ms against 0.48 ms a query, benchmarks.mmap_search). Same answers."""
+    (3.4 ms against 0.48 ms a query, benchmarks.scaling.mmap_search). Same answers."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         lists = faiss.downcast_InvertedLists(ivf.invlists)

@@ -29,7 +29,7 @@ from ..directory.manifest import Manifest, NeighboursRecord
 from ..errors import IndexerError
 
 NEIGHBOURS_FILE = "neighbours.npz"
-#: Chosen on cub-dev validation species, held-out halves, 10 splits (benchmarks/neighbour_rerank.py,
+#: Chosen on cub-dev validation species, held-out halves, 10 splits (benchmarks/indexer/neighbour_rerank.py,
 #: docs/benchmarks/indexer.md): the best R@1 (within 0.05 of k=8, alpha=7) with the best MAP@R among those.
 DEFAULT_K = 8
 DEFAULT_ALPHA = 5.0

@@ -54,7 +54,7 @@ class ShardSearcher:
         return str(host), int(port)
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One search as a Ray call (not the serving path: ``benchmarks/fanout_bench.py``
+        """One search as a Ray call (not the serving path: ``benchmarks/scaling/fanout_bench.py``
         measures it beside the data plane)."""
         faiss.omp_set_num_threads(self.threads)        # OpenMP's thread count is per thread
         return self._search(q, k)

@@ -215,7 +215,7 @@ class LmdbStore:
     NAMES: tuple[str, ...] = ()
     DUPSORT: tuple[str, ...] = ()
     #: read-only transactions check the mapped file first; False only to time what that costs
-    #: (benchmarks/store_check_cost.py)
+    #: (benchmarks/serving/store_check_cost.py)
     check_reads: bool = True
 
     def __init__(self, path: str | Path, *, readonly: bool = True, map_size: int | None = None) -> None:

@@ -4,7 +4,7 @@ before decoding with a clear error.
 The budget is lowered in these tests (``decode_budget.BUDGET.capacity``, ``SMALL_DECODE``) so
 that real photos of about 1.5 megapixels play the part of 36-megapixel uploads: the code paths
 are the same, the files are small enough to make in a test. No memory is measured here (that is
-``benchmarks/decode_memory.py``); the tests pin the decoder path: what the model gets, that the
+``benchmarks/embedder/decode_memory.py``); the tests pin the decoder path: what the model gets, that the
 strip-wise result is the whole-image result pixel for pixel, that uncompressed files are never
 decoded whole, and that a refusal comes before the decode.
 """

@@ -5,7 +5,7 @@ refused unopened.
 The files are real ones made here: an ICO whose directory says 256x256 around a 12000x12000
 PNG (written a row at a time, 140 KB; the frame never exists in the test), MPO, a GIF whose
 logical screen is smaller than its first frame, APNG, animated WebP, JPEG-in-TIFF. No memory is
-measured (that is ``benchmarks/decode_memory.py``): the tests pin what the decoder does, that a
+measured (that is ``benchmarks/embedder/decode_memory.py``): the tests pin what the decoder does, that a
 refusal comes before any decoder runs.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import IcoImagePlugin, Image, ImageFile
 
-from benchmarks.container_files import ico_around, multi_frame, png_rows
+from benchmarks.inputs.container_files import ico_around, multi_frame, png_rows
 from embedder import decode_budget, open_image
 from embedder.images import ImageLoadError, ImageTooLargeError, load_image
 

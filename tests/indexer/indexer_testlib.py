@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from benchmarks.lmdb_damage import garbage_inside  # noqa: F401 - shared with the reliability probes
+from benchmarks.inputs.lmdb_damage import garbage_inside  # noqa: F401 - shared with the reliability probes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -175,7 +175,7 @@ def test_every_type_keeps_ids_params_and_removals(index_type: str, tmp_path: Pat
 def test_memory_mapped_ivf_lists_search_without_prefetch_threads(tmp_path: Path) -> None:
     """Reading an IVF index memory-mapped for serving (codes-only serving, merge_ondisk's index;
     sharded parts and fan-out actors too) turns faiss's per-search prefetch threads off (4.5x a single
-    query's time here: benchmarks.mmap_search), and answers as the index in RAM does."""
+    query's time here: benchmarks.scaling.mmap_search), and answers as the index in RAM does."""
     from indexer.ann import ondisk
 
     rng = np.random.default_rng(0)

@@ -48,7 +48,7 @@ def test_build_skips_an_icon_wrapping_a_huge_png_named_png(tmp_path: Path, omnig
     """Issue 28: four 140 KB ICO files named .png whose directory says 256x256 around a
     12000x12000 PNG (Pillow's ICO plugin decodes its frame inside Image.open: 550 MB each) are
     skipped with the reason, from the headers; the rest is indexed and the build exits 0."""
-    from benchmarks.container_files import ico_around, png_rows
+    from benchmarks.inputs.container_files import ico_around, png_rows
 
     gallery = tmp_path / "gallery"
     copy_characters(omniglot_root, gallery, 1)                        # 20 ordinary images

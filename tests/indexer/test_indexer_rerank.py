@@ -111,10 +111,7 @@ def test_codes_only_index_answers_as_exact_search(built: Path) -> None:
 def test_pq_codes_answer_as_the_in_ram_index_where_their_candidates_hold_it(tmp_path: Path) -> None:
     """PQ (d/4 bytes a vector, the codes a tight budget picks) on a gallery large enough to
     train it: low-rank vectors in a real IVF-Flat file read memory-mapped, exact vectors by id."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from index_bench import low_rank, low_rank_law
+    from benchmarks.inputs.low_rank import low_rank, low_rank_law
 
     law = low_rank_law(32, 0)
     x, q = low_rank(20_000, law, 1), low_rank(300, law, 2)

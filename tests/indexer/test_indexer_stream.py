@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
-from benchmarks.index_bench import low_rank, low_rank_law
+from benchmarks.inputs.low_rank import low_rank, low_rank_law
 from indexer.ann import faiss_index as fx
 from indexer.ann import selection, sample as shard_sample, stream, tuning
 from indexer.errors import IndexerError

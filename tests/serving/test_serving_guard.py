@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from benchmarks.reliability_guard_probes import trickle
+from benchmarks.inputs.slow_clients import trickle
 from test_serving_hostile import _login, gradio_call
 
 MB = 1024 * 1024

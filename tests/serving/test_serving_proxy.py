@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from benchmarks.reliability_client_probes import open_stream
+from benchmarks.inputs.slow_clients import open_stream
 
 AUTH = ("tester", "s3cret-pass")            # conftest's; conftest is not importable by name here
 WRONG = ("tester", "guess")

@@ -112,7 +112,7 @@ def test_launches_run_under_the_tensors_cuda_device(monkeypatch):
 
 def test_graph_option_same_state_as_the_direct_call():
     """``graph=True`` only changes how the fused call is launched on CUDA (captured once per
-    batch layout, then replayed; timed by benchmarks/das_overhead.py): the same kernels write
+    batch layout, then replayed; timed by benchmarks/training/das_overhead.py): the same kernels write
     the same state, the real rows and labels come back unchanged. Its uniforms are drawn in
     graph-safe mode, so only off CUDA (where it is inert) are the copies equal too."""
     a = DAS(6, 16, num_produce=2, seed=0, backend="triton", graph=True).to(DEVICE)

@@ -1,4 +1,4 @@
-"""benchmarks/finetune_table2.py on real cub-dev photos (2 + 2 species of `cub_mini`, 64 px, 2 steps): one
+"""benchmarks/training/finetune_table2.py on real cub-dev photos (2 + 2 species of `cub_mini`, 64 px, 2 steps): one
 shared trunk cache, paired report, training-free rows, resumable."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_tiny_finetune_grid(cub_mini, tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
-    from benchmarks import finetune_table2
+    from benchmarks.training import finetune_table2
 
     cache, out = tmp_path / "cache", tmp_path / "grid"
     argv = ["--root", str(cub_mini), "--methods", "multisimilarity:none", "--seeds", "0", "1",

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def splits(caltech_mini, pretrained_onnx, tmp_path_factory):
     sys.path.insert(0, str(REPO))
-    from benchmarks.frozen_features import frozen_splits
+    from benchmarks.training.frozen_features import frozen_splits
 
     cache = tmp_path_factory.mktemp("features")
     train, test = frozen_splits(caltech_mini, cache=cache, max_classes=3, progress=False)
@@ -27,7 +27,7 @@ def splits(caltech_mini, pretrained_onnx, tmp_path_factory):
 
 
 def test_features_are_computed_once_and_split_by_class(splits, caltech_mini, monkeypatch):
-    from benchmarks import frozen_features
+    from benchmarks.training import frozen_features
     from training.data import _natural_key
 
     train, test, cache = splits
@@ -48,7 +48,7 @@ def test_features_are_computed_once_and_split_by_class(splits, caltech_mini, mon
 def test_pca_head_starts_at_the_frozen_ranking_and_training_is_seeded(splits, caltech_mini,
                                                                       tmp_path):
     # ported from training/frozen.py's train_head to the trainer with trainable = "head"
-    from benchmarks.frozen_features import head_run_config, pca_head
+    from benchmarks.training.frozen_features import head_run_config, pca_head
     from embedder.metrics import evaluate
     from training import train as run
 
@@ -73,7 +73,7 @@ def test_pca_head_starts_at_the_frozen_ranking_and_training_is_seeded(splits, ca
 
 def test_tiny_grid_reports_paired_intervals(splits, caltech_mini, tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO))
-    from benchmarks import frozen_table2
+    from benchmarks.training import frozen_table2
 
     _, _, cache = splits
     out = tmp_path / "grid"

@@ -21,7 +21,7 @@ def test_cached_pooled_features_are_the_gallery_embedders(cub_mini, tmp_path, pr
     """The trainer's float32 pooled-feature cache, L2-normalised, equals the ONNX default
     embedder's output for the same photos (what `indexer build` stores), to float noise."""
     sys.path.insert(0, str(REPO))
-    from benchmarks.frozen_features import frozen_splits
+    from benchmarks.training.frozen_features import frozen_splits
     from embedder import OnnxEmbedder
     from training.data import load_splits
 
