@@ -142,7 +142,7 @@ def host_header_probe(url: str, photo: bytes) -> list[tuple[str, str, str]]:
 
 
 def forwarded_for_probe(url: str) -> list[tuple[str, str, str]]:
-    """After reliability_guard_probes.throttle_probe has blocked 127.0.0.1: fresh X-Forwarded-For
+    """After guard_probes.throttle_probe has blocked 127.0.0.1: fresh X-Forwarded-For
     values, with the right password and with guesses, for 5 s."""
     codes: list[int] = []
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ Run from the repository root, under ``nice -n 10`` (the machine is shared):
     python -m benchmarks.scaling.kmeans_bench --points 1048576 --lists 16384 --methods exact,approx
     python -m benchmarks.scaling.kmeans_bench --points 262144 --lists 4096 --methods exact,approx
 
-The data is the 10M plan's (``index_bench.low_rank``, d = 128, the law of ``scale_bench``): a
+The data is the 10M plan's (``inputs.low_rank``, d = 128, the law of ``scale_bench``): a
 k-means sample of ``--points``, a gallery of ``--gallery`` other vectors (default: as many) and
 ``--queries`` fresh queries (default 1,000; each row's recall difference to the first row comes
 with its 95% interval over the queries: at 1,000 it is about +-0.01, so the 0.005 goal needs

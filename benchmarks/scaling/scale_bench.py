@@ -221,7 +221,7 @@ def plan_table(rows: list[dict], cmd: str) -> list[str]:
 
 
 def stream_table(rows: list[dict], cmd: str) -> list[str]:
-    out = [f"Streaming build of low-rank synthetic vectors (`index_bench.low_rank`) in shards, each "
+    out = [f"Streaming build of low-rank synthetic vectors (`inputs.low_rank`) in shards, each "
            "stage its own process (peak RSS = `ru_maxrss`, which counts the memory-mapped shard "
            "and index pages too; anon = sampled peak `RssAnon`, the process's own memory); fresh "
            f"recall@10 on 1000 generated queries against exact search. Command: `{cmd}`.", "",

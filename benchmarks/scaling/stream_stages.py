@@ -86,7 +86,7 @@ class NpySource:
 
 
 def _gen(work: str, n: str, shards: str, d: str) -> dict:
-    """The synthetic shards: the low-rank generator of index_bench.py, in chunks of 250k."""
+    """The synthetic shards: the low-rank generator (inputs/low_rank.py), in chunks of 250k."""
     import numpy as np
 
     from benchmarks.inputs.low_rank import low_rank, low_rank_law
