@@ -36,16 +36,6 @@ if "TRITON_INTERPRET" not in os.environ:
 SLOW_FIRST = ("tests/indexer/test_ray_netns.py", "tests/training/test_device_suite.py")
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: a worker a core plus one (at most --maxprocesses). The Ray run waits on its
-    clusters ~70% of its 6-9 minutes and the device-suite dry run on its subprocesses ~half of
-    its 3-6: with a worker a core, a core idles meanwhile (measured on 2 cores: 1.55 of 2 busy
-    over the run). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where set (xdist's own rule)."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {m: i for i, m in enumerate(SLOW_FIRST)}
     items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(rank)))   # stable

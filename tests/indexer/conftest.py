@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from shared_fixture import shared_fixture
 
-from indexer_testlib import REPO, copy_characters, ray_gallery, run_cli, single_build  # noqa: F401
+from indexer_testlib import REPO, copy_characters, run_cli  # noqa: F401 (fixtures use them)
 
 # test_ray.py and test_ray_cluster.py start Ray, which listens beyond loopback: the main run
 # leaves them out and test_ray_netns.py runs each inside a private network namespace (run by
@@ -44,17 +44,3 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path,
         run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *flags)
 
     return shared_fixture(tmp_path_factory, "two_shards", build)
-
-
-# The Ray modules run in one process (test_ray_netns.py): their gallery and the one-process build
-# they are compared with are made once for both (a copy and a build less: ~20 s of the Ray run).
-@pytest.fixture(scope="session")
-def ray_gallery_dir(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
-    """``RAY_CHARS`` Omniglot characters (600 images); tests must not modify it."""
-    return ray_gallery(tmp_path_factory, omniglot_root, "ray-gallery")
-
-
-@pytest.fixture(scope="session")
-def ray_single(tmp_path_factory: pytest.TempPathFactory, ray_gallery_dir: Path, small_onnx: Path):
-    """The one-process build (``RAY_FLAGS``) of ``ray_gallery_dir`` every Ray build is compared with."""
-    return single_build(tmp_path_factory, ray_gallery_dir, small_onnx, "ray-single")

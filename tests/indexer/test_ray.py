@@ -22,7 +22,7 @@ require_private_network("tests/indexer/test_ray.py")
 ray = pytest.importorskip("ray")
 
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
-from indexer_testlib import assert_same_index, run_cli  # noqa: E402
+from indexer_testlib import assert_same_index, ray_gallery, run_cli, single_build  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.directory.index_dir import STORE_DIR  # noqa: E402
 from indexer.directory.index_dir import FILE_LIST  # noqa: E402
@@ -46,14 +46,14 @@ def ray_address():
 
 
 @pytest.fixture(scope="module")
-def gallery(ray_gallery_dir: Path) -> Path:
-    return ray_gallery_dir
+def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
+    return ray_gallery(tmp_path_factory, omniglot_root, "ray-gallery")
 
 
 @pytest.fixture(scope="module")
-def single(ray_single: Index) -> Index:
-    """The one-process build everything is compared with (shared with the other Ray module)."""
-    return ray_single
+def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
+    """The single-process build everything is compared with."""
+    return single_build(tmp_path_factory, gallery, small_onnx, "ray-single")
 
 
 def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, gallery: Path,

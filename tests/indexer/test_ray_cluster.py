@@ -35,7 +35,7 @@ require_private_network("tests/indexer/test_ray_cluster.py")
 ray = pytest.importorskip("ray")
 
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
-from indexer_testlib import REPO, assert_same_index, copy_characters, run_cli  # noqa: E402
+from indexer_testlib import REPO, assert_same_index, copy_characters, ray_gallery, run_cli, single_build  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.ann.faiss_index import index_ids  # noqa: E402
 from indexer.directory.index_dir import PART_FILE, STORE_DIR  # noqa: E402
@@ -53,14 +53,14 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="module")
-def gallery(ray_gallery_dir: Path) -> Path:
-    return ray_gallery_dir
+def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
+    return ray_gallery(tmp_path_factory, omniglot_root, "cluster-gallery")
 
 
 @pytest.fixture(scope="module")
-def single(ray_single: Index) -> Index:
-    """The one-process build everything is compared with (shared with the other Ray module)."""
-    return ray_single
+def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
+    """The undisturbed one-process build the node-loss build is compared with."""
+    return single_build(tmp_path_factory, gallery, small_onnx, "cluster-single")
 
 
 @pytest.fixture(scope="module")
