@@ -40,7 +40,6 @@ images have one size: a copy's scale is its crop factor).
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -161,13 +160,15 @@ Features = tuple[np.ndarray, np.ndarray]      # (k, 2) float32 x, y; (k, 32) uin
 
 def gray(data: bytes, side: int = SIDE) -> np.ndarray | None:
     """The image in ``data`` as float32 grayscale in [0, 1], longest side ``side`` (None when it
-    does not decode: such a pair is not verified, never an error)."""
+    does not decode: such a pair is not verified, never an error). Decoded by the project's one
+    decoder (``embedder.images.load_image``: header pixel limit, bounded memory, JPEG decoded at
+    a reduced scale): the audit also runs in the serving process."""
     from PIL import Image
 
+    from embedder.images import load_image
+
     try:
-        im = Image.open(io.BytesIO(data))
-        im.draft("L", (side, side))                # JPEG: decode at 1/2..1/8 scale, much faster
-        im = im.convert("L")
+        im = load_image(data, mode="L", min_side=side)
     except Exception:                               # noqa: BLE001 - any undecodable bytes
         return None
     s = side / max(im.size)
