@@ -208,8 +208,13 @@ def open_readers(ray: Any, shard_dirs: Sequence[str | Path], model_hash: str, di
     try:
         for i, d in enumerate(shard_dirs):
             node = nodes[i] if nodes else None
+            # Restarts are the bound (``max_retries`` of them); a call waits through each restart
+            # (max_task_retries=-1). A bounded count of call retries ran out while the reader's
+            # lost node was not yet marked dead (each "actor temporarily unavailable" spends one,
+            # seconds apart), and the stream failed though a restart elsewhere was coming (CI,
+            # 2026-11-28). Only system failures retry: a call's own exception never does.
             opts: dict = {"num_cpus": 0, "memory": READER_MEMORY, "max_restarts": max_retries,
-                          "max_task_retries": max_retries}
+                          "max_task_retries": -1}
             if node:
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             actor = cls.options(**opts).remote(str(Path(d) / STORE_DIR), model_hash, int(dim), threads)
