@@ -4,7 +4,7 @@ A gallery of symlinks to real photos (read in place, in a temp dir) with, disjoi
 other: 2% of the labels flipped to another class; 2% of the photos copied resized (0.5x),
 re-encoded (JPEG q25) or cropped (central 85%), each copy beside its original; 1% photos of
 another dataset put into random classes. It is indexed with ``python -m indexer build`` (default
-settings), audited with ``python -m indexer.audit`` (default settings), and scored:
+settings), audited with ``python -m indexer audit`` (default settings), and scored:
 
 - mislabelled: precision among the top N flagged (N = flipped), share of flipped in the top 2N;
 - near-duplicates: recall of the injected (original, copy) pairs (both in one group) and
@@ -208,7 +208,7 @@ def faults(args: argparse.Namespace) -> None:
         run([sys.executable, "-m", "indexer", "build", str(gal), "--out", str(idx), "--quiet"])
     tb = time.perf_counter() - t0
     t0 = time.perf_counter()
-    run([sys.executable, "-m", "indexer.audit", "--index", str(idx), "--out", str(out), "--quiet",
+    run([sys.executable, "-m", "indexer", "audit", "--index", str(idx), "--out", str(out), "--quiet",
          "--top", "100000"])
     ta = time.perf_counter() - t0
     s = score(out, truth, gal)

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from shared_fixture import SMALL_ONNX_ENV, shared_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,16 +145,25 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_onnx(tmp_path_factory: pytest.TempPathFactory, omniglot_paths: list[Path]) -> Path:
-    """An exported small_cnn Omniglot embedder (untrained, seeded; 64-d, L2-normalised)."""
-    import torch
+    """An exported small_cnn Omniglot embedder (untrained, seeded; 64-d, L2-normalised): exported
+    once per run (``shared_fixture``: the dynamo export and its imports are ~20 CPU-s a process),
+    and not again in the Ray run, which gets this file as ``SMALL_ONNX_ENV`` (test_ray_netns.py)."""
+    given = os.environ.get(SMALL_ONNX_ENV)
+    if given:
+        return Path(given)
 
-    from embedder import Embedder, EmbedderConfig, export_onnx
+    def export(out: Path) -> None:
+        import torch
 
-    torch.manual_seed(0)
-    model = Embedder(EmbedderConfig(backbone="small_cnn", dim=64)).eval()
-    out = tmp_path_factory.mktemp("small-onnx") / "small_cnn.onnx"
-    return export_onnx(model, out, source_hash="untrained-small-cnn-seed0",
-                       parity_images=omniglot_paths[:8])
+        from embedder import Embedder, EmbedderConfig, export_onnx
+
+        torch.manual_seed(0)
+        model = Embedder(EmbedderConfig(backbone="small_cnn", dim=64)).eval()
+        out.mkdir(parents=True)
+        export_onnx(model, out / "small_cnn.onnx", source_hash="untrained-small-cnn-seed0",
+                    parity_images=omniglot_paths[:8])
+
+    return shared_fixture(tmp_path_factory, "small-onnx", export) / "small_cnn.onnx"
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,14 @@
-"""``python -m indexer audit`` (and ``python -m indexer.audit``): the audit's command line.
+"""``python -m indexer audit``: the audit's command line.
 
 ``add_parser(subparsers)`` adds the ``audit`` command to ``python -m indexer``'s parser;
-``run(args)`` is its handler; ``main(argv)`` runs it standalone through the kit's
-``embedder.cli.run_main`` (usage 2, a one-line error and 1, Ctrl-C 130).
+``run(args)`` is its handler (the error policy is indexer's ``run_main``).
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from embedder.cli import add_options, run_main
-from indexer import IndexerError
+from embedder.cli import add_options
 
 from .duplicates import DEFAULT_THRESHOLD, MIN_INLIERS
 from .run import DEFAULT_K, DEFAULT_TOP, DEFAULT_VERIFY_MAX, KINDS, print_summary, run_audit, write_audit
@@ -97,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
     a = run_audit(args.index, k=args.k, threshold=args.threshold, kinds=tuple(args.kinds),
                   progress=not args.quiet, ray=ray, verify=args.verify, verify_max=args.verify_max)
     out = args.out if args.out is not None else args.index / "audit"
-    info = write_audit(a, out, top=args.top, sheets=args.sheets)
+    try:
+        info = write_audit(a, out, top=args.top, sheets=args.sheets)
+    finally:
+        a.gallery.close()
     if args.json:
         import json
 
@@ -107,11 +107,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    import lmdb
-
-    p = configure(argparse.ArgumentParser(prog="python -m indexer.audit", description=DESCRIPTION))
-    return run_main("indexer audit", p, argv, expected=(IndexerError, lmdb.Error))
-
-
-__all__ = ["add_parser", "configure", "run", "main"]
+__all__ = ["add_parser", "configure", "run"]

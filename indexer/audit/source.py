@@ -40,6 +40,11 @@ class Gallery:
     def directory(self) -> Path:
         return Path(self.index.directory)
 
+    def close(self) -> None:
+        """Close the index's store: LMDB allows one environment a path per process, so a writer
+        in this process (``indexer add`` after an audit, in a service or a test) needs it shut."""
+        self.index.close()
+
     @property
     def dim(self) -> int:
         return int(self.index.dim)

@@ -47,13 +47,14 @@ def search(args: argparse.Namespace) -> None:
         return search_folder(args)
     if args.out is not None:
         raise UsageError("--out is for a folder of queries (one image prints its results)")
-    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
-                     ray=ray_serving(args))
-    if not args.image.is_file():
-        raise IndexerError(f"{args.image}: no such image or folder")
-    query = args.image if box is None else crop(load_image(args.image, mode="RGB"), box, str(args.image), "--box")
-    found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
-    hits = idx.hits(found.scores[0], found.ids[0])
+    # closed on return: LMDB allows one environment a path per process (main() may run again)
+    with Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
+                    ray=ray_serving(args)) as idx:
+        if not args.image.is_file():
+            raise IndexerError(f"{args.image}: no such image or folder")
+        query = args.image if box is None else crop(load_image(args.image, mode="RGB"), box, str(args.image), "--box")
+        found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
+        hits = idx.hits(found.scores[0], found.ids[0])
     warn_partial(found.partial, args)
     if args.json:
         print(json.dumps([h.__dict__ for h in hits], indent=2))
@@ -71,10 +72,10 @@ def search_folder(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {args.out}: expected a .jsonl or .csv file")
     from ..layouts.index import Index
 
-    idx = Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
-                     ray=ray_serving(args))
-    rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
-                                          progress=True)
+    with Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
+                    ray=ray_serving(args)) as idx:
+        rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
+                                              progress=True)
     warn_partial(partial, args)
     out = sys.stdout if args.out is None else None
     tmp = None if args.out is None else args.out.with_name(f".{args.out.name}.partial")
@@ -104,14 +105,14 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.max_queries is not None and not args.leave_one_out:
         raise UsageError("--max-queries needs --leave-one-out")
     dba = DBA[args.dba]
-    idx = Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
-                     max_memory=args.max_memory, ray=ray_serving(args, strict=True))
-    if dba and not idx.has_dba:
-        raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
-    if args.leave_one_out:
-        res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries)
-    else:
-        res = evaluate_queries(idx, args.queries, args.k, dba=dba)
+    with Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
+                    max_memory=args.max_memory, ray=ray_serving(args, strict=True)) as idx:
+        if dba and not idx.has_dba:
+            raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
+        if args.leave_one_out:
+            res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries)
+        else:
+            res = evaluate_queries(idx, args.queries, args.k, dba=dba)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

@@ -224,6 +224,12 @@ class Index:
     def close(self) -> None:
         self.store.close()
 
+    def __enter__(self) -> "Index":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         m = self.manifest
         return f"Index({str(self.directory)!r}, {m.index_type}, n={len(self)}, dim={self.dim}, nprobe={m.nprobe})"

@@ -1,4 +1,4 @@
-"""``python -m indexer.audit`` (issue 42): detection on real bird photos with injected faults,
+"""``python -m indexer audit`` (issue 42): detection on real bird photos with injected faults,
 the no-label path, sharded indexes and bad input.
 
 The faulty gallery: cub_mini's 8 species x 12 photos (symlinks, read in place) with 2 labels
@@ -13,21 +13,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from indexer_testlib import REPO, run_cli
+from indexer_testlib import run_cli
 
 
 def run_audit_cli(*args: object, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
-    p = subprocess.run([sys.executable, "-m", "indexer.audit", *map(str, args)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
-        raise AssertionError(f"audit {args} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+    return run_cli("audit", *args, check=check)
 
 
 def rows(folder: Path, kind: str) -> list[dict]:
@@ -122,7 +117,7 @@ def test_library_face_gives_the_same_rows(faulty: dict) -> None:
     assert {r["path"] for r in lib["mislabelled"]} == {r["path"] for r in rows(faulty["out"], "mislabelled")}
     assert a.graph.k == 10 and (a.graph.nbr >= 0).all()
     ids = a.gallery.ids
-    assert not (a.graph.nbr == __import__("numpy").arange(len(ids))[:, None]).any()   # its own id left out
+    assert not (a.graph.nbr == np.arange(len(ids))[:, None]).any()   # its own id left out
 
 
 def test_a_gallery_without_labels_gets_duplicates_and_outliers_only(tmp_path: Path, omniglot_paths: list[Path],
@@ -149,8 +144,13 @@ def test_sharded_and_merged_indexes_give_the_same_audit(two_shards: Path, tmp_pa
         run_audit_cli("--index", two_shards / name, "--out", tmp_path / name, "--quiet", "--no-sheets")
         got[name] = rows(tmp_path / name, "outliers")
     assert len(got["sharded"]) == len(got["merged"]) == 240
-    top = {n: {r["path"] for r in got[n][:20]} for n in got}
-    assert len(top["sharded"] & top["merged"]) >= 18        # IVF on both: the same up to a probe
+    # Scores per image, not the top-N set: the ranking has long runs of near-equal scores (the
+    # neighbourhood share is a multiple of 1/k, distances add ~1e-3), so which images fill the
+    # last places of a top 20 is decided by a probe's rounding (17 of 20 on an Intel host, 2026-11-28).
+    # IVF on both: a probe may change one image's neighbours, and so its score, in either.
+    score = {n: {r["path"]: r["score"] for r in got[n]} for n in got}
+    diff = np.array([abs(score["sharded"][p] - score["merged"][p]) for p in score["merged"]])
+    assert (diff <= 0.01).mean() >= 0.85 and diff.mean() <= 0.03, np.sort(diff)[-30:]
 
 
 def test_bad_input_is_one_line_exit_1_and_nothing_written(built_index: Path, tmp_path: Path) -> None:

@@ -92,7 +92,7 @@ def test_a_second_writer_is_refused_in_one_line(kinds: dict[str, Path], kind: st
     folder = next(p for p in sorted(omniglot_gallery.rglob("*")) if p.is_dir() and any(p.glob("*.png")))
     with writer_lock(d, "test: another writer"):
         assert check_counts(d).busy                 # counts not compared while a writer works
-        p = run_cli("add", "--index", d, folder, "--quiet", check=False)
+        p = run_cli("add", "--index", d, folder, "--quiet", check=False, fresh=True)
     assert p.returncode != 0
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and "being written" in err[0] and "test: another writer" in err[0], p.stderr

@@ -144,9 +144,9 @@ def test_add_and_remove(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -
     rel = "more/" + new_files[0].relative_to(g2).as_posix()
     hit = idx.search([new_files[0]], 1)[0][0]
     assert hit.path == rel and hit.label == str(Path(rel).parent)
-    idx.close()
     # remove one by path and one by id
     other = idx.store.id_for_path("more/" + new_files[1].relative_to(g2).as_posix())
+    idx.close()
     run_cli("remove", rel, str(other), "--index", out)
     idx = Index.open(out)
     assert len(idx) == 28 and idx.store.id_for_path(rel) is None and other not in idx.store
@@ -257,6 +257,7 @@ def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omn
     assert m["model"]["hash"] == fp32 and "neighbours" not in m
     idx = Index.open(out, check_model=True)
     assert not idx.has_dba and idx.search([q], 1)[0][0].path == q.relative_to(g).as_posix()
+    idx.close()
     more = tmp_path / "more"
     copy_characters(omniglot_root, more, 1, per_char=5, skip_chars=50)
     assert "added 5 vectors" in run_cli("add", more, "--index", out, "--prefix", "more", "--quiet").stdout

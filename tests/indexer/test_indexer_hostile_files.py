@@ -111,7 +111,7 @@ def test_second_sharded_index_over_the_same_shards_is_refused(two_shards: Path, 
     from indexer.directory.lock import writer_lock
 
     with writer_lock(s1, "test: a shard being rebuilt"):      # a shard folder being written
-        p = run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet", check=False)
+        p = run_cli("merge", "--sharded", s0, s1, "--out", tmp_path / "a", "--quiet", check=False, fresh=True)
     _one_line(p, str(s1), "being written", "test: a shard being rebuilt")
 
 

@@ -163,7 +163,7 @@ def test_an_image_removed_from_the_store_is_not_answered(built: Path, tmp_path: 
     ids, x = ram.store.all_embeddings(ram.model_hash)
     gone = int(codes.search_embeddings(x[:1], 1)[1][0, 0])
     # removed by another process: this one's codes still hold it until it reloads the index
-    run_cli("remove", str(gone), "--index", tmp_path / "idx")
+    run_cli("remove", str(gone), "--index", tmp_path / "idx", fresh=True)
     assert gone in codes.faiss.candidates(x[:1] / np.linalg.norm(x[:1]), 10)[0]
     scores, found = codes.search_embeddings(x[:1], 10)
     assert gone not in found[0] and (found[0] >= 0).all()

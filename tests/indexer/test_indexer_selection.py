@@ -194,6 +194,7 @@ def test_add_and_remove_on_types_that_cannot_remove_in_place(tmp_path, omniglot_
     rel = "more/" + new[0].relative_to(g2).as_posix()
     idx = Index.open(out)
     assert len(idx) == 130 and idx.search([new[0]], 1)[0][0].path == rel
+    idx.close()                                          # a writer needs this process's store shut
     run_cli("remove", rel, "--index", out)
     m = IndexDir(out).read_manifest()
     assert m["count"] == 129 and m["heldout_queries"] == 0 and m["search_params"]

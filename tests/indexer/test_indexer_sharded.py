@@ -93,7 +93,8 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
 
 def test_add_and_remove_on_a_sharded_index(built: Path, tmp_path: Path, omniglot_root: Path) -> None:
     out, tmp = sharded_copy(built, tmp_path)
-    sizes = [len(Index.open(out).store.stores[i]) for i in range(2)]
+    with Index.open(out) as idx:              # closed: a writer needs this process's stores shut
+        sizes = [len(idx.store.stores[i]) for i in range(2)]
     smallest = tmp / f"s{int(np.argmin(sizes))}"
     extra = tmp / "extra"
     new_files = copy_characters(omniglot_root, extra, 2, skip_chars=40)
@@ -114,10 +115,12 @@ def test_add_and_remove_on_a_sharded_index(built: Path, tmp_path: Path, omniglot
     assert found[0, 0] == i                                  # the new image finds itself
     # remove one path and one id; an unknown target refuses the whole command
     other = int(idx.ids_for_label(idx.labels()[0])[0])
+    idx.close()
     bad = run_cli("remove", rel, "no/such.png", "--index", out, check=False)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
         f"indexer remove: error: no/such.png: no such id or path in {out}"], bad.stderr
-    assert len(Index.open(out)) == 280
+    with Index.open(out) as idx:
+        assert len(idx) == 280
     run_cli("remove", rel, str(other), "--index", out)
     idx = Index.open(out)
     assert len(idx) == 278 and idx.id_for_path(rel) is None and other not in idx
@@ -139,8 +142,8 @@ def test_sharded_index_is_healthy_and_has_one_writer(built: Path, tmp_path: Path
     extra = tmp / "extra"
     copy_characters(omniglot_root, extra, 1, skip_chars=40)
     with writer_lock(out, "test holder"):
-        p = run_cli("add", extra, "--index", out, check=False)
-        q = run_cli("remove", "nothing", "--index", out, check=False)
+        p = run_cli("add", extra, "--index", out, check=False, fresh=True)      # another process
+        q = run_cli("remove", "nothing", "--index", out, check=False, fresh=True)
     for r in (p, q):
         assert r.returncode == 1 and "is being written by pid" in r.stderr, r.stderr
     assert len(Index.open(out)) == 240

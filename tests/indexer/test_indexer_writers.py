@@ -86,7 +86,7 @@ def test_writer_lock_refuses_and_waits(index_copy: Path, new_folders):
     with GalleryStore(index_copy / "store.lmdb") as st:
         victim = str(int(st.ids()[0]))
     with writer_lock(index_copy, "test holder"):
-        p = run_cli("remove", victim, "--index", index_copy, check=False)
+        p = run_cli("remove", victim, "--index", index_copy, check=False, fresh=True)
         assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert f"is being written by pid {os.getpid()} (test holder" in p.stderr
         waiting = _popen("remove", victim, "--index", index_copy, "--wait")
