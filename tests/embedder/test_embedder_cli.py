@@ -16,7 +16,14 @@ from embedder.checkpoint import file_sha256
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m embedder ARGS``: its ``main`` in this process (tests/inprocess.py), or a real
+    subprocess when ``fresh`` (the entry point itself)."""
+    if not fresh:
+        from inprocess import run_main
+
+        from embedder.__main__ import main
+        return run_main(main, "embedder", args)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
     return subprocess.run([sys.executable, "-m", "embedder", *args], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300)
@@ -66,7 +73,7 @@ def test_bad_usage_exits_2_with_usage_and_one_line(capsys):
 
 
 def test_no_command_is_usage_error():
-    r = _run()
+    r = _run(fresh=True)
     assert r.returncode == 2 and "usage:" in r.stderr
 
 

@@ -17,6 +17,7 @@ from benchmarks.inputs.lmdb_damage import garbage_inside  # noqa: F401 - shared 
 
 REPO = Path(__file__).resolve().parents[2]
 
+
 def run_cli(*args: object, check: bool = True, timeout: float = 300,
             env: dict[str, str] | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m indexer ...``: its ``main(argv)`` in this process, stdout and stderr captured,
@@ -28,22 +29,11 @@ def run_cli(*args: object, check: bool = True, timeout: float = 300,
     argv = [str(a) for a in args]
     if fresh or env or any(a == "--ray" or a.startswith("--ray=") for a in argv):
         return _run_subprocess(argv, check, timeout, env)
-    import io
-    import traceback
-    from contextlib import redirect_stderr, redirect_stdout
+    from inprocess import run_main
 
     from indexer.__main__ import main
 
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:                       # argparse: usage errors (2) and --help (0)
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except Exception:                             # what `python -m` would print, exit 1
-            traceback.print_exc()
-            code = 1
-    p = subprocess.CompletedProcess(["indexer", *argv], code, out.getvalue(), err.getvalue())
+    p = run_main(main, "indexer", argv)
     if check and p.returncode != 0:
         raise AssertionError(f"indexer {argv} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
     return p

@@ -260,10 +260,10 @@ def test_ray_init_that_never_returns_is_bounded(tmp_path: Path) -> None:
             "print('pid', os.getpid(), flush=True); rb.connect('local', 1)")
     p = subprocess.run([*_netns_without_loopback(), sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-                            "DAS_RAY_CONNECT_TIMEOUT_S": "20"}, timeout=240)
+                            "DAS_RAY_CONNECT_TIMEOUT_S": "8"}, timeout=240)
     assert p.returncode == 1, p.stderr[-2000:]
     ours = [line for line in p.stderr.splitlines() if line.startswith("indexer build: error:")]
-    assert len(ours) == 1 and "Ray did not come up in 20 s" in ours[0], p.stderr[-2000:]
+    assert len(ours) == 1 and "Ray did not come up in 8 s" in ours[0], p.stderr[-2000:]
     driver = int(p.stdout.split()[1])
     import time
 
