@@ -9,9 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from ray_run import TEST as RAY_TEST
-from ray_run import start_in_background
-from shared_fixture import shared_fixture
+from shared_fixture import SMALL_ONNX_ENV, shared_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,24 +33,13 @@ if "TRITON_INTERPRET" not in os.environ:
 
 # The modules that take minutes, longest first: they start first, so that under xdist
 # (`--dist loadfile`) the short ones fill the other worker around them instead of one of them
-# starting last and running alone (figures: CONTRIBUTING.md, "How long the suite takes"). The
-# Ray run goes last instead: under xdist it was started in the background at collection
-# (tests/ray_run.py) and its test only waits for it.
-SLOW_FIRST = ("tests/training/test_device_suite.py",)
-LAST = (RAY_TEST,)
+# starting last and running alone (figures: CONTRIBUTING.md, "How long the suite takes").
+SLOW_FIRST = ("tests/indexer/test_ray_netns.py", "tests/training/test_device_suite.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {m: i for i, m in enumerate(SLOW_FIRST)}
-    rank.update({m: len(SLOW_FIRST) + 1 + i for i, m in enumerate(LAST)})
-    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(SLOW_FIRST)))   # stable
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under xdist, each worker has collected the same tests: the first to get here starts the
-    Ray run in the background if its test is selected (tests/ray_run.py)."""
-    if any(it.nodeid.startswith(RAY_TEST + "::") for it in session.items):
-        start_in_background()
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(rank)))   # stable
 
 
 def _omniglot_root() -> Path:
@@ -159,7 +146,12 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_onnx(tmp_path_factory: pytest.TempPathFactory, omniglot_paths: list[Path]) -> Path:
     """An exported small_cnn Omniglot embedder (untrained, seeded; 64-d, L2-normalised): exported
-    once per run (``shared_fixture``: the dynamo export and its imports are ~20 CPU-s a process)."""
+    once per run (``shared_fixture``: the dynamo export and its imports are ~20 CPU-s a process),
+    and not again in the Ray run, which gets this file as ``SMALL_ONNX_ENV`` (test_ray_netns.py)."""
+    given = os.environ.get(SMALL_ONNX_ENV)
+    if given:
+        return Path(given)
+
     def export(out: Path) -> None:
         import torch
 

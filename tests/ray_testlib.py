@@ -4,7 +4,7 @@ the way Ray tests its own multi-node behaviour), with nodes that can be killed a
 
 Ray listens beyond loopback, so every module that starts Ray runs only inside a private network
 namespace: the main run does not collect those modules (each directory's conftest lists them in
-``collect_ignore``); ``tests/ray_run.py`` runs each one there (``RAY_MODULES``), for tests/indexer/test_ray_netns.py.
+``collect_ignore``); ``tests/indexer/test_ray_netns.py`` runs each one there (``RAY_MODULES``).
 """
 from __future__ import annotations
 

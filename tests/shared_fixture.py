@@ -14,6 +14,10 @@ from typing import Callable
 
 import pytest
 
+# The small exported model of a run (conftest's ``small_onnx``), handed to the Ray run's own
+# pytest process by test_ray_netns.py, which would otherwise export it again.
+SMALL_ONNX_ENV = "DAS_TEST_SMALL_ONNX"
+
 
 def shared_fixture(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
     """``<the run's temp>/shared/<name>``, made once per run by ``build(path)``: under xdist by
