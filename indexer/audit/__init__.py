@@ -2,7 +2,8 @@
 mislabelled images with the label their neighbourhood suggests, outliers, confused class pairs.
 
 ``run_audit(dir)`` -> :class:`Audit`; ``write_audit(audit, out)`` writes JSONL/CSV, PNG contact
-sheets and summary.json; ``python -m indexer audit --help``. What it reads of ``indexer`` goes through one seam, :mod:`indexer.audit.source`.
+sheets and summary.json; ``python -m indexer audit --help``. What it reads of ``indexer``
+goes through one seam, :mod:`indexer.audit.source`.
 """
 from __future__ import annotations
 

@@ -72,7 +72,18 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
         raise ValueError(f"--threshold {threshold}: a cosine similarity is between -1 and 1")
     if verify_max < 0:
         raise ValueError(f"--verify-max {verify_max}: expected 0 or more pairs")
-    g = directory if isinstance(directory, Gallery) else open_gallery(directory, ray=ray)
+    if isinstance(directory, Gallery):
+        return _audit(directory, k, threshold, kinds, progress, verify, verify_max, params)
+    g = open_gallery(directory, ray=ray)
+    try:
+        return _audit(g, k, threshold, kinds, progress, verify, verify_max, params)
+    except BaseException:
+        g.close()               # opened here and failed: nobody else can close it
+        raise
+
+
+def _audit(g: Gallery, k: int, threshold: float, kinds: tuple[str, ...], progress: bool, verify: bool,
+           verify_max: int, params: dict[str, float]) -> Audit:
     t = {}
     t0 = time.perf_counter()
     if len(g.ids) - 1 < k:

@@ -55,9 +55,12 @@ def _stored(d: Path, key: str) -> dict[str, Any] | None:
 
 def _computed(d: Path, key: str, top: int) -> dict[str, Any]:
     g = open_gallery(d)
-    a = run_audit(g, k=min(DEFAULT_K, max(1, len(g.ids) - 1)))     # a tiny gallery: all its others
-    rows = lists(a, top)
-    info = {k: v for k, v in summary(a, rows).items() if k != "index"}
+    try:
+        a = run_audit(g, k=min(DEFAULT_K, max(1, len(g.ids) - 1)))     # a tiny gallery: all its others
+        rows = lists(a, top)
+        info = {k: v for k, v in summary(a, rows).items() if k != "index"}
+    finally:
+        g.close()               # its own store reference: one per audited version otherwise
     out = {"version": key, "summary": info, **rows}
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{CACHE_FILE}.", dir=d)

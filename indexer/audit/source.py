@@ -100,8 +100,8 @@ class Gallery:
 def _stream(index: Any, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(ids, vectors) chunks of every part's store embedded by the index's model."""
     for part in index.layout.parts:
-        st = GalleryStore(part.store_dir)
-        yield from st.iter_embeddings(index.model_hash, size)
+        with GalleryStore(part.store_dir) as st:           # closed: one environment a path per process
+            yield from st.iter_embeddings(index.model_hash, size)
 
 
 def ray_serving(address: str, timeout: float) -> Any:
@@ -123,8 +123,10 @@ def open_gallery(directory: str | Path, *, device: str = "cpu", ray: Any = None)
     if not counts.ok:
         raise IndexerError(counts.message)
     index = Index.open(directory, device=device, ray=ray)
-    ids_parts = [c for part in index.layout.parts
-                 for c, _ in GalleryStore(part.store_dir).iter_embeddings(index.model_hash, vectors=False)]
+    ids_parts = []
+    for part in index.layout.parts:
+        with GalleryStore(part.store_dir) as st:           # closed: one environment a path per process
+            ids_parts += [c for c, _ in st.iter_embeddings(index.model_hash, vectors=False)]
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
     first = None
     _, where = np.unique(ids, return_index=True)

@@ -136,6 +136,8 @@ def test_a_gallery_without_labels_gets_duplicates_and_outliers_only(tmp_path: Pa
     bad = run_audit_cli("--index", idx, "--out", tmp_path / "b", "--kinds", "mislabelled", check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "no labels" in bad.stderr
     assert not (tmp_path / "b").exists()
+    # both audits closed what they opened (run in this process): a writer here can open the store
+    assert "removed" in run_cli("remove", "00.png", "--index", idx).stdout
 
 
 def test_sharded_and_merged_indexes_give_the_same_audit(two_shards: Path, tmp_path: Path) -> None:
