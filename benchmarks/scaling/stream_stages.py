@@ -183,7 +183,7 @@ def _merge(work: str, shards: str) -> dict:
     """Stage 4: the parts combined into one on-disk IVF index (faiss.contrib.ondisk)."""
     import faiss
 
-    from indexer.ann import ondisk
+    from benchmarks.scaling import ondisk
 
     faiss.omp_set_num_threads(2)
     rs = RssSampler()
@@ -220,8 +220,9 @@ def _eval(work: str, shards: str) -> dict:
     import faiss
 
     from benchmarks.indexer.index_bench import timed_batches
+    from benchmarks.scaling import ondisk
 
-    from indexer.ann import faiss_index, ondisk, stream, tuning
+    from indexer.ann import faiss_index, stream, tuning
 
     faiss.omp_set_num_threads(2)
     fields = json.loads((Path(work) / "fields.json").read_text())

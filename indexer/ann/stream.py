@@ -11,7 +11,7 @@ combine the filled shards on disk, so that no process ever holds all the vectors
 2. ``fill``: each shard adds its vectors to a copy of the trained empty index.
 3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``IndexShardsIVF`` over
    memory-mapped files, one quantizer); the held-out vectors become one more part (``held_part``).
-4. optionally ``merge_ondisk`` (:mod:`indexer.ann.ondisk`): one IVF index with on-disk lists.
+4. optionally ``merge_ondisk`` (``benchmarks/scaling/ondisk.py``): one IVF index with on-disk lists.
 """
 from __future__ import annotations
 

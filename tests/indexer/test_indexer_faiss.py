@@ -176,7 +176,7 @@ def test_memory_mapped_ivf_lists_search_without_prefetch_threads(tmp_path: Path)
     """Reading an IVF index memory-mapped for serving (codes-only serving, merge_ondisk's index;
     sharded parts and fan-out actors too) turns faiss's per-search prefetch threads off (4.5x a single
     query's time here: benchmarks.scaling.mmap_search), and answers as the index in RAM does."""
-    from indexer.ann import ondisk
+    from benchmarks.scaling import ondisk
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4000, 32)).astype("float32")

@@ -48,7 +48,7 @@ def test_sharded_index_answers_as_the_merged_one(built: Path, tmp_path: Path, om
     # the parts searched as one answer exactly as the one index they merge into (on disk) ...
     import faiss
 
-    from indexer.ann.ondisk import merge_ondisk, read_ondisk
+    from benchmarks.scaling.ondisk import merge_ondisk, read_ondisk
 
     sh = ms["sharded"]
     parts = [out / p / "part.faiss" for p in sh["shards"]] + [out / sh["held"]]

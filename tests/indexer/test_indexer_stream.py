@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from benchmarks.inputs.low_rank import low_rank, low_rank_law
+from benchmarks.scaling.ondisk import merge_ondisk, read_ondisk
 from indexer.ann import faiss_index as fx
 from indexer.ann import selection, sample as shard_sample, stream, tuning
 from indexer.errors import IndexerError
-from indexer.ann.ondisk import merge_ondisk, read_ondisk
 from indexer.store.sources import ArraySource, Source
 
 

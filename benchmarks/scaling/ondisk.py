@@ -1,5 +1,6 @@
 """One IVF index whose lists live in a file: the streaming build's filled parts combined on disk
-(faiss's ``OnDiskInvertedLists``), written list by list, and read back memory-mapped."""
+(faiss's ``OnDiskInvertedLists``), written list by list, and read back memory-mapped. Not a
+product path (moved out of indexer/ann/): the scaling benchmark's stage 4 and its tests use it."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ from typing import Sequence
 import faiss
 import numpy as np
 
-from ..errors import IndexerError
-from . import faiss_index as fx
+from indexer import IndexerError
+from indexer.ann import faiss_index as fx
 
 
 def merge_ondisk(trained: faiss.Index, part_files: Sequence[str | Path], out_index: str | Path,
