@@ -165,23 +165,6 @@ class DAS(nn.Module):
             raise ValueError(f"labels: expected class ids in [0, {self.num_classes}), "
                              f"got {labels[bad][:5].tolist()}")
 
-    def _eager_labels(self, labels: Tensor) -> Tensor:
-        """int64 labels for the tensor code, range-checked (on CUDA without a host sync)."""
-        labels = labels.long()
-        if labels.device.type == "cpu":
-            self._host_range_check(labels)
-        else:  # no host sync on accelerators: fails asynchronously instead
-            bad = (labels < 0) | (labels >= self.num_classes)
-            torch._assert_async(~bad.any(), "DAS labels out of [0, num_classes)")
-        return labels
-
-    def _use_fused(self, embeddings: Tensor, labels: Tensor) -> bool:
-        """``triton``: always; ``eager``: never; ``auto``: on CUDA once this batch's kernel variant
-        passed its self-check (a failure keeps the eager code for it, with one warning)."""
-        if self.backend != "auto":
-            return self.backend == "triton"
-        return self.fused.wanted(self, embeddings, labels)
-
     # ------------------------------------------------------------------ produce
     def _mask_index(self, y: Tensor) -> Tensor:
         """Eq. (mask): (B, K) channel ids of the K highest FRM counts of each anchor's class
@@ -216,16 +199,6 @@ class DAS(nn.Module):
         factor = torch.where(count > 0, self.shift_scale, 0.0)
         return flat, factor[None, :, None]
 
-    def _gather_shifts(self, flat: Tensor, out: Tensor) -> Tensor:
-        """Bank rows ``flat`` as float32 (T, B, d), gathered straight into ``out`` for an
-        fp32 bank (no temporary), through a compact-dtype temporary otherwise."""
-        flat_bank = self.bank.view(-1, self.dim)
-        if flat_bank.dtype == torch.float32:
-            torch.index_select(flat_bank, 0, flat, out=out.view(-1, self.dim))
-        else:
-            out.view(-1, self.dim).copy_(flat_bank.index_select(0, flat))
-        return out
-
     def _produce_into(self, base: Tensor, y: Tensor, work: Tensor,
                       gen: torch.Generator | None) -> None:
         """Write the T copies of ``base`` (B, d, no grad) into ``work`` (T, B, d, float32): the
@@ -239,10 +212,14 @@ class DAS(nn.Module):
             idx_t = idx[None].expand(T, -1, -1)
         if self.mts:
             flat, factor = self._shift_draw(y, T, r)
-            t = self._gather_shifts(flat, work)                            # work holds t now
+            flat_bank, t = self.bank.view(-1, self.dim), work.view(-1, self.dim)   # work holds t now
+            if flat_bank.dtype == torch.float32:      # gathered straight in (no temporary)
+                torch.index_select(flat_bank, 0, flat, out=t)
+            else:
+                t.copy_(flat_bank.index_select(0, flat))
             if self.dfs:
-                scaled = torch.addcmul(scaled, t.gather(2, idx_t), factor)
-            torch.addcmul(base[None].expand(T, -1, -1), t, factor, out=work)
+                scaled = torch.addcmul(scaled, work.gather(2, idx_t), factor)
+            torch.addcmul(base[None].expand(T, -1, -1), work, factor, out=work)
         else:
             work.copy_(base[None].expand(T, -1, -1))
         if self.dfs:
@@ -277,11 +254,16 @@ class DAS(nn.Module):
         if T == 0:
             return embeddings, labels
         B = embeddings.shape[0]
-        fused = self.backend != "eager" and self._use_fused(embeddings, y)
+        # auto: on CUDA once this batch's kernel variant passed its self-check (else eager)
+        fused = self.backend == "triton" or (self.backend == "auto"
+                                             and self.fused.wanted(self, embeddings, y))
         if not fused:
-            y = self._eager_labels(y)
-        elif y.device.type == "cpu":   # on CUDA: the kernels' device-side assert
+            y = y.long()
+        if y.device.type == "cpu":
             self._host_range_check(y)
+        elif not fused:   # no host sync on accelerators: fails asynchronously (fused: its assert)
+            torch._assert_async(~((y < 0) | (y >= self.num_classes)).any(),
+                                "DAS labels out of [0, num_classes)")
         grad_copies = not self.detach and torch.is_grad_enabled() and embeddings.requires_grad
         if fused and not grad_copies:
             if embeddings.requires_grad and torch.is_grad_enabled():

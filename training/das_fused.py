@@ -1,22 +1,19 @@
-"""DAS's fused backend as one object the module owns (`FusedBackend`): when ``backend="auto"``
-may trust the fused Triton kernels (training/das_triton.py), the fused call, and its CUDA-graph
-replay (``DAS(graph=True)``). It reads only DAS's public attributes (the module hands itself in).
+"""DAS's fused backend (`FusedBackend`, owned by the module, reading only DAS's public attributes):
+when ``backend="auto"`` may trust the Triton kernels (training/das_triton.py), the fused call, and
+its CUDA-graph replay (``DAS(graph=True)``).
 
-**The self-check.** Triton compiles one binary per *variant* (constexprs, pointer dtypes,
-integer specialisations of B, d, Z, C and strides); checking one variant says nothing of the
-others. So the check is keyed on all of that (`variant_key`) and runs before a module's first
-step of a new variant, at its real shapes and settings on tie-free synthetic data: eager and
-fused modules start from the same state, run two steps, and must agree bit for bit on every
-state tensor and the labels, and on the outputs to the last bits of the normalisation.
-A CUDA fault is sticky (the context is dead, the eager fall-back would crash too), so on CUDA
-the check runs in a child process (``python -m training.das_check SPEC``) on the same GPU; the
-parent then loads its compiled binaries from Triton's cache. On CPU it runs in-process.
+The self-check: Triton compiles one binary per variant (constexprs, pointer dtypes, integer
+specialisations), and checking one says nothing of the others, so it is keyed on all of that
+(`variant_key`) and runs before a module's first step of a new variant, at its real shapes on
+tie-free data: eager and fused modules run two steps from one state and must agree bit for bit on
+the state and labels, on the outputs to the normalisation's last bits. A CUDA fault is sticky (the
+eager fall-back would crash too), so on CUDA it runs in a child process (``python -m
+training.das_check SPEC``) whose binaries the parent then loads from Triton's cache.
 
-**The CUDA graph** (``DAS(graph=True)``): the fused call captured once per batch layout and
-replayed (two input copies plus one launch), for the <= 0.10 ms goal; CUDA only, detach=True
-steps only. Returned tensors are the graph's static buffers (overwritten by the next call of
-that layout), and the uniforms come from the generator in graph-safe mode (other numbers, same
-state). A failed capture warns once and the module goes on without a graph.
+The CUDA graph (CUDA, detach=True steps; for the <= 0.10 ms goal): the fused call captured once per
+batch layout; returned tensors are its static buffers (overwritten by the next call of that
+layout), uniforms come from the generator in graph-safe mode (other numbers, same state). A failed
+capture warns once and the module goes on without a graph.
 """
 from __future__ import annotations
 
@@ -55,23 +52,16 @@ def candidate(device: torch.device) -> bool:
     return das_triton.available(device)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _spec_int(n: int) -> str:
-    """How Triton specialises an integer argument."""
-    return "1" if n == 1 else ("16k" if n % 16 == 0 else "n")
-
-
 def variant_key(das, emb: Tensor, y: Tensor) -> tuple:
     """Everything that makes Triton compile (or specialise) the two kernels differently."""
+    from .das_triton import pow2
+
     B, d = emb.shape
     return (emb.device, emb.dtype, y.dtype, das.bank.dtype,
-            _pow2(d), _pow2(B), das.topk, das.num_produce > 0, das.dfs, das.mts, das.normalize,
+            pow2(d), pow2(B), das.topk, das.num_produce > 0, das.dfs, das.mts, das.normalize,
             das.training, das.detach,
-            tuple(_spec_int(n) for n in (B, d, das.bank_size, das.num_classes, *emb.stride(),
-                                         *y.stride())),
+            tuple("1" if n == 1 else "16k" if n % 16 == 0 else "n"   # Triton's int specialisation
+                  for n in (B, d, das.bank_size, das.num_classes, *emb.stride(), *y.stride())),
             emb.data_ptr() % 16, y.data_ptr() % 16)       # pointer alignment: also specialised
 
 
@@ -146,21 +136,14 @@ def run_spec(spec: dict[str, Any], das_type: Callable[..., Any]) -> tuple[bool, 
     mods = []
     for backend in ("eager", "triton"):
         m = das_type(C, d, seed=0, backend=backend, **kw).to(dev).train(spec["training"])
-        with torch.no_grad():
-            m.frm.copy_(frm)
-            m.bank.copy_(bank)
-            m.bank_ptr.copy_(ptr)
-            m.bank_count.copy_(count)
+        for buf, value in zip((m.frm, m.bank, m.bank_ptr, m.bank_count), (frm, bank, ptr, count)):
+            buf.copy_(value)
         mods.append(m)
     batches = [check_batch(spec, g, step) for step in range(2)]
     emb_dtype = DTYPES[spec["emb_dtype"]]
     tol = 2e-5 if emb_dtype in (torch.float32, torch.float64) else 2 * torch.finfo(emb_dtype).eps
     for step, (emb, lab) in enumerate(batches):
-        outs = []
-        for m in mods:
-            o, ol = m(emb, lab)          # emb requires grad, as a model's output does
-            outs.append((o.detach(), ol))
-        (oe, le), (of, lf) = outs
+        (oe, le), (of, lf) = (m(emb, lab) for m in mods)   # emb requires grad, as a model's does
         for name in ("frm", "bank", "bank_ptr", "bank_count"):
             a, b = getattr(mods[0], name), getattr(mods[1], name)
             if not torch.equal(a, b):
@@ -200,8 +183,7 @@ def verdict(das, emb: Tensor, y: Tensor, key: tuple | None = None,
     if key in VERDICTS:
         return VERDICTS[key]
     spec = spec_of(das, emb, y)
-    if isolate is None:
-        isolate = emb.device.type == "cuda"
+    isolate = emb.device.type == "cuda" if isolate is None else isolate
     try:
         res = run_isolated(spec) if isolate else run_spec(spec, type(das))
     except Exception as e:  # a kernel that fails to compile must not stop a training run

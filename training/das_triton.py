@@ -1,25 +1,14 @@
-"""DAS's training step as two fused Triton kernels, for CUDA.
+"""DAS's training step as two fused Triton kernels, for CUDA: the eager module (training/das.py)
+is launch-bound on a GPU (~134 tiny kernels, ~0.46 ms on an H200), beyond what CUDA graphs or
+torch.compile recover. One call is three launches: ``update`` (a program per real row, skipped in
+eval: the label check; DFS +1s by atomics; MTS done for a whole class by its first member, so no
+grid-wide barrier), one ``torch.rand`` of all uniforms (the eager module's random stream), and
+``produce`` (a program per (plane, row): plane 0 copies the real rows, plane t >= 1 is copy t).
 
-Why hand-written: the eager module (training/das.py) is launch-bound on a GPU (~134 tiny
-kernels, ~0.46 ms on an H200), beyond what CUDA graphs or torch.compile recover. Here one call
-is three launches: ``update`` (Triton), one ``torch.rand`` of all uniforms (torch's generator,
-so the random stream is the eager module's), and ``produce`` (Triton):
-
-1. ``update`` (one program per real row; skipped in eval): the label range check (device-side
-   assert); DFS: +1 on the FRM cells of the row's signed top-K channels (atomics); MTS: the
-   first member of each class does the whole class (row hashes as ``das_bank.row_hash``, valid
-   ordered pairs in row-major order, the last Z into the ring, pointer and count advanced), so
-   no grid-wide barrier is needed.
-2. ``produce`` (one program per (plane, row)): plane 0 copies the real rows; plane t >= 1 draws
-   its mask (top-K of the class's FRM row), ``s * v + r_b * t`` and re-normalises; every plane
-   writes its labels.
-
-Both read inputs through their strides and dtypes (no conversion copy), and launch under
-``torch.cuda.device(<the tensors' device>)`` (Triton launches on the *current* device). Top-K
-ties go to the lowest channel (torch leaves them unspecified), so outputs match the eager module
-exactly when the top-K has no boundary tie; norms may differ in the last bit. On CPU the same
-bodies run under Triton's interpreter (how the CPU suite checks them); every launch goes through
-`_launch`, which tests wrap to count launches.
+Inputs are read through their strides and dtypes (no conversion copy). Top-K ties go to the
+lowest channel (torch leaves them unspecified), so outputs match the eager module exactly when
+the top-K has no boundary tie (norms to the last bit). On CPU the bodies run in Triton's
+interpreter; every launch goes through `_launch`, which tests wrap to count launches.
 """
 
 import functools
@@ -173,7 +162,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     return SimpleNamespace(**{k: triton.jit(f) for k, f in _BODIES.items()})
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -198,7 +187,7 @@ def fused_update(v: Tensor, y: Tensor, frm: Tensor, bank: Tensor, ptr: Tensor, c
         return
     _launch(_kernels(interpret).update, (B,), v.device,
             v, v.stride(0), v.stride(1), y, y.stride(0), frm, hash_weights, bank, ptr, count,
-            B, D, frm.shape[0], bank.shape[1], K=topk, BLOCK_D=_pow2(D), BLOCK_B=_pow2(B),
+            B, D, frm.shape[0], bank.shape[1], K=topk, BLOCK_D=pow2(D), BLOCK_B=pow2(B),
             DFS=dfs, MTS=mts and B >= 2)
 
 
@@ -219,5 +208,5 @@ def fused_produce(base: Tensor, y: Tensor, frm: Tensor, bank: Tensor, count: Ten
             base, base.stride(0), base.stride(1), y, y.stride(0), frm, bank, count,
             base if r is None else r, out, lab, B, D, bank.shape[1], frm.shape[0],
             T * B * topk if dfs else 0, float(lo), float(hi) - float(lo), float(shift),
-            K=topk, BLOCK_D=_pow2(D), DFS=dfs and T > 0, MTS=mts and T > 0,
+            K=topk, BLOCK_D=pow2(D), DFS=dfs and T > 0, MTS=mts and T > 0,
             NORMALIZE=normalize, CHECK=check_labels)
