@@ -112,8 +112,7 @@ class Criterion(nn.Module):
         super().__init__()
         self.name, self.loss, self.miner = name, loss, miner
         self.normalize, self.hparams, self.miner_name = normalize, hparams, miner_name
-        self.flavour = flavour
-        self._lrs = lrs
+        self.flavour, self._lrs = flavour, lrs
 
     def forward(self, embeddings: Tensor, labels: Tensor, origin: Tensor | None = None) -> Tensor:
         """Loss of the batch. ``origin`` (optional, rows' source embedding) reaches the miner, which
@@ -200,12 +199,9 @@ DEFAULTS: dict[str, dict[str, float]] = {name: spec.defaults for name, spec in R
 
 def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
                flavour: str = "authors", **overrides: Any) -> Criterion:
-    """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword).
-    Contrastive, triplet and margin take "random", "semihard", "softhard" or "distance" (with
-    "pml", ``miner=None`` uses every pair/triplet); multi-similarity uses its MS mining; lifted,
-    N-pair and proxies take no miner. ``miner="default"``: the paper's pairing;
-    ``miner_options`` go to `build_miner`.
-    """
+    """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword) and
+    the sampler its `LossSpec.miner` allows (``miner="default"``: the paper's pairing; with "pml",
+    None uses every pair/triplet); ``miner_options`` go to `build_miner`."""
     if name not in REGISTRY:
         raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")
     if flavour not in LOSS_FLAVOURS:

@@ -1,29 +1,9 @@
 """The paper's losses as the DAS authors' framework computes them (``loss_flavour = "authors"``):
 the code that produced the paper's numbers (lizhaoliu-Lec/DAS ``loss/``, itself Roth et al.'s
 ``criteria/``). No library ships them, and several differ from both supplementary A and
-pytorch-metric-learning (``"pml"``); tests compare each with a loop over its formula:
-
-* triplet: SQUARED distances, ``relu(|a-p|^2 - |a-n|^2 + m)``, mean over all sampled triplets
-  (zeros included; PML: plain distances, mean over non-zero).
-* contrastive: ``mean relu(|a-p + 1e-6|) + mean relu(1 - |a-n + 1e-6|)`` over the triplets'
-  pairs, zeros included (PML: non-zero pairs).
-* margin: ``d = sqrt(|x-y|^2 + 1e-8)``; ``relu(d_ap - beta_ya + m) + relu(beta_ya - d_an + m)``
-  summed over the number of non-zero terms.
-* generalised lifted: NOT eq. (IV): ``PairwiseDistance`` broadcasting takes, per anchor and
-  CHANNEL, the norm across the positive set, then ``logsumexp`` over channels (same for
-  negatives with ``margin - ...``); mean ``relu(pos + neg)`` over anchors with a positive, plus
-  ``5e-3 * mean ||x||`` (a norm). Kept: it is what the paper's GenLifted rows ran.
-* N-pair: embeddings / 4 (their overflow fix), ONE random positive per anchor,
-  ``log(1 + sum_r exp(a.r - a.p))`` over anchors with a positive, plus ``5e-3 * mean ||x/4||``.
-* multi-similarity: ``S = x x^T`` as given; an anchor with no mined positive or negative is
-  SKIPPED (PML: mean over all anchors).
-* normalised softmax: ``CE(x . normalize(W)^T / T)``, W uniform in +-1/sqrt(d).
-* ArcFace: their code adds ``cos(theta_y + m) - cos(theta_y)`` to EVERY logit of the row, so the
-  margin has no effect: it trains ``CE(16 * clamp(cos, 1e-10, 1 - 1e-10))``. Kept (README).
-
-Sampled losses weight `Triplets`' invalid rows 0 and divide by the valid count (no host sync).
-Distances and reductions are data (training/loss_parts.py); N-pair and multi-similarity are
-training/losses.py's classes with other arguments (its `REGISTRY`).
+pytorch-metric-learning (``"pml"``), as each class says; tests compare each with a loop over its
+formula. N-pair and multi-similarity are training/losses.py's classes with other arguments. Sampled
+losses weight `Triplets`' invalid rows 0 and divide by the valid count (no host sync).
 """
 from __future__ import annotations
 
@@ -64,7 +44,8 @@ class AuthorsTriplet(nn.Module):
 
 class AuthorsContrastive(nn.Module):
     """``reducer relu(D(a, p) - pos_margin) + reducer relu(neg_margin - D(a, n))``; the authors':
-    ``D = |a - b + eps|`` (torch's PairwiseDistance), means over all valid triplets' pairs."""
+    ``D = |a - b + eps|`` (torch's PairwiseDistance), means over all valid triplets' pairs, zeros
+    included (PML: over the non-zero pairs)."""
 
     def __init__(self, margin: float = 1.0, pos_margin: float = 0.0,
                  distance: PairDistance = PairDistance(shift=_PDIST_EPS),
@@ -103,7 +84,8 @@ class AuthorsMargin(nn.Module):
 
 
 class AuthorsLifted(nn.Module):
-    """Their generalised lifted structure loss (per channel: see the module docstring):
+    """Their generalised lifted structure loss, NOT eq. (IV) (kept: the paper's GenLifted rows ran
+    it): PairwiseDistance broadcasting takes, per anchor and CHANNEL, the norm across the set:
     ``relu(LSE_c sqrt(sum_q (a_c - q_c + eps)^2) + LSE_c (margin - sqrt(sum_r (a_c - r_c + eps)^2)))``,
     mean over anchors with a positive, + ``reg_weight * mean_i ||x_i||``. The per-channel sums
     are expanded (``|Q| u_c^2 - 2 u_c sum_q q_c + sum_q q_c^2``, ``u = a + eps``): two matrix
@@ -149,7 +131,8 @@ class AuthorsSoftmax(nn.Module):
 
 class AuthorsArcFace(nn.Module):
     """Their ArcFace: ``c = clamp(x . normalize(W)^T, 1e-10, 1 - 1e-10)``,
-    ``logits = s * (c + (cos(acos(c_y) + m) - c_y)[:, None])`` (every logit shifted), CE mean."""
+    ``logits = s * (c + (cos(acos(c_y) + m) - c_y)[:, None])``, CE mean: EVERY logit of the row is
+    shifted, so the margin has no effect (it trains ``CE(s * c)``). Kept (README)."""
 
     def __init__(self, num_classes: int, dim: int, margin: float = 0.5, scale: float = 16.0) -> None:
         super().__init__()

@@ -1,24 +1,11 @@
-"""The paper's four sampling methods (supplementary B) as miners returning fixed-size triplets.
-
-A miner maps ``(embeddings, labels[, origin])`` to `Triplets` ``(anchors, positives, negatives,
-valid)``: one candidate per row plus a validity mask, so shapes never depend on the data and
-no ``nonzero``/``.item()`` syncs the GPU (tests record the dispatched ops).
-``Triplets.compact()`` gives PML's ``(a, p, n)`` lists (that one step syncs). Both flavours
-draw by inverse CDF over the rows of a weight matrix (no Python loop over anchors):
-
-* ``"authors"``: as the DAS authors' framework (Roth et al.'s ``batchminer/``) samples:
-  random = ``N`` triplets uniform over *all* valid triplets (with replacement, theirs without:
-  a rare repeat at N = 448); semi-hard / soft-hard as ``"pml"``; distance-weighted on the
-  batch's distances as given, clamped below at 0.5, log-weights minus the row maximum, **no
-  upper cut-off** (theirs is commented out), positive uniform or the anchor itself. Kept
-  differences: weights below e^-87 flushed to 0, D capped at 2 - 1e-4 (theirs: NaN).
-* ``"pml"``: this project's first miners: one triplet per anchor; distance-weighted on
-  L2-normalised embeddings with supplementary B's 1.4 cut-off (uniform fall-back). Not PML's
-  own miners: TripletMarginMiner has no soft-hard mode and returns *all* semi-hard triplets;
-  its DistanceWeightedMiner underflows to 0 at d = 512 and yields NaN rows.
-
-A positive is always another index than its anchor (except the authors' self fall-back): a DAS
-copy equal to its anchor is a different index and a genuine positive.
+"""The paper's four sampling methods (supplementary B) as miners returning fixed-size `Triplets`:
+one candidate per row plus a validity mask, so shapes never depend on the data and no
+``nonzero``/``.item()`` syncs the GPU (tests record the dispatched ops); all draw by inverse CDF
+over the rows of a weight matrix. ``"authors"``: as the DAS authors' framework (Roth et al.'s
+``batchminer/``) samples; ``"pml"``: this project's first miners, one triplet per anchor. Not PML's
+own: TripletMarginMiner has no soft-hard mode and returns *all* semi-hard triplets, and its
+DistanceWeightedMiner underflows to 0 at d = 512 (NaN rows). A positive is always another index
+than its anchor (but the authors' self fall-back): a DAS copy equal to its anchor is a positive.
 """
 from __future__ import annotations
 
@@ -140,7 +127,8 @@ class RandomMiner(_TripletMiner):
 
 class AuthorsRandomMiner(_TripletMiner):
     """Random sampling as the authors' framework does it: N triplets (N = batch rows), each
-    uniform over all valid (a, p, n) triplets (anchor with probability |P_a| |N_a| / sum)."""
+    uniform over all valid (a, p, n) triplets (anchor with probability |P_a| |N_a| / sum), with
+    replacement (theirs without: a rare repeat at N = 448)."""
 
     def mine(self, dist, pos, neg, dim):
         n_rows = dist.shape[0]
@@ -231,8 +219,10 @@ class DistanceWeightedMiner(_TripletMiner):
 
 
 class AuthorsDistanceMiner(_TripletMiner):
-    """Distance-weighted sampling as the authors' framework does it (module docstring): lower
-    cut-off only, same-label rows weight 0, positive uniform (else the anchor itself)."""
+    """Distance-weighted sampling as the authors' framework does it: the batch's distances as
+    given, clamped below at `cutoff`, log-weights minus the row maximum, no upper cut-off (theirs
+    is commented out), same-label rows weight 0, positive uniform (else the anchor itself). Kept
+    differences: weights below e^-87 flushed to 0, D capped at 2 - 1e-4 (theirs: NaN)."""
 
     def __init__(self, cutoff: float = 0.5, generator: torch.Generator | None = None) -> None:
         super().__init__(generator)
