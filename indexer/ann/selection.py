@@ -1,12 +1,10 @@
 """Choosing the faiss index by measurement, and keeping its recall promise for new queries.
 
-Why measure: the fastest index at a recall target depends on the data. On well-clustered vectors
-IVF-Flat scans a fraction of a percent; near a low-dimensional subspace (image embeddings) the
-same recall needs many more lists, and compressed codes with exact re-ranking win. So
-``select`` builds a few candidates on a sample, tunes each to the target, times queries and
-keeps the fastest within the memory budget. The promise is for queries from outside the
-gallery: ``build`` holds out a tuning set (the setting must clear the target by two sigma) and a
-check set (the manifest's recall), both added to the index afterwards.
+Why measure: the fastest index at a recall target depends on the data (IVF-Flat on clustered
+vectors; near a low-dimensional subspace, as image embeddings lie, compressed codes re-ranked
+exactly). ``select`` builds a few candidates on a sample, tunes each, times queries and keeps the
+fastest within the memory budget. ``build`` holds out a tuning set (the setting must clear the
+target by two sigma) and a check set (the manifest's recall), both added to the index afterwards.
 """
 from __future__ import annotations
 
@@ -213,14 +211,10 @@ def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *
     qt, qc = x[ho.tune], x[ho.check]
     truth = exact_knn(np.concatenate([qt, qc]), x, k, "ip", ids=ids, rows=ho.rows)[1]
     sel = None
-    if index_type == "auto":
-        if n >= SELECT_FROM and trained is None and not nlist:    # --nlist asks for IVF-Flat
-            sel = select(x, ids, ho, target, max_memory=max_memory, seed=seed, device=device,
-                         progress=progress)
-            spec = sel.spec
-        else:
-            spec = fx.choose_spec(n, dim, "ivf", nlist=nlist)
-    else:
+    if index_type == "auto" and n >= SELECT_FROM and trained is None and not nlist:  # --nlist: IVF-Flat
+        sel = select(x, ids, ho, target, max_memory=max_memory, seed=seed, device=device, progress=progress)
+        spec = sel.spec
+    else:                           # auto here is IVF-Flat (n >= flat_threshold)
         spec = fx.choose_spec(n, dim, index_type, o.flat_threshold, nlist)
     train_rows = ho.rows[fx.training_sample(len(ho.rows), spec, seed)]
     t_train = 0.0

@@ -1,17 +1,14 @@
-"""The streaming build: train once on a sample drawn from the shards, fill each shard apart, and
-combine the filled shards on disk, so that no process ever holds all the vectors (the merge,
-``build.merge_shards``, gathers about three copies of N x d x 4 bytes on one node).
+"""The streaming build: train once on a sample drawn from the shards, fill each shard apart, so
+that no process holds all the vectors (``build.merge_shards`` gathers ~3 x N x d x 4 bytes).
 
-1. ``plan``: counts and cross-shard duplicates (a k-way merge of sorted id streams), held-out
-   tuning/check sets and the training sample (by position in the shards' concatenation), the
-   type as ``selection.select`` measures it among mergeable IVF types (refine wrappers keep every
-   vector in memory), and the held-out queries' exact answers merged from each shard's
-   ``Source.knn``. As random as a one-process build's sample, not the same rows: as good an
-   index, not identical. Reads go through a ``Source`` (under Ray, :mod:`indexer.ray.readers`).
+1. ``plan``: counts and cross-shard duplicates, held-out tuning/check sets and the training
+   sample (by position in the shards' concatenation: as random as a one-process build's, not the
+   same rows), the type as ``selection.select`` measures it among streamable types, and the
+   held-out queries' exact answers merged from each shard's ``Source.knn`` (under Ray, the
+   sources are :mod:`indexer.ray.readers`).
 2. ``fill``: each shard adds its vectors to a copy of the trained empty index.
-3. ``tune_and_check`` on the shards searched as one (``open_parts``: ``IndexShardsIVF`` over
+3. ``tune_and_check`` on the parts searched as one (``open_parts``: ``IndexShardsIVF`` over
    memory-mapped files, one quantizer); the held-out vectors become one more part (``held_part``).
-4. optionally ``merge_ondisk`` (``benchmarks/scaling/ondisk.py``): one IVF index with on-disk lists.
 """
 from __future__ import annotations
 
@@ -109,19 +106,16 @@ def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, devi
     truth = exact_truth(sources, np.concatenate([qt, qc]), k, exclude=held, dups=dups)
     t["truth"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if index_type == "auto":
-        if measure:
-            specs = [s for s in candidates(n, dim, max_memory) if streamable(s)]
-            # select() measures on ho.rows (a sample of SAMPLE_CAP of them when longer): handing
-            # it SAMPLE_CAP + 1 sampled rows of a View of n rows keeps its scaling to n
-            ho = Holdout(tune_pos, check_pos, sel_pos)
-            sel = select(View(sam, n), View(sam, n, ids=True), ho, target, max_memory=max_memory,
-                         seed=seed, device=device, specs=specs, progress=progress)
-            spec = sel.spec
-            fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
-        else:
-            spec = fx.choose_spec(n, dim, "ivf", nlist=nlist)
-    else:
+    if measure:
+        specs = [s for s in candidates(n, dim, max_memory) if streamable(s)]
+        # select() measures on ho.rows (a sample of SAMPLE_CAP of them when longer): handing
+        # it SAMPLE_CAP + 1 sampled rows of a View of n rows keeps its scaling to n
+        ho = Holdout(tune_pos, check_pos, sel_pos)
+        sel = select(View(sam, n), View(sam, n, ids=True), ho, target, max_memory=max_memory,
+                     seed=seed, device=device, specs=specs, progress=progress)
+        spec = sel.spec
+        fields.update(candidates=sel.table, selection_seconds=round(sel.seconds, 3))
+    else:                           # auto here is IVF-Flat (n >= flat_threshold): streamable
         spec = fx.choose_spec(n, dim, index_type, o.flat_threshold, nlist)
         if not streamable(spec):
             raise IndexerError(f"index type {index_type}: its shards cannot be filled apart "
