@@ -101,9 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes (embedder.cli.run_main): 2 bad usage; 1 with one line for what the user can fix
-    (ValueError, OSError, KeyError and their kin: ImageLoadError, ModelLoadError; IndexerError;
-    the pretrained weights or a parity check failing while the demo index is built); 130 Ctrl-C.
-    Anything else is a bug and keeps its traceback."""
+    (:func:`_expected` too); 130 Ctrl-C. Anything else is a bug and keeps its traceback."""
     return run_main("app.py", build_parser(), argv, handler=lambda a: _serve(_checked(a)), expected=_expected())
 
 

@@ -32,11 +32,8 @@ def skimage_photos(classes: Sequence[str] | None = None) -> dict[str, list[Path]
     unknown = [c for c in names if c not in DEMO_PHOTOS]
     if unknown:
         raise ValueError(f"unknown demo classes {unknown}; expected some of {sorted(DEMO_PHOTOS)}")
-    out = {}
-    for c in names:
-        files = [Path(data_dir) / f for f in DEMO_PHOTOS[c] if (Path(data_dir) / f).is_file()]
-        if files:
-            out[c] = files
+    found = {c: [Path(data_dir) / f for f in DEMO_PHOTOS[c] if (Path(data_dir) / f).is_file()] for c in names}
+    out = {c: files for c, files in found.items() if files}
     if len(out) < 2:
         raise FileNotFoundError(f"{data_dir}: fewer than two scikit-image photos found; "
                                 f"is scikit-image installed completely?")

@@ -1,7 +1,4 @@
-"""Recall@k of an open index for the Evaluate tab, on a labelled query folder or leave-one-out,
-through ``indexer eval``'s own functions (indexer.layouts.evaluate): the app and the CLI report
-the same number.
-"""
+"""Recall@k for the Evaluate tab through ``indexer eval``'s own functions: the same numbers."""
 from __future__ import annotations
 
 import io

@@ -1,20 +1,16 @@
-"""The server's front door: refuse what must be refused before a request body is read.
+"""The server's front door, one pure ASGI middleware (not BaseHTTPMiddleware, so Gradio's streaming
+routes pass untouched): refuse what must be refused before a request body is read.
 
-One pure ASGI middleware (not BaseHTTPMiddleware, so Gradio's streaming routes pass untouched):
-
-* ``/api/*`` with ``--auth``: basic credentials checked from the headers, before any body is read.
-* Failed logins (basic or Gradio ``/login``) counted per client address; past 10 a minute, 429 +
-  Retry-After with exponential back-off (serving.throttle).
-* A Content-Length above the cap: 413 unread; a chunked body is counted as read and cut at the
-  cap (nothing spooled beyond it). A body must arrive within a deadline, else 408.
-* An answer given with the body unread carries ``Connection: close`` (else h11 drains GBs).
-* Cut-off, deadline and mid-body disconnect reach the app as ``MultiPartException``, which
+* ``/api/*`` with ``--auth``: basic credentials checked from the headers. Failed logins (basic or
+  Gradio ``/login``) per client address past 10 a minute: 429 + Retry-After (serving.throttle).
+* A Content-Length above the cap: 413 unread; a chunked body is cut at the cap; a body not in by
+  its deadline: 408. An answer with the body unread carries ``Connection: close`` (else h11 drains
+  GBs). Cut-off, deadline and mid-body disconnect reach the app as ``MultiPartException``, which
   Gradio's upload parser cleans up after: no refused upload leaves a file.
-* Without a login, ``gradio_api_info`` is stripped from Gradio's pages (serving.session).
-* ``/api/*``: an unexpected error becomes a JSON 500 without a trace.
-* Gradio's long-lived streams (heartbeat, ``queue/data``, ``stream/``, ``call/``): with
-  ``--auth``, 401 without a login (3,000 open heartbeats cost 3,019 file handles); at most
-  ``MAX_STREAMS_PER_CLIENT`` per client address (429 past that).
+* Without a login, ``gradio_api_info`` is stripped from Gradio's pages (serving.session);
+  ``/api/*``: an unexpected error becomes a JSON 500 without a trace.
+* Gradio's long-lived streams: with ``--auth``, 401 without a login (3,000 open heartbeats cost
+  3,019 file handles); at most ``MAX_STREAMS_PER_CLIENT`` per client address (429 past that).
 """
 from __future__ import annotations
 
@@ -110,15 +106,13 @@ def folder_bytes(folder: str | os.PathLike) -> int:
     return total
 
 
-#: The one key every client address that is not an IP address shares (issue 39): a trusted
-#: proxy's X-Forwarded-For becomes the ASGI client as it is, so garbage there ("x", "unknown",
-#: a fresh random string per request) would otherwise count as a new client each time.
+#: The one key all client addresses that are not IP addresses share (issue 39): a trusted proxy's
+#: X-Forwarded-For garbage (a fresh random string per request) would otherwise be a new client each time.
 NOT_AN_ADDRESS = "not-an-ip-address"
 
 
 def client_key(scope: dict) -> str:
-    """The client address the throttle and the stream cap count: the ASGI client's host when
-    it is an IP address, else :data:`NOT_AN_ADDRESS` (all such clients together)."""
+    """The client address the throttle and the stream cap count (else :data:`NOT_AN_ADDRESS`)."""
     import ipaddress
 
     host = str((scope.get("client") or ("",))[0] or "")

@@ -1,12 +1,9 @@
-"""Test-time DFS/MTS probes (supplementary section L, Figs. V-VI), on numpy only: scale the
-query's own top-K channels (semantic scaling) or add the difference of two gallery embeddings
-of one class (semantic shifting), then search again; a model that learnt real semantics keeps
-its neighbours. Stateless (query classes are new), and written out on numpy because serving
-never imports ``training``.
-"""
+"""Test-time DFS/MTS probes (supplementary section L, Figs. V-VI): scale the query's top-K
+channels or add the difference of two gallery embeddings of one class, then search again; a
+model that learnt real semantics keeps its neighbours. On numpy: serving never imports training."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -40,10 +37,8 @@ def topk_channels(v: np.ndarray, k: int) -> np.ndarray:
 def semantic_scaling(v: np.ndarray, *, topk: int = 4, scales: Sequence[float] | None = DEFAULT_SCALES,
                      n_random: int = 0, scale_range: float = 0.5, seed: int | None = 0,
                      normalize: bool = True) -> tuple[np.ndarray, list[str]]:
-    """Probe embeddings made by scaling the query's top-K channels: each scale s multiplies all K
-    (a row of Fig. V); each of ``n_random`` probes draws a factor per channel from U[1 -
-    scale_range, 1 + scale_range], as DFS does. Returns (P, d) and a name per probe.
-    """
+    """(P, d) probes scaling the query's top-K channels, by each scale (a row of Fig. V) and by
+    ``n_random`` draws per channel from U[1 - scale_range, 1 + scale_range] (as DFS); P names."""
     v = _as_vector(v)
     scales = list(scales or [])
     if any((not np.isfinite(s)) or s <= 0 for s in scales):
@@ -115,13 +110,11 @@ class ProbeRow:
     labels: list[str | None]
     overlap: float                 # overlap@k with the original top-k (1.0 for the original)
     precision: float | None        # precision@k when the query's label is known
-    detail: dict = field(default_factory=dict)
 
 
 def stability_rows(original_ids: Sequence[int], original_scores: Sequence[float],
                    original_labels: Sequence[str | None], probes: Sequence[tuple[str, str, Sequence[int], Sequence[float], Sequence[str | None]]],
                    k: int, query_label: str | None = None) -> list[ProbeRow]:
-    """Assemble the original row plus one row per probe with overlap@k and precision@k."""
     def prec(labels: Sequence[str | None]) -> float | None:
         return None if query_label is None else precision_at_k(labels, query_label, k)
 

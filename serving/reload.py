@@ -1,11 +1,9 @@
 """Live indexes: a served index directory picks up ``indexer add/remove`` without a restart.
 
-Writers rewrite ``manifest.json`` last and atomically, so a changed stamp (inode, mtime, size)
-means a complete new state. A request notices it with one ``stat`` (at most every ``interval``
-seconds); a background thread opens it (:meth:`indexer.Index.reopen`, sharing store and
-embedder) and swaps it in with one assignment; running requests finish on their Index, none
-waits. A state that cannot be opened leaves the previous one serving and is reported by
-:meth:`IndexWatcher.problems` (``/api/health``: 503).
+Writers rewrite ``manifest.json`` last and atomically, so a changed stamp means a complete new
+state. A request notices it with one ``stat``; a background thread opens it (Index.reopen) and
+swaps it in with one assignment; none waits. A state that cannot be opened leaves the previous
+one serving and is reported by :meth:`IndexWatcher.problems` (``/api/health``: 503).
 """
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ class UnknownIdError(KeyError):
 
 
 class RequestError(ValueError):
-    """A malformed request (a bad k, no query, a number that is not one); ``status`` is the HTTP
-    code the API answers with. Uploads that are refused raise its subclass UploadError."""
+    """A malformed request; ``status``: the HTTP code the API answers with (UploadError: 413, 415)."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
@@ -48,8 +47,7 @@ _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
 def parse_dba(v: Any) -> bool | None:
-    """The one parse of a request's ``dba`` switch (API form field or query parameter): absent
-    or empty -> None (the index's default), else true/false, 1/0, on/off, yes/no."""
+    """A request's ``dba`` switch: absent or empty -> None (the index's default), else a boolean."""
     if v is None or isinstance(v, bool):
         return v
     t = str(v).strip().lower()
@@ -62,18 +60,15 @@ def parse_dba(v: Any) -> bool | None:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One named index as one request sees it (``Searcher.snapshot``): looked up once and passed
-    down, so a reload that swaps the searcher's entry meanwhile never reaches the request."""
+    """One named index as one request sees it: a reload meanwhile never reaches the request."""
     name: str
     index: Index
 
 
 @dataclass
 class Query:
-    """What is being searched for: an uploaded image, or a gallery image (its id in ``source``:
-    that index uses the stored embedding and leaves it out; others embed the bytes). A fused
-    query has ``parts`` and no pixels: its embedding is theirs fused.
-    """
+    """An uploaded image, or a gallery image (its id in ``source``: that index uses the stored
+    embedding, others embed the bytes), or fused ``parts`` (no pixels)."""
     image: Image.Image | None = None
     id: int | None = None
     source: str | None = None
@@ -85,16 +80,13 @@ class Query:
     parts: tuple["Query", ...] = ()                              # a fused query's queries
 
     def on(self, name: str) -> "Snapshot | str":
-        """What a request on index ``name`` looks up: the snapshot this gallery query was found
-        in when it is that index's (one request, one state), else the name."""
+        """The snapshot this gallery query was found in when it is index ``name``'s, else the name."""
         return self.origin if self.origin is not None and self.origin.name == name else name
 
 
 @dataclass
 class Result(Hit):
-    """An index's Hit as serving returns it: with the index that found it and, on request, its
-    thumbnail."""
-
+    """An index's Hit with the index that found it and, on request, its thumbnail."""
     index: str = ""
     thumbnail: Image.Image | None = None
 
@@ -122,14 +114,6 @@ class SearchResult:
     @property
     def labels(self) -> list[str | None]:
         return [r.label for r in self.results]
-
-    @property
-    def paths(self) -> list[str]:
-        return [r.path for r in self.results]
-
-    @property
-    def thumbnails(self) -> list[Image.Image | None]:
-        return [r.thumbnail for r in self.results]
 
 
 @dataclass

@@ -1,12 +1,7 @@
-"""Searcher: one or more read-only indexes answering image queries, with thumbnails and probes.
-
-Several indexes open at once (say a baseline and a DAS embedder) let every query and probe be
-compared side by side, as the paper's Figs. V-VI. Read-only indexes are safe for concurrent
-queries, so one Searcher serves all web workers; watched directories are swapped in between
-requests after ``indexer add/remove`` (serving.reload). One request, one index state: every
-method looks the index up ONCE (:meth:`snapshot`) and passes that ``Index`` down; a gallery
-Query keeps its Snapshot (``Query.origin``), and a reload never swaps a request's Index.
-"""
+"""Searcher: read-only indexes (say a baseline and a DAS embedder) answering image queries and
+probes side by side (the paper's Figs. V-VI); one Searcher serves all web workers. One request,
+one index state: each method looks the index up ONCE (:meth:`snapshot`) and passes it down, so a
+reload after ``indexer add/remove`` (serving.reload) never swaps a request's Index."""
 from __future__ import annotations
 
 import io
@@ -58,10 +53,8 @@ class Searcher:
     def open(cls, directories: Sequence[str | Path] | str | Path, *, names: Sequence[str] | None = None,
              device: str = "auto", check_model: bool = False, max_memory: int | str | None = None,
              ray: Any = None, **kw: Any) -> "Searcher":
-        """Open each index directory read-only (names default to the directory names);
-        ``check_model`` requires each model.onnx. ``max_memory``: codes in RAM re-ranked from the
-        store (``indexer.ann.served``); ``ray``: sharded indexes searched by one actor per shard
-        (``SearchResult.partial`` names a shard left out); both kept across reloads."""
+        """Open each index directory read-only; ``max_memory`` (``indexer.ann.served``) and ``ray``
+        (one actor per shard; ``SearchResult.partial`` names a shard left out) survive reloads."""
         if isinstance(directories, (str, Path)):
             directories = [directories]
         dirs = [Path(d) for d in directories]
@@ -98,16 +91,15 @@ class Searcher:
             raise UnknownIdError(f"unknown index {name!r}; open indexes: {', '.join(self.indexes)}") from None
 
     def snapshot(self, index: IndexRef = None) -> Snapshot:
-        """The named index as one request sees it: looked up once, then passed down (every method
-        taking ``index=`` also takes a Snapshot, which it uses as it is)."""
+        """The named index as one request sees it (a Snapshot given is used as it is)."""
         if isinstance(index, Snapshot):
             return index
         name = index or self.default
         return Snapshot(name, self.index(name))
 
     def health(self) -> dict[str, str]:
-        """index name -> problem, for every index that is not fully served (empty: healthy).
-        Each store gets a real read, so a store LMDB cannot read shows up here, not as a 500."""
+        """index name -> problem (empty: healthy); a real read of each store, so an unreadable
+        LMDB shows up here, not as a 500."""
         problems = {}
         for name in self.indexes:
             idx = self.index(name)
@@ -140,12 +132,9 @@ class Searcher:
     def query(self, image: Query | ImageSource | int | None = None, *, id: int | str | None = None,
               path: str | None = None, index: IndexRef = None, label: str | None = None,
               name: str | None = None, box: Any = None) -> Query:
-        """The one way to a Query (API, UI and every method come here): an image, decoded now
-        (ImageLoadError), else a gallery id (an integer or a form's digits) or a gallery-relative
-        path (looked up in the store, never read from disk) in ``index``; a Query as it is.
-        ``label`` sets its label. ``box`` (x0,y0,x1,y1 pixels, :func:`serving.queries.parse_box`):
-        that region only, a new image (its photo stays in the results). UnknownIdError for an
-        unknown id or path; RequestError for no query, a malformed id or a box outside the image."""
+        """The one way to a Query: an image (decoded now), else a gallery id or gallery-relative
+        path (looked up in the store, never read from disk) in ``index``. ``box``: that region
+        only, as a new image (its photo stays in the results)."""
         if isinstance(image, Query):
             return image
         if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
@@ -177,16 +166,14 @@ class Searcher:
                      name=nm, origin=snap)
 
     def _region(self, image: ImageSource, box: queries.Box, name: str, label: str | None) -> Query:
-        """A Query of ``box`` of ``image``: decoded at full size (the box is in its pixels; the
-        pixel cap still holds), cut, then reduced as any query is."""
+        """Decoded at full size (the box is in its pixels; the pixel cap holds), cut, then reduced."""
         full = bounded_decode(image, name=name, min_side=None, max_pixels=DEFAULT_MAX_PIXELS)
         cut = queries.crop(full, box, name)
         img = bounded_decode(cut, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
         return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
 
     def fused(self, parts: Sequence[Query], *, label: str | None = None) -> Query:
-        """One Query for several (each from :meth:`query`), searched with their normalised mean
-        embedding; one part as it is, none "no query", over MAX_QUERY_IMAGES refused."""
+        """One Query for several, searched with their normalised mean embedding."""
         queries.check_count(len(parts))
         if not parts:
             raise RequestError("no query: upload an image, or name a gallery image by id or path")
@@ -211,8 +198,8 @@ class Searcher:
         return self._embed(self.snapshot(index), [q])[0]
 
     def _embed(self, snap: Snapshot, qs: Sequence[Query]) -> np.ndarray:
-        """(n, d) embeddings of ``qs`` in the snapshot's space, cached on each query: stored
-        vectors for its gallery items, one batched run for the rest, fused parts fused."""
+        """(n, d) embeddings, cached on each query: stored vectors for the snapshot's own gallery
+        items, one batched run for the rest."""
         todo = []
         for q in [p for q in qs for p in (q.parts or (q,))]:
             if snap.name in q.embeddings:
@@ -234,14 +221,13 @@ class Searcher:
 
     @staticmethod
     def _own(snap: Snapshot, q: Query) -> bool:
-        """Whether the gallery query is an item of the index: ids are content hashes, so the same
-        photo has the same id in every index that holds it (and is left out of its results)."""
+        """Whether the gallery query is an item of the index (ids are content hashes: the same
+        photo has the same id in every index)."""
         return q.id is not None and (q.source == snap.name or q.id in snap.index)
 
     # -- search ---------------------------------------------------------------------------
     def check_dba(self, dba: bool | None, index: IndexRef = None) -> bool:
-        """The DBA setting a request gets on ``index``: None -> the index's default, False ->
-        off, True -> on (a RequestError for an index built without DBA)."""
+        """None -> the index's default; True on an index built without DBA: RequestError."""
         snap = self.snapshot(index)
         if dba and not snap.index.has_dba:
             raise RequestError(f"dba: index {snap.name!r} was built without DBA re-ranking "
@@ -250,8 +236,7 @@ class Searcher:
 
     def _nearest(self, snap: Snapshot, emb: np.ndarray, k: int, exclude: Sequence[int | None] | None,
                  thumbnails: bool, dba: bool) -> tuple[list[list[Result]], list[int]]:
-        """What every search comes down to, on one snapshot with k and dba already checked: each
-        row's Results, and the shards the answer left out (an index served over Ray)."""
+        """Each row's Results (k and dba checked), and the shards the answer left out (Ray)."""
         scores, ids, partial = snap.index.answer(emb, k, dba=dba, exclude=exclude)
         return [[Result(h.id, h.score, h.label, h.path, snap.name,
                         self.thumbnail(snap, h.id) if thumbnails else None)
@@ -260,16 +245,14 @@ class Searcher:
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
                 dba: bool | None = None) -> list[list[Result]]:
-        """Top-k Results of (n, d) query embeddings in ``index``; ``exclude[i]``: an id left out of
-        row i (with DBA, of its neighbours too); ``dba`` None: the index's default."""
+        """Top-k Results of (n, d) embeddings; ``exclude[i]``: an id left out of row i."""
         snap = self.snapshot(index)
         return self._nearest(snap, np.atleast_2d(np.asarray(emb, dtype=np.float32)), check_k(k),
                              None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap))[0]
 
     def search(self, query: Query | ImageSource | int, k: int = 10, *, index: IndexRef = None,
                exclude_self: bool = True, thumbnails: bool = False, dba: bool | None = None) -> SearchResult:
-        """Top-k for one query (an image, a gallery id, or a Query). A gallery query is left out
-        of its own results unless exclude_self is False. ``dba``: as :meth:`nearest`."""
+        """Top-k for one query; a gallery query is left out of its own results (exclude_self)."""
         return self.search_batch([query], k, index=index, exclude_self=exclude_self, thumbnails=thumbnails,
                                  dba=dba)[0]
 
@@ -358,8 +341,7 @@ class Searcher:
         return {name: self.probe(q, k, index=q.on(name), **kw) for name in self.indexes}
 
     def audit(self, index: IndexRef = None) -> dict[str, Any]:
-        """The gallery audit of ``index`` (``indexer.audit``), computed once per index version and
-        kept beside it; RequestError for an index opened without its directory."""
+        """The gallery audit (``indexer.audit``), computed once per index version."""
         snap = self.snapshot(index)
         directory = self.directories.get(snap.name)
         if directory is None:

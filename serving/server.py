@@ -1,10 +1,7 @@
-"""One ASGI app: the JSON API at /api/* (registered first: a mount at "/" takes every path
-left) and the Gradio UI mounted at "/"; --auth protects both.
-
-File inputs: Gradio copies a client's FileData ``{"path": ...}`` into its cache before any
-handler runs, and checks that it is its own upload only once the Blocks "has launched", which
-``gr.mount_gradio_app`` does not set: any server path was copied. We set the flag after
-mounting, which switches on Gradio's own check (a test drives it through the HTTP API).
+"""One ASGI app: the JSON API at /api/* (registered first: a mount at "/" takes every path left)
+and the Gradio UI at "/"; --auth protects both. Gradio checks that a client's FileData
+``{"path": ...}`` is its own upload only once the Blocks "has launched", which
+``gr.mount_gradio_app`` does not set (any server path was copied): we set it after mounting.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Who is logged in to the Gradio UI, and the login page stripped of everything about the index.
-
-Gradio's page routes show a visitor without a login the login form but still embed
-``window.gradio_api_info`` (every dropdown choice: labels, ids, paths) with no switch to stop it,
-so the guard (serving.limits) rewrites that literal to ``null`` for visitors without a session;
-a form :func:`strip_api_info` does not recognise (a Gradio upgrade) is refused (fail closed).
+"""Who is logged in to the Gradio UI, and the login page stripped of everything about the index:
+Gradio's pages embed ``window.gradio_api_info`` (labels, ids, paths) even for a visitor without a
+login, so the guard (serving.limits) rewrites it to ``null``; a form it does not recognise (a
+Gradio upgrade) is refused (fail closed).
 """
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ _API_INFO = re.compile(rb"(<script>window\.gradio_api_info = )(.*?)(;</script>)"
 
 
 class GradioSessions:
-    """Checks Gradio's login cookie against the mounted Gradio app's live tokens. ``app`` is set
-    after ``gr.mount_gradio_app`` (the guard is built before the mount)."""
+    """Gradio's login cookie against the mounted app's live tokens (``app`` is set after the mount)."""
 
     def __init__(self) -> None:
         self.app: Any = None

@@ -1,12 +1,9 @@
-"""The app's own temp folder: Gradio's uploads and cached results go there, and it is emptied
-at start-up, so files a killed server left behind do not pile up across restarts.
-
-Each app gets a folder below ``$GRADIO_TEMP_DIR`` named for its port, ``flock``-held while it
-runs: start-up empties only folders nobody holds (other ports' ``das-retrieval-app-*`` too once
-unchanged for ``STALE_S``). Must run before ``gradio`` is imported (it reads the variable then).
-Safety: the parent folder must be a real 0700 directory of this user (else one line refusing
-it: another user could pre-create it), and everything below is opened and removed through
-directory descriptors without following symlinks (``O_NOFOLLOW``, ``dir_fd``).
+"""The app's own temp folder for Gradio's uploads and cached results, emptied at start-up, so what
+a killed server left behind does not pile up. One folder per port below ``$GRADIO_TEMP_DIR``,
+``flock``-held while it runs (start-up empties only folders nobody holds); set before ``gradio``
+is imported. Safety: the parent must be a real 0700 directory of this user (another user could
+pre-create it), and everything below is opened and removed through directory descriptors
+without following symlinks (``O_NOFOLLOW``, ``dir_fd``).
 """
 from __future__ import annotations
 

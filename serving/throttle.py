@@ -1,10 +1,8 @@
 """Failed-login throttling per client address (HTTP basic auth on /api and Gradio's /login form).
 
-Without it a stranger could try ~1,400 passwords a second. Up to ``free`` failures per
-``window`` seconds cost nothing; each one past that blocks the address for ``first_block``
-seconds, doubling up to ``max_block``; while blocked every attempt gets 429 + Retry-After,
-unchecked. A success, or ``window`` x 15 s without failures, forgets the address; the table is
-bounded. Addresses are the TCP peer's (``X-Forwarded-For`` only from ``--forwarded-allow-ips``).
+Without it a stranger could try ~1,400 passwords a second. Past ``free`` failures per ``window``
+seconds each failure blocks the address (``first_block`` s, doubling up to ``max_block``; 429 +
+Retry-After, unchecked). A success, or ``window`` x 15 s without failures, forgets the address.
 """
 from __future__ import annotations
 

@@ -15,12 +15,14 @@ MATCH = (22, 163, 74)      # green: same label as the query
 MISMATCH = (220, 38, 38)   # red: different label
 
 
-def make_thumbnail(data: bytes, size: int = 160) -> Image.Image:
-    """Decode gallery bytes into an RGB thumbnail no larger than size x size (a large photo is
-    decoded at reduced size, never at full size: see ``load_image(min_side=...)``)."""
+def png_thumbnail(data: bytes, size: int = 160) -> bytes:
+    """Gallery bytes -> PNG of an RGB thumbnail within size x size (a large photo is decoded at
+    reduced size, never at full size: ``load_image(min_side=...)``)."""
     im = load_image(data, mode="RGB", max_pixels=None, min_side=size)
     im.thumbnail((size, size))
-    return im
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def framed(img: Image.Image, match: bool | None, width: int = 6) -> Image.Image:
@@ -36,22 +38,14 @@ def framed(img: Image.Image, match: bool | None, width: int = 6) -> Image.Image:
     return out
 
 
-def to_png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 class ThumbnailCache:
-    """Thread-safe LRU of encoded PNG thumbnails keyed by (index name, id): saves a read, a
-    decode and an encode per recurring result."""
+    """Thread-safe LRU of PNG thumbnails by (index name, id): a read, a decode and an encode saved."""
 
     def __init__(self, capacity: int = 4096, size: int = 160):
         self.capacity = capacity
         self.size = size
         self._data: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
         self.misses = 0
 
     def get(self, key: tuple[str, int], load: Callable[[], bytes]) -> bytes:
@@ -59,16 +53,12 @@ class ThumbnailCache:
             png = self._data.get(key)
             if png is not None:
                 self._data.move_to_end(key)
-                self.hits += 1
                 return png
             self.misses += 1
-        png = to_png(make_thumbnail(load(), self.size))
+        png = png_thumbnail(load(), self.size)
         with self._lock:
             self._data[key] = png
             self._data.move_to_end(key)
             while len(self._data) > self.capacity:
                 self._data.popitem(last=False)
         return png
-
-    def __len__(self) -> int:
-        return len(self._data)

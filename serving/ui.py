@@ -1,12 +1,10 @@
-"""The Gradio 6 app: Search, Probes, Evaluate and Index tabs over a Searcher.
-
-Every handler turns bad input (oversized upload, a file that is not an image, a bad number) into
-a visible message (gr.Warning toast plus a status line) and empty outputs, never a stack trace.
-The search and probe handlers have api_names so gradio_client can call them.
-"""
+"""The Gradio 6 app over a Searcher: Search, Probes, Evaluate, Index and Audit tabs. Every handler
+turns bad input into a visible message (gr.Warning toast and status line) and empty outputs, never
+a stack trace; the handlers have api_names so gradio_client can call them."""
 from __future__ import annotations
 
 import io
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -39,8 +37,8 @@ P_MAX_TOPK, P_MAX_RANDOM = 64, 6        # the Probes sliders' ranges, checked ag
 
 
 def query_image(**kw: Any) -> gr.Image:
-    """gr.Image whose preprocessing failure (not an image) becomes a clear gr.Error; the
-    instance's preprocess is wrapped, since Gradio writes a .pyi stub beside any subclass."""
+    """gr.Image whose preprocessing failure becomes a clear gr.Error (the instance's preprocess
+    is wrapped: Gradio writes a .pyi stub beside any subclass)."""
     comp = gr.Image(**kw)
     inner = comp.preprocess
 
@@ -75,14 +73,8 @@ def _floats(text: str, what: str, most: int = MAX_LIST_VALUES) -> list[float]:
 def _pick_choices(searcher: Searcher, per_label: int = 2, limit: int = 400) -> list[tuple[str, str]]:
     """Gallery images offered as example queries: a couple per class of the default index."""
     idx = searcher.index()
-    out: list[tuple[str, str]] = []
-    for lab in idx.labels():
-        for i in idx.ids_for_label(lab)[:per_label]:
-            path = idx.meta(i).get("path", str(i))
-            out.append((f"{lab} — {path}", str(i)))
-            if len(out) >= limit:
-                return out
-    return out
+    return list(islice(((f"{lab} — {idx.meta(i).get('path', str(i))}", str(i))
+                        for lab in idx.labels() for i in idx.ids_for_label(lab)[:per_label]), limit))
 
 
 def _describe_md(info: Mapping[str, Any]) -> str:
@@ -131,8 +123,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
 
     def make_query(img_path: str | None, pick: str | None, label: str | None, region: str | None = None,
                    more: list[str] | None = None) -> Query:
-        """The query column's values -> one Query: the image or pick (``region``: a box of it),
-        fused with the ``more`` images when there are any (serving.queries)."""
+        """The query column's values -> one Query (fused with the ``more`` images, if any)."""
         box = parse_box(region)
         check_count(len(more or []) + 1, "more images")
         img = upload(img_path, whole=box is not None) if img_path else None
@@ -155,8 +146,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             q = make_query(img_path, pick, label, region, more)
             kk = int(k)
             # checked: each index's default (DBA where built with it); unchecked: plain everywhere
-            use = None if dba else False
-            found = searcher.search_all(q, kk, dba=use, thumbnails=True)
+            found = searcher.search_all(q, kk, dba=None if dba else False, thumbnails=True)
             out = [result_items(searcher, res.results, q.label) for res in found.values()]
         except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
