@@ -1,18 +1,14 @@
 """Database-side augmentation (DBA): each gallery vector replaced, for ranking, by the
 similarity^alpha-weighted mean of its k nearest gallery vectors (itself included, weight 1),
-re-normalised; queries are ranked against these augmented vectors.
-
-Why: an atypical photo is pulled towards its close neighbours, mostly of its class; on unseen
-cub-dev species this lifts R@1 (docs/benchmarks/indexer.md). No library the project uses has
-DBA; it is a few lines over :func:`embedder.knn.exact_knn`. Served as a per-request switch: the
+re-normalised. Why: an atypical photo is pulled towards its close neighbours, mostly of its
+class (R@1 on unseen cub-dev species: docs/benchmarks/indexer.md). A per-request switch: the
 faiss index keeps the plain vectors and DBA re-orders its top ``depth`` candidates by their
 augmented vectors (``neighbours.npz``), one (depth x d) product.
 
-Per item the file keeps its ``k`` nearest *other* items: ``k - 1`` make the augmented vector,
-the last is a spare, so a query that is itself a gallery item is answered as if it were not
-(:func:`rerank`, ``exclude``); else leave-one-out figures are inflated. ``indexer add/remove``
-(:func:`update`) searches again only the items whose lists can change; the result equals a
-fresh build's.
+Per item the file keeps its ``k`` nearest *other* items: ``k - 1`` make the augmented vector, the
+last is a spare, so a query that is itself a gallery item is answered as if it were not
+(:func:`rerank`, ``exclude``: else leave-one-out figures are inflated). ``indexer add/remove``
+(:func:`update`) searches again only the items whose lists can change (equal to a fresh build).
 """
 from __future__ import annotations
 
@@ -294,13 +290,10 @@ def _array_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
 
 def check(directory: str | Path, manifest: Manifest, *, verify_hash: bool | None = True) -> None:
-    """The one check of ``neighbours.npz`` against the manifest (no-op without DBA), run at
-    open, by ``indexer info`` and ``/api/health``: recorded size and sha256; a zip of ``.npy``
-    arrays (never unpickled) ``ids``, ``nbr``/``sims``, ``aug``, ``params`` of the right shapes
-    and dtypes, n = ``count``, k/alpha/depth as the manifest's. One line naming the file per
-    failure. ``verify_hash``: True always; None only when the file's stamp changed since the
-    last passing check in this process; False never.
-    """
+    """The one check of ``neighbours.npz`` against the manifest (no-op without DBA), at open, by
+    ``indexer info`` and ``/api/health``: size, sha256, and its ``.npy`` arrays (never unpickled) of
+    the recorded shapes, dtypes and parameters; one line naming the file per failure.
+    ``verify_hash``: True always; None only when the file's stamp changed since the last pass here."""
     from ..directory.validate import check_faiss_file, damaged
 
     rec = manifest.neighbours

@@ -78,13 +78,11 @@ class BuildDefaults:
 
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
                      mode: str = "process", dba_k: int = 8) -> BuildDefaults:
-    """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md).
-    ``int8``/``dba``: the flags (None = auto, else kept). Auto: the default embedder gets int8
-    from :data:`INT8_MIN_IMAGES` images and DBA from :func:`dba_min_images` (the measured
-    winner); ``--model M``: fp32, no DBA (only the default was measured); ``mode`` "shard"
-    (DBA is the merge's) and "ray" (no DBA yet) keep DBA off, int8 as above. ``images``: the
-    gallery's count or a bound of it (a count, not a sample, so a rerun resumes the same way).
-    """
+    """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
+    ``int8``/``dba`` None = auto. The default embedder gets int8 from :data:`INT8_MIN_IMAGES` images
+    and DBA from :func:`dba_min_images`; ``--model M``: fp32, no DBA (only the default was measured);
+    ``mode`` "shard" (DBA is the merge's) and "ray" keep DBA off. ``images``: the gallery's count or a
+    bound of it (a count, not a sample, so a rerun resumes the same way)."""
     notes = []
     if int8 is None:
         int8 = not model_given and images >= INT8_MIN_IMAGES

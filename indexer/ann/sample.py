@@ -1,10 +1,8 @@
 """The streaming plan's samples, drawn shard by shard: the driver holds counts and samples, never
-the union of the shards' ids (that cost ~60-90 bytes a vector: 9 GiB at 100M).
-
-A position is one in the shards' concatenation (each shard's ids ascending); positions are
-drawn in the sample's memory (``draw``) and each shard reads its own in one pass (``Sample``,
-``Source.sample``). Ids are content hashes, so the samples are as random, not the same. Content
-stored in two shards is found by ``census``, a k-way merge of sorted id streams in chunks.
+the union of the shards' ids (~60-90 bytes a vector: 9 GiB at 100M). A position is one in the
+shards' concatenation (each shard's ids ascending), drawn here (``draw``) and read by each shard in
+one pass (``Sample``, ``Source.sample``). Duplicates across shards: ``census``, a k-way merge of
+sorted id streams in chunks.
 """
 from __future__ import annotations
 

@@ -45,11 +45,9 @@ def predicted_bytes(spec: fx.IndexSpec, n: int, dim: int) -> int:
 
 # ---------------------------------------------------------------------------- candidates
 def candidates(n: int, dim: int, max_memory: int | None = None) -> list[fx.IndexSpec]:
-    """What to try for an ``n`` x ``dim`` gallery, in order of preference on a tie: Flat (the
-    reference); IVF-Flat at the usual nlist and a quarter of it (HNSW-assigned from 8k lists);
-    SQ8 and 4-bit fast-scan PQ re-ranked exactly (on the coarser lists); HNSW while affordable;
-    under ``max_memory``, codes that replace the vectors (IVF-SQ8, PQ re-ranked with SQ8).
-    """
+    """What to try for an ``n`` x ``dim`` gallery, in order of preference on a tie: Flat; IVF-Flat at
+    the usual nlist and a quarter of it (HNSW-assigned from 8k lists); SQ8 and 4-bit fast-scan PQ
+    re-ranked exactly; HNSW while affordable; under ``max_memory``, codes that replace the vectors."""
     if n < SELECT_FROM:
         return [fx.choose_spec(n, dim, "ivf")]
     nl = fx.nlist_for(n)
@@ -88,10 +86,8 @@ class Selection:
 def select(x: np.ndarray, ids: np.ndarray, ho: Holdout, target: float, *,
            max_memory: int | None = None, seed: int = 0, device: str = "auto",
            specs: Sequence[fx.IndexSpec] | None = None, progress: bool = False) -> Selection:
-    """Build, tune and time each candidate on a sample of ``ho.rows``; keep the fastest that
-    clears the target and whose memory, extrapolated to the gallery, fits ``max_memory`` (Flat's
-    rate scaled by sample / gallery size; tuning queries ``ho.tune``, the check set untouched).
-    """
+    """Build, tune and time each candidate on a sample of ``ho.rows``; keep the fastest that clears
+    the target on ``ho.tune`` and whose memory, extrapolated to the gallery, fits ``max_memory``."""
     t_start = time.perf_counter()
     n, dim = x.shape
     rows = ho.rows
@@ -181,11 +177,9 @@ def choose(table: list[dict], max_memory: int | None = None) -> int:
 def build(ids: np.ndarray, x: np.ndarray, options: BuildOptions | None = None, *, device: str = "auto",
           trained: faiss.Index | None = None, parts: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
           progress: bool = False, **option_kw: object) -> tuple[faiss.Index, dict]:
-    """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x),
-    recall measured on held-out gallery vectors; returns (index, manifest fields). With
-    ``parts`` each fills its own copy of the trained index, merged with ``merge_from``.
-    ``option_kw``: :class:`BuildOptions` fields by name.
-    """
+    """Choose (or take ``index_type``), train, fill and tune an index over (ids ascending, x), recall
+    measured on held-out gallery vectors: (index, manifest fields). ``parts``: each fills its own copy
+    of the trained index, merged with ``merge_from``; ``option_kw``: :class:`BuildOptions` fields."""
     o = BuildOptions.of(options, **option_kw)
     index_type, nlist, seed, target, max_memory = o.index_type, o.nlist, o.seed, o.target_recall, o.index_memory
     n, dim = x.shape

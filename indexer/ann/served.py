@@ -1,13 +1,12 @@
 """A faiss index as served: whole in RAM (:class:`SearchableIndex`), or, on a node that holds only
-the codes (``--max-memory``): compressed IVF lists in RAM, the exact vectors read from the LMDB
-store(s) to re-rank each query's candidates.
+the codes (``--max-memory``): compressed IVF lists in RAM, exact vectors read from the store(s).
 
 Why: IVF-Flat holds every vector in the serving process (5.2 GB at 10M x 128), and the store
-already holds them on disk. So under a budget the lists are re-encoded once at start-up with the
-same coarse quantizer (SQ8, SQ4 or PQ, via faiss's ``add_core``: no vector changes list), and a
-query takes k' = RERANK_FACTOR x k candidates from the codes, ranked by exact inner products
-read from the store (``ReRanked``): when they contain the in-RAM top k the answer is exactly the
-in-RAM one. faiss's ``IndexRefineFlat`` would keep the exact vectors in RAM, which this avoids.
+already holds them on disk. Under a budget the lists are re-encoded once at start-up with the same
+coarse quantizer (SQ8, SQ4 or PQ via ``add_core``: no vector changes list); a query takes
+RERANK_FACTOR x k candidates from the codes, ranked by exact inner products read from the store
+(``ReRanked``): when they contain the in-RAM top k the answer is the in-RAM one (faiss's
+``IndexRefineFlat`` would keep the exact vectors in RAM).
 """
 from __future__ import annotations
 

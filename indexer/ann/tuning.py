@@ -1,8 +1,6 @@
-"""Tuning a faiss index to a recall target on queries it does not hold, and timing it (used by
-``selection`` and by ``update.retune``). Why held out: a gallery vector always finds itself, and
-its neighbours sit in lists it helped train, which flatters the recall new queries get; so
-``holdout`` keeps a tuning set (the setting must clear the target by a margin) and a check set
-(the reported recall) out of the index while it is tuned.
+"""Tuning a faiss index to a recall target on queries it does not hold, and timing it. Why held
+out: a gallery vector always finds itself, in lists it helped train, which flatters the recall; so
+``holdout`` keeps a tuning set (cleared by a margin) and a check set (the reported recall) out.
 """
 from __future__ import annotations
 
@@ -70,11 +68,9 @@ def clears(rq: np.ndarray, target: float) -> bool:
 # ---------------------------------------------------------------------------- tuning and timing
 def tune(index: faiss.Index, spec: faiss_index.IndexSpec, queries: np.ndarray, truth: np.ndarray,
          target: float, *, own: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-    """Smallest value of ``spec.param`` whose recall@k clears ``target`` (``clears``), by a
-    doubling search and a bisection; returns (value, per-query recall) and leaves the index
-    set. ``truth``: exact top-k ids; ``own``: self-queries' ids, dropped from both answers.
-    Flat: (0, exact recall); out of reach: the maximum and its recall.
-    """
+    """Smallest value of ``spec.param`` whose recall@k clears ``target``, by doubling and bisection:
+    (value, per-query recall), the index left set. ``truth``: exact top-k ids; ``own``: self-queries'
+    ids, dropped from both answers. Flat: (0, exact recall); out of reach: the maximum and its recall."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     k = truth.shape[1]
     cache: dict[int, np.ndarray] = {}

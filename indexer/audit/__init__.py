@@ -1,9 +1,6 @@
 """Gallery audit from an index's own kNN graph (issue 42): near-duplicate groups, likely
-mislabelled images with the label their neighbourhood suggests, outliers, confused class pairs.
-
-``run_audit(dir)`` -> :class:`Audit`; ``write_audit(audit, out)`` writes JSONL/CSV, PNG contact
-sheets and summary.json; ``python -m indexer audit --help``. What it reads of ``indexer``
-goes through one seam, :mod:`indexer.audit.source`.
+mislabelled images (with the suggested label), outliers, confused class pairs.
+``python -m indexer audit --help``; all it reads of ``indexer`` goes through :mod:`.source`.
 """
 from __future__ import annotations
 

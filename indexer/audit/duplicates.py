@@ -1,42 +1,21 @@
-"""(a) Near-duplicate groups: the kNN graph's pairs whose similarity stands out, grouped by
-union-find (a copy of a copy is one group), best pair first.
+"""(a) Near-duplicate groups: kNN-graph pairs whose similarity stands out, grouped by
+union-find (a copy of a copy is one group), best pair first. Identical bytes are one item
+already (ids are content hashes): found here are resized, re-encoded, cropped copies.
 
-Identical bytes are one item already (ids are the content's sha256), so what is found here is
-what a byte comparison cannot: resized, re-encoded, cropped copies.
+Score ``2 * cos(i, j) - max(d_i, d_j)``, ``d_i`` the mean cosine of i's 3rd..k-th neighbours (the
+first two left out: a group of three copies does not raise its own baseline). Why not the cosine
+alone: a category-trained embedder puts two photos of one crowded species as close (0.91 on
+cub-dev) as a photo and its crop (0.90); only the copy stands out of its neighbourhood (cosine:
+recall 0.67 at precision 0.95, this score 0.93 at 1.0; threshold 1.0: docs/benchmarks/audit.md).
 
-A pair's score is its cosine plus how far it stands above both items' neighbourhoods:
-``2 * cos(i, j) - max(d_i, d_j)``, ``d_i`` the mean cosine of i's 3rd..k-th neighbours (the
-first two left out, so that a group of three copies does not raise its own baseline). Why not
-the cosine alone: an embedder trained for categories puts two different photos of one bird
-species in a crowded class as close (0.91 on cub-dev) as a photo and its cropped copy (0.90);
-the copy stands out of its neighbourhood, the crowd does not. On cub-dev validation species
-with injected copies, cosine alone reaches recall 0.67 at precision 0.95, this score 0.93 at
-1.0 (docs/benchmarks/audit.md). The threshold (1.0) was chosen there.
-
-Below the threshold, the score cannot tell a cropped copy (a photo and its central 85% crop:
-cosine 0.79-0.90) from another photo of the same species; the images can. :func:`candidates`
-are the pairs in an uncertain band (one of each other's ``VERIFY_TOP`` nearest, score >=
-``VERIFY_LOWER``), best first; :func:`verify_pairs` checks their pixels, and those it confirms
-join the groups as pairs of their own (``extra``).
-
-The pixel check (:func:`verify_pairs`), the copy-detection standard: ORB keypoints of each
-image (scikit-image; grayscale, longest side ``SIDE`` pixels, so a resized copy looks like its
-original and a crop differs by its crop factor only), descriptors matched both ways with a ratio
-test (scikit-image's ``match_descriptors``), one similarity transform fitted by RANSAC; with
-``MIN_INLIERS`` inliers, b is mapped onto a by that fit and compared pixel by pixel
-(:func:`disagreement`). Why the comparison: inliers say the images share a rigid part, not that
-they are one picture; frames from one tripod (Caltech's Faces: one office wall, the head moving)
-get 30-76 inliers from the background, but differ on 6-27% of their overlap where a copy
-differs on under 0.4%. Chosen on the validation galleries: ``MIN_INLIERS`` between two different
-photos' most (20: a burst of one bird on one branch) and the copies' fewest (49); ``MAX_DIFFER``
-between the copies' most and the frames' fewest (the comparison was added after the report
-galleries showed the frames: docs/benchmarks/audit.md says so).
-
-Written here, and why: the RANSAC itself. scikit-image's ``skimage.measure.ransac`` fits one
-model per trial in a Python loop (about 130 ms a pair at 200 trials, the whole cost of a check);
-a similarity from two points is one complex division, so all trials are fitted and scored at
-once in numpy (:func:`fit`, 0.2-2 ms a pair). Scales beyond ``MAX_SCALE`` are refused (both
-images have one size: a copy's scale is its crop factor).
+Below the threshold the score cannot tell a crop from another photo of the species; the pixels
+can. :func:`candidates` (an uncertain band) go to :func:`verify_pairs`: ORB keypoints (grayscale,
+longest side ``SIDE``, so a resized copy looks like its original), descriptors matched both ways
+with a ratio test, one similarity fitted by RANSAC; with ``MIN_INLIERS`` inliers b is mapped onto
+a and compared pixel by pixel (:func:`disagreement`): frames from one tripod share a rigid
+background (30-76 inliers) but differ on 6-27% of their overlap, a copy on under 0.4%. The RANSAC
+is written here: scikit-image's fits one model per trial in Python (~130 ms a pair); a similarity
+from two points is one complex division, so all trials are fitted at once in numpy (:func:`fit`).
 """
 from __future__ import annotations
 

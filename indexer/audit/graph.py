@@ -1,10 +1,8 @@
-"""The gallery's k-nearest-neighbour graph, from the index's own faiss search.
-
-Each stored vector queries its index (tuned nprobe; sharded parts as one), its own id dropped
-by id (``embedder.knn.drop_self``: a copy under another id stays), rows as row numbers of
-:class:`~.source.Gallery`. Cosine scores; where the index scores from codes they are recomputed
-from the stored vectors and re-sorted, so thresholds mean the same for every type. Memory:
-(n, k) int32 + float32 plus one chunk of vectors.
+"""The gallery's k-nearest-neighbour graph from the index's own faiss search (tuned nprobe; a
+sharded index's parts as one): each stored vector queries it, its own id dropped (a copy under
+another id stays), rows as :class:`~.source.Gallery` row numbers. Cosines recomputed from the stored
+vectors where the index scores codes, so thresholds mean the same for every type. Memory: (n, k)
+int32 + float32 plus one chunk of vectors.
 """
 from __future__ import annotations
 

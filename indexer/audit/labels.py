@@ -1,22 +1,18 @@
 """(b) Likely mislabelled images and (d) the most confused class pairs; the per-class figures
 the outliers (c) use too.
 
-Why not cleanlab's Datalab (docs/benchmarks/audit.md): on a kNN graph it needs a fitted
-classifier (O(n x d) copies, minutes at 1M), brings ~30 packages (datasets, pyarrow, pandas)
-into the server, and its outliers are the kNN distance alone, which a cluster of off-domain
-photos defeats. Here, cleanlab's recipe on the index's graph: out-of-sample class probabilities
-(each item left out of its neighbourhood and its class centroid) give the SUGGESTED label and
-the margin (``normalized_margin``); the RANKING is
+cleanlab's recipe on the index's graph (not its Datalab: a fitted classifier, ~30 packages, and
+outliers by kNN distance alone: docs/benchmarks/audit.md). Out-of-sample class probabilities
+(each item left out of its neighbourhood and its class centroid; the k nearest items' labels,
+weights ``exp((sim - 1) / KNN_TEMP)``, mixed with a softmax over the centroid cosines,
+``CENTROID_TEMP``: robust where the kNN view is noisy) give the SUGGESTED label and the margin
+(``normalized_margin``); the RANKING is
 
     score = cos(x, centroid[suggested]) - cos(x, centroid[label] without x) - max(0, m - best)
 
-``best`` the cosine to the nearest centroid, ``m`` the gallery's median of it: off-domain photos
-are the outlier list's business and sink here. On cub-dev with 2% flipped labels and 1%
-off-domain photos this put 0.90 of the flips in the top N against 0.77-0.80 for the margin
-alone. Listed: score > 0 and margin > 0. The probabilities mix the k nearest items' labels
-(weights ``exp((sim - 1) / KNN_TEMP)``) and a softmax over the cosines to the class centroids
-(``CENTROID_TEMP``): robust where the kNN view is noisy, and it ranks an off-domain image (far
-from every class) below a flipped label (near its true class).
+``best`` the cosine to the nearest centroid, ``m`` its gallery median: off-domain photos are the
+outlier list's business and sink here. On cub-dev with 2% flipped labels and 1% off-domain photos
+0.90 of the flips were in the top N (the margin alone: 0.77-0.80). Listed: score > 0, margin > 0.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Writing an audit: JSONL and CSV per kind, PNG contact sheets, summary.json, a printed summary.
-
-Nothing is written half: every file goes into a temporary folder beside ``--out``, which then
-replaces ``--out`` by renames (an older audit there is moved aside first and removed after), so
-a reader sees the old audit or the new one, and a failed or interrupted audit leaves ``--out``
-as it was (only a ``.audit-*`` folder beside it, removed on the way out).
+Nothing is written half: the files go into a temporary folder beside ``--out`` that replaces it
+by renames (an older audit moved aside first), so a reader sees the old audit or the new one and
+a failed audit leaves ``--out`` as it was.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""One audit of an index directory: the kNN graph once, then the four kinds from it.
-
-(a) near-duplicates and (c) outliers for every gallery; (b) mislabelled images and (d) confused
-class pairs need labels (the class sub-folders the build recorded): a gallery without any gets
-(a) and (c) and the summary says why (b) and (d) are missing.
+"""One audit of an index directory: the kNN graph once, then the four kinds from it. (a)
+near-duplicates and (c) outliers for every gallery; (b) mislabelled images and (d) confused class
+pairs need labels: without, the summary says why they are missing.
 """
 from __future__ import annotations
 

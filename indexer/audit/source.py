@@ -1,12 +1,7 @@
-"""The audit's one seam to the rest of ``indexer``: what it reads of an index directory.
-
-Every name the audit needs of ``indexer`` is imported here, and only from the package's face
-(``indexer.__all__``), so that when indexer's modules move only this file changes. What it
-reads: the gallery's ids and stored vectors (the LMDB store(s) of every part the layout lists:
-a single index's one store, a sharded index's shard stores; a codes-only IVF-PQ index still
-stores every vector there), the labels (the store's label table: the class sub-folder of each
-image), and the index's own faiss search (Flat below the flat threshold, IVF at scale, the
-parts of a sharded index searched as one, or over Ray).
+"""The audit's one seam to the rest of ``indexer``: every name it needs is imported here, from
+the package's face only, so that when indexer's modules move only this file changes. It reads
+the gallery's ids and stored vectors (every part's store: even a codes-only index stores every
+vector), the labels (the store's label table) and the index's own faiss search (any layout).
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """``indexer build --ray``: one walk on the driver, one Ray task per shard, then the merge.
 
-The driver writes each shard's share to ``DIR/shards/i/files.jsonl``; each task is exactly
-``indexer build --shard i/n``, which resumes, so a retried task ingests only what its dead
-attempt did not commit. Ray schedules (placement, GPUs, retries); ``merge_shards`` trains one
-quantizer over the union, so the result equals a single-machine build. With ``sharded`` the
-shards stay: plan reads run in reader actors (:mod:`indexer.ray.readers`) and a second pass fills
-each part, on the node that built the shard. Paths must mean the same files on every node
-(a shared filesystem). Ray is an optional extra, imported lazily.
+Each task is exactly ``indexer build --shard i/n`` over its share (``DIR/shards/i/files.jsonl``),
+which resumes, so a retried task ingests only what its dead attempt did not commit; Ray schedules
+(placement, GPUs, retries); ``merge_shards`` makes the result equal a single-machine build. With
+``sharded`` the shards stay: plan reads run in reader actors (:mod:`indexer.ray.readers`) and a
+second pass fills each part on the shard's node. Paths must mean the same files on every node.
 """
 from __future__ import annotations
 
@@ -228,13 +226,10 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
                    device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
                    options: BuildOptions | None = None, **option_kw: Any) -> Manifest:
-    """Build ``gallery`` into ``out`` with one Ray task per shard (``out/shards/<i>``), then merge;
-    ``options`` as for ``build_index``. With ``sharded`` the shards stay as the index's parts
-    (``build_sharded``). Every input is checked before Ray starts; ``out``'s writer lock is held
-    from then to the end of the merge (``wait``: wait for another writer). The manifest's
-    ``ray`` entry (also ``out/shards/ray.json``): shards, attempts, resources per task, the
-    node of each shard and of every attempt, and with ``sharded`` where each reader and fill ran.
-    """
+    """Build ``gallery`` into ``out`` with one Ray task per shard (``out/shards/<i>``), then merge (or,
+    ``sharded``, keep the shards as the parts); every input checked before Ray starts, ``out``'s
+    writer lock held from then on. The manifest's ``ray`` entry (and ``out/shards/ray.json``) says
+    shards, attempts, resources and the node of each attempt, reader and fill."""
     from .single import gallery_files, merge_shards
     from ..directory.model import load_embedder
 

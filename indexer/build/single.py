@@ -49,13 +49,10 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 on_done: Callable[[int], None] | None = None, wait: bool = False,
                 files: Iterable[GalleryFile] | None = None,
                 dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
-    """``indexer build``: ingest a gallery folder into ``out`` and (unless sharded) index it.
-    Resumable; holds ``out``'s writer lock (``wait``: wait instead of refusing). ``files``:
-    entries already listed (a ``--ray`` shard task's share) instead of walking ``gallery``.
-    ``dba``: also the neighbourhoods for DBA (a shard build leaves that to the merge).
-    ``options`` or its fields by name (``max_memory``: old name of ``index_memory``), checked
-    before any work. Returns the manifest.
-    """
+    """``indexer build``: ingest a gallery folder into ``out`` and (unless a shard) index it; resumable,
+    under ``out``'s writer lock. ``files``: entries already listed (a ``--ray`` task's share); ``dba``:
+    also DBA's neighbourhoods; ``options`` or its fields by name (``max_memory``: old name of
+    ``index_memory``), checked before any work."""
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
     files = gallery_files(gallery, shard) if files is None else files

@@ -1,10 +1,9 @@
 """One writer per index directory: an exclusive ``fcntl.flock`` on ``DIR/.writer.lock``.
 
-Why: two writers interleave their ``sync_index`` steps (read ``index.faiss`` and the manifest,
-rewrite both), and the slower one gives up, leaving stored images faiss never gets. flock is
-dropped by the kernel when the holder dies (``kill -9``): no stale lock. The file records the
-holder (pid, command, start time) for the refusal line only. Readers never take it. The lock is
-re-entrant for its thread (``indexer build --ray`` locks ``--out`` and then merges into it);
+Why: two writers interleave their ``sync_index`` steps, and the slower one gives up, leaving
+stored images faiss never gets. The kernel drops flock when the holder dies (``kill -9``): no
+stale lock. The file records the holder (pid, command, start) for the refusal line. Readers never
+take it. Re-entrant for its thread (``build --ray`` locks ``--out``, then merges into it);
 another thread conflicts like another process.
 """
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""``manifest.json``: the one schema of what an index directory records about itself.
-
-Every writer makes a :class:`Manifest` and every reader goes through :meth:`Manifest.read`, so an
-unknown key cannot be written and a wrongly shaped manifest is refused in one line. Each nested
-record is a :class:`Record` dataclass whose annotations are the check. Unrecorded fields (None)
-stay out of the JSON; newer keys and explicit nulls are kept (``extra``), so a manifest reads
-and writes back unchanged.
+"""``manifest.json``: the one schema of what an index directory records about itself. Every
+writer makes a :class:`Manifest` and every reader goes through :meth:`Manifest.read`, so an
+unknown key cannot be written and a wrongly shaped manifest is refused in one line (each nested
+:class:`Record`'s annotations are the check). Unrecorded fields (None) stay out of the JSON; newer
+keys and explicit nulls are kept (``extra``), so a manifest reads and writes back unchanged.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Checks of an index directory's files before anything opens them: a damaged file ends in one
-line naming it and the repair, never a signal or a traceback. LMDB maps ``data.mdb``, and a
-file shorter than its meta page says kills the process with SIGBUS at the first read past the
-end, so the meta pages are read with plain I/O and the size compared first. ``index.faiss``'s
-size and sha256 are recorded in the manifest and compared on open; ``model.onnx`` must match
-the recorded model hash. :class:`indexer.directory.index_dir.IndexDir` decides which apply.
+line naming it and the repair, never a signal or a traceback. LMDB maps ``data.mdb`` (a file
+shorter than its meta page says: SIGBUS at the first read past the end), so its meta pages are
+read with plain I/O and the size compared first; ``index.faiss``'s size and sha256 and
+``model.onnx``'s hash are compared with the manifest's (``IndexDir`` decides which apply).
 """
 from __future__ import annotations
 

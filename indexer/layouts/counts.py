@@ -1,9 +1,7 @@
-"""Do the store, ``index.faiss`` and the manifest agree on how many images the index holds?
-
-Each file can be intact alone while together they are out of step (a writer stopped between the
-store commit and ``index.faiss``): stored images no search returns. :func:`check_counts` is the
-one comparison (``indexer info`` exits non-zero, ``/api/health`` reports it); cheap enough per
-request: the faiss count from its 16-byte header, the store's from LMDB's statistics.
+"""Do the store, ``index.faiss`` and the manifest agree on how many images the index holds? Each
+file can be intact while together they are out of step (a writer stopped between the store commit
+and ``index.faiss``): stored images no search returns. :func:`check_counts` is the one comparison
+(``indexer info``, ``/api/health``), cheap enough per request (faiss's 16-byte header, LMDB's stat).
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""``indexer eval``: Recall@k of an index on a labelled query folder, or leave-one-out on its
-own gallery (the metric: ``embedder.metrics``). A query whose content is in the gallery (same
-id) is removed from its own results, and with DBA passed as ``exclude``, which rebuilds its
-neighbours' augmented vectors without it: a leave-one-out figure is what the photo gets as a
-query the gallery never held.
+"""``indexer eval``: Recall@k on a labelled query folder, or leave-one-out on the gallery. A query
+whose content is in the gallery (same id) is removed from its own results, and passed to DBA as
+``exclude`` (its neighbours' augmented vectors rebuilt without it): a leave-one-out figure is what
+the photo gets as a query the gallery never held.
 """
 from __future__ import annotations
 

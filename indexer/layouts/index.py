@@ -1,8 +1,6 @@
 """``Index``: the read-only, thread-safe query face of an index directory (what serving uses).
-
-``Index.open`` is the one factory: it opens the directory's layout in a serving mode (in RAM,
-codes only under ``max_memory``, over Ray) and hands the Index every part at construction:
-nothing is set on an Index, or swapped inside it, afterwards."""
+``Index.open`` is the one factory: it opens the layout in a serving mode (in RAM, codes only under
+``max_memory``, over Ray) and hands the Index every part at construction, never swapped after."""
 from __future__ import annotations
 
 import json
@@ -59,12 +57,10 @@ class Index:
     def open(cls, directory: str | Path, *, device: str = "auto", check_model: bool = False,
              store: GalleryStore | None = None, max_memory: int | str | None = None,
              ray: Any = None, embedder: Any = None) -> "Index":
-        """Open an index directory of either layout (:func:`layout_of`) after checking its files
-        (a damaged one fails with one line naming it). ``check_model`` requires ``model.onnx``;
-        ``store`` reuses an open store. ``max_memory``: the SERVING budget: only codes in RAM,
-        re-ranked from the store(s) (:mod:`indexer.ann.served`). ``ray``: an address or a
-        :class:`RayServing`: parts searched by one actor per shard (:mod:`indexer.ray.fanout`).
-        ``embedder``: one already loaded, kept when it is this index's model."""
+        """Open an index directory of either layout after checking its files (a damaged one: one line
+        naming it). ``check_model``: require ``model.onnx``; ``store``: reuse an open one; ``max_memory``:
+        the SERVING budget (codes only, :mod:`indexer.ann.served`); ``ray``: an address or a
+        :class:`RayServing` (:mod:`indexer.ray.fanout`); ``embedder``: kept if it is this index's model."""
         if ray is not None and max_memory is not None:
             raise IndexerError("--max-memory and --ray exclude each other: over Ray each shard's "
                                "actor holds its own part")

@@ -1,11 +1,8 @@
 """The two layouts of an index directory behind one :class:`Layout` protocol, chosen from its
-manifest in one place (:func:`layout_of`): :class:`Single` (``DIR/store.lmdb``,
-``DIR/index.faiss``: one part) and :class:`Sharded` (``DIR/trained.faiss``, ``DIR/held.faiss``
-and each listed shard's ``store.lmdb`` + ``part.faiss``: a part a shard plus a held-out part).
-
-Why a protocol of parts: add, remove, repair, sync, retune, counts, describe and redact are the
-same walk over (store, faiss file) pairs, written once against :class:`Layout`; only what truly
-differs lives here, and nothing outside tells the layouts apart (tests/test_architecture.py).
+manifest in one place (:func:`layout_of`): :class:`Single` (``store.lmdb``, ``index.faiss``: one
+part) and :class:`Sharded` (a part per listed shard, ``store.lmdb`` + ``part.faiss``, and a
+held-out part). Why parts: add, remove, repair, sync, retune, counts, describe and redact are one
+walk over (store, faiss file) pairs, written once; nothing outside tells the layouts apart.
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""A sharded index: the shards stay where they were built, one manifest lists them, and they
-are searched as one.
+"""A sharded index (``build --ray --sharded``, ``merge --sharded``): the shards stay where they
+were built, one manifest lists them, and they are searched as one::
 
-Layout (``indexer build --ray --sharded`` or ``indexer merge --sharded``)::
+    OUT/manifest.json   the index's manifest, plus "sharded": {"shards": [...], "trained", "held"}
+    OUT/trained.faiss   the trained empty index: the coarse quantizer all parts share
+    OUT/held.faiss      the held-out tuning/check vectors (a small part of their own)
+    SHARD/store.lmdb    each shard's gallery store; SHARD/part.faiss, its vectors (``stream.fill``)
 
-    OUT/manifest.json     the index's manifest, plus "sharded": {"shards": [...], "trained", "held"}
-    OUT/trained.faiss     the trained empty index: the coarse quantizer all parts share
-    OUT/held.faiss        the held-out tuning/check vectors (a small part of their own)
-    OUT/model.onnx
-    SHARD/store.lmdb      each shard's gallery store, where its task wrote it
-    SHARD/part.faiss      its vectors in a copy of the trained index (``stream.fill``)
-
-Shard paths are stored relative to OUT (so they move together; no server path in the
-manifest), absolute only when they share nothing but the root (``serving.redact`` cuts those).
-Opened as one :class:`PartsIndex` (one quantizer: results equal one merged index's) and a
-:class:`ShardedStore` that reads each id from its shard.
+Shard paths are stored relative to OUT (they move together), absolute only when they share
+nothing but the root (``serving.redact`` cuts those). Opened as one :class:`PartsIndex` (one
+quantizer: results equal one merged index's) and a :class:`ShardedStore` (each id from its shard).
 """
 from __future__ import annotations
 

@@ -1,26 +1,18 @@
-"""Serving a sharded index across Ray nodes: one actor per shard, and the router that fans a
-query batch out to them and merges their top-k.
+"""Serving a sharded index across Ray nodes: a ``ShardSearcher`` actor per shard, on the node that
+built it (:func:`shard_node`), and :class:`Router`, which stands where ``PartsIndex`` stands
+(``Index``, the API and the UI unchanged) and merges their top-k. Why: in one process the whole
+index must fit one machine. Only query vectors and (distances, ids) travel, over the data plane
+(:mod:`indexer.ray.link`); the store is read from the shared filesystem.
 
-Why: ``Index.open`` serves a sharded index in one process (every part memory-mapped there), so
-the index must fit one machine. Here each part is searched by a ``ShardSearcher`` actor on the
-node that built it (soft affinity, :func:`shard_node`), and :class:`Router` stands where
-``PartsIndex`` stands, so ``Index``, ``Searcher``, the API and the UI are unchanged. Only query
-vectors go out and (distances, ids) come back; the store is read from the shared filesystem.
+Equal answers: the router assigns lists once with the shared coarse quantizer, each actor scans
+only those (``search_preassigned``), the router searches the held-out part, and faiss's
+``merge_knn_results`` merges in part order (ids, distances and -1 padding as in process).
 
-Equal answers: every part shares the trained coarse quantizer; the router assigns lists once and
-each actor scans only those (``search_preassigned``); the held-out part is searched by the
-router; faiss's ``merge_knn_results`` merges in part order, so ids, distances and -1 padding are
-those of the in-process search. Ray places and restarts the actors; queries travel over the
-data plane (:mod:`indexer.ray.link`).
-
-Node loss: a fan-out waits at most ``timeout`` seconds; a shard that did not answer is left out
-and named in the answer's ``partial``; a search arriving mid fan-out joins the next one, so it
-ends within about twice the bound. Actors restart for ever; every shard missing is an
-IndexerError (the API's 503).
-
-Live updates: actors are pooled per process by the part file's identity (path, inode, mtime,
-size: parts are replaced atomically) and search parameters, so a reopened index keeps the
-actors of unchanged shards while requests on the old Router keep theirs (one request, one state).
+Node loss: a fan-out waits at most ``timeout`` seconds; a shard that did not answer is named in
+the answer's ``partial`` (a search arriving mid fan-out joins the next one: within about twice the
+bound); every shard missing is an IndexerError (the API's 503). Actors restart for ever and are
+pooled per process by the part file's identity (path, inode, mtime, size) and search parameters,
+so a reopened index keeps unchanged shards' actors while requests on the old Router keep theirs.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The fan-out's data plane. Ray places, restarts and pings the actors and tells the router where
-each listens; queries and (D, I) answers go over a direct TCP connection per actor
-(:func:`open_link`), authenticated both ways by the stdlib's HMAC challenge with a per-actor
-random key (never logged; nothing unpickled before the challenge). Why: a Ray call costs ~1 ms
-to one actor and 3-4 ms to four on a loaded node, the whole search ~1 ms
-(docs/benchmarks/scaling.md). A failed or late connection is closed, its shard left out of that
-answer, and the actor asked again where it listens."""
+"""The fan-out's data plane: Ray places, restarts and pings the actors; queries and (D, I) answers
+go over a direct TCP connection per actor (:func:`open_link`), authenticated both ways by the
+stdlib's HMAC challenge with a per-actor random key (never logged; nothing unpickled before it).
+Why: a Ray call costs 1-4 ms on a loaded node, the whole search ~1 ms (docs/benchmarks/scaling.md).
+A failed or late connection is closed, its shard left out of that answer, the actor asked again."""
 from __future__ import annotations
 
 import os

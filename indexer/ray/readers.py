@@ -1,13 +1,11 @@
-"""The streaming plan's reads where the shards are: one Ray actor per shard (``ShardReader``,
-wrapping the shard's ``StoreSource`` on the node that built it) and ``RemoteSource``, the
-driver's ``Source`` that calls it.
+"""The streaming plan's reads where the shards are: a ``ShardReader`` actor per shard (its
+``StoreSource`` on the node that built it) and ``RemoteSource``, the driver's ``Source`` for it.
 
-Why: reading every shard over the shared filesystem on the driver (census, sample passes, exact
-answers) moved all vectors; now only ids in chunks (prefetched), sample rows and each shard's
-nq x k exact answers cross. The census holds every id stream open, so all readers must live at
-once: they reserve no CPU/GPU (else they could wait for ever on fill tasks) but a memory token
-(``READER_MEMORY``, without which Ray ignores soft affinity). Calls carry positions, not state,
-so retries after a restart answer the same. Ray is imported lazily.
+Why: on the driver the census, samples and exact answers read every vector over the shared
+filesystem; here only ids in chunks (prefetched), sample rows and nq x k answers cross. The census
+holds every id stream open, so all readers live at once: they reserve no CPU/GPU (else they could
+wait for ever on fill tasks) but a memory token (``READER_MEMORY``, without which Ray ignores soft
+affinity). Calls carry positions, not state, so retries after a restart answer the same.
 """
 from __future__ import annotations
 

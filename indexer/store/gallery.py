@@ -1,10 +1,7 @@
 """The gallery store: one LMDB environment holding every image's bytes, metadata and embeddings.
-
-Why LMDB: each batch is one transaction (bytes + metadata + path + embedding), so a killed build
-leaves no half-written entry. Ids derive from the content hash: stable across reruns, shards and
-machines (shards merge without renumbering), identical content stored once.
-
-Layout (named sub-databases):
+Why LMDB: a batch is one transaction, so a killed build leaves no half-written entry. Ids derive
+from the content hash: stable across reruns, shards and machines, identical content stored once.
+Named sub-databases:
     meta   id(8B)                 -> JSON {path, paths, label, width, height, sha256, bytes}
     blob   id(8B)                 -> original file bytes
     path   relpath (UTF-8)        -> id(8B) + size(8B) + mtime_ns(8B)   (quick "unchanged" check)

@@ -1,13 +1,10 @@
 """Ingest: read gallery files, dedupe by content, embed while decoding, commit in batches.
 
-The commit unit is one LMDB transaction of a few batches (bytes, metadata, paths, embeddings), so
-a killed build leaves only whole entries and a rerun picks up exactly the uncommitted files
-(same size and mtime, then sha256). One runner (:func:`run`: reader -> embedder -> writer, with
-per-stage timings) serves ``build``/``add`` (:func:`ingest`) and :func:`embed_missing`; every
-image is touched once, since with a tiny model inference costs about as much as bookkeeping.
-The reader (:mod:`indexer.store.reader`, in the decode pool) hashes, sizes and decodes a chunk
-from the same bytes; the main thread dedupes, stacks and runs the session; the writer commits
-whole batches on one thread. The store's prior state is read once up front
+The commit unit is one LMDB transaction of a few batches, so a killed build leaves only whole
+entries and a rerun picks up exactly the uncommitted files (same size and mtime, then sha256).
+One runner (:func:`run`: reader -> embedder -> writer, timed per stage) serves ``build``/``add``
+(:func:`ingest`) and :func:`embed_missing`, touching every image once: with a tiny model
+inference costs about as much as bookkeeping. The store's prior state is read once up front
 (:meth:`GalleryStore.snapshot`), so no thread reads LMDB per image behind the writer's lock.
 """
 from __future__ import annotations
@@ -51,11 +48,9 @@ class IngestStats:
 def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
         settle: Callable[[Any], Iterable[tuple[Any, np.ndarray]]], commit: Callable[[list, np.ndarray], None],
         *, workers: int | None = None, commit_every: int = 256, seconds: dict | None = None) -> dict:
-    """The embedding runner: reader -> embedder -> writer. ``read(chunk)`` runs in the decode
-    threads, ``settle(result)`` here picks the (key, array) pairs to embed; L2-normalised batches
-    go to ``commit(keys, embeddings)`` every ``commit_every`` rows on one thread, overlapping
-    inference, at most one in flight (its failure raised here). Returns ``seconds`` per stage.
-    """
+    """The embedding runner: ``read(chunk)`` in the decode threads, ``settle(result)`` here picks the
+    (key, array) pairs to embed; L2-normalised batches go to ``commit(keys, embeddings)`` every
+    ``commit_every`` rows on one thread, at most one in flight. Returns ``seconds`` per stage."""
     if commit_every < 1:
         raise ValueError(f"commit_every must be >= 1, got {commit_every}")
     seconds = {} if seconds is None else seconds
@@ -154,12 +149,10 @@ class _Settle:
 def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryFile], embedder: Any,
            *, workers: int | None = None, commit_every: int = 256, progress: bool = True,
            on_done: Callable[[int], None] | None = None) -> IngestStats:
-    """Bring ``files`` into ``store`` with embeddings from ``embedder`` (an OnnxEmbedder), through
-    :func:`run` with ``workers`` decode threads. A lazy ``files`` is consumed by a helper thread
-    into a fresh store (walking overlaps embedding), listed first otherwise (for the snapshot).
-    ``on_done(n)``: files whose outcome is final (committed, unchanged or skipped; they add up to
-    ``stats.found``). ``stats.seconds``: the runner's stages.
-    """
+    """Bring ``files`` into ``store`` through :func:`run` (``workers`` decode threads). A lazy
+    ``files`` is consumed by a helper thread into a fresh store (walking overlaps embedding), else
+    listed first (for the snapshot). ``on_done(n)``: files whose outcome is final (they add up to
+    ``stats.found``)."""
     batch_size = int(getattr(embedder, "batch_size", 32))
     workers = workers or DECODE_WORKERS
     fresh = not store.exists

@@ -1,17 +1,13 @@
 """LMDB environments shared per process, and reads that survive another process growing the map.
 
-LMDB must not open one environment twice in a process, so environments are shared per (process,
-path), reference-counted, opened on demand (:class:`LmdbStore`; ``GalleryStore`` adds the keys).
-Readers open read-only *with* the lock file (when writable): its reader table keeps ``indexer
-add`` in another process from reusing pages a reader sees. When the writer grows the map, new
-read transactions fail with ``MapResizedError``; ``set_mapsize(0)`` may run only with no
-transaction open, which :class:`ReadGate` ensures (reads share it, a remap takes it alone).
-
-A file truncated *after* it was mapped kills the process with SIGBUS at the first read past
-its end. So each read-only transaction first checks the file (:class:`MappedFile`: an ``fstat``
-against the last page in use, a ``stat`` of the path for replacement) and raises
-:class:`StoreUnavailable` instead; a replaced file is adopted once :func:`check_lmdb` passes. A
-few microseconds per read; a truncation within one transaction remains a race.
+LMDB must not open one environment twice in a process: environments are shared per (process,
+path), reference-counted, opened on demand (:class:`LmdbStore`). Readers open read-only *with*
+the lock file (when writable): its reader table keeps a writer in another process from reusing
+pages a reader sees. A grown map fails new reads with ``MapResizedError``, and ``set_mapsize(0)``
+may run only with no transaction open (:class:`ReadGate`: reads share it, a remap takes it alone).
+A file truncated *after* it was mapped kills the process with SIGBUS at the first read past its
+end, so each read-only transaction first checks the file (:class:`MappedFile`, microseconds) and
+raises :class:`StoreUnavailable`; a replaced file is adopted once :func:`check_lmdb` passes.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Where the streaming build's vectors come from: one ``Source`` per shard, asked only for what
-it can answer where it lives: ids in chunks (census), rows at positions (samples), its exact
-top-k of the held-out queries (``knn``), its vectors in chunks (fill). ``StoreSource`` reads an
-LMDB store here, ``ArraySource`` wraps arrays, ``indexer.ray.readers.RemoteSource`` asks a Ray
-actor on the shard's node.
+"""Where the streaming build's vectors come from: a ``Source`` per shard, asked only what it can
+answer where it lives: ids in chunks (census), rows at positions (samples), its exact top-k of the
+held-out queries (``knn``), its vectors in chunks (fill). ``StoreSource`` reads a store here,
+``ArraySource`` wraps arrays, ``indexer.ray.readers.RemoteSource`` asks the shard's node.
 """
 from __future__ import annotations
 

@@ -51,12 +51,9 @@ def label_of(relpath: str) -> str | None:
 
 
 def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
-    """Yield every image-named entry under ``root`` in sorted order. Symlinked directories are
-    followed (as ``find -L``), each (st_dev, st_ino) once, so a link to an ancestor cannot loop
-    (it is yielded with ``problem`` set); symlinked files are read through. Also yielded with
-    ``problem``: image-named non-regular files, names that are not UTF-8 (``relpath`` from
-    :func:`printable_name`) and entries the OS refuses (ENAMETOOLONG).
-    """
+    """Yield every image-named entry under ``root`` in sorted order, symlinks followed (as ``find -L``,
+    each directory once: a link to an ancestor is yielded with ``problem`` set). Also with ``problem``:
+    image-named non-regular files, names not UTF-8 (``relpath`` printable) and ENAMETOOLONG."""
     root = Path(root)
     if not root.is_dir():
         raise NotADirectoryError(f"{root}: not a directory")
