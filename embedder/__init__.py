@@ -1,7 +1,5 @@
 """embedder: the model, its preprocessing, image loading, checkpoints, ONNX export and runtime.
-
-Names are imported lazily (PEP 562) so that ``from embedder import OnnxEmbedder, load_image``
-in the serving process does not import torch.
+Names are imported lazily (PEP 562): ``from embedder import OnnxEmbedder`` does not import torch.
 """
 from __future__ import annotations
 

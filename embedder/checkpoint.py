@@ -1,7 +1,5 @@
-"""Checkpoints: a plain dict (state dict + model config + preprocessing) of plain types and
-tensors, so ``torch.load(weights_only=True)`` reads it and the eval preprocessing travels with
-the weights to export, indexing and serving.
-"""
+"""Checkpoints: a plain dict (state dict, model config, preprocessing) that ``torch.load(weights_only=True)``
+reads, so the eval preprocessing travels with the weights to export, indexing and serving."""
 from __future__ import annotations
 
 import os

@@ -1,10 +1,7 @@
-"""The one command-line kit of the project: its error policy, its shared options, its entry point.
-
-Every CLI builds an ``argparse`` parser whose commands set ``func=handler`` and ends with
-``return run_main(PROG, parser, argv)``. The policy: a usage error -> usage line + exit 2; an
-expected error (``ValueError``, ``OSError``, ``KeyError``, or a type the CLI names) -> ONE line
-``PROG: error: ...``, exit 1 (``DAS_DEBUG=1`` re-raises); Ctrl-C -> one line, exit 130; anything
-else is a bug and keeps its traceback. It lives in embedder, which every package may import.
+"""The project's one command-line kit (in embedder, which every package may import): a usage error
+-> usage line, exit 2; an expected error (:data:`EXPECTED` or a type the CLI names) -> ONE line
+``PROG: error: ...``, exit 1 (``DAS_DEBUG=1`` re-raises); Ctrl-C -> exit 130; anything else is a
+bug and keeps its traceback.
 """
 from __future__ import annotations
 

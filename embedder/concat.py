@@ -1,7 +1,5 @@
-"""Several embedders as one: their L2-normalised embeddings concatenated, scaled by 1/sqrt(n).
-Two frozen backbones' GeM features together rank cub-dev species better than either alone
-(docs/benchmarks/embedder.md); the scaling keeps unit length (cosine = the parts' mean cosine).
-The parts must share one preprocessing (the ONNX file has one input).
+"""Several embedders as one (ranks cub-dev better than either alone): L2-normalised embeddings
+concatenated, scaled by 1/sqrt(n) to keep unit length; one shared preprocessing (one ONNX input).
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Which image formats the decoder opens, decided from the first bytes, before Pillow's open.
 
-Why: ``Image.open`` is lazy for most formats, which lets :mod:`embedder.decode_budget` size a
-decode before it happens, but not for every plugin: ICO decodes its largest frame inside
-``open`` (a 420 KB "256x256" icon holding a 12000x12000 PNG cost 550 MB), FLI too, EPS runs
-Ghostscript, PSD/ICNS/DDS bring unmeasured decoders. So only :data:`ACCEPTED` formats are
-opened (``IMAGE_SUFFIXES``, plus MPO and ICO/CUR), others are refused unopened (named by
-Pillow's own ``_accept`` sniffers), and an ICO frame larger than its directory says is refused
-from its own header before decoding. The other containers (MPO, GIF, APNG, animated WebP, TIFF)
-are sized from their real first frame by Pillow's ``open`` already; only the first frame is
-ever decoded (tests/embedder/test_embedder_containers.py pins each).
+Why: ``Image.open`` is lazy for most formats (so :mod:`embedder.decode_budget` can size a decode
+first), not for all: ICO decodes its largest frame inside ``open`` (a 420 KB icon holding a
+12000x12000 PNG cost 550 MB), FLI too, EPS runs Ghostscript. So only :data:`ACCEPTED` formats are
+opened, others are refused unopened (named by Pillow's ``_accept`` sniffers), and an ICO frame
+larger than its directory says is refused from its own header before decoding.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """How much memory decoding an image costs, and a process-wide budget that bounds it.
 
-Only JPEG can be decoded smaller than stored (``Image.draft``); every other format materialises
-the whole frame. So each decode first reserves its cost from one budget shared by every thread
-of the process: four 36-megapixel PNGs at once decode one after another, and a file that alone
-exceeds the budget is refused before a pixel is decoded (``ImageTooLargeError``).
-
-Costs per pixel, measured (benchmarks/embedder/decode_memory.py, peak RSS in a fresh process): 4.1 bytes
-for RGB/RGBA PNG, BMP or TIFF, 1.1 for palette and greyscale, 6.3 for an LZW TIFF, 16.1 for WebP
-through ``load`` (12 read in strips by ``images._webp_first_frame``, still charged 16). A
-progressive JPEG also keeps every DCT coefficient until its last scan whatever ``draft`` asked,
-so it is charged that buffer (:func:`jpeg_coefficient_bytes`) on top of its scaled frame.
+Only JPEG can be decoded smaller than stored (``Image.draft``), so each decode first reserves its
+cost from one budget shared by every thread: four 36-megapixel PNGs at once decode one after
+another, and a file that alone exceeds it is refused before a pixel is decoded. Costs per pixel
+are measured (benchmarks/embedder/decode_memory.py); a progressive JPEG is also charged the DCT
+coefficients libjpeg keeps until its last scan (:func:`jpeg_coefficient_bytes`).
 """
 from __future__ import annotations
 
@@ -136,8 +131,7 @@ BUDGET = DecodeBudget(_budget_from_env())
 
 
 def _libc(name: str, *argtypes: type) -> Any:
-    """glibc's function ``name`` taking ``argtypes`` and returning an int, or None (musl,
-    macOS: nothing to do there)."""
+    """glibc's int function ``name``, or None (musl, macOS: nothing to do there)."""
     try:
         fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
@@ -152,14 +146,10 @@ SERVING_MMAP_THRESHOLD = 4 * 2 ** 20
 
 
 def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
-    """Serve every allocation of ``nbytes`` or more with its own mmap, unmapped when freed.
-
-    Why: glibc raises its mmap threshold (up to 32 MB) as mmapped blocks are freed, so after a
-    few large decodes big blocks come from per-thread heaps that keep their high-water mark
-    (four concurrent WebP searches: +177..214 MB against +114..122 pinned, issue 28). Setting
-    the threshold turns that off. Servers only: training would page-fault every large tensor.
-    Returns False without glibc.
-    """
+    """Serve every allocation of ``nbytes`` or more with its own mmap (False without glibc). Why:
+    glibc raises its threshold as mmapped blocks are freed, then big blocks come from heaps that
+    keep their high-water mark (four WebP searches: +177..214 MB, +114..122 pinned, issue 28).
+    Servers only: training would page-fault every large tensor."""
     fn = _libc("mallopt", ctypes.c_int, ctypes.c_int)
     return fn is not None and bool(fn(M_MMAP_THRESHOLD, int(nbytes)))
 

@@ -1,6 +1,4 @@
-"""Exception types, without torch so the CLI and serving catch them cheaply; the file errors'
-``str(e) == f"{path}: {reason}"`` is a CLI's one-line message.
-"""
+"""Exception types, without torch (the CLI and serving catch them cheaply)."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,5 @@
-"""ONNX export with a parity check against the torch model on real images. The file carries in
-its ``metadata_props`` what indexing and serving need (dimension, normalisation, eval
-preprocessing, checkpoint hash). An export that does not reproduce the torch model (max abs
-difference <= 1e-4, cosine >= 0.9999, at batch 1 and full batch) raises :class:`ParityError`;
-the file is moved into place only after the check.
+"""ONNX export, carrying in ``metadata_props`` what indexing and serving need; moved into place only
+after a parity check against the torch model on real images (else :class:`ParityError`).
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Image loading shared by training, indexing and serving (PIL and numpy only, never torch).
-
-Every package decodes through :func:`load_image`, so a photo looks the same to the model in
-evaluation, indexing and search: EXIF orientation applied, transparency on white (not black),
-16-bit and float scaled into 0..255, and every bad file one :class:`ImageLoadError`.
+"""Image loading (PIL and numpy, never torch) through which every package decodes, so a photo looks
+the same to the model in evaluation, indexing and search: EXIF orientation applied, transparency
+on white, 16-bit and float scaled into 0..255, and every bad file one :class:`ImageLoadError`.
 """
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import decode_budget as budget
 from .containers import FormatRefused, open_image
+from .errors import _PathError
 
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -27,16 +26,8 @@ MODES = ("RGB", "L")
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
 
 
-class ImageLoadError(ValueError):
+class ImageLoadError(_PathError):
     """A source that cannot be turned into a model-ready image; ``str(e) == f"{path}: {reason}"``."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
-
-    def __reduce__(self):  # keep (path, reason) across process boundaries (multiprocessing)
-        return (type(self), (self.path, self.reason))
 
 
 class ImageTooLargeError(ImageLoadError):
@@ -96,15 +87,10 @@ def load_image(
     name: str | None = None,
     min_side: int | None = None,
 ) -> Image.Image:
-    """Decode ``source`` (path, encoded bytes or PIL image) into a fully loaded ``mode`` image.
-
-    ``max_pixels`` is checked from the header, before any pixel is decoded (``None``: PIL's own
-    limit only). ``name`` labels bytes sources in errors. ``min_side``: decode smaller, by the
-    largest integer factor keeping the shorter side >= min_side (JPEG by ``Image.draft`` while
-    decoding, others by ``Image.reduce``); ``None``: full size (training, export parity). With
-    ``min_side`` the decode is also bounded in memory (:mod:`embedder.decode_budget`: strips,
-    or a reservation; :class:`ImageTooLargeError` for a file beyond the whole budget).
-    """
+    """Decode ``source`` into a fully loaded ``mode`` image; ``max_pixels`` checked from the header.
+    ``min_side``: decode smaller, by the largest integer factor keeping the shorter side >=
+    min_side, bounded in memory (:mod:`embedder.decode_budget`); ``None``: full size (training,
+    export parity)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     label = _source_name(source, name)
@@ -216,11 +202,8 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
 
 
 def _webp_first_frame(im: Image.Image, mode: str, factor: int) -> tuple[Image.Image, int]:
-    """A WebP's first frame, converted and shrunk a strip at a time, and its EXIF orientation.
-    Why: Pillow's WebP path holds three RGBA frames (16 bytes a pixel); here the decoder's frame
-    (``_decoder.get_next()``, 12) is dropped at once and its bytes read a strip at a time through
-    ``Image.frombuffer``. Pillow without ``_decoder`` takes :func:`_bounded`.
-    """
+    """A WebP's first frame, converted and shrunk a strip at a time, and its EXIF orientation:
+    Pillow's own path holds three RGBA frames (16 bytes a pixel), the decoder's frame 12."""
     orientation = im.getexif().get(0x0112, 1)
     got = im._decoder.get_next()
     del im._decoder                                  # libwebp's canvases are freed here

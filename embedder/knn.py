@@ -1,7 +1,5 @@
-"""Exact k nearest neighbours with ids and drop lists: the one copy evaluation, DBA, tuning,
-the streaming build's shards and search share. numpy and faiss only (serving imports it):
-``faiss.knn`` over blocks with a ``faiss.ResultHeap`` across them (``knn_ground_truth``'s way,
-plus ids and drop lists).
+"""Exact k nearest neighbours with ids and drop lists, the one copy evaluation, DBA, tuning, shards
+and search share: ``faiss.knn`` over blocks, a ``faiss.ResultHeap`` across them (numpy, faiss).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Retrieval metrics of deep metric learning: R@k, NMI, pair-counting F1, MAP@R (training's
-evaluation, `indexer eval`, the app's Evaluate tab). Neighbours from faiss in blocks (never an
-N x N matrix), clustering by faiss k-means, F1 from the sparse contingency table; the label
-functions are pure, so an index can feed its own neighbours (:func:`recall_at_k_of_labels`).
+"""Retrieval metrics: R@k, NMI, pair-counting F1, MAP@R. Neighbours from faiss in blocks (never an
+N x N matrix); the label functions are pure, so an index can feed its own neighbours.
 """
 from __future__ import annotations
 

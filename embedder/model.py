@@ -1,12 +1,7 @@
-"""The embedder: backbone -> global pooling -> linear embedding layer -> L2 normalisation.
-
-The DAS paper's network (ResNet50 with a new embedding layer, d = 128 or 512). Pooling: average;
-``avgmax`` adds global max (the authors' 512-d runs); ``gem``: generalised mean with fixed
-``gem_p`` (ranks better on frozen features). ``normalize=False`` for N-pair and lifted
-structure; ``dim=0`` drops the head (the pretrained embedder). ``backbone = "timm:<name>"`` is
-any timm model (embedder/timm_backbone.py); ViT poolings: ``cls``, ``mean`` and ``gem`` of the
-patch tokens, and ``model`` (the model's own head, ``forward_head(pre_logits=True)``), which
-CNNs take too. ``mean`` on a feature map is ``avg``.
+"""The embedder: backbone -> global pooling -> linear embedding layer -> L2 normalisation (the DAS
+paper's network). ``avgmax`` adds global max (the authors' 512-d runs); ``gem`` ranks better on
+frozen features; ``dim=0`` drops the head (the pretrained embedder). ViT poolings: ``cls``,
+``mean`` and ``gem`` of the patch tokens, and ``model`` (the model's own head; CNNs too).
 """
 from __future__ import annotations
 

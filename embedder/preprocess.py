@@ -1,11 +1,6 @@
-"""Preprocessing: the one place that resizes and normalises an image for the model.
-
-A :class:`Preprocessing` is derived from the backbone (:func:`preprocessing_for`), saved in every
-checkpoint and in the ONNX metadata, and read back by indexer and serving, so an image is
-prepared exactly as during evaluation. ``eval_array`` uses PIL + numpy only (serving stays
-light) and reproduces torchvision's ``Resize`` + ``CenterCrop`` + ``ToTensor`` + ``Normalize``
-on PIL images (the size and crop arithmetic copied; a test checks the match). The seven named
-backbones keep hand-set values (their weights are not timm's); ``timm:`` backbones take timm's.
+"""Preprocessing: the one place that resizes and normalises an image for the model. Saved in every
+checkpoint and ONNX file and read back by indexer and serving, so an image is prepared exactly as
+during evaluation; ``eval_array`` reproduces torchvision's eval transforms with PIL + numpy only.
 """
 from __future__ import annotations
 
@@ -126,10 +121,8 @@ class Preprocessing:
         return img.crop((left, top, left + s, top + s))
 
     def eval_array(self, img: Image.Image) -> np.ndarray:
-        """(C, H, W) float32, normalised: what the network is fed at evaluation time.
-        ``(x / 255 - mean) / std`` as torchvision's ``ToTensor`` + ``Normalize`` (the same bits),
-        but transposed first and in place per channel plane (a third of decode + preprocess
-        saved: benchmarks/embedder/preprocess_cost.py)."""
+        """(C, H, W) float32, normalised as torchvision's ``ToTensor`` + ``Normalize`` (the same
+        bits), but transposed first and in place per plane (a third of decode + preprocess saved)."""
         a = np.asarray(self.eval_image(img))
         a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
         out = a.astype(np.float32, order="C")

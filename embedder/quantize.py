@@ -1,17 +1,10 @@
 """int8 embedders: onnxruntime static quantisation (QDQ) of an exported embedder.
 
 Why: onnxruntime runs int8 convolutions about twice as fast as fp32 on AVX2/VNNI CPUs, and
-indexing is almost all convolution. The recipe (:class:`QuantRecipe`; measured in
-docs/benchmarks/embedder.md and quality-round5.md): QDQ format, per-channel int8 weights, uint8
-activations; only ``Conv``, ``Clip`` (ReLU6) and ``Add`` quantised, not the stem conv
-(:func:`input_convs`): the Conv alone gets a pre-ReLU6 scale far wider than [0, 6] (cosine 0.75),
-GeM, mean and L2 stay float; ranges calibrated min/max on a few hundred of the user's own images
-through the model's preprocessing; 7-bit weights (``reduce_range``), since without VNNI the u8 x
-s8 int16 sums saturate (the full-range default lost 1.0 R@1 on the 2-core machine).
-
-onnxruntime's tools do the work (``quant_pre_process``, ``quantize_static``); this module feeds
-them images and carries the embedder's metadata over (plus ``quantization``), so consumers read
-int8 like fp32. A final check refuses (QuantizationError) an implausibly low cosine to fp32.
+indexing is almost all convolution. The recipe (:class:`QuantRecipe`, measured in
+docs/benchmarks/embedder.md): only ``Conv``, ``Clip`` (ReLU6) and ``Add`` quantised, not the stem
+conv; GeM, mean and L2 stay float. The embedder's metadata is carried over (plus
+``quantization``), so consumers read int8 like fp32; a cosine to fp32 too low is refused.
 """
 from __future__ import annotations
 
@@ -211,11 +204,8 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
                       progress: bool = False, check_images: int = 32,
                       log: Callable[[str], None] | None = None,
                       recipe: QuantRecipe = DEFAULT_RECIPE) -> QuantizeReport:
-    """Write the int8 (QDQ) version of the exported embedder ``model`` to ``out``, calibrated on
-    a folder (up to ``images`` spread over it) or a list of files (corrupt ones skipped and
-    reported). The output keeps ``model``'s metadata plus ``quantization`` (JSON) and is moved
-    into place only after the int8/fp32 check.
-    """
+    """Write the int8 version of ``model`` to ``out`` (only after the int8/fp32 check), calibrated on
+    a folder (up to ``images`` spread over it) or a list of files (corrupt ones skipped)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -292,10 +282,8 @@ def _check(fp32: Any, int8_path: str, x: np.ndarray) -> tuple[float, float]:
 
 def int8_model_path(model: str | os.PathLike, calibration: str | os.PathLike, *,
                     images: int = DEFAULT_IMAGES, progress: bool = False) -> Path:
-    """The int8 version of ``model`` calibrated on the folder ``calibration``, made once into
-    ``$DAS_CACHE/int8/`` (``indexer build --int8``), named by the fp32 model's hash, the
-    calibration files (paths, sizes) and :data:`DEFAULT_RECIPE`, so a resumed build gets the same
-    model."""
+    """The int8 version of ``model`` made once into ``$DAS_CACHE/int8/``, named by the fp32 model's
+    hash, the calibration files and the recipe, so a resumed build gets the same model."""
     from .pretrained import cache_dir, made_once
     from .runtime import read_metadata
 

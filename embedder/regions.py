@@ -1,7 +1,5 @@
-"""A region of a query image: the one definition ``box=``, the page's Box field and ``indexer
-search --box`` share. ``x0,y0,x1,y1`` in the pixels of the image as shown (EXIF applied), right
-and bottom exclusive as PIL crops. Errors are ValueErrors starting with the field's name.
-"""
+"""A region of a query image (``box=``, the page's Box field, ``indexer search --box``): ``x0,y0,x1,y1``
+in the pixels of the image as shown (EXIF applied), right and bottom exclusive as PIL crops."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple

@@ -1,8 +1,5 @@
-"""onnxruntime inference for exported embedders: what the indexer and the search service run.
-
-No torch here: serving stays light. Images are decoded in one thread pool (:func:`decode_ahead`)
-while the session runs the previous batch (both release the GIL); ``embed_iter`` reports bad
-images as failures instead of stopping: one corrupt file must not abort indexing a gallery.
+"""onnxruntime inference for exported embedders (no torch: serving stays light). Images decode in
+one thread pool while the session runs the previous batch; one corrupt file never aborts indexing.
 """
 from __future__ import annotations
 
@@ -176,10 +173,8 @@ class OnnxEmbedder:
     def run(self, chunks: Iterator[T], read: Callable[[T], R],
             settle: Callable[[R], Iterable[tuple[Any, np.ndarray]]], *, workers: int | None = None,
             seconds: dict[str, float] | None = None) -> Iterator[tuple[list[Any], np.ndarray]]:
-        """The embedding runner's reader and embedder stages: ``read(chunk)`` in the decode
-        threads, ``settle(result)`` here picks the (key, array) pairs, each full batch embedded
-        while the next chunks decode. Yields ``(keys, raw embeddings)`` per batch and a last,
-        possibly empty, one; adds "read" and "embed" to ``seconds``."""
+        """``read(chunk)`` in the decode threads, ``settle(result)`` here picks the (key, array) pairs;
+        yields ``(keys, raw embeddings)`` per batch and a last, possibly empty, one."""
         seconds = {} if seconds is None else seconds
         keys: list[Any] = []
         rows: list[np.ndarray] = []

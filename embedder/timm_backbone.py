@@ -1,12 +1,6 @@
-"""Any timm image model as the embedder's backbone: ``backbone = "timm:<model name>"``.
-
-CNNs and ViTs alike (``timm:vit_small_patch14_dinov2.lvd142m``, ``timm:convnext_tiny.fb_in22k``
-...); everything model-specific comes from timm: the network (``create_model(name,
-num_classes=0)``), its weights (``pretrained = true``: timm's own source; ``weights = PATH``:
-checked to fit by :mod:`embedder.timm_weights`, then timm's ``load_pretrained``, so its
-checkpoint filters apply as to a download), and its preprocessing (``resolve_data_config``,
-stored as a :class:`Preprocessing` like any other). Token models (ViTs) are pooled by
-:mod:`embedder.model` (``cls``, ``mean`` / ``gem`` of the patch tokens, or ``model``).
+"""Any timm image model, CNN or ViT, as the embedder's backbone: ``backbone = "timm:<model name>"``.
+Everything model-specific comes from timm: the network, its weights (``weights = PATH``: checked
+by :mod:`embedder.timm_weights`, then timm's ``load_pretrained``) and its preprocessing.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Training-free embedders from any timm backbone (``python -m embedder pretrained --backbone
-timm:NAME [--weights PATH] --pooling P``): pooled features, no head, L2-normalised, exported with
-the parity check like the default embedder. The cached file name encodes model, pooling, input
-size and the weights' origin (hub, or the weights file's SHA-256 prefix).
+"""Training-free embedders from any timm backbone (``embedder pretrained --backbone timm:NAME``):
+pooled features, no head, L2-normalised; the cached file name encodes the weights' origin too.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""A local weights file (``--weights F``, training's ``weights = F``) loaded into a timm model,
-refused in one line naming the file when it does not fit.
-
-Why not timm's ``pretrained_cfg_overlay=dict(file=F)``: with ``num_classes=0`` it loads with
-``strict=False``, so an unknown wrapper or another model's weights load as nothing (a random
-backbone and a warning). Here the file is read without running code (``weights_only=True``;
-safetensors' header first, capped at :data:`MAX_HEADER_BYTES`); the usual wrappers and
-``module.`` / ``_orig_mod.`` prefixes are unwrapped; a model without a checkpoint filter must
-find its own key names in the file; NaN/inf is refused naming the tensor; then timm's
-``load_pretrained`` runs and must leave no missing, unexpected or mis-shaped key (allowed:
-``num_batches_tracked`` and the classifier keys timm's config names).
+"""A local weights file loaded into a timm model, refused in one line naming the file when it does
+not fit. Why not timm's ``pretrained_cfg_overlay=dict(file=F)``: with ``num_classes=0`` it loads
+with ``strict=False``, so another model's weights load as nothing (a random backbone). Here the
+file is read without running code, unwrapped, checked finite, and timm's ``load_pretrained`` must
+leave no missing, unexpected or mis-shaped key.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Vector helpers outside the model (numpy, torch-free): the one L2 normalisation that
-indexing, search and the test-time probes share, so every vector the faiss index sees was
-normalised the same way (inner product on unit vectors = cosine)."""
+"""The one L2 normalisation (numpy, torch-free) indexing, search and the probes share, so every
+vector faiss sees was normalised the same way (inner product on unit vectors = cosine)."""
 from __future__ import annotations
 
 import numpy as np
