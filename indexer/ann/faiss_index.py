@@ -146,15 +146,20 @@ def use_gpu(device: str = "auto") -> bool:
     return n > 0
 
 
+def train_size(spec: IndexSpec) -> int:
+    """How many points train ``spec``'s lists and codes (0: nothing to train)."""
+    if not spec.nlist:
+        return 0
+    return max(spec.nlist * TRAIN_POINTS_PER_CENTROID,
+               (PQFS_TRAIN_POINTS if spec.k_factor else PQ_TRAIN_POINTS) if spec.pq_m else 0)
+
+
 def training_sample(n: int, spec: IndexSpec, seed: int = 0) -> np.ndarray:
     """Row numbers that train the quantizer: positions in the id-sorted gallery, so a
     single-process build and a merge of shards pick the very same vectors."""
-    if spec.index_type == "flat":
+    want = train_size(spec)
+    if not want:
         return np.zeros(0, dtype=np.int64)
-    if not spec.nlist:
-        return np.zeros(0, dtype=np.int64)
-    want = max(spec.nlist * TRAIN_POINTS_PER_CENTROID,
-               (PQFS_TRAIN_POINTS if spec.k_factor else PQ_TRAIN_POINTS) if spec.pq_m else 0)
     if n <= want:
         return np.arange(n, dtype=np.int64)
     rng = np.random.default_rng(seed)
@@ -215,16 +220,12 @@ def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int =
 def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_REFINE,
                   probe: int = KMEANS_PROBE, progress: bool = False,
                   on_iteration: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
-    """Spherical k-means whose assignment never compares every point with every centroid.
-
-    Two-level clustering (faiss.contrib.clustering) gives the start; ``refine`` iterations over
-    the sample then compare each point (exact dot products) with the centroids of its ``probe``
-    nearest coarse groups of sqrt(k): 1/16 of the products at 16,384 lists. Why not faiss's HNSW
-    assignment: slower per iteration than exact at 16,384 lists on 2 cores, and not
-    deterministic (docs/benchmarks/scaling.md). Empty lists are split as faiss does.
-    ``on_iteration(i, centroids)`` after the start (i = 0) and each refinement. Holds ~100
-    bytes a point beyond the sample while refining.
-    """
+    """Spherical k-means whose assignment never compares every point with every centroid: two-level
+    clustering (faiss.contrib.clustering) starts it; ``refine`` iterations compare each point with the
+    centroids of its ``probe`` nearest coarse groups of sqrt(k) (1/16 of the products at 16,384 lists).
+    Not faiss's HNSW assignment: slower than exact there on 2 cores, and not deterministic
+    (docs/benchmarks/scaling.md). Empty lists split as faiss does; ``on_iteration(i, centroids)``
+    after the start (i = 0) and each refinement; ~100 bytes a point beyond the sample."""
     from faiss.contrib.clustering import reassign_centroids, two_level_clustering
     from scipy.sparse import csr_matrix
     from tqdm import tqdm

@@ -53,12 +53,6 @@ def streamable(spec: fx.IndexSpec) -> bool:
     return spec.mergeable and spec.index_type in ("flat", "ivf", "ivfhnsw", "sq8", "ivfpq")
 
 
-def _train_size(spec: fx.IndexSpec) -> int:
-    """How many points ``faiss_index.training_sample`` trains ``spec`` on (same rule)."""
-    return max(spec.nlist * fx.TRAIN_POINTS_PER_CENTROID,
-               (fx.PQFS_TRAIN_POINTS if spec.k_factor else fx.PQ_TRAIN_POINTS) if spec.pq_m else 0)
-
-
 def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, device: str = "auto",
          progress: bool = False, **option_kw: object) -> Plan:
     """Step 1, on the driver: ``selection.build``'s steps up to the trained empty index, on
@@ -124,7 +118,7 @@ def plan(sources: Sequence[Source], options: BuildOptions | None = None, *, devi
     t["select"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     del sam
-    t_rng, want = np.random.default_rng(seed), _train_size(spec)
+    t_rng, want = np.random.default_rng(seed), fx.train_size(spec)
     train = Sample(sources, counts, dups, draw(t_rng, total, want + ndup,
                                                exclude=np.zeros(0, np.int64) if tiny else held_pos))
     x_train = train.x if len(train.x) <= want else train.x[np.sort(t_rng.choice(len(train.x), want, replace=False))]
