@@ -1,12 +1,9 @@
-"""``python -m indexer audit``: the audit's command line.
-
-``add_parser(subparsers)`` adds the ``audit`` command to ``python -m indexer``'s parser;
-``run(args)`` is its handler (the error policy is indexer's ``run_main``).
-"""
+"""``python -m indexer audit``: ``add_parser(subparsers)`` adds the command, ``run(args)`` handles it."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, Callable
 
 from embedder.cli import add_options
 
@@ -22,34 +19,22 @@ DESCRIPTION = ("Audit a gallery from its index: near-duplicate groups, likely mi
                "gets near-duplicates and outliers only.")
 
 
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise ValueError(text)
-    return v
+def bounded(kind: Callable[[str], float], name: str, lo: float, hi: float | None = None) -> Callable[[str], Any]:
+    """argparse ``type=``: a ``kind`` in [lo, hi] (else a usage error naming the option and
+    ``name``, exit 2: "invalid positive integer value: '0'")."""
+    def parse(text: str) -> Any:
+        v = kind(text)
+        if not (lo <= v and (hi is None or v <= hi)):      # NaN too
+            raise ValueError(text)
+        return v
+
+    parse.__name__ = name
+    return parse
 
 
-_positive.__name__ = "positive integer"
-
-
-def _count(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise ValueError(text)
-    return v
-
-
-_count.__name__ = "count (0 or more)"
-
-
-def _cosine(text: str) -> float:
-    v = float(text)
-    if not -1.0 <= v <= 1.0:
-        raise ValueError(text)
-    return v
-
-
-_cosine.__name__ = "cosine (-1..1)"
+_positive = bounded(int, "positive integer", 1)
+_count = bounded(int, "count (0 or more)", 0)
+_cosine = bounded(float, "cosine (-1..1)", -1.0, 1.0)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -107,4 +92,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "configure", "run"]
+__all__ = ["add_parser", "bounded", "configure", "run"]

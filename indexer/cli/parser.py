@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..audit.cli import add_parser as add_audit_parser
+from ..audit.cli import bounded
 from ..cli import read, write
 
 DEFAULT_DIR = "indexes/default"
@@ -156,15 +157,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def positive(text: str) -> int:
-    """argparse ``type=``: a positive integer (else a usage error naming the option, exit 2)."""
-    v = int(text)
-    if v < 1:
-        raise ValueError(text)
-    return v
-
-
-positive.__name__ = "positive integer"      # argparse: "invalid positive integer value: '0'"
+positive = bounded(int, "positive integer", 1)
 
 
 def dba_opts(sp: argparse.ArgumentParser, auto: bool = False) -> None:

@@ -17,14 +17,15 @@ from ..errors import IndexerError
 DBA = {"auto": None, "on": True, "off": False}
 
 
-def ray_serving(args: argparse.Namespace, strict: bool = False) -> Any:
-    """``--ray``/``--shard-timeout`` as ``Index.open``'s ``ray`` (None: in this process);
-    ``strict`` (eval): a shard left out fails the run in one line."""
-    if args.ray is None:
-        return None
+def open_index(args: argparse.Namespace, check_model: bool = True, strict: bool = False) -> Any:
+    """``Index.open`` with the reading commands' flags; ``--ray``/``--shard-timeout`` as its ``ray``
+    (``strict``, eval: a shard left out fails the run in one line)."""
+    from ..layouts.index import Index
     from ..ray.fanout import RayServing
 
-    return RayServing(address=args.ray, timeout=args.shard_timeout, strict=strict)
+    ray = None if args.ray is None else RayServing(address=args.ray, timeout=args.shard_timeout, strict=strict)
+    return Index.open(args.index, device=args.device, check_model=check_model, max_memory=args.max_memory,
+                      ray=ray)
 
 
 def warn_partial(partial: Any, args: argparse.Namespace) -> None:
@@ -38,8 +39,6 @@ def search(args: argparse.Namespace) -> None:
     from embedder import load_image
     from embedder.regions import crop, parse_box
 
-    from ..layouts.index import Index
-
     box = parse_box(args.box, "--box")
     if args.image.is_dir():
         if box is not None:
@@ -48,8 +47,7 @@ def search(args: argparse.Namespace) -> None:
     if args.out is not None:
         raise UsageError("--out is for a folder of queries (one image prints its results)")
     # closed on return: LMDB allows one environment a path per process (main() may run again)
-    with Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
-                    ray=ray_serving(args)) as idx:
+    with open_index(args) as idx:
         if not args.image.is_file():
             raise IndexerError(f"{args.image}: no such image or folder")
         query = args.image if box is None else crop(load_image(args.image, mode="RGB"), box, str(args.image), "--box")
@@ -70,10 +68,7 @@ def search_folder(args: argparse.Namespace) -> None:
 
     if args.out is not None and args.out.suffix.lower() not in (".jsonl", ".csv"):
         raise UsageError(f"--out {args.out}: expected a .jsonl or .csv file")
-    from ..layouts.index import Index
-
-    with Index.open(args.index, device=args.device, check_model=True, max_memory=args.max_memory,
-                    ray=ray_serving(args)) as idx:
+    with open_index(args) as idx:
         rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
                                               progress=True)
     warn_partial(partial, args)
@@ -100,13 +95,11 @@ def search_folder(args: argparse.Namespace) -> None:
 def evaluate(args: argparse.Namespace) -> int:
     """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
     from ..layouts.evaluate import evaluate_gallery, evaluate_queries
-    from ..layouts.index import Index
 
     if args.max_queries is not None and not args.leave_one_out:
         raise UsageError("--max-queries needs --leave-one-out")
     dba = DBA[args.dba]
-    with Index.open(args.index, device=args.device, check_model=not args.leave_one_out,
-                    max_memory=args.max_memory, ray=ray_serving(args, strict=True)) as idx:
+    with open_index(args, check_model=not args.leave_one_out, strict=True) as idx:
         if dba and not idx.has_dba:
             raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
         if args.leave_one_out:
