@@ -200,10 +200,8 @@ def kmeans_field(spec: IndexSpec, points: int, device: str = "auto") -> dict:
 
 def kmeans(x_train: np.ndarray, nlist: int, *, device: str = "auto", seed: int = 0,
            method: str | None = None, progress: bool = False) -> np.ndarray:
-    """Spherical k-means centroids (what IndexIVF.train computes for inner product), apart from
-    ``train`` so candidates sharing an nlist share one clustering; ``method`` as
-    ``kmeans_method``. Deterministic for a given sample and seed.
-    """
+    """Spherical k-means centroids (IndexIVF.train's for inner product), apart from ``train`` so
+    candidates sharing an nlist share one clustering; deterministic for a sample and seed."""
     x_train = np.ascontiguousarray(x_train, dtype=np.float32)
     gpu = use_gpu(device)
     method = method or kmeans_method(nlist, int(gpu), points=len(x_train))
@@ -340,8 +338,7 @@ def set_search_params(index: faiss.Index, params: str) -> None:
 def remove(index: faiss.Index, stale: np.ndarray,
            kept: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
     """Drop ``stale`` ids; ``kept()``: (x, ids) the index must hold afterwards, read only when
-    needed: HNSW graphs and refine wrappers cannot remove, so they are refilled (training kept).
-    """
+    needed: HNSW graphs and refine wrappers cannot remove, so they are refilled (training kept)."""
     try:
         index.remove_ids(np.ascontiguousarray(stale, dtype=np.int64))
     except RuntimeError:

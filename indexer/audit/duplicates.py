@@ -138,10 +138,9 @@ Features = tuple[np.ndarray, np.ndarray]      # (k, 2) float32 x, y; (k, 32) uin
 
 
 def gray(data: bytes, side: int = SIDE) -> np.ndarray | None:
-    """The image in ``data`` as float32 grayscale in [0, 1], longest side ``side`` (None when it
-    does not decode: such a pair is not verified, never an error). Decoded by the project's one
-    decoder (``embedder.images.load_image``: header pixel limit, bounded memory, JPEG decoded at
-    a reduced scale): the audit also runs in the serving process."""
+    """The image in ``data`` as float32 grayscale in [0, 1], longest side ``side`` (None when it does
+    not decode: the pair is not verified). Decoded by the project's one decoder (bounded memory, pixel
+    limit: ``embedder.images.load_image``), since the audit also runs in the serving process."""
     from PIL import Image
 
     from embedder.images import load_image
@@ -194,10 +193,9 @@ def inliers(za: np.ndarray, zb: np.ndarray, **kw: float) -> int:
 
 def fit(za: np.ndarray, zb: np.ndarray, *, residual: float = RESIDUAL, trials: int = TRIALS,
         max_scale: float = MAX_SCALE, seed: int = 0) -> tuple[int, complex, complex]:
-    """(inliers, alpha, beta): the most matches one similarity transform ``zb = alpha * za +
-    beta`` maps within ``residual`` pixels, over ``trials`` two-point samples fitted at once, then
-    refitted by least squares on the best sample's inliers and counted again (plain RANSAC,
-    vectorised)."""
+    """(inliers, alpha, beta): the most matches one similarity ``zb = alpha * za + beta`` maps within
+    ``residual`` pixels over ``trials`` two-point samples fitted at once, refitted by least squares on
+    the best sample's inliers and counted again (plain RANSAC, vectorised)."""
     n = len(za)
     if n < 2:
         return 0, 0j, 0j

@@ -32,11 +32,9 @@ class Hit:
 
 
 class Index:
-    """An opened index directory, safe for concurrent queries from threads (faiss only read,
-    LMDB read-only per process and alive while ``indexer add`` writes, onnxruntime thread-safe).
-    The embedder loads on first use. An open Index is a snapshot: :meth:`reopen` gives the
-    directory's current state.
-    """
+    """An opened index directory, safe for concurrent queries from threads (faiss only read, LMDB
+    read-only per process, onnxruntime thread-safe); the embedder loads on first use. A snapshot:
+    :meth:`reopen` gives the directory's current state."""
 
     def __init__(self, layout: Layout, store: GalleryStore, searchable: Searchable,
                  neighbours: Neighbourhoods | None, *, device: str = "auto", max_memory: int | None = None,
@@ -114,11 +112,10 @@ class Index:
 
     def answer(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
                exclude: Sequence[int | None] | None = None) -> Answer:
-        """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF
-        answers; ``partial``: shards a Ray-served index left out. Queries are L2-normalised here.
-        ``dba``: re-rank with the augmented vectors (None: as built). ``exclude[r]``: the gallery
-        id query r is, left out of its row and, with DBA, of its neighbours' augmented vectors.
-        """
+        """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF answers;
+        ``partial``: shards a Ray-served index left out. Queries are L2-normalised here. ``dba``: re-rank
+        with the augmented vectors (None: as built). ``exclude[r]``: the gallery id query r is, left out
+        of its row and, with DBA, of its neighbours' augmented vectors."""
         q = np.asarray(emb, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]

@@ -159,10 +159,9 @@ class Sharded:
             check_model_file(self.d.model_file, self.manifest.model_hash)
 
     def check_sizes(self) -> None:
-        """Each faiss file has the size its manifest records (a ``stat`` each: cheap enough for
-        every health request; the sha256 is compared on open). A part rewritten by another
-        ``indexer merge --sharded`` over the same shard folder is named as such, not as a count
-        mismatch that ``repair`` would not mend."""
+        """Each faiss file has the size its manifest records (a ``stat`` each: cheap for every health
+        request; the sha256 is compared on open). A part rewritten by another ``merge --sharded`` over
+        the same shard folder is named as such, not as a count mismatch that ``repair`` would not mend."""
         directory = self.d.path
         for rel, rec in (self.manifest.sharded.files or {}).items():
             f = directory / rel

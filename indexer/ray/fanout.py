@@ -51,11 +51,10 @@ DEFAULT_CONCURRENCY = 8       # Ray calls one actor runs at once (ready, endpoin
 
 @dataclass(frozen=True)
 class RayServing:
-    """How a sharded index is served over Ray (``Index.open(ray=...)``; a bare address string
-    means these defaults). ``address``: ``HOST:PORT``, ``auto``, ``local`` or None (connected
-    already); ``timeout``: the fan-out's bound in seconds; ``placement(i, shard_dir)``: Ray
-    options for shard i's actor instead of the soft affinity (tests); ``strict``: fail rather
-    than leave a shard out (``indexer eval``)."""
+    """How a sharded index is served over Ray (``Index.open(ray=...)``; a bare address: these
+    defaults). ``address``: ``HOST:PORT``, ``auto``, ``local`` or None (connected already); ``timeout``:
+    the fan-out's bound in seconds; ``placement(i, shard_dir)``: Ray options for shard i's actor
+    instead of the soft affinity (tests); ``strict``: fail rather than leave a shard out (eval)."""
 
     address: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S

@@ -61,11 +61,10 @@ def open_link(endpoint: tuple[str, int], authkey: bytes, timeout: float,
 
 
 class ShardLink:
-    """The router's connections to one shard actor: idle ones reused (one per search in flight),
-    a broken or late one closed and the actor asked where it listens now (the shard left out
-    until it answers). New connections are made by a background thread (bounded by
-    ``LINK_HANDSHAKE_S``), never inside a search, which waits at most until its ``until``: an
-    actor that accepts TCP but never sends the challenge cannot hold every search."""
+    """The router's connections to one shard actor: idle ones reused (one per search in flight), a
+    broken or late one closed and the actor asked where it listens now. New connections are made by a
+    background thread (bounded by ``LINK_HANDSHAKE_S``), never inside a search: an actor that accepts
+    TCP but never sends the challenge cannot hold every search."""
 
     def __init__(self, actor: Any, authkey: bytes, endpoint: tuple[str, int] | None, timeout: float) -> None:
         self.actor, self.authkey, self.endpoint, self.timeout = actor, authkey, endpoint, timeout

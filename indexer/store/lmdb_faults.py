@@ -53,9 +53,8 @@ FULL_DISK_SLACK = 1 << 20      # less free than this after a failed write: the d
 
 class MappedFile:
     """``data.mdb`` as this process mapped it: a descriptor of the same inode (a size check is one
-    ``fstat``) plus the path. Cheap, as it runs before every read: LMDB's meta is consulted only
-    when the size changed, the path at most every ``STAT_EVERY_S`` (a replacement leaves the
-    mapped inode whole; a truncation does not)."""
+    ``fstat``) plus the path. Cheap before every read: LMDB's meta read only when the size changed, the
+    path stat'ed at most every ``STAT_EVERY_S`` (a replacement leaves the mapped inode whole)."""
 
     STAT_EVERY_S = 0.2
 

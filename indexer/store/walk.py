@@ -148,10 +148,9 @@ def shard_of(relpath: str, n: int) -> int:
 
 
 def split_walk(root: str | Path, lists: list[Path], progress: bool = False) -> list[int]:
-    """Walk ``root`` once and write each entry (``[relpath, problem]`` JSON lines, streamed) to
-    the list of the shard that owns it: one walk per task would put S times the metadata traffic
-    on the shared filesystem. Lists are renamed into place. Returns the entries per list.
-    """
+    """Walk ``root`` once, writing each entry (``[relpath, problem]`` JSON lines) to the list of the
+    shard that owns it (a walk per task would put S times the metadata traffic on the shared
+    filesystem); lists renamed into place. Returns the entries per list."""
     from contextlib import ExitStack
 
     import json
