@@ -41,15 +41,17 @@ def replacing_dir(out: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_rows(folder: Path, name: str, rows: Sequence[dict], columns: Sequence[str]) -> None:
-    """``name.jsonl`` (every field, nested lists too) and ``name.csv`` (``columns``)."""
+def write_rows(folder: Path, name: str, rows: Sequence[dict], columns: Sequence[str],
+               csv_rows: Sequence[dict] | None = None) -> None:
+    """``name.jsonl`` (every field, nested lists too) and ``name.csv`` (``columns`` of ``csv_rows``,
+    default ``rows``)."""
     with open(folder / f"{name}.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     with open(folder / f"{name}.csv", "w", encoding="utf-8", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
-        for r in rows:
+        for r in rows if csv_rows is None else csv_rows:
             w.writerow({c: r.get(c) for c in columns})
 
 

@@ -216,26 +216,15 @@ def write_audit(a: Audit, out: str | Path, *, top: int = DEFAULT_TOP, sheets: bo
     info = summary(a, rows)
     with report.replacing_dir(Path(out)) as tmp:
         for kind, r in rows.items():
+            flat = None
             if kind == "duplicates":        # the CSV: one line per member
                 flat = [{**{c: grp[c] for c in ("group", "size", "max_cosine", "max_score", "labels_differ")}, **it}
                         for grp in r for it in grp["items"]]
-                report.write_rows(tmp, kind, r, [])
-                _csv_only(tmp, kind, flat)
-            else:
-                report.write_rows(tmp, kind, r, COLUMNS[kind])
+            report.write_rows(tmp, kind, r, COLUMNS[kind], flat)
         if sheets:
             info["sheets"] = _sheets(a, rows, tmp)
         (tmp / "summary.json").write_text(json_text(info))
     return info
-
-
-def _csv_only(folder: Path, kind: str, rows: list[dict]) -> None:
-    import csv
-
-    with open(folder / f"{kind}.csv", "w", encoding="utf-8", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS[kind], extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
 
 
 def _sheets(a: Audit, rows: dict[str, list[dict]], tmp: Path) -> list[str]:

@@ -88,15 +88,12 @@ class Gallery:
     def image_bytes(self, row: int) -> bytes:
         return self.index.image_bytes(int(self.ids[row]))
 
-    def close(self) -> None:
-        self.index.close()
 
-
-def _stream(index: Any, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _stream(index: Any, size: int = 65_536, vectors: bool = True) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(ids, vectors) chunks of every part's store embedded by the index's model."""
     for part in index.layout.parts:
         with GalleryStore(part.store_dir) as st:           # closed: one environment a path per process
-            yield from st.iter_embeddings(index.model_hash, size)
+            yield from st.iter_embeddings(index.model_hash, size, vectors=vectors)
 
 
 def ray_serving(address: str, timeout: float) -> Any:
@@ -118,10 +115,7 @@ def open_gallery(directory: str | Path, *, device: str = "cpu", ray: Any = None)
     if not counts.ok:
         raise IndexerError(counts.message)
     index = Index.open(directory, device=device, ray=ray)
-    ids_parts = []
-    for part in index.layout.parts:
-        with GalleryStore(part.store_dir) as st:           # closed: one environment a path per process
-            ids_parts += [c for c, _ in st.iter_embeddings(index.model_hash, vectors=False)]
+    ids_parts = [c for c, _ in _stream(index, vectors=False)]
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
     first = None
     _, where = np.unique(ids, return_index=True)
