@@ -16,16 +16,6 @@ from embedder.cli import run_main
 from .config import TrainConfig, load_config
 
 
-def _field_comments() -> dict[str, str]:
-    """The trailing ``# comment`` of each field in config.py's TrainConfig source."""
-    out = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
-        m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training",
@@ -40,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved configuration as JSON and exit")
     g = p.add_argument_group("training options (TrainConfig fields)")
-    comments = _field_comments()
+    # the help text: each field's trailing ``# comment`` in config.py's TrainConfig source
+    comments = {m.group(1): m.group(2).strip() for line in inspect.getsource(TrainConfig).splitlines()
+                if (m := re.match(r"\s+(\w+): [^=]+=.*?#\s*(.+)$", line))}
     for f in fields(TrainConfig):
         d = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
         g.add_argument(f"--{f.name}", metavar="VALUE", default=None,
@@ -50,11 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config (a bad one is a usage error: exit 2), then train."""
-    overrides = list(args.overrides)
-    for f in fields(TrainConfig):
-        v = getattr(args, f.name)
-        if v is not None:
-            overrides.append(f"{f.name}={v}")
+    overrides = list(args.overrides) + [f"{f.name}={getattr(args, f.name)}" for f in fields(TrainConfig)
+                                        if getattr(args, f.name) is not None]
     cfg = load_config(args.config, overrides)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))

@@ -53,10 +53,8 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
         self._done = 0          # batches handed out so far in `epoch`
 
     def __len__(self) -> int:
-        n = self.num_samples // self.batch_size
-        if not self.drop_last and self.num_samples % self.batch_size:
-            n += 1
-        return max(n, 1)
+        n, rest = divmod(self.num_samples, self.batch_size)
+        return max(n + int(bool(rest) and not self.drop_last), 1)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (its batches depend only on seed and epoch); resets resume."""

@@ -294,14 +294,11 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     else:
         ok = isinstance(value, dict) if origin is dict else fits(value)
     if not ok:
-        raise ConfigError(f"{where}: {name}={value!r}: expected {_type_name(kind)}")
+        expected = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+        raise ConfigError(f"{where}: {name}={value!r}: expected {expected}")
     if item is float:
         return [float(v) for v in value] if origin is list else float(value)
     return value
-
-
-def _type_name(kind: Any) -> str:
-    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
 
 
 def load_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -318,10 +315,8 @@ def load_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
     includes = data.pop("include", [])
-    if isinstance(includes, str):
-        includes = [includes]
     merged: dict[str, Any] = {}
-    for inc in includes:
+    for inc in [includes] if isinstance(includes, str) else includes:
         merged.update(load_toml(path.parent / inc, _seen + (path,)))
     merged.update(data)
     return merged

@@ -157,12 +157,9 @@ def sop_splits(root: str | Path) -> tuple[Split, Split]:
     return out[0], out[1]
 
 
-def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-
-
 def _folder_pairs(base: Path, classes: Sequence[str]) -> list[tuple[Path, str]]:
-    return [(p, c) for c in classes for p in _images_in(base / c)]
+    return [(p, c) for c in classes for p in sorted(
+        p for p in (base / c).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)]
 
 
 def _omniglot_classes(base: Path) -> list[str]:
@@ -238,10 +235,7 @@ class ImageDataset(Dataset):
 
     def __init__(self, split: Split, transform: Callable[[Image.Image], torch.Tensor],
                  mode: str = "RGB", cache: bool = False):
-        self.split = split
-        self.transform = transform
-        self.mode = mode
-        self.cache = cache
+        self.split, self.transform, self.mode, self.cache = split, transform, mode, cache
         self._cache: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -255,11 +249,9 @@ class ImageDataset(Dataset):
         from embedder import load_image
 
         if self.cache:
-            arr = self._cache.get(i)
-            if arr is None:
-                arr = np.asarray(load_image(self.split.paths[i], mode=self.mode))
-                self._cache[i] = arr
-            return Image.fromarray(arr)
+            if i not in self._cache:
+                self._cache[i] = np.asarray(load_image(self.split.paths[i], mode=self.mode))
+            return Image.fromarray(self._cache[i])
         return load_image(self.split.paths[i], mode=self.mode)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:

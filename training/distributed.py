@@ -79,8 +79,7 @@ class RankSlice(Sampler[list[int]]):
     identically on every rank (so all agree on the global batch)."""
 
     def __init__(self, inner, info: DistInfo):
-        self.inner = inner
-        self.info = info
+        self.inner, self.info = inner, info
 
     def __iter__(self) -> Iterator[list[int]]:
         w, r = self.info.world_size, self.info.rank
@@ -104,9 +103,7 @@ def seeded_rng(seed: int, device: torch.device | None = None):
     devices = [device] if device is not None and device.type == "cuda" else []
     np_state, py_state = np.random.get_state(), random.getstate()
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        np.random.seed(seed % (2**32))
-        random.seed(seed)
+        seed_everything(seed)
         try:
             yield
         finally:

@@ -46,22 +46,17 @@ class SkipLog:
     def __len__(self) -> int:
         return len(self.reasons)
 
-    def __contains__(self, path: object) -> bool:
-        return str(path) in self.reasons
-
     def readable(self, paths: Iterable[str | Path]) -> np.ndarray:
         """Boolean mask: which of `paths` are not known to be unreadable."""
         return np.asarray([str(p) not in self.reasons for p in paths], dtype=bool)
 
-    def note_dead_classes(self, split: Split, which: str) -> list[str]:
-        """Note (and return) the classes of `split` whose every image is unreadable."""
+    def note_dead_classes(self, split: Split, which: str) -> None:
+        """Note the classes of `split` whose every image is unreadable."""
         ok = self.readable(split.paths)
-        dead = [c for i, c in enumerate(split.classes)
-                if (split.labels == i).any() and not ok[split.labels == i].any()]
-        for c in dead:
-            n = int((split.labels == split.classes.index(c)).sum())
-            self.note(f"class {c!r} ({which}): all {n} images unreadable; dropped")
-        return dead
+        for i, c in enumerate(split.classes):
+            if (split.labels == i).any() and not ok[split.labels == i].any():
+                self.note(f"class {c!r} ({which}): all {int((split.labels == i).sum())} images "
+                          f"unreadable; dropped")
 
     def lines(self) -> list[str]:
         """What the run prints at its end: one ``skipped PATH: REASON`` line per file, then the
@@ -119,9 +114,7 @@ def filter_collate(items: list) -> tuple[torch.Tensor | None, torch.Tensor | Non
     DataLoader's workers; inputs and labels are None when no item was readable."""
     bad = [(e.path, e.reason) for e in items if isinstance(e, ImageLoadError)]
     good = [t for t in items if not isinstance(t, ImageLoadError)]
-    if not good:
-        return None, None, bad
-    x, y = default_collate(good)
+    x, y = default_collate(good) if good else (None, None)
     return x, y, bad
 
 

@@ -1,18 +1,10 @@
-"""Which parts of the embedder train: the backbone cut into stages, a frozen prefix and a
-trainable suffix (``TrainConfig.trainable``: ``"all"`` as the paper, ``"last:N"`` stages plus
-pooling and head, or ``"head"`` on frozen pooled features). Stages per family:
-
-* EfficientNet(-Lite) (timm): stem ``conv_stem`` + ``bn1``; the 7 ``blocks``, the last with
-  ``conv_head`` + ``bn2``;
-* ResNet (torchvision or timm): stem ``conv1`` ... ``maxpool``; ``layer1`` .. ``layer4``;
-* ConvNeXt (timm): stem ``stem``; the 4 ``stages``, the last with ``norm_pre``;
-* ViT (timm): stem = patch + position embedding (+ class/register tokens); the ``blocks``, the
-  last with the final ``norm``.
-
-timm cannot run a model from an intermediate layer (``forward_intermediates`` only returns
-them), hence the lists; other architectures train ``all`` or ``head``. The prefix runs in eval
-mode without gradients, a fixed function of the image (what training/trunk_cache.py caches);
-both parts share the Embedder's modules, so checkpoint and ONNX export are the whole network.
+"""Which parts of the embedder train (``TrainConfig.trainable``): ``"all"`` as the paper, the
+``"last:N"`` backbone stages plus pooling and head, or the ``"head"`` on frozen pooled features.
+`stage_modules` cuts an EfficientNet, ResNet, ConvNeXt or timm ViT into stem and stages, since timm
+cannot run a model from an intermediate layer (``forward_intermediates`` only returns them); other
+architectures train ``all`` or ``head``. The frozen prefix runs in eval mode without gradients, a
+fixed function of the image (what training/trunk_cache.py caches); both parts share the
+Embedder's modules, so checkpoint and ONNX export are the whole network.
 """
 from __future__ import annotations
 
@@ -42,21 +34,15 @@ def stage_modules(backbone: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
         stages = list(net.stages)
         stages[-1] = nn.Sequential(stages[-1], net.norm_pre)
         return [net.stem], stages
-    if net is not None and _is_timm_vit(net):       # DINOv2, CLIP, SigLIP, DeiT, ... (not EVA: RoPE)
+    from timm.models.vision_transformer import VisionTransformer
+
+    if isinstance(net, VisionTransformer):       # DINOv2, CLIP, SigLIP, DeiT, ... (not EVA: RoPE)
         stages = list(net.blocks)
         stages[-1] = nn.Sequential(stages[-1], net.norm)
         return [_VitStem(net)], stages
     raise ValueError(f"trainable='last:N' needs an EfficientNet, ResNet, ConvNeXt or ViT "
                      f"backbone; {type(net or backbone).__name__} has no stages here (use 'all' "
                      f"or 'head')")
-
-
-def _is_timm_vit(net: nn.Module) -> bool:
-    try:
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError:         # pragma: no cover - timm is a dependency
-        return False
-    return isinstance(net, VisionTransformer)
 
 
 class _VitStem(nn.Module):
@@ -72,8 +58,7 @@ class _VitStem(nn.Module):
         object.__setattr__(self, "_net", net)    # _pos_embed is the model's own method
 
     def forward(self, x: Tensor) -> Tensor:
-        net = self._net
-        return self.norm_pre(self.patch_drop(net._pos_embed(self.patch_embed(x))))
+        return self.norm_pre(self.patch_drop(self._net._pos_embed(self.patch_embed(x))))
 
 
 class _Tail(nn.Module):

@@ -37,11 +37,9 @@ def aux_weight(cfg: TrainConfig) -> float | None:
 
 
 def step_seed(cfg: TrainConfig, global_step: int) -> int:
-    """The seed of one step's miner/loss RNGs (`distributed.seeded_rng`), equal on every rank:
-    ``seed * 1_000_003 + step * 7_919 + 17`` (primes: runs with other seeds never replay a
-    step's draws; the offset keeps off `seed_everything`'s stream) ``% 2**62``. Changing any
-    constant changes every run's draws.
-    """
+    """The seed of one step's miner/loss RNGs (`distributed.seeded_rng`), equal on every rank;
+    primes, so runs with other seeds never replay a step's draws, and an offset that keeps off
+    `seed_everything`'s stream. Changing any constant changes every run's draws."""
     return (cfg.seed * 1_000_003 + global_step * 7_919 + 17) % (2**62)
 
 
@@ -50,13 +48,9 @@ def compute_loss(model: nn.Module, criterion: nn.Module, das: nn.Module | None, 
                  autocast_dtype: torch.dtype | None = None, aux_weight: float | None = None,
                  parts: dict[str, torch.Tensor] | None = None,
                  exclude_own_copies: bool = False) -> torch.Tensor:
-    """One step's loss on the (gathered) global batch; identical on every rank (miner and loss
-    run under per-step seeded RNGs, so 2 ranks and 1 rank draw the same numbers).
-
-    `aux_weight` = w (the authors' ``--aux_loss``, with DAS): ``L(real) + w * L(real +
-    produced)``; DAS puts the real rows first, and the loss on everything runs first, so its
-    draws are those of a run without the aux loss. `parts` receives the detached terms.
-    """
+    """One step's loss on the (gathered) global batch, identical on every rank (per-step seeded
+    RNGs). `aux_weight` = w: ``L(real) + w * L(real + produced)``; the loss on everything runs
+    first, so its draws are a run's without the aux loss. `parts` receives the detached terms."""
     dev = x.device
     with torch.autocast(device_type=dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         emb = model(x)

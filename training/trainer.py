@@ -178,19 +178,16 @@ def _too_thin(x: torch.Tensor | None, y: torch.Tensor | None, info: distributed.
 
 
 def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: distributed.DistInfo) -> nn.Module:
-    """The module the steps run (`net`: ``state.model`` or its trainable part), or its DDP
-    wrapper."""
+    """`net` (``state.model`` or its trainable part), or its DDP wrapper in a multi-process run."""
     if not info.enabled:
         return net
-    if net is not state.model:      # frozen stages: their BN is in eval mode anyway
-        return nn.parallel.DistributedDataParallel(
-            net, device_ids=[state.device.index] if state.device.type == "cuda" else None)
-    if cfg.sync_bn and state.device.type == "cuda" and not cfg.frozen_bn:
+    # SyncBN for the whole model only (frozen stages' BN is in eval mode anyway)
+    if net is state.model and cfg.sync_bn and state.device.type == "cuda" and not cfg.frozen_bn:
         # in place, reusing the same Parameters (the optimiser keeps them) and buffers, so
         # checkpoints still load into a plain Embedder
-        state.model = nn.SyncBatchNorm.convert_sync_batchnorm(state.model)
+        net = state.model = nn.SyncBatchNorm.convert_sync_batchnorm(state.model)
     return nn.parallel.DistributedDataParallel(
-        state.model, device_ids=[state.device.index] if state.device.type == "cuda" else None)
+        net, device_ids=[state.device.index] if state.device.type == "cuda" else None)
 
 
 def train(cfg: TrainConfig, *, train_split: Split | None = None,

@@ -1,17 +1,11 @@
-"""The frozen stages' activations, computed once per image and per augmented view, on disk.
-
-With ``trainable = "last:N"`` or ``"head"`` the frozen prefix (training/stages.py) is a fixed
-function of the image (eval mode, no gradients) and, on a CPU, most of a step's cost. So it runs
-once here over the centre crop (view 0) and ``views`` random training crops per image (drawn
-from a generator seeded per (seed, image): independent of batch order and threads), stored as an
-fp16 (pooled: float32) ``.npy`` memmap ``(1 + views, N, *activation)``; an epoch runs only the
-trainable stages on one stored view per image.
-
-Key: a hash of the prefix's weights, the trainable spec, preprocessing, views, seed, and every
-image's path, size and mtime. Written under a temporary name and renamed (never half a cache).
-An undecodable image leaves zero rows, recorded as ``"failed": {row: reason}`` beside it and
-returned through ``failed=``; a hit is never re-checked, since a fixed file has a new mtime and
-so a new key (patching rows into a finished file would break write-once).
+"""The frozen stages' activations, computed once per image and per augmented view, on disk: with
+``trainable = "last:N"`` or ``"head"`` the frozen prefix (training/stages.py) is a fixed function of
+the image and, on a CPU, most of a step's cost, so an epoch runs only the trainable stages on one
+stored view per image. Crops are drawn from a generator seeded per (seed, image): independent of
+batch order and threads. The key hashes the prefix's weights, the trainable spec, preprocessing,
+views, seed, and every image's path, size and mtime; a file is written under a temporary name and
+renamed (never half a cache). An undecodable image leaves zero rows, recorded as ``"failed"``
+beside it; a hit is never re-checked, since a fixed file has a new mtime and so a new key.
 """
 from __future__ import annotations
 
@@ -80,11 +74,9 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
                       threads: int = 2, progress: bool = True,
                       dtype: type = np.float16,
                       failed: dict[int, str] | None = None) -> np.ndarray:
-    """(1 + views, N, *shape) activations of `prefix` for every image of `dataset` (view 0 the
-    eval centre crop, views 1.. random training crops), stored as `dtype`; returns a read-only
-    memmap. Undecodable images' rows are zero and go into `failed` ({row: reason}); without
-    it, the first raises `ImageLoadError`.
-    """
+    """A read-only memmap (1 + views, N, *shape) of `prefix`'s activations of every image of
+    `dataset` (view 0 the eval centre crop, views 1.. random training crops), stored as `dtype`.
+    Undecodable images go into `failed` ({row: reason}); without it, the first raises."""
     from tqdm.auto import tqdm
 
     pre = preprocessing
@@ -111,9 +103,7 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
         for s in range(0, len(paths), batch_size):
             idx = list(range(s, min(s + batch_size, len(paths))))
             imgs = list(pool.map(lambda i: _decode(dataset, i), idx))
-            for i, img in zip(idx, imgs):
-                if isinstance(img, ImageLoadError):
-                    bad[i] = img.reason
+            bad.update({i: e.reason for i, e in zip(idx, imgs) if isinstance(e, ImageLoadError)})
             good = [(i, img) for i, img in zip(idx, imgs) if i not in bad]
             bar.update(len(idx))
             if not good:
