@@ -63,10 +63,12 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
         r = printable_name(p.relative_to(root).as_posix())
         return f"{prefix}/{r}" if prefix else r
 
-    def refused(p: Path, e: OSError, what: str) -> GalleryFile:
+    def entry(p: Path, problem: str | None = None) -> GalleryFile:
         r = rel(p)
-        return GalleryFile(p, r, label_of(r), f"unreadable {what}: {e.strerror or e} "
-                                              f"(path of {len(os.fsencode(p)):,} bytes)")
+        return GalleryFile(p, r, label_of(r), problem)
+
+    def refused(p: Path, e: OSError, what: str) -> GalleryFile:
+        return entry(p, f"unreadable {what}: {e.strerror or e} (path of {len(os.fsencode(p)):,} bytes)")
 
     st = root.stat()
     visited = {(st.st_dev, st.st_ino)}
@@ -90,13 +92,11 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
                 continue
             if is_dir:
                 if image_name:
-                    r = rel(p)
-                    yield GalleryFile(p, r, label_of(r), "unreadable: is a directory, not an image file")
+                    yield entry(p, "unreadable: is a directory, not an image file")
                     continue
                 bad = utf8_problem(e.name, "folder")
                 if bad:                     # everything under it would be named in that encoding
-                    r = rel(p)
-                    yield GalleryFile(p, r, label_of(r), bad + " (nothing under it was indexed)")
+                    yield entry(p, bad + " (nothing under it was indexed)")
                     continue
                 try:
                     t = e.stat(follow_symlinks=True)
@@ -104,25 +104,23 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
                     yield refused(p, err, "directory")
                     continue
                 if (t.st_dev, t.st_ino) in visited:        # a link back up, or to a folder walked
-                    r = rel(p)
-                    yield GalleryFile(p, r, label_of(r), "not followed: a symlink to a directory "
-                                      f"already walked ({os.path.realpath(p)}): a loop or a second link")
+                    yield entry(p, "not followed: a symlink to a directory already walked "
+                                   f"({os.path.realpath(p)}): a loop or a second link")
                     continue
                 visited.add((t.st_dev, t.st_ino))
                 subdirs.append(p)
                 continue
             if not image_name:
                 continue
-            r = rel(p)
             bad = utf8_problem(e.name)
             if bad:
-                yield GalleryFile(p, r, label_of(r), bad)
+                yield entry(p, bad)
             elif e.is_symlink() and not p.exists():
-                yield GalleryFile(p, r, label_of(r), "unreadable: dangling symlink")
+                yield entry(p, "unreadable: dangling symlink")
             elif not e.is_file(follow_symlinks=True):
-                yield GalleryFile(p, r, label_of(r), "unreadable: not a regular file")
+                yield entry(p, "unreadable: not a regular file")
             else:
-                yield GalleryFile(p, r, label_of(r))
+                yield entry(p)
         stack.extend(reversed(subdirs))
 
 
