@@ -24,14 +24,12 @@ class Searchable(Protocol):
 
     def search(self, q: np.ndarray, k: int) -> Answer: ...
 
-    def missing(self) -> list[int]:
-        """The shards whose searcher does not answer now (none in one process)."""
-        ...
+    # what a codes-only index holds in RAM (codec, re-rank factor, bytes); None: all of it
+    summary: dict | None = None
 
-    @property
-    def summary(self) -> dict | None:
-        """What a codes-only index holds in RAM (codec, re-rank factor, bytes); None: all of it."""
-        ...
+    def missing(self) -> list[int]:
+        """The shards whose searcher does not answer now (none in one process: the default)."""
+        return []
 
 
 __all__ = ["Answer", "Searchable"]

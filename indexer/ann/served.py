@@ -18,7 +18,7 @@ import faiss
 import numpy as np
 
 from ..errors import IndexerError, size_text
-from ..searchable import Answer
+from ..searchable import Answer, Searchable
 from . import faiss_index as fx
 
 RERANK_FACTOR = 10          # k' = 10 k candidates from the codes (the top 100 for k = 10)
@@ -29,8 +29,8 @@ BLOCK = 64                  # queries re-ranked at a time (a block gathers 64 x 
 Vectors = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]   # ids -> (found ids, their rows)
 
 
-class SearchableIndex:
-    """A read-only faiss index for concurrent queries (a :class:`indexer.searchable.Searchable`):
+class SearchableIndex(Searchable):
+    """A read-only faiss index for concurrent queries, whole in RAM:
     CPU searches release the GIL and share one index without a lock; GPU searches serialise."""
 
     def __init__(self, path: str | Path, nprobe: int = 0, device: str = "auto",
@@ -51,11 +51,6 @@ class SearchableIndex:
                 self.index = cpu
         self.d = cpu.d
         self.ntotal = cpu.ntotal
-
-    summary = None                      # the whole index in RAM
-
-    def missing(self) -> list[int]:
-        return []
 
     def search(self, q: np.ndarray, k: int) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
@@ -192,8 +187,8 @@ def store_vectors(store: Any, model_hash: str) -> Vectors:
     return get
 
 
-class ReRanked:
-    """Codes in RAM (a :class:`indexer.searchable.Searchable`): k' = factor x k candidates from
+class ReRanked(Searchable):
+    """Codes in RAM: k' = factor x k candidates from
     the codes, ranked by exact inner product with the vectors ``vectors`` reads (the store)."""
 
     def __init__(self, codes: faiss.Index, vectors: Vectors, *, codec: str, memory_bytes: int,
@@ -204,9 +199,6 @@ class ReRanked:
         self.memory_bytes = int(memory_bytes)
         self.summary = {"codes": codec, "rerank_factor": self.factor, "memory_bytes": self.memory_bytes,
                         "max_memory": budget, "nprobe": int(nprobe)}
-
-    def missing(self) -> list[int]:
-        return []
 
     def candidates(self, q: np.ndarray, k: int) -> np.ndarray:
         return self.index.search(q, max(1, min(self.factor * k, self.ntotal)))[1]

@@ -24,7 +24,7 @@ from ..directory.index_dir import PART_FILE, STORE_DIR
 from ..directory.manifest import Manifest
 from ..directory.shard_files import shard_paths
 from ..directory.validate import damaged, faiss_reason
-from ..searchable import Answer
+from ..searchable import Answer, Searchable
 from ..store.gallery import GalleryStore
 
 
@@ -87,8 +87,8 @@ class ShardedStore:
             s.close()
 
 
-class PartsIndex:
-    """The parts searched as one in this process (a :class:`indexer.searchable.Searchable`)."""
+class PartsIndex(Searchable):
+    """The parts searched as one in this process (memory-mapped, the whole index)."""
 
     def __init__(self, directory: Path, manifest: Manifest) -> None:
         sh = manifest.sharded
@@ -100,11 +100,6 @@ class PartsIndex:
             raise damaged(directory, f"faiss cannot read a part ({faiss_reason(e)})") from None
         fx.set_search_params(self.cpu_index, manifest.search_params or "")
         self.d, self.ntotal = self.cpu_index.d, int(self.cpu_index.ntotal)
-
-    summary = None                      # the whole index in RAM (memory-mapped parts)
-
-    def missing(self) -> list[int]:
-        return []
 
     def search(self, q: np.ndarray, k: int) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
