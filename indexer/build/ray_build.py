@@ -279,10 +279,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress)
         ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                      "nodes": where, "attempt_nodes": tried, "seconds": round(time.perf_counter() - t0, 3)}
-        if sharded:
-            ray_facts["plan_bytes"] = plan_bytes      # what the shards' readers sent the driver
-            ray_facts["plan_nodes"] = plan_nodes      # where each shard's reader ran
-            ray_facts["fill_nodes"] = fill.nodes      # where each shard's part was filled
+        if sharded:     # what the shards' readers sent the driver, where each ran, where each part was filled
+            ray_facts.update(plan_bytes=plan_bytes, plan_nodes=plan_nodes, fill_nodes=fill.nodes)
         # where each shard was built (its reader, fill and serving actors' place), for operators
         (out / SHARDS_DIR / RUN_FILE).write_text(json.dumps(ray_facts, indent=2) + "\n")
         return m.replace(extra={**m.extra, "ray": ray_facts})
