@@ -7,16 +7,13 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Embedder": "model", "EmbedderConfig": "model", "PretrainedWeightsUnavailable": "errors",
-    "Preprocessing": "preprocess", "preprocessing_for": "preprocess",
-    "load_image": "images", "ImageLoadError": "images", "ImageTooLargeError": "images",
-    "open_image": "containers",
-    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "CheckpointError": "errors",
-    "file_sha256": "hashing",
-    "export_onnx": "export", "ParityError": "errors",
-    "OnnxEmbedder": "runtime", "ModelLoadError": "errors",
-    "default_model_path": "pretrained", "pretrained_embedder": "pretrained",
-    "default_parity_images": "export",
+    "Embedder": "model", "EmbedderConfig": "model", "Preprocessing": "preprocess",
+    "preprocessing_for": "preprocess", "load_image": "images", "ImageLoadError": "images",
+    "ImageTooLargeError": "images", "open_image": "containers", "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint", "file_sha256": "hashing", "export_onnx": "export",
+    "default_parity_images": "export", "OnnxEmbedder": "runtime", "default_model_path": "pretrained",
+    "pretrained_embedder": "pretrained", "PretrainedWeightsUnavailable": "errors",
+    "CheckpointError": "errors", "ParityError": "errors", "ModelLoadError": "errors",
 }
 PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize", "regions")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])

@@ -26,8 +26,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _pretrained(args: argparse.Namespace) -> int:
-    """A training-free embedder: an offline Lite one (--name) or any timm backbone (--backbone,
-    embedder/timm_pretrained.py); without --out, exported once into $DAS_CACHE and its path printed."""
+    """A training-free embedder; without --out, exported once into $DAS_CACHE and its path printed."""
     from .pretrained import DEFAULT, default_model_path, export_pretrained, parse_spec
     from .timm_pretrained import TimmSpec
 

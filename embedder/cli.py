@@ -20,8 +20,7 @@ class UsageError(ValueError):
 
 
 def one_line(e: BaseException) -> str:
-    """An error's message on one line (a KeyError's own text, not its repr; whitespace and line
-    breaks collapsed, so nothing is lost); its type's name when it has no message."""
+    """An error's message on one line (a KeyError's own text, not its repr), else its type's name."""
     text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
     return " ".join(text.split()) or type(e).__name__
 
@@ -35,8 +34,7 @@ def fail(prog: str, e: BaseException | str, code: int = 1) -> int:
 def run_main(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *,
              expected: tuple[type[BaseException], ...] = (), on_interrupt: str = "interrupted",
              handler: Callable[[argparse.Namespace], Any] | None = None) -> int:
-    """Parse ``argv``, run the chosen command's ``func`` (or ``handler``), apply the error policy;
-    returns the exit code (None means 0). The error line names the command."""
+    """Parse ``argv``, run the command's ``func`` (or ``handler``) under the error policy: the exit code."""
     args = parser.parse_args(argv)
     cmd = getattr(args, "cmd", None)
     name = f"{prog} {cmd}" if cmd else prog
@@ -122,8 +120,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 def add_options(p: argparse.ArgumentParser, *flags: str, **overrides: dict[str, Any]) -> argparse.ArgumentParser:
     """Add the shared ``flags`` to ``p``; ``overrides={"--index": {...}}`` changes a default or help."""
     for flag in flags:
-        spec = {**OPTIONS[flag], **overrides.get(flag, {})}
-        p.add_argument(flag, **spec)
+        p.add_argument(flag, **{**OPTIONS[flag], **overrides.get(flag, {})})
     return p
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, Union
 
@@ -56,8 +57,7 @@ def _icon_frame(fp: BinaryIO) -> tuple[str, tuple[int, int], tuple[int, int]]:
 
 
 def check_icon(fp: BinaryIO) -> None:
-    """Raise :class:`FormatRefused` if the ICO in ``fp`` (at its start) holds a frame larger
-    than its directory says; ``fp`` is left where it was."""
+    """Raise :class:`FormatRefused` if the ICO in ``fp`` holds a frame larger than its directory says."""
     start = fp.tell()
     try:
         kind, (w, h), (dw, dh) = _icon_frame(fp)
@@ -73,20 +73,13 @@ def check_icon(fp: BinaryIO) -> None:
 
 
 def open_image(fp: Union[str, os.PathLike, io.BytesIO]) -> Image.Image:
-    """``Image.open(fp)`` limited to :data:`ACCEPTED`, after the checks above; raises
-    :class:`FormatRefused` for a refused format or icon, Pillow's own errors otherwise."""
-    if isinstance(fp, (str, os.PathLike)):
-        with open(fp, "rb") as f:
-            fmt = sniff(f.read(_PREFIX))
-            if fmt == "ICO":
-                f.seek(0)
-                check_icon(f)
-    else:
-        start = fp.tell()
-        fmt = sniff(fp.read(_PREFIX))
-        fp.seek(start)
+    """``Image.open(fp)`` limited to :data:`ACCEPTED`, after the checks above (FormatRefused)."""
+    with open(fp, "rb") if isinstance(fp, (str, os.PathLike)) else nullcontext(fp) as f:
+        start = f.tell()
+        fmt = sniff(f.read(_PREFIX))
+        f.seek(start)
         if fmt == "ICO":
-            check_icon(fp)
+            check_icon(f)
     if fmt is not None and fmt not in ACCEPTED:
         raise FormatRefused(f"{fmt} image: not an accepted format (expected {ACCEPTED_TEXT}); "
                             "refused unopened")

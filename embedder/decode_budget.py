@@ -155,7 +155,6 @@ def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
 
 
 def release_freed_memory() -> None:
-    """Give the pages of a freed frame back to the OS now (``malloc_trim(0)``): glibc would keep
-    Pillow's 16 MB blocks in its heaps after a raised mmap threshold (0.6-2.9 GB kept)."""
+    """``malloc_trim(0)``: glibc would keep a freed frame's 16 MB blocks in its heaps (0.6-2.9 GB)."""
     if _TRIM is not None:
         _TRIM(0)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 
 
-class _PathError(ValueError):
+class PathError(ValueError):
+    """A bad file: ``str(e) == f"{path}: {reason}"``, a CLI's one-line message (kept when pickled)."""
+
     def __init__(self, path: str | os.PathLike, reason: str) -> None:
         self.path, self.reason = str(path), reason
         super().__init__(f"{self.path}: {reason}")
@@ -13,11 +15,11 @@ class _PathError(ValueError):
         return (type(self), (self.path, self.reason))
 
 
-class CheckpointError(_PathError):
+class CheckpointError(PathError):
     """A file that is not a loadable das-embedder checkpoint."""
 
 
-class ModelLoadError(_PathError):
+class ModelLoadError(PathError):
     """Missing file, not an ONNX model, or an ONNX model that is not a das embedder."""
 
 

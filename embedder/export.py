@@ -92,8 +92,7 @@ def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.nda
 
 
 def _public_config(cfg: dict) -> dict:
-    """The config as the ONNX file records it: a local weights file by its name only (no server
-    path in the model; :func:`_weights_record` adds its sha256)."""
+    """The config as the ONNX file records it: a local weights file by its name (no server path)."""
     if cfg.get("weights"):
         cfg = {**cfg, "weights": Path(str(cfg["weights"])).name}
     return cfg
@@ -111,8 +110,7 @@ def _weights_record(cfg: dict) -> dict:
 
 def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str = "",
                 parity_images: list | None = None) -> Path:
-    """Export ``model`` to a single self-contained .onnx file with a dynamic batch axis, checked
-    on ``parity_images`` (default: scikit-image's photos) before it is renamed into place."""
+    """Export ``model`` to one self-contained .onnx file (dynamic batch), parity-checked before the rename."""
     import onnx
 
     out = Path(out)
@@ -130,19 +128,13 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
             proto = onnx.load(str(tmp))
             pre = m.preprocessing
             write_metadata(proto, {
-                "format": ONNX_FORMAT,
-                "dim": str(m.dim),
-                "input_size": str(pre.input_size),
-                "channels": str(pre.channels()),
-                "mean": json.dumps(list(pre.mean)),
-                "std": json.dumps(list(pre.std)),
-                "backbone": m.config.backbone,
-                "normalized": "true" if m.config.normalize else "false",
-                "source_hash": source_hash,
+                "format": ONNX_FORMAT, "dim": str(m.dim), "input_size": str(pre.input_size),
+                "channels": str(pre.channels()), "mean": json.dumps(list(pre.mean)),
+                "std": json.dumps(list(pre.std)), "backbone": m.config.backbone,
+                "normalized": "true" if m.config.normalize else "false", "source_hash": source_hash,
                 "preprocessing": pre.to_json(),
                 "config": json.dumps(_public_config(m.config.to_dict()), sort_keys=True),
-                **_weights_record(m.config.to_dict()),
-                "exporter": exporter,
+                **_weights_record(m.config.to_dict()), "exporter": exporter,
                 "torch_version": torch.__version__,
             })
             onnx.save(proto, str(tmp))

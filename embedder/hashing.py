@@ -5,10 +5,7 @@ import hashlib
 import os
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
     """Hex sha256 of a file, read in chunks (checkpoints and ONNX files can be large)."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -15,7 +15,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import decode_budget as budget
 from .containers import FormatRefused, open_image
-from .errors import _PathError
+from .errors import PathError
 
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -26,13 +26,12 @@ MODES = ("RGB", "L")
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
 
 
-class ImageLoadError(_PathError):
+class ImageLoadError(PathError):
     """A source that cannot be turned into a model-ready image; ``str(e) == f"{path}: {reason}"``."""
 
 
 class ImageTooLargeError(ImageLoadError):
-    """A readable image whose decode would cost more memory than the decode budget allows
-    (:mod:`embedder.decode_budget`); refused before any pixel is decoded. A server answers 413."""
+    """A readable image whose decode would cost more than the decode budget; a server answers 413."""
 
 
 def _source_name(source: object, name: str | None) -> str:
@@ -58,8 +57,7 @@ def _scale_to_uint8(arr: np.ndarray) -> np.ndarray:
 
 
 def to_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
-    """Convert any PIL mode to ``mode`` ("RGB" or "L") the way the model expects, as a new
-    image (the caller may close its source)."""
+    """Any PIL mode to ``mode`` ("RGB" or "L") as the model expects, a new image (the source may close)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     src = img.mode
@@ -160,8 +158,7 @@ def load_image(
 
 def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: int, *,
              extra: int = 0, full_size: tuple[int, int] | None = None) -> Image.Image:
-    """The ``min_side`` path of :func:`load_image` for an opened, not yet loaded image; ``extra``:
-    what the decoder holds besides the frame (a progressive JPEG's coefficients)."""
+    """:func:`load_image` with ``min_side``; ``extra``: what the decoder holds besides the frame."""
     factor = max(1, min(im.size) // min_side)
     need = budget.decode_bytes(im, file_size) + extra
     layout = _raw_layout(im)
@@ -301,8 +298,7 @@ _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
 
 
 def _orient(img: Image.Image, orientation: int) -> Image.Image:
-    """EXIF orientation applied to an already decoded (and shrunk) image: what
-    ``ImageOps.exif_transpose`` does to the full image, at the cost of the small one."""
+    """``ImageOps.exif_transpose`` of an already shrunk image, at the cost of the small one."""
     method = _TRANSPOSE.get(orientation)
     return img.transpose(method) if method is not None else img
 

@@ -18,14 +18,10 @@ def exact_knn(queries: np.ndarray, gallery: np.ndarray | Chunks, k: int, metric:
               ids: np.ndarray | None = None, rows: np.ndarray | None = None,
               exclude: np.ndarray | None = None, own: np.ndarray | None = None,
               block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k of each query: (scores, ids), both (nq, k), best first; id -1 where fewer
-    than k are left (score: the heap's worst value; NaN with ``own``, as :func:`drop_self`).
-
-    ``gallery``: an (N, d) array sliced ``block`` rows at a time, with ids ``ids`` (default:
-    row numbers) and only ``rows`` searched when given; or an iterable of (ids, vectors)
-    chunks. ``metric``: "l2" or "ip". ``exclude``: ids no query gets. ``own``: each query's
-    own id(s), (nq,) or (nq, m), -1 for none, dropped by id (``m`` more searched).
-    """
+    """Exact top-k of each query: (scores, ids), both (nq, k), best first; id -1 where fewer than k
+    are left. ``gallery``: an (N, d) array (ids ``ids``, only ``rows`` searched when given) or an
+    iterable of (ids, vectors) chunks. ``exclude``: ids no query gets; ``own``: each query's own
+    id(s), (nq,) or (nq, m), -1 for none, dropped by id (NaN scores, as :func:`drop_self`)."""
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}: expected one of {sorted(METRICS)}")
     q = np.ascontiguousarray(queries, dtype=np.float32)
@@ -54,8 +50,7 @@ def exact_knn(queries: np.ndarray, gallery: np.ndarray | Chunks, k: int, metric:
 
 def _blocks(x: np.ndarray, ids: np.ndarray | None, rows: np.ndarray | None, size: int
             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(ids, x[rows]) of an array gallery (or a lazy one: ``shard_sample.View``), ``size`` rows
-    at a time; a whole ndarray is sliced, not gathered."""
+    """(ids, x[rows]) of an array gallery, ``size`` rows at a time; a whole ndarray is sliced."""
     sliced = rows is None and isinstance(x, np.ndarray)
     rows = np.arange(len(x)) if rows is None else np.asarray(rows, dtype=np.int64)
     for s in range(0, len(rows), size):
@@ -65,10 +60,8 @@ def _blocks(x: np.ndarray, ids: np.ndarray | None, rows: np.ndarray | None, size
 
 def drop_self(ids: np.ndarray, own: np.ndarray, k: int,
               scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each row of ``ids`` without its query's own id(s) ``own[r]`` (first occurrence), the first
-    ``k`` kept, padded with -1 (``scores`` aligned, NaN): (ids, scores or None). By id, not
-    distance, so a duplicate image under another id still counts as a neighbour.
-    """
+    """Each row of ``ids`` without its query's own id(s), the first ``k`` kept, padded with -1 (NaN
+    scores). By id, not distance: a duplicate image under another id still counts as a neighbour."""
     ids = np.asarray(ids)
     own = np.asarray(own).reshape(len(ids), -1)
     first = np.zeros(ids.shape, dtype=bool)

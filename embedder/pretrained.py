@@ -96,8 +96,7 @@ class ConcatSpec:
     def __post_init__(self) -> None:
         if len(self.parts) < 2:
             raise ValueError(f"a concatenated pretrained embedder needs >= 2 parts, got {len(self.parts)}")
-        pres = {p.preprocessing() for p in self.parts}
-        if len(pres) > 1:
+        if len({p.preprocessing() for p in self.parts}) > 1:
             raise ValueError("the parts of a concatenated pretrained embedder must share one input "
                              f"size and crop; got {', '.join(p.tag for p in self.parts)}")
 
@@ -188,8 +187,7 @@ def _parse_single(text: str) -> PretrainedSpec:
 
 
 def resolve_spec(name: str | Spec | None) -> Spec:
-    """The spec a name (or None: :data:`DEFAULT`, or a spec itself: a two-backbone
-    :class:`ConcatSpec` or a :class:`~embedder.timm_pretrained.TimmSpec`) stands for."""
+    """The spec a name stands for (None: :data:`DEFAULT`; a spec as it is)."""
     if name is None:
         return PRETRAINED[DEFAULT]
     return parse_spec(name) if isinstance(name, str) else name
@@ -239,7 +237,6 @@ def made_once(out: Path, make: Callable[[Path], object]) -> Path:
 
 
 def default_model_path(name: str | Spec | None = None) -> Path:
-    """Path of the exported pretrained embedder ``name`` (default: :data:`DEFAULT`), exporting
-    it on first use (~15-30 s on 2 cores)."""
+    """Path of the exported pretrained embedder ``name``, exported on first use (~15-30 s on 2 cores)."""
     spec = resolve_spec(name)
     return made_once(cache_dir() / f"{spec.model_name}.onnx", lambda out: export_pretrained(spec, out))

@@ -8,7 +8,6 @@ conv; GeM, mean and L2 stay float. The embedder's metadata is carried over (plus
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import tempfile
@@ -159,8 +158,7 @@ def float_node_names(proto: Any, policy: str) -> list[str]:
 
 def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: list[tuple[str, str]],
              progress: bool) -> Iterator[np.ndarray]:
-    """Preprocessed (N, C, H, W) batches of ``files`` with the model's own preprocessing;
-    unreadable images are skipped and recorded in ``skipped`` (path, reason)."""
+    """Preprocessed (N, C, H, W) batches of ``files``; unreadable ones recorded in ``skipped``."""
     from tqdm.auto import tqdm
 
     batch: list[np.ndarray] = []

@@ -34,8 +34,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 def load_session(path: str | os.PathLike, so: Any = None, providers: Sequence[str] = ("CPUExecutionProvider",)
                  ) -> Any:
-    """An onnxruntime session of ``path`` (quiet; on the CPU unless told), or ModelLoadError
-    naming the file."""
+    """A quiet onnxruntime session of ``path`` (CPU unless told), or ModelLoadError naming the file."""
     import onnxruntime as ort
 
     path, so = Path(path), so or ort.SessionOptions()
@@ -68,10 +67,8 @@ class OnnxEmbedder:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.path = Path(path)
-        self.batch_size = batch_size
-        self.max_pixels = max_pixels
-        self.threads = threads
+        self.path, self.batch_size = Path(path), batch_size
+        self.max_pixels, self.threads = max_pixels, threads
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -133,8 +130,7 @@ class OnnxEmbedder:
     def embed_iter(self, items: Iterable[tuple[Any, ImageSource]], workers: int | None = None,
                    progress: bool = False, total: int | None = None,
                    ) -> Iterator[tuple[list[Any], np.ndarray, list[tuple[Any, ImageLoadError]]]]:
-        """Yield ``(keys, embeddings, failures)`` per batch, in input order, from lazily consumed
-        ``(key, source)`` pairs; images that fail to load are reported, never stop it."""
+        """``(keys, embeddings, failures)`` per batch of ``(key, source)`` pairs, in input order."""
         workers = workers or DECODE_WORKERS
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
@@ -212,8 +208,7 @@ def write_metadata(proto: Any, meta: dict[str, str]) -> None:
 
 def chunked(items: Iterable[T], size: int, on_end: Callable[[int], None] | None = None
             ) -> Iterator[list[T]]:
-    """Lists of ``size`` items; ``on_end(count)`` once the items are exhausted (a lazy walk's
-    progress bar learns its total then)."""
+    """Lists of ``size`` items; ``on_end(count)`` once exhausted (a lazy walk's bar learns its total)."""
     it, n = iter(items), 0
     while chunk := list(itertools.islice(it, size)):
         n += len(chunk)

@@ -55,8 +55,7 @@ def _pretrained_cfg(name: str) -> dict:
 
 
 def timm_data_config(backbone: str) -> dict:
-    """What timm's pretrained config says a model's input is (``resolve_data_config``), for
-    ``preprocessing_for`` (this module imports nothing of preprocess: no circle)."""
+    """What timm's pretrained config says a model's input is (``resolve_data_config``)."""
     from timm.data import resolve_data_config
 
     name = model_name(backbone)

@@ -99,18 +99,13 @@ def read_state_dict(path: Path, model_keys: set[str], has_filter: bool) -> dict:
             raise _refuse(path, f"unreadable safetensors file ({type(e).__name__}: "
                                 f"{' '.join(str(e).split())[:200]})") from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:
-        obj = None                  # an old (non-zip) torch file cannot be mapped: read it
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:        # an old (non-zip) torch file cannot be mapped: read it
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - pickle/zip errors of a hostile or damaged file
         raise _refuse(path, f"not a weights file torch reads safely ({type(e).__name__}: "
                             f"{' '.join(str(e).split())[:200]})") from None
-    if obj is None:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise _refuse(path, f"not a weights file torch reads safely ({type(e).__name__}: "
-                                f"{' '.join(str(e).split())[:200]})") from None
     return unwrap(obj, path)
 
 
@@ -125,8 +120,7 @@ def check_finite(sd: dict, path: Path) -> None:
 
 
 def load_weights_file(model: Any, path: Path, in_chans: int = 3) -> None:
-    """Load ``path`` into the timm ``model`` (made with ``num_classes=0``) through timm's own
-    ``load_pretrained``, refusing a file that does not fit (module docstring)."""
+    """Load ``path`` into the timm ``model`` through timm's ``load_pretrained``, refusing a misfit."""
     import sys
 
     from timm.models import load_pretrained

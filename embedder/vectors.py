@@ -6,7 +6,6 @@ import numpy as np
 
 
 def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Float32 copy of ``x`` with each row (the last axis) scaled to unit length; a zero row
-    stays zero (its norm is clamped to ``eps``)."""
+    """Float32 copy of ``x``, each row (last axis) at unit length; a zero row stays zero."""
     x = np.asarray(x, dtype=np.float32)
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), eps)
