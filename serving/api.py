@@ -40,8 +40,7 @@ _FORM_OVERHEAD = 64 * 1024
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
                    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                    sessions: GradioSessions | None = None, login_block: float = 1.0) -> FastAPI:
-    """Register /api/* on ``app`` (before Gradio is mounted at "/") and the request guard before
-    the whole app; ``sessions``: Gradio's logins; ``login_block``: the first login block."""
+    """Register /api/* on ``app`` (before Gradio is mounted at "/") and the guard before the whole app."""
     redact = Redactor(searcher.directories)
 
     @app.exception_handler(IndexerError)            # a store truncated/replaced under us, ...

@@ -54,8 +54,7 @@ def _augmenter(size: int) -> Callable[[Image.Image], Image.Image]:
 def make_demo_gallery(out: str | Path, *, views: int = 8, queries: int = 2, size: int = 256,
                       classes: Sequence[str] | None = None, seed: int = 0,
                       progress: bool = True) -> tuple[Path, Path]:
-    """Write ``out/gallery/<class>/*.jpg`` (view 0 the whole photo) and ``out/queries/<class>/*.jpg``;
-    returns both dirs."""
+    """Write and return ``out/gallery/<class>/`` (view 0 the whole photo) and ``out/queries/<class>/``."""
     import torch
     from tqdm import tqdm
 
@@ -93,8 +92,7 @@ def make_demo_gallery(out: str | Path, *, views: int = 8, queries: int = 2, size
 def ensure_demo_index(root: str | Path = DEFAULT_DEMO_DIR, *, views: int = 8, queries: int = 2,
                       model: str | Path | None = None, progress: bool = True,
                       log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> Path:
-    """Build (once; a complete one is reused) the demo index under ``root/index`` with the
-    offline pretrained embedder; returns its directory."""
+    """The demo index ``root/index``, built once with the offline pretrained embedder."""
     from indexer import IndexDir, build_index
 
     root = Path(root)

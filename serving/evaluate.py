@@ -26,8 +26,7 @@ class EvalResult:
 
 def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None = None,
                     ks: Sequence[int] = DEFAULT_KS, source: str | None = None) -> EvalResult:
-    """Recall@k on a labelled query folder (``indexer eval --queries``); unreadable files are
-    skipped and listed."""
+    """Recall@k on a labelled query folder (``indexer eval --queries``); unreadable files listed."""
     from indexer.layouts.evaluate import evaluate_queries
 
     snap = searcher.snapshot(index)
@@ -38,8 +37,7 @@ def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None
 
 def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequence[int] = DEFAULT_KS,
                      max_queries: int = 2000, seed: int = 0) -> EvalResult:
-    """Leave-one-out Recall@k (``indexer eval`` without queries): each (sampled) labelled
-    gallery image queries the rest with its stored vector."""
+    """Leave-one-out Recall@k (``indexer eval`` without queries), with the stored vectors."""
     from indexer.layouts.evaluate import evaluate_gallery as leave_one_out
 
     snap = searcher.snapshot(index)
@@ -62,9 +60,7 @@ def recall_figure(results: Sequence[EvalResult]) -> bytes:
     ax.set_xscale("log", base=2)
     ks_all = sorted({k for r in results for k in r.recall})
     ax.set_xticks(ks_all, [str(k) for k in ks_all])
-    ax.set_xlabel("k")
-    ax.set_ylabel("Recall@k (%)")
-    ax.set_ylim(0, 102)
+    ax.set(xlabel="k", ylabel="Recall@k (%)", ylim=(0, 102))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(results[0].source if results else "Recall@k", fontsize=9)

@@ -128,8 +128,7 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
 
 
 class RequestGuard:
-    """See the module docstring. ``max_bytes``: the body cap; ``limit``: the upload limit the
-    413 message names (the cap adds room for multipart headers)."""
+    """See the module docstring; ``limit``: the upload limit, ``max_bytes``: it plus multipart headers."""
 
     def __init__(self, app: Any, *, max_bytes: int, limit: int, auth: tuple[str, str] | None = None,
                  throttle: LoginThrottle | None = None, sessions: GradioSessions | None = None,

@@ -26,13 +26,11 @@ def _public_keys(keys: list[str]) -> dict[str, str]:
     outside = [k for k in keys if k not in out]
     parts = {k: [p for p in k.replace("\\", "/").split("/") if p not in ("", "..", ".")] for k in outside}
     for k in outside:
-        n = 1
-        while True:
+        for n in range(1, max(len(parts[k]), 1) + 1):
             name = "/".join(parts[k][-n:]) or "?"
             clash = [o for o in outside if o != k and "/".join(parts[o][-n:]) == name] or name in out.values()
-            if not clash or n >= len(parts[k]):
+            if not clash:
                 break
-            n += 1
         out[k] = name if name not in out.values() else f"{name} ({len(out)})"
     return out
 

@@ -25,9 +25,7 @@ class IndexWatcher:
 
     def __init__(self, live: MutableMapping[str, Any], directories: MutableMapping[str, Path], *,
                  interval: float = 0.5) -> None:
-        self.live = live
-        self.directories = directories
-        self.interval = interval
+        self.live, self.directories, self.interval = live, directories, interval
         self._stamps = {n: manifest_stamp(d) for n, d in directories.items()}
         self._checked: dict[str, float] = {}
         self._failed_at: dict[str, float] = {}

@@ -98,8 +98,7 @@ class Searcher:
         return Snapshot(name, self.index(name))
 
     def health(self) -> dict[str, str]:
-        """index name -> problem (empty: healthy); a real read of each store, so an unreadable
-        LMDB shows up here, not as a 500."""
+        """index name -> problem; a real read of each store: an unreadable LMDB shows here, not as a 500."""
         problems = {}
         for name in self.indexes:
             idx = self.index(name)
@@ -198,8 +197,7 @@ class Searcher:
         return self._embed(self.snapshot(index), [q])[0]
 
     def _embed(self, snap: Snapshot, qs: Sequence[Query]) -> np.ndarray:
-        """(n, d) embeddings, cached on each query: stored vectors for the snapshot's own gallery
-        items, one batched run for the rest."""
+        """(n, d) embeddings cached on each query: stored vectors for own items, one run for the rest."""
         todo = []
         for q in [p for q in qs for p in (q.parts or (q,))]:
             if snap.name in q.embeddings:

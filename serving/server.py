@@ -28,8 +28,7 @@ def create_app(searcher: Searcher, *, auth: tuple[str, str] | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                query_sets: Mapping[str, Path] | None = None, upload_max_age: int = 900,
                login_block: float = 1.0) -> FastAPI:
-    """``upload_max_age``: seconds after which Gradio deletes an upload or a cached result
-    (checked every min(60, age / 2) s), so uploads never used in a search do not pile up."""
+    """``upload_max_age``: seconds after which Gradio deletes an upload or a cached result."""
     pin_mmap_threshold()            # a long-running process: large decodes give their memory back
     app = FastAPI(title="das-retrieval", docs_url=None, redoc_url=None, openapi_url=None)
     sessions = GradioSessions()

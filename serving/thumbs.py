@@ -42,8 +42,7 @@ class ThumbnailCache:
     """Thread-safe LRU of PNG thumbnails by (index name, id): a read, a decode and an encode saved."""
 
     def __init__(self, capacity: int = 4096, size: int = 160):
-        self.capacity = capacity
-        self.size = size
+        self.capacity, self.size = capacity, size
         self._data: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
         self.misses = 0

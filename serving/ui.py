@@ -90,8 +90,7 @@ def _describe_md(info: Mapping[str, Any]) -> str:
 
 def _query_inputs(prefix: str, picks: list[tuple[str, str]], labels: list[str], *, height: int,
                   label_text: str) -> tuple[gr.Image, gr.Dropdown, gr.Dropdown]:
-    """The query column the Search and Probes tabs share: an upload or a gallery pick (choosing
-    one clears the other) and an optional label."""
+    """The Search and Probes tabs' query column: an upload or a gallery pick (each clears the other)."""
     img = query_image(type="filepath", image_mode=None, label="Query image", sources=["upload", "clipboard"],
                       elem_id=f"{prefix}-image", height=height)
     pick = gr.Dropdown(picks, value=None, label="…or a gallery image", elem_id=f"{prefix}-pick",

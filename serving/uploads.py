@@ -60,8 +60,7 @@ def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None
 
 def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                   max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS, min_side: int | None = None) -> Image.Image:
-    """Bytes from a client -> RGB image decoded no larger than ``min_side`` needs, or UploadError
-    (413 too large to upload or to decode, 415 not an image)."""
+    """Client bytes -> RGB image no larger than ``min_side`` needs, or UploadError (413, 415)."""
     if not data:
         raise UploadError(f"{name}: the upload is empty; expected an image file", status=400)
     check_size(len(data), name, max_bytes)
