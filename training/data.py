@@ -45,9 +45,7 @@ class Split:
 
     def first_classes(self, n: int) -> "Split":
         """Keep the first n classes (by label); n <= 0 keeps everything."""
-        if n <= 0 or n >= self.num_classes:
-            return self
-        return self.class_range(0, n)
+        return self if n <= 0 or n >= self.num_classes else self.class_range(0, n)
 
     def class_range(self, start: int, n: int) -> "Split":
         """Classes start .. start+n-1, relabelled 0..n-1 (e.g. a second held-out test set)."""

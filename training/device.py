@@ -16,8 +16,7 @@ __all__ = ["resolve_device", "amp_dtype"]
 def resolve_device(name: str, info: DistInfo | None = None) -> torch.device:
     """The ``torch.device`` this process trains on (made current on CUDA): ``auto`` is ``cuda``
     when visible, else ``cpu``; index-less ``cuda`` is the current device, or ``cuda:LOCAL_RANK``
-    under torchrun; ``cuda:N`` as given in a single process.
-    """
+    under torchrun; ``cuda:N`` as given in a single process."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:

@@ -92,11 +92,10 @@ def cache_name(cfg: TrainConfig) -> str:
 def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDataset,
                        test: ImageDataset | None = None, skips: SkipLog | None = None
                        ) -> tuple[np.ndarray, np.ndarray | None]:
-    """(training activations (1 + trunk_views, N, ...), test activations (1, M, ...) or None)
-    of the frozen prefix from the trunk cache, computed on first use (a benchmark calls it once
-    before forking). Every seed reads the same cache (seed 0) and draws its own views; pooled
-    features are float32, like the gallery embedder's. Undecodable images go into `skips`
-    (zero rows); without `skips` the first raises `ImageLoadError`."""
+    """(training (1 + trunk_views, N, ...), test (1, M, ...) or None) activations of the frozen
+    prefix from the trunk cache, computed on first use (a benchmark calls it before forking).
+    Every seed reads the same cache (seed 0) and draws its own views; pooled features are float32
+    like the gallery embedder's. Undecodable images go into `skips` (else the first raises)."""
     from .run_state import build_preprocessing
     from .trunk_cache import trunk_activations
 

@@ -1,15 +1,12 @@
-"""The paper's eight losses (supplementary A) behind one `Criterion`, in two flavours.
-
-``flavour="authors"`` (default; the paper's configs): each loss and sampler as the DAS authors'
-framework computes it, since that code produced the paper's numbers (differences listed in
-training/losses_authors.py and training/miners.py). `REGISTRY` holds each loss's module per
-flavour, its defaults and its miner policy.
-
-``flavour="pml"``: pytorch-metric-learning's formulas and reductions for six losses (tests check
-each against its equation). Two are written here: N-pair, because PML's NPairsLoss keeps one
-pair per class while eq. (V) takes every different-class embedding (DAS's too) as a negative;
-multi-similarity, because PML's miner sorts the N x N matrix twice and round-trips index lists
-(several times the step at N = 448); the mask form gives the same values and gradients, no sync.
+"""The paper's eight losses (supplementary A) behind one `Criterion`, in two flavours; `REGISTRY`
+holds each loss's module per flavour, its defaults and its miner policy. ``"authors"`` (default;
+the paper's configs): each loss and sampler as the DAS authors' framework computes it, since that
+code produced the paper's numbers (training/losses_authors.py, training/miners.py). ``"pml"``:
+pytorch-metric-learning's formulas and reductions (tests check each against its equation), but
+two written here: N-pair, because PML's NPairsLoss keeps one pair per class while eq. (V) takes
+every different-class embedding (DAS's too) as a negative; multi-similarity, because PML's miner
+sorts the N x N matrix twice and round-trips index lists (several times the step at N = 448);
+the mask form gives the same values and gradients, no sync.
 """
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ class NPairLoss(nn.Module):
     """Eq. (V): for every ordered positive pair (a, p),
     ``log(1 + sum_{r: y_r != y_a} exp(v_a.v_r - v_a.v_p)) + nu * ||v_a||^2``, averaged (with DAS
     each copy is used). The authors' flavour: ``v * scale`` (their 1/4), `one_positive` (ONE
-    drawn positive per anchor; mean over anchors with one) and ``reg_power`` 1 (a norm).
-    """
+    drawn positive per anchor; mean over anchors with one) and ``reg_power`` 1 (a norm)."""
 
     def __init__(self, reg_weight: float = 5e-3, scale: float = 1.0, one_positive: bool = False,
                  reg_power: int = 2, generator: torch.Generator | None = None) -> None:
@@ -67,8 +63,7 @@ class MultiSimilarityLoss(nn.Module):
     Mining on detached S: positive q kept if ``S_aq - eps < max_r S_ar``, negative r if
     ``S_ar + eps > min_q S_aq``; per anchor ``1/alpha log(1 + sum_q exp(-alpha (S_aq - lambda)))
     + 1/beta log(1 + sum_r exp(beta (S_ar - lambda)))``, mean over all anchors (PML). The
-    authors' flavour: ``normalize=False`` and ``skip_unmined=True`` (unmined anchors left out).
-    """
+    authors' flavour: ``normalize=False`` and ``skip_unmined=True`` (unmined anchors left out)."""
 
     def __init__(self, alpha: float = 2.0, beta: float = 40.0, base: float = 0.5,
                  epsilon: float = 0.1, normalize: bool = True, skip_unmined: bool = False) -> None:
@@ -103,8 +98,7 @@ class MultiSimilarityLoss(nn.Module):
 class Criterion(nn.Module):
     """A loss with its sampler and its extra learnable parameters. `forward(embeddings, labels)`
     mines on the detached embeddings and returns the scalar loss; `normalize`: whether embedder
-    and DAS L2-normalise; `param_groups()`: betas / proxies with the paper's learning rates.
-    """
+    and DAS L2-normalise; `param_groups()`: betas / proxies with the paper's learning rates."""
 
     def __init__(self, name: str, loss: nn.Module, miner: Any, normalize: bool,
                  lrs: dict[str, float], hparams: dict[str, float], miner_name: str | None,

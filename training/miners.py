@@ -171,8 +171,7 @@ class SoftHardMiner(_TripletMiner):
 
 def distance_weighted_log_weights(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
     """log q(D)^-1 for unit vectors in R^dim (supp. eq. XII), D clipped below at `cutoff` (eq.
-    XIII's lambda: caps very close negatives); log space, as D^-(d-2) overflows at d = 512.
-    """
+    XIII's lambda: caps very close negatives); log space, as D^-(d-2) overflows at d = 512."""
     d = dist.clamp(min=cutoff, max=2.0 - 1e-4)
     return (2.0 - dim) * torch.log(d) - ((dim - 3) / 2.0) * torch.log(1.0 - 0.25 * d * d)
 
@@ -260,8 +259,7 @@ _CLASSES = {
 def build_miner(name: str | None, flavour: str = "authors", **kw) -> _TripletMiner | None:
     """Miner by name: "random" | "semihard" | "softhard" | "distance" | None (whole batch), of
     ``flavour`` "authors" or "pml". Keyword arguments go to the miner (``margin``, ``cutoff``,
-    ``nonzero_loss_cutoff``, ``generator``: default torch's global RNG).
-    """
+    ``nonzero_loss_cutoff``, ``generator``: default torch's global RNG)."""
     if flavour not in LOSS_FLAVOURS:
         raise ValueError(f"flavour={flavour!r}: expected one of {LOSS_FLAVOURS}")
     if name is None or name in ("none", "all"):

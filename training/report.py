@@ -55,9 +55,7 @@ class EpochLogger:
         epoch = row["epoch"]
         write_csv(self.run_dir / "log.csv", history, cfg, aux=self.aux)
         if self.tb is not None:
-            self.tb.add_scalar("train/loss", row["loss"], epoch)
-            self.tb.add_scalar("train/lr", row["lr"], epoch)
-            for k in AUX_COLUMNS:
+            for k in ("loss", "lr", *AUX_COLUMNS):
                 if k in row:
                     self.tb.add_scalar(f"train/{k}", row[k], epoch)
             for k, v in row.items():
@@ -154,13 +152,10 @@ def write_report(run_dir: Path, cfg, history: list[dict[str, Any]], best_epoch: 
     last = next((r for r in reversed(history) if "R@1" in r), {})
     last_epoch = last.get("epoch", 0)
     keys = _metric_keys(best_metrics, initial_metrics, last)
-    rows = []
-    if initial_metrics:
-        rows.append(("untrained (epoch 0)", initial_metrics))
-    if best_metrics:
-        rows.append((f"best (epoch {best_epoch})", best_metrics))
-    if last:
-        rows.append((f"last (epoch {last_epoch})", {k: last[k] for k in keys if k in last}))
+    last_metrics = {k: last[k] for k in keys if k in last}
+    rows = [(name, m) for name, m in (("untrained (epoch 0)", initial_metrics),
+                                      (f"best (epoch {best_epoch})", best_metrics),
+                                      (f"last (epoch {last_epoch})", last_metrics)) if m]
     das = "DAS" if cfg.das else "no DAS"
     title = f"{cfg.dataset}: {cfg.backbone} d={cfg.dim}, {cfg.loss}/{cfg.miner_name or '-'}, {das}"
     md = [f"# Run report: {title}", "", f"Best epoch by R@1: **{best_epoch}** of {cfg.epochs}.", "",
@@ -175,6 +170,6 @@ def write_report(run_dir: Path, cfg, history: list[dict[str, Any]], best_epoch: 
     paths["markdown"].write_text("\n".join(md))
     paths["json"].write_text(json.dumps({
         "best_epoch": best_epoch, "best": best_metrics, "initial": initial_metrics,
-        "last_epoch": last_epoch, "last": {k: last[k] for k in keys if k in last},
+        "last_epoch": last_epoch, "last": last_metrics,
         "skipped": skipped, "history": history, "config": cfg.to_dict()}, indent=2))
     return paths
