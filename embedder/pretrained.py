@@ -209,12 +209,9 @@ def _lock(path: Path) -> Iterator[None]:
     except ImportError:  # not POSIX: the atomic rename alone still keeps readers safe
         yield
         return
-    with open(path, "a+") as f:
+    with open(path, "a+") as f:      # closing the file releases the lock
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 
 
 def export_pretrained(name: str | Spec | None, out: str | os.PathLike) -> Path:
