@@ -22,17 +22,12 @@ class GradioSessions:
         app = self.app
         if app is None or (getattr(app, "auth", None) is None and getattr(app, "auth_dependency", None) is None):
             return app is not None                          # no --auth: everyone is "logged in"
-        raw = headers.get(b"cookie", b"").decode("latin-1")
-        if not raw:
-            return False
         try:
-            jar = SimpleCookie(raw)
+            jar = SimpleCookie(headers.get(b"cookie", b"").decode("latin-1"))
         except CookieError:
             return False
-        for name in (f"access-token-{app.cookie_id}", f"access-token-unsecure-{app.cookie_id}"):
-            if name in jar and jar[name].value in app.tokens:
-                return True
-        return False
+        return any(name in jar and jar[name].value in app.tokens
+                   for name in (f"access-token-{app.cookie_id}", f"access-token-unsecure-{app.cookie_id}"))
 
 
 class UnsafePage(Exception):
