@@ -62,9 +62,8 @@ def jpeg_scans(data: bytes) -> int:
 
 
 def jpeg_coefficient_bytes(im: Image.Image, data: bytes | None = None) -> int:
-    """What libjpeg holds for a progressive or multi-scan JPEG/MPO however small the output: the
-    whole image's DCT coefficients (4:4:4: 6 bytes a pixel, 4:2:0: 3); 0 for a baseline file.
-    Call before ``draft`` (it changes ``im.size``); ``data``: the bytes, to count the scans."""
+    """The DCT coefficients libjpeg holds for a progressive or multi-scan JPEG/MPO however small the
+    output (0 for a baseline file); call before ``draft`` (it changes ``im.size``)."""
     if im.format not in ("JPEG", "MPO"):
         return 0
     progressive = bool(im.info.get("progressive") or im.info.get("progression"))

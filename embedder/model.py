@@ -188,9 +188,8 @@ def build_backbone(name: str, pretrained: bool = False, in_chans: int = 3, *, we
 
 
 def gem(fmap: Tensor, p: float = 3.0, eps: float = 1e-6, dim: tuple[int, ...] = (2, 3)) -> Tensor:
-    """Generalised-mean pooling ``(mean x^p)^(1/p)`` per channel, (B, C, H, W) -> (B, C)
-    (``dim=(1,)``: (B, N, C) tokens). timm has no GeM; this exports to plain ONNX ops. The clamp
-    keeps the power defined at 0 (and drops negative ViT tokens); float32 under bf16 autocast."""
+    """Generalised-mean pooling ``(mean x^p)^(1/p)`` over ``dim`` (timm has none; plain ONNX ops). The
+    clamp keeps the power defined at 0 (and drops negative ViT tokens); float32 under bf16 autocast."""
     x = fmap.float().clamp(min=eps).pow(p)
     return x.mean(dim=dim).pow(1.0 / p).to(fmap.dtype)
 

@@ -74,9 +74,8 @@ class Preprocessing:
 
     @property
     def decode_side(self) -> int:
-        """The shorter side images are decoded at, at least (``load_image(min_side=...)``):
-        twice ``resize``, so the eval resize still shrinks >= 2x with an antialiased filter and
-        a reduced decode gives (almost) the full decode's pixels."""
+        """The least shorter side images are decoded at: twice ``resize``, so the antialiased eval
+        resize still shrinks >= 2x and a reduced decode gives (almost) the full decode's pixels."""
         return 2 * int(self.resize)
 
     def to_dict(self) -> dict:
@@ -177,9 +176,8 @@ class _ToMode:
 
 
 def timm_preprocessing(backbone: str) -> Preprocessing:
-    """The eval/train preprocessing of a ``timm:<model name>`` backbone, from timm's data config:
-    shorter side to ``floor(size / crop_pct)``, centre crop ``size`` ('squash'/'border' configs
-    get the same centre crop); non-square inputs take the height."""
+    """From timm's data config: shorter side to ``floor(size / crop_pct)``, centre crop ``size`` (also
+    for 'squash'/'border' configs); non-square inputs take the height."""
     from .timm_backbone import timm_data_config     # imports timm: only for timm backbones
 
     dc = timm_data_config(backbone)

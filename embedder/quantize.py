@@ -38,9 +38,8 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True)
 class QuantRecipe:
-    """How a model is quantised: calibration ``method`` (min/max, entropy or percentile),
-    ``per_channel`` weights, ``float_nodes`` (``stem`` = :func:`input_convs`, ``head`` =
-    :func:`head_nodes`, both, ``stem+adds``, or none), calibration ``images``, ``percentile``."""
+    """How a model is quantised; ``float_nodes``: ``stem`` (:func:`input_convs`), ``head``
+    (:func:`head_nodes`), both, ``stem+adds`` or none."""
 
     method: str = "minmax"
     per_channel: bool = True

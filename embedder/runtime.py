@@ -218,9 +218,8 @@ def chunked(items: Iterable[T], size: int, on_end: Callable[[int], None] | None 
 
 
 def decode_ahead(read: Callable[[T], R], chunks: Iterator[T], workers: int) -> Iterator[R]:
-    """``read(chunk)`` of each chunk in ``workers`` threads, yielded in input order: the one
-    decode pool. At most ``2 * workers + 1`` chunks in flight (memory O(batch)); on an early
-    exit queued chunks are cancelled and ``chunks`` is closed."""
+    """``read(chunk)`` in ``workers`` threads, in input order, at most ``2 * workers + 1`` chunks in
+    flight; on an early exit queued chunks are cancelled and ``chunks`` is closed."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="embed-decode")
     pending: deque[Future] = deque()
 

@@ -19,9 +19,8 @@ def _is_outside(s: str) -> bool:
 
 
 def _public_keys(keys: list[str]) -> dict[str, str]:
-    """Each key that is an outside path -> the fewest last components that keep the keys
-    distinct (``/srv/s0/part.faiss`` and ``/srv/s1/part.faiss`` -> ``s0/part.faiss``,
-    ``s1/part.faiss``): a manifest's ``sharded.files`` is keyed by path."""
+    """Each outside-path key -> the fewest last components that keep the keys distinct
+    (``/srv/s0/part.faiss`` -> ``s0/part.faiss``): a manifest's ``sharded.files`` is keyed by path."""
     out = {k: k for k in keys if not (isinstance(k, str) and _is_outside(k))}
     outside = [k for k in keys if k not in out]
     parts = {k: [p for p in k.replace("\\", "/").split("/") if p not in ("", "..", ".")] for k in outside}

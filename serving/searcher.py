@@ -131,9 +131,8 @@ class Searcher:
     def query(self, image: Query | ImageSource | int | None = None, *, id: int | str | None = None,
               path: str | None = None, index: IndexRef = None, label: str | None = None,
               name: str | None = None, box: Any = None) -> Query:
-        """The one way to a Query: an image (decoded now), else a gallery id or gallery-relative
-        path (looked up in the store, never read from disk) in ``index``. ``box``: that region
-        only, as a new image (its photo stays in the results)."""
+        """The one way to a Query: an image (decoded now), else a gallery id or path (looked up in
+        the store, never read from disk); ``box``: that region only (its photo stays in the results)."""
         if isinstance(image, Query):
             return image
         if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
