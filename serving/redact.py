@@ -51,12 +51,10 @@ class Redactor:
     """Rewrites messages that name files of the served index directories."""
 
     def __init__(self, directories: Mapping[str, Path]) -> None:
-        pairs = []
-        for name, d in directories.items():
-            for where, path in [(f"index {name!r}", d), *_shards(name, d)]:
-                for form in {str(Path(path)), str(Path(path).resolve()), os.path.abspath(path)}:
-                    if _is_abs(form):
-                        pairs.append((form, where))
+        pairs = [(form, where) for name, d in directories.items()
+                 for where, path in [(f"index {name!r}", d), *_shards(name, d)]
+                 for form in {str(Path(path)), str(Path(path).resolve()), os.path.abspath(path)}
+                 if _is_abs(form)]
         self._pairs = sorted(pairs, key=lambda p: -len(p[0]))     # longest first
 
     def text(self, msg: str) -> str:
