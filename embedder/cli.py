@@ -95,8 +95,6 @@ def seconds(text: str) -> float:
     return v
 
 
-seconds.__name__ = "seconds"
-
 OPTIONS: dict[str, dict[str, Any]] = {
     "--device": dict(choices=("auto", "cpu", "cuda"), default="auto",
                      help="where the embedder and faiss run (default auto: a GPU when one really works)"),
