@@ -146,15 +146,14 @@ def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, la
 
 
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
-                   fresh: bool, skips: SkipLog | None = None) -> Inputs:
+                   fresh: bool) -> Inputs:
     """Datasets and network of a run; `fresh` runs also get the PCA head init. Rows the trunk
     cache could not decode are left out (sampler rebuilt); else failures drop out per batch."""
     from .batching import ClassBalancedBatchSampler
     from .trunk_cache import CachedViews
 
-    skips = SkipLog() if skips is None else skips
     train, evaluate, rows_t, rows_v = carve_validation(train_full, test, cfg.validation_classes)
-    split, model, device = state.split, state.model, state.device
+    split, model, device, skips = state.split, state.model, state.device, state.skips
     if split is None:
         net, train_in, eval_in = model, train, evaluate
         pooled_fn = model.features

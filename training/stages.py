@@ -124,12 +124,6 @@ class _Staged(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.suffix(self.prefix(x))
 
-    def train(self, mode: bool = True) -> "_Staged":
-        self.training = mode
-        self.suffix.train(mode)
-        self.prefix.train(False)
-        return self
-
 
 @dataclass
 class StageSplit:

@@ -51,13 +51,11 @@ class TrainResult:
 
 @torch.no_grad()
 def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, device: torch.device,
-                   autocast_dtype: torch.dtype | None = None,
-                   skips: SkipLog | None = None) -> dict[str, float]:
+                   autocast_dtype: torch.dtype | None, skips: SkipLog) -> dict[str, float]:
     """R@k, NMI, F1, MAP@R on the test split, without touching the training RNG streams (how
     often one evaluates never changes the trajectory); unreadable images go to `skips`."""
     from embedder.metrics import evaluate
 
-    skips = SkipLog() if skips is None else skips
     was_training = model.training
     model.eval()
     out, labels = [], []
@@ -218,8 +216,7 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
         (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     resuming = cfg.resume and last_path.is_file()
-    inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming,
-                            skips=state.skips)
+    inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)
     batches = distributed.RankSlice(state.sampler, info) if info.enabled else state.sampler
     # Not persistent: fresh workers each epoch take their seeds from the global torch RNG, which
     # the checkpoint restores, so a resumed run augments exactly like an uninterrupted one.
