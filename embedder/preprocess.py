@@ -46,9 +46,8 @@ class Preprocessing:
     interpolation: str = "bilinear"   # PIL resize filter: bilinear | bicubic | nearest | lanczos
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
-        object.__setattr__(self, "std", tuple(float(s) for s in self.std))
-        object.__setattr__(self, "train_scale", tuple(float(s) for s in self.train_scale))
+        for key in ("mean", "std", "train_scale"):
+            object.__setattr__(self, key, tuple(float(x) for x in getattr(self, key)))
         if self.mode not in MODES:
             raise ValueError(f"Preprocessing.mode must be one of {MODES}, got {self.mode!r}")
         if int(self.input_size) <= 0 or int(self.resize) < int(self.input_size):
@@ -80,9 +79,8 @@ class Preprocessing:
 
     def to_dict(self) -> dict:
         """Plain types only (lists, not tuples) so ``torch.load(weights_only=True)`` and JSON agree."""
-        d = asdict(self)
-        d["mean"], d["std"], d["train_scale"] = list(self.mean), list(self.std), list(self.train_scale)
-        return d
+        return {**asdict(self), "mean": list(self.mean), "std": list(self.std),
+                "train_scale": list(self.train_scale)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
