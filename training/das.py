@@ -86,9 +86,8 @@ class DAS(nn.Module):
         self.scale_range, self.shift_scale = float(scale_range), float(shift_scale)
         self.scale_bounds = None if scale_bounds is None else tuple(float(b) for b in scale_bounds)
         self.normalize, self.detach, self.dfs, self.mts = normalize, detach, dfs, mts
-        self.seed, self.backend = seed, backend
-        # CUDA-graph replay of the fused call (training/das_fused.py); off by default
-        self.graph = bool(graph)
+        # graph: CUDA-graph replay of the fused call (training/das_fused.py); off by default
+        self.seed, self.backend, self.graph = seed, backend, bool(graph)
         #: the fused path (kernels, their self-check verdicts, the CUDA graphs): DAS's seam
         self.fused = FusedBackend()
         # FRM counts are kept in float32: exact up to 2**24 per cell and topk-friendly on CUDA.

@@ -39,6 +39,9 @@ CRASH_ENV = "DAS_SELFCHECK_CRASH"
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}
+#: DAS's keyword options the check rebuilds both modules with (`spec_of` records them)
+_OPTIONS = ("num_produce", "topk", "bank_size", "scale_range", "shift_scale", "normalize", "detach",
+            "dfs", "mts")
 #: the process's verdicts per variant (a check compiles kernels: once per process is enough)
 VERDICTS: dict[tuple, tuple[bool, str]] = {}
 
@@ -76,26 +79,24 @@ def describe(key: tuple) -> str:
 
 def spec_of(das, emb: Tensor, y: Tensor) -> dict[str, Any]:
     """The module's settings and the batch's layout, as JSON (for the child process)."""
-    return {"num_classes": das.num_classes, "dim": das.dim, "num_produce": das.num_produce,
-            "topk": das.topk, "bank_size": das.bank_size, "scale_range": das.scale_range,
-            "shift_scale": das.shift_scale, "scale_bounds": das.scale_bounds,
-            "normalize": das.normalize, "detach": das.detach, "dfs": das.dfs, "mts": das.mts,
-            "bank_dtype": str(das.bank.dtype), "training": das.training,
-            "device": str(emb.device), "batch": emb.shape[0], "emb_dtype": str(emb.dtype),
-            "emb_stride": list(emb.stride()), "label_dtype": str(y.dtype),
+    return {**{k: getattr(das, k) for k in ("num_classes", "dim", "scale_bounds", "training",
+                                            *_OPTIONS)},
+            "bank_dtype": str(das.bank.dtype), "device": str(emb.device), "batch": emb.shape[0],
+            "emb_dtype": str(emb.dtype), "emb_stride": list(emb.stride()), "label_dtype": str(y.dtype),
             "label_stride": list(y.stride()), "emb_align": emb.data_ptr() % 16,
             "label_align": y.data_ptr() % 16}
 
 
-def _layout(shape: tuple[int, ...], stride: list[int], dtype: torch.dtype, device: str,
-            align: int) -> Tensor:
-    """An empty tensor with these strides whose address is ``align`` bytes past a multiple
-    of 16, as the real input's (Triton assumes 16-byte alignment where it holds)."""
+def _layout(spec: dict[str, Any], name: str, value: Tensor) -> Tensor:
+    """``value`` in a tensor of input ``name``'s dtype and strides, its address as far past a
+    multiple of 16 as the real input's (Triton assumes 16-byte alignment where it holds)."""
+    shape, stride, dtype = value.shape, spec[f"{name}_stride"], DTYPES[spec[f"{name}_dtype"]]
+    align, device = spec.get(f"{name}_align", 0), spec["device"]
     item = torch.empty((), dtype=dtype).element_size()
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 1
     base = torch.empty(span + 16 // item + 1, dtype=dtype, device=device)
     off = ((align - base.data_ptr()) % 16) // item
-    return base.as_strided(shape, stride, off)
+    return base.as_strided(shape, stride, off).copy_(value)
 
 
 def check_batch(spec: dict[str, Any], g: torch.Generator, step: int) -> tuple[Tensor, Tensor]:
@@ -109,12 +110,7 @@ def check_batch(spec: dict[str, Any], g: torch.Generator, step: int) -> tuple[Te
     y[:min(5, B)] = (1 + step) % C
     if B >= 7:
         v[6], y[6] = v[5], y[5]
-    emb = _layout((B, d), spec["emb_stride"], DTYPES[spec["emb_dtype"]], spec["device"],
-                  spec.get("emb_align", 0))
-    lab = _layout((B,), spec["label_stride"], DTYPES[spec["label_dtype"]], spec["device"],
-                  spec.get("label_align", 0))
-    emb.copy_(v)
-    lab.copy_(y)
+    emb, lab = _layout(spec, "emb", v), _layout(spec, "label", y)
     return emb.requires_grad_(emb.dtype.is_floating_point), lab
 
 
@@ -122,8 +118,7 @@ def run_spec(spec: dict[str, Any], das_type: Callable[..., Any]) -> tuple[bool, 
     """Eager and fused ``das_type`` (DAS) modules at ``spec``, two steps from one random state:
     (agree, why not). The type is handed in so that this module never imports training/das.py."""
     dev = torch.device(spec["device"])
-    kw = {k: spec[k] for k in ("num_produce", "topk", "bank_size", "scale_range", "shift_scale",
-                               "normalize", "detach", "dfs", "mts")}
+    kw = {k: spec[k] for k in _OPTIONS}
     kw["scale_bounds"] = None if spec["scale_bounds"] is None else tuple(spec["scale_bounds"])
     kw["bank_dtype"] = DTYPES[spec["bank_dtype"]]
     C, d, Z, B = spec["num_classes"], spec["dim"], spec["bank_size"], spec["batch"]

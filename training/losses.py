@@ -117,9 +117,8 @@ class Criterion(nn.Module):
         # Losses run in float32: exp(40 * s) in MS or 1/T = 20 in softmax overflow bf16/fp16.
         with torch.autocast(embeddings.device.type, enabled=False):
             x = embeddings.float()
-            mined: Triplets | None = None
-            if self.miner is not None:
-                mined = self.miner(x.detach(), labels, origin)
+            mined: Triplets | None = (None if self.miner is None
+                                      else self.miner(x.detach(), labels, origin))
             if self.flavour == "pml" and mined is not None:
                 # PML's losses take index lists (and sync internally anyway)
                 return self.loss(x, labels, mined.compact())
