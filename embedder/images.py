@@ -128,8 +128,7 @@ def load_image(
                 size = len(data) if isinstance(fp, io.BytesIO) else fp.stat().st_size
                 return _bounded(im, mode, min_side, label, size, extra=coeffs, full_size=full)
             im.load()  # full decode here, so truncated files fail inside this function
-            oriented = ImageOps.exif_transpose(im)
-            return _reduced(to_mode(oriented if oriented is not None else im, mode), min_side)
+            return _reduced(to_mode(ImageOps.exif_transpose(im) or im, mode), min_side)
     except ImageLoadError:
         raise
     except FormatRefused as e:
