@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -162,19 +163,24 @@ def test_nothing_of_the_index_before_login(server, pretrained_index, small_index
     secrets = _index_secrets([pretrained_index, small_index])
     routes = _gradio_routes([pretrained_index, small_index])
     assert ("GET", "/") in routes and len(routes) > 30, routes
-    bodies = {}
-    for method, path in routes:
+
+    def fetch(route: tuple[str, str]) -> str | None:
         try:
-            with httpx.stream(method, f"{url}{path}", timeout=5) as r:
+            with httpx.stream(route[0], f"{url}{route[1]}", timeout=5) as r:
                 body = b""
                 for part in r.iter_bytes():            # event streams: what comes in 5 s
                     body += part
                     if len(body) > 2 * MB:
                         break
         except httpx.ReadTimeout:
-            continue                                   # a stream that sends nothing
-        bodies[path] = body.decode("utf-8", "replace")
-        leaked = sorted(s for s in secrets if s in bodies[path])
+            return None                                # a stream that sends nothing
+        return body.decode("utf-8", "replace")
+
+    with ThreadPoolExecutor(8) as pool:                # the silent streams' 5 s waits at once
+        answers = dict(zip(routes, pool.map(fetch, routes)))
+    bodies = {path: body for (_, path), body in answers.items() if body is not None}
+    for (method, path), body in answers.items():
+        leaked = sorted(s for s in secrets if body is not None and s in body)
         assert not leaked, f"{method} {path} without a login shows {leaked[:5]}"
     assert "gradio_api_info = {" not in bodies["/"]
     # the control: after login the page is whole (so the check above could have failed)
@@ -263,10 +269,12 @@ def test_startup_empties_only_the_apps_own_temp_folder(fresh):
 
 def test_slow_clients_without_a_login_are_dropped(fresh):
     url, _, _ = fresh
-    for head in (b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ",                       # never-ending header
-                 b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
-                 b"Content-Length: 1000\r\n\r\nusername="):                       # never-ending body
-        closed, answer, _ = trickle(url, head, 45)
+    heads = (b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ",                           # never-ending header
+             b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+             b"Content-Length: 1000\r\n\r\nusername=")                           # never-ending body
+    with ThreadPoolExecutor(len(heads)) as pool:                                  # both at once
+        answers = list(pool.map(lambda head: trickle(url, head, 45), heads))
+    for head, (closed, answer, _) in zip(heads, answers):
         assert closed, f"{head[:20]!r}...: a client sending a byte a second was still connected after 45 s"
         assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
