@@ -155,8 +155,7 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
     train, evaluate, rows_t, rows_v = carve_validation(train_full, test, cfg.validation_classes)
     split, model, device, skips = state.split, state.model, state.device, state.skips
     if split is None:
-        net, train_in, eval_in = model, train, evaluate
-        pooled_fn = model.features
+        net, train_in, eval_in, pooled_fn = model, train, evaluate, model.features
     elif not cfg.trunk_cache:
         net, train_in, eval_in = split.network, train, evaluate
         pooled_fn = lambda x: split.suffix.pooled(split.prefix(x))  # noqa: E731
@@ -169,14 +168,11 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
             state.sampler = ClassBalancedBatchSampler(yt, batch_size=cfg.batch_size,
                                                       per_class=cfg.per_class, seed=cfg.seed,
                                                       drop_last=True)
-        if rows_v is not None:
-            rv, yv = _readable_rows(skips, train_full, rows_v, evaluate.labels, "validation")
-            eval_in = CachedViews(acts, yv, train=False, rows=rv)
-        else:
-            rv, yv = _readable_rows(skips, test, None, test.labels, "test")
-            eval_in = CachedViews(test_acts, yv, train=False, rows=rv)
-        net = split.suffix
-        pooled_fn = split.suffix.pooled
+        held = rows_v is not None    # validation classes: rows of the training cache
+        rv, yv = _readable_rows(skips, train_full if held else test, rows_v, evaluate.labels,
+                                "validation" if held else "test")
+        eval_in = CachedViews(acts if held else test_acts, yv, train=False, rows=rv)
+        net, pooled_fn = split.suffix, split.suffix.pooled
     if fresh and cfg.head_init == "pca":
         if cfg.trunk_cache:
             centre = CachedViews(train_in.acts, train_in.labels, train=False, rows=train_in.rows)

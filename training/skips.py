@@ -18,10 +18,7 @@ from embedder.images import ImageLoadError
 
 from .data import DatasetLayoutError, Split
 
-__all__ = ["SKIPPED_FILE", "Readable", "SkipLog", "UnreadableDataError", "filter_collate",
-           "drain"]
-
-SKIPPED_FILE = "skipped.jsonl"
+__all__ = ["Readable", "SkipLog", "UnreadableDataError", "filter_collate", "drain"]
 
 
 class UnreadableDataError(DatasetLayoutError):
@@ -66,7 +63,7 @@ class SkipLog:
     def write(self, run_dir: str | Path) -> Path:
         """``skipped.jsonl`` (always written, empty when nothing was skipped, so a rerun in the
         same directory never leaves an earlier run's list behind)."""
-        path = Path(run_dir) / SKIPPED_FILE
+        path = Path(run_dir) / "skipped.jsonl"
         with atomic_target(path) as tmp, open(tmp, "w") as f:
             for p, r in self.reasons.items():
                 f.write(json.dumps({"path": p, "reason": r}) + "\n")
