@@ -118,9 +118,7 @@ class DAS(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         """Generator state, so a checkpoint resumes the exact random stream."""
         gen = self.generator()
-        if gen is None:
-            return {}
-        return {"device_type": gen.device.type, "rng_state": gen.get_state()}
+        return {} if gen is None else {"device_type": gen.device.type, "rng_state": gen.get_state()}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if not state:

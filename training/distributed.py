@@ -120,8 +120,7 @@ def seed_everything(seed: int) -> None:
 def rng_state(device: torch.device) -> dict[str, Any]:
     """Every global RNG's state as checkpoint-safe values (tensors and plain lists, which
     ``torch.load(weights_only=True)`` reads)."""
-    np_state = np.random.get_state()
-    py_state = random.getstate()
+    np_state, py_state = np.random.get_state(), random.getstate()
     state = {
         "torch": torch.get_rng_state(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),

@@ -298,8 +298,7 @@ def _finish(cfg: TrainConfig, state: RunState, run_dir: Path, train_ds: ImageDat
             result.onnx_path = export_onnx(best_model, run_dir / "model.onnx",
                                            source_hash=file_sha256(best_path),
                                            parity_images=images)
-        das = state.das
-        frm = das.frm.detach().cpu().numpy() if das is not None and hasattr(das, "frm") else None
+        frm = state.das.frm.detach().cpu().numpy() if hasattr(state.das, "frm") else None
         skips = state.skips
         skips.note_dead_classes(train_ds.split, "train")
         skips.note_dead_classes(test_ds.split, "validation" if cfg.validation_classes else "test")
