@@ -106,8 +106,7 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
             for c in chosen:
                 q = image_queues[c]
                 if len(q) < self.per_class:
-                    rest = [i for i in rng.permutation(self._groups[c]).tolist() if i not in q]
-                    q.extend(rest)
+                    q.extend([i for i in rng.permutation(self._groups[c]).tolist() if i not in q])
                 batch.extend(q[:self.per_class])
                 del q[:self.per_class]
             out.append(batch)
