@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +64,17 @@ def searcher(pretrained_index, small_index):
 
     return Searcher.open([pretrained_index, small_index], names=["pretrained", "small"])
 
+
+
+@pytest.fixture
+def gradio_client(tmp_path, monkeypatch):
+    """``make(url, **kw)``: a gradio_client ``Client`` of the app at ``url`` whose downloads stay
+    in ``tmp_path``: gradio_client 2.7 stages every download in a new folder of
+    ``tempfile.gettempdir()`` and never removes it (33 empty folders in /tmp a suite run)."""
+    from gradio_client import Client
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return lambda url, **kw: Client(url + "/", verbose=False, download_files=tmp_path / "downloads", **kw)
 
 
 @contextmanager

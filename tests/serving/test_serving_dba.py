@@ -69,14 +69,12 @@ def test_api_switch(dba_server, dba_index):
         assert r.status_code == 200 and r.json()["dba"] is False, r.text
 
 
-def test_ui_checkbox(dba_server, dba_index):
-    from gradio_client import Client
-
+def test_ui_checkbox(dba_server, dba_index, gradio_client):
     from indexer import Index
 
     idx = Index.open(dba_index)
     gid = idx.ids_for_label(idx.labels()[0])[0]
-    client = Client(dba_server + "/", verbose=False)
+    client = gradio_client(dba_server)
     for checked in (True, False):
         status, dba_gal, small_gal = client.predict(None, str(gid), None, 4, checked, api_name="/search_dba")
         assert "⚠" not in status, status

@@ -52,7 +52,7 @@ def test_search_endpoint_returns_results_and_thumbnails(server, demo_dirs):
         assert [i["name"] for i in info] == ["pretrained", "small"] and info[0]["size"] == 40
 
 
-def test_auth_is_required_everywhere(server, demo_dirs):
+def test_auth_is_required_everywhere(server, demo_dirs, gradio_client):
     url, auth = server
     path, _ = _query(demo_dirs)
     assert httpx.get(f"{url}/api/health").status_code == 401
@@ -62,10 +62,8 @@ def test_auth_is_required_everywhere(server, demo_dirs):
     assert httpx.get(f"{url}/api/thumb/pretrained/1").status_code == 401
     # the Gradio app shows its login page, and gradio_client needs the password too
     assert '"auth_required":true' in httpx.get(f"{url}/").text.replace(" ", "")
-    from gradio_client import Client
-
     with pytest.raises(Exception):
-        Client(url + "/", verbose=False).predict(None, None, None, 3, api_name="/search")
+        gradio_client(url).predict(None, None, None, 3, api_name="/search")
 
 
 def test_bad_input_gets_4xx_json_never_a_trace(server, demo_dirs, tmp_path):
@@ -103,13 +101,13 @@ def test_bad_input_gets_4xx_json_never_a_trace(server, demo_dirs, tmp_path):
         assert r.status_code == 404
 
 
-def test_gradio_client_search_and_probes(server, demo_dirs, searcher, tmp_path):
-    from gradio_client import Client, handle_file
+def test_gradio_client_search_and_probes(server, demo_dirs, searcher, tmp_path, gradio_client):
+    from gradio_client import handle_file
     from gradio_client.exceptions import AppError
 
     url, auth = server
     path, label = _query(demo_dirs)
-    client = Client(url + "/", auth=auth, verbose=False)
+    client = gradio_client(url, auth=auth)
     status, pre, small = client.predict(handle_file(str(path)), None, label, 3, api_name="/search")
     assert label in status
     assert len(pre) == 3 and len(small) == 3
