@@ -6,10 +6,15 @@ same ``main`` that ``__main__`` calls. Each CLI keeps at least one test through 
 from __future__ import annotations
 
 import io
+import os
 import subprocess
+import sys
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_main(main: Callable[[list[str]], int | None], prog: str, argv: Sequence[object]) -> subprocess.CompletedProcess:
@@ -24,3 +29,12 @@ def run_main(main: Callable[[list[str]], int | None], prog: str, argv: Sequence[
             traceback.print_exc()
             code = 1
     return subprocess.CompletedProcess([prog, *argv], code, out.getvalue(), err.getvalue())
+
+
+def run_module(package: str, argv: Sequence[object], *, timeout: float = 300,
+               env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m PACKAGE ARGV`` as a real subprocess (the entry point itself, or where the
+    process is the point), from the repository, 2 threads, ``env`` on top of this environment."""
+    full = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", **(env or {})}
+    return subprocess.run([sys.executable, "-m", package, *map(str, argv)], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=timeout)

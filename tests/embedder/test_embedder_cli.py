@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,20 +10,13 @@ import torch
 from embedder import Embedder, EmbedderConfig, OnnxEmbedder, save_checkpoint
 from embedder.checkpoint import file_sha256
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def _run(*args: str, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m embedder ARGS``: its ``main`` in this process (tests/inprocess.py), or a real
     subprocess when ``fresh`` (the entry point itself)."""
-    if not fresh:
-        from inprocess import run_main
+    from inprocess import run_main, run_module
 
-        from embedder.__main__ import main
-        return run_main(main, "embedder", args)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
-    return subprocess.run([sys.executable, "-m", "embedder", *args], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=300)
+    from embedder.__main__ import main
+    return run_module("embedder", args) if fresh else run_main(main, "embedder", args)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["export", "--help"], ["pretrained", "--help"],

@@ -26,24 +26,15 @@ def run_cli(*args: object, check: bool = True, timeout: float = 300,
     to a process of their own). In-process saves ~0.7 CPU-s of imports a call (138 call sites);
     the code run is the same ``main`` that ``python -m indexer`` calls, and
     tests/indexer/test_indexer_surface.py keeps the real entry point (exit codes, --help) checked."""
-    argv = [str(a) for a in args]
-    if fresh or env or any(a == "--ray" or a.startswith("--ray=") for a in argv):
-        return _run_subprocess(argv, check, timeout, env)
-    from inprocess import run_main
+    from inprocess import run_main, run_module
 
     from indexer.__main__ import main
 
-    p = run_main(main, "indexer", argv)
-    if check and p.returncode != 0:
-        raise AssertionError(f"indexer {argv} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
-    return p
-
-
-def _run_subprocess(argv: list[str], check: bool, timeout: float,
-                    env: dict[str, str] | None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "indexer", *argv], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    argv = [str(a) for a in args]
+    if fresh or env or any(a == "--ray" or a.startswith("--ray=") for a in argv):
+        p = run_module("indexer", argv, timeout=timeout, env=env)
+    else:
+        p = run_main(main, "indexer", argv)
     if check and p.returncode != 0:
         raise AssertionError(f"indexer {argv} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
     return p
