@@ -150,8 +150,7 @@ def sop_splits(root: str | Path) -> tuple[Split, Split]:
         if rows and not rows[0][0].isdigit():  # header: image_id class_id super_class_id path
             rows = rows[1:]
         pairs = [(root / r[3], r[1]) for r in rows]
-        order = sorted({c for _, c in pairs}, key=int)
-        out.append(Split.from_pairs(pairs, order))
+        out.append(Split.from_pairs(pairs, sorted({c for _, c in pairs}, key=int)))
     return out[0], out[1]
 
 
@@ -219,8 +218,7 @@ def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_cl
         "folder": lambda: folder_splits(root, test_classes)}
     if dataset not in parsers:
         raise ValueError(f"dataset={dataset!r}: expected cub, cars, sop, omniglot or folder")
-    train, test = parsers[dataset]()
-    train, test = train.first_classes(max_classes), test.first_classes(max_classes)
+    train, test = (split.first_classes(max_classes) for split in parsers[dataset]())
     for name, split in (("train", train), ("test", test)):
         if len(split) == 0:
             raise DatasetLayoutError(f"{dataset} root {root}: the {name} split has no images")
