@@ -164,9 +164,8 @@ class SoftHardMiner(_TripletMiner):
         inf = torch.full_like(dist, math.inf)
         min_neg = torch.where(neg, dist, inf).min(dim=1, keepdim=True).values
         max_pos = torch.where(pos, dist, -inf).max(dim=1, keepdim=True).values
-        p = draw_uniform(_prefer(pos & (dist > min_neg), pos), self.generator)
-        n = draw_uniform(_prefer(neg & (dist < max_pos), neg), self.generator)
-        return p, n
+        return (draw_uniform(_prefer(pos & (dist > min_neg), pos), self.generator),   # p, then n
+                draw_uniform(_prefer(neg & (dist < max_pos), neg), self.generator))
 
 
 def distance_weighted_log_weights(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
