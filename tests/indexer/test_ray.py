@@ -1,5 +1,6 @@
 """`indexer build --ray` on a real local Ray instance: 2 shard tasks + merge == one process, and a
-shard task whose worker is SIGKILLed mid-way is retried, resumes, and loses or doubles nothing.
+shard task whose worker is SIGKILLed mid-way is retried, resumes, and loses or doubles nothing;
+`indexer audit --ray` of the sharded build equals its audit in this process.
 
 Ray listens beyond loopback, so this module runs only inside a private network namespace. The
 main `python -m pytest` run does not collect it; `test_ray_netns.py` runs it there instead
@@ -237,3 +238,25 @@ def test_a_killed_reader_is_restarted_and_its_stream_goes_on(ray_sharded: tuple[
         reader.close()
     with pytest.raises(IndexerError, match=r"^reading shard 1 for the plan \(where\) failed: .*no gallery store here"):
         open_readers(ray, [d, out / "no-such-shard"], model_hash, dim, max_retries=0)
+
+
+def test_audit_over_ray_equals_the_audit_in_this_process(ray_sharded: tuple[Path, str], ray_address: str,
+                                                         tmp_path: Path) -> None:
+    """`indexer audit --ray`: the kNN graph searched through the shards' Ray actors gives the
+    audit that this process gives of the same sharded index (same parts, same probes); every
+    image scored once. (The pixel check reads the stores, not the graph: off, it adds ~35 s.)"""
+    out, _ = ray_sharded
+    got = {}
+    for name, extra in (("local", []), ("ray", ["--ray", ray_address])):
+        run_cli("audit", "--index", out, "--out", tmp_path / name, "--quiet", "--no-sheets", "--no-verify", *extra)
+        got[name] = {kind: [json.loads(x) for x in (tmp_path / name / f"{kind}.jsonl").read_text().splitlines()]
+                     for kind in ("outliers", "mislabelled", "duplicates")}
+    n = len(Index.open(out))
+    assert len(got["local"]["outliers"]) == len(got["ray"]["outliers"]) == n
+    # scores per image, not ranks: a tie at a probe's k-th neighbour may go either way
+    score = {k: {r["path"]: r["score"] for r in v["outliers"]} for k, v in got.items()}
+    diff = np.array([abs(score["ray"][p] - score["local"][p]) for p in score["local"]])
+    assert (diff <= 1e-4).mean() >= 0.95 and diff.max() <= 0.05, np.sort(diff)[-10:]
+    flagged = {k: {r["path"] for r in v["mislabelled"]} for k, v in got.items()}
+    assert len(flagged["ray"] ^ flagged["local"]) <= max(2, len(flagged["local"]) // 10), flagged
+    assert len(got["ray"]["duplicates"]) == len(got["local"]["duplicates"])
