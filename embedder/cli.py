@@ -84,6 +84,22 @@ SERVE_MEMORY_HELP = ("hold at most SIZE (e.g. 2G) of each index in RAM: a larger
                      "fits), and each query's top 10 x k candidates are re-ranked with the exact "
                      "vectors read from its store (default: the whole index in RAM)")
 
+def bounded(kind: Callable[[str], float], name: str, lo: float, hi: float | None = None) -> Callable[[str], Any]:
+    """argparse ``type=``: a ``kind`` in [lo, hi] (else a usage error naming the option and
+    ``name``, exit 2: "invalid positive integer value: '0'")."""
+    def parse(text: str) -> Any:
+        v = kind(text)
+        if not (lo <= v and (hi is None or v <= hi)):      # NaN too
+            raise ValueError(text)
+        return v
+
+    parse.__name__ = name
+    return parse
+
+
+positive = bounded(int, "positive integer", 1)
+
+
 def seconds(text: str) -> float:
     """A positive number of seconds (``--shard-timeout``)."""
     try:

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Callable
 
-from embedder.cli import add_options
+from embedder.cli import add_options, bounded, positive
 
 from .duplicates import DEFAULT_THRESHOLD, MIN_INLIERS
 from .run import DEFAULT_K, DEFAULT_TOP, DEFAULT_VERIFY_MAX, KINDS, print_summary, run_audit, write_audit
@@ -19,20 +18,6 @@ DESCRIPTION = ("Audit a gallery from its index: near-duplicate groups, likely mi
                "gets near-duplicates and outliers only.")
 
 
-def bounded(kind: Callable[[str], float], name: str, lo: float, hi: float | None = None) -> Callable[[str], Any]:
-    """argparse ``type=``: a ``kind`` in [lo, hi] (else a usage error naming the option and
-    ``name``, exit 2: "invalid positive integer value: '0'")."""
-    def parse(text: str) -> Any:
-        v = kind(text)
-        if not (lo <= v and (hi is None or v <= hi)):      # NaN too
-            raise ValueError(text)
-        return v
-
-    parse.__name__ = name
-    return parse
-
-
-_positive = bounded(int, "positive integer", 1)
 _count = bounded(int, "count (0 or more)", 0)
 _cosine = bounded(float, "cosine (-1..1)", -1.0, 1.0)
 
@@ -49,7 +34,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--index", type=Path, required=True, metavar="DIR", help="index directory to audit")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="where to write the audit (default: DIR/audit beside the index's files)")
-    p.add_argument("-k", type=_positive, default=DEFAULT_K,
+    p.add_argument("-k", type=positive, default=DEFAULT_K,
                    help=f"neighbours per image in the kNN graph (default {DEFAULT_K})")
     p.add_argument("--threshold", type=_cosine, default=DEFAULT_THRESHOLD,
                    help=f"pair score (cosine + its lead over both neighbourhoods) from which two images "
@@ -62,7 +47,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--verify-max", type=_count, default=DEFAULT_VERIFY_MAX, metavar="PAIRS",
                    help=f"check at most this many candidate pairs by pixels, best scored first (default "
                         f"{DEFAULT_VERIFY_MAX}: about 30-45 ms CPU a pair; 0: none)")
-    p.add_argument("--top", type=_positive, default=DEFAULT_TOP,
+    p.add_argument("--top", type=positive, default=DEFAULT_TOP,
                    help=f"rows written per ranked list (default {DEFAULT_TOP})")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                    help="what to compute (default all; mislabelled and confused need labels: "
@@ -92,4 +77,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "bounded", "configure", "run"]
+__all__ = ["add_parser", "configure", "run"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from embedder.cli import positive
+
 from ..audit.cli import add_parser as add_audit_parser
-from ..audit.cli import bounded
 from ..cli import read, write
 
 DEFAULT_DIR = "indexes/default"
@@ -155,9 +156,6 @@ def parser() -> argparse.ArgumentParser:
     opts(m, "--device", "--quiet", "--wait").set_defaults(func=write.merge)
     add_audit_parser(sub)
     return p
-
-
-positive = bounded(int, "positive integer", 1)
 
 
 def dba_opts(sp: argparse.ArgumentParser, auto: bool = False) -> None:
