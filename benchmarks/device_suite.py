@@ -9,21 +9,23 @@ carry [".device-carry"] and the command
 ``source .device-carry/env.sh && python -m benchmarks.device_suite --out $OUT/suite``.
 
 Steps, each a row of one summary (OUT/summary.md, also printed):
-1. photos, in parallel on the one GPU (a Lite1 run leaves an H100 mostly idle):
-   a. the GPU photo recipe (configs/photos_finetune_gpu.toml: the shipped training-free
-      embedder, every stage fine-tuned, multi-similarity) on cub-dev, seed 0, with the
-      training-free start evaluated beside it (epoch 0) and the ONNX export parity-checked;
-   b. ``benchmarks.training.finetune_table2`` with that recipe: triplet [semihard], margin [distance],
-      multi-similarity x seeds 0 1, with and without DAS, ``--jobs`` runs at once;
-2. ``benchmarks.gpu_check`` (CUDA tests, DAS kernels and their goals, training CLI, bf16),
-   after the photos so that its timings run on a quiet GPU.
+1. probe: one recipe run of 2 epochs alone on the GPU with ``device_batches = true`` (images
+   decoded once into GPU memory, augmented there), then one with DataLoader workers (as the
+   grid ran until 2026-11): epoch seconds of each, solo;
+2. sweep, on validation species only (``finetune_table2 --validation``: the first half of the
+   training species trains, the rest evaluates every epoch): backbone lr x trainable depth,
+   with and without DAS, all at once; the setting and epoch count with the best mean R@1;
+3. grid, on the test species: the chosen setting, ``PAIRS`` x seeds 0-2, with and without
+   DAS (paired), ``--jobs`` runs at once; each run's training-free start evaluated too;
+4. ``benchmarks.gpu_check`` (CUDA tests, DAS kernels and their goals, training CLI with its
+   ONNX export, bf16), last, so that its timings run on a quiet GPU.
 Each step gets a share of ``--budget-s``; a step past its share is stopped (its own processes,
-by process group) and FAILs, and what it finished is still reported (the grid writes each run
+by process group) and FAILs, and what it finished is still reported (the grids write each run
 as it ends). Exit 0 when every step passed.
 
 ``--dry-run`` runs the same steps on the CPU with tiny settings (3 + 3 species at 64 px, one
-epoch of 4 steps, one seed, one pair, the recipe not exported; gpu_check --quick without its CUDA tests): what CI can check of
-this script and of gpu_check's plumbing.
+epoch of 4 steps, one seed, one pair, one sweep cell; gpu_check --quick without its CUDA
+tests): what CI can check of this script and of gpu_check's plumbing.
 """
 from __future__ import annotations
 
@@ -42,17 +44,20 @@ from embedder.cli import UsageError, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "configs/photos_finetune_gpu.toml"
-PAIRS = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
-SEEDS = [0, 1]
-#: seconds of the budget each step may take at most, in order (the rest goes to the last)
-SHARES = {"photos": 0.55}
-#: CPU-only tiny settings of --dry-run, for both photo runs (4 steps of one epoch: the code
+#: the recipe's own loss first: with --jobs below the grid's size its runs start first
+PAIRS = ["multisimilarity:none", "triplet:semihard", "margin:distance"]
+SEEDS = [0, 1, 2]
+#: the sweep's cells (each with and without DAS); the recipe's values come first
+SWEEP = [(1e-5, "all"), (3e-6, "all"), (3e-5, "all"), (1e-4, "all"), (3e-5, "last:3"),
+         (1e-4, "last:3")]
+#: the share of the budget each step may take at most, in order (gpu_check: what is left)
+SHARES = {"probe": 0.16, "sweep": 0.27, "grid": 0.30, "gpu_check": 0.27}
+#: CPU-only tiny settings of --dry-run, for every training run (4 steps of one epoch: the code
 #: paths are those of a full epoch; a full pass over 3 species cost ~30 s per run)
 DRY_SET = ["max_classes=3", "epochs=1", "steps_per_epoch=4", "eval_every=1", "lr_milestones=[2]",
            "warmup_epochs=0", "input_size=64", "resize=72", "batch_size=6", "per_class=2",
            "workers=0", "device=cpu", "amp=off", "channels_last=false", "threads=1",
-           # the Lite1 export (dynamo) was 30 of the recipe's 41 CPU seconds; the export path
-           # stays checked by gpu_check's training row (a small network, parity-checked)
+           # the export path stays checked by gpu_check's training row (parity-checked)
            "export_onnx=false"]
 
 
@@ -63,12 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logs, run folders, the grid's table and summary.md")
     p.add_argument("--root", type=Path, default=REPO.parent / "shared" / "data" / "cub-dev" / "images",
                    help="class-folder photos for the recipe and the grid")
-    p.add_argument("--budget-s", type=float, default=540.0,
+    p.add_argument("--budget-s", type=float, default=560.0,
                    help="wall-clock seconds for the whole suite (a lent GPU has 15 minutes, "
                         "its start included)")
-    p.add_argument("--jobs", type=int, default=6, help="grid runs at once on the GPU")
+    p.add_argument("--jobs", type=int, default=9, help="grid runs at once on the GPU")
     p.add_argument("--workers", type=int, default=2,
-                   help="DataLoader workers of each photo run (jobs x (workers + 1) ~ CPUs)")
+                   help="DataLoader workers of the probe's loader run (the grids decode once "
+                        "into GPU memory)")
+    p.add_argument("--steps", default="probe,sweep,grid,gpu_check",
+                   help="which steps, comma-separated (a rerun inside one loan leaves out "
+                        "what already passed); their shares of the budget are renormalised")
     p.add_argument("--dry-run", action="store_true",
                    help="the same steps on the CPU with tiny settings (for CI)")
     return p
@@ -119,63 +128,141 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def photo_commands(args) -> dict[str, list[str]]:
-    """The recipe run and the grid, as the commands a user would type."""
-    py, out = sys.executable, args.out
-    recipe = [py, "-m", "training", "--config", RECIPE, "--root", str(args.root),
-              "--out", str(out / "recipe"), "--seed", "0", "--eval_initial", "true",
-              "--set", f"workers={args.workers}"]
-    grid = [py, "-m", "benchmarks.training.finetune_table2", "--config", RECIPE, "--root", str(args.root),
-            "--methods", *(PAIRS[-1:] if args.dry_run else PAIRS),
-            "--seeds", *map(str, SEEDS[:1] if args.dry_run else SEEDS),
-            "--jobs", str(min(args.jobs, 2) if args.dry_run else args.jobs), "--no-baselines",
-            "--out", str(out / "grid"), "--set", f"workers={args.workers}"]
-    if args.dry_run:
-        for cmd in (recipe, grid):
-            for kv in DRY_SET:
-                cmd += ["--set", kv]
-    else:
-        grid += ["--set", "threads=2"]
-    return {"recipe": recipe, "grid": grid}
+def _sets(values: list[str]) -> list[str]:
+    return [a for kv in values for a in ("--set", kv)]
 
 
-def recipe_row(out: Path, rc: int, secs: float, export: bool = True) -> Row:
-    """``export``: whether the run was asked for its ONNX file (not in --dry-run)."""
-    metrics, onnx = out / "recipe" / "metrics.json", out / "recipe" / "model.onnx"
-    if not metrics.is_file():
-        return Row("photo recipe (cub-dev, seed 0)", False,
-                   f"exit {rc}, no metrics.json (see {out / 'recipe.log'})")
-    m = json.loads(metrics.read_text())
-    first, last = m.get("initial") or {}, m.get("last") or m.get("best") or {}
-    note = (f"training-free start R@1 {100 * first.get('R@1', float('nan')):.2f} MAP@R "
-            f"{100 * first.get('MAP@R', float('nan')):.2f} -> fine-tuned R@1 "
-            f"{100 * last.get('R@1', float('nan')):.2f} MAP@R "
-            f"{100 * last.get('MAP@R', float('nan')):.2f}; ONNX "
-            f"{'exported + parity-checked' if onnx.is_file() else 'MISSING' if export else 'not asked for'}"
-            f" ({secs:.0f} s)")
-    ok = rc == 0 and (onnx.is_file() or not export) and "R@1" in last and "R@1" in first
-    return Row("photo recipe (cub-dev, seed 0)", ok, note)
+def _training(args, *extra: str) -> list[str]:
+    """A `python -m training` run of the recipe (tiny on --dry-run)."""
+    return [sys.executable, "-m", "training", "--config", RECIPE, "--root", str(args.root),
+            "--seed", "0", *extra, *(_sets(DRY_SET) if args.dry_run else [])]
+
+
+def _table2(args, out: Path, methods: list[str], seeds: list[int], jobs: int,
+            *sets: str) -> list[str]:
+    """A `finetune_table2` grid of the recipe, images decoded once into device memory."""
+    return [sys.executable, "-m", "benchmarks.training.finetune_table2", "--config", RECIPE,
+            "--root", str(args.root), "--methods", *methods, "--seeds", *map(str, seeds),
+            "--jobs", str(jobs), "--no-baselines", "--out", str(out),
+            *_sets(DRY_SET if args.dry_run else ["threads=2"]),
+            *_sets(["device_batches=true", *sets])]
+
+
+def step_probe(args, deadline: float) -> list[Row]:
+    """Epoch seconds of the recipe alone on the GPU: images decoded once into device memory,
+    then DataLoader workers decoding every epoch (each run alone, one after the other)."""
+    out, rows = args.out / "probe", []
+    kinds = [("device", ["device_batches=true"]),
+             ("loader", ["device_batches=false", f"workers={args.workers}"])]
+    for name, sets in kinds[:1] if args.dry_run else kinds:
+        cmd = _training(args, "--out", str(out / name), *_sets(
+            ["epochs=2", "eval_every=2", "export_onnx=false", "progress=false", *sets]))
+        t0 = time.monotonic()
+        rc = _wait_all({name: _start(cmd, args.out / f"probe-{name}.log")}, deadline)[name]
+        metrics = out / name / "metrics.json"
+        hist = json.loads(metrics.read_text()).get("history", []) if metrics.is_file() else []
+        secs = [f"{r['seconds']:.1f}" for r in hist if r.get("epoch")]
+        rows.append(Row(f"probe: 2 epochs alone, {name}", rc == 0 and bool(secs),
+                        f"epoch seconds {' / '.join(secs) or '-'} (exit {rc}, "
+                        f"{time.monotonic() - t0:.0f} s with start-up)"))
+    return rows
+
+
+def sweep_cells(args) -> list[tuple[float, str]]:
+    return SWEEP[:1] if args.dry_run else SWEEP
+
+
+def _cell_dir(out: Path, lr: float, depth: str) -> Path:
+    return out / "sweep" / f"lr{lr:g}-{depth.replace(':', '')}"
+
+
+def choose(out: Path, cells: list[tuple[float, str]]) -> tuple[dict | None, list[str]]:
+    """The sweep's choice: the (backbone lr, trainable, epochs) whose validation R@1, averaged
+    over the runs with and without DAS, is highest (ties: fewer epochs, then the earlier cell);
+    and the table of every cell's curve."""
+    best, lines = None, ["| backbone lr | trainable | DAS | R@1 by epoch (validation) |",
+                         "|---|---|---|---|"]
+    for lr, depth in cells:
+        path = _cell_dir(out, lr, depth) / "runs.json"
+        runs = json.loads(path.read_text()) if path.is_file() else []
+        curves = {}
+        for r in runs:
+            curve = {c["epoch"]: c["R@1"] for c in r.get("curve", []) if "R@1" in c}
+            curves[r["variant"]] = curve
+            lines.append(f"| {lr:g} | {depth} | {'-' if r['variant'] == 'base' else 'DAS'} | "
+                         + " ".join(f"{100 * curve[e]:.2f}" for e in sorted(curve)) + " |")
+        if not curves:
+            lines.append(f"| {lr:g} | {depth} | - | not finished |")
+            continue
+        epochs = set.intersection(*(set(c) for c in curves.values())) - {0}
+        for e in sorted(epochs):
+            mean = sum(c[e] for c in curves.values()) / len(curves)
+            if best is None or mean > best["R@1"]:
+                best = {"backbone_lr": lr, "trainable": depth, "epochs": e, "R@1": mean,
+                        "start": next(iter(curves.values())).get(0),
+                        "variants": {v: c[e] for v, c in curves.items()}}
+    return best, lines
+
+
+def step_sweep(args, deadline: float) -> tuple[list[Row], dict | None]:
+    cells = sweep_cells(args)
+    procs = {f"sweep {lr:g} {depth}": _start(
+        _table2(args, _cell_dir(args.out, lr, depth), PAIRS[:1], SEEDS[:1],
+                1 if args.dry_run else 2, f"backbone_lr={lr}", f"trainable={depth}",
+                "eval_every=1", "eval_initial=true",
+                # --dry-run: 2 + 2 of cub-mini's 4 training species, 2 per batch; else the
+                # 10-epoch curve the recipe's epochs were chosen from
+                *(["max_classes=4", "batch_size=4"] if args.dry_run else ["epochs=10"]))
+        + ["--validation"],
+        args.out / f"sweep-{lr:g}-{depth.replace(':', '')}.log") for lr, depth in cells}
+    t0 = time.monotonic()
+    codes = _wait_all(procs, deadline)
+    best, table = choose(args.out, cells)
+    done = sum(rc == 0 for rc in codes.values())
+    note = f"{done} of {len(cells)} cells finished ({time.monotonic() - t0:.0f} s); "
+    if best is None:
+        return [Row("sweep (validation species)", False, note + "nothing to choose from",
+                    table)], None
+    v = best["variants"]
+    note += (f"chosen: backbone lr {best['backbone_lr']:g}, trainable {best['trainable']}, "
+             f"{best['epochs']} epochs: validation R@1 {100 * best['R@1']:.2f} (start "
+             f"{100 * (best['start'] or float('nan')):.2f}; without / with DAS "
+             f"{100 * v.get('base', float('nan')):.2f} / {100 * v.get('DAS', float('nan')):.2f})")
+    return [Row("sweep (validation species)", done == len(cells), note, table)], best
+
+
+def step_grid(args, deadline: float, best: dict | None) -> list[Row]:
+    chosen = best or {"backbone_lr": 1e-5, "trainable": "all", "epochs": 10}
+    sets = [f"backbone_lr={chosen['backbone_lr']}", f"trainable={chosen['trainable']}",
+            "eval_initial=true"]
+    if not args.dry_run:
+        sets.append(f"epochs={chosen['epochs']}")
+    methods, seeds = (PAIRS[:1], SEEDS[:1]) if args.dry_run else (PAIRS, SEEDS)
+    cmd = _table2(args, args.out / "grid", methods, seeds, min(args.jobs, 2) if args.dry_run
+                  else args.jobs, *sets)
+    t0 = time.monotonic()
+    rc = _wait_all({"grid": _start(cmd, args.out / "grid.log")}, deadline)["grid"]
+    return [grid_row(args.out, rc, time.monotonic() - t0, 2 * len(methods) * len(seeds))]
 
 
 def grid_row(out: Path, rc: int, secs: float, expected: int) -> Row:
+    """The test grid: how many runs finished, and the recipe's training-free start against its
+    fine-tuned runs (the mean over the seeds without DAS)."""
     runs_path, table = out / "grid" / "runs.json", out / "grid" / "results.md"
     runs = json.loads(runs_path.read_text()) if runs_path.is_file() else []
     detail = table.read_text().splitlines() if table.is_file() else []
     note = (f"{len(runs)} of {expected} runs" + ("" if rc == 0 else f", exit {rc}")
-            + f" ({secs:.0f} s); table in {table}")
-    return Row("DAS grid (finetune_table2, recipe)", rc == 0 and len(runs) == expected, note,
+            + f" ({secs:.0f} s)")
+    own = [r for r in runs if r.get("method") == PAIRS[0] and r.get("variant") == "base"
+           and r.get("initial")]
+    if own:
+        mean = lambda k, key: sum(r[k][key] for r in own) / len(own)  # noqa: E731
+        note += (f"; {PAIRS[0]} without DAS, {len(own)} seed(s): training-free start R@1 "
+                 f"{100 * mean('initial', 'R@1'):.2f} MAP@R {100 * mean('initial', 'MAP@R'):.2f}"
+                 f" -> fine-tuned R@1 {100 * mean('metrics', 'R@1'):.2f} MAP@R "
+                 f"{100 * mean('metrics', 'MAP@R'):.2f}")
+    return Row("grid (test species, chosen setting)", rc == 0 and len(runs) == expected, note,
                detail)
-
-
-def step_photos(args, deadline: float) -> list[Row]:
-    procs = {name: _start(cmd, args.out / f"{name}.log")
-             for name, cmd in photo_commands(args).items()}
-    t0 = time.monotonic()
-    codes = _wait_all(procs, deadline)
-    secs = time.monotonic() - t0
-    n_runs = 2 * (1 if args.dry_run else len(PAIRS) * len(SEEDS))
-    return [recipe_row(args.out, codes["recipe"], secs, export=not args.dry_run),
-            grid_row(args.out, codes["grid"], secs, n_runs)]
 
 
 def step_gpu_check(args, deadline: float) -> list[Row]:
@@ -218,6 +305,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.jobs < 1 or args.workers < 0 or args.budget_s <= 0:
         raise UsageError("--jobs >= 1, --workers >= 0 and --budget-s > 0 expected")
+    unknown = set(s.strip() for s in args.steps.split(",")) - set(SHARES)
+    if unknown:
+        raise UsageError(f"--steps: unknown {', '.join(sorted(unknown))}; expected some of "
+                         f"{', '.join(SHARES)}")
     if not args.dry_run and not torch.cuda.is_available():
         raise UsageError("no CUDA device visible (torch.cuda.is_available() is False); run "
                          "it on a GPU machine, or pass --dry-run to check the script on the CPU")
@@ -227,13 +318,26 @@ def run(args: argparse.Namespace) -> int:
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     start = time.monotonic()
     end = start + args.budget_s
+    steps = [name.strip() for name in args.steps.split(",")]
+    total = sum(SHARES[name] for name in steps)
+    ends, at = {}, start
+    for name in steps:
+        at += args.budget_s * SHARES[name] / total
+        ends[name] = at
     rows: list[Row] = []
-    print(f"device_suite: photos (recipe + grid), {args.budget_s * SHARES['photos']:.0f} s "
-          "at most", file=sys.stderr, flush=True)
-    rows += step_photos(args, start + args.budget_s * SHARES["photos"])
-    print(f"device_suite: gpu_check, {end - time.monotonic():.0f} s left", file=sys.stderr,
-          flush=True)
-    rows += step_gpu_check(args, end)
+    best = None
+    for name in steps:
+        print(f"device_suite: {name}, until {ends[name] - start:.0f} s", file=sys.stderr,
+              flush=True)
+        if name == "probe":
+            rows += step_probe(args, ends[name])
+        elif name == "sweep":
+            sweep_rows, best = step_sweep(args, ends[name])
+            rows += sweep_rows
+        elif name == "grid":
+            rows += step_grid(args, ends[name], best)
+        else:
+            rows += step_gpu_check(args, end)
     text = render(rows, card, torch.__version__, args)
     (args.out / "summary.md").write_text(text)
     print(text)

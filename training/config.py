@@ -79,6 +79,9 @@ class TrainConfig:
     holdout_alphabets: int = 10  # omniglot without images_evaluation/: last N alphabets test
     cache_images: bool = False  # keep decoded images in memory (small datasets)
     workers: int = 0  # DataLoader worker processes
+    # Decode every image once into device memory and crop / flip / normalise batches there
+    # (training/device_batches.py): for a GPU that outruns the decoders; one process only.
+    device_batches: bool = False
     # --- model ---
     backbone: str = "resnet50"  # resnet18|34|50|efficientnet_lite0|1|2|small_cnn|timm:<model name>
     dim: int = 128  # embedding dimension (0 = no embedding layer: the pooled features, L2-normalised)
@@ -209,6 +212,9 @@ class TrainConfig:
             kind, _ = parse_trainable(self.trainable)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.device_batches and self.trunk_cache:
+            raise ConfigError("device_batches=true feeds images; trunk_cache=true feeds cached "
+                              "activations: choose one")
         if self.trunk_cache and kind == "all":
             raise ConfigError("trunk_cache=true needs frozen stages to cache: set trainable to "
                               "'last:N' or 'head'")

@@ -16,14 +16,15 @@ from .config import TrainConfig
 from .data import ImageDataset
 from .skips import Readable, SkipLog, UnreadableDataError, drain, filter_collate
 
-__all__ = ["Inputs", "cache_name", "cached_activations", "carve_validation", "pca_directions", "prepare_inputs"]
+__all__ = ["Inputs", "cache_name", "cached_activations", "carve_validation", "pca_directions",
+           "prepare_inputs", "readable_rows"]
 
 
 @dataclass
 class Inputs:
     """What the loop draws from and runs."""
 
-    train: Dataset          # images or cached activations, with `.labels`
+    train: Dataset          # images or cached activations, with `.labels` (or DeviceBatches)
     evaluate: Dataset       # the evaluation set in the same form
     net: nn.Module          # the module a step (and evaluation) runs on those inputs
 
@@ -117,7 +118,7 @@ def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDat
     return acts, test_acts
 
 
-def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, labels: np.ndarray,
+def readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, labels: np.ndarray,
                    which: str, min_per_class: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(rows, labels) of `rows` (None: all of `ds`) without unreadable images and classes left
     under `min_per_class`; a note per class dropped; an error below 2."""
@@ -145,6 +146,24 @@ def _readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, la
     return rows[ok], labels[ok]
 
 
+def _device_sets(cfg: TrainConfig, state, train: ImageDataset, evaluate: ImageDataset):
+    """``device_batches = true``: the training images decoded once into device memory (the
+    sampler rebuilt without those that do not decode) and the evaluation crops beside them."""
+    from .batching import ClassBalancedBatchSampler
+    from .device_batches import DeviceBatches, DeviceEvalSet, DeviceImages
+    from .run_state import build_preprocessing
+
+    pre, threads = build_preprocessing(cfg), max(cfg.workers, torch.get_num_threads())
+    images = DeviceImages(train.split, pre, state.device, state.skips, threads=threads)
+    rows, labels = readable_rows(state.skips, train, None, train.labels, "train", cfg.per_class)
+    if len(rows) != len(train):
+        state.sampler = ClassBalancedBatchSampler(labels, batch_size=cfg.batch_size,
+                                                  per_class=cfg.per_class, seed=cfg.seed,
+                                                  drop_last=True)
+    return (DeviceBatches(images, state.sampler, cfg.seed, rows),
+            DeviceEvalSet(evaluate.split, pre, state.device, state.skips, threads=threads))
+
+
 def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: ImageDataset, *,
                    fresh: bool) -> Inputs:
     """Datasets and network of a run; `fresh` runs also get the PCA head init. Rows the trunk
@@ -162,17 +181,19 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
     else:
         acts, test_acts = cached_activations(cfg, split.prefix, train_full,
                                              None if rows_v is not None else test, skips)
-        rt, yt = _readable_rows(skips, train_full, rows_t, train.labels, "train", cfg.per_class)
+        rt, yt = readable_rows(skips, train_full, rows_t, train.labels, "train", cfg.per_class)
         train_in = CachedViews(acts, yt, train=True, seed=cfg.seed, rows=rt)
         if len(rt) != len(train):       # the same batches whenever the same rows are left
             state.sampler = ClassBalancedBatchSampler(yt, batch_size=cfg.batch_size,
                                                       per_class=cfg.per_class, seed=cfg.seed,
                                                       drop_last=True)
         held = rows_v is not None    # validation classes: rows of the training cache
-        rv, yv = _readable_rows(skips, train_full if held else test, rows_v, evaluate.labels,
+        rv, yv = readable_rows(skips, train_full if held else test, rows_v, evaluate.labels,
                                 "validation" if held else "test")
         eval_in = CachedViews(acts if held else test_acts, yv, train=False, rows=rv)
         net, pooled_fn = split.suffix, split.suffix.pooled
+    if cfg.device_batches:
+        train_in, eval_in = _device_sets(cfg, state, train, evaluate)
     if fresh and cfg.head_init == "pca":
         if cfg.trunk_cache:
             centre = CachedViews(train_in.acts, train_in.labels, train=False, rows=train_in.rows)

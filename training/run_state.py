@@ -72,12 +72,12 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
     if split is not None:
         backbone, head = split.backbone_params, split.head_params
     else:
-        head = getattr(model, "head", None)       # an Embedder's embedding layer
-        head_ids = ({id(p) for p in head.parameters()}
-                    if (cfg.backbone_lr > 0 or cfg.layer_decay) and head is not None else set())
+        layer = getattr(model, "head", None)      # an Embedder's embedding layer (or Identity)
+        split_lr = layer is not None and (cfg.backbone_lr > 0 or cfg.layer_decay)
+        head_ids = {id(p) for p in layer.parameters()} if split_lr else set()
         head = [p for p in model.parameters() if p.requires_grad and id(p) in head_ids]
         backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
-        if not head_ids:                      # one group, as before backbone_lr existed
+        if not split_lr:                          # one group at lr
             head, backbone = backbone, []
     groups: list[dict] = [{"params": [p for p in head if p.requires_grad], "lr": cfg.lr,
                            "name": "model"}]
@@ -89,6 +89,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
     extra = criterion.param_groups() if hasattr(criterion, "param_groups") else []
     groups += [{**g, "params": list(g["params"]), "name": g.get("name", f"criterion{i}")}
                for i, g in enumerate(extra)]
+    # no empty group (dim = 0 has no embedding layer): the first group's lr is the one logged
+    groups = [g for g in groups if g["params"]]
     opt = torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.warmup_epochs <= 0:
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=cfg.milestones(),

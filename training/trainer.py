@@ -21,6 +21,7 @@ from . import distributed
 from .config import TrainConfig
 from .data import ImageDataset, Split
 from .device import amp_dtype, resolve_device
+from .device_batches import DeviceBatches, DeviceEvalSet
 from .finetune import carve_validation, prepare_inputs
 from .report import AUX_COLUMNS, EpochLogger
 from .run_state import RunState, build_datasets
@@ -60,12 +61,8 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
     model.eval()
     out, labels = [], []
     with distributed.seeded_rng(cfg.seed + 99_991, device):
-        loader = DataLoader(Readable(dataset), batch_size=cfg.eval_batch_size, shuffle=False,
-                            num_workers=cfg.workers, collate_fn=filter_collate)
-        for x, y, _ in drain(loader, skips):
-            if x is None:
-                continue
-            labels.append(y.numpy())
+        for x, y in _eval_batches(dataset, cfg, skips):
+            labels.append(y)
             with torch.autocast(device_type=device.type, dtype=autocast_dtype,
                                 enabled=autocast_dtype is not None):
                 e = model(_on_device(x, device, cfg))
@@ -80,6 +77,19 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
         metrics = evaluate(np.concatenate(out, axis=0), y_all, ks=tuple(cfg.eval_ks),
                            clustering=cfg.eval_clustering, seed=cfg.seed)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def _eval_batches(dataset: ImageDataset | DeviceEvalSet, cfg: TrainConfig, skips: SkipLog):
+    """(inputs, labels as numpy) of the evaluation set: from device memory, or decoded by a
+    DataLoader (unreadable images into `skips`)."""
+    if isinstance(dataset, DeviceEvalSet):
+        yield from dataset.batches(cfg.eval_batch_size)
+        return
+    loader = DataLoader(Readable(dataset), batch_size=cfg.eval_batch_size, shuffle=False,
+                        num_workers=cfg.workers, collate_fn=filter_collate)
+    for x, y, _ in drain(loader, skips):
+        if x is not None:
+            yield x, y.numpy()
 
 
 def train_one_epoch(state: RunState, net: nn.Module, loader: DataLoader, cfg: TrainConfig,
@@ -221,8 +231,15 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     # Not persistent: fresh workers each epoch take their seeds from the global torch RNG, which
     # the checkpoint restores, so a resumed run augments exactly like an uninterrupted one.
     # Unreadable images leave their batch (filter_collate) and are reported at the end.
-    loader = DataLoader(Readable(inputs.train), batch_sampler=batches, num_workers=cfg.workers,
-                        pin_memory=device.type == "cuda", collate_fn=filter_collate)
+    if isinstance(inputs.train, DeviceBatches):
+        if info.enabled:
+            raise ValueError("device_batches=true runs in one process (it holds every image in "
+                             "one device's memory); unset it for a multi-process run")
+        loader = inputs.train
+    else:
+        loader = DataLoader(Readable(inputs.train), batch_sampler=batches,
+                            num_workers=cfg.workers, pin_memory=device.type == "cuda",
+                            collate_fn=filter_collate)
     net = _distribute(state, inputs.net, cfg, info)
     if resuming:
         state.load_state_dict(torch.load(last_path, map_location=device, weights_only=True))

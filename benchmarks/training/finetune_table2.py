@@ -80,8 +80,10 @@ def _run_config(args, method: str, variant: str, seed: int, out: Path):
         values["root"] = args.root
     if args.quick:                  # fits an hour on 2 cores (docs/benchmarks/training-das.md)
         values.update(QUICK_SCHEDULE)
-    values.update(dict(parse_override(o) for o in args.overrides))
-    values["eval_every"] = values.get("epochs", 300)            # last epoch only
+    overrides = dict(parse_override(o) for o in args.overrides)
+    values.update(overrides)
+    if "eval_every" not in overrides:        # last epoch only, unless a curve is asked for
+        values["eval_every"] = values.get("epochs", 300)
     if args.validation:
         from training.data import load_splits
 
@@ -98,7 +100,10 @@ def _one_run(args, method: str, variant: str, seed: int, out: Path) -> dict:
     t = time.perf_counter()
     res = train(cfg)
     return {"method": method, "variant": variant, "seed": seed, "metrics": res.last_metrics,
-            "seconds": time.perf_counter() - t, "steps": res.history[-1]["steps"]}
+            "seconds": time.perf_counter() - t, "steps": res.history[-1]["steps"],
+            "initial": res.initial_metrics,
+            "curve": [{k: r[k] for k in ("epoch", "seconds", "R@1", "MAP@R") if k in r}
+                      for r in res.history]}
 
 
 def _results(args, jobs: list[tuple[str, str, int]], out: Path):

@@ -51,14 +51,23 @@ def test_a_partial_grid_fails_and_says_how_far_it_got(tmp_path):
     assert row.ok is False and row.note.startswith("5 of 12 runs, exit 124")
 
 
-def test_a_recipe_without_its_onnx_fails_unless_none_was_asked_for(tmp_path):
-    (tmp_path / "recipe").mkdir()
-    (tmp_path / "recipe" / "metrics.json").write_text(json.dumps(
-        {"initial": {"R@1": 0.7, "MAP@R": 0.4}, "last": {"R@1": 0.8, "MAP@R": 0.5}}))
-    missing = device_suite.recipe_row(tmp_path, 0, 10.0)
-    assert missing.ok is False and "ONNX MISSING" in missing.note
-    dry = device_suite.recipe_row(tmp_path, 0, 10.0, export=False)
-    assert dry.ok is True and "ONNX not asked for" in dry.note and "R@1 70.00" in dry.note
+def test_the_sweep_chooses_by_the_mean_of_both_variants_and_the_fewest_epochs(tmp_path):
+    """Validation curves of two cells, with and without DAS: the cell and epoch whose mean R@1
+    is highest wins; a tie goes to the earlier epoch; a cell that never finished is listed."""
+    def cell(lr, depth, base, das):
+        d = device_suite._cell_dir(tmp_path, lr, depth)
+        d.mkdir(parents=True)
+        runs = [{"variant": v, "curve": [{"epoch": e, "R@1": r} for e, r in enumerate(c)]}
+                for v, c in (("base", base), ("DAS", das))]
+        (d / "runs.json").write_text(json.dumps(runs))
+
+    cell(1e-5, "all", [0.90, 0.92, 0.95, 0.93], [0.90, 0.94, 0.93, 0.95])   # means .93 .94 .94
+    cell(3e-6, "all", [0.90, 0.91, 0.92, 0.93], [0.90, 0.90, 0.91, 0.92])
+    best, table = device_suite.choose(tmp_path, [(1e-5, "all"), (3e-6, "all"), (1e-4, "last:3")])
+    assert (best["backbone_lr"], best["trainable"], best["epochs"]) == (1e-5, "all", 2)
+    assert best["variants"] == {"base": 0.95, "DAS": 0.93} and best["start"] == 0.90
+    assert "| 1e-05 | all | DAS | 90.00 94.00 93.00 95.00 |" in table
+    assert "| 0.0001 | last:3 | - | not finished |" in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
@@ -73,9 +82,9 @@ def test_without_cuda_it_says_so_in_one_line(capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(1250)      # the subprocess has 1200 s
 def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
-    """Every step on the CPU: the recipe with its training-free start (not exported), the
-    grid with and without DAS in two processes at once, gpu_check's training runs; one
-    summary with a PASS row each and the grid's table."""
+    """Every step on the CPU: the probe's run on device batches, one sweep cell on validation
+    species, the grid with and without DAS in two processes at once with its training-free
+    start, gpu_check's training runs; one summary with a PASS row each and the tables."""
     out = tmp_path / "suite"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.device_suite", "--dry-run",
                            "--root", str(cub_mini), "--out", str(out),
@@ -83,13 +92,16 @@ def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
                           capture_output=True, text=True, env=_env(), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "summary.md").read_text()
-    assert summary.count("**PASS**") == 3 and "FAIL" not in summary
+    assert summary.count("**PASS**") == 4 and "FAIL" not in summary
+    assert "probe: 2 epochs alone, device: epoch seconds" in summary
+    assert "1 of 1 cells finished" in summary and "chosen: backbone lr 1e-05, trainable all" in summary
     assert "training-free start R@1" in summary and "-> fine-tuned R@1" in summary
-    assert "ONNX not asked for" in summary and not (out / "recipe" / "model.onnx").exists()
-    m = json.loads((out / "recipe" / "metrics.json").read_text())
-    assert m["initial"]["R@1"] > 0 and m["last_epoch"] == 1
+    sweep = json.loads((out / "sweep" / "lr1e-05-all" / "runs.json").read_text())
+    assert sorted(r["variant"] for r in sweep) == ["DAS", "base"]
+    assert [c["epoch"] for c in sweep[0]["curve"]] == [0, 1]           # a curve, epoch 0 too
     runs = json.loads((out / "grid" / "runs.json").read_text())
     assert sorted(r["variant"] for r in runs) == ["DAS", "base"]
+    assert all(r["initial"]["R@1"] > 0 for r in runs)
     assert "| multisimilarity | DAS | 1 |" in summary
     # gpu_check's own plumbing, run by the suite (was test_gpu_check.test_plumbing_on_cpu)
     assert "PASS  training CLI, default device: device cpu" in summary

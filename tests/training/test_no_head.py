@@ -72,3 +72,23 @@ def test_dim_0_is_refused_where_nothing_would_train(cub_mini, tmp_path):
         _cfg(cub_mini, tmp_path / "run", dim=-1)
     with pytest.raises(ConfigError, match="head_init='pca'"):
         _cfg(cub_mini, tmp_path / "run", head_init="pca")
+
+
+def test_without_a_head_the_whole_network_trains_at_backbone_lr(tmp_path):
+    """The GPU recipe (dim = 0, every stage trains) trained at lr 1e-4 while it said backbone_lr
+    1e-5: with no embedding layer everything fell into the one group at lr (found by the H200
+    sweep of 2026-11-28, whose four backbone lr cells gave identical curves)."""
+    from training.run_state import build_components, build_optimizer
+
+    cfg = _cfg(tmp_path, tmp_path / "r", trainable="all", trunk_cache=False, lr=1e-4,
+               backbone_lr=1e-5, pretrained=False)
+    model, criterion, _ = build_components(cfg, 3)
+    opt, _ = build_optimizer(cfg, model, criterion, None)
+    assert [(g["name"], g["lr"]) for g in opt.param_groups] == [("backbone", 1e-5)]
+    assert sum(len(g["params"]) for g in opt.param_groups) == sum(
+        1 for p in model.parameters() if p.requires_grad)
+    # without backbone_lr: one group at lr, as before
+    plain = _cfg(tmp_path, tmp_path / "r", trainable="all", trunk_cache=False, lr=1e-4,
+                 backbone_lr=0.0, pretrained=False)
+    opt, _ = build_optimizer(plain, *build_components(plain, 3)[:2], None)
+    assert [(g["name"], g["lr"]) for g in opt.param_groups] == [("model", 1e-4)]
