@@ -107,6 +107,50 @@ def ray_call_router():
     return RayCallRouter
 
 
+class CompiledGraphSide:
+    """The same fan-out on Ray Compiled Graphs (``ray.dag``, ``experimental_compile``): one
+    graph, one ``search`` node per shard actor (actors of its own: a compiled graph holds its
+    actors' execution loop), the held-out part searched here and merged as the Router does. A
+    compiled graph runs one execution at a time from one caller, so concurrent clients take turns
+    (a lock); the Router batches them instead."""
+
+    def __init__(self, root: Path, manifest, k: int) -> None:
+        import faiss
+        import ray
+        from ray.dag import InputNode, MultiOutputNode
+
+        from indexer.ann import faiss_index as fx
+        from indexer.ray.actor import ShardSearcher
+
+        cls = ray.remote(ShardSearcher)
+        self.actors = [cls.options(num_cpus=0, max_concurrency=2,
+                                   resources={f"benchnode{i}": 0.01},
+                                   runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}).remote(
+            str(root / s / "part.faiss"), manifest.search_params, 1, os.urandom(32))
+            for i, s in enumerate(manifest.sharded["shards"])]
+        ray.get([a.ready.remote() for a in self.actors])
+        self.held = faiss.read_index(str(root / "held.faiss"))
+        fx.set_search_params(self.held, manifest.search_params)
+        self.k, self.lock = k, threading.Lock()
+        with InputNode() as q:
+            dag = MultiOutputNode([a.search.bind(q, k) for a in self.actors])
+        self.graph = dag.experimental_compile()
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import faiss
+        import ray
+
+        assert k == self.k, "the graph was compiled for one k"
+        with self.lock:
+            got = ray.get(self.graph.execute(q))
+        dh, ih = self.held.search(q, k)
+        return faiss.merge_knn_results(np.stack([g[0] for g in got] + [dh]),
+                                       np.stack([g[1] for g in got] + [ih]), keep_max=True)
+
+    def close(self) -> None:
+        self.graph.teardown()
+
+
 def latencies(index, qs: np.ndarray, k: int) -> np.ndarray:
     out = np.empty(len(qs))
     for j in range(len(qs)):
@@ -152,6 +196,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--seconds", type=float, default=5.0, help="each queries/s measurement (default 5)")
     p.add_argument("--work", type=Path, default=None, help="where the index files go (default: a temp dir)")
+    p.add_argument("--compiled-graph", action="store_true",
+                   help="also the fan-out on Ray Compiled Graphs (issue 40 step 5)")
     a = p.parse_args()
 
     import faiss
@@ -188,6 +234,11 @@ def main() -> None:
         np.testing.assert_array_equal(i2, i1)
         np.testing.assert_array_equal(calls.search(qs, a.k)[1], i1)
         sides = {"one process": local, "fan-out, direct connections": router, "fan-out, Ray calls": calls}
+        graph = None
+        if a.compiled_graph:
+            graph = CompiledGraphSide(root, manifest, a.k)
+            np.testing.assert_array_equal(graph.search(qs, a.k)[1], i1)
+            sides["fan-out, Ray Compiled Graph"] = graph
         lat: dict = {s: [] for s in sides}
         q1: dict = {s: [] for s in sides}
         q8: dict = {s: [] for s in sides}
@@ -235,6 +286,8 @@ def main() -> None:
               + ", ".join(f"{n} {v:.2f} ms" for n, v in rtt.items()))
         calls.close()
         router.close()
+        if graph is not None:
+            graph.close()
     finally:
         if ray.is_initialized():
             ray.shutdown()
