@@ -67,8 +67,10 @@ def make_index(root: Path, n: int, shards: int, d: int, nlist: int, seed: int = 
         (root / f"s{s}").mkdir()
         faiss.write_index(part, str(root / f"s{s}" / "part.faiss"))
         names.append(f"s{s}")
-    return SimpleNamespace(sharded={"trained": "trained.faiss", "held": "held.faiss", "shards": names},
-                           search_params="")
+    from indexer.directory.manifest import ShardedRecord
+
+    return SimpleNamespace(sharded=ShardedRecord(trained="trained.faiss", held="held.faiss",
+                                                 shards=names), search_params="")
 
 
 def start_cluster(nodes: int) -> object:
@@ -127,7 +129,7 @@ class CompiledGraphSide:
                                    resources={f"benchnode{i}": 0.01},
                                    runtime_env={"env_vars": {"RAY_worker_niceness": "0"}}).remote(
             str(root / s / "part.faiss"), manifest.search_params, 1, os.urandom(32))
-            for i, s in enumerate(manifest.sharded["shards"])]
+            for i, s in enumerate(manifest.sharded.shards)]
         ray.get([a.ready.remote() for a in self.actors])
         self.held = faiss.read_index(str(root / "held.faiss"))
         fx.set_search_params(self.held, manifest.search_params)
@@ -252,7 +254,6 @@ def main() -> None:
                 q1[name].append(qps(ix, qs, a.k, 1, a.seconds))
                 q8[name].append(qps(ix, qs, a.k, 8, a.seconds))
             print(f"round {r + 1}/{a.rounds} done", flush=True)
-        assert router.partial == []
         # Ray's own fixed cost, for scale: a no-op call to one actor, and to all of them at once
         noop = {"one actor": lambda: ray.get(router.actors[0].ready.remote()),
                 "every actor": lambda: ray.get([x.ready.remote() for x in router.actors])}

@@ -33,10 +33,6 @@ from ..store.walk import read_file_list, split_walk
 SHARD_HOOK_ENV = "DAS_RAY_SHARD_HOOK"
 
 
-
-
-
-
 # ---------------------------------------------------------------------------- progress
 class _Progress:
     """Files done per shard, kept by a small Ray actor on the driver's node so one bar covers
