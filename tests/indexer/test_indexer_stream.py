@@ -130,3 +130,20 @@ def test_unmergeable_types_are_refused(gallery) -> None:
     ids, x, _ = gallery
     with pytest.raises(IndexerError, match="cannot be filled apart"):
         stream.plan(shards_of(ids, x), index_type="pqfsrf", device="cpu")
+
+
+def test_the_fanout_benchmarks_index_is_a_sharded_index_the_product_reads(tmp_path: Path) -> None:
+    """benchmarks/scaling/fanout_bench.py writes a sharded index's files by hand (it measures the
+    Ray fan-out, which the suite cannot afford): its manifest must stay the shape the product
+    reads (it went stale once, unnoticed, when the manifest became typed)."""
+    from benchmarks.scaling.fanout_bench import make_index
+    from indexer.directory.shard_files import shard_paths
+
+    manifest = make_index(tmp_path, 4000, 2, 16, 32)
+    parts = [p / "part.faiss" for p in shard_paths(tmp_path, manifest)]
+    assert [p.parent.name for p in parts] == ["s0", "s1"]
+    both = stream.open_parts(parts + [tmp_path / manifest.sharded.held],
+                             faiss.read_index(str(tmp_path / manifest.sharded.trained)))
+    assert both.ntotal == 4000
+    _, ids = both.search(np.eye(16, dtype=np.float32)[:2], 5)
+    assert ((ids >= 0) & (ids < 4000)).all()
