@@ -77,7 +77,7 @@ class TrainConfig:
     max_classes: int = 0  # use only the first N classes of each split (0 = all)
     test_classes: list[str] = field(default_factory=list)  # folder: explicit test classes
     holdout_alphabets: int = 10  # omniglot without images_evaluation/: last N alphabets test
-    cache_images: bool = False  # keep decoded images in memory (small datasets)
+    cache_images: bool = False  # keep decoded images in memory (small datasets; workers = 0 only: each epoch's fresh workers start empty)
     workers: int = 0  # DataLoader worker processes
     # Decode every image once into device memory and crop / flip / normalise batches there
     # (training/device_batches.py): for a GPU that outruns the decoders; one process only.
