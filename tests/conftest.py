@@ -37,14 +37,6 @@ if "TRITON_INTERPRET" not in os.environ:
 SLOW_FIRST = ("tests/indexer/test_ray_netns.py", "tests/training/test_device_suite.py")
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: a worker a core, plus one on machines of up to 2 cores: the Ray run holds a
-    worker for ~280 s while its processes use ~45% of a core, so with a worker a core one core
-    idled half the time then (CONTRIBUTING.md, "How long the suite takes")."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores + 1 if cores <= 2 else cores
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {m: i for i, m in enumerate(SLOW_FIRST)}
     items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(rank)))   # stable
