@@ -14,7 +14,8 @@ Steps, each a row of one summary (OUT/summary.md, also printed):
    grid ran until 2026-11): epoch seconds of each, solo;
 2. sweep, on validation species only (``finetune_table2 --validation``: the first half of the
    training species trains, the rest evaluates every epoch): backbone lr x trainable depth,
-   with and without DAS, all at once; the setting and epoch count with the best mean R@1;
+   with and without DAS, seeds 0 and 1, all at once; the setting and epoch count with the best
+   mean R@1 (one seed's differences were 0.3-0.5 R@1, 5-8 queries);
 3. grid, on the test species: the chosen setting, ``PAIRS`` x seeds 0-2, with and without
    DAS (paired), ``--jobs`` runs at once; each run's training-free start evaluated too;
 4. ``benchmarks.gpu_check`` (CUDA tests, DAS kernels and their goals, training CLI with its
@@ -183,36 +184,38 @@ def _cell_dir(out: Path, lr: float, depth: str) -> Path:
 
 def choose(out: Path, cells: list[tuple[float, str]]) -> tuple[dict | None, list[str]]:
     """The sweep's choice: the (backbone lr, trainable, epochs) whose validation R@1, averaged
-    over the runs with and without DAS, is highest (ties: fewer epochs, then the earlier cell);
-    and the table of every cell's curve."""
-    best, lines = None, ["| backbone lr | trainable | DAS | R@1 by epoch (validation) |",
-                         "|---|---|---|---|"]
+    over its runs (with and without DAS, every seed), is highest (ties: fewer epochs, then the
+    earlier cell); and the table of every run's curve."""
+    best, lines = None, ["| backbone lr | trainable | DAS | seed | R@1 by epoch (validation) |",
+                         "|---|---|---|---:|---|"]
     for lr, depth in cells:
         path = _cell_dir(out, lr, depth) / "runs.json"
         runs = json.loads(path.read_text()) if path.is_file() else []
-        curves = {}
-        for r in runs:
+        curves = []
+        for r in sorted(runs, key=lambda r: (r["variant"] != "base", r.get("seed", 0))):
             curve = {c["epoch"]: c["R@1"] for c in r.get("curve", []) if "R@1" in c}
-            curves[r["variant"]] = curve
+            curves.append((r["variant"], curve))
             lines.append(f"| {lr:g} | {depth} | {'-' if r['variant'] == 'base' else 'DAS'} | "
+                         f"{r.get('seed', 0)} | "
                          + " ".join(f"{100 * curve[e]:.2f}" for e in sorted(curve)) + " |")
         if not curves:
-            lines.append(f"| {lr:g} | {depth} | - | not finished |")
+            lines.append(f"| {lr:g} | {depth} | - | - | not finished |")
             continue
-        epochs = set.intersection(*(set(c) for c in curves.values())) - {0}
+        epochs = set.intersection(*(set(c) for _, c in curves)) - {0}
         for e in sorted(epochs):
-            mean = sum(c[e] for c in curves.values()) / len(curves)
+            mean = sum(c[e] for _, c in curves) / len(curves)
             if best is None or mean > best["R@1"]:
+                per = {v: [c[e] for w, c in curves if w == v] for v, _ in curves}
                 best = {"backbone_lr": lr, "trainable": depth, "epochs": e, "R@1": mean,
-                        "start": next(iter(curves.values())).get(0),
-                        "variants": {v: c[e] for v, c in curves.items()}}
+                        "start": curves[0][1].get(0),
+                        "variants": {v: sum(x) / len(x) for v, x in per.items()}}
     return best, lines
 
 
 def step_sweep(args, deadline: float) -> tuple[list[Row], dict | None]:
     cells = sweep_cells(args)
     procs = {f"sweep {lr:g} {depth}": _start(
-        _table2(args, _cell_dir(args.out, lr, depth), PAIRS[:1], SEEDS[:1],
+        _table2(args, _cell_dir(args.out, lr, depth), PAIRS[:1], SEEDS[:1 if args.dry_run else 2],
                 1 if args.dry_run else 2, f"backbone_lr={lr}", f"trainable={depth}",
                 "eval_every=1", "eval_initial=true",
                 # --dry-run: 2 + 2 of cub-mini's 4 training species, 2 per batch; else the

@@ -57,8 +57,8 @@ def test_the_sweep_chooses_by_the_mean_of_both_variants_and_the_fewest_epochs(tm
     def cell(lr, depth, base, das):
         d = device_suite._cell_dir(tmp_path, lr, depth)
         d.mkdir(parents=True)
-        runs = [{"variant": v, "curve": [{"epoch": e, "R@1": r} for e, r in enumerate(c)]}
-                for v, c in (("base", base), ("DAS", das))]
+        runs = [{"variant": v, "seed": 0, "curve": [{"epoch": e, "R@1": r} for e, r in enumerate(c)]}
+                for v, c in (("DAS", das), ("base", base))]
         (d / "runs.json").write_text(json.dumps(runs))
 
     cell(1e-5, "all", [0.90, 0.92, 0.95, 0.93], [0.90, 0.94, 0.93, 0.95])   # means .93 .94 .94
@@ -66,8 +66,19 @@ def test_the_sweep_chooses_by_the_mean_of_both_variants_and_the_fewest_epochs(tm
     best, table = device_suite.choose(tmp_path, [(1e-5, "all"), (3e-6, "all"), (1e-4, "last:3")])
     assert (best["backbone_lr"], best["trainable"], best["epochs"]) == (1e-5, "all", 2)
     assert best["variants"] == {"base": 0.95, "DAS": 0.93} and best["start"] == 0.90
-    assert "| 1e-05 | all | DAS | 90.00 94.00 93.00 95.00 |" in table
-    assert "| 0.0001 | last:3 | - | not finished |" in table
+    assert "| 1e-05 | all | DAS | 0 | 90.00 94.00 93.00 95.00 |" in table
+    starts = [line[:18] for line in table]                  # base runs listed first
+    assert starts.index("| 1e-05 | all | - ") < starts.index("| 1e-05 | all | DA")
+    assert "| 0.0001 | last:3 | - | - | not finished |" in table
+    # a second seed joins the mean: epoch 3 now wins for the first cell
+    d = device_suite._cell_dir(tmp_path, 1e-5, "all")
+    runs = json.loads((d / "runs.json").read_text())
+    runs.append({"variant": "base", "seed": 1, "curve": [{"epoch": e, "R@1": r} for e, r in
+                                                          enumerate([0.90, 0.90, 0.90, 0.99])]})
+    (d / "runs.json").write_text(json.dumps(runs))
+    best, _ = device_suite.choose(tmp_path, [(1e-5, "all"), (3e-6, "all")])
+    assert best["epochs"] == 3 and abs(best["R@1"] - (0.93 + 0.95 + 0.99) / 3) < 1e-12
+    assert best["variants"] == {"base": (0.93 + 0.99) / 2, "DAS": 0.95}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
