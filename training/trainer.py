@@ -210,6 +210,9 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     info = distributed.init_from_env("cuda" if (cfg.device.startswith("cuda") or (
         cfg.device == "auto" and torch.cuda.is_available())) else "cpu")
     device = resolve_device(cfg.device, info)
+    if cfg.device_batches and info.enabled:    # before any image is decoded
+        raise ValueError("device_batches=true runs in one process (it holds every image in one "
+                         "device's memory); unset it for a multi-process run")
     if cfg.batch_size % info.world_size:
         raise ValueError(f"batch_size={cfg.batch_size} does not split over {info.world_size} ranks")
     ac_dtype = amp_dtype(cfg.amp, device)
@@ -232,9 +235,6 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     # the checkpoint restores, so a resumed run augments exactly like an uninterrupted one.
     # Unreadable images leave their batch (filter_collate) and are reported at the end.
     if isinstance(inputs.train, DeviceBatches):
-        if info.enabled:
-            raise ValueError("device_batches=true runs in one process (it holds every image in "
-                             "one device's memory); unset it for a multi-process run")
         loader = inputs.train
     else:
         loader = DataLoader(Readable(inputs.train), batch_sampler=batches,
