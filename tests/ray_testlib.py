@@ -133,18 +133,55 @@ def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True
         cluster.shutdown()
 
 
-# ---------------------------------------------------------------------------- shard task hooks
-# Through indexer.build.ray_build.SHARD_HOOK_ENV: the CLI's Ray workers import this module as
-# ``tests.ray_testlib`` (Ray puts the driver's working directory, the repository, on their path).
+# ---------------------------------------------------------------------------- shard task faults
+# Put into an `indexer build --ray` from outside, through Ray's own hooks (the product has none):
+# the CLI's `ray.init` calls ``RAY_RUNTIME_ENV_HOOK`` (``fault_runtime_env``), which gives the
+# job's workers ``FAULT_ENV`` and ``worker_process_setup_hook`` (``install_fault``); each worker
+# then wraps ``indexer.build.single.build_index`` (which a shard task imports when it runs) so that
+# the fault sees the task's settled file count after each batch. Workers import this module as
+# ``tests.ray_testlib`` (the runtime env puts the repository on their path).
 HOLD_S = 300.0
+FAULT_ENV = "DAS_TEST_SHARD_FAULT"
 
 
 def shard_hook(name: str, spec: str) -> dict[str, str]:
-    """The environment that runs ``name`` (``kill_after``, ``hold_after``) with ``spec`` ("i:N:MARKER")
-    in every shard task of an ``indexer build --ray``."""
-    from indexer.build.ray_build import SHARD_HOOK_ENV
+    """The environment for an `indexer build --ray` process whose shard tasks run ``name``
+    (``kill_after``, ``hold_after``) with ``spec`` ("i:N:MARKER")."""
+    return {"RAY_RUNTIME_ENV_HOOK": "tests.ray_testlib.fault_runtime_env",
+            FAULT_ENV: f"{name}:{spec}"}
 
-    return {SHARD_HOOK_ENV: f"tests.ray_testlib:{name}:{spec}"}
+
+def fault_runtime_env(runtime_env: dict | None) -> dict:
+    """Ray's driver-side runtime-env hook: the fault's spec and setup hook for every worker."""
+    env = dict(runtime_env or {})
+    # the setup hook runs before Ray puts the driver's directory on the worker's path
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env["env_vars"] = {**env.get("env_vars", {}), FAULT_ENV: os.environ[FAULT_ENV], "PYTHONPATH": path}
+    env["worker_process_setup_hook"] = "tests.ray_testlib.install_fault"
+    return env
+
+
+def install_fault() -> None:
+    """In each worker: shard tasks' ``build_index`` calls report their settled files to the fault."""
+    import indexer.build.single as single
+
+    name, spec = os.environ[FAULT_ENV].split(":", 1)
+    build_index = single.build_index
+
+    def wrapped(*args: Any, shard: tuple[int, int] | None = None, on_done: Callable | None = None,
+                **kw: Any) -> Any:
+        check = globals()[name](spec, shard[0]) if shard is not None else None
+        if check is None or on_done is None:
+            return build_index(*args, shard=shard, on_done=on_done, **kw)
+        settled = [0]
+
+        def counted(k: int) -> None:
+            on_done(k)
+            settled[0] += k
+            check(settled[0])
+        return build_index(*args, shard=shard, on_done=counted, **kw)
+    single.build_index = wrapped
 
 
 def _attempt(spec: str, shard: int) -> tuple[int, Path] | None:

@@ -380,3 +380,40 @@ def test_no_attribute_probing_of_the_searchable_index_and_no_thread_local_answer
              for i, ln in enumerate((REPO / path).read_text().splitlines(), 1) if _PROBE.search(ln)]
     assert not wrong, "probing or thread-local state:\n" + "\n".join(wrong)
     assert _PROBE.search('p = getattr(idx.faiss, "partial", None)') and _PROBE.search("x = threading.local()")
+
+
+
+def hook_calls(code: str) -> list[int]:
+    """Lines where code runs what the environment names, or stands in for a crash: an import of a
+    module whose name is not fixed in the source (a constant, an f-string that starts with one,
+    or relative to the package itself: a lazy face), ``os.abort()``. Both were test hooks in product modules once (issue 40 step 5)."""
+    def name(f: ast.expr) -> str:
+        return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+    def fixed(a: ast.expr) -> bool:
+        return isinstance(a, ast.Constant) or (isinstance(a, ast.JoinedStr) and bool(a.values)
+                                               and isinstance(a.values[0], ast.Constant))
+    return sorted(n.lineno for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and (
+        (name(n.func) in ("import_module", "__import__") and not (n.args and fixed(n.args[0]))
+         and not (len(n.args) > 1 and name(n.args[1]) == "__name__"))
+        or name(n.func) == "abort"))
+
+
+def test_test_hooks_live_in_the_tests():
+    """Faults are put into the product from outside: Ray's own runtime-env hooks
+    (tests/ray_testlib.py), a `sitecustomize` on a child's path, monkeypatching; never an
+    environment variable that a product module turns into code or a crash."""
+    wrong = [f"{path}:{line}" for path in _modules() if _owner(path) in (*PACKAGES, "app")
+             for line in hook_calls((REPO / path).read_text())]
+    assert not wrong, "a test hook in product code:\n" + "\n".join(wrong)
+
+
+def test_the_test_hook_check_sees_each_form():
+    code = ("module, name, arg = spec.split(':', 2)\n"
+            "f = getattr(importlib.import_module(module), name)\n"
+            "if os.environ.get(CRASH_ENV):\n    os.abort()\n"
+            "m = import_module(f'.{mod}', __name__)\n"          # a package's own lazy face: fine
+            "m = import_module(LAZY[name], __name__)\n"
+            "e = importlib.import_module(f'efficientnet_lite{n}_model')\n"
+            "x = __import__(os.environ['X'])\n")
+    assert hook_calls(code) == [2, 4, 8]

@@ -34,8 +34,6 @@ __all__ = ["FusedBackend", "candidate", "variant_key", "describe", "verdict", "r
 
 #: seconds the child may take (imports, compiling two kernels, two steps of each backend)
 TIMEOUT_S = 600
-#: test hook: the child aborts (as a sticky CUDA fault would kill it) when this is set
-CRASH_ENV = "DAS_SELFCHECK_CRASH"
 
 DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}

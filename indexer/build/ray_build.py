@@ -8,13 +8,11 @@ second pass fills each part on the shard's node. Paths must mean the same files 
 """
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..ann.options import BuildOptions
 from ..directory.index_dir import FILE_LIST, PART_FILE, PLAN_FILE, RUN_FILE, SHARDS_DIR, STORE_DIR, IndexDir
@@ -24,14 +22,6 @@ from ..errors import IndexerError
 from ..ray.cluster import alive_nodes, connect, near, ray_module
 from ..ray.readers import task_error
 from ..store.walk import read_file_list, split_walk
-
-# A shard task's hook (tests' and drills' faults: tests/ray_testlib.py): "MODULE:FUNCTION:ARG"
-# calls MODULE.FUNCTION(ARG, shard) in each task, which returns None or a check called with the
-# task's settled file count (committed or skipped) after each batch. Read on the driver (a
-# worker's environment is its raylet's); MODULE is imported in the worker (Ray puts the driver's
-# working directory on its path).
-SHARD_HOOK_ENV = "DAS_RAY_SHARD_HOOK"
-
 
 # ---------------------------------------------------------------------------- progress
 class _Progress:
@@ -61,7 +51,7 @@ class _Reporter:
 
     def __init__(self, actor: Any, shard: int, every: float = 0.5) -> None:
         self.actor, self.shard, self.every = actor, shard, every
-        self.pending, self.total, self.last = 0, 0, time.monotonic()
+        self.pending, self.last = 0, time.monotonic()
         self.lock = threading.Lock()          # called from ingest's main and commit threads
         # Wait for the actor to take the start: a call still queued in this worker when it is
         # killed would be lost, and the attempt not counted.
@@ -72,7 +62,6 @@ class _Reporter:
     def __call__(self, k: int) -> None:
         with self.lock:
             self.pending += k
-            self.total += k
             if time.monotonic() - self.last >= self.every:
                 self.flush()
 
@@ -82,35 +71,20 @@ class _Reporter:
             self.pending, self.last = 0, time.monotonic()
 
 
-def shard_hook(spec: str | None, shard: int) -> Callable[[int], None] | None:
-    """``SHARD_HOOK_ENV``'s check for this shard's task, or None."""
-    if not spec:
-        return None
-    module, name, arg = spec.split(":", 2)
-    return getattr(importlib.import_module(module), name)(arg, shard)
-
-
 # ---------------------------------------------------------------------------- the task
 def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, opts: dict,
-                actor: Any, hook: str | None = None) -> dict:
+                actor: Any) -> dict:
     """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
-    files listed in ``shard_dir/files.jsonl``; ``hook``: the driver's ``SHARD_HOOK_ENV``."""
+    files listed in ``shard_dir/files.jsonl``."""
     from .single import build_index
     from ..directory.model import load_embedder
 
     report = _Reporter(actor, shard)
-    check = shard_hook(hook, shard)
-
-    def on_done(k: int) -> None:
-        report(k)
-        if check is not None:
-            check(report.total)
-
     emb = load_embedder(model, device=opts["device"], batch_size=opts["batch_size"],
                         threads=opts["threads"])
     m = build_index(gallery, shard_dir, model, shard=(shard, n), batch_size=opts["batch_size"],
                     workers=opts["workers"], device=opts["device"], progress=False, embedder=emb,
-                    on_done=on_done, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
+                    on_done=report, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
     with report.lock:
         report.flush()
     import ray
@@ -300,8 +274,7 @@ def _ingest_shards(ray: Any, gallery: Path, root: Path, emb: Any, n: int, res: d
     actor = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=here).remote(n)
     ray.get(actor.state.remote())               # up before any task reports to it
     task = ray.remote(build_shard).options(max_retries=max_retries, retry_exceptions=False, **res)
-    hook = os.environ.get(SHARD_HOOK_ENV)
-    refs = {task.remote(str(gallery), str(d), str(shared.model_file), i, n, opts, actor, hook): i
+    refs = {task.remote(str(gallery), str(d), str(shared.model_file), i, n, opts, actor): i
             for i, d in enumerate(dirs)}
     from tqdm.auto import tqdm
 

@@ -5,6 +5,7 @@ and one warning naming the cause; on CUDA it runs in a child process so that a s
 cannot poison the trainer (shown here with a child that aborts)."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -155,12 +156,14 @@ def test_isolated_check_passes_in_a_child_process(monkeypatch):
     assert ok, reason
 
 
-def test_a_crashing_check_process_leaves_the_trainer_on_eager(monkeypatch):
+def test_a_crashing_check_process_leaves_the_trainer_on_eager(monkeypatch, tmp_path):
     """A sticky CUDA fault kills the context it happens in; the check's child process stands
-    for it here by aborting. The parent gets a verdict, warns, and trains on eager."""
+    for it here by aborting (a `sitecustomize` on its path: no hook in the product). The parent
+    gets a verdict, warns, and trains on eager."""
     monkeypatch.setattr(das_fused, "candidate", lambda device: True)
     monkeypatch.setattr(das_fused, "VERDICTS", {})
-    monkeypatch.setenv("DAS_SELFCHECK_CRASH", "1")
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.abort()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     real = das_fused.verdict
     monkeypatch.setattr(das_fused, "verdict",
                         lambda das, emb, y, key=None: real(das, emb, y, key, isolate=True))
