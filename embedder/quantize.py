@@ -25,7 +25,7 @@ from .images import IMAGE_SUFFIXES, ImageLoadError
 DEFAULT_IMAGES = 256
 QUANTIZED_OPS = ("Conv", "Clip", "Add")
 METHODS = ("minmax", "entropy", "percentile")
-FLOAT_NODES = ("none", "stem", "head", "stem+head", "stem+adds")
+FLOAT_NODES = ("none", "stem", "head", "stem+head", "stem+adds", "full-res")
 #: a quantised model whose mean cosine to fp32 on calibration images is below this is broken
 #: (measured: 0.99+ for EfficientNet-Lite with the recipe above, 0.75 without Clip)
 MIN_MEAN_COSINE = 0.95
@@ -39,7 +39,7 @@ class QuantizationError(ValueError):
 @dataclass(frozen=True)
 class QuantRecipe:
     """How a model is quantised; ``float_nodes``: ``stem`` (:func:`input_convs`), ``head``
-    (:func:`head_nodes`), both, ``stem+adds`` or none."""
+    (:func:`head_nodes`), both, ``stem+adds``, ``full-res`` (:func:`full_res_nodes`) or none."""
 
     method: str = "minmax"
     per_channel: bool = True
@@ -143,9 +143,25 @@ def head_nodes(proto: Any) -> list[str]:
     return out
 
 
+def full_res_nodes(proto: Any) -> list[str]:
+    """Names of the stem conv(s) and every quantisable node whose output keeps a stem output's
+    height and width: the layers before the first downsampling. Kept float by ``full-res``: int8
+    error made there runs through every later layer (onnxruntime's qdq_loss_debug on Lite1: the
+    embedding's SQNR falls from 53 to 17 dB in its first block, then ~1 dB a block), and they are
+    ~5% of its multiply-adds. Needs the shapes of onnx's shape inference (``quant_pre_process``)."""
+    shapes = {v.name: tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
+              for v in proto.graph.value_info}
+    stems = set(input_convs(proto))
+    sizes = {shapes[n.output[0]][2:] for n in proto.graph.node
+             if n.name in stems and len(shapes.get(n.output[0], ())) == 4}
+    return [n.name for n in proto.graph.node if n.name in stems or (
+        n.op_type in QUANTIZED_OPS and len(shapes.get(n.output[0], ())) == 4
+        and shapes[n.output[0]][2:] in sizes)]
+
+
 def float_node_names(proto: Any, policy: str) -> list[str]:
     """The nodes ``policy`` (:data:`FLOAT_NODES`) keeps float in ``proto``, in graph order."""
-    names = set()
+    names = set(full_res_nodes(proto) if policy == "full-res" else ())
     if "stem" in policy:
         names.update(input_convs(proto))
     if "head" in policy:

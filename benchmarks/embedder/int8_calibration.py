@@ -34,7 +34,7 @@ from embedder.cli import run_main
 
 PROG = "python -m benchmarks.embedder.int8_calibration"
 SPLITS = ("cub-val", "cub-test", "caltech-all")
-_TAG = re.compile(r"^(minmax|entropy|pct([\d.]+))-(pc|pt)-(none|stem|head|stem\+head|stem\+adds)-(\d+)(-rr)?$")
+_TAG = re.compile(r"^(minmax|entropy|pct([\d.]+))-(pc|pt)-(none|stem|head|stem\+head|stem\+adds|full-res)-(\d+)(-rr)?$")
 
 
 def parse_recipe(tag: str):
@@ -43,7 +43,7 @@ def parse_recipe(tag: str):
 
     m = _TAG.match(tag)
     if not m:
-        raise SystemExit(f"error: recipe {tag!r}: expected METHOD-pc|pt-none|stem|head|stem+head-IMAGES, "
+        raise SystemExit(f"error: recipe {tag!r}: expected METHOD-pc|pt-none|stem|head|stem+head|stem+adds|full-res-IMAGES[-rr], "
                          "METHOD minmax, entropy or pctNN.N")
     method = "percentile" if m.group(2) else m.group(1)
     r = QuantRecipe(method=method, per_channel=m.group(3) == "pc", float_nodes=m.group(4),

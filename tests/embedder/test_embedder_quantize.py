@@ -212,6 +212,7 @@ def test_recipe_options_are_checked_and_named():
 
     assert QuantRecipe("percentile", False, "stem+head", 64, 99.99).tag == "pct99.99-pt-stem+head-64"
     assert QuantRecipe(reduce_range=True).tag == "minmax-pc-stem-256-rr"
+    assert QuantRecipe(float_nodes="full-res", reduce_range=True).tag == "minmax-pc-full-res-256-rr"
     for bad in (dict(method="kl"), dict(float_nodes="tail"), dict(images=0)):
         with pytest.raises(QuantizationError):
             QuantRecipe(**bad)
@@ -227,3 +228,22 @@ def test_head_nodes_are_the_pooling_inputs(pretrained_onnx):
     heads = head_nodes(g)
     assert [ops[h] for h in heads] == ["Conv", "Clip", "Clip"]
     assert not set(heads) & set(input_convs(g))
+
+
+def test_full_res_nodes_are_the_layers_before_the_first_downsampling(pretrained_onnx):
+    """full_res_nodes: the stem and every Conv/Clip/Add whose output keeps the stem's 112 x 112
+    (Lite1 at 224: the stem, block 0 and block 1's expansion), not one node past the first
+    stride-2 conv; without shapes (no shape inference) only the stem."""
+    from embedder.quantize import QUANTIZED_OPS, full_res_nodes, input_convs
+
+    raw = onnx.load(str(pretrained_onnx))
+    g = onnx.shape_inference.infer_shapes(raw)
+    shape = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.graph.value_info}
+    quantisable = [n for n in g.graph.node if n.op_type in QUANTIZED_OPS]
+    names = full_res_nodes(g)
+    assert names == [n.name for n in quantisable[:len(names)]]          # a prefix, in graph order
+    assert [n.op_type for n in quantisable[:len(names)]] == ["Conv", "Clip", "Conv", "Clip", "Conv", "Conv", "Clip"]
+    assert all(shape[n.output[0]][2:] == [112, 112] for n in quantisable[:len(names)])
+    assert shape[quantisable[len(names)].output[0]][2:] == [56, 56]
+    del raw.graph.value_info[:]
+    assert full_res_nodes(raw) == input_convs(raw)
