@@ -22,7 +22,6 @@ fastdup / imagededup outputs written by ``benchmarks/audit_tools_run.py`` in the
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import random
@@ -292,6 +291,33 @@ def speed(args: argparse.Namespace) -> None:
                       "peak_rss_mib": _peak_rss_mib()}, indent=1))
 
 
+def pixels(args: argparse.Namespace) -> None:
+    """The pixel check of an index's uncertain band on one thread and on ``--workers`` (default:
+    the CPUs), alternating ``--repeats`` times: wall seconds each, their ratio, and that the
+    verdicts are the same."""
+    from indexer.audit import open_gallery
+    from indexer.audit.duplicates import candidates, verify_pairs
+    from indexer.audit.graph import build_graph
+
+    g = open_gallery(args.index)
+    a, b, _, _ = candidates(build_graph(g, 10))
+    a, b = a[:args.max_pairs], b[:args.max_pairs]
+    secs: dict[str, list[float]] = {"1 thread": [], "threads": []}
+    verdicts = {}
+    for _ in range(args.repeats):
+        for name, workers in (("1 thread", 1), ("threads", args.workers)):
+            t0 = time.perf_counter()
+            verdicts[name] = verify_pairs(a, b, g.image_bytes, workers=workers)
+            secs[name].append(time.perf_counter() - t0)
+    same = all(np.array_equal(getattr(verdicts["1 thread"], f), getattr(verdicts["threads"], f), equal_nan=True)
+               for f in ("inliers", "overlap", "differ", "same"))
+    ratios = [x / y for x, y in zip(secs["1 thread"], secs["threads"])]
+    print(json.dumps({"index": str(args.index), "pairs": len(a), "workers": args.workers or os.cpu_count(),
+                      "wall_s": {k: [round(v, 1) for v in vs] for k, vs in secs.items()},
+                      "speedup_median": round(float(np.median(ratios)), 2), "same_verdicts": same,
+                      "confirmed": int(verdicts["threads"].same.sum()), "load_avg": os.getloadavg()}, indent=1))
+
+
 def _peak_rss_mib() -> float:
     import resource
 
@@ -316,8 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--classes", type=int, default=1000)
     s.add_argument("--noise", type=float, default=1.0, help="per-dimension noise around the class centres")
     s.set_defaults(func=speed)
+    x = sub.add_parser("pixels", help="the pixel check on 1 thread vs several (same verdicts)")
+    x.add_argument("--index", type=Path, required=True)
+    x.add_argument("--workers", type=int, default=None)
+    x.add_argument("--repeats", type=int, default=3)
+    x.add_argument("--max-pairs", type=int, default=5000)
+    x.set_defaults(func=pixels)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("faults", "speed", "-h", "--help"):
+    if not argv or argv[0] not in ("faults", "speed", "pixels", "-h", "--help"):
         argv = ["faults", *argv]
     return run_main("audit_faults", p, argv)
 

@@ -176,7 +176,7 @@ def test_bad_input_is_one_line_exit_1_and_nothing_written(built_index: Path, tmp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".audit-")]
 
 
-def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Path) -> None:
+def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Path, monkeypatch) -> None:
     """ORB + RANSAC + the aligned comparison (indexer.audit.duplicates.verify_pairs): a bird photo and its central
     80% crop are one picture, two different photos of the same species are not (nor is a photo
     and its crop with the bird painted over: the frames of one scene); a file that does not
@@ -208,6 +208,15 @@ def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Pa
     assert got.same.tolist() == [True, False, False, False, False, False, False], got
     assert got.inliers[0] >= verify.MIN_INLIERS and got.inliers[5] == 0, got
     assert got.inliers[6] >= verify.MIN_INLIERS and got.differ[6] > verify.MAX_DIFFER, got
+    # threads and chunks change nothing: one thread, and 3 threads over chunks of 2 pairs (an
+    # image's description kept across chunks until its last pair) give the same verdicts
+    monkeypatch.setattr(verify, "CHUNK", 2)
+    reads: list[int] = []
+    for other in (verify.verify_pairs(a, b, lambda r: data[r], workers=1),
+                  verify.verify_pairs(a, b, lambda r: reads.append(r) or data[r], workers=3)):
+        for field in ("inliers", "overlap", "differ", "same"):
+            np.testing.assert_array_equal(getattr(other, field), getattr(got, field), err_msg=field)
+    assert sorted(reads) == sorted(set(a) | set(b))          # each image read once
 
 
 def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_are_not(faulty: dict) -> None:
