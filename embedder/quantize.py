@@ -152,8 +152,8 @@ def full_res_nodes(proto: Any) -> list[str]:
     shapes = {v.name: tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
               for v in proto.graph.value_info}
     stems = set(input_convs(proto))
-    sizes = {shapes[n.output[0]][2:] for n in proto.graph.node
-             if n.name in stems and len(shapes.get(n.output[0], ())) == 4}
+    sizes = {shapes[n.output[0]][2:] for n in proto.graph.node     # known sizes only (0: dynamic)
+             if n.name in stems and len(shapes.get(n.output[0], ())) == 4 and all(shapes[n.output[0]][2:])}
     return [n.name for n in proto.graph.node if n.name in stems or (
         n.op_type in QUANTIZED_OPS and len(shapes.get(n.output[0], ())) == 4
         and shapes[n.output[0]][2:] in sizes)]

@@ -233,7 +233,7 @@ def test_head_nodes_are_the_pooling_inputs(pretrained_onnx):
 def test_full_res_nodes_are_the_layers_before_the_first_downsampling(pretrained_onnx):
     """full_res_nodes: the stem and every Conv/Clip/Add whose output keeps the stem's 112 x 112
     (Lite1 at 224: the stem, block 0 and block 1's expansion), not one node past the first
-    stride-2 conv; without shapes (no shape inference) only the stem."""
+    stride-2 conv; without shapes (no shape inference) or with dynamic sizes only the stem."""
     from embedder.quantize import QUANTIZED_OPS, full_res_nodes, input_convs
 
     raw = onnx.load(str(pretrained_onnx))
@@ -245,5 +245,9 @@ def test_full_res_nodes_are_the_layers_before_the_first_downsampling(pretrained_
     assert [n.op_type for n in quantisable[:len(names)]] == ["Conv", "Clip", "Conv", "Clip", "Conv", "Conv", "Clip"]
     assert all(shape[n.output[0]][2:] == [112, 112] for n in quantisable[:len(names)])
     assert shape[quantisable[len(names)].output[0]][2:] == [56, 56]
+    for v in g.graph.value_info:                     # spatial sizes unknown (a dynamic-size export)
+        for d in v.type.tensor_type.shape.dim[2:]:
+            d.dim_param = "size"
+    assert full_res_nodes(g) == input_convs(g)
     del raw.graph.value_info[:]
     assert full_res_nodes(raw) == input_convs(raw)
