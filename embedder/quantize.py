@@ -3,7 +3,7 @@
 Why: onnxruntime runs int8 convolutions about twice as fast as fp32 on AVX2/VNNI CPUs, and
 indexing is almost all convolution. The recipe (:class:`QuantRecipe`, measured in
 docs/benchmarks/embedder.md): only ``Conv``, ``Clip`` (ReLU6) and ``Add`` quantised, not the stem
-conv; GeM, mean and L2 stay float. The embedder's metadata is carried over (plus
+conv; GeM, mean and L2 stay float; 7-bit weights with their biases corrected. The embedder's metadata is carried over (plus
 ``quantization``), so consumers read int8 like fp32; a cosine to fp32 too low is refused.
 """
 from __future__ import annotations
@@ -49,6 +49,8 @@ class QuantRecipe:
     #: 7-bit weights: on CPUs without VNNI (AVX2 only) onnxruntime's U8S8 kernels multiply with
     #: VPMADDUBSW, whose int16 sums saturate with full-range weights (onnxruntime's docs)
     reduce_range: bool = False
+    #: each int8 conv's bias absorbs its rounded weights' mean output shift (:func:`correct_biases`)
+    bias_correction: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,14 +65,16 @@ class QuantRecipe:
         """Short name (benchmark rows, cache keys): ``minmax-pc-stem-256``."""
         m = self.method if self.method != "percentile" else f"pct{self.percentile:g}"
         return (f"{m}-{'pc' if self.per_channel else 'pt'}-{self.float_nodes}-{self.images}"
-                + ("-rr" if self.reduce_range else ""))
+                + ("-rr" if self.reduce_range else "") + ("-bc" if self.bias_correction else ""))
 
 
 #: the recipe `embedder quantize` and `indexer build --int8` use (issue 41, chosen on cub-val:
 #: docs/benchmarks/quality-round5.md): min/max, per-channel, stem float, 256 images, and 7-bit
 #: weights: on the project's AVX2 CPU full-range weights lost 1.0-1.4 R@1 and ~2 MAP@R to fp32
-#: (Lite1; Lite0+Lite1) where reduce_range lost 1.3 / 0.27 R@1 and 0.65 / 0.35 MAP@R
-DEFAULT_RECIPE = QuantRecipe(reduce_range=True)
+#: (Lite1; Lite0+Lite1) where reduce_range lost 1.3 / 0.27 R@1 and 0.65 / 0.35 MAP@R; plus bias
+#: correction, which removes most of what the 7-bit weights lose (Lite1, cub-val: cosine to fp32
+#: 0.983 -> 0.996, MAP@R -0.65 -> 0.00, R@1 -1.28 -> -0.54; same speed)
+DEFAULT_RECIPE = QuantRecipe(reduce_range=True, bias_correction=True)
 
 
 @dataclass
@@ -171,6 +175,74 @@ def float_node_names(proto: Any, policy: str) -> list[str]:
     return [n.name for n in proto.graph.node if n.name in names]
 
 
+def conv_input_means(fp32: Any, names: Sequence[str], input_name: str,
+                     batches: Sequence[np.ndarray], chunk: int = 4) -> dict[str, np.ndarray]:
+    """Per-channel means of the tensors ``names`` of the float model ``fp32`` (an onnx proto) over
+    the images of ``batches``, run ``chunk`` images at a time (every conv input at once is ~8 MB
+    an image for Lite1 at 224 px)."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.ModelProto()
+    model.CopyFrom(fp32)
+    known = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names if n not in known)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sums: dict[str, np.ndarray] = {}
+    seen = 0
+    for batch in batches:
+        for i in range(0, len(batch), chunk):
+            x = np.ascontiguousarray(batch[i:i + chunk])
+            for name, v in zip(names, sess.run(list(names), {input_name: x})):
+                sums[name] = sums.get(name, 0) + v.astype(np.float64).sum(axis=(0, *range(2, v.ndim))) / (
+                    np.prod(v.shape[2:]) or 1)
+            seen += len(x)
+    return {n: s / seen for n, s in sums.items()}
+
+
+def correct_biases(q: Any, fp32: Any, means: dict[str, np.ndarray]) -> int:
+    """Bias correction (Nagel et al. 2019, "Data-Free Quantization", 4.2, with empirical means):
+    rounding a conv's weights shifts its output by ``(W_q - W) E[x]`` on average, the same sign
+    over every image, and 7-bit weights make that shift most of Lite1's int8 error (7-bit weights
+    alone, activations float: cosine to fp32 0.985; corrected, the whole int8 model: 0.996;
+    docs/benchmarks/quality-round5.md). Each int8 conv of ``q`` whose fp32 twin (same node name in
+    ``fp32``, the quantiser's input) has a bias gets ``b - (W_q - W) E[x]`` in its int32 bias;
+    ``means`` (:func:`conv_input_means`) holds ``E[x]`` per channel of each twin's input; zero
+    padding is ignored. onnxruntime's quantiser has no bias correction, hence this. Returns how
+    many convs were corrected."""
+    from onnx.numpy_helper import from_array, to_array
+
+    inits = {i.name: i for i in q.graph.initializer}
+    producer = {o: n for n in q.graph.node for o in n.output}
+    twins = {n.name: n for n in fp32.graph.node if n.op_type == "Conv" and len(n.input) > 2}
+    floats = {i.name: i for i in fp32.graph.initializer}
+    done = 0
+    for n in q.graph.node:
+        twin = twins.get(n.name)
+        dq_w, dq_b = (producer.get(n.input[i]) if len(n.input) > i else None for i in (1, 2))
+        if (twin is None or n.op_type != "Conv" or dq_w is None or dq_b is None
+                or dq_w.op_type != "DequantizeLinear" or dq_b.op_type != "DequantizeLinear"):
+            continue
+        w = to_array(floats[twin.input[1]]).astype(np.float64)
+        shape = (-1,) + (1,) * (w.ndim - 1)
+        wq, w_scale = (to_array(inits[i]).astype(np.float64) for i in dq_w.input[:2])
+        w_zero = to_array(inits[dq_w.input[2]]).astype(np.float64) if len(dq_w.input) > 2 else 0.0
+        delta = (wq - np.reshape(w_zero, shape)) * np.reshape(w_scale, shape) - w    # [out, in/group, k...]
+        groups = next((a.i for a in n.attribute if a.name == "group"), 1)
+        out_ch, per_group = w.shape[:2]
+        mean_in = means[twin.input[0]].reshape(groups, per_group)[np.arange(out_ch) // (out_ch // groups)]
+        shift = (delta.sum(axis=tuple(range(2, w.ndim))) * mean_in).sum(axis=1)
+        bias = to_array(floats[twin.input[2]]).astype(np.float64) - shift
+        b_init = inits[dq_b.input[0]]
+        b_scale = to_array(inits[dq_b.input[1]]).astype(np.float64)
+        b_zero = to_array(inits[dq_b.input[2]]).astype(np.float64) if len(dq_b.input) > 2 else 0.0
+        info = np.iinfo(np.int32)
+        b_init.CopyFrom(from_array(np.clip(np.round(bias / b_scale + b_zero), info.min, info.max)
+                                   .astype(np.int32), b_init.name))
+        done += 1
+    return done
+
+
 def _batches(embedder: Any, files: Sequence[Path], batch_size: int, skipped: list[tuple[str, str]],
              progress: bool) -> Iterator[np.ndarray]:
     """Preprocessed (N, C, H, W) batches of ``files``; unreadable ones recorded in ``skipped``."""
@@ -261,10 +333,16 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
                             op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_exclude=floats,
                             calibrate_method=method, extra_options=extra)
             proto = onnx.load(tmp_out)
+            if recipe.bias_correction:
+                fp32_proto = onnx.load(str(pre))
+                convs = [n for n in fp32_proto.graph.node if n.op_type == "Conv" and n.name not in floats]
+                means = conv_input_means(fp32_proto, sorted({n.input[0] for n in convs}),
+                                         fp32.input_name, batches)
+                correct_biases(proto, fp32_proto, means)
             write_metadata(proto, {**fp32.metadata, "quantization": json.dumps({
                 "format": QUANT_FORMAT, "ops": list(QUANTIZED_OPS), "float_nodes": floats,
                 "float_policy": recipe.float_nodes, "per_channel": recipe.per_channel,
-                "reduce_range": recipe.reduce_range,
+                "reduce_range": recipe.reduce_range, "bias_correction": recipe.bias_correction,
                 "calibration": recipe.method, **({"percentile": recipe.percentile}
                                                  if recipe.method == "percentile" else {}),
                 "calibration_images": seen, "fp32_sha256": fp32.model_hash})})

@@ -34,7 +34,7 @@ from embedder.cli import run_main
 
 PROG = "python -m benchmarks.embedder.int8_calibration"
 SPLITS = ("cub-val", "cub-test", "caltech-all")
-_TAG = re.compile(r"^(minmax|entropy|pct([\d.]+))-(pc|pt)-(none|stem|head|stem\+head|stem\+adds|full-res)-(\d+)(-rr)?$")
+_TAG = re.compile(r"^(minmax|entropy|pct([\d.]+))-(pc|pt)-(none|stem|head|stem\+head|stem\+adds|full-res)-(\d+)(-rr)?(-bc)?$")
 
 
 def parse_recipe(tag: str):
@@ -43,11 +43,11 @@ def parse_recipe(tag: str):
 
     m = _TAG.match(tag)
     if not m:
-        raise SystemExit(f"error: recipe {tag!r}: expected METHOD-pc|pt-none|stem|head|stem+head|stem+adds|full-res-IMAGES[-rr], "
+        raise SystemExit(f"error: recipe {tag!r}: expected METHOD-pc|pt-none|stem|head|stem+head|stem+adds|full-res-IMAGES[-rr][-bc], "
                          "METHOD minmax, entropy or pctNN.N")
     method = "percentile" if m.group(2) else m.group(1)
     r = QuantRecipe(method=method, per_channel=m.group(3) == "pc", float_nodes=m.group(4),
-                    images=int(m.group(5)), reduce_range=bool(m.group(6)), **({"percentile": float(m.group(2))} if m.group(2) else {}))
+                    images=int(m.group(5)), reduce_range=bool(m.group(6)), bias_correction=bool(m.group(7)), **({"percentile": float(m.group(2))} if m.group(2) else {}))
     assert r.tag == tag, (r.tag, tag)
     return r
 
