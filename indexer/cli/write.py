@@ -110,9 +110,11 @@ def build(args: argparse.Namespace) -> None:
                     batch_size=args.batch_size, workers=args.workers, device=args.device,
                     progress=not args.quiet, wait=args.wait, dba=dba_params(args))
     ing = m.ingest
+    # "embedded" also counts stored images new to the model (a rebuild with another model),
+    # which are neither new nor unchanged
     print(f"{ing.found} files: {ing.new} new, {ing.unchanged} unchanged, "
           f"{ing.duplicates} duplicate content, {ing.skipped} skipped"
-          + (f" (reasons in {args.out / m.report})" if ing.skipped else ""))
+          + (f" (reasons in {args.out / m.report})" if ing.skipped else "") + f"; {ing.embedded} embedded")
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from indexer_testlib import copy_characters, run_cli
+from embedder import OnnxEmbedder
 
 
 def _one_line_error(p, *needles: str) -> None:
@@ -108,6 +109,23 @@ def _variant(src: Path, dst: Path, **meta: str) -> Path:
             proto.metadata_props.add(key=k, value=v)
     onnx.save(proto, str(dst))
     return dst
+
+
+def test_rebuild_with_another_model_counts_the_stored_images_it_embeds_again(
+        tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    """`indexer build` of the same gallery into the same index with another model (as the
+    default does when a gallery grows past int8's 256 photos): the stored images are embedded
+    again, and the summary line counts them (they are neither new nor unchanged)."""
+    g = tmp_path / "g"
+    copy_characters(omniglot_root, g, 1, per_char=10)
+    out = tmp_path / "idx"
+    first = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet").stdout
+    assert "10 files: 10 new, 0 unchanged, 0 duplicate content, 0 skipped; 10 embedded" in first, first
+    other = _variant(small_onnx, tmp_path / "other.onnx", source_hash="another-training-run")
+    again = run_cli("build", g, "--model", other, "--out", out, "--quiet").stdout
+    assert "10 files: 0 new, 0 unchanged, 0 duplicate content, 0 skipped; 10 embedded" in again, again
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["model"]["hash"] == OnnxEmbedder(other).model_hash and m["count"] == 10
 
 
 def test_add_with_another_model_or_dimension_is_refused(tmp_path: Path, omniglot_root: Path,
