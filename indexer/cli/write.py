@@ -3,12 +3,14 @@ merge, add, remove, repair. Each holds the directory's writer lock through the l
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from embedder.cli import UsageError
 
 from ..ann.options import BuildOptions
+from ..directory.index_dir import IndexDir
 from ..directory.manifest import Manifest
 
 
@@ -31,7 +33,8 @@ def dba_params(args: argparse.Namespace) -> object:
 
 def int8_model(args: argparse.Namespace) -> Path:
     """``indexer build --int8``: the int8 version of --model (or the default), calibrated on the
-    gallery (``int8_model_path``: the same gallery gives the same file)."""
+    gallery (``int8_model_path``: the same gallery gives the same file), or the one the index at
+    --out already has (:func:`kept_int8`)."""
     from embedder import default_model_path
     from embedder.quantize import int8_model_path
 
@@ -40,7 +43,30 @@ def int8_model(args: argparse.Namespace) -> Path:
     fp32 = load_embedder(args.model, device="cpu").path if args.model else default_model_path()
     if not args.gallery.is_dir():
         raise ValueError(f"{args.gallery}: gallery folder not found")
-    return int8_model_path(fp32, args.gallery, progress=not args.quiet)
+    return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(fp32, args.gallery,
+                                                                          progress=not args.quiet)
+
+
+def kept_int8(d: IndexDir, fp32: Path) -> Path | None:
+    """``d``'s own ``model.onnx`` when it is an intact int8 version of ``fp32`` (its quantisation
+    metadata names fp32's hash). Why: a rebuild after photos were added would calibrate on a new
+    list, get another int8 model and embed the whole gallery again (300 photos and one more: 301
+    embedded, not 1)."""
+    from embedder.hashing import file_sha256
+
+    from ..errors import IndexerError
+
+    if not d.exists():
+        return None
+    try:
+        model = d.read_manifest().model
+        q = json.loads((model.metadata or {}).get("quantization") or "{}")
+    except (IndexerError, ValueError):          # damaged: the build itself says what is wrong
+        return None
+    if (not isinstance(q, dict) or q.get("fp32_sha256") != file_sha256(fp32)
+            or not d.model_file.is_file() or file_sha256(d.model_file) != model.hash):
+        return None
+    return d.model_file
 
 
 def build_with_ray_command(args: argparse.Namespace) -> Manifest:

@@ -265,6 +265,31 @@ def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omn
     assert m["model"]["hash"] == fp32 and m["count"] == 105 and "neighbours" not in m
 
 
+def test_int8_rebuild_after_photos_were_added_keeps_the_index_int8_model(
+        tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    """`indexer build --int8` again once photos were added: the index keeps its own int8 model
+    (calibrating again on the changed list would give another model and embed everything again),
+    so only the new photos are embedded; with another fp32 model it is not kept."""
+    g = tmp_path / "g"
+    copy_characters(omniglot_root, g, 2, per_char=10)
+    out = tmp_path / "idx"
+    run_cli("build", g, "--model", small_onnx, "--int8", "--out", out, "--quiet")
+    model = json.loads((out / "manifest.json").read_text())["model"]
+    assert "quantization" in model["metadata"]
+    copy_characters(omniglot_root, g, 1, per_char=3, skip_chars=2)
+    p = run_cli("build", g, "--model", small_onnx, "--int8", "--out", out, "--quiet")
+    assert "23 files: 3 new, 20 unchanged, 0 duplicate content, 0 skipped; 3 embedded" in p.stdout, p.stdout
+    assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == model["hash"]
+    import onnx
+
+    other = onnx.load(str(small_onnx))                  # the same network, another fp32 file
+    other.metadata_props.add(key="source_hash", value="another-training-run")
+    onnx.save(other, str(tmp_path / "other.onnx"))
+    p = run_cli("build", g, "--model", tmp_path / "other.onnx", "--int8", "--out", out, "--quiet")
+    assert "; 23 embedded" in p.stdout, p.stdout
+    assert json.loads((out / "manifest.json").read_text())["model"]["hash"] != model["hash"]
+
+
 @pytest.mark.slow
 def test_default_on_a_cub_gallery_is_int8_with_dba(tmp_path: Path, cub_root: Path, pretrained_onnx: Path) -> None:
     """The measured default (issue 41, docs/benchmarks/quality-round5.md): no --model on >= 256
