@@ -10,7 +10,7 @@ from pathlib import Path
 from embedder.cli import UsageError
 
 from ..ann.options import BuildOptions
-from ..directory.index_dir import IndexDir
+from ..directory.index_dir import REPORT, IndexDir
 from ..directory.manifest import Manifest
 
 
@@ -168,12 +168,13 @@ def add(args: argparse.Namespace) -> None:
 
     c = add_images(args.index, args.folder, args.model, prefix=args.prefix, batch_size=args.batch_size,
                    workers=args.workers, device=args.device, progress=not args.quiet, wait=args.wait)
-    print(c.stats.summary())
+    print(c.stats.summary() + (f" (reasons in {Path(args.index) / REPORT})" if c.stats.skipped else ""))
     if c.shard is not None:
         print(f"added {c.added} vectors to shard {c.shard}; index now holds {c.manifest.count}, "
               f"retuned to {c.manifest.search_params}")
     else:
-        print(f"added {c.added} vectors; index now holds {c.manifest.count}, nprobe {c.manifest.nprobe}")
+        print(f"added {c.added} vectors; index now holds {c.manifest.count}"
+              + (f", nprobe {c.manifest.nprobe}" if c.manifest.nprobe else ""))
 
 
 def remove(args: argparse.Namespace) -> None:
