@@ -54,19 +54,18 @@ def kept_int8(d: IndexDir, fp32: Path) -> Path | None:
     embedded, not 1)."""
     from embedder.hashing import file_sha256
 
+    from ..directory.validate import check_model_file
     from ..errors import IndexerError
 
     if not d.exists():
         return None
     try:
         model = d.read_manifest().model
+        check_model_file(d.model_file, model.hash)
         q = json.loads((model.metadata or {}).get("quantization") or "{}")
     except (IndexerError, ValueError):          # damaged: the build itself says what is wrong
         return None
-    if (not isinstance(q, dict) or q.get("fp32_sha256") != file_sha256(fp32)
-            or not d.model_file.is_file() or file_sha256(d.model_file) != model.hash):
-        return None
-    return d.model_file
+    return d.model_file if isinstance(q, dict) and q.get("fp32_sha256") == file_sha256(fp32) else None
 
 
 def build_with_ray_command(args: argparse.Namespace) -> Manifest:
@@ -115,6 +114,14 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> tuple[str, ..
     return d.notes if found else ()
 
 
+def ingest_line(found: int, new: int, unchanged: int, duplicates: int, skipped: int, embedded: int,
+                report: Path) -> str:
+    """The summary `build` and `add` print. "embedded" also counts stored images new to the model
+    (a rebuild with another model), which are neither new nor unchanged."""
+    return (f"{found} files: {new} new, {unchanged} unchanged, {duplicates} duplicate content, "
+            f"{skipped} skipped" + (f" (reasons in {report})" if skipped else "") + f"; {embedded} embedded")
+
+
 def build(args: argparse.Namespace) -> None:
     from ..build.single import build_index
     from ..store.walk import parse_shard
@@ -136,11 +143,8 @@ def build(args: argparse.Namespace) -> None:
                     batch_size=args.batch_size, workers=args.workers, device=args.device,
                     progress=not args.quiet, wait=args.wait, dba=dba_params(args))
     ing = m.ingest
-    # "embedded" also counts stored images new to the model (a rebuild with another model),
-    # which are neither new nor unchanged
-    print(f"{ing.found} files: {ing.new} new, {ing.unchanged} unchanged, "
-          f"{ing.duplicates} duplicate content, {ing.skipped} skipped"
-          + (f" (reasons in {args.out / m.report})" if ing.skipped else "") + f"; {ing.embedded} embedded")
+    print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
+                      args.out / m.report))
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
@@ -168,7 +172,9 @@ def add(args: argparse.Namespace) -> None:
 
     c = add_images(args.index, args.folder, args.model, prefix=args.prefix, batch_size=args.batch_size,
                    workers=args.workers, device=args.device, progress=not args.quiet, wait=args.wait)
-    print(c.stats.summary() + (f" (reasons in {Path(args.index) / REPORT})" if c.stats.skipped else ""))
+    st = c.stats
+    print(ingest_line(st.found, st.new, st.unchanged, st.duplicates, len(st.skipped), st.embedded,
+                      Path(args.index) / REPORT))
     if c.shard is not None:
         print(f"added {c.added} vectors to shard {c.shard}; index now holds {c.manifest.count}, "
               f"retuned to {c.manifest.search_params}")

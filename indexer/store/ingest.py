@@ -39,11 +39,6 @@ class IngestStats:
     skipped: list[dict] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)    # per stage of the runner (run)
 
-    def summary(self) -> str:
-        return (f"{self.found} files: {self.new} new, {self.unchanged} unchanged, "
-                f"{self.duplicates} duplicate content, {len(self.skipped)} skipped; "
-                f"{self.embedded} embedded")
-
 
 def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
         settle: Callable[[Any], Iterable[tuple[Any, np.ndarray]]], commit: Callable[[list, np.ndarray], None],

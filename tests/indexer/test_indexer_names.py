@@ -65,7 +65,7 @@ def test_names_not_utf8_and_overlong_paths_are_reported_not_fatal(omniglot_paths
     shutil.copy(omniglot_paths[7], extra / "ok" / "z.png")
     p = run_cli("add", "--index", out, extra, "--quiet", check=False)
     assert p.returncode == 0, p.stderr
-    assert f"1 skipped; 1 embedded (reasons in {out / 'report.jsonl'})" in p.stdout, p.stdout
+    assert f"1 skipped (reasons in {out / 'report.jsonl'}); 1 embedded" in p.stdout, p.stdout
     assert json.loads((out / "manifest.json").read_text())["count"] == 5
     report = _report(out)
     assert any(r"b'\xff\xfeclass'" in r["reason"] for r in report), report
