@@ -325,7 +325,8 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
         # symbolic shape inference trips over the Expand of the L2 normalisation; onnx's own
         # shape inference is enough for Conv/Clip/Add
         quant_pre_process(str(model), str(pre), skip_symbolic_shape=True)
-        floats = float_node_names(onnx.load(str(pre)), recipe.float_nodes)
+        pre_proto = onnx.load(str(pre))
+        floats = float_node_names(pre_proto, recipe.float_nodes)
         with atomic_target(out, suffix=".onnx") as tmp_out:
             quantize_static(str(pre), tmp_out, reader, quant_format=QuantFormat.QDQ,
                             per_channel=recipe.per_channel, reduce_range=recipe.reduce_range,
@@ -334,11 +335,10 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
                             calibrate_method=method, extra_options=extra)
             proto = onnx.load(tmp_out)
             if recipe.bias_correction:
-                fp32_proto = onnx.load(str(pre))
-                convs = [n for n in fp32_proto.graph.node if n.op_type == "Conv" and n.name not in floats]
-                means = conv_input_means(fp32_proto, sorted({n.input[0] for n in convs}),
+                convs = [n for n in pre_proto.graph.node if n.op_type == "Conv" and n.name not in floats]
+                means = conv_input_means(pre_proto, sorted({n.input[0] for n in convs}),
                                          fp32.input_name, batches)
-                correct_biases(proto, fp32_proto, means)
+                correct_biases(proto, pre_proto, means)
             write_metadata(proto, {**fp32.metadata, "quantization": json.dumps({
                 "format": QUANT_FORMAT, "ops": list(QUANTIZED_OPS), "float_nodes": floats,
                 "float_policy": recipe.float_nodes, "per_channel": recipe.per_channel,
