@@ -1,5 +1,5 @@
-"""Run the Ray test modules (``RAY_MODULES``) inside private network namespaces, from the main
-`python -m pytest` run: two pytest processes at once (``RAY_GROUPS``), each in its own namespace.
+"""Run the Ray test modules (``RAY_MODULES``) inside a private network namespace, all of them in
+one pytest process, from the main `python -m pytest` run.
 
 Ray listens on every interface; in a new network namespace (`unshare -n`) the only interface is
 loopback, so nothing it opens can be reached from outside. Where no namespace can be made (not
@@ -25,13 +25,9 @@ from indexer.ray.cluster import INSTALL_HINT, only_loopback
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-# Every module that starts Ray (each also in its directory's conftest ``collect_ignore``), in two
-# groups of about equal time (~110 and ~95 s alone): a Ray run is mostly waits (clusters coming up,
-# node deaths, retries: ~115 CPU-s over 217 s wall in one process), so two at once fill each
-# other's idle half core instead of holding a test worker for 3.5 minutes.
-RAY_GROUPS = [["tests/indexer/test_ray.py", "tests/indexer/test_ray_cluster.py"],
-              ["tests/serving/test_ray_serving.py"]]
-RAY_MODULES = [m for group in RAY_GROUPS for m in group]
+# Every module that starts Ray (each also in its directory's conftest ``collect_ignore``).
+RAY_MODULES = ["tests/indexer/test_ray.py", "tests/indexer/test_ray_cluster.py",
+               "tests/serving/test_ray_serving.py"]
 
 
 def unshare_cmd() -> list[str] | str:
@@ -47,12 +43,12 @@ def unshare_cmd() -> list[str] | str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)      # the inner runs have their own 900 s limit
+@pytest.mark.timeout(1200)      # the inner run has its own 900 s limit
 def test_ray_tests_in_a_private_network_namespace(tmp_path: Path, small_onnx: Path) -> None:
-    """The Ray modules in two pytest processes at once, each in its own namespace (so their
-    clusters never see each other): each process imports torch, faiss and Ray once for its
-    modules and reads the run's small model (its export is ~25 s otherwise); each module still
-    brings up its own cluster shape."""
+    """All Ray modules in one pytest process in one namespace: the process starts and imports
+    torch, faiss and Ray once for all of them (three processes cost ~40 s more on 2 cores) and
+    reads the run's small model (its export is ~25 s of this run's wall time otherwise); each
+    module still brings up its own cluster shape."""
     if importlib.util.find_spec("ray") is None:
         skip_or_fail(f"Ray tests need Ray: {INSTALL_HINT}")
     prefix: list[str] = []
@@ -68,31 +64,17 @@ def test_ray_tests_in_a_private_network_namespace(tmp_path: Path, small_onnx: Pa
     # other xdist worker, at 0, they got a sliver of a core and the run took 257 s instead of
     # 172 s alone (2026-11-28). At 0 they share the cores fairly; the raylets are at 0 anyway.
     env["RAY_worker_niceness"] = "0"
-    runs = []
-    for g, modules in enumerate(RAY_GROUPS):
-        report, log = tmp_path / f"ray{g}.xml", tmp_path / f"ray{g}.log"
-        # -n 0: serial inside, whatever PYTEST_ADDOPTS says (the clusters are sized for 2 cores)
-        cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-               "-rs", f"--junitxml={report}", f"--basetemp={tmp_path / f'g{g}'}",
-               *(str(REPO / m) for m in modules)]
-        with open(log, "w") as f:
-            runs.append((cmd, report, log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f,
-                                                             stderr=subprocess.STDOUT)))
-    try:
-        codes = [proc.wait(timeout=900) for *_, proc in runs]
-    finally:
-        for *_, proc in runs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    ran: dict[str, dict[str, int]] = {}
-    for (cmd, report, log, _), code in zip(runs, codes):
-        out = log.read_text(errors="replace")
-        # the failures first (from the report: Ray's logs fill the output's tail), then the tail
-        assert code == 0, f"{' '.join(cmd)} exited {code}:\n{failures(report)}\n{out[-3000:]}"
-        ran.update(per_module(report))
+    report = tmp_path / "ray.xml"
+    # -n 0: serial inside, whatever PYTEST_ADDOPTS says (the clusters are sized for 2 cores)
+    cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
+           f"--junitxml={report}", *(str(REPO / m) for m in RAY_MODULES)]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = p.stdout + p.stderr
+    # the failures first (from the report: Ray's logs fill the output's tail), then the tail
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{failures(report)}\n{out[-3000:]}"
+    ran = per_module(report)
     for m in RAY_MODULES:         # every module ran, nothing skipped: a skip here hides a failure
-        assert ran.get(m, {}).get("passed", 0) > 0 and set(ran[m]) == {"passed"}, (m, ran)
+        assert ran.get(m, {}).get("passed", 0) > 0 and set(ran[m]) == {"passed"}, (m, ran, out[-3000:])
 
 
 def per_module(junit: Path) -> dict[str, dict[str, int]]:
