@@ -14,13 +14,34 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import decode_budget as budget
-from .containers import FormatRefused, open_image
+from .containers import ACCEPTED_TEXT, FormatRefused, open_image
 from .errors import PathError
 
-# File suffixes every package treats as images (gallery walks, dataset folders, query folders).
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+# File suffixes every package treats as images (gallery walks, dataset folders, query folders):
+# the usual names of the formats embedder.containers opens (.jfif and .jpe are JPEG's other names,
+# what some browsers save downloads as).
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
+# Photo formats galleries hold that the decoder does not open (no reader in Pillow, or one it does
+# not trust): a gallery walk reports each as a skipped file with :func:`not_decoded`'s reason, where
+# any other name (notes, sidecars, videos) is passed over, so a phone's HEIC photos are never
+# missing from an index in silence.
+_NOT_DECODED = {**dict.fromkeys((".heic", ".heif"), "a HEIC/HEIF photo"), ".avif": "an AVIF image",
+                ".jxl": "a JPEG XL image",
+                **dict.fromkeys((".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".srw",
+                                 ".pef"), "a camera raw file")}
 
 DEFAULT_MAX_PIXELS: int = 64_000_000
+
+
+def not_decoded(name: str) -> str | None:
+    """Why the file ``name`` is not indexed when its suffix is a photo format the decoder does not
+    open (HEIC, AVIF, JPEG XL, camera raw), else None."""
+    kind = _NOT_DECODED.get(os.path.splitext(name)[1].lower())
+    return None if kind is None else (f"skipped: {kind}, which is not decoded here (expected "
+                                      f"{ACCEPTED_TEXT}); convert it to JPEG first")
+
+
 MODES = ("RGB", "L")
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
@@ -134,7 +155,9 @@ def load_image(
     except FormatRefused as e:
         raise ImageLoadError(label, str(e)) from e
     except UnidentifiedImageError as e:
-        raise ImageLoadError(label, "not an image (unrecognised format)") from e
+        why = not_decoded(label)            # a HEIC or raw photo given by name: say what it is
+        raise ImageLoadError(label, why.removeprefix("skipped: ") if why
+                             else "not an image (unrecognised format)") from e
     except Image.DecompressionBombError as e:
         # PIL refuses above 2 * Image.MAX_IMAGE_PIXELS inside Image.open, before our own check
         # can see the size; report it in the same words.

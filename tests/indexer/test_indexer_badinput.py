@@ -13,6 +13,8 @@ from PIL import Image
 
 from indexer_testlib import copy_characters, run_cli
 from embedder import OnnxEmbedder
+from indexer import GalleryStore
+from indexer.directory.index_dir import STORE_DIR
 
 
 def _one_line_error(p, *needles: str) -> None:
@@ -42,11 +44,22 @@ def bad_gallery(tmp_path: Path, omniglot_root: Path, photo_paths: list[Path]) ->
     (bad / "dangling.webp").symlink_to(bad / "does-not-exist.webp")
     Image.new("1", (9000, 9000)).save(bad / "bomb.png")            # 81 Mpx in a few kB
     (bad / "readme.txt").write_text("not an image name: ignored, not reported")
+    # photo formats the decoder does not open are reported by name, never passed over in silence
+    (bad / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + os.urandom(200))
+    (bad / "DSC_0002.NEF").write_bytes(b"MM\x00*" + os.urandom(200))
+    (bad / "photo.avif").write_bytes(b"\x00\x00\x00\x1cftypavif" + os.urandom(200))
+    # JPEG's other names are indexed like .jpg (two more photos)
+    other = g / "other-names"
+    other.mkdir()
+    pngs = [p for p in photo_paths if p.suffix == ".png"]
+    Image.open(pngs[0]).convert("RGB").save(other / "download.jfif", "JPEG")
+    Image.open(pngs[1]).convert("RGB").save(other / "scan.JPE", "JPEG")
     reasons = {"bad/corrupt.png": "corrupt", "bad/garbage.gif": "not an image",
                "bad/truncated.jpg": "truncated",
                "bad/empty.PNG": "empty", "bad/notes.jpeg": "not an image",
                "bad/folder.jpg": "directory", "bad/dangling.webp": "dangling",
-               "bad/bomb.png": "decompression bomb"}
+               "bad/bomb.png": "decompression bomb", "bad/IMG_0001.HEIC": "heic/heif photo",
+               "bad/DSC_0002.NEF": "camera raw", "bad/photo.avif": "avif"}
     return g, reasons
 
 
@@ -55,14 +68,20 @@ def test_bad_files_are_skipped_with_reasons(tmp_path: Path, bad_gallery: tuple[P
     g, reasons = bad_gallery
     out = tmp_path / "idx"
     p = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
-    assert "16 new" in p.stdout and f"{len(reasons)} skipped" in p.stdout
+    assert "18 new" in p.stdout and f"{len(reasons)} skipped" in p.stdout
     report = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
     got = {r["path"]: r["reason"] for r in report}
-    assert set(got) == set(reasons)
+    assert set(got) == set(reasons)                 # readme.txt passed over, not reported
     for path, word in reasons.items():
         assert word in got[path].lower(), (path, got[path])
+    assert "convert it to JPEG" in got["bad/IMG_0001.HEIC"]
+    # the same photo as a query: one line that says what it is
+    _one_line_error(run_cli("search", g / "bad" / "IMG_0001.HEIC", "--index", out, check=False),
+                    "IMG_0001.HEIC", "HEIC/HEIF photo")
     m = json.loads((out / "manifest.json").read_text())
-    assert m["count"] == 16 and m["ingest"]["skipped"] == len(reasons)
+    assert m["count"] == 18 and m["ingest"]["skipped"] == len(reasons)
+    with GalleryStore(out / STORE_DIR) as store:     # the .jfif and .JPE photos are in the index
+        assert all(store.id_for_path(f"other-names/{n}") is not None for n in ("download.jfif", "scan.JPE"))
 
 
 def test_gallery_of_only_bad_files_fails_cleanly(tmp_path: Path, bad_gallery: tuple[Path, dict],
