@@ -38,8 +38,8 @@ def not_decoded(name: str) -> str | None:
     """Why the file ``name`` is not indexed when its suffix is a photo format the decoder does not
     open (HEIC, AVIF, JPEG XL, camera raw), else None."""
     kind = _NOT_DECODED.get(os.path.splitext(name)[1].lower())
-    return None if kind is None else (f"skipped: {kind}, which is not decoded here (expected "
-                                      f"{ACCEPTED_TEXT}); convert it to JPEG first")
+    return None if kind is None else (f"{kind}, not decoded here (expected {ACCEPTED_TEXT}); "
+                                      "convert it to JPEG first")
 
 
 MODES = ("RGB", "L")
@@ -156,8 +156,7 @@ def load_image(
         raise ImageLoadError(label, str(e)) from e
     except UnidentifiedImageError as e:
         why = not_decoded(label)            # a HEIC or raw photo given by name: say what it is
-        raise ImageLoadError(label, why.removeprefix("skipped: ") if why
-                             else "not an image (unrecognised format)") from e
+        raise ImageLoadError(label, why or "not an image (unrecognised format)") from e
     except Image.DecompressionBombError as e:
         # PIL refuses above 2 * Image.MAX_IMAGE_PIXELS inside Image.open, before our own check
         # can see the size; report it in the same words.
