@@ -120,6 +120,9 @@ def load_image(
             return _reduced(to_mode(ImageOps.exif_transpose(source) or source, mode), min_side)
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageLoadError(label, f"cannot decode image: {e}") from e
+    why = not_decoded(label)     # by name, before a byte is read: a raw photo would open as its TIFF preview
+    if why is not None:
+        raise ImageLoadError(label, why)
 
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):
@@ -155,8 +158,7 @@ def load_image(
     except FormatRefused as e:
         raise ImageLoadError(label, str(e)) from e
     except UnidentifiedImageError as e:
-        why = not_decoded(label)            # a HEIC or raw photo given by name: say what it is
-        raise ImageLoadError(label, why or "not an image (unrecognised format)") from e
+        raise ImageLoadError(label, "not an image (unrecognised format)") from e
     except Image.DecompressionBombError as e:
         # PIL refuses above 2 * Image.MAX_IMAGE_PIXELS inside Image.open, before our own check
         # can see the size; report it in the same words.
