@@ -23,23 +23,30 @@ from .errors import PathError
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
 # Photo formats galleries hold that the decoder does not open (no reader in Pillow, or one it does
-# not trust): a gallery walk reports each as a skipped file with :func:`not_decoded`'s reason, where
-# any other name (notes, sidecars, videos) is passed over, so a phone's HEIC photos are never
-# missing from an index in silence.
+# not trust). Walks list them like images (``is_listed``) so that a phone's HEIC photos are skipped
+# with :func:`not_decoded`'s reason, never missing in silence (other names: notes, sidecars, videos,
+# are passed over); a file with such a name that holds a JPEG is read like one. Raw files are refused
+# by name: they are TIFF containers, which Pillow would open as their small preview.
+_RAW = (".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".srw", ".pef")
 _NOT_DECODED = {**dict.fromkeys((".heic", ".heif"), "a HEIC/HEIF photo"), ".avif": "an AVIF image",
-                ".jxl": "a JPEG XL image",
-                **dict.fromkeys((".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".srw",
-                                 ".pef"), "a camera raw file")}
+                ".jxl": "a JPEG XL image", **dict.fromkeys(_RAW, "a camera raw file")}
 
 DEFAULT_MAX_PIXELS: int = 64_000_000
 
 
 def not_decoded(name: str) -> str | None:
-    """Why the file ``name`` is not indexed when its suffix is a photo format the decoder does not
+    """Why the file ``name`` cannot be read when its suffix is a photo format the decoder does not
     open (HEIC, AVIF, JPEG XL, camera raw), else None."""
     kind = _NOT_DECODED.get(os.path.splitext(name)[1].lower())
     return None if kind is None else (f"{kind}, not decoded here (expected {ACCEPTED_TEXT}); "
                                       "convert it to JPEG first")
+
+
+def is_listed(name: str) -> bool:
+    """Whether folder walks (galleries, queries, class folders) take the file ``name``: an image
+    suffix, or a photo format to report as unreadable."""
+    suffix = os.path.splitext(name)[1].lower()
+    return suffix in IMAGE_SUFFIXES or suffix in _NOT_DECODED
 
 
 MODES = ("RGB", "L")
@@ -120,9 +127,8 @@ def load_image(
             return _reduced(to_mode(ImageOps.exif_transpose(source) or source, mode), min_side)
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageLoadError(label, f"cannot decode image: {e}") from e
-    why = not_decoded(label)     # by name, before a byte is read: a raw photo would open as its TIFF preview
-    if why is not None:
-        raise ImageLoadError(label, why)
+    if os.path.splitext(label)[1].lower() in _RAW:      # not opened: Pillow would read its preview
+        raise ImageLoadError(label, str(not_decoded(label)))
 
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):
@@ -158,7 +164,7 @@ def load_image(
     except FormatRefused as e:
         raise ImageLoadError(label, str(e)) from e
     except UnidentifiedImageError as e:
-        raise ImageLoadError(label, "not an image (unrecognised format)") from e
+        raise ImageLoadError(label, not_decoded(label) or "not an image (unrecognised format)") from e
     except Image.DecompressionBombError as e:
         # PIL refuses above 2 * Image.MAX_IMAGE_PIXELS inside Image.open, before our own check
         # can see the size; report it in the same words.

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from embedder.images import IMAGE_SUFFIXES, not_decoded
+from embedder.images import is_listed
 
 
 class DatasetLayoutError(FileNotFoundError):
@@ -158,8 +158,7 @@ def _folder_pairs(base: Path, classes: Sequence[str]) -> list[tuple[Path, str]]:
     """Image files of each class folder; photos in a format the decoder does not open (HEIC, raw)
     are listed too, so that their decode error puts them in the run's skipped.jsonl by name."""
     return [(p, c) for c in classes for p in sorted(
-        p for p in (base / c).iterdir()
-        if p.is_file() and (p.suffix.lower() in IMAGE_SUFFIXES or not_decoded(p.name)))]
+        p for p in (base / c).iterdir() if p.is_file() and is_listed(p.name))]
 
 
 def _omniglot_classes(base: Path) -> list[str]:

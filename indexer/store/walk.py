@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
-from embedder.images import IMAGE_SUFFIXES, not_decoded
+from embedder.images import is_listed
 
 
 
@@ -23,7 +23,7 @@ class GalleryFile:
 
 
 def is_image_name(name: str) -> bool:
-    return PurePosixPath(name).suffix.lower() in IMAGE_SUFFIXES
+    return is_listed(name)
 
 
 def printable_name(name: str) -> str:
@@ -53,8 +53,8 @@ def label_of(relpath: str) -> str | None:
 def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
     """Yield every image-named entry under ``root`` in sorted order, symlinks followed (as ``find -L``,
     each directory once: a link to an ancestor is yielded with ``problem`` set). Also with ``problem``:
-    image-named non-regular files, names not UTF-8 (``relpath`` printable), ENAMETOOLONG, and photos
-    in a format the decoder does not open (``embedder.images.not_decoded``)."""
+    image-named non-regular files, names not UTF-8 (``relpath`` printable) and ENAMETOOLONG. Image
+    names are ``embedder.images.is_listed``'s: HEIC or raw photos too, reported when they fail to decode."""
     root = Path(root)
     if not root.is_dir():
         raise NotADirectoryError(f"{root}: not a directory")
@@ -112,9 +112,6 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
                 subdirs.append(p)
                 continue
             if not image_name:
-                why = not_decoded(e.name)   # a photo format we cannot read: said, not passed over
-                if why is not None and e.is_file(follow_symlinks=True):
-                    yield entry(p, why)
                 continue
             bad = utf8_problem(e.name)
             if bad:

@@ -48,12 +48,13 @@ def bad_gallery(tmp_path: Path, omniglot_root: Path, photo_paths: list[Path]) ->
     (bad / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + os.urandom(200))
     (bad / "DSC_0002.NEF").write_bytes(b"MM\x00*" + os.urandom(200))
     (bad / "photo.avif").write_bytes(b"\x00\x00\x00\x1cftypavif" + os.urandom(200))
-    # JPEG's other names are indexed like .jpg (two more photos)
+    # JPEG's other names are indexed like .jpg, and so is a JPEG named .heic (three more photos)
     other = g / "other-names"
     other.mkdir()
     pngs = [p for p in photo_paths if p.suffix == ".png"]
     Image.open(pngs[0]).convert("RGB").save(other / "download.jfif", "JPEG")
     Image.open(pngs[1]).convert("RGB").save(other / "scan.JPE", "JPEG")
+    Image.open(pngs[2]).convert("RGB").save(other / "converted.heic", "JPEG")   # by content: a JPEG
     reasons = {"bad/corrupt.png": "corrupt", "bad/garbage.gif": "not an image",
                "bad/truncated.jpg": "truncated",
                "bad/empty.PNG": "empty", "bad/notes.jpeg": "not an image",
@@ -68,7 +69,7 @@ def test_bad_files_are_skipped_with_reasons(tmp_path: Path, bad_gallery: tuple[P
     g, reasons = bad_gallery
     out = tmp_path / "idx"
     p = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
-    assert "18 new" in p.stdout and f"{len(reasons)} skipped" in p.stdout
+    assert "19 new" in p.stdout and f"{len(reasons)} skipped" in p.stdout
     report = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
     got = {r["path"]: r["reason"] for r in report}
     assert set(got) == set(reasons)                 # readme.txt passed over, not reported
@@ -79,9 +80,10 @@ def test_bad_files_are_skipped_with_reasons(tmp_path: Path, bad_gallery: tuple[P
     _one_line_error(run_cli("search", g / "bad" / "IMG_0001.HEIC", "--index", out, check=False),
                     "IMG_0001.HEIC", "HEIC/HEIF photo")
     m = json.loads((out / "manifest.json").read_text())
-    assert m["count"] == 18 and m["ingest"]["skipped"] == len(reasons)
-    with GalleryStore(out / STORE_DIR) as store:     # the .jfif and .JPE photos are in the index
-        assert all(store.id_for_path(f"other-names/{n}") is not None for n in ("download.jfif", "scan.JPE"))
+    assert m["count"] == 19 and m["ingest"]["skipped"] == len(reasons)
+    with GalleryStore(out / STORE_DIR) as store:     # the .jfif, .JPE and JPEG .heic are in the index
+        assert all(store.id_for_path(f"other-names/{n}") is not None
+                   for n in ("download.jfif", "scan.JPE", "converted.heic"))
 
 
 def test_gallery_of_only_bad_files_fails_cleanly(tmp_path: Path, bad_gallery: tuple[Path, dict],
