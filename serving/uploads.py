@@ -68,6 +68,6 @@ def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT
         return bounded_decode(data, name=name, min_side=min_side, max_pixels=max_pixels)
     except ImageTooLargeError as e:  # a readable image that needs more memory than decoding may use
         raise UploadError(str(e), status=413) from None
-    except ImageLoadError as e:
-        raise UploadError(f"{name}: not a readable image ({e.reason}); expected a PNG, JPEG, "
-                          f"WebP, GIF, BMP, TIFF or ICO file", status=415) from None
+    except ImageLoadError as e:     # the accepted formats listed once (a refusal's reason has them)
+        expected = "" if "expected" in e.reason else "; expected a PNG, JPEG, WebP, GIF, BMP, TIFF or ICO file"
+        raise UploadError(f"{name}: not a readable image ({e.reason}){expected}", status=415) from None
