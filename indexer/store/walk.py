@@ -22,10 +22,6 @@ class GalleryFile:
     problem: str | None = None   # set when the entry is not a readable regular file
 
 
-def is_image_name(name: str) -> bool:
-    return is_listed(name)
-
-
 def printable_name(name: str) -> str:
     """``name`` with the bytes of a name that is not valid UTF-8 written as ``\\xe9``: Python's
     surrogate escapes raise on every UTF-8 encode (LMDB keys, JSON, the terminal)."""
@@ -85,7 +81,7 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
         subdirs = []
         for e in entries:
             p = Path(e.path)
-            image_name = is_image_name(e.name)
+            image_name = is_listed(e.name)
             try:
                 is_dir = e.is_dir(follow_symlinks=True)
             except OSError as err:          # e.g. ENAMETOOLONG on a symlink's stat
