@@ -14,6 +14,7 @@ _EXPORTS = {
     "default_parity_images": "export", "OnnxEmbedder": "runtime", "default_model_path": "pretrained",
     "pretrained_embedder": "pretrained", "PretrainedWeightsUnavailable": "errors",
     "CheckpointError": "errors", "ParityError": "errors", "ModelLoadError": "errors",
+    "keep_freed_memory": "decode_budget",
 }
 PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize", "regions")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
@@ -21,6 +22,7 @@ __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import load_checkpoint, save_checkpoint
     from .containers import open_image
+    from .decode_budget import keep_freed_memory
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .export import default_parity_images, export_onnx
     from .hashing import file_sha256

@@ -48,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    from embedder import keep_freed_memory
+
     from .trainer import train
 
+    keep_freed_memory()         # this process is the batch job: big tensors reuse freed pages
     result = train(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 speaks for the run
         return 0

@@ -230,7 +230,9 @@ import sys
 from embedder import decode_budget
 def rss_mb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
-if sys.argv[1] == "pinned":
+if sys.argv[1] == "kept, then pinned":
+    assert decode_budget.keep_freed_memory()
+if sys.argv[1] in ("pinned", "kept, then pinned"):
     assert decode_budget.pin_mmap_threshold()
 n = 20 << 20
 a = b"\\x01" * n        # mmapped and freed: glibc now raises its threshold above 20 MB
@@ -253,6 +255,34 @@ def test_pinned_mmap_threshold_gives_large_frees_back_at_once() -> None:
 
     kept = {mode: int(subprocess.run([sys.executable, "-c", _REUSE, mode], check=True, text=True,
                                      capture_output=True, cwd=Path(__file__).resolve().parents[2]).stdout)
-            for mode in ("default", "pinned")}
+            for mode in ("default", "pinned", "kept, then pinned")}
     assert kept["default"] >= 15, kept      # the failure mode is real on this libc
-    assert kept["pinned"] <= 2, kept
+    assert kept["pinned"] <= 2 and kept["kept, then pinned"] <= 2, kept
+
+
+_FAULTS = """
+import resource, sys
+from embedder import decode_budget
+if sys.argv[1] == "kept":
+    assert decode_budget.keep_freed_memory()
+n = 64 << 20            # above glibc's 32 MB ceiling: mmapped afresh on every allocation
+a = b"\\x01" * n; del a
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    a = b"\\x01" * n; del a
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+@pytest.mark.skipif(decode_budget._MALLOPT is None, reason="glibc only")
+def test_kept_freed_memory_reuses_large_blocks_without_page_faults() -> None:
+    """What `python -m training` sets: a step's large tensors reuse the pages the step before
+    freed; by default each 64 MB block is mapped anew and all its 16,384 pages faulted in."""
+    import subprocess
+    import sys
+
+    faults = {mode: int(subprocess.run([sys.executable, "-c", _FAULTS, mode], check=True, text=True,
+                                       capture_output=True, cwd=Path(__file__).resolve().parents[2]).stdout)
+              for mode in ("default", "kept")}
+    assert faults["default"] >= 4 * 16_000, faults
+    assert faults["kept"] <= 1_000, faults
