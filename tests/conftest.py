@@ -21,13 +21,6 @@ XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if XDIST_WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
 
-# Each worker trains, exports and embeds in-process, as `python -m training` does in its own
-# process: the same malloc policy (embedder/decode_budget.py); a server a test starts pins its own.
-if XDIST_WORKERS:
-    from embedder import keep_freed_memory
-
-    keep_freed_memory()
-
 # The fused DAS kernels (training/das_triton.py) are checked on CPU in Triton's interpreter,
 # which has to be switched on before anything imports triton. Never on a CUDA machine: there
 # the same tests run the compiled kernels.
