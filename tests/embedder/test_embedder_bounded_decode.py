@@ -284,5 +284,7 @@ def test_kept_freed_memory_reuses_large_blocks_without_page_faults() -> None:
     faults = {mode: int(subprocess.run([sys.executable, "-c", _FAULTS, mode], check=True, text=True,
                                        capture_output=True, cwd=Path(__file__).resolve().parents[2]).stdout)
               for mode in ("default", "kept")}
-    assert faults["default"] >= 4 * 16_000, faults
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not (thp.exists() and "[always]" in thp.read_text()):   # 2 MB pages fault 512x less often
+        assert faults["default"] >= 4 * 16_000, faults
     assert faults["kept"] <= 1_000, faults
