@@ -3,7 +3,8 @@
 the image and, on a CPU, most of a step's cost, so an epoch runs only the trainable stages on one
 stored view per image. Crops are drawn from a generator seeded per (seed, image): independent of
 batch order and threads. The key hashes the prefix's weights, the trainable spec, preprocessing,
-views, seed, and every image's path, size and mtime; a file is written under a temporary name and
+views, seed, and every image's real path (the same photos through another spelling of the root,
+working directory or link are a hit), size and mtime; a file is written under a temporary name and
 renamed (never half a cache). An undecodable image leaves zero rows, recorded as ``"failed"``
 beside it; a hit is never re-checked, since a fixed file has a new mtime and so a new key.
 """
@@ -39,7 +40,7 @@ def cache_key(prefix: nn.Module, what: str, preprocessing, views: int, seed: int
     for name, t in prefix.state_dict().items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    for p in paths:
+    for p in map(os.path.realpath, paths):
         try:
             st = os.stat(p)
             h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())

@@ -107,6 +107,11 @@ def test_trunk_cache_is_reused_and_keyed_by_views(cub_mini, tmp_path, monkeypatc
     monkeypatch.setattr(type(split.prefix), "forward", lambda self, x: calls.append(1) or x)
     b = trunk_activations(split.prefix, ds, pre, what="h", cache_dir=tmp_path, progress=False)
     assert calls == [] and np.array_equal(a, b)
+    (tmp_path / "link").symlink_to(cub_mini, target_is_directory=True)   # the root spelled otherwise
+    _, same = load_splits("folder", tmp_path / "link", max_classes=2)
+    c = trunk_activations(split.prefix, ImageDataset(same, pre.eval_transform()), pre, what="h",
+                          cache_dir=tmp_path, progress=False)
+    assert calls == [] and np.array_equal(a, c)
     trunk_activations(split.prefix, ds, pre, what="h", views=1, cache_dir=tmp_path, progress=False)
     assert calls                       # other views: another key, computed afresh
     assert len(list(tmp_path.glob("*.npy"))) == 2
