@@ -151,7 +151,7 @@ def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
     """Serve every allocation of ``nbytes`` or more with its own mmap (False without glibc). Why:
     glibc raises its threshold as mmapped blocks are freed, then big blocks come from heaps that
     keep their high-water mark (four WebP searches: +177..214 MB, +114..122 pinned, issue 28).
-    Servers only; it also undoes :func:`keep_freed_memory` (a test process that trained first)."""
+    Servers only; it also undoes :func:`keep_freed_memory` (a process that trained first)."""
     return _MALLOPT is not None and all([_MALLOPT(M_MMAP_MAX, GLIBC_MMAP_MAX),
                                          _MALLOPT(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD),
                                          _MALLOPT(M_MMAP_THRESHOLD, int(nbytes))])
@@ -162,8 +162,8 @@ def keep_freed_memory() -> bool:
     glibc): for a batch job that allocates the same large tensors step after step (training).
     Otherwise each tensor above glibc's 32 MB mmap ceiling is mapped anew, and every page of it
     faulted in and zeroed by the kernel: an EfficientNet-Lite1 forward pass at batch 32 on 2
-    cores took 2.34 s instead of 1.00, 0.79M page faults (2026-11-29). The process keeps its
-    peak size until it exits, so servers pin the opposite (:func:`pin_mmap_threshold`)."""
+    cores ran 2.28x slower, 0.77M page faults (benchmarks/training/malloc_policy.py). The process
+    keeps its peak size until it exits, so servers pin the opposite (:func:`pin_mmap_threshold`)."""
     return _MALLOPT is not None and all([_MALLOPT(M_MMAP_MAX, 0),
                                          _MALLOPT(M_TRIM_THRESHOLD, 2 ** 31 - 1)])
 
