@@ -13,6 +13,7 @@ import numpy as np
 from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
+from embedder.containers import ACCEPTED_TEXT
 from indexer import IndexerError, Manifest
 from indexer.directory.index_dir import MANIFEST
 
@@ -47,8 +48,7 @@ def query_image(**kw: Any) -> gr.Image:
             return inner(payload)
         except Exception:
             name = getattr(payload, "orig_name", None) or "upload"
-            raise gr.Error(f"{name}: not a readable image; expected a PNG, JPEG, WebP, BMP or GIF "
-                           f"file") from None
+            raise gr.Error(f"{name}: not a readable image; expected a {ACCEPTED_TEXT} file") from None
 
     comp.preprocess = preprocess  # type: ignore[method-assign]
     return comp

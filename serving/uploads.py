@@ -11,6 +11,7 @@ from pathlib import Path
 from PIL import Image
 
 from embedder import ImageLoadError, ImageTooLargeError, load_image
+from embedder.containers import ACCEPTED_TEXT
 
 from .results import RequestError
 
@@ -69,5 +70,5 @@ def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT
     except ImageTooLargeError as e:  # a readable image that needs more memory than decoding may use
         raise UploadError(str(e), status=413) from None
     except ImageLoadError as e:     # the accepted formats listed once (a refusal's reason has them)
-        expected = "" if "expected" in e.reason else "; expected a PNG, JPEG, WebP, GIF, BMP, TIFF or ICO file"
+        expected = "" if ACCEPTED_TEXT in e.reason else f"; expected a {ACCEPTED_TEXT} file"
         raise UploadError(f"{name}: not a readable image ({e.reason}){expected}", status=415) from None
