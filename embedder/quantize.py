@@ -109,6 +109,11 @@ def calibration_files(folder: str | os.PathLike, n: int = DEFAULT_IMAGES) -> lis
     if not files:
         raise QuantizationError(f"{root}: no images (expected files ending in "
                                 f"{', '.join(sorted(IMAGE_SUFFIXES))})")
+    return spread(files, n)
+
+
+def spread(files: Sequence[Path], n: int) -> list[Path]:
+    """Up to ``n`` of the sorted ``files``, evenly spaced: the build's calibration choice."""
     step = len(files) / min(n, len(files))
     return [files[int(i * step)] for i in range(min(n, len(files)))]
 

@@ -24,16 +24,10 @@ from benchmarks.embedder.int8_calibration import int8_model, parse_recipe
 from benchmarks.embedder.int8_embedder import arrays, embed
 from benchmarks.embedder.pretrained_choice import SHARED, model_for, split_files
 from embedder.cli import run_main
+from embedder.quantize import spread
 
 PROG = "python -m benchmarks.embedder.int8_noise"
 SETS = ("cub-val", "cub-test", "caltech-test", "caltech-all")
-
-
-def spread(files: list, n: int) -> list:
-    """``n`` files spread evenly over the sorted list (embedder.quantize.calibration_files' rule)."""
-    files = sorted(files)
-    n = min(n, len(files))
-    return [files[(i * len(files)) // n] for i in range(n)]
 
 
 def first_hits(x: np.ndarray, y: np.ndarray, dba: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
@@ -77,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         for tag in args.recipes:
             r = parse_recipe(tag)
             for where, calib in (("cub-val", val_files[:: max(1, len(val_files) // r.images)][:r.images]),
-                                 (src + " (the gallery)", spread(src_files, r.images))):
+                                 (src + " (the gallery)", spread(sorted(src_files), r.images))):
                 e = unit(embed(int8_model(fp32, r, calib, args.cache)[0], x, src, args.cache)[pick])
                 h, d = first_hits(e, y)
                 err = e - f
