@@ -72,6 +72,22 @@ def test_preprocessing_round_trips_checkpoint_to_onnx(trained_like, omniglot_pat
         _assert_parity(rt.embed(omniglot_paths[-n:]), _torch_embed(model, omniglot_paths[-n:]))
 
 
+def test_export_traces_activations_out_of_place_on_its_own_copy(trained_like, omniglot_paths):
+    """export_onnx switches in-place activations out of place (the same graph, a faster trace) on
+    its own copy: the model it was given keeps its flags, and the switch changes no output."""
+    import copy
+
+    from embedder.export import out_of_place
+
+    loaded, _, _ = trained_like
+    relus = [m for m in loaded.modules() if isinstance(m, torch.nn.ReLU)]
+    assert relus and all(m.inplace for m in relus)          # exported by the fixture, untouched
+    twin = copy.deepcopy(loaded)
+    assert out_of_place(twin) == len(relus) and out_of_place(twin) == 0
+    np.testing.assert_array_equal(_torch_embed(twin, omniglot_paths[:4]),
+                                  _torch_embed(loaded, omniglot_paths[:4]))
+
+
 def test_default_model_path_concurrent_first_use(tmp_path, monkeypatch):
     """Two first uses at once: one export, both get the same complete file, no temp files.
     The export is the real one (export_onnx's atomic write) of a small network in the default's
