@@ -22,6 +22,7 @@ from test_serving_hostile import _login, gradio_call
 
 MB = 1024 * 1024
 AUTH = ("tester", "s3cret-pass")         # conftest's; conftest is not importable by name here
+ANSWER_IMAGES = ("image.png", "image.webp")   # how Gradio names the images of an answer it caches
 
 
 def _files(folder: Path) -> set[Path]:
@@ -111,9 +112,13 @@ def test_refused_and_aborted_uploads_leave_no_file(server, server_dir):
         assert statuses == [413, 413, 413], statuses
         ok = c.post(f"{url}/gradio_api/upload", files=[("files", ("fine.jpg", b"\xff" * 1000, "image/jpeg"))])
         assert ok.status_code == 200                                             # uploads still work
-    # Gradio moves an accepted upload in a background task; give that a moment, then look
+    # Gradio moves an accepted upload in a background task; give that a moment, then look. An
+    # upload's leftover keeps its file name (big.jpg) or is Gradio's temp file (tmp...); the
+    # server is shared, and Gradio may still be caching an earlier test's answer images
+    # (image.png, seen 2026-11-29): not this test's uploads, which are never named so.
     deadline = time.monotonic() + 10
-    while (new := {p for p in _files(tmp) - before if p.name != "fine.jpg"}) and time.monotonic() < deadline:
+    while (new := {p for p in _files(tmp) - before if p.name not in ("fine.jpg", *ANSWER_IMAGES)}) \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not new, f"uploads left files behind: {[(p.name, p.stat().st_size) for p in new]}"
 
