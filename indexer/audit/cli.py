@@ -45,7 +45,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"with ORB keypoints + RANSAC, and those with >= {MIN_INLIERS} inliers that agree "
                         "pixel by pixel once aligned are the same picture, e.g. a cropped or resized copy)")
     p.add_argument("--verify-max", type=_count, default=DEFAULT_VERIFY_MAX, metavar="PAIRS",
-                   help=f"check at most this many candidate pairs by pixels, best scored first (default "
+                   help=f"check at most this many candidate pairs by pixels, likeliest copies first (default "
                         f"{DEFAULT_VERIFY_MAX}: about 30-45 ms CPU a pair; 0: none)")
     p.add_argument("--top", type=positive, default=DEFAULT_TOP,
                    help=f"rows written per ranked list (default {DEFAULT_TOP})")

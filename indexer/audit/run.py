@@ -21,7 +21,7 @@ from .source import Gallery, open_gallery
 
 DEFAULT_K = 10          # neighbours per image (chosen on validation classes)
 DEFAULT_TOP = 1000      # rows written per ranked list (mislabelled, outliers)
-#: candidate pairs verified by pixels at most, best score first (bounds the audit's time: about
+#: candidate pairs verified by pixels at most, likeliest copies first (bounds the audit's time: about
 #: 30-45 ms CPU a pair, docs/benchmarks/audit.md)
 DEFAULT_VERIFY_MAX = 5000
 KINDS = ("duplicates", "mislabelled", "outliers", "confused")
@@ -60,7 +60,7 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
     asking for a label kind of a gallery without labels is an error (ValueError), not asking
     leaves them out with the reason in ``skipped``. ``verify``: near-duplicate candidates below
     the threshold checked by pixels (ORB + RANSAC, ``duplicates.verify_pairs``), at most ``verify_max``
-    pairs, best first. ``params``: labels.class_view's weights."""
+    pairs, likeliest copies first. ``params``: labels.class_view's weights."""
     bad = [x for x in kinds if x not in KINDS]
     if bad:
         raise ValueError(f"unknown audit kinds {bad}: expected some of {list(KINDS)}")

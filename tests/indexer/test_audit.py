@@ -219,6 +219,24 @@ def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Pa
     assert sorted(reads) == sorted(set(a) | set(b))          # each image read once
 
 
+def test_the_band_puts_mutual_nearest_neighbours_that_stand_out_first() -> None:
+    """What --verify-max keeps of the uncertain band: mutual nearest neighbours first, then by
+    score + gap, not by score alone. (2, 3) has the best score, but 3 is only 2's second
+    nearest and 2's nearest (4) is closer to it than 3 is: after both mutual pairs."""
+    import numpy as np
+
+    from indexer.audit.duplicates import candidates
+    from indexer.audit.graph import KnnGraph
+
+    nbr = np.array([[1, 4, 5], [0, 5, 4], [4, 3, 5], [2, 4, 5], [2, 3, 0], [0, 1, 2]], dtype=np.int32)
+    sim = np.array([[.90, .60, .50], [.90, .55, .50], [.97, .95, .50], [.95, .70, .50], [.97, .70, .60],
+                    [.50, .55, .50]], dtype=np.float32)
+    a, b, _, score = candidates(KnnGraph(nbr, sim), threshold=3.0, lower=-3.0)
+    pairs = list(zip(a.tolist(), b.tolist()))
+    assert pairs[:3] == [(0, 1), (2, 4), (2, 3)], pairs
+    assert score[2] == score.max() > score[0]           # score alone would have checked it first
+
+
 def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_are_not(faulty: dict) -> None:
     """With the score threshold out of reach (nothing grouped by the embedding alone), the pixel
     check of the uncertain band (each image's 2 nearest) groups every transformed copy with its
