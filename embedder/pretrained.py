@@ -233,7 +233,17 @@ def made_once(out: Path, make: Callable[[Path], object]) -> Path:
     return out
 
 
-def default_model_path(name: str | Spec | None = None) -> Path:
-    """Path of the exported pretrained embedder ``name``, exported on first use (~15-30 s on 2 cores)."""
+def default_model_path(name: str | Spec | None = None, *,
+                       on_export: Callable[[str], object] | None = None) -> Path:
+    """Path of the exported pretrained embedder ``name``, exported on first use (~12-15 s on 2
+    cores); ``on_export(message)`` is called just before that export, so a CLI can say why its
+    first run is silent for a while."""
     spec = resolve_spec(name)
-    return made_once(cache_dir() / f"{spec.model_name}.onnx", lambda out: export_pretrained(spec, out))
+
+    def make(out: Path) -> None:
+        if on_export is not None:
+            on_export(f"exporting the pretrained embedder {spec.model_name} to ONNX once, into "
+                      f"{out.parent} (~15 s on 2 cores) ...")
+        export_pretrained(spec, out)
+
+    return made_once(cache_dir() / f"{spec.model_name}.onnx", make)

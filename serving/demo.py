@@ -104,12 +104,8 @@ def ensure_demo_index(root: str | Path = DEFAULT_DEMO_DIR, *, views: int = 8, qu
     gallery, _ = make_demo_gallery(root, views=views, queries=queries, progress=progress)
     if model is None:
         from embedder import default_model_path
-        from embedder.pretrained import DEFAULT, PRETRAINED
 
-        spec = PRETRAINED[DEFAULT]
-        log(f"Exporting the offline pretrained embedder ({spec.backbone}, ImageNet, {spec.pooling} "
-            f"pooling, {spec.input_size} px) to ONNX if not cached yet ...")
-        model = default_model_path()
+        model = default_model_path(on_export=log)       # says so only when it exports
     log(f"Embedding {gallery} and building the faiss index ...")
     build_index(gallery, index_dir, model=model, progress=progress)
     log(f"Demo index ready: {index_dir}")

@@ -134,6 +134,10 @@ def build(args: argparse.Namespace) -> None:
     dba_params(args)                                      # bad --dba-* flags: refused before any note
     for note in notes:
         print(f"indexer build: {note}", file=sys.stderr)
+    if args.model is None and not args.quiet:             # a first build exports it: say so first
+        from embedder import default_model_path
+
+        default_model_path(on_export=lambda m: print(f"indexer build: {m}", file=sys.stderr, flush=True))
     if args.int8:
         args.model = int8_model(args)
     if ray:

@@ -110,18 +110,22 @@ def test_default_model_path_concurrent_first_use(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pretrained, "export_pretrained", export_small)
 
+    said = []
+
     def first_use(_):
         started.wait(timeout=30)          # both threads ask before either has a file
-        return default_model_path()
+        return default_model_path(on_export=said.append)
 
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(first_use, range(2)))
     assert len(exports) == 1, exports
+    assert len(said) == 1 and said[0].startswith(f"exporting the pretrained embedder {MODEL_NAME} to ONNX once")
     assert paths[0] == paths[1] == cache_dir() / f"{MODEL_NAME}.onnx"
     assert OnnxEmbedder(paths[0]).dim == 32  # complete and valid
     assert sorted(p.name for p in cache_dir().iterdir()) == sorted(
         [paths[0].name, f".{MODEL_NAME}.lock"])
-    assert default_model_path() == paths[0] and len(exports) == 1 and os.path.getsize(paths[0]) > 1000
+    assert default_model_path(on_export=said.append) == paths[0] and len(exports) == 1 and len(said) == 1
+    assert os.path.getsize(paths[0]) > 1000
 
 
 def test_pretrained_embedder(pretrained_onnx, photo_paths):
