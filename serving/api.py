@@ -2,7 +2,8 @@
 
     POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery path>),
                                 k=10, index=<name>, dba=true|false (default: as built), box=x0,y0,x1,y1;
-                                image repeated (up to 16): one result list for the images fused
+                                image repeated (up to 16): one result list for the images fused;
+                                any other field (or one in the query string but dba) is a 400
     GET  /api/thumb/{index}/{id}  PNG thumbnail from the LMDB store
     GET  /api/audit/{index}     near-duplicates, likely mislabelled, outliers, confused pairs
     GET  /api/indexes           what each open index's manifest says
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,6 +36,22 @@ from .uploads import DEFAULT_MAX_UPLOAD_BYTES, decode_upload, too_large
 
 # Multipart overhead allowed on top of the image itself before the body is refused unread.
 _FORM_OVERHEAD = 64 * 1024
+#: the form fields POST /api/search reads (``dba`` also from the query string)
+SEARCH_FIELDS = ("image", "k", "index", "id", "path", "dba", "box")
+
+
+async def known_fields(request: Request) -> None:
+    """A misspelt field (``kk=5``) or one sent in the query string (``?k=5``) is a 400 naming
+    it: left out, it would silently search with its default."""
+    expected = f"not a field of /api/search (expected {', '.join(SEARCH_FIELDS)})"
+    for name in (await request.form()).keys():       # parsed once: FastAPI reads the same form
+        if name not in SEARCH_FIELDS:
+            raise RequestError(f"{name[:60]}: {expected}")
+    for name in request.query_params.keys():
+        if name in SEARCH_FIELDS and name != "dba":
+            raise RequestError(f"{name}: send it as a form field (-F {name}=...); the query string carries only dba")
+        if name != "dba":
+            raise RequestError(f"{name[:60]}: {expected}")
 
 
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
@@ -82,7 +99,7 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
     def indexes() -> list[dict[str, Any]]:
         return [redact.description(searcher.describe(n)) for n in searcher.names]
 
-    @app.post("/api/search")
+    @app.post("/api/search", dependencies=[Depends(known_fields)])
     def search(request: Request, image: list[UploadFile] | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
                path: str | None = Form(None), dba: str | None = Form(None),

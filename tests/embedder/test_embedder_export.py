@@ -84,8 +84,8 @@ def test_export_traces_activations_out_of_place_on_its_own_copy(trained_like, om
     assert relus and all(m.inplace for m in relus)          # exported by the fixture, untouched
     twin = copy.deepcopy(loaded)
     assert out_of_place(twin) == len(relus) and out_of_place(twin) == 0
-    np.testing.assert_array_equal(_torch_embed(twin, omniglot_paths[:4]),
-                                  _torch_embed(loaded, omniglot_paths[:4]))
+    np.testing.assert_allclose(_torch_embed(twin, omniglot_paths[:4]), _torch_embed(loaded, omniglot_paths[:4]),
+                               rtol=0, atol=1e-6)          # the same kernels; no bit-equality promised
 
 
 def test_default_model_path_concurrent_first_use(tmp_path, monkeypatch):

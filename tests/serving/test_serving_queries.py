@@ -115,3 +115,10 @@ def test_api_box_and_several_images(server, searcher, two_photos):
         assert r.status_code == 400 and r.json()["error"].startswith("image: at most"), r.text
         r = post(None)
         assert r.status_code == 400 and "no query" in r.json()["error"]
+        # a misspelt field, or k in the query string, would search with the default k: refused
+        r = post(files, kk="1")
+        assert r.status_code == 400 and r.json()["error"].startswith("kk: not a field of /api/search"), r.text
+        r = c.post(f"{url}/api/search", files=files, params={"k": "1"})
+        assert r.status_code == 400 and r.json()["error"].startswith("k: send it as a form field"), r.text
+        r = c.post(f"{url}/api/search", files=files, params={"dba": "false"}, data={"k": "1"})
+        assert r.status_code == 200 and len(r.json()["results"]) == 1 and r.json()["dba"] is False, r.text
