@@ -8,8 +8,9 @@ import json
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -67,18 +68,22 @@ def _torch_export(model: AnyEmbedder, example: torch.Tensor, path: Path) -> str:
             return "torchscript"
 
 
-def out_of_place(model: torch.nn.Module) -> int:
-    """Switch every in-place activation (timm's and torchvision's ``inplace=True`` ReLU6, SiLU,
-    ...) of ``model`` to out of place; returns how many. The ONNX graph is the same (torch.export
-    functionalises in-place ops anyway), but decomposing each in-place op costs ~0.1 s of
-    symbolic-shape work under a dynamic batch: a Lite1 export 16.5 -> 11.4 s on 2 cores
-    (``python -m benchmarks.embedder.export_time``)."""
-    flipped = 0
-    for mod in model.modules():
-        if getattr(mod, "inplace", None) is True:      # any module's flag, ours or a library's
-            mod.inplace = False
-            flipped += 1
-    return flipped
+@contextmanager
+def out_of_place(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block every in-place activation (timm's and torchvision's ``inplace=True``
+    ReLU6, SiLU, ...) of ``model`` runs out of place; yields how many were switched, switched back
+    after. The ONNX graph is the same (torch.export functionalises in-place ops anyway), but
+    decomposing each in-place op costs ~0.1 s of symbolic-shape work under a dynamic batch: a
+    Lite1 export 16.5 -> 11.4 s on 2 cores (``python -m benchmarks.embedder.export_time``).
+    Switched back so that the parity check compares the file with the model as it was given."""
+    switched = [mod for mod in model.modules() if getattr(mod, "inplace", None) is True]  # any library's flag
+    for mod in switched:
+        mod.inplace = False
+    try:
+        yield len(switched)
+    finally:
+        for mod in switched:
+            mod.inplace = True
 
 
 def check_parity(onnx_path: str | os.PathLike, model: AnyEmbedder, batch: np.ndarray) -> dict[str, float]:
@@ -130,7 +135,6 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     m = copy.deepcopy(model).cpu().eval()
-    out_of_place(m)
     batch = _parity_batch(m, parity_images)
     if len(batch) < 2:  # torch.export specialises a batch of 1; give it two to keep it dynamic
         batch = np.concatenate([batch, batch[::-1]])
@@ -139,7 +143,8 @@ def export_onnx(model: AnyEmbedder, out: str | os.PathLike, *, source_hash: str 
     with atomic_target(out, suffix=".onnx") as tmp_name:
         tmp = Path(tmp_name)
         try:
-            exporter = _torch_export(m, example, tmp)
+            with out_of_place(m):
+                exporter = _torch_export(m, example, tmp)
             proto = onnx.load(str(tmp))
             pre = m.preprocessing
             write_metadata(proto, {
