@@ -48,10 +48,9 @@ async def known_fields(request: Request) -> None:
         if name not in SEARCH_FIELDS:
             raise RequestError(f"{name[:60]}: {expected}")
     for name in request.query_params.keys():
-        if name in SEARCH_FIELDS and name != "dba":
-            raise RequestError(f"{name}: send it as a form field (-F {name}=...); the query string carries only dba")
         if name != "dba":
-            raise RequestError(f"{name[:60]}: {expected}")
+            raise RequestError(f"{name}: send it as a form field (-F {name}=...); the query string carries only dba"
+                               if name in SEARCH_FIELDS else f"{name[:60]}: {expected}")
 
 
 def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | None = None,
