@@ -14,7 +14,7 @@ _EXPORTS = {
     "default_parity_images": "export", "OnnxEmbedder": "runtime", "default_model_path": "pretrained",
     "pretrained_embedder": "pretrained", "PretrainedWeightsUnavailable": "errors",
     "CheckpointError": "errors", "ParityError": "errors", "ModelLoadError": "errors",
-    "keep_freed_memory": "decode_budget",
+    "keep_freed_memory": "decode_budget", "out_of_place": "export",
 }
 PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize", "regions")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .containers import open_image
     from .decode_budget import keep_freed_memory
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
-    from .export import default_parity_images, export_onnx
+    from .export import default_parity_images, export_onnx, out_of_place
     from .hashing import file_sha256
     from .images import ImageLoadError, ImageTooLargeError, load_image
     from .model import Embedder, EmbedderConfig

@@ -39,23 +39,21 @@ def child(a: argparse.Namespace) -> dict:
 
     import torch
 
-    from embedder import pretrained_embedder
+    from contextlib import nullcontext
+
+    from embedder import out_of_place, pretrained_embedder
 
     torch.set_num_threads(a.threads)
     net = pretrained_embedder(a.model).eval()
-    flipped = 0
-    if a.child == MODES[1]:
-        for mod in net.modules():
-            if getattr(mod, "inplace", None) is True:
-                mod.inplace, flipped = False, flipped + 1
     path = a.out / f"{MODES.index(a.child)}.onnx"
+    side = net.preprocessing.input_size
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), (out_of_place(net) if a.child == MODES[1] else nullcontext(0)) as flipped:
         warnings.simplefilter("ignore")
-        torch.onnx.export(net, (torch.randn(2, 3, net.preprocessing.input_size, net.preprocessing.input_size),),
-                          str(path), dynamo=True, external_data=False, optimize=True, verbose=False,
-                          dynamic_shapes={"x": {0: torch.export.Dim("batch")}}, input_names=["x"],
-                          output_names=["embedding"])
+        # the call embedder.export makes (dynamo, a dynamic batch), without its parity check
+        torch.onnx.export(net, (torch.randn(2, 3, side, side),), str(path), dynamo=True, external_data=False,
+                          optimize=True, verbose=False, dynamic_shapes={"x": {0: torch.export.Dim("batch")}},
+                          input_names=["x"], output_names=["embedding"])
     return {"s": time.perf_counter() - t0, "flipped": flipped, "path": str(path)}
 
 
