@@ -175,6 +175,20 @@ def pretrained_onnx() -> Path:
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every Ray module of the run (they run in one process, in one
+    network namespace: test_ray_netns.py): a head without CPU (the drivers' node, never killed)
+    + 2 worker nodes of 1 CPU, so that two shard tasks run at once, one on each worker node.
+    Each cluster brought up and down costs ~10 s and ~25 CPU-s of raylets, agents and the
+    workers a new driver starts; the modules kill and revive worker nodes, which later ones
+    take as they find them (node ids are looked up, never kept)."""
+    from ray_testlib import local_cluster
+
+    with local_cluster(3, cpus_per_node=1, head_cpus=0) as lc:
+        yield lc
+
+
+@pytest.fixture(scope="session")
 def free_port():
     """A callable returning a currently free TCP port on 127.0.0.1 (servers, gloo rendezvous)."""
     import socket

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from shared_fixture import shared_fixture
 
-from indexer_testlib import REPO, copy_characters, run_cli  # noqa: F401 (fixtures use them)
+from indexer_testlib import RAY_CHARS, RAY_FLAGS, copy_characters, run_cli
 
 # test_ray.py and test_ray_cluster.py start Ray, which listens beyond loopback: the main run
 # leaves them out and test_ray_netns.py runs each inside a private network namespace (run by
@@ -44,3 +44,35 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path,
         run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *flags)
 
     return shared_fixture(tmp_path_factory, "two_shards", build)
+
+
+# The Ray build modules (test_ray.py, test_ray_cluster.py) share one gallery, its one-process
+# build and one undisturbed `--ray --sharded` build on the run's cluster (``ray_cluster``): each
+# module used to make its own, the same three things (~40 CPU-s of builds and Ray workers).
+@pytest.fixture(scope="session")
+def ray_gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
+    """``RAY_CHARS`` Omniglot characters (600 images, ~300 per shard: more than one commit)."""
+    root = tmp_path_factory.mktemp("ray-gallery")
+    copy_characters(omniglot_root, root, RAY_CHARS)
+    return root
+
+
+@pytest.fixture(scope="session")
+def ray_single(tmp_path_factory: pytest.TempPathFactory, ray_gallery: Path, small_onnx: Path):
+    """The one-process build (``RAY_FLAGS``) a Ray build is compared with, opened."""
+    from indexer import Index
+
+    out = tmp_path_factory.mktemp("ray-single") / "idx"
+    run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, *RAY_FLAGS)
+    return Index.open(out)
+
+
+@pytest.fixture(scope="session")
+def ray_sharded(tmp_path_factory: pytest.TempPathFactory, ray_cluster, ray_gallery: Path,
+                small_onnx: Path) -> tuple[Path, str]:
+    """`indexer build --ray HEAD --shards 2 --sharded` of ``ray_gallery`` on the run's cluster,
+    undisturbed (both worker nodes up): (out, stdout). Tests must not modify it."""
+    out = tmp_path_factory.mktemp("ray-sharded") / "idx"
+    p = run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, "--ray", ray_cluster.address,
+                "--shards", "2", "--sharded", *RAY_FLAGS, timeout=300)
+    return out, p.stdout

@@ -99,22 +99,6 @@ RAY_FLAGS = ["--quiet", "--flat-threshold", "100"]     # IVF: the case where mer
 RAY_CHARS = 30                                         # 600 images, ~300 per shard (one commit: 256)
 
 
-def ray_gallery(tmp_path_factory, omniglot_root: Path, name: str) -> Path:
-    """``RAY_CHARS`` Omniglot characters copied under a fresh ``name`` folder."""
-    root = tmp_path_factory.mktemp(name)
-    copy_characters(omniglot_root, root, RAY_CHARS)
-    return root
-
-
-def single_build(tmp_path_factory, gallery: Path, model: Path, name: str) -> Any:
-    """The one-process build (``RAY_FLAGS``) a Ray build is compared with, opened."""
-    from indexer import Index
-
-    out = tmp_path_factory.mktemp(name) / "idx"
-    run_cli("build", gallery, "--model", model, "--out", out, *RAY_FLAGS)
-    return Index.open(out)
-
-
 def assert_same_index(merged: Any, single: Any, gallery: Path) -> None:
     """Same ids, same vectors, same search answers (by vector and by image file)."""
     import numpy as np

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_testlib import loopback_up, require_private_network, shard_hook
+from ray_testlib import require_private_network, shard_hook
 
 require_private_network("tests/indexer/test_ray.py")
 
 ray = pytest.importorskip("ray")
 
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
-from indexer_testlib import assert_same_index, ray_gallery, run_cli, single_build  # noqa: E402
+from indexer_testlib import assert_same_index, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.directory.index_dir import STORE_DIR  # noqa: E402
 from indexer.directory.index_dir import FILE_LIST  # noqa: E402
@@ -31,38 +31,18 @@ from indexer.store.walk import read_file_list, shard_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_address():
-    """A local Ray instance (2 CPUs) started here and stopped here; yields its GCS address,
-    which the CLI joins as a user joins a cluster (`--ray HOST:PORT`)."""
-    loopback_up()
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False,   # not the last cluster
-                   object_store_memory=200 * 2 ** 20, logging_level="WARNING")  # started here
-    try:
-        address = ctx.address_info["gcs_address"]
-        assert address.startswith("127.0.0.1:"), address
-        yield address
-    finally:
-        ray.shutdown()
+def ray_address(ray_cluster) -> str:
+    """The GCS address of the run's cluster (tests/conftest.py ``ray_cluster``, which this
+    process joined as a driver); the CLI joins it as a user joins a cluster (`--ray HOST:PORT`)."""
+    return ray_cluster.address
 
 
-@pytest.fixture(scope="module")
-def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
-    return ray_gallery(tmp_path_factory, omniglot_root, "ray-gallery")
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
-    """The single-process build everything is compared with."""
-    return single_build(tmp_path_factory, gallery, small_onnx, "ray-single")
-
-
-def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, gallery: Path,
-                                             small_onnx: Path, single: Index) -> None:
+def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, ray_gallery: Path,
+                                             small_onnx: Path, ray_single: Index) -> None:
     out = tmp_path / "ray"
-    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
+    p = run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
                 "--shards", "2", "--flat-threshold", "100")
-    n = len(list(gallery.rglob("*.png")))
+    n = len(list(ray_gallery.rglob("*.png")))
     assert f"{n} files in 2 shards on Ray" in p.stdout and "attempts per shard: 1, 1" in p.stdout, p.stdout
     assert f"{n}/{n}" in p.stderr, p.stderr[-2000:]          # one progress bar across both shards
     for i in range(2):
@@ -70,23 +50,23 @@ def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, g
             paths = [st.get_meta(int(j))["path"] for j in st.ids()]
         assert paths and all(shard_of(r, 2) == i for r in paths)
         # the task ingested the list the driver's one walk wrote for it
-        listed = [f.relpath for f in read_file_list(gallery, out / "shards" / str(i) / FILE_LIST)]
+        listed = [f.relpath for f in read_file_list(ray_gallery, out / "shards" / str(i) / FILE_LIST)]
         assert sorted(listed) == sorted(paths)
     merged = Index.open(out)
     assert merged.manifest["shards"] == [[0, 2], [1, 2]]
-    assert_same_index(merged, single, gallery)
+    assert_same_index(merged, ray_single, ray_gallery)
     # shards cut another way must not be resumed into these
-    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
+    p = run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
                 "--shards", "3", *FLAGS, check=False)
     assert p.returncode == 1 and "holds shards of another build (--shards 2 instead of 3)" in p.stderr, p.stderr
 
 
-def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: str, gallery: Path,
-                                                  small_onnx: Path, single: Index) -> None:
+def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: str, ray_gallery: Path,
+                                                  small_onnx: Path, ray_single: Index) -> None:
     out, marker = tmp_path / "ray", tmp_path / "killed.txt"
     # shard 0's worker SIGKILLs itself after its first commit (256 images), on the first attempt
     env = shard_hook("kill_after", f"0:1:{marker}")
-    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
+    p = run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
                 "--shards", "2", *FLAGS, env=env)
     assert marker.exists(), "the fault never fired"
     assert "attempts per shard: 2, 1" in p.stdout, p.stdout
@@ -95,28 +75,18 @@ def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: s
     assert shard0["unchanged"] >= 256 and shard0["new"] > 0, shard0
     assert shard0["unchanged"] + shard0["new"] == shard0["found"], shard0
 
-    files = sorted(gallery.rglob("*.png"))
+    files = sorted(ray_gallery.rglob("*.png"))
     unique = {hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     merged = Index.open(out)
     with GalleryStore(out / STORE_DIR) as st:
         ids = st.ids()
         assert len(ids) == len(set(ids.tolist())) == len(unique) == merged.manifest["count"]
         for f in files:                                          # no loss: every file is there
-            assert st.id_for_path(f.relative_to(gallery).as_posix()) is not None
-    assert_same_index(merged, single, gallery)
+            assert st.id_for_path(f.relative_to(ray_gallery).as_posix()) is not None
+    assert_same_index(merged, ray_single, ray_gallery)
 
 
-@pytest.fixture(scope="module")
-def ray_sharded(tmp_path_factory: pytest.TempPathFactory, ray_address: str, gallery: Path,
-                small_onnx: Path) -> tuple[Path, str]:
-    """`indexer build --ray --sharded` of the gallery (2 shards), built once: (out, stdout)."""
-    out = tmp_path_factory.mktemp("ray-sharded") / "ray"
-    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
-                "--shards", "2", "--sharded", *FLAGS)
-    return out, p.stdout
-
-
-def test_sharded_ray_build_equals_a_single_build(ray_sharded: tuple[Path, str], single: Index) -> None:
+def test_sharded_ray_build_equals_a_single_build(ray_sharded: tuple[Path, str], ray_single: Index) -> None:
     """--sharded: the shards stay where their tasks built them, a second Ray pass fills each
     shard's part from a quantizer trained once, and the parts searched as one answer as well as
     the one-process build does."""
@@ -131,15 +101,15 @@ def test_sharded_ray_build_equals_a_single_build(ray_sharded: tuple[Path, str], 
     assert not (out / STORE_DIR).exists()                      # no store copied
     parts = [faiss_read(out / "shards" / str(i) / PART_FILE) for i in range(2)]
     assert all(n > 0 for n in parts) and sum(parts) + sharded.manifest["heldout_queries"] * 2 == len(sharded)
-    ms, mm = single.manifest, sharded.manifest
+    ms, mm = ray_single.manifest, sharded.manifest
     for key in ("index_type", "count", "nlist", "dim"):
         assert mm[key] == ms[key], key
     # trained on samples each shard draws (not the one-process rows): as good, not identical
-    ids, x = single.store.all_embeddings(single.model_hash)
+    ids, x = ray_single.store.all_embeddings(ray_single.model_hash)
     q = x / np.linalg.norm(x, axis=1, keepdims=True)
     exact = ids[np.argsort(-(q @ x.T), axis=1, kind="stable")[:, :10]]
     rec = lambda found: float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, exact)]))  # noqa: E731
-    assert rec(sharded.search_embeddings(x, 10)[1]) >= rec(single.search_embeddings(x, 10)[1]) - 0.03
+    assert rec(sharded.search_embeddings(x, 10)[1]) >= rec(ray_single.search_embeddings(x, 10)[1]) - 0.03
 
 
 def faiss_read(path: Path) -> int:

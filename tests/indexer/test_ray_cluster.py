@@ -23,19 +23,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
 
-from ray_testlib import LocalCluster, local_cluster, require_private_network, shard_hook
+from ray_testlib import LocalCluster, require_private_network, shard_hook
 
 require_private_network("tests/indexer/test_ray_cluster.py")
 
 ray = pytest.importorskip("ray")
 
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
-from indexer_testlib import REPO, assert_same_index, copy_characters, ray_gallery, run_cli, single_build  # noqa: E402
+from indexer_testlib import REPO, assert_same_index, copy_characters, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
 from indexer.ann.faiss_index import index_ids  # noqa: E402
 from indexer.directory.index_dir import PART_FILE, STORE_DIR  # noqa: E402
@@ -45,32 +44,17 @@ WAIT_S = 300.0                                         # bound on every wait for
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    """Head (no CPU: the drivers' node) + 2 worker nodes of 1 CPU: with 1 CPU a shard task,
-    two shards run at once, one on each worker node. This process is a driver too."""
-    with local_cluster(3, cpus_per_node=1, head_cpus=0) as lc:
-        yield lc
+def cluster(ray_cluster: LocalCluster) -> LocalCluster:
+    """The run's cluster (tests/conftest.py): a head without CPU (the drivers' node) + 2 worker
+    nodes of 1 CPU: with 1 CPU a shard task, two shards run at once, one on each worker node.
+    This process is a driver too."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
-def gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Path) -> Path:
-    return ray_gallery(tmp_path_factory, omniglot_root, "cluster-gallery")
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory, gallery: Path, small_onnx: Path) -> Index:
-    """The undisturbed one-process build the node-loss build is compared with."""
-    return single_build(tmp_path_factory, gallery, small_onnx, "cluster-single")
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory: pytest.TempPathFactory, cluster: LocalCluster, gallery: Path,
-            small_onnx: Path) -> Path:
+def sharded(ray_sharded: tuple[Path, str]) -> Path:
     """`indexer build --ray HEAD --shards 2 --sharded` on the cluster, undisturbed."""
-    out = tmp_path_factory.mktemp("cluster-sharded") / "idx"
-    run_cli("build", gallery, "--model", small_onnx, "--out", out, "--ray", cluster.address,
-            "--shards", "2", "--sharded", *FLAGS, timeout=WAIT_S)
-    return out
+    return ray_sharded[0]
 
 
 def run_facts(out: Path) -> dict:
@@ -178,7 +162,7 @@ def assert_same_sharded(got: Path, want: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["merged", "sharded"])
 def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_undisturbed(
-        tmp_path: Path, cluster: LocalCluster, gallery: Path, small_onnx: Path, single: Index,
+        tmp_path: Path, cluster: LocalCluster, ray_gallery: Path, small_onnx: Path, ray_single: Index,
         sharded: Path, layout: str) -> None:
     """Shard 0's task stops once its first 256 images are committed (``ray_testlib.hold_after``); the test removes
     its node; Ray reruns the task on the other worker node, which finds those 256 in the shard's
@@ -187,7 +171,7 @@ def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_undi
     back (a new node id) for the tests after."""
     out, marker = tmp_path / "idx", tmp_path / "held.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2", **shard_hook("hold_after", f"0:1:{marker}")}
-    cmd = [sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
+    cmd = [sys.executable, "-m", "indexer", "build", str(ray_gallery), "--model", str(small_onnx),
            "--out", str(out), "--ray", cluster.address, "--shards", "2", *FLAGS]
     if layout == "sharded":
         cmd.append("--sharded")
@@ -232,15 +216,15 @@ def test_node_removed_mid_task_the_task_reruns_elsewhere_resumes_and_equals_undi
         assert_same_sharded(out, sharded)
         assert len(alive_nodes()) == 3
         return
-    files = sorted(gallery.rglob("*.png"))
+    files = sorted(ray_gallery.rglob("*.png"))
     unique = {hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
     merged = Index.open(out)
     with GalleryStore(out / STORE_DIR) as st:
         ids = st.ids()
         assert len(ids) == len(set(ids.tolist())) == len(unique) == merged.manifest["count"]
         for f in files:                                   # nothing lost
-            assert st.id_for_path(f.relative_to(gallery).as_posix()) is not None
-    assert_same_index(merged, single, gallery)
+            assert st.id_for_path(f.relative_to(ray_gallery).as_posix()) is not None
+    assert_same_index(merged, ray_single, ray_gallery)
     assert len(alive_nodes()) == 3                        # the node came back
 
 

@@ -47,8 +47,8 @@ def unshare_cmd() -> list[str] | str:
 def test_ray_tests_in_a_private_network_namespace(tmp_path: Path, small_onnx: Path) -> None:
     """All Ray modules in one pytest process in one namespace: the process starts and imports
     torch, faiss and Ray once for all of them (three processes cost ~40 s more on 2 cores) and
-    reads the run's small model (its export is ~25 s of this run's wall time otherwise); each
-    module still brings up its own cluster shape."""
+    reads the run's small model (its export is ~25 s of this run's wall time otherwise); they
+    share one 3-node cluster (tests/conftest.py ``ray_cluster``) and its builds."""
     if importlib.util.find_spec("ray") is None:
         skip_or_fail(f"Ray tests need Ray: {INSTALL_HINT}")
     prefix: list[str] = []
@@ -65,7 +65,7 @@ def test_ray_tests_in_a_private_network_namespace(tmp_path: Path, small_onnx: Pa
     # 172 s alone (2026-11-28). At 0 they share the cores fairly; the raylets are at 0 anyway.
     env["RAY_worker_niceness"] = "0"
     report = tmp_path / "ray.xml"
-    # -n 0: serial inside, whatever PYTEST_ADDOPTS says (the clusters are sized for 2 cores)
+    # -n 0: serial inside, whatever PYTEST_ADDOPTS says (the cluster is sized for 2 cores)
     cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
            f"--junitxml={report}", *(str(REPO / m) for m in RAY_MODULES)]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

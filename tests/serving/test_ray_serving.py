@@ -1,8 +1,9 @@
-"""Serving a sharded index across Ray nodes (indexer.ray.fanout) on a local 3-node cluster
-(``ray.cluster_utils.Cluster``): one actor per shard, each pinned to its own node; answers equal
-the in-process search; a node killed under 4 HTTP clients' load leaves every answer either whole
-or marked partial (and equal to the search of the surviving shards), /api/health names the lost
-shard and the web page's search handler says so in its status line, and answers are whole again once the node is back; ``indexer add`` while serving is found.
+"""Serving a sharded index across Ray nodes (indexer.ray.fanout) on the run's local 3-node cluster
+(``ray.cluster_utils.Cluster``, tests/conftest.py ``ray_cluster``): one actor per shard, each
+pinned to its own node; answers equal the in-process search; a node killed under 4 HTTP clients'
+load leaves every answer either whole or marked partial (and equal to the search of the surviving
+shards), /api/health names the lost shard and the web page's search handler says so in its status
+line, and answers are whole again once the node is back; ``indexer add`` while serving is found.
 
 The server is uvicorn in this process (the API routes of ``serving``, real HTTP on 127.0.0.1),
 because the test pins each shard's actor to a node it will kill (``RayServing.placement``),
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_testlib import local_cluster, node_resource, require_private_network
+from ray_testlib import node_resource, require_private_network
 
 require_private_network("tests/serving/test_ray_serving.py")
 
@@ -50,9 +51,11 @@ def copy_chars(omniglot_root: Path, dst: Path, n: int, skip: int = 0, per_char: 
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(SHARDS, cpus_per_node=1) as lc:
-        yield lc
+def cluster(ray_cluster):
+    """The run's 3-node cluster (tests/conftest.py): shard i's actor pinned to node i (actors
+    take no CPU, so the head holds one too); the build's tasks run on the two worker nodes."""
+    assert len(ray_cluster.nodes) == SHARDS
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -136,20 +139,25 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
 
 
 def test_indexer_search_cli_over_ray(cluster, sharded, omniglot_root):
-    """`indexer search --ray ADDRESS` joins the cluster and prints what the in-process search does."""
+    """`indexer search --ray ADDRESS` joins the cluster and prints what the in-process search does
+    (that one run by its ``main`` here: only the Ray runs need a process of their own)."""
+    from inprocess import run_main
+
+    from indexer.__main__ import main
+
     image = next(iter(sorted((sharded.parent / "gallery").rglob("*.png"))))
-    cmd = [sys.executable, "-m", "indexer", "search", str(image), "--index", str(sharded), "-k", "5", "--json"]
-    local = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    over = subprocess.run(cmd + ["--ray", cluster.address, "--shard-timeout", "10"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert local.returncode == 0 and over.returncode == 0, over.stderr[-2000:]
+    args = ["search", str(image), "--index", str(sharded), "-k", "5", "--json"]
+    local = run_main(main, "indexer", args)
+    over = subprocess.run([sys.executable, "-m", "indexer", *args, "--ray", cluster.address, "--shard-timeout", "10"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0 and over.returncode == 0, local.stderr[-2000:] + over.stderr[-2000:]
     assert json.loads(over.stdout) == json.loads(local.stdout)
     # `indexer eval --ray`: the same Recall@k as in one process
-    cmd = [sys.executable, "-m", "indexer", "eval", "--leave-one-out", "--index", str(sharded), "--json"]
-    local = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    over = subprocess.run(cmd + ["--ray", cluster.address], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert local.returncode == 0 and over.returncode == 0, over.stderr[-2000:]
+    args = ["eval", "--leave-one-out", "--index", str(sharded), "--json"]
+    local = run_main(main, "indexer", args)
+    over = subprocess.run([sys.executable, "-m", "indexer", *args, "--ray", cluster.address], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0 and over.returncode == 0, local.stderr[-2000:] + over.stderr[-2000:]
     assert json.loads(over.stdout)["recall"] == json.loads(local.stdout)["recall"]
 
 
