@@ -263,6 +263,9 @@ def test_node_loss_under_load_is_partial_then_whole(cluster, sharded, app):
     want_partial = {q: expected(rest, q, k) for q in qids}
     assert any(want_whole[q] != want_partial[q] for q in qids)     # the lost shard matters
     assert httpx.get(f"{url}/api/health", timeout=60).status_code == 200
+    # the web page's search handler, built before the load: built under it (4 client threads
+    # and the server in this process, one GIL) it took ~22 s of the test's ~40
+    page_search = ui_search(searcher)
 
     answers: list[tuple[float, int, dict, int]] = []
     stop = threading.Event()
@@ -302,7 +305,7 @@ def test_node_loss_under_load_is_partial_then_whole(cluster, sharded, app):
                 if sum(1 for a in answers[seen:] if a[2].get("partial")) >= 4:
                     break
             time.sleep(0.5)
-        ui_line = ui_search(searcher)(None, str(qids[0]), None, k)[0]    # the page says so too
+        ui_line = page_search(None, str(qids[0]), None, k)[0]    # the page says so too
         assert f"partial answer, shard(s) {lost} did not answer in time" in ui_line, ui_line
         cluster.revive(lost)                        # Ray restarts the pinned actor there
         deadline = time.monotonic() + 180
@@ -339,7 +342,7 @@ def test_node_loss_under_load_is_partial_then_whole(cluster, sharded, app):
     assert counts["partial"] >= 4 and counts["whole"] >= 8, counts
     tail = [a for a in answers[back:]]
     assert tail and not any(a[2].get("partial") for a in tail[-4:]), counts    # whole again
-    ui_line = ui_search(searcher)(None, str(qids[0]), None, k)[0]
+    ui_line = page_search(None, str(qids[0]), None, k)[0]
     assert ui_line.startswith("Query") and "partial" not in ui_line, ui_line
     print(f"answers under node loss: {counts}")
 
