@@ -11,7 +11,7 @@ import torch
 
 from embedder import Embedder, EmbedderConfig, OnnxEmbedder, export_onnx
 from embedder.concat import ConcatEmbedder
-from embedder.pretrained import PRETRAINED, ConcatSpec, PretrainedSpec, parse_spec
+from embedder.pretrained import PRETRAINED, ConcatSpec, parse_spec
 from embedder.preprocess import Preprocessing
 
 

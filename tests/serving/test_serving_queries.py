@@ -5,7 +5,6 @@ are one-line 400s naming the field, through the library and the HTTP API."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import httpx
 import numpy as np

@@ -40,7 +40,6 @@ def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(c
     _, test = build_datasets(cfg)
     ref = Embedder(EmbedderConfig(backbone="efficientnet_lite0", dim=0, pooling="gem", gem_p=4.0,
                                   pretrained=True), build_preprocessing(cfg)).eval()
-    from embedder.metrics import evaluate
 
     with torch.no_grad():
         e = torch.cat([ref(torch.stack([test[i][0] for i in range(j, min(j + 32, len(test)))]))
