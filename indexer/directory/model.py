@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import IndexerError
 
+if TYPE_CHECKING:
+    from embedder import OnnxEmbedder
+
 
 def load_embedder(model: str | Path | None, *, device: str = "auto", batch_size: int = 32,
-                  threads: int | None = None) -> Any:
+                  threads: int | None = None) -> OnnxEmbedder:
     """An OnnxEmbedder for ``model`` (default: the offline pretrained embedder)."""
     from embedder import OnnxEmbedder
 
@@ -26,9 +29,9 @@ def load_embedder(model: str | Path | None, *, device: str = "auto", batch_size:
         raise IndexerError(str(e).splitlines()[0]) from None
 
 
-def model_info(embedder: Any, file: str) -> dict:
+def model_info(embedder: OnnxEmbedder, file: str) -> dict:
     """What the manifest records about the embedder (``file``: its copy in the directory)."""
     return {"hash": embedder.model_hash, "file": file, "source": str(Path(embedder.path).resolve()),
             "dim": int(embedder.dim), "normalized": bool(embedder.normalized),
-            "backbone": getattr(embedder, "backbone", embedder.metadata.get("backbone", "")),
+            "backbone": embedder.backbone,
             "metadata": dict(embedder.metadata)}

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from embedder.runtime import DECODE_WORKERS, chunked
+from embedder.runtime import DECODE_WORKERS, OnnxEmbedder, chunked
 from embedder.vectors import l2_normalize
 
 from ..errors import IndexerError
@@ -40,7 +40,7 @@ class IngestStats:
     seconds: dict[str, float] = field(default_factory=dict)    # per stage of the runner (run)
 
 
-def run(embedder: Any, chunks: Iterator, read: Callable[[Any], Any],
+def run(embedder: OnnxEmbedder, chunks: Iterator, read: Callable[[Any], Any],
         settle: Callable[[Any], Iterable[tuple[Any, np.ndarray]]], commit: Callable[[list, np.ndarray], None],
         *, workers: int | None = None, commit_every: int = 256, seconds: dict | None = None) -> dict:
     """The embedding runner: ``read(chunk)`` in the decode threads, ``settle(result)`` here picks the
@@ -141,14 +141,14 @@ class _Settle:
             self.on_done(final)
 
 
-def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryFile], embedder: Any,
+def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryFile], embedder: OnnxEmbedder,
            *, workers: int | None = None, commit_every: int = 256, progress: bool = True,
            on_done: Callable[[int], None] | None = None) -> IngestStats:
     """Bring ``files`` into ``store`` through :func:`run` (``workers`` decode threads). A lazy
     ``files`` is consumed by a helper thread into a fresh store (walking overlaps embedding), else
     listed first (for the snapshot). ``on_done(n)``: files whose outcome is final (they add up to
     ``stats.found``)."""
-    batch_size = int(getattr(embedder, "batch_size", 32))
+    batch_size = embedder.batch_size
     workers = workers or DECODE_WORKERS
     fresh = not store.exists
     if not fresh and not isinstance(files, Sequence):
@@ -198,7 +198,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     return stats
 
 
-def embed_missing(store: GalleryStore, embedder: Any, *, workers: int | None = None,
+def embed_missing(store: GalleryStore, embedder: OnnxEmbedder, *, workers: int | None = None,
                   progress: bool = True, commit_every: int = 256, seconds: dict | None = None) -> int:
     """Embed stored content that has no embedding for this model yet (a rebuild with a new
     model) through :func:`run`, from the stored bytes (the gallery folder may be gone)."""
