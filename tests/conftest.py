@@ -184,7 +184,7 @@ def ray_cluster():
     take as they find them (node ids are looked up, never kept)."""
     from ray_testlib import local_cluster
 
-    with local_cluster(3, cpus_per_node=1, head_cpus=0) as lc:
+    with local_cluster() as lc:
         yield lc
 
 

@@ -102,21 +102,19 @@ HEALTH_CHECK = {"health_check_period_ms": 1000}
 
 
 @contextmanager
-def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True,
-                  head_cpus: int | None = None) -> Iterator[LocalCluster]:
-    """``n_nodes`` raylets on this machine (one head + workers), each with ``cpus_per_node`` CPUs
-    and its ``node_resource(i)``; this process joins it as a driver when ``connect`` (a CLI run
-    in a subprocess joins with ``--ray cluster.address`` instead). ``head_cpus`` (default
-    ``cpus_per_node``): 0 keeps every task that needs a CPU off the head, so that such work
-    always runs on a node that can be killed. Starts in ~10 s here. Shut down on exit, driver
-    first."""
+def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, head_cpus: int = 0) -> Iterator[LocalCluster]:
+    """``n_nodes`` raylets on this machine (one head + workers), each with its ``node_resource(i)``;
+    workers have ``cpus_per_node`` CPUs, the head ``head_cpus`` (0 keeps every task that needs a
+    CPU off the head, so that such work always runs on a node that can be killed). This process
+    joins it as a driver (a CLI run in a subprocess joins with ``--ray cluster.address``). Starts
+    in ~10 s here. Shut down on exit, driver first."""
     import ray
     from ray.cluster_utils import Cluster
 
     loopback_up()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=cpus_per_node if head_cpus is None else head_cpus, include_dashboard=False, object_store_memory=NODE_STORE_BYTES,
+        num_cpus=head_cpus, include_dashboard=False, object_store_memory=NODE_STORE_BYTES,
         resources={node_resource(0): 1}, _system_config=HEALTH_CHECK))
     lc = LocalCluster(cluster, cpus_per_node, [cluster.head_node])
     try:
@@ -124,8 +122,7 @@ def local_cluster(n_nodes: int = 3, cpus_per_node: int = 1, connect: bool = True
             lc.nodes.append(cluster.add_node(num_cpus=cpus_per_node, object_store_memory=NODE_STORE_BYTES,
                                              resources={node_resource(i): 1}))
         cluster.wait_for_nodes()
-        if connect:
-            ray.init(address=cluster.address, logging_level="WARNING")
+        ray.init(address=cluster.address, logging_level="WARNING")
         yield lc
     finally:
         if ray.is_initialized():
