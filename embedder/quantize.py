@@ -76,6 +76,23 @@ class QuantRecipe:
 #: default's R@1 with DBA on validation (93.58 -> 92.97): measured, not chosen (quality-round5.md)
 DEFAULT_RECIPE = QuantRecipe(reduce_range=True)
 
+#: CPU flags (Linux's names) of the int8 dot-product instructions onnxruntime's int8 kernels use.
+#: With one, the default int8 network runs ~2.1-2.2x its fp32 (Intel Xeon, AMD EPYC Zen 4), so
+#: an int8 two-backbone embedder builds faster than Lite1 in fp32; with AVX2 alone ~1.3x, and it
+#: does not (docs/benchmarks/quality-round5.md#default-switched-by-cpu). ARM's dot product: not measured.
+INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+
+
+def int8_dot_product(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str | None:
+    """The first of :data:`INT8_DOT_FLAGS` this CPU has (None: none, or no ``/proc/cpuinfo``)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return None
+    flags = set(line.partition(":")[2].split())
+    return next((f for f in INT8_DOT_FLAGS if f in flags), None)
+
 
 @dataclass
 class QuantizeReport:

@@ -66,23 +66,37 @@ def dba_min_images(k: int) -> int:
     return 2 * k + 1
 
 
+#: the training-free embedder (embedder.pretrained names) of a build without --model, and the one
+#: int8 uses on a CPU with int8 dot products (embedder.quantize.int8_dot_product): there the
+#: two-backbone int8 model builds at 1.07-1.23x Lite1 fp32's rate and ranks higher on every set;
+#: with AVX2 alone at 0.63-0.80x (docs/benchmarks/quality-round5.md#default-switched-by-cpu)
+EMBEDDER = "lite1-gem4-224"
+EMBEDDER_INT8_DOT = "lite0+lite1-gem4"
+
+
 @dataclass(frozen=True)
 class BuildDefaults:
-    """What ``indexer build`` runs with: ``int8`` and ``dba``; ``notes``: a line per automatic
-    choice that turned something off."""
+    """What ``indexer build`` runs with: ``int8``, ``dba`` and, without --model, the pretrained
+    ``embedder``; ``notes``: a line per automatic choice that turned something off or hangs on
+    the machine."""
 
     int8: bool
     dba: bool
     notes: tuple[str, ...] = ()
+    embedder: str | None = None
 
 
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
-                     mode: str = "process", dba_k: int = 8) -> BuildDefaults:
+                     mode: str = "process", dba_k: int = 8, int8_dot: str | None = None,
+                     kept: str | None = None) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. The default embedder gets int8 from :data:`INT8_MIN_IMAGES` images
     and DBA from :func:`dba_min_images`; ``--model M``: fp32, no DBA (only the default was measured);
     ``mode`` "shard" (DBA is the merge's) and "ray" keep DBA off. ``images``: the gallery's count or a
-    bound of it (a count, not a sample, so a rerun resumes the same way)."""
+    bound of it (a count, not a sample, so a rerun resumes the same way). The embedder: ``kept``
+    (the one the index at --out was built with, so a rerun elsewhere resumes), else
+    :data:`EMBEDDER_INT8_DOT` in int8 where ``int8_dot`` names the CPU's int8 dot product, except for
+    ``--shard`` builds, which may run on machines that differ; else :data:`EMBEDDER`."""
     notes = []
     if int8 is None:
         int8 = not model_given and images >= INT8_MIN_IMAGES
@@ -97,4 +111,10 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
                 "--ray/--sharded builds do not compute it yet" if mode == "ray" else
                 f"the gallery holds {images} images, DBA with k={dba_k} needs "
                 f"{dba_min_images(dba_k)}"))
-    return BuildDefaults(bool(int8), bool(dba), tuple(notes))
+    embedder = None
+    if not model_given:
+        embedder = kept or (EMBEDDER_INT8_DOT if int8 and int8_dot and mode != "shard" else EMBEDDER)
+        if embedder == EMBEDDER_INT8_DOT and not kept:
+            notes.append(f"two-backbone embedder {EMBEDDER_INT8_DOT} in int8: this CPU has int8 dot "
+                         f"products ({int8_dot})")
+    return BuildDefaults(bool(int8), bool(dba), tuple(notes), embedder)

@@ -59,8 +59,10 @@ def parser() -> argparse.ArgumentParser:
                                    "build and tune the faiss index. Rerun to resume.")
     b.add_argument("gallery", type=Path)
     b.add_argument("--model", type=Path, default=None,
-                   help="exported .onnx embedder (default: the offline pretrained ImageNet embedder, "
-                        "embedder.pretrained.DEFAULT; `python -m embedder pretrained --help`)")
+                   help="exported .onnx embedder (default: an offline pretrained ImageNet embedder, "
+                        "Lite1; in int8 on a CPU with int8 dot products (VNNI, AMX) Lite0 + Lite1, "
+                        "and an index keeps its own: indexer.ann.options; `python -m embedder "
+                        "pretrained --help`)")
     b.add_argument("--int8", action=argparse.BooleanOptionalAction, default=None,
                    help="embed with the int8 version of --model (default: of the default embedder), "
                         "quantised once on 256 of the gallery's images and cached in $DAS_CACHE/int8 "

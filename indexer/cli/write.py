@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from embedder.cli import UsageError
 
-from ..ann.options import BuildOptions
+from ..ann.options import BuildDefaults, BuildOptions
 from ..directory.index_dir import REPORT, IndexDir
 from ..directory.manifest import Manifest
 
@@ -32,15 +33,14 @@ def dba_params(args: argparse.Namespace) -> object:
 
 
 def int8_model(args: argparse.Namespace) -> Path:
-    """``indexer build --int8``: the int8 version of --model (or the default), calibrated on the
+    """``indexer build --int8``: the int8 version of --model (or of the default), calibrated on the
     gallery (``int8_model_path``: the same gallery gives the same file), or the one the index at
     --out already has (:func:`kept_int8`)."""
-    from embedder import default_model_path
     from embedder.quantize import int8_model_path
 
     from ..directory.model import load_embedder
 
-    fp32 = load_embedder(args.model, device="cpu").path if args.model else default_model_path()
+    fp32 = load_embedder(args.model, device="cpu").path
     if not args.gallery.is_dir():
         raise ValueError(f"{args.gallery}: gallery folder not found")
     return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(fp32, args.gallery,
@@ -92,26 +92,46 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
     return m
 
 
-def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> tuple[str, ...]:
+def kept_embedder(d: IndexDir) -> str | None:
+    """The default embedder (indexer.ann.options) the index at ``d`` was built with, by its
+    manifest's backbone: a rerun on another machine resumes with it instead of re-embedding."""
+    from embedder.pretrained import PRETRAINED
+
+    from ..ann.options import EMBEDDER, EMBEDDER_INT8_DOT
+    from ..errors import IndexerError
+
+    if not d.exists():
+        return None
+    try:
+        backbone = d.read_manifest().model.backbone
+    except (IndexerError, ValueError):          # damaged: the build itself says what is wrong
+        return None
+    return next((n for n in (EMBEDDER, EMBEDDER_INT8_DOT) if PRETRAINED[n].backbone == backbone), None)
+
+
+def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
     """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
-    gallery (the walk stopped at the largest threshold); a line per choice that turned one off."""
+    gallery (the walk stopped at the largest threshold), with the embedder when there is no --model;
+    its notes are a line per choice that turned one off or hangs on the CPU."""
     import itertools
+
+    from embedder.quantize import int8_dot_product
 
     from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
 
-    if args.int8 is not None and args.dba is not None:
-        return ()
     found = args.gallery.is_dir()                         # a missing gallery: the build says so
     images = 0
-    if args.model is None and found:
+    if args.model is None and found and (args.int8 is None or args.dba is None):
         bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
         images = sum(1 for _ in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None),
                                                  bound))
     d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images,
-                         mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k)
+                         mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k,
+                         int8_dot=int8_dot_product(),
+                         kept=None if args.model else kept_embedder(IndexDir(args.out)))
     args.int8, args.dba = d.int8, d.dba
-    return d.notes if found else ()
+    return d if found else replace(d, notes=())
 
 
 def ingest_line(found: int, new: int, unchanged: int, duplicates: int, skipped: int, embedded: int,
@@ -127,17 +147,18 @@ def build(args: argparse.Namespace) -> None:
     from ..store.walk import parse_shard
 
     ray = args.ray is not None or args.shards is not None or args.sharded
-    notes = resolve_build_defaults(args, ray)
+    d = resolve_build_defaults(args, ray)
     if ray and args.dba:
         raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
                          "without --ray, or `indexer merge --dba` the shards")
     dba_params(args)                                      # bad --dba-* flags: refused before any note
-    for note in notes:
+    for note in d.notes:
         print(f"indexer build: {note}", file=sys.stderr)
-    if args.model is None and not args.quiet:             # a first build exports it: say so first
+    if args.model is None and args.gallery.is_dir():      # a first build exports it: say so first
         from embedder import default_model_path
 
-        default_model_path(on_export=lambda m: print(f"indexer build: {m}", file=sys.stderr, flush=True))
+        args.model = default_model_path(d.embedder, on_export=None if args.quiet else lambda m: print(
+            f"indexer build: {m}", file=sys.stderr, flush=True))
     if args.int8:
         args.model = int8_model(args)
     if ray:

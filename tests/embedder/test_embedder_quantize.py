@@ -50,10 +50,12 @@ def cub_gallery(tmp_path_factory, cub_root) -> tuple[Path, list[Path], np.ndarra
 
 @pytest.fixture(scope="session")
 def int8_index(cub_gallery, pretrained_onnx, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """`indexer build --int8 --no-dba` of the gallery (quantises the default embedder on it; 96
+    """`indexer build --model LITE1 --int8 --no-dba` of the gallery (quantises the Lite1 default
+    on it, named so that a CPU with int8 dot products does not pick the two-backbone one; 96
     photos: int8 only when asked, DBA off so a photo's own score stays ~1)."""
     out = tmp_path_factory.mktemp("int8-index") / "idx"
-    r = _run("indexer", "build", cub_gallery[0], "--out", out, "--int8", "--no-dba", "--quiet")
+    r = _run("indexer", "build", cub_gallery[0], "--model", pretrained_onnx, "--out", out, "--int8",
+             "--no-dba", "--quiet")
     assert r.returncode == 0, r.stderr
     return out, r
 
@@ -75,11 +77,12 @@ def test_build_int8_indexes_with_the_quantised_default(int8_index, pretrained_on
     assert weights["backbone.net.conv_stem.weight"] == onnx.TensorProto.FLOAT
 
 
-def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery):
+def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery, pretrained_onnx):
     """Same gallery -> same calibration -> same int8 file: nothing is embedded again."""
     out, first = int8_index
     before = json.loads((out / "manifest.json").read_text())["model"]["hash"]
-    r = _run("indexer", "build", cub_gallery[0], "--out", out, "--int8", "--no-dba", "--quiet")
+    r = _run("indexer", "build", cub_gallery[0], "--model", pretrained_onnx, "--out", out, "--int8",
+             "--no-dba", "--quiet")
     assert r.returncode == 0, r.stderr
     assert "0 new, 96 unchanged" in r.stdout
     assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == before
