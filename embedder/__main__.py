@@ -19,8 +19,17 @@ def _export(args: argparse.Namespace) -> int:
     from .export import export_onnx
 
     model, _ = load_checkpoint(args.checkpoint)
-    out = export_onnx(model, args.out, source_hash=file_sha256(args.checkpoint),
-                      parity_images=args.parity_images or None)
+    source = file_sha256(args.checkpoint)
+    if args.concat:      # a training-free embedder in front, as in the two-backbone default
+        import hashlib
+
+        from .concat import ConcatEmbedder
+        from .pretrained import parse_spec
+
+        spec = parse_spec(args.concat)                 # ValueError (one line) on an unknown name
+        model = ConcatEmbedder([spec.embedder(), model]).eval()   # ValueError: preprocessing differs
+        source = hashlib.sha256(f"{spec.source_hash()}+{source}".encode()).hexdigest()
+    out = export_onnx(model, args.out, source_hash=source, parity_images=args.parity_images or None)
     print(f"wrote {out} ({model.config.backbone}, dim {model.dim}); parity check passed")
     return 0
 
@@ -84,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a training checkpoint to ONNX (with a parity check)")
     e.add_argument("checkpoint", type=Path, help="checkpoint written by save_checkpoint (.pt)")
     e.add_argument("--out", type=Path, required=True, help="output .onnx file")
+    e.add_argument("--concat", default=None, metavar="NAME",
+                   help="put the training-free embedder NAME (`pretrained --name`) in front: e.g. "
+                        "lite0-gem4-224 before a fine-tuned Lite1 makes a fine-tuned version of the "
+                        "two-backbone default (docs/TRAINING.md)")
     e.add_argument("--parity-images", type=Path, nargs="+", metavar="IMG",
                    help="real images for the torch/ONNX parity check (default: scikit-image photos)")
     e.set_defaults(func=_export)

@@ -78,3 +78,27 @@ def test_concat_exports_to_one_onnx_file(tmp_path, omniglot_paths):
     assert cfg["kind"] == "concat" and [p["dim"] for p in cfg["parts"]] == [32, 32]
     e = rt.embed(omniglot_paths[:4])
     assert e.shape == (4, 64) and np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
+
+
+def test_export_puts_a_pretrained_embedder_in_front_of_a_checkpoint(tmp_path, cub_root):
+    """`embedder export CKPT --concat lite0-gem4-224`: the fine-tuning recipe's Lite1 with the
+    training-free Lite0 in front. With the recipe's network untouched (its epoch 0) that is the
+    two-backbone default itself: the same embeddings as `embedder pretrained --name
+    lite0+lite1-gem4`. A checkpoint that cannot share the input is refused in one line."""
+    from inprocess import run_main
+
+    from embedder import default_model_path, save_checkpoint
+    from embedder.__main__ import main
+    from embedder.pretrained import pretrained_embedder
+
+    ckpt = save_checkpoint(tmp_path / "best.pt", pretrained_embedder("lite1-gem4-224"))
+    r = run_main(main, "embedder", ["export", ckpt, "--concat", "lite0-gem4-224", "--out", tmp_path / "two.onnx"])
+    assert r.returncode == 0 and "(efficientnet_lite0+efficientnet_lite1, dim 2560)" in r.stdout, r.stderr
+    photos = sorted(cub_root.glob("*/*.jpg"))[:6]
+    got = OnnxEmbedder(tmp_path / "two.onnx").embed(photos)
+    want = OnnxEmbedder(default_model_path("lite0+lite1-gem4")).embed(photos)
+    assert got.shape == (6, 2560) and np.abs(got - want).max() < 1e-4
+    small = save_checkpoint(tmp_path / "small.pt", _small(0))
+    r = run_main(main, "embedder", ["export", small, "--concat", "lite0-gem4-224", "--out", tmp_path / "x.onnx"])
+    assert r.returncode == 1 and "share one preprocessing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.onnx").exists()
