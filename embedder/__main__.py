@@ -20,15 +20,21 @@ def _export(args: argparse.Namespace) -> int:
 
     model, _ = load_checkpoint(args.checkpoint)
     source = file_sha256(args.checkpoint)
-    if args.concat:      # a training-free embedder in front, as in the two-backbone default
+    if args.concat:      # another embedder in front, as in the two-backbone default
         import hashlib
 
         from .concat import ConcatEmbedder
         from .pretrained import parse_spec
 
-        spec = parse_spec(args.concat)                 # ValueError (one line) on an unknown name
-        model = ConcatEmbedder([spec.embedder(), model]).eval()   # ValueError: preprocessing differs
-        source = hashlib.sha256(f"{spec.source_hash()}+{source}".encode()).hexdigest()
+        if args.concat.endswith(".pt"):                # a second checkpoint (both trunks fine-tuned)
+            if not Path(args.concat).is_file():
+                raise CheckpointError(Path(args.concat), "checkpoint file not found")
+            front, front_hash = load_checkpoint(args.concat)[0], file_sha256(args.concat)
+        else:                                          # ValueError (one line) on an unknown name
+            spec = parse_spec(args.concat)
+            front, front_hash = spec.embedder(), spec.source_hash()
+        model = ConcatEmbedder([front, model]).eval()  # ValueError: preprocessing differs
+        source = hashlib.sha256(f"{front_hash}+{source}".encode()).hexdigest()
     out = export_onnx(model, args.out, source_hash=source, parity_images=args.parity_images or None)
     print(f"wrote {out} ({model.config.backbone}, dim {model.dim}); parity check passed")
     return 0
@@ -93,10 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a training checkpoint to ONNX (with a parity check)")
     e.add_argument("checkpoint", type=Path, help="checkpoint written by save_checkpoint (.pt)")
     e.add_argument("--out", type=Path, required=True, help="output .onnx file")
-    e.add_argument("--concat", default=None, metavar="NAME",
-                   help="put the training-free embedder NAME (`pretrained --name`) in front: e.g. "
-                        "lite0-gem4-224 before a fine-tuned Lite1 makes a fine-tuned version of the "
-                        "two-backbone default (docs/TRAINING.md)")
+    e.add_argument("--concat", default=None, metavar="NAME|CKPT.pt",
+                   help="put another embedder in front, one ONNX file: a training-free NAME "
+                        "(`pretrained --name`) or a second checkpoint; e.g. the recipe's Lite0 run "
+                        "before its Lite1 run is a fine-tuned two-backbone default (docs/TRAINING.md)")
     e.add_argument("--parity-images", type=Path, nargs="+", metavar="IMG",
                    help="real images for the torch/ONNX parity check (default: scikit-image photos)")
     e.set_defaults(func=_export)

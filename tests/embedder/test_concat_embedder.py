@@ -81,8 +81,8 @@ def test_concat_exports_to_one_onnx_file(tmp_path, omniglot_paths):
 
 
 def test_export_puts_a_pretrained_embedder_in_front_of_a_checkpoint(tmp_path, cub_root):
-    """`embedder export CKPT --concat lite0-gem4-224`: the fine-tuning recipe's Lite1 with the
-    training-free Lite0 in front. With the recipe's network untouched (its epoch 0) that is the
+    """`embedder export CKPT --concat lite0-gem4-224` (or `--concat LITE0.pt`): the fine-tuning
+    recipe's Lite1 with Lite0 in front. With the recipe's networks untouched (epoch 0) that is the
     two-backbone default itself: the same embeddings as `embedder pretrained --name
     lite0+lite1-gem4`. A checkpoint that cannot share the input is refused in one line."""
     from inprocess import run_main
@@ -98,6 +98,13 @@ def test_export_puts_a_pretrained_embedder_in_front_of_a_checkpoint(tmp_path, cu
     got = OnnxEmbedder(tmp_path / "two.onnx").embed(photos)
     want = OnnxEmbedder(default_model_path("lite0+lite1-gem4")).embed(photos)
     assert got.shape == (6, 2560) and np.abs(got - want).max() < 1e-4
+    # both trunks fine-tuned: the recipe's Lite0 run (here its epoch 0) as a checkpoint in front
+    front = save_checkpoint(tmp_path / "lite0.pt", pretrained_embedder("lite0-gem4-224"))
+    r = run_main(main, "embedder", ["export", ckpt, "--concat", front, "--out", tmp_path / "both.onnx"])
+    assert r.returncode == 0 and "dim 2560" in r.stdout, r.stderr
+    assert np.abs(OnnxEmbedder(tmp_path / "both.onnx").embed(photos) - want).max() < 1e-4
+    r = run_main(main, "embedder", ["export", ckpt, "--concat", tmp_path / "none.pt", "--out", tmp_path / "y.onnx"])
+    assert r.returncode == 1 and "none.pt" in r.stderr and "not found" in r.stderr
     small = save_checkpoint(tmp_path / "small.pt", _small(0))
     r = run_main(main, "embedder", ["export", small, "--concat", "lite0-gem4-224", "--out", tmp_path / "x.onnx"])
     assert r.returncode == 1 and "share one preprocessing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
