@@ -13,23 +13,22 @@ from .cli import UsageError, add_options, run_main
 def _export(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
 
-    if not args.checkpoint.is_file():  # answer before paying for the torch import
-        raise CheckpointError(args.checkpoint, "checkpoint file not found")
+    front_ckpt = Path(args.concat) if args.concat and args.concat.endswith(".pt") else None
+    for ckpt in filter(None, (args.checkpoint, front_ckpt)):   # answer before paying for torch
+        if not ckpt.is_file():
+            raise CheckpointError(ckpt, "checkpoint file not found")
     from .checkpoint import file_sha256, load_checkpoint
     from .export import export_onnx
 
-    model, _ = load_checkpoint(args.checkpoint)
-    source = file_sha256(args.checkpoint)
+    model, source = load_checkpoint(args.checkpoint)[0], file_sha256(args.checkpoint)
     if args.concat:      # another embedder in front, as in the two-backbone default
         import hashlib
 
         from .concat import ConcatEmbedder
         from .pretrained import parse_spec
 
-        if args.concat.endswith(".pt"):                # a second checkpoint (both trunks fine-tuned)
-            if not Path(args.concat).is_file():
-                raise CheckpointError(Path(args.concat), "checkpoint file not found")
-            front, front_hash = load_checkpoint(args.concat)[0], file_sha256(args.concat)
+        if front_ckpt:                                 # a second checkpoint (both trunks fine-tuned)
+            front, front_hash = load_checkpoint(front_ckpt)[0], file_sha256(front_ckpt)
         else:                                          # ValueError (one line) on an unknown name
             spec = parse_spec(args.concat)
             front, front_hash = spec.embedder(), spec.source_hash()
