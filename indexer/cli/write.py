@@ -152,6 +152,10 @@ def build(args: argparse.Namespace) -> None:
         raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
                          "without --ray, or `indexer merge --dba` the shards")
     dba_params(args)                                      # bad --dba-* flags: refused before any note
+    if args.ray is not None:                              # a Ray that could never start: likewise
+        from ..ray.cluster import check_can_start
+
+        check_can_start(args.ray)
     for note in d.notes:
         print(f"indexer build: {note}", file=sys.stderr)
     if args.model is None and args.gallery.is_dir():      # a first build exports it: say so first

@@ -37,6 +37,15 @@ def near(node: str | None) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
 
+def check_can_start(address: str | None) -> None:
+    """One line for what could never connect, so that a build refuses it before it prints its
+    plan or exports a model: Ray not installed, or ``local`` with the loopback down."""
+    ray_module()
+    if address in (None, "local") and not loopback_works():
+        raise IndexerError("--ray local: this machine's loopback (127.0.0.1) accepts no connection, so "
+                           "Ray could never reach its own GCS; bring it up (`ip link set lo up`) and rerun")
+
+
 def connect(address: str | None, num_cpus: int | None = None) -> bool:
     """Join a Ray cluster: ``local`` starts a private one, ``auto`` finds the one ``ray start``
     runs here, else the head's ``HOST:PORT``. Returns whether this call started it."""
@@ -45,9 +54,7 @@ def connect(address: str | None, num_cpus: int | None = None) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     local = address in (None, "local")
-    if local and not loopback_works():
-        raise IndexerError("--ray local: this machine's loopback (127.0.0.1) accepts no connection, so "
-                           "Ray could never reach its own GCS; bring it up (`ip link set lo up`) and rerun")
+    check_can_start(address)
     watchdog = threading.Timer(connect_timeout(), _give_up, args=(address or "local",))
     watchdog.daemon = True
     watchdog.start()

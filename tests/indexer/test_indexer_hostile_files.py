@@ -233,18 +233,24 @@ def _netns_without_loopback() -> list[str]:
     return prefix
 
 
-def test_ray_local_without_loopback_is_one_line(omniglot_gallery: Path, small_onnx: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", [True, False], ids=["model", "default"])
+def test_ray_local_without_loopback_is_one_line(omniglot_gallery: Path, small_onnx: Path, tmp_path: Path,
+                                                model: bool) -> None:
     """Ray's GCS lives on 127.0.0.1: with loopback down it used to log "Failed to connect to
-    GCS" every 30 s forever. Refused before Ray starts."""
+    GCS" every 30 s forever. Refused before Ray starts, and with the default embedder before the
+    build prints its plan or exports the model (the cache stays empty)."""
     pytest.importorskip("ray")
     import subprocess
     import sys
 
+    cache = tmp_path / "cache"
     p = subprocess.run([*_netns_without_loopback(), sys.executable, "-m", "indexer", "build", omniglot_gallery,
-                        "--model", small_onnx, "--out", tmp_path / "idx", "--ray", "local", "--quiet"],
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-                       capture_output=True, text=True, timeout=300)
+                        *(["--model", small_onnx] if model else []), "--out", tmp_path / "idx", "--ray", "local",
+                        "--quiet"],
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+                            "DAS_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
     _one_line(p, "--ray local", "loopback", "GCS")
+    assert not cache.exists() or not any(cache.rglob("*.onnx"))
 
 
 @pytest.mark.slow
