@@ -69,15 +69,10 @@ def kept_int8(d: IndexDir, fp32: Path) -> Path | None:
 
 
 def build_with_ray_command(args: argparse.Namespace) -> Manifest:
-    """``indexer build --ray``: the flags only --ray takes, the build, the shard summary line."""
+    """``indexer build --ray``: the build and its shard summary line (flags checked by `build`)."""
     from ..directory.index_dir import SHARDS_DIR
     from ..build.ray_build import build_with_ray
 
-    if args.ray is None:
-        raise UsageError(("--sharded" if args.sharded and args.shards is None else "--shards")
-                         + " needs --ray (for one shard by hand use --shard i/n)")
-    if args.shard:
-        raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
     m = build_with_ray(args.gallery, args.out, args.model, address=args.ray, shards=args.shards,
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
@@ -120,9 +115,9 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
 
-    found = args.gallery.is_dir()                         # a missing gallery: the build says so
     images = 0
-    if args.model is None and found and (args.int8 is None or args.dba is None):
+    counted = args.model is None and (args.int8 is None or args.dba is None)
+    if counted:
         bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
         images = sum(1 for _ in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None),
                                                  bound))
@@ -131,7 +126,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
                          int8_dot=int8_dot_product(),
                          kept=None if args.model else kept_embedder(IndexDir(args.out)))
     args.int8, args.dba = d.int8, d.dba
-    return d if found else replace(d, notes=())
+    return replace(d, notes=()) if counted and images == 0 else d    # nothing readable: an error
 
 
 def ingest_line(found: int, new: int, unchanged: int, duplicates: int, skipped: int, embedded: int,
@@ -142,15 +137,29 @@ def ingest_line(found: int, new: int, unchanged: int, duplicates: int, skipped: 
             f"{skipped} skipped" + (f" (reasons in {report})" if skipped else "") + f"; {embedded} embedded")
 
 
-def build(args: argparse.Namespace) -> None:
-    from ..build.single import build_index
-    from ..store.walk import parse_shard
-
-    ray = args.ray is not None or args.shards is not None or args.sharded
-    d = resolve_build_defaults(args, ray)
+def check_build_flags(args: argparse.Namespace, ray: bool) -> None:
+    """Flags that exclude each other and an --out that cannot become an index: refused before
+    the build prints its plan (a failing command says one thing)."""
+    if ray and args.ray is None:
+        raise UsageError(("--sharded" if args.sharded and args.shards is None else "--shards")
+                         + " needs --ray (for one shard by hand use --shard i/n)")
+    if ray and args.shard:
+        raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
     if ray and args.dba:
         raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
                          "without --ray, or `indexer merge --dba` the shards")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: a file is there; expected an index directory (new or existing)")
+
+
+def build(args: argparse.Namespace) -> None:
+    from ..build.single import build_index, gallery_files
+    from ..store.walk import parse_shard
+
+    ray = args.ray is not None or args.shards is not None or args.sharded
+    check_build_flags(args, ray)
+    gallery_files(args.gallery)       # missing or empty: one line before the plan and any export
+    d = resolve_build_defaults(args, ray)
     dba_params(args)                                      # bad --dba-* flags: refused before any note
     if args.ray is not None:                              # a Ray that could never start: likewise
         from ..ray.cluster import check_can_start
@@ -158,7 +167,7 @@ def build(args: argparse.Namespace) -> None:
         check_can_start(args.ray)
     for note in d.notes:
         print(f"indexer build: {note}", file=sys.stderr)
-    if args.model is None and args.gallery.is_dir():      # a first build exports it: say so first
+    if args.model is None:                                # a first build exports it: say so first
         from embedder import default_model_path
 
         args.model = default_model_path(d.embedder, on_export=None if args.quiet else lambda m: print(

@@ -68,3 +68,23 @@ def test_shard_tasks_reserve_a_gpu_where_the_cluster_has_gpus() -> None:
     assert plan_resources([{"CPU": 2.0}], 2, cpus_per_shard=2)["num_cpus"] == 2
     with pytest.raises(IndexerError, match="no node of the cluster has that many CPUs"):
         plan_resources(cpu_only, 2, cpus_per_shard=64)
+
+
+def test_refusals_come_before_the_default_plan(omniglot_gallery: Path, tmp_path: Path, capsys,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --model a build prints its plan (embedder, int8, DBA) and may export the default
+    embedder first; a command that cannot run does neither: flags that exclude each other, an --out
+    that is a file, a missing or empty gallery are its only line, and nothing is exported."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DAS_CACHE", str(cache))
+    base = ["build", omniglot_gallery, "--out", tmp_path / "o", "--quiet"]
+    _usage_error(capsys, [*base, "--shards", "2"], "--shards needs --ray")
+    _usage_error(capsys, [*base, "--ray", "local", "--shard", "0/2"], "--shard and --ray exclude each other")
+    _usage_error(capsys, [*base, "--ray", "local", "--dba"], "--dba is not available with --ray")
+    (tmp_path / "afile").write_text("not an index")
+    _usage_error(capsys, ["build", omniglot_gallery, "--out", tmp_path / "afile"],
+                 f"--out {tmp_path / 'afile'}: a file is there")
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    _one_line_error(capsys, ["build", tmp_path / "empty", "--out", tmp_path / "o"], "empty gallery")
+    _one_line_error(capsys, ["build", tmp_path / "nope", "--out", tmp_path / "o"], "gallery folder not found")
+    assert not (tmp_path / "o").exists() and not any(cache.rglob("*.onnx"))
