@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from embedder.cli import add_options, bounded, positive
+from embedder.cli import UsageError, add_options, bounded, positive
 
 from .duplicates import DEFAULT_THRESHOLD, MIN_INLIERS
 from .run import DEFAULT_K, DEFAULT_TOP, DEFAULT_VERIFY_MAX, KINDS, print_summary, run_audit, write_audit
@@ -60,6 +60,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """The handler: audit, write, print the summary (or it as JSON with --json)."""
+    if args.out is not None and args.out.exists() and not args.out.is_dir():   # before the graph
+        raise UsageError(f"--out {args.out}: a file is there; expected a folder for the audit")
     ray = None if args.ray is None else ray_serving(args.ray, args.shard_timeout)
     a = run_audit(args.index, k=args.k, threshold=args.threshold, kinds=tuple(args.kinds),
                   progress=not args.quiet, ray=ray, verify=args.verify, verify_max=args.verify_max)

@@ -172,6 +172,9 @@ def test_bad_input_is_one_line_exit_1_and_nothing_written(built_index: Path, tmp
     assert none.returncode == 1 and len(none.stderr.strip().splitlines()) == 1
     usage = run_audit_cli("--index", built_index, "-k", "0", check=False)
     assert usage.returncode == 2
+    (tmp_path / "afile").write_text("not a folder")       # refused before the kNN graph is computed
+    a_file = run_audit_cli("--index", built_index, "--out", tmp_path / "afile", check=False)
+    assert a_file.returncode == 2 and "a file is there" in a_file.stderr and "kNN graph" not in a_file.stderr
     assert [x.name for x in out.iterdir()] == ["keep.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".audit-")]
 
