@@ -219,13 +219,11 @@ def train(cfg: TrainConfig, *, train_split: Split | None = None,
     distributed.seed_everything(cfg.seed)
     run_dir = Path(cfg.out)
     last_path, best_path = run_dir / "last.pt", run_dir / "best.pt"
-    if info.is_main:
+    train_full, test_full = build_datasets(cfg, train_split, test_split)   # a bad root: nothing written
+    train_ds, test_ds, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)
+    if info.is_main:   # eval_classes.txt: the split's own order (natural, case-insensitive), for galleries of it
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-
-    train_full, test_full = build_datasets(cfg, train_split, test_split)
-    train_ds, test_ds, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)
-    if info.is_main:   # the split's own order (natural, case-insensitive), for galleries of it
         (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     resuming = cfg.resume and last_path.is_file()

@@ -163,6 +163,17 @@ def test_fewer_than_two_readable_classes_is_a_one_line_error(tmp_path, dataset, 
     assert "at least 2" in lines[0] and "unreadable" in lines[0]
 
 
+def test_a_root_without_class_folders_leaves_no_run_folder(tmp_path, capsys):
+    """A missing root or one with no class folders: one line, exit 1, and --out not created (no
+    config.json of a run that never started)."""
+    (tmp_path / "empty" / "notes").mkdir(parents=True)
+    for root, why in ((tmp_path / "nope", "not a directory"), (tmp_path / "empty", "at least 2 class")):
+        rc, _, stderr = _run({"root": root}, tmp_path / "run", capsys, cached=False)
+        lines = stderr.strip().splitlines()
+        assert rc == 1 and len(lines) == 1 and why in lines[0] and str(root) in lines[0], stderr
+        assert not (tmp_path / "run").exists()
+
+
 def test_trunk_activations_without_failed_raises_the_first_unreadable_image(tmp_path, dataset):
     """A caller that cannot leave rows out (no ``failed=``) must never read the zero rows."""
     from embedder import ImageLoadError
