@@ -149,16 +149,9 @@ class Index:
 
     def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
         """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""
-        out = []
-        for s, i in zip(scores, ids):
-            if i < 0:
-                continue
-            try:
-                m = self.store.get_meta(int(i))
-            except KeyError:
-                continue
-            out.append(Hit(int(i), float(s), m.get("label"), m["path"]))
-        return out
+        metas = self.store.get_metas([int(i) for i in ids if i >= 0])
+        return [Hit(int(i), float(s), m.get("label"), m["path"])
+                for s, i in zip(scores, ids) if (m := metas.get(int(i))) is not None]
 
     def search(self, images: Sequence[Any], k: int = 10, *, dba: bool | None = None) -> list[list[Hit]]:
         """Embed ``images`` (paths, bytes or PIL images) and return the top-k hits of each

@@ -52,6 +52,15 @@ class ShardedStore:
     def get_meta(self, id: int) -> dict:
         return self._owner(int(id)).get_meta(int(id))
 
+    def get_metas(self, ids: Sequence[int]) -> dict[int, dict]:
+        out: dict[int, dict] = {}
+        for s in self.stores:                   # the first shard holding an id, as `_owner`
+            left = [int(i) for i in ids if int(i) not in out]
+            if not left:
+                break
+            out.update(s.get_metas(left))
+        return out
+
     def get_bytes(self, id: int) -> bytes:
         return self._owner(int(id)).get_bytes(int(id))
 
