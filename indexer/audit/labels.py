@@ -25,9 +25,9 @@ from .source import Gallery
 
 KNN_TEMP = 0.05         # neighbour weight exp((sim - 1) / KNN_TEMP)
 CENTROID_TEMP = 0.02    # softmax temperature over the cosines to the class centroids
-#: share of the centroid view in the mixed probabilities: 0.25 gives the top-N precision of 0.5 or
-#: more on both validation galleries with either default embedder (Lite1, the two-backbone one;
-#: 0.5 lost one flip of 30 on three of the four: docs/benchmarks/audit.md)
+#: share of the centroid view in the mixed probabilities: 0.25 gives a top-N precision of 0.85 or
+#: more (0.87-0.90) on both validation galleries with either default embedder (Lite1, the
+#: two-backbone one; 0.5 lost one flip of 30 on three of the four: docs/benchmarks/audit.md)
 CENTROID_SHARE = 0.25
 CHUNK = 8_192
 

@@ -40,9 +40,7 @@ def int8_model(args: argparse.Namespace) -> Path:
 
     from ..directory.model import load_embedder
 
-    fp32 = load_embedder(args.model, device="cpu").path
-    if not args.gallery.is_dir():
-        raise ValueError(f"{args.gallery}: gallery folder not found")
+    fp32 = load_embedder(args.model, device="cpu").path   # the gallery: checked by `build` first
     return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(fp32, args.gallery,
                                                                           progress=not args.quiet)
 
