@@ -141,9 +141,9 @@ def _libc(name: str, *argtypes: type) -> Any:
 
 _TRIM = _libc("malloc_trim", ctypes.c_size_t)
 _MALLOPT = _libc("mallopt", ctypes.c_int, ctypes.c_int)
-# glibc's mallopt parameter numbers (malloc.h) and the defaults a server restores
+# glibc's mallopt parameter numbers (malloc.h) and the default a server restores
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-GLIBC_TRIM_THRESHOLD, GLIBC_MMAP_MAX = 128 * 1024, 65536
+GLIBC_MMAP_MAX = 65536
 SERVING_MMAP_THRESHOLD = 4 * 2 ** 20
 
 
@@ -151,9 +151,11 @@ def pin_mmap_threshold(nbytes: int = SERVING_MMAP_THRESHOLD) -> bool:
     """Serve every allocation of ``nbytes`` or more with its own mmap (False without glibc). Why:
     glibc raises its threshold as mmapped blocks are freed, then big blocks come from heaps that
     keep their high-water mark (four WebP searches: +177..214 MB, +114..122 pinned, issue 28).
-    Servers only; it also undoes :func:`keep_freed_memory` (a process that trained first)."""
+    The heap's free top is trimmed above twice that (glibc's own rule when it moves the threshold):
+    at its 128 KB floor every query gave its ~3 MB of working memory back and faulted it in again
+    (~700 page faults, +1 ms a search). Servers only; it also undoes :func:`keep_freed_memory`."""
     return _MALLOPT is not None and all([_MALLOPT(M_MMAP_MAX, GLIBC_MMAP_MAX),
-                                         _MALLOPT(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD),
+                                         _MALLOPT(M_TRIM_THRESHOLD, 2 * int(nbytes)),
                                          _MALLOPT(M_MMAP_THRESHOLD, int(nbytes))])
 
 

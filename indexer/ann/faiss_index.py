@@ -6,9 +6,10 @@ value reaching a recall@10 target (autofaiss tunes under a latency cap; we promi
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import faiss
 import numpy as np
@@ -34,6 +35,22 @@ TRAIN_POINTS_PER_CENTROID = 64      # k-means sample per centroid: 39 is faiss's
 KMEANS_ITERATIONS = 10
 PQ_TRAIN_POINTS = 256 * MIN_POINTS_PER_CENTROID   # PQ codebooks have 256 centroids each
 PQFS_TRAIN_POINTS = 16 * MIN_POINTS_PER_CENTROID  # 4-bit fast-scan codebooks have 16
+
+
+@contextmanager
+def omp_threads(n: int | None) -> Iterator[None]:
+    """faiss's OpenMP threads for the calling thread (OpenMP keeps the count per thread) within
+    the block, restored after; None: left as it is. One thread where a second buys nothing: after
+    a parallel loop libgomp's idle threads spin for milliseconds, taking a core from what runs next."""
+    if n is None:
+        yield
+        return
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
 
 
 @dataclass
@@ -230,12 +247,10 @@ def kmeans_approx(x: np.ndarray, k: int, *, seed: int = 0, refine: int = KMEANS_
 
     n, d = x.shape
     nc1 = max(1, int(math.sqrt(k)))
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)     # sqrt(k) small k-means: OpenMP barriers on shared cores cost
-    try:                             # more than the second thread gains (as train's PQ codebooks)
+    # sqrt(k) small k-means: OpenMP barriers on shared cores cost more than the second thread
+    # gains (as train's PQ codebooks)
+    with omp_threads(1):
         cen, _ = two_level_clustering(x, nc1, k, spherical=True, seed=seed)
-    finally:
-        faiss.omp_set_num_threads(threads)
     cen = np.ascontiguousarray(cen, dtype=np.float32)
     if on_iteration:
         on_iteration(0, cen)
@@ -287,12 +302,8 @@ def train(spec: IndexSpec, x_train: np.ndarray, dim: int, *, device: str = "auto
     # The quantizer holds nlist centroids, so IVF skips its own k-means and trains only its codes.
     # PQ codebooks are many tiny k-means (16-256 centroids of 2-8 dims): on one thread they take
     # a fraction of a second, on two shared cores OpenMP barriers made them 10-50x slower.
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
+    with omp_threads(1):
         index.train(x_train)
-    finally:
-        faiss.omp_set_num_threads(threads)
     return index
 
 

@@ -137,12 +137,8 @@ def compress(index: faiss.Index, codec: str, nprobe: int = 1) -> faiss.Index:
         quantizer.add(np.zeros((1, dim), np.float32))
     codes = _empty_codes(quantizer, dim, nlist, codec)
     codes.referenced_objects = [quantizer]       # faiss's way to keep what C++ does not own
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)                 # tiny k-means of PQ codebooks: see fx.train
-    try:
+    with fx.omp_threads(1):                      # tiny k-means of PQ codebooks: see fx.train
         codes.train(_training_sample(parts, int(index.ntotal)))
-    finally:
-        faiss.omp_set_num_threads(threads)
     batch: list[tuple[int, np.ndarray, np.ndarray]] = []
 
     def flush() -> None:         # one add_core per CHUNK vectors: a call per small list paid an

@@ -15,6 +15,7 @@ from embedder.knn import drop_self
 from embedder.preprocess import Preprocessing
 from embedder.vectors import l2_normalize
 
+from ..ann.faiss_index import omp_threads
 from ..ann.neighbours import Neighbourhoods
 from ..directory.model import load_embedder
 from ..errors import IndexerError
@@ -134,6 +135,14 @@ class Index:
             np.array([-1 if e is None else int(e) for e in exclude], dtype=np.int64)
         q = l2_normalize(q)
         k = min(k, len(self))
+        # One query: faiss parallelises over queries, so a second OpenMP thread only runs trivial
+        # loops (IndexIDMap's id translation) and then spins ~10 ms taking a core from the next
+        # request's embedding: a served upload ran 2x slower on 2 cores (docs/benchmarks/serving.md).
+        with omp_threads(1 if len(q) == 1 else None):
+            return self._answer(q, k, dba, own, exclude)
+
+    def _answer(self, q: np.ndarray, k: int, dba: bool, own: np.ndarray | None,
+                exclude: Sequence[int | None] | None) -> Answer:
         if not dba:
             if own is None:
                 return self.faiss.search(q, k)

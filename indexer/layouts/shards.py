@@ -49,6 +49,10 @@ class ShardedStore:
     def __contains__(self, id: object) -> bool:
         return any(id in s for s in self.stores)
 
+    def ids(self) -> np.ndarray:
+        """All ids, ascending (one held by two shards once)."""
+        return np.unique(np.concatenate([s.ids() for s in self.stores] + [np.zeros(0, np.int64)]))
+
     def get_meta(self, id: int) -> dict:
         return self._owner(int(id)).get_meta(int(id))
 

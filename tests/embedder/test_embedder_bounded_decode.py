@@ -288,3 +288,29 @@ def test_kept_freed_memory_reuses_large_blocks_without_page_faults() -> None:
     if not (thp.exists() and "[always]" in thp.read_text()):   # 2 MB pages fault 512x less often
         assert faults["default"] >= 4 * 16_000, faults
     assert faults["kept"] <= 1_000, faults
+
+
+_CHURN = """
+import resource
+from embedder import decode_budget
+assert decode_budget.pin_mmap_threshold()
+n = 3 << 20             # a search's working memory: under the 4 MB threshold, from the heap
+a = b"\\x01" * n; del a
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    a = b"\\x01" * n; del a
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) // 20)
+"""
+
+
+@pytest.mark.skipif(decode_budget._MALLOPT is None, reason="glibc only")
+def test_pinned_server_keeps_a_queries_working_memory() -> None:
+    """With the threshold pinned, the heap's free top is kept up to twice it: at glibc's 128 KB
+    floor each 3 MB of a query's working memory went back to the kernel and was faulted in again
+    (~770 page faults a time, +1 ms a served search: docs/benchmarks/serving.md)."""
+    import subprocess
+    import sys
+
+    per_cycle = int(subprocess.run([sys.executable, "-c", _CHURN], check=True, text=True, capture_output=True,
+                                   cwd=Path(__file__).resolve().parents[2]).stdout)
+    assert per_cycle < 50, per_cycle

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from indexer_testlib import REPO, copy_characters, run_cli, serve_app
-from indexer import check_counts
+from indexer import Index, check_counts
 from indexer.directory.lock import writer_lock
 
 KINDS = ("single", "merged", "sharded", "sharded_flat")
@@ -75,6 +75,42 @@ def _first_image(d: Path) -> tuple[int, str]:
 def test_counts_agree(kinds: dict[str, Path], kind: str) -> None:
     c = check_counts(kinds[kind])
     assert c.ok and not c.busy and c.faiss == c.manifest == 240, c.message
+
+
+class _Recording:
+    """The index's own searchable, noting faiss's OpenMP thread count at each search."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.threads = inner, []
+        self.d, self.ntotal = inner.d, inner.ntotal
+
+    def search(self, q, k):
+        import faiss
+
+        self.threads.append(faiss.omp_get_max_threads())
+        return self.inner.search(q, k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_query_searches_on_one_openmp_thread(kinds: dict[str, Path], kind: str) -> None:
+    """A single query runs faiss on one thread (libgomp's idle threads spin for milliseconds after
+    a parallel loop, taking a core from the next request's embedding); a batch keeps the
+    caller's threads, and the caller's count is its own again after either."""
+    import faiss
+
+    idx = Index.open(kinds[kind])
+    rec = _Recording(idx.faiss)
+    probe = Index(idx.layout, idx.store, rec, idx.neighbours)
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(2)
+    try:
+        x = idx.embeddings(idx.store.ids()[:3])
+        one, batch = probe.answer(x[:1], 5), probe.answer(x, 5)
+        assert rec.threads == [1, 2] and faiss.omp_get_max_threads() == 2
+        assert one.ids.shape == (1, 5) and batch.ids.shape == (3, 5) and (one.ids >= 0).all()
+    finally:
+        faiss.omp_set_num_threads(before)
+        idx.store.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)
