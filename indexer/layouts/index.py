@@ -137,7 +137,8 @@ class Index:
         k = min(k, len(self))
         # One query: faiss parallelises over queries, so a second OpenMP thread only runs trivial
         # loops (IndexIDMap's id translation) and then spins ~10 ms taking a core from the next
-        # request's embedding: a served upload ran 2x slower on 2 cores (docs/benchmarks/serving.md).
+        # embedding: on 2 cores searches looped in a script ran 2x slower, served ones ~1.4x
+        # (docs/benchmarks/serving.md).
         with omp_threads(1 if len(q) == 1 else None):
             return self._answer(q, k, dba, own, exclude)
 
