@@ -29,6 +29,7 @@ FLOAT_NODES = ("none", "stem", "head", "stem+head", "stem+adds", "full-res")
 #: a quantised model whose mean cosine to fp32 on calibration images is below this is broken
 #: (measured: 0.99+ for EfficientNet-Lite with the recipe above, 0.75 without Clip)
 MIN_MEAN_COSINE = 0.95
+CALIBRATION_CHUNK = 2    # images a calibration run sees (memory, `quantize_embedder`)
 QUANT_FORMAT = "qdq-u8s8-per-channel-float-stem"
 
 
@@ -332,7 +333,11 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
     if not batches:   # before onnxruntime sees an empty reader
         raise QuantizationError(f"none of the {len(files)} calibration images could be read "
                                 f"(first: {skipped[0][0]}: {skipped[0][1]})")
-    reader = _Reader(fp32.input_name, batches)
+    # onnxruntime's calibration session (graph optimisations off, a ReduceMin/Max on every tensor)
+    # holds ~125 MB an image of each Lite network's activations: 16 at a time made the two-backbone
+    # default's first build peak at 5.2 GB. Min/max ranges do not depend on the grouping.
+    reader = _Reader(fp32.input_name, [b[i:i + CALIBRATION_CHUNK] for b in batches
+                                       for i in range(0, len(b), CALIBRATION_CHUNK)])
     seen = sum(len(b) for b in batches)
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[recipe.method]
@@ -387,8 +392,8 @@ def _check(fp32: Any, int8_path: str, x: np.ndarray) -> tuple[float, float]:
     from .runtime import load_session
 
     sess = load_session(int8_path)
-    a = fp32.embed_arrays(x)
-    b = np.concatenate([sess.run(None, {fp32.input_name: x[i:i + 16]})[0] for i in range(0, len(x), 16)])
+    a, b = (np.concatenate([s.run(None, {fp32.input_name: x[i:i + CALIBRATION_CHUNK]})[0]
+                            for i in range(0, len(x), CALIBRATION_CHUNK)]) for s in (fp32.session, sess))
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
     return float(cos.mean()), float(cos.min())
 
