@@ -29,7 +29,11 @@ FLOAT_NODES = ("none", "stem", "head", "stem+head", "stem+adds", "full-res")
 #: a quantised model whose mean cosine to fp32 on calibration images is below this is broken
 #: (measured: 0.99+ for EfficientNet-Lite with the recipe above, 0.75 without Clip)
 MIN_MEAN_COSINE = 0.95
-CALIBRATION_CHUNK = 2    # images a calibration run sees (memory, `quantize_embedder`)
+#: images per onnxruntime run while calibrating and checking: onnxruntime's calibration session
+#: (graph optimisations off, a ReduceMin/Max on every tensor) holds ~125 MB an image of each Lite
+#: network's activations, so 16 at a time made the two-backbone default's first `indexer build`
+#: peak at 5.2 GB (1.9 GB at 2; min/max ranges do not depend on the grouping)
+CALIBRATION_BATCH = 2
 QUANT_FORMAT = "qdq-u8s8-per-channel-float-stem"
 
 
@@ -308,7 +312,7 @@ class _Reader:
 
 
 def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike | Sequence[Path],
-                      out: str | os.PathLike, *, images: int | None = None, batch_size: int = 16,
+                      out: str | os.PathLike, *, images: int | None = None, batch_size: int = CALIBRATION_BATCH,
                       progress: bool = False, check_images: int = 32,
                       log: Callable[[str], None] | None = None,
                       recipe: QuantRecipe = DEFAULT_RECIPE) -> QuantizeReport:
@@ -333,11 +337,7 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
     if not batches:   # before onnxruntime sees an empty reader
         raise QuantizationError(f"none of the {len(files)} calibration images could be read "
                                 f"(first: {skipped[0][0]}: {skipped[0][1]})")
-    # onnxruntime's calibration session (graph optimisations off, a ReduceMin/Max on every tensor)
-    # holds ~125 MB an image of each Lite network's activations: 16 at a time made the two-backbone
-    # default's first build peak at 5.2 GB. Min/max ranges do not depend on the grouping.
-    reader = _Reader(fp32.input_name, [b[i:i + CALIBRATION_CHUNK] for b in batches
-                                       for i in range(0, len(b), CALIBRATION_CHUNK)])
+    reader = _Reader(fp32.input_name, batches)
     seen = sum(len(b) for b in batches)
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[recipe.method]
@@ -374,7 +374,7 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
                                                  if recipe.method == "percentile" else {}),
                 "calibration_images": seen, "fp32_sha256": fp32.model_hash})})
             onnx.save(proto, tmp_out)
-            mean_cos, min_cos = _check(fp32, tmp_out, np.concatenate(batches)[:check_images])
+            mean_cos, min_cos = _check(fp32, tmp_out, np.concatenate(batches)[:check_images], batch_size)
             if mean_cos < MIN_MEAN_COSINE:
                 raise QuantizationError(
                     f"{model}: the int8 model's embeddings differ from fp32 (mean cosine "
@@ -387,13 +387,13 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
     return report
 
 
-def _check(fp32: Any, int8_path: str, x: np.ndarray) -> tuple[float, float]:
+def _check(fp32: Any, int8_path: str, x: np.ndarray, batch: int) -> tuple[float, float]:
     """(mean, min) cosine between fp32 and int8 embeddings of the same preprocessed images."""
     from .runtime import load_session
 
     sess = load_session(int8_path)
-    a, b = (np.concatenate([s.run(None, {fp32.input_name: x[i:i + CALIBRATION_CHUNK]})[0]
-                            for i in range(0, len(x), CALIBRATION_CHUNK)]) for s in (fp32.session, sess))
+    a, b = (np.concatenate([s.run(None, {fp32.input_name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+            for s in (fp32.session, sess))
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
     return float(cos.mean()), float(cos.min())
 
