@@ -14,11 +14,19 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, Union
 
-from PIL import Image
+import pillow_heif
+from PIL import Image, features
+
+# HEIC/HEIF (phones' default photo format) through pillow-heif's opener, lazy like Pillow's own:
+# the size is read from the header, libheif decodes on load (images._heif_frame)
+pillow_heif.register_heif_opener()
+#: whether this Pillow decodes AVIF (its own plugin, from Pillow 11.3's wheels)
+AVIF = bool(features.check("avif"))
 
 # Pillow format names the decoder opens. MPO (multi-picture JPEG) opens through the JPEG plugin.
-ACCEPTED: tuple[str, ...] = ("JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF", "ICO", "CUR")
-ACCEPTED_TEXT = "JPEG, PNG, WebP, GIF, BMP, TIFF or ICO"
+ACCEPTED: tuple[str, ...] = ("JPEG", "MPO", "PNG", "WEBP", "HEIF", *(("AVIF",) if AVIF else ()), "GIF", "BMP",
+                             "TIFF", "ICO", "CUR")
+ACCEPTED_TEXT = f"JPEG, PNG, WebP, HEIC, {'AVIF, ' if AVIF else ''}GIF, BMP, TIFF or ICO"
 _PREFIX = 16                       # what Image.open hands each plugin's sniffer
 
 

@@ -31,6 +31,10 @@ HIGH_DEPTH = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
 # (what 12 alone would admit) peaked at +186..237 MB, over the 200 MB goal, while at 10.4 MP
 # (what 16 admits, the cap before issue 28) they peak at +116..123 (RELIABILITY.md).
 _WEBP_BYTES = 16
+# HEIC (libheif + libde265) and AVIF (Pillow's libavif): the decode's peak, measured on 12 MP
+# photos 7.9 and 9.4 bytes a pixel (24 MP HEIC 6.7), plus headroom as for WebP. A 12 MP phone
+# photo fits the default budget; a 24 MP one needs DAS_DECODE_BUDGET_MB >= 240.
+_HEIF_BYTES, _AVIF_BYTES = 10, 12
 
 
 def frame_bytes(mode: str, size: tuple[int, int]) -> int:
@@ -80,8 +84,8 @@ def jpeg_coefficient_bytes(im: Image.Image, data: bytes | None = None) -> int:
 def decode_bytes(im: Image.Image, file_size: int = 0) -> int:
     """What fully decoding the opened (not yet loaded) ``im`` will hold at its peak."""
     w, h = im.size
-    if im.format == "WEBP":
-        return w * h * _WEBP_BYTES
+    if im.format in ("WEBP", "HEIF", "AVIF"):
+        return w * h * {"WEBP": _WEBP_BYTES, "HEIF": _HEIF_BYTES, "AVIF": _AVIF_BYTES}[im.format]
     need = frame_bytes(im.mode, im.size)
     if im.mode in HIGH_DEPTH:          # to_mode scales these through a float64 copy
         need += w * h * 9

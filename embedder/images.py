@@ -14,22 +14,23 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import decode_budget as budget
-from .containers import ACCEPTED_TEXT, FormatRefused, open_image
+from .containers import ACCEPTED_TEXT, AVIF, FormatRefused, open_image
 from .errors import PathError
 
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders):
 # the usual names of the formats embedder.containers opens (.jfif and .jpe are JPEG's other names,
 # what some browsers save downloads as).
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".heic", ".heif", ".hif", ".bmp",
+                            ".gif", ".tif", ".tiff", *((".avif",) if AVIF else ())})
 
 # Photo formats galleries hold that the decoder does not open (no reader in Pillow, or one it does
-# not trust). Walks list them like images (``is_listed``) so that a phone's HEIC photos are skipped
-# with :func:`not_decoded`'s reason, never missing in silence (other names: notes, sidecars, videos,
+# not trust). Walks list them like images (``is_listed``) so that such photos are skipped with
+# :func:`not_decoded`'s reason, never missing in silence (other names: notes, sidecars, videos,
 # are passed over); a file with such a name that holds a JPEG is read like one. Raw files are refused
 # by name: they are TIFF containers, which Pillow would open as their small preview.
 _RAW = (".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".srw", ".pef")
-_NOT_DECODED = {**dict.fromkeys((".heic", ".heif"), "a HEIC/HEIF photo"), ".avif": "an AVIF image",
-                ".jxl": "a JPEG XL image", **dict.fromkeys(_RAW, "a camera raw file")}
+_NOT_DECODED = {**({} if AVIF else {".avif": "an AVIF image"}), ".jxl": "a JPEG XL image",
+                **dict.fromkeys(_RAW, "a camera raw file")}
 
 DEFAULT_MAX_PIXELS: int = 64_000_000
 
@@ -203,7 +204,7 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
             label, f"image too large to decode within the memory budget: {w}x{h} {kind} "
                    f"({w * h / 1e6:.1f} MP, mode {im.mode}) needs about {need / 2 ** 20:.0f} MB, the "
                    f"decode budget is {budget.BUDGET.capacity / 2 ** 20:.0f} MB, so {kind} "
-                   f"{im.mode} images are accepted up to {cap:.1f} MP")
+                   f"{im.mode} images are accepted up to {cap:.1f} MP (DAS_DECODE_BUDGET_MB raises it)")
     with budget.BUDGET.reserve(need):
         if im.format == "WEBP" and hasattr(im, "_decoder"):
             try:
@@ -277,7 +278,8 @@ def _raw_layout(im: Image.Image) -> list[tuple[int, int, int, str, int, int]] | 
     full-width band of rows (BMP, uncompressed TIFF) that can be read a strip at a time."""
     tiles = getattr(im, "tile", None)
     w, h = im.size
-    if not tiles or im.mode in budget.HIGH_DEPTH or getattr(im, "fp", None) is None:
+    # Pillow's AVIF plugin decodes in load() and labels the frame a raw tile at offset 0
+    if not tiles or im.mode in budget.HIGH_DEPTH or getattr(im, "fp", None) is None or im.format == "AVIF":
         return None
     out = []
     for t in tiles:

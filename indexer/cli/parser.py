@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
                         "(default: JSON lines on stdout)")
     s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="DBA re-ranking (auto: on for an index built with --dba)")
-    opts(s, "-k", "--json", "--device", "--max-memory", "--ray", "--shard-timeout",
+    opts(s, "-k", "--json", "--device", "--max-memory", "--ray", "--shard-timeout", "--quiet",
          index=True).set_defaults(func=read.search)
 
     e = sub.add_parser("eval", help="Recall@k on a labelled query folder, or leave-one-out",

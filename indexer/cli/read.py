@@ -70,7 +70,7 @@ def search_folder(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {args.out}: expected a .jsonl or .csv file")
     with open_index(args) as idx:
         rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
-                                              progress=True)
+                                              progress=not args.quiet)
     warn_partial(partial, args)
     out = sys.stdout if args.out is None else None
     tmp = None if args.out is None else args.out.with_name(f".{args.out.name}.partial")

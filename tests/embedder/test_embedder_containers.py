@@ -91,8 +91,8 @@ def test_formats_nobody_measured_are_refused_unopened(fmt, no_decoding, monkeypa
     monkeypatch.setattr(plugin, "_open", opened)
     with pytest.raises(ImageLoadError) as e:
         load_image(buf.getvalue(), name=f"x.{fmt.lower()}")
-    named = (f"x.{fmt.lower()}: {fmt} image: not an accepted format (expected JPEG, PNG, WebP, GIF, "
-             "BMP, TIFF or ICO); refused unopened")
+    named = (f"x.{fmt.lower()}: {fmt} image: not an accepted format (expected JPEG, PNG, WebP, HEIC, "
+             "AVIF, GIF, BMP, TIFF or ICO); refused unopened")
     # TGA has no magic number, so no sniffer names it: refused all the same
     assert str(e.value) == (named if fmt != "TGA" else "x.tga: not an image (unrecognised format)")
 

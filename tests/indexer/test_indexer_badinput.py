@@ -44,10 +44,10 @@ def bad_gallery(tmp_path: Path, omniglot_root: Path, photo_paths: list[Path]) ->
     (bad / "dangling.webp").symlink_to(bad / "does-not-exist.webp")
     Image.new("1", (9000, 9000)).save(bad / "bomb.png")            # 81 Mpx in a few kB
     (bad / "readme.txt").write_text("not an image name: ignored, not reported")
-    # photo formats the decoder does not open are reported by name, never passed over in silence
+    # a phone photo that is not one; photo formats the decoder does not open, reported by name
     (bad / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + os.urandom(200))
     (bad / "DSC_0002.NEF").write_bytes(b"MM\x00*" + os.urandom(200))
-    (bad / "photo.avif").write_bytes(b"\x00\x00\x00\x1cftypavif" + os.urandom(200))
+    (bad / "photo.jxl").write_bytes(b"\xff\x0a" + os.urandom(200))
     # JPEG's other names are indexed like .jpg, and so is a JPEG named .heic (three more photos)
     other = g / "other-names"
     other.mkdir()
@@ -59,8 +59,8 @@ def bad_gallery(tmp_path: Path, omniglot_root: Path, photo_paths: list[Path]) ->
                "bad/truncated.jpg": "truncated",
                "bad/empty.PNG": "empty", "bad/notes.jpeg": "not an image",
                "bad/folder.jpg": "directory", "bad/dangling.webp": "dangling",
-               "bad/bomb.png": "decompression bomb", "bad/IMG_0001.HEIC": "heic/heif photo",
-               "bad/DSC_0002.NEF": "camera raw", "bad/photo.avif": "avif"}
+               "bad/bomb.png": "decompression bomb", "bad/IMG_0001.HEIC": "not an image",
+               "bad/DSC_0002.NEF": "camera raw", "bad/photo.jxl": "jpeg xl"}
     return g, reasons
 
 
@@ -75,10 +75,10 @@ def test_bad_files_are_skipped_with_reasons(tmp_path: Path, bad_gallery: tuple[P
     assert set(got) == set(reasons)                 # readme.txt passed over, not reported
     for path, word in reasons.items():
         assert word in got[path].lower(), (path, got[path])
-    assert "convert it to JPEG" in got["bad/IMG_0001.HEIC"]
+    assert "convert it to JPEG" in got["bad/DSC_0002.NEF"]
     # the same photo as a query: one line that says what it is
-    _one_line_error(run_cli("search", g / "bad" / "IMG_0001.HEIC", "--index", out, check=False),
-                    "IMG_0001.HEIC", "HEIC/HEIF photo")
+    _one_line_error(run_cli("search", g / "bad" / "DSC_0002.NEF", "--index", out, check=False),
+                    "DSC_0002.NEF", "camera raw file")
     m = json.loads((out / "manifest.json").read_text())
     assert m["count"] == 19 and m["ingest"]["skipped"] == len(reasons)
     with GalleryStore(out / STORE_DIR) as store:     # the .jfif, .JPE and JPEG .heic are in the index

@@ -21,7 +21,7 @@ PER_CLASS = 5
 @pytest.fixture()
 def dataset(tmp_path, caltech_root) -> dict:
     """root/c1..c6 with 5 real photos each, plus four unreadable files: a truncated JPEG in c1
-    (train), an empty .jpg and a phone's HEIC photo (a format not decoded here) in c2 (train) and
+    (train), an empty .jpg and a camera's raw photo (a format not decoded here) in c2 (train) and
     a text file named .jpg in c4 (test, sorted first, so the ONNX parity check picks it)."""
     root = tmp_path / "data"
     for k, name in enumerate(CLASSES, 1):
@@ -31,16 +31,16 @@ def dataset(tmp_path, caltech_root) -> dict:
             shutil.copy(src, d / src.name)
     whole = (root / "c1" / "image_0001.jpg").read_bytes()
     bad = {"truncated": root / "c1" / "x_truncated.jpg", "empty": root / "c2" / "x_empty.jpg",
-           "text": root / "c4" / "0_notes.jpg", "heic": root / "c2" / "IMG_0001.HEIC"}
+           "text": root / "c4" / "0_notes.jpg", "raw": root / "c2" / "IMG_0001.CR2"}
     bad["truncated"].write_bytes(whole[: len(whole) // 3])
     bad["empty"].write_bytes(b"")
     bad["text"].write_text("not a photo, a note someone saved with the wrong name\n")
-    bad["heic"].write_bytes(b"\x00\x00\x00\x18ftypheic" + b"\x00" * 200)
+    bad["raw"].write_bytes(b"II*\x00" + b"\x00" * 200)
     return {"root": root, "bad": bad, "whole": whole, "cache": tmp_path / "cache"}
 
 
 REASONS = {"truncated": "truncated or corrupt image data", "empty": "empty file (0 bytes)",
-           "text": "not an image (unrecognised format)", "heic": "a HEIC/HEIF photo, not decoded here"}
+           "text": "not an image (unrecognised format)", "raw": "a camera raw file, not decoded here"}
 
 
 def _run(data: dict, out: Path, capsys, *, cached: bool, **extra) -> tuple[int, str, str]:
@@ -61,7 +61,7 @@ def _run(data: dict, out: Path, capsys, *, cached: bool, **extra) -> tuple[int, 
     return rc, cap.out, cap.err
 
 
-def _check_skipped(out: Path, stdout: str, data: dict, which=("truncated", "empty", "text", "heic")):
+def _check_skipped(out: Path, stdout: str, data: dict, which=("truncated", "empty", "text", "raw")):
     listed = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert sorted(d["path"] for d in listed) == sorted(str(data["bad"][k]) for k in which)
     reasons = {d["path"]: d["reason"] for d in listed}
@@ -134,7 +134,7 @@ def test_trunk_cache_records_failed_rows_and_a_fixed_file_rebuilds_it(tmp_path, 
     rc, stdout, stderr = _run(dataset, tmp_path / "fixed", capsys, cached=True)
     assert rc == 0, stderr
     assert len(list(dataset["cache"].glob("*.npy"))) == len(metas) + 1
-    _check_skipped(tmp_path / "fixed", stdout, dataset, which=("empty", "text", "heic"))
+    _check_skipped(tmp_path / "fixed", stdout, dataset, which=("empty", "text", "raw"))
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["trunk_cache", "plain"])
@@ -191,7 +191,7 @@ def test_trunk_activations_without_failed_raises_the_first_unreadable_image(tmp_
     failed: dict[int, str] = {}
     acts = trunk_activations(split.prefix, train, build_preprocessing(cfg), failed=failed, **kw)
     rows = {train.split.paths[r] for r in failed}
-    assert rows == {dataset["bad"]["truncated"], dataset["bad"]["empty"], dataset["bad"]["heic"]}
+    assert rows == {dataset["bad"]["truncated"], dataset["bad"]["empty"], dataset["bad"]["raw"]}
     assert not np.asarray(acts[0, sorted(failed)]).any()          # zero rows, left out
     assert np.asarray(acts[0, [r for r in range(len(train)) if r not in failed]]).any(axis=1).all()
     with pytest.raises(ImageLoadError, match="x_truncated.jpg: truncated or corrupt"):
