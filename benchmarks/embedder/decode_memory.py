@@ -54,6 +54,8 @@ FORMATS = {   # name -> (file name, how the base RGB photo is saved)
     "GIF anim": "anim.gif", "APNG": "anim.png",
     # issue 39: libjpeg keeps a progressive file's whole coefficient buffer, whatever draft asks
     "JPEG progressive": "prog.jpg", "MPO progressive": "prog.mpo",
+    # phones' HEIC (pillow-heif) and AVIF (Pillow's own plugin), decoded since 2026-11-29
+    "HEIC": "x.heic", "AVIF": "x.avif",
 }
 CONTAINERS = ["ICO PNG", "CUR PNG", "MPO", "WebP anim", "GIF anim", "APNG"]
 WEBP = ("WebP", "WebP anim")         # made at --webp-megapixels (just under WebP's own cap)
@@ -158,6 +160,7 @@ def make_images(out: Path, megapixels: float, names: list[str], webp_megapixels:
     from PIL import Image
     from skimage import data_dir
 
+    import embedder.containers  # noqa: F401 - registers pillow-heif, which also writes .heic
     from benchmarks.inputs.container_files import ico_around, multi_frame, png_rows
 
     bases: dict[float, Image.Image] = {}
