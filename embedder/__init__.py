@@ -14,7 +14,7 @@ _EXPORTS = {
     "default_parity_images": "export", "OnnxEmbedder": "runtime", "default_model_path": "pretrained",
     "pretrained_embedder": "pretrained", "PretrainedWeightsUnavailable": "errors",
     "CheckpointError": "errors", "ParityError": "errors", "ModelLoadError": "errors",
-    "keep_freed_memory": "decode_budget", "out_of_place": "export",
+    "keep_freed_memory": "decode_budget", "use_batch_budget": "decode_budget", "out_of_place": "export",
 }
 PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize", "regions")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
@@ -22,7 +22,7 @@ __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import load_checkpoint, save_checkpoint
     from .containers import open_image
-    from .decode_budget import keep_freed_memory
+    from .decode_budget import keep_freed_memory, use_batch_budget
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .export import default_parity_images, export_onnx, out_of_place
     from .hashing import file_sha256

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .cli import UsageError, add_options, run_main
+from .decode_budget import use_batch_budget
 from .quantize import CALIBRATION_BATCH
 
 
@@ -160,4 +161,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_batch_budget()          # the user's own files: a phone's 24 MP HEIC is read, not refused
     sys.exit(main())

@@ -21,6 +21,9 @@ from PIL import Image
 # cap) fits, so every format but WebP (10.5 MP) is accepted up to the cap; an operator with more memory
 # (or less) sets DAS_DECODE_BUDGET_MB.
 DEFAULT_DECODE_BUDGET = 160 * 2 ** 20
+# What a batch job (`python -m indexer | training | embedder`) may hold: the user's own files, not
+# concurrent uploads, so a 24 MP phone HEIC (~240 MB) or a 48 MP one (~480) is read, not refused.
+BATCH_DECODE_BUDGET = 512 * 2 ** 20
 SMALL_DECODE = 16 * 2 ** 20       # below this a decode is not worth a strip loop or a heap trim
 
 _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
@@ -33,7 +36,7 @@ HIGH_DEPTH = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
 _WEBP_BYTES = 16
 # HEIC (libheif + libde265) and AVIF (Pillow's libavif): the decode's peak, measured on 12 MP
 # photos 7.9 and 9.4 bytes a pixel (24 MP HEIC 6.7), plus headroom as for WebP. A 12 MP phone
-# photo fits the default budget; a 24 MP one needs DAS_DECODE_BUDGET_MB >= 240.
+# photo fits a server's budget; a 24 MP one the batch CLIs' (BATCH_DECODE_BUDGET).
 _HEIF_BYTES, _AVIF_BYTES = 10, 12
 
 
@@ -107,6 +110,11 @@ class DecodeBudget:
     def used(self) -> int:
         return self._used
 
+    def set_capacity(self, capacity: int) -> None:
+        with self._cond:
+            self.capacity = int(capacity)
+            self._cond.notify_all()
+
     @contextmanager
     def reserve(self, n: int) -> Iterator[None]:
         n = max(0, min(int(n), self.capacity))
@@ -178,3 +186,12 @@ def release_freed_memory() -> None:
     """``malloc_trim(0)``: glibc would keep a freed frame's 16 MB blocks in its heaps (0.6-2.9 GB)."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+def use_batch_budget() -> int:
+    """This process's budget raised to :data:`BATCH_DECODE_BUDGET` unless ``DAS_DECODE_BUDGET_MB``
+    chose one; the capacity now. Called by the batch CLIs' ``__main__`` blocks only, so a server
+    (app.py) and a process that imports them (the tests) keep the default."""
+    if not os.environ.get("DAS_DECODE_BUDGET_MB", "").strip():
+        BUDGET.set_capacity(BATCH_DECODE_BUDGET)
+    return BUDGET.capacity

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from embedder import use_batch_budget
 from embedder.cli import run_main
 
 from .cli.parser import parser
@@ -20,4 +21,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_batch_budget()          # the user's own files: a phone's 24 MP HEIC is read, not refused
     sys.exit(main())

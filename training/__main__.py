@@ -11,6 +11,7 @@ import re
 import sys
 from dataclasses import MISSING, fields
 
+from embedder import use_batch_budget
 from embedder.cli import run_main
 
 from .config import TrainConfig, load_config
@@ -81,4 +82,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_batch_budget()          # the user's own files: a phone's 24 MP HEIC is read, not refused
     sys.exit(main())

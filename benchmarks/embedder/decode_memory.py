@@ -160,7 +160,7 @@ def make_images(out: Path, megapixels: float, names: list[str], webp_megapixels:
     from PIL import Image
     from skimage import data_dir
 
-    import embedder.containers  # noqa: F401 - registers pillow-heif, which also writes .heic
+    from embedder import open_image  # noqa: F401 - importing it registers pillow-heif (which writes .heic)
     from benchmarks.inputs.container_files import ico_around, multi_frame, png_rows
 
     bases: dict[float, Image.Image] = {}

@@ -94,3 +94,29 @@ def test_a_phone_photo_over_the_budget_is_refused_from_its_header(phone, monkeyp
     with pytest.raises(ImageTooLargeError) as e:
         load_image(big, min_side=256)
     assert "HEIF" in str(e.value) and "accepted up to 0.4 MP" in str(e.value), str(e.value)
+
+
+def test_batch_commands_read_what_a_server_refuses(tmp_path, small_onnx, phone) -> None:
+    """`python -m indexer` (the user's own files) decodes within 512 MB, a server within 160: a
+    45 MP picture (182 MB to decode, as a 24 MP phone HEIC needs 240) is refused by the server's
+    budget, indexed by `indexer build`; DAS_DECODE_BUDGET_MB still chooses for both."""
+    import os
+    import subprocess
+    import sys
+
+    gallery = tmp_path / "gallery"
+    (gallery / "big").mkdir(parents=True)
+    big = gallery / "big" / "panorama.png"
+    Image.new("RGB", (7000, 6500), (120, 90, 60)).save(big, compress_level=1)
+    for f in sorted(phone["gallery"].rglob("*.jpg"))[:2]:
+        (gallery / "big" / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ImageTooLargeError, match="decode budget is 160 MB"):
+        load_image(big, min_side=256)                  # this process: the default (a server's)
+    env = {k: v for k, v in os.environ.items() if k != "DAS_DECODE_BUDGET_MB"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    for budget, indexed in ((None, 3), ("160", 2)):
+        out = tmp_path / f"idx-{budget}"
+        run_env = env if budget is None else {**env, "DAS_DECODE_BUDGET_MB": budget}
+        p = subprocess.run([sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
+                            "--out", str(out), "--quiet"], capture_output=True, text=True, env=run_env, timeout=600)
+        assert p.returncode == 0 and f"{indexed} new" in p.stdout, (p.stdout, p.stderr)
