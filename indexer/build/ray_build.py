@@ -76,9 +76,12 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
                 actor: Any) -> dict:
     """One Ray task: ``indexer build GALLERY --shard shard/n --out shard_dir`` (resumes) on the
     files listed in ``shard_dir/files.jsonl``."""
+    from embedder import use_batch_budget
+
     from .single import build_index
     from ..directory.model import load_embedder
 
+    use_batch_budget()          # a batch job, as `python -m indexer build` on one machine
     report = _Reporter(actor, shard)
     emb = load_embedder(model, device=opts["device"], batch_size=opts["batch_size"],
                         threads=opts["threads"])
