@@ -113,11 +113,16 @@ def load_image(
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     name: str | None = None,
     min_side: int | None = None,
+    *,
+    stored: bool = False,
 ) -> Image.Image:
     """Decode ``source`` into a fully loaded ``mode`` image; ``max_pixels`` checked from the header.
     ``min_side``: decode smaller, by the largest integer factor keeping the shorter side >=
     min_side, bounded in memory (:mod:`embedder.decode_budget`); ``None``: full size (training,
-    export parity)."""
+    export parity). ``stored``: bytes of a gallery store, which a batch build decoded under its
+    larger budget (``use_batch_budget``): one over this process's budget (a server's) is decoded
+    alone, once every other decode has finished, instead of refused, so that what was indexed
+    can be shown and searched by id."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     label = _source_name(source, name)
@@ -157,7 +162,7 @@ def load_image(
                 im.draft(im.mode, (min_side, min_side))   # scale 1/2, 1/4 or 1/8, >= min_side
             if min_side:
                 size = len(data) if isinstance(fp, io.BytesIO) else fp.stat().st_size
-                return _bounded(im, mode, min_side, label, size, extra=coeffs, full_size=full)
+                return _bounded(im, mode, min_side, label, size, extra=coeffs, full_size=full, stored=stored)
             im.load()  # full decode here, so truncated files fail inside this function
             return _reduced(to_mode(ImageOps.exif_transpose(im) or im, mode), min_side)
     except ImageLoadError:
@@ -187,7 +192,7 @@ def load_image(
 
 
 def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: int, *,
-             extra: int = 0, full_size: tuple[int, int] | None = None) -> Image.Image:
+             extra: int = 0, full_size: tuple[int, int] | None = None, stored: bool = False) -> Image.Image:
     """:func:`load_image` with ``min_side``; ``extra``: what the decoder holds besides the frame."""
     factor = max(1, min(im.size) // min_side)
     need = budget.decode_bytes(im, file_size) + extra
@@ -196,7 +201,7 @@ def _bounded(im: Image.Image, mode: str, min_side: int, label: str, file_size: i
         orientation = im.getexif().get(0x0112, 1)      # BMP / TIFF: read without a decode
         out = _strips(im, mode, factor, lambda y0, y1: _raw_rows(im, layout, y0, y1))
         return _orient(out, orientation)
-    if need > budget.BUDGET.capacity:
+    if need > budget.BUDGET.capacity and not stored:     # stored: reserve() takes all of it, alone
         w, h = full_size if extra and full_size else im.size
         kind = f"progressive {im.format}" if extra else im.format
         cap = budget.BUDGET.capacity / (need / (w * h)) / 1e6

@@ -188,7 +188,7 @@ class Searcher:
         if q.image is None:
             data = (q.origin.index if q.origin is not None else self.index(q.source)).image_bytes(q.id)
             q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
-                                     max_pixels=DEFAULT_MAX_PIXELS)
+                                     max_pixels=DEFAULT_MAX_PIXELS, stored=True)
         return q.image
 
     def embed(self, q: Query, index: IndexRef = None) -> np.ndarray:

@@ -18,7 +18,7 @@ MISMATCH = (220, 38, 38)   # red: different label
 def png_thumbnail(data: bytes, size: int = 160) -> bytes:
     """Gallery bytes -> PNG of an RGB thumbnail within size x size (a large photo is decoded at
     reduced size, never at full size: ``load_image(min_side=...)``)."""
-    im = load_image(data, mode="RGB", max_pixels=None, min_side=size)
+    im = load_image(data, mode="RGB", max_pixels=None, min_side=size, stored=True)
     im.thumbnail((size, size))
     buf = io.BytesIO()
     im.save(buf, format="PNG")

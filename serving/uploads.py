@@ -52,11 +52,12 @@ def check_size(size: int, name: str, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) 
 
 
 def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None = None,
-                   min_side: int | None = None, max_pixels: int | None = DEFAULT_MAX_UPLOAD_PIXELS
-                   ) -> Image.Image:
-    """``load_image`` to RGB, at most MAX_CONCURRENT_DECODES at once; raises ImageLoadError."""
+                   min_side: int | None = None, max_pixels: int | None = DEFAULT_MAX_UPLOAD_PIXELS,
+                   stored: bool = False) -> Image.Image:
+    """``load_image`` to RGB, at most MAX_CONCURRENT_DECODES at once; raises ImageLoadError.
+    ``stored``: gallery bytes (``load_image``'s ``stored``), never a client's upload."""
     with _DECODES:
-        return load_image(source, mode="RGB", max_pixels=max_pixels, name=name, min_side=min_side)
+        return load_image(source, mode="RGB", max_pixels=max_pixels, name=name, min_side=min_side, stored=stored)
 
 
 def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,

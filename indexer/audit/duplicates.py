@@ -167,7 +167,7 @@ def gray(data: bytes, side: int = SIDE) -> np.ndarray | None:
     from embedder.images import load_image
 
     try:
-        im = load_image(data, mode="L", min_side=side)
+        im = load_image(data, mode="L", min_side=side, stored=True)
     except Exception:                               # noqa: BLE001 - any undecodable bytes
         return None
     s = side / max(im.size)

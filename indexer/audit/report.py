@@ -76,7 +76,7 @@ def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: 
         for j, (data, caption) in enumerate(row[:cols]):
             x = pad + j * (THUMB + pad)
             try:
-                im = load_image(data, min_side=THUMB)
+                im = load_image(data, min_side=THUMB, stored=True)
                 im.thumbnail((THUMB, THUMB))
                 sheet.paste(im, (x + (THUMB - im.width) // 2, y + (THUMB - im.height) // 2))
             except Exception:           # noqa: BLE001 - a damaged blob is a grey cell, not a failed audit

@@ -3,6 +3,7 @@ JPEG, upright by the file's own rotation, inside the decode budget, and a galler
 indexed and searched. Real Caltech photos (landscape) re-encoded, a real index, the shipped embedder."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +121,12 @@ def test_batch_commands_read_what_a_server_refuses(tmp_path, small_onnx, phone) 
         p = subprocess.run([sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
                             "--out", str(out), "--quiet"], capture_output=True, text=True, env=run_env, timeout=600)
         assert p.returncode == 0 and f"{indexed} new" in p.stdout, (p.stdout, p.stderr)
+    # served with a server's budget: what the build indexed is still shown and searched by path
+    from serving import Searcher
+
+    searcher = Searcher.open([tmp_path / "idx-None"], names=["batch"])
+    q = searcher.query(path="big/panorama.png")
+    assert Image.open(io.BytesIO(searcher.thumbnail_png("batch", q.id))).size == (160, 149)
+    assert min(searcher.query_image(q).size) >= searcher.decode_side
+    res = searcher.search(q, k=2, thumbnails=True)        # the others, framed thumbnails included
+    assert len(res.results) == 2 and all(r.thumbnail is not None for r in res.results)

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from serving_testlib import DEMO_CLASSES
 from shared_fixture import shared_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 # Ray modules run in private network namespaces (tests/indexer/test_ray_netns.py), not here
 collect_ignore = ["test_ray_serving.py"]
-DEMO_CLASSES = ["astronaut", "chelsea", "coffee", "rocket", "motorcycle", "coins", "retina", "page"]
 AUTH = ("tester", "s3cret-pass")
 MAX_UPLOAD_MB = 1.0
 

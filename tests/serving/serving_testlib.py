@@ -5,6 +5,9 @@ from pathlib import Path
 
 from indexer.store.walk import walk_gallery
 
+# the demo gallery's classes (scikit-image's sample pictures), for conftest's fixtures and the tests
+DEMO_CLASSES = ["astronaut", "chelsea", "coffee", "rocket", "motorcycle", "coins", "retina", "page"]
+
 
 def labelled_folder(root: Path) -> list[tuple[Path, str]]:
     """(file, label) of every readable image under ``root/<label>/``, sorted: the query files."""

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import DEMO_CLASSES
+from serving_testlib import DEMO_CLASSES
 
 REPO = Path(__file__).resolve().parents[2]
 
