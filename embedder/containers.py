@@ -18,9 +18,9 @@ import pillow_heif
 from PIL import Image, features
 
 # HEIC/HEIF (phones' default photo format) through pillow-heif's opener, lazy like Pillow's own:
-# the size is read from the header, libheif decodes on load (images._heif_frame)
+# the size (rotation applied) is read from the header, libheif decodes on load
 pillow_heif.register_heif_opener()
-#: whether this Pillow decodes AVIF (its own plugin, from Pillow 11.3's wheels)
+#: whether this Pillow decodes AVIF (its own plugin: the pinned Pillow 12.3's wheels have it)
 AVIF = bool(features.check("avif"))
 
 # Pillow format names the decoder opens. MPO (multi-picture JPEG) opens through the JPEG plugin.

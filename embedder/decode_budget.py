@@ -37,7 +37,7 @@ _WEBP_BYTES = 16
 # HEIC (libheif + libde265) and AVIF (Pillow's libavif): the decode's peak, measured on 12 MP
 # photos 7.9 and 9.4 bytes a pixel (24 MP HEIC 6.7), plus headroom as for WebP. A 12 MP phone
 # photo fits a server's budget; a 24 MP one the batch CLIs' (BATCH_DECODE_BUDGET).
-_HEIF_BYTES, _AVIF_BYTES = 10, 12
+_PER_PIXEL = {"WEBP": _WEBP_BYTES, "HEIF": 10, "AVIF": 12}   # formats charged by pixels, not frames
 
 
 def frame_bytes(mode: str, size: tuple[int, int]) -> int:
@@ -87,8 +87,8 @@ def jpeg_coefficient_bytes(im: Image.Image, data: bytes | None = None) -> int:
 def decode_bytes(im: Image.Image, file_size: int = 0) -> int:
     """What fully decoding the opened (not yet loaded) ``im`` will hold at its peak."""
     w, h = im.size
-    if im.format in ("WEBP", "HEIF", "AVIF"):
-        return w * h * {"WEBP": _WEBP_BYTES, "HEIF": _HEIF_BYTES, "AVIF": _AVIF_BYTES}[im.format]
+    if im.format in _PER_PIXEL:
+        return w * h * _PER_PIXEL[im.format]
     need = frame_bytes(im.mode, im.size)
     if im.mode in HIGH_DEPTH:          # to_mode scales these through a float64 copy
         need += w * h * 9
