@@ -126,12 +126,12 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         box = parse_box(region)
         check_count(len(more or []) + 1, "more images")
         img = upload(img_path, whole=box is not None) if img_path else None
+        extra = [searcher.query(upload(m), name=Path(m).name) for m in more or []]
+        if img is None and not pick and extra and box is None:   # the "more" files alone (a phone's
+            return searcher.fused(extra, label=label or None)    # HEIC: the image box takes no HEIC)
         q = searcher.query(img, id=pick or None, label=label or None,
                            name=Path(img_path).name if img_path else None, box=box)
-        if not more:
-            return q
-        return searcher.fused([q, *(searcher.query(upload(m), name=Path(m).name) for m in more)],
-                              label=label or None)
+        return searcher.fused([q, *extra], label=label or None) if extra else q
 
     def fail(e: Exception, n_out: int) -> list[Any]:
         msg = getattr(e, "message", None) or str(e)
@@ -244,9 +244,10 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                                                 label_text="Query label (optional: frames results green/red)")
                         s_region = gr.Textbox(label="Box x0,y0,x1,y1 (optional: search that region of the "
                                                     "image, in its pixels)", elem_id="search-box")
-                        s_more = gr.File(file_count="multiple", file_types=["image"], type="filepath",
+                        s_more = gr.File(file_count="multiple", file_types=["image", ".heic", ".heif", ".avif"],
+                                         type="filepath",
                                          label=f"More query images (optional, up to {MAX_QUERY_IMAGES - 1}: "
-                                               "one result list for all of them)", elem_id="search-more")
+                                               "one result list for all of them; a phone's HEIC goes here)", elem_id="search-more")
                         s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
                         with_dba = [n for n in names if searcher.index(n).has_dba]
                         s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
