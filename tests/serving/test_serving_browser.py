@@ -57,12 +57,28 @@ def test_upload_and_search_shows_k_labelled_results(page, demo_dirs):
     assert path.name in page.locator("#search-status").inner_text()
 
 
+def _search_until(page, text: str, tries: int = 6) -> str:
+    """Click Search until the status holds ``text``; the status then. A "more images" upload ends
+    in the background (the File component shows it in its own way), so a click before it ends
+    searches without it."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for _ in range(tries):
+        page.locator("#search-btn").click()
+        try:
+            page.wait_for_function(f"document.querySelector('#search-status').innerText.includes({text!r})",
+                                   timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            continue
+    return page.locator("#search-status").inner_text()
+
+
 def test_a_phones_heic_photo_is_searched_from_the_browser(page, demo_dirs, tmp_path):
     """An iPhone's HEIC, which the image box refuses (Gradio checks the browser's MIME type),
     given as "more query images" alone is decoded by the server and searched: its class first."""
     import pillow_heif
     from PIL import Image
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     path, label = labelled_folder(demo_dirs[1])[0]
     heic = tmp_path / "IMG_0001.HEIC"
@@ -73,16 +89,7 @@ def test_a_phones_heic_photo_is_searched_from_the_browser(page, demo_dirs, tmp_p
         image_clear.first.click()
     try:
         page.locator("#search-more input[type=file]").set_input_files(str(heic))
-        # the upload ends in the background: search until the answer names the file alone
-        alone = "document.querySelector('#search-status').innerText.includes('Query IMG_0001.HEIC')"
-        for _ in range(6):
-            page.locator("#search-btn").click()
-            try:
-                page.wait_for_function(alone, timeout=10_000)
-                break
-            except PlaywrightTimeout:
-                continue
-        status = page.locator("#search-status").inner_text()
+        status = _search_until(page, "Query IMG_0001.HEIC")
         assert status.startswith("Query IMG_0001.HEIC"), status          # alone, not fused
         page.wait_for_function("document.querySelectorAll('#search-results-0 .caption-label').length > 0")
         assert page.locator("#search-results-0 .caption-label").first.inner_text().startswith(label)
@@ -111,19 +118,7 @@ def test_region_and_more_images_in_the_search_tab(page, demo_dirs):
     assert "outside" in page.locator("#search-status").inner_text()
     region.fill("")
     page.locator("#search-more input[type=file]").set_input_files([str(other)])
-    # The upload finishes in the background and the File component shows it in its own way:
-    # search until the answer is the fused one (the click before the upload ends searches one).
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    fused = "document.querySelector('#search-status').innerText.includes('2 images fused')"
-    for _ in range(6):
-        page.locator("#search-btn").click()
-        try:
-            page.wait_for_function(fused, timeout=10_000)
-            break
-        except PlaywrightTimeout:
-            continue
-    status = page.locator("#search-status").inner_text()
+    status = _search_until(page, "2 images fused")
     assert "2 images fused" in status and path.name in status, (status, page.locator("#search-more").inner_text())
 
 
