@@ -124,10 +124,24 @@ def phash(path: Path) -> np.ndarray:
 
 
 PHASH_SAME = 12         # bits of 63: at most this many differ -> the same photo
+#: the judge of the pairs the audit reported that were not injected, by eye (2026-11-30, each pair side
+#: by side, doubtful ones at full size): per gallery, "a|b" (dataset paths, sorted) -> "same" (one
+#: picture, maybe cropped, resized, recoloured, captioned or mirrored), "scene" (another frame or view of
+#: one object or scene: a render turning, a burst, a plane taxiing), "different", or "unsure" (Caltech's
+#: catalogue motorbikes: one studio photo recoloured, or another model in the same pose, not told apart
+#: at 268 px). Pairs not in it fall back to the pHash judge.
+PAIRS = json.loads((Path(__file__).with_name("audit_pairs.json")).read_text())
 
 
-def score(audit_dir: Path, truth: dict, gallery: Path | None = None) -> dict:
-    """The three goals' figures from the audit's JSONL files (as a user would read them)."""
+def pair_key(gallery: Path, a: str, b: str) -> str:
+    return "|".join(sorted("/".join(Path(os.path.realpath(gallery / x)).parts[-2:]) for x in (a, b)))
+
+
+def score(audit_dir: Path, truth: dict, gallery: Path | None = None, judged: dict | None = None) -> dict:
+    """The three goals' figures from the audit's JSONL files (as a user would read them).
+    ``judged``: the eye labels of the gallery's pairs (``PAIRS[name]``): precision counts an
+    injected pair or one labelled "same" right; ``precision_scene`` also "scene"; "unsure" pairs
+    are counted wrong, and right in ``precision_unsure_right``."""
     def rows(kind: str) -> list[dict]:
         f = audit_dir / f"{kind}.jsonl"
         return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
@@ -152,8 +166,18 @@ def score(audit_dir: Path, truth: dict, gallery: Path | None = None) -> dict:
     if gallery is not None:
         same = [not ok and int((phash(gallery / a) != phash(gallery / b)).sum()) <= PHASH_SAME
                 for e, ok in zip(edges, good) for a, b in [sorted(e)]]
+    eye: list[str | None] = [None] * len(edges)
+    if gallery is not None and judged is not None:
+        eye = [None if ok else judged.get(pair_key(gallery, *sorted(e))) for e, ok in zip(edges, good)]
+        same = [s if lab is None else lab == "same" for s, lab in zip(same, eye)]
+    n = max(1, len(good))
+    by_eye = {f"precision_{name}": sum(g or lab in ok for g, lab in zip(good, eye)) / n
+              for name, ok in (("scene", ("same", "scene")), ("unsure_right", ("same", "unsure")))}
     out["duplicates"] = {"injected": len(pairs), "recall": sum(found) / len(pairs),
                          "precision": (sum(g or s for g, s in zip(good, same)) / len(good)) if good else 1.0,
+                         **(by_eye if judged is not None else {}),
+                         "eye_labels": {k: eye.count(k) for k in ("same", "scene", "different", "unsure", None)}
+                         if judged is not None else None,
                          "precision_injected_only": (sum(good) / len(good)) if good else 1.0,
                          "already_in_dataset": [sorted(e) for e, s in zip(edges, same) if s],
                          "reported_pairs": len(edges),
@@ -210,7 +234,7 @@ def faults(args: argparse.Namespace) -> None:
     run([sys.executable, "-m", "indexer", "audit", "--index", str(idx), "--out", str(out), "--quiet",
          "--top", "100000"])
     ta = time.perf_counter() - t0
-    s = score(out, truth, gal)
+    s = score(out, truth, gal, PAIRS.get(f"{args.data}-{args.half}"))
     res = {"data": args.data, "half": args.half, "seed": args.seed, "images": truth["images"],
            "gallery": len(_images(gal)), "build_s": round(tb, 1), "audit_s": round(ta, 1), **s, "goals": goals(s)}
     if args.grid:

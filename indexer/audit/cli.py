@@ -40,12 +40,14 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"pair score (cosine + its lead over both neighbourhoods) from which two images "
                         f"are near-duplicates (default {DEFAULT_THRESHOLD})")
     p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="do not check near-duplicate candidates below --threshold by their pixels (by default "
-                        "the pairs among each other's 2 nearest that score a little below it are matched "
-                        f"with ORB keypoints + RANSAC, and those with >= {MIN_INLIERS} inliers that agree "
-                        "pixel by pixel once aligned are the same picture, e.g. a cropped or resized copy)")
+                   help="do not check near-duplicates by their pixels (by default the pairs among each other's 2 "
+                        "nearest that score a little below --threshold are matched with ORB keypoints + RANSAC, "
+                        f"and those with >= {MIN_INLIERS} inliers that agree pixel by pixel once aligned are the "
+                        "same picture, e.g. a cropped or resized copy; pairs above it with fewer inliers, "
+                        "mirrored too, are dropped: frames or other photos of one object)")
     p.add_argument("--verify-max", type=_count, default=DEFAULT_VERIFY_MAX, metavar="PAIRS",
-                   help=f"check at most this many candidate pairs by pixels, likeliest copies first (default "
+                   help=f"check at most this many pairs by pixels of each: above --threshold lowest first, below "
+                        f"it likeliest copies first (default "
                         f"{DEFAULT_VERIFY_MAX}: about 30-45 ms CPU a pair; 0: none)")
     p.add_argument("--top", type=positive, default=DEFAULT_TOP,
                    help=f"rows written per ranked list (default {DEFAULT_TOP})")

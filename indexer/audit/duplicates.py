@@ -16,13 +16,18 @@ a and compared pixel by pixel (:func:`disagreement`): frames from one tripod sha
 background (30-76 inliers) but differ on 6-27% of their overlap, a copy on under 0.4%. The RANSAC
 is written here: scikit-image's fits one model per trial in Python (~130 ms a pair); a similarity
 from two points is one complex division, so all trials are fitted at once in numpy (:func:`fit`).
+
+Above the threshold the score also joins what is not one picture: frames of a render turning, a
+plane taxiing, two off-domain photos far from everything else (their baselines low). Those pairs
+are checked too (:func:`pixel_inliers`) and dropped below ``MIN_INLIERS`` inliers, with no pixel
+comparison (an edit is what lowers a picture's score: caltech-val 11 of 74 dropped, all wrong by eye).
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +51,8 @@ MAX_RATIO = 0.9         # match_descriptors' ratio test (Lowe's), on Hamming dis
 MIN_OVERLAP = 0.5       # share of image a that b must cover once aligned (a crop to 85%: 0.72)
 MAX_DIFFER = 0.05       # share of that overlap allowed to differ (chosen on validation, below)
 CHUNK = 256             # pairs whose images are read, described and checked together
+DEEP_SCALES = 6         # ORB pyramid levels of pixel_inliers' second try (1.2 ** 5 = 2.5 = MAX_SCALE)
+DEEP_KEYPOINTS = 300    # its keypoints per image (spread over more levels)
 
 
 @dataclass
@@ -113,18 +120,26 @@ def band_order(graph: KnnGraph, a: np.ndarray, b: np.ndarray, cos: np.ndarray, s
     return np.lexsort((b, a, -(score + gap), np.maximum(*ranks)))
 
 
-def near_duplicates(graph: KnnGraph, threshold: float = DEFAULT_THRESHOLD,
-                    extra: tuple[np.ndarray, ...] | None = None) -> list[DuplicateGroup]:
-    """Groups of rows joined by pairs scoring >= ``threshold``, and by the ``extra`` pairs
-    ``(a, b, cos, score, inliers)`` (verified below it), ordered by their best pair (then by
-    first row: no order depends on a float tie)."""
+Pairs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]   # a, b, cos, score, inliers (None: unchecked)
+
+
+def scored_pairs(graph: KnnGraph, threshold: float = DEFAULT_THRESHOLD) -> Pairs:
+    """The pairs scoring >= ``threshold`` (a < b as ``pairs_above`` gives them), inliers None."""
     d = baselines(graph)
     # score >= t needs 2 cos - d >= t, d <= 1: cos >= (t - 1) / 2 + ... ; prefilter by cos >= t - 1
     a, b, cos = pairs_above(graph, max(-1.0, (threshold + float(d.min(initial=1.0))) / 2 - 1e-6))
     score = 2 * cos - np.maximum(d[a], d[b])
     keep = score >= threshold
-    a, b, cos, score = a[keep], b[keep], cos[keep], score[keep]
-    inl: list[int | None] = [None] * len(a)
+    return a[keep], b[keep], cos[keep], score[keep], [None] * int(keep.sum())
+
+
+def near_duplicates(graph: KnnGraph, threshold: float = DEFAULT_THRESHOLD,
+                    extra: tuple[np.ndarray, ...] | None = None, scored: Pairs | None = None) -> list[DuplicateGroup]:
+    """Groups of rows joined by the ``scored`` pairs (default: all scoring >= ``threshold``) and
+    by the ``extra`` pairs ``(a, b, cos, score, inliers)`` (verified below it), ordered by their
+    best pair (then by first row: no order depends on a float tie)."""
+    a, b, cos, score, inl = scored if scored is not None else scored_pairs(graph, threshold)
+    inl = list(inl)
     if extra is not None and len(extra[0]):
         ea, eb, ec, es, ei = extra
         a, b = np.concatenate([a, np.asarray(ea, np.int64)]), np.concatenate([b, np.asarray(eb, np.int64)])
@@ -288,36 +303,80 @@ def verify_pairs(a: Sequence[int], b: Sequence[int], read: Callable[[int], bytes
     """Is each pair ``(a[i], b[i])`` of rows one picture? The images' bytes from ``read(row)``
     (None or KeyError: missing, 0 inliers). Same: >= ``min_inliers`` RANSAC inliers, and once
     aligned by their transform the two agree (:func:`disagreement`) over >= ``min_overlap`` of a
-    with <= ``max_differ`` of it differing. Pairs go ``CHUNK`` at a time; each image is read and
-    described once and dropped after the chunk of its last pair (memory: the images still to be
-    paired, not all of them). ``read`` runs on the calling thread only (an LMDB read transaction
-    is one thread's); decoding, ORB and the pair checks run on ``workers`` threads (default: the
-    CPUs, at most 8), where PIL, scikit-image and scipy mostly release the GIL (a band's check
-    1.42x faster on 2 cores); each pair's verdict is the one it gets alone."""
-    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-    last: dict[int, int] = {}
-    for p, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
-        last[x] = last[y] = p
-    cache: dict[int, tuple[np.ndarray | None, Features]] = {}
-
+    with <= ``max_differ`` of it differing. Pairs and threads: :func:`each_pair`."""
     def describe(data: bytes | None) -> tuple[np.ndarray | None, Features]:
         img = gray(data, side) if data else None
         return img, features(img)
 
-    def check(p: int) -> tuple[int, float, float, bool]:
-        (ga, fa), (gb, fb) = cache[int(a[p])], cache[int(b[p])]
+    def check(x: tuple[np.ndarray | None, Features], y: tuple[np.ndarray | None, Features]) -> tuple:
+        (ga, fa), (gb, fb) = x, y
         count, alpha, beta = fit(*matches(fa, fb))
         if count < min_inliers or ga is None or gb is None:
             return count, 0.0, float("nan"), False
         cover, differ = disagreement(ga, gb, alpha, beta)
         return count, cover, differ, cover >= min_overlap and differ <= max_differ
 
-    n = len(a)
+    res = each_pair(a, b, read, describe, check, workers)
+    n = len(res)
     out = Verdicts(np.zeros(n, np.int32), np.zeros(n, np.float32), np.full(n, np.nan, np.float32),
                    np.zeros(n, bool))
+    for p, (count, cover, differ, same) in enumerate(res):
+        out.inliers[p], out.overlap[p], out.differ[p], out.same[p] = count, cover, differ, same
+    return out
+
+
+def pixel_inliers(a: Sequence[int], b: Sequence[int], read: Callable[[int], bytes | None], *,
+                  min_inliers: int = MIN_INLIERS, workers: int | None = None) -> np.ndarray:
+    """For pairs the score joined: the most RANSAC inliers one similarity finds between a and b,
+    -1 where the pixels cannot tell (either image has fewer than ``min_inliers`` keypoints: a
+    flat drawing, a missing file). Below ``min_inliers`` the pair is not one picture: the score
+    joins frames of one render or burst, other photos of one object (Caltech's brain renders
+    turning, airplanes taxiing: 2-15 inliers; its copies and edits 38-181; validation halves:
+    docs/benchmarks/audit.md). No pixel comparison after the fit: what lowers the score of one
+    picture is mostly an edit (recoloured, captioned, background replaced), which it would
+    refuse. A pair failing the band's check is tried twice more before it counts: with
+    ``DEEP_SCALES`` pyramid levels (a crop to 40% of a side, what ``MAX_SCALE`` allows, is
+    5 levels of 1.2 away: Caltech's Faces_easy crops of Faces 11-24 inliers with 2, 54-99 with 6)
+    and mirrored (ORB is not mirror-invariant; mirrored copies score as copies)."""
+    def describe(data: bytes | None) -> tuple[np.ndarray | None, Features]:
+        img = gray(data) if data else None
+        return img, features(img)
+
+    def check(x: tuple[np.ndarray | None, Features], y: tuple[np.ndarray | None, Features]) -> int:
+        (ga, fa), (gb, fb) = x, y
+        best = fit(*matches(fa, fb))[0]
+        if best >= min_inliers or ga is None or gb is None:
+            return best if ga is not None and gb is not None else -1
+        da, db = features(ga, DEEP_KEYPOINTS, DEEP_SCALES), features(gb, DEEP_KEYPOINTS, DEEP_SCALES)
+        if min(len(da[0]), len(db[0])) < min_inliers:
+            return -1
+        best = max(best, fit(*matches(da, db))[0])
+        if best < min_inliers:
+            best = max(best, fit(*matches(da, features(gb[:, ::-1].copy(), DEEP_KEYPOINTS, DEEP_SCALES)))[0])
+        return best
+
+    return np.asarray(each_pair(a, b, read, describe, check, workers), dtype=np.int32).reshape(-1)
+
+
+def each_pair(a: Sequence[int], b: Sequence[int], read: Callable[[int], bytes | None],
+              describe: Callable[[bytes | None], Any], check: Callable[[Any, Any], Any],
+              workers: int | None = None) -> list:
+    """``check(describe(read(a[i])), describe(read(b[i])))`` for each pair, in order. Pairs go
+    ``CHUNK`` at a time; each image is read and described once and dropped after the chunk of its
+    last pair (memory: the images still to be paired, not all of them). ``read`` runs on the
+    calling thread only (an LMDB read transaction is one thread's; None or KeyError: missing);
+    ``describe`` and ``check`` run on ``workers`` threads (default: the CPUs, at most 8), where
+    PIL, scikit-image and scipy mostly release the GIL (a band's check 1.42x faster on 2 cores);
+    each pair's result is the one it gets alone."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    last: dict[int, int] = {}
+    for p, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
+        last[x] = last[y] = p
+    cache: dict[int, Any] = {}
+    out: list = []
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
-        for start in range(0, n, CHUNK):
-            stop = min(n, start + CHUNK)
+        for start in range(0, len(a), CHUNK):
+            stop = min(len(a), start + CHUNK)
             rows = [r for r in dict.fromkeys(np.concatenate([a[start:stop], b[start:stop]]).tolist())
                     if r not in cache]
             blobs = []
@@ -327,13 +386,12 @@ def verify_pairs(a: Sequence[int], b: Sequence[int], read: Callable[[int], bytes
                 except KeyError:
                     blobs.append(None)
             cache.update(zip(rows, pool.map(describe, blobs)))
-            for p, (count, cover, differ, same) in enumerate(pool.map(check, range(start, stop)), start):
-                out.inliers[p], out.overlap[p], out.differ[p], out.same[p] = count, cover, differ, same
+            out += pool.map(lambda p: check(cache[int(a[p])], cache[int(b[p])]), range(start, stop))
             for r in [r for r in cache if last[r] < stop]:
                 del cache[r]
     return out
 
 
-__all__ = ["DuplicateGroup", "near_duplicates", "candidates", "verify_pairs", "Verdicts", "gray", "features",
+__all__ = ["DuplicateGroup", "near_duplicates", "scored_pairs", "candidates", "verify_pairs", "pixel_inliers", "Verdicts", "gray", "features",
            "matches", "fit", "inliers", "disagreement", "DEFAULT_THRESHOLD", "VERIFY_TOP", "VERIFY_LOWER",
            "MIN_INLIERS", "MAX_DIFFER", "MIN_OVERLAP"]

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from . import report
-from .duplicates import (DEFAULT_THRESHOLD, MAX_DIFFER, MIN_INLIERS, DuplicateGroup, candidates, near_duplicates,
-                         verify_pairs)
+from .duplicates import (DEFAULT_THRESHOLD, MAX_DIFFER, MIN_INLIERS, DuplicateGroup, Pairs, candidates,
+                         near_duplicates, pixel_inliers, scored_pairs, verify_pairs)
 from .graph import KnnGraph, build_graph
 from .labels import ClassView, ConfusedPair, class_view, confused_pairs, mislabelled
 from .outliers import OutlierScores, outlier_scores, ranked
@@ -60,7 +60,8 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
     asking for a label kind of a gallery without labels is an error (ValueError), not asking
     leaves them out with the reason in ``skipped``. ``verify``: near-duplicate candidates below
     the threshold checked by pixels (ORB + RANSAC, ``duplicates.verify_pairs``), at most ``verify_max``
-    pairs, likeliest copies first. ``params``: labels.class_view's weights."""
+    pairs, likeliest copies first, and the pairs above it (``duplicates.pixel_inliers``: those the
+    pixels show are two pictures are dropped), at most ``verify_max``, lowest-scored first. ``params``: labels.class_view's weights."""
     bad = [x for x in kinds if x not in KINDS]
     if bad:
         raise ValueError(f"unknown audit kinds {bad}: expected some of {list(KINDS)}")
@@ -102,18 +103,35 @@ def _audit(g: Gallery, k: int, threshold: float, kinds: tuple[str, ...], progres
         t["classes"] = time.perf_counter() - t0
     dups, checked = [], {}
     if "duplicates" in kinds:
-        extra = None
+        extra, scored = None, scored_pairs(graph, threshold)
         if verify and verify_max > 0:
             t0 = time.perf_counter()
+            scored, dropped = _unrefuted(g, scored, verify_max)
             extra, checked = _verified(g, graph, threshold, verify_max)
+            checked.update(dropped)
             t["verify"] = time.perf_counter() - t0
-        dups = near_duplicates(graph, threshold, extra)
+        dups = near_duplicates(graph, threshold, extra, scored)
     t0 = time.perf_counter()
     out = outlier_scores(graph, view)
     conf = confused_pairs(view, graph) if view is not None and "confused" in kinds else []
     t["kinds"] = time.perf_counter() - t0
     skipped.update({x: "not asked for" for x in KINDS if x not in kinds and x not in skipped})
     return Audit(g, graph, threshold, dups, out, view, conf, skipped, t, checked)
+
+
+def _unrefuted(g: Gallery, scored: Pairs, cap: int) -> tuple[Pairs, dict[str, Any]]:
+    """The pairs the score joined, less those the pixels show are two pictures (fewer than
+    ``MIN_INLIERS`` inliers: ``duplicates.pixel_inliers``); the ``cap`` lowest-scored are checked,
+    the rest kept as the score says."""
+    a, b, cos, score, _ = scored
+    order = np.lexsort((b, a, score))[:cap]
+    inl = pixel_inliers(a[order], b[order], g.image_bytes)
+    counts: list[int | None] = [None] * len(a)
+    for i, n in zip(order.tolist(), inl.tolist()):
+        counts[i] = n if n >= 0 else None
+    keep = np.array([n is None or n >= MIN_INLIERS for n in counts], dtype=bool)
+    info = {"scored": int(len(a)), "scored_checked": int(len(order)), "scored_dropped": int((~keep).sum())}
+    return (a[keep], b[keep], cos[keep], score[keep], [n for n, k in zip(counts, keep) if k]), info
 
 
 def _verified(g: Gallery, graph: KnnGraph, threshold: float, cap: int) -> tuple[tuple, dict[str, Any]]:
@@ -274,6 +292,11 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
     print(f"  near-duplicates: {fd['duplicate_groups']} groups, {fd['duplicate_images']} images "
           f"(pair score >= {info['duplicate_threshold']}: cosine + its lead over the neighbourhoods)", file=f)
     v = info.get("duplicates_verified")
+    if v and v.get("scored_checked"):
+        print(f"    {v['scored_dropped']} of {v['scored_checked']} pairs above it dropped: under {v['min_inliers']} "
+              "ORB + RANSAC inliers (other frames or photos of one object)"
+              + (f"; {v['scored'] - v['scored_checked']} more kept unchecked: --verify-max"
+                 if v["scored"] > v["scored_checked"] else ""), file=f)
     if v:
         print(f"    verified by pixels (ORB + RANSAC >= {v['min_inliers']} inliers, then aligned and compared): "
               f"{v['confirmed']} of "

@@ -222,6 +222,37 @@ def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Pa
     assert sorted(reads) == sorted(set(a) | set(b))          # each image read once
 
 
+def test_pairs_the_score_joined_are_dropped_only_when_the_pixels_show_two_pictures(caltech_root: Path,
+                                                                                  cub_mini: Path) -> None:
+    """duplicates.pixel_inliers on pairs the score joined in caltech101-dev's validation half: Faces_easy's
+    crops of Faces photos and a bird photo's mirror image are one picture (>= MIN_INLIERS); two
+    frames of a brain render turning and of an airplane taxiing are not; a flat image or undecodable
+    bytes cannot be told (-1: kept). The crops need the deep pyramid, the mirror the mirrored try:
+    the band's check (neither) fails all three."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    from indexer.audit import duplicates as dup
+
+    def jpeg(x: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        x.save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
+
+    names = ["Faces/image_0072.jpg", "Faces_easy/image_0072.jpg", "Faces/image_0017.jpg", "Faces_easy/image_0017.jpg",
+             "brain/image_0014.jpg", "brain/image_0016.jpg", "airplanes/image_0028.jpg", "airplanes/image_0029.jpg"]
+    bird = Image.open(sorted(sorted(d for d in cub_mini.iterdir() if d.is_dir())[0].iterdir())[0]).convert("RGB")
+    data = [(caltech_root / n).read_bytes() for n in names] + [
+        jpeg(bird), jpeg(ImageOps.mirror(bird)), jpeg(Image.new("RGB", bird.size, (90, 90, 90))), b"not an image"]
+    a, b = [0, 2, 8, 4, 6, 8, 8], [1, 3, 9, 5, 7, 10, 11]
+    got = dup.pixel_inliers(a, b, lambda r: data[r]).tolist()
+    assert min(got[:3]) >= dup.MIN_INLIERS, got
+    assert 0 <= max(got[3:5]) < dup.MIN_INLIERS and got[5:] == [-1, -1], got
+    band = dup.verify_pairs(a[:3], b[:3], lambda r: data[r]).inliers
+    assert (band < dup.MIN_INLIERS).all(), band
+
+
 def test_the_band_puts_mutual_nearest_neighbours_that_stand_out_first() -> None:
     """What --verify-max keeps of the uncertain band: mutual nearest neighbours first, then by
     score + gap, not by score alone. (2, 3) has the best score, but 3 is only 2's second
@@ -280,6 +311,8 @@ def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "off" / "summary.json").read_text())["duplicates_verified"] is None
     run_audit_cli("--index", faulty["index"], "--out", tmp_path / "one", "--quiet", "--no-sheets", "--verify-max", "1")
     v = json.loads((tmp_path / "one" / "summary.json").read_text())["duplicates_verified"]
-    assert v["checked"] == min(1, v["band"])
+    assert v["checked"] == min(1, v["band"]) and v["scored_checked"] == min(1, v["scored"])
+    full = json.loads((faulty["out"] / "summary.json").read_text())["duplicates_verified"]
+    assert full["scored_checked"] == full["scored"] >= 1 and full["scored_dropped"] == 0   # the copies all kept
     bad = run_audit_cli("--index", faulty["index"], "--verify-max", "-1", check=False)
     assert bad.returncode == 2
