@@ -124,7 +124,7 @@ def phash(path: Path) -> np.ndarray:
 
 
 PHASH_SAME = 12         # bits of 63: at most this many differ -> the same photo
-#: the judge of the pairs the audit reported that were not injected, by eye (2026-11-30, each pair side
+#: the judge of the pairs the audit reported that were not injected, by eye (2026-11-29, each pair side
 #: by side, doubtful ones at full size): per gallery, "a|b" (dataset paths, sorted) -> "same" (one
 #: picture, maybe cropped, resized, recoloured, captioned or mirrored), "scene" (another frame or view of
 #: one object or scene: a render turning, a burst, a plane taxiing), "different", or "unsure" (Caltech's
