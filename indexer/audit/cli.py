@@ -41,7 +41,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"are near-duplicates (default {DEFAULT_THRESHOLD})")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check near-duplicates by their pixels (by default the pairs among each other's 2 "
-                        "nearest that score a little below --threshold are matched with ORB keypoints + RANSAC, "
+                        "nearest that score a little below --threshold, and each image's nearest, are matched with "
+                        "ORB keypoints + RANSAC, "
                         f"and those with >= {MIN_INLIERS} inliers that agree pixel by pixel once aligned are the "
                         "same picture, e.g. a cropped or resized copy; pairs above it with fewer inliers, "
                         "mirrored too, are dropped: frames or other photos of one object)")

@@ -2,7 +2,7 @@
 the no-label path, sharded indexes and bad input.
 
 The faulty gallery: cub_mini's 8 species x 12 photos (symlinks, read in place) with 2 labels
-flipped, 3 transformed copies (resized, re-encoded, cropped) and 2 off-domain photos
+flipped, 4 transformed copies (resized, re-encoded, cropped, turned 90 degrees) and 2 off-domain photos
 (scikit-image's), indexed with the default pretrained embedder (fp32 with --model) and DBA.
 Assertions are on sets (a flipped label in the top 2N, a copy in its original's group), never
 on the order of equal scores.
@@ -46,7 +46,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, cub_mini: Path, photo_paths
         os.replace(f, new)
         flipped[f"{dst}/{new.name}"] = src
     copies = []
-    for c, kind in zip((classes[2], classes[3], classes[4]), ("resized", "reencoded", "cropped")):
+    for c, kind in zip((classes[2], classes[3], classes[4], classes[7]), ("resized", "reencoded", "cropped", "turned")):
         f = sorted((gal / c).iterdir())[0]
         im = Image.open(f).convert("RGB")
         q = 90
@@ -55,6 +55,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, cub_mini: Path, photo_paths
         elif kind == "cropped":
             w, h = im.size
             im = im.crop((w // 14, h // 14, w - w // 14, h - h // 14))
+        elif kind == "turned":                      # scored below the band: found as its nearest neighbour
+            im = im.transpose(Image.Transpose.ROTATE_90)
         else:
             q = 25
         im.save(gal / c / f"copy_{kind}.jpg", quality=q)
@@ -98,7 +100,7 @@ def test_outputs_csv_sheets_summary_and_the_printed_summary(faulty: dict) -> Non
     for kind in ("duplicates", "mislabelled", "outliers", "confused"):
         assert (out / f"{kind}.csv").read_text().count("\n") >= 2, kind
     info = json.loads((out / "summary.json").read_text())
-    assert info["images"] == 96 + 3 + 2 and info["labels"] == 8 and not info["skipped"]
+    assert info["images"] == 96 + 4 + 2 and info["labels"] == 8 and not info["skipped"]
     assert set(info["sheets"]) == {"sheets/duplicates.png", "sheets/mislabelled.png", "sheets/outliers.png"}
     from PIL import Image
 
