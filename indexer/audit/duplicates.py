@@ -62,7 +62,7 @@ DEEP_KEYPOINTS = 300    # its keypoints per image (spread over more levels)
 @dataclass
 class DuplicateGroup:
     rows: list[int]                      # ascending
-    # the edges that joined it (a, b, cosine, score, RANSAC inliers: None when the score alone did)
+    # the edges that joined it (a, b, cosine, score, RANSAC inliers: None when no pixel check counted them)
     pairs: list[tuple[int, int, float, float, int | None]]
 
     @property
