@@ -129,7 +129,8 @@ PHASH_SAME = 12         # bits of 63: at most this many differ -> the same photo
 #: picture, maybe cropped, resized, recoloured, captioned or mirrored), "scene" (another frame or view of
 #: one object or scene: a render turning, a burst, a plane taxiing), "different", or "unsure" (Caltech's
 #: catalogue motorbikes: one studio photo recoloured, or another model in the same pose, not told apart
-#: at 268 px). Pairs not in it fall back to the pHash judge.
+#: at 268 px). It holds every pair the audit, fastdup and imagededup report on the four galleries
+#: (the tools' 267 catalogue-motorbike pairs set `unsure` unseen); others fall back to the pHash judge.
 PAIRS = json.loads((Path(__file__).with_name("audit_pairs.json")).read_text())
 
 
@@ -169,10 +170,10 @@ def score(audit_dir: Path, truth: dict, gallery: Path | None = None, judged: dic
     eye: list[str | None] = [None] * len(edges)
     if gallery is not None and judged is not None:
         eye = [None if ok else judged.get(pair_key(gallery, *sorted(e))) for e, ok in zip(edges, good)]
-        same = [s if lab is None else lab == "same" for s, lab in zip(same, eye)]
     n = max(1, len(good))
-    by_eye = {f"precision_{name}": sum(g or lab in ok for g, lab in zip(good, eye)) / n
+    by_eye = {f"precision_{name}": sum(g or (s if lab is None else lab in ok) for g, s, lab in zip(good, same, eye)) / n
               for name, ok in (("scene", ("same", "scene")), ("unsure_right", ("same", "unsure")))}
+    same = [s if lab is None else lab == "same" for s, lab in zip(same, eye)]
     out["duplicates"] = {"injected": len(pairs), "recall": sum(found) / len(pairs),
                          "precision": (sum(g or s for g, s in zip(good, same)) / len(good)) if good else 1.0,
                          **(by_eye if judged is not None else {}),
