@@ -399,6 +399,7 @@ def each_pair(a: Sequence[int], b: Sequence[int], read: Callable[[int], bytes | 
     return out
 
 
-__all__ = ["DuplicateGroup", "near_duplicates", "scored_pairs", "candidates", "verify_pairs", "pixel_inliers", "Verdicts", "gray", "features",
-           "matches", "fit", "inliers", "disagreement", "DEFAULT_THRESHOLD", "VERIFY_TOP", "VERIFY_LOWER", "NEAREST_LOWER",
-           "MIN_INLIERS", "MAX_DIFFER", "MIN_OVERLAP"]
+__all__ = ["DuplicateGroup", "Pairs", "near_duplicates", "scored_pairs", "candidates", "verify_pairs", "pixel_inliers",
+           "each_pair", "Verdicts", "gray", "features", "matches", "fit", "inliers", "disagreement",
+           "DEFAULT_THRESHOLD", "VERIFY_TOP", "VERIFY_LOWER", "NEAREST_LOWER", "MIN_INLIERS", "MAX_DIFFER",
+           "MIN_OVERLAP"]

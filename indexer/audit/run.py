@@ -61,7 +61,8 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
     leaves them out with the reason in ``skipped``. ``verify``: near-duplicate candidates below
     the threshold checked by pixels (ORB + RANSAC, ``duplicates.verify_pairs``), at most ``verify_max``
     pairs, likeliest copies first, and the pairs above it (``duplicates.pixel_inliers``: those the
-    pixels show are two pictures are dropped), at most ``verify_max``, lowest-scored first. ``params``: labels.class_view's weights."""
+    pixels show are two pictures are dropped), at most ``verify_max``, lowest-scored first.
+    ``params``: labels.class_view's weights."""
     bad = [x for x in kinds if x not in KINDS]
     if bad:
         raise ValueError(f"unknown audit kinds {bad}: expected some of {list(KINDS)}")
