@@ -24,9 +24,7 @@ def _export(args: argparse.Namespace) -> int:
 
     model, source = load_checkpoint(args.checkpoint)[0], file_sha256(args.checkpoint)
     if args.concat:      # another embedder in front, as in the two-backbone default
-        import hashlib
-
-        from .concat import ConcatEmbedder
+        from .concat import joined
         from .pretrained import parse_spec
 
         if front_ckpt:                                 # a second checkpoint (both trunks fine-tuned)
@@ -34,8 +32,7 @@ def _export(args: argparse.Namespace) -> int:
         else:                                          # ValueError (one line) on an unknown name
             spec = parse_spec(args.concat)
             front, front_hash = spec.embedder(), spec.source_hash()
-        model = ConcatEmbedder([front, model]).eval()  # ValueError: preprocessing differs
-        source = hashlib.sha256(f"{front_hash}+{source}".encode()).hexdigest()
+        model, source = joined([(front, front_hash), (model, source)])   # ValueError: preprocessing differs
     out = export_onnx(model, args.out, source_hash=source, parity_images=args.parity_images or None)
     print(f"wrote {out} ({model.config.backbone}, dim {model.dim}); parity check passed")
     return 0

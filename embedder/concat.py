@@ -50,3 +50,13 @@ class ConcatEmbedder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.cat([p(x) for p in self.parts], dim=1) * self.scale
+
+
+def joined(parts: Sequence[tuple[Embedder, str]]) -> tuple[ConcatEmbedder, str]:
+    """(the embedders as one, in order; the source hash its export records): each part comes with
+    its own source hash (a checkpoint's file hash, a pretrained spec's weights hash), and the whole's
+    is the sha256 of them joined by '+', so the same parts always export with the same source."""
+    import hashlib
+
+    model = ConcatEmbedder([p for p, _ in parts]).eval()
+    return model, hashlib.sha256("+".join(h for _, h in parts).encode()).hexdigest()

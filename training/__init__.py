@@ -11,7 +11,7 @@ __all__ = ["DAS", "build_loss", "build_miner", "ClassBalancedBatchSampler", "Tra
            "TrainResult", "load_config", "train"]
 
 _LAZY = {"DAS": ".das", "build_loss": ".losses", "build_miner": ".miners",
-         "ClassBalancedBatchSampler": ".batching", "train": ".trainer", "TrainResult": ".trainer"}
+         "ClassBalancedBatchSampler": ".batching", "train": ".runs", "TrainResult": ".trainer"}
 
 
 def __getattr__(name: str):

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from embedder import keep_freed_memory
 
-    from .trainer import train
+    from .runs import train
 
     keep_freed_memory()         # this process is the batch job: big tensors reuse freed pages
     result = train(cfg)
@@ -64,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"best epoch {result.best_epoch}: R@1 {100 * best:.2f}%")
     if result.onnx_path:
         print(f"ONNX model: {result.onnx_path}")
+    if result.pair is not None:           # config `concat`: both backbones in one file
+        alone = ", ".join(f"{b} alone {100 * r.best_metrics.get('R@1', float('nan')):.2f}%"
+                          for b, r in zip(result.pair.backbones, (result.pair.front, result)))
+        print(f"both backbones ({' + '.join(result.pair.backbones)}): R@1 "
+              f"{100 * result.pair.metrics['R@1']:.2f}% ({alone})")
+        if result.pair.onnx_path:
+            print(f"ONNX model, both backbones: {result.pair.onnx_path}")
     if result.skipped:
         print(f"{len(result.skipped)} unreadable image(s) skipped (list in {result.skipped_file})")
     return 0

@@ -93,6 +93,9 @@ class TrainConfig:
     sync_bn: bool = True  # DDP on CUDA: BatchNorm statistics over the global batch
     input_size: int = 0  # network input size in px (0 = the backbone's default)
     resize: int = 0  # eval: shorter side before the centre crop (0 = keep the backbone ratio)
+    # A second backbone, trained first by the same recipe into <out>/<its name>/ and exported in
+    # front of this one in one file, <out>/two.onnx (training/runs.py): the two-backbone default.
+    concat: str = ""  # second backbone, e.g. efficientnet_lite0 ("" = train one backbone)
     # --- fine-tuning (training/stages.py, training/trunk_cache.py) ---
     # Which part trains: "all" (the paper), "last:N" (the last N backbone stages, pooling and
     # head; earlier stages frozen in eval mode), "head" (the embedding layer on frozen features).
@@ -206,6 +209,28 @@ class TrainConfig:
         if self.layer_decay and not self.backbone.startswith("timm:"):
             raise ConfigError(f"layer_decay needs a timm:<model name> backbone (timm's layer "
                               f"groups); {self.backbone!r} has none")
+        if self.concat:
+            if self.concat == self.backbone:
+                raise ConfigError(f"concat={self.concat!r} is the backbone itself: name a second one")
+            try:
+                mine, theirs = self.preprocessing(), self.preprocessing(self.concat)
+            except (ValueError, RuntimeError) as e:
+                raise ConfigError(f"concat={self.concat!r}: {e}") from None
+            differ = [f.name for f in fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)]
+            if differ:             # one file has one input: both must see the same pixels
+                raise ConfigError(f"concat={self.concat!r} prepares images unlike {self.backbone!r} "
+                                  f"({', '.join(differ)} differ): one exported file takes one "
+                                  "preprocessing (pair backbones of one family; sizes: set input_size)")
+
+    def preprocessing(self, backbone: str = ""):
+        """The Preprocessing of ``backbone`` (default: this run's), with the config's input size and
+        resize when given: what the run trains and evaluates with and stores with the model."""
+        from embedder.preprocess import preprocessing_for
+
+        pre = preprocessing_for(backbone or self.backbone)
+        if self.input_size or self.resize:
+            return pre.at_size(self.input_size or pre.input_size, self.resize)
+        return pre
 
     def _validate_finetune(self) -> None:
         try:

@@ -22,10 +22,7 @@ from .step import build_criterion, build_das
 
 def build_preprocessing(cfg: TrainConfig):
     """The backbone's Preprocessing, with the config's input size / resize when given."""
-    from embedder.preprocess import preprocessing_for
-
-    pre = preprocessing_for(cfg.backbone)
-    return pre.at_size(cfg.input_size or pre.input_size, cfg.resize) if cfg.input_size or cfg.resize else pre
+    return cfg.preprocessing()
 
 
 def build_datasets(cfg: TrainConfig, train_split: Split | None = None,

@@ -33,6 +33,16 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; continuing would only corrupt the weights."""
 
 
+@dataclass(frozen=True)
+class PairResult:
+    """Two backbones' runs joined (config ``concat``: training/runs.py)."""
+
+    backbones: tuple[str, str]          # in the embedding's order: the front (cfg.concat) first
+    metrics: dict[str, float]           # the joined embedder on the run's evaluation split
+    front: "TrainResult"                # the second backbone's own run
+    onnx_path: Path | None              # <out>/two.onnx (None with export_onnx = false)
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -48,6 +58,7 @@ class TrainResult:
     device: str = ""           # the device trained on, e.g. "cuda:0"
     skipped: dict[str, str] = field(default_factory=dict)   # unreadable image -> reason
     skipped_file: Path | None = None                        # <run_dir>/skipped.jsonl
+    pair: PairResult | None = None                          # with cfg.concat: both backbones joined
 
 
 @torch.no_grad()
@@ -198,10 +209,11 @@ def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: distrib
         net, device_ids=[state.device.index] if state.device.type == "cuda" else None)
 
 
-def train(cfg: TrainConfig, *, train_split: Split | None = None,
-          test_split: Split | None = None) -> TrainResult:
-    """Run (or resume) a training run described by `cfg`; returns where everything went.
-    `train_split`/`test_split` replace the config's dataset (a benchmark shares one parse)."""
+def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
+              test_split: Split | None = None) -> TrainResult:
+    """Run (or resume) one backbone's run described by `cfg` (``cfg.concat`` is
+    `training.runs.train`'s); returns where everything went. `train_split`/`test_split` replace
+    the config's dataset (a benchmark shares one parse)."""
     from embedder import save_checkpoint
 
     cfg.validate()

@@ -73,7 +73,7 @@ def _run_config(args, method: str, variant: str, seed: int, out: Path):
     loss, _, miner = method.partition(":")
     values = load_toml(args.config)
     values.update({"loss": loss, "miner": miner or "none", "das": variant != "base",
-                   "das_preset": args.preset, "seed": seed, "export_onnx": False,
+                   "das_preset": args.preset, "seed": seed, "export_onnx": False, "concat": "",
                    "eval_initial": False, "tensorboard": False, "progress": False,
                    "out": str(out / "runs" / f"{loss}-{miner}-{variant}-s{seed}")})
     if args.root:

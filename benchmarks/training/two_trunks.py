@@ -56,7 +56,7 @@ def _run(a: argparse.Namespace) -> int:
     sides = []
     for backbone in BACKBONES:
         cfg = load_config("configs/photos_finetune_cpu.toml", [
-            f"backbone={backbone}", f"backbone_lr={a.lr}", f"root={a.root}", f"seed={a.seed}",
+            f"backbone={backbone}", 'concat=""', f"backbone_lr={a.lr}", f"root={a.root}", f"seed={a.seed}",
             f"validation_classes={a.validation_classes}", "progress=false", *a.set])
         train_full, test_full = build_datasets(cfg)
         train, _, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)

@@ -138,6 +138,48 @@ def test_cached_run_exports_the_whole_network_to_onnx(cub_mini, tmp_path):
     assert cfg_saved["trunk_cache"] is True
 
 
+def test_concat_trains_a_second_backbone_first_and_exports_both_in_one_file(cub_mini, tmp_path):
+    """config `concat`: the second backbone's run in <out>/<name>/, this one's in <out>, and
+    <out>/two.onnx = [second, this] / sqrt(2), evaluated as one embedder."""
+    from embedder import OnnxEmbedder, load_checkpoint, load_image
+    from embedder.metrics import evaluate
+    from training import train
+    from training.data import load_splits
+
+    out = tmp_path / "run"
+    res = train(_cfg(cub_mini, out, concat="efficientnet_lite1", trunk_cache=True, frozen_bn=True,
+                     export_onnx=True, parity_images=4))
+    pair = res.pair
+    assert pair is not None and pair.backbones == ("efficientnet_lite1", "efficientnet_lite0")
+    assert pair.front.best_checkpoint == out / "efficientnet_lite1" / "best.pt"
+    assert res.best_checkpoint == out / "best.pt" and pair.onnx_path == out / "two.onnx"
+    assert res.onnx_path is None and pair.front.onnx_path is None      # the one file is two.onnx
+    _, test = load_splits("folder", cub_mini, max_classes=3)
+    both = OnnxEmbedder(pair.onnx_path, device="cpu", threads=2).embed(test.paths)
+    assert both.shape == (len(test), 32)
+    with torch.inference_mode():
+        parts = []
+        for ckpt in (pair.front.best_checkpoint, res.best_checkpoint):
+            model = load_checkpoint(ckpt)[0]
+            x = np.stack([model.preprocessing.eval_array(load_image(p.read_bytes())) for p in test.paths])
+            parts.append(model(torch.from_numpy(x)).numpy())
+    np.testing.assert_allclose(both * np.sqrt(2), np.concatenate(parts, 1), atol=1e-4)
+    r1 = evaluate(both, test.labels, ks=(1,), clustering=False, map_r=False)["R@1"]
+    assert abs(r1 - pair.metrics["R@1"]) <= 1 / len(test)
+    saved = json.loads((out / "two.json").read_text())
+    assert saved["backbones"] == list(pair.backbones) and set(saved["alone"]) == set(pair.backbones)
+
+
+@pytest.mark.parametrize("concat, says", [("efficientnet_lite0", "is the backbone itself"),
+                                          ("resnet18", r"\(mean, std differ\)"),
+                                          ("resnet5", "unknown backbone")])
+def test_concat_that_cannot_join_fails_before_any_run(tmp_path, concat, says):
+    from training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        _cfg(tmp_path, tmp_path / "run", concat=concat)
+
+
 def test_pca_head_starts_at_the_pooled_ranking(cub_mini, tmp_path):
     """With head_init = "pca" the untrained embedder ranks the test images (nearly) as its
     pooled features do, so training starts from the pretrained ranking."""

@@ -1,0 +1,67 @@
+"""What a config asks for: one backbone's run, or two backbones fine-tuned by one recipe and
+exported as one embedder (config ``concat``).
+
+Why: on CPUs with int8 dot products `indexer build` embeds with two training-free backbones at
+once (Lite0 + Lite1, 2,560-d), so fine-tuning one of them starts below the default it should
+improve on (unseen birds, int8 + DBA: the Lite1 run 94.76, the default 95.50); both trunks
+fine-tuned by the same recipe, 96.04 (docs/benchmarks/training-das.md, round 5). The second
+backbone trains first, into ``<out>/<its name>/``, with everything else as configured; then this
+one into ``<out>``, as a one-backbone run would. Their best checkpoints are joined in the default's
+order (the second in front: `embedder.concat`), evaluated on the same split as each run, and
+exported with the parity check to ``<out>/two.onnx``, the one file (the runs' own exports are
+skipped: `python -m embedder export <run>/best.pt` makes one); the figures go to ``<out>/two.json``.
+A rerun with ``resume = true`` resumes whichever run was interrupted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+from .data import Split
+from .device import amp_dtype
+from .finetune import carve_validation
+from .run_state import build_datasets
+from .skips import SkipLog
+from .trainer import PairResult, TrainResult, evaluate_model, train_run
+
+
+def train(cfg: TrainConfig, *, train_split: Split | None = None,
+          test_split: Split | None = None) -> TrainResult:
+    """Run (or resume) what `cfg` describes: one backbone's run (training/trainer.py), or with
+    ``cfg.concat`` two joined (:func:`train_pair`); returns where everything went.
+    `train_split`/`test_split` replace the config's dataset (a benchmark shares one parse)."""
+    cfg.validate()
+    if cfg.concat:
+        return train_pair(cfg, train_split=train_split, test_split=test_split)
+    return train_run(cfg, train_split=train_split, test_split=test_split)
+
+
+def train_pair(cfg: TrainConfig, *, train_split: Split | None = None,
+               test_split: Split | None = None) -> TrainResult:
+    """The second backbone's run, this one's, then both joined: this run's result with ``pair``."""
+    from embedder import export_onnx, file_sha256, load_checkpoint
+    from embedder.concat import joined
+
+    out = Path(cfg.out)
+    front = train_run(replace(cfg, backbone=cfg.concat, concat="", out=str(out / cfg.concat), export_onnx=False),
+                      train_split=train_split, test_split=test_split)
+    main = train_run(replace(cfg, export_onnx=False), train_split=train_split, test_split=test_split)
+    if int(os.environ.get("RANK", "0")) != 0:       # torchrun: rank 0 joins and reports
+        return main
+    model, source = joined([(load_checkpoint(r.best_checkpoint)[0], file_sha256(r.best_checkpoint))
+                            for r in (front, main)])
+    device = torch.device(main.device or "cpu")
+    train_full, test_full = build_datasets(cfg, train_split, test_split)
+    evaluation = carve_validation(train_full, test_full, cfg.validation_classes)[1]
+    metrics = evaluate_model(model.to(device), evaluation, cfg, device, amp_dtype(cfg.amp, device), SkipLog())
+    onnx = export_onnx(model.cpu(), out / "two.onnx", source_hash=source) if cfg.export_onnx else None
+    backbones = (cfg.concat, cfg.backbone)
+    (out / "two.json").write_text(json.dumps({
+        "backbones": list(backbones), "metrics": metrics, "onnx": str(onnx) if onnx else None,
+        "alone": {b: r.best_metrics for b, r in zip(backbones, (front, main))}}, indent=2))
+    return replace(main, pair=PairResult(backbones, metrics, front, onnx))
