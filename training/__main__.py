@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
     if result.pair is not None:           # config `concat`: both backbones in one file
         alone = ", ".join(f"{b} alone {100 * r.best_metrics.get('R@1', float('nan')):.2f}%"
                           for b, r in zip(result.pair.backbones, (result.pair.front, result)))
+        start = result.pair.initial.get("R@1")
         print(f"both backbones ({' + '.join(result.pair.backbones)}): R@1 "
-              f"{100 * result.pair.metrics['R@1']:.2f}% ({alone})")
+              f"{100 * result.pair.metrics['R@1']:.2f}%" + (f", untrained {100 * start:.2f}%" if start else "")
+              + f" ({alone})")
         if result.pair.onnx_path:
             print(f"ONNX model, both backbones: {result.pair.onnx_path}")
     if result.skipped:

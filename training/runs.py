@@ -25,7 +25,8 @@ from .config import TrainConfig
 from .data import Split
 from .device import amp_dtype
 from .finetune import carve_validation
-from .run_state import build_datasets
+from .report import metrics_markdown
+from .run_state import build_datasets, build_model
 from .skips import SkipLog
 from .trainer import PairResult, TrainResult, evaluate_model, train_run
 
@@ -45,7 +46,7 @@ def train_pair(cfg: TrainConfig, *, train_split: Split | None = None,
                test_split: Split | None = None) -> TrainResult:
     """The second backbone's run, this one's, then both joined: this run's result with ``pair``."""
     from embedder import export_onnx, file_sha256, load_checkpoint
-    from embedder.concat import joined
+    from embedder.concat import ConcatEmbedder, joined
 
     out = Path(cfg.out)
     front = train_run(replace(cfg, backbone=cfg.concat, concat="", out=str(out / cfg.concat), export_onnx=False),
@@ -53,15 +54,25 @@ def train_pair(cfg: TrainConfig, *, train_split: Split | None = None,
     main = train_run(replace(cfg, export_onnx=False), train_split=train_split, test_split=test_split)
     if int(os.environ.get("RANK", "0")) != 0:       # torchrun: rank 0 joins and reports
         return main
+    backbones = (cfg.concat, cfg.backbone)
     model, source = joined([(load_checkpoint(r.best_checkpoint)[0], file_sha256(r.best_checkpoint))
                             for r in (front, main)])
     device = torch.device(main.device or "cpu")
     train_full, test_full = build_datasets(cfg, train_split, test_split)
     evaluation = carve_validation(train_full, test_full, cfg.validation_classes)[1]
-    metrics = evaluate_model(model.to(device), evaluation, cfg, device, amp_dtype(cfg.amp, device), SkipLog())
+
+    def evaluate(m) -> dict[str, float]:
+        return evaluate_model(m.to(device), evaluation, cfg, device, amp_dtype(cfg.amp, device), SkipLog())
+
+    # the pair before training: with dim = 0 the training-free default this run set out to beat
+    initial = evaluate(ConcatEmbedder([build_model(replace(cfg, backbone=b)) for b in backbones]).eval()
+                       ) if cfg.eval_initial else {}
+    metrics = evaluate(model)
     onnx = export_onnx(model.cpu(), out / "two.onnx", source_hash=source) if cfg.export_onnx else None
-    backbones = (cfg.concat, cfg.backbone)
     (out / "two.json").write_text(json.dumps({
-        "backbones": list(backbones), "metrics": metrics, "onnx": str(onnx) if onnx else None,
+        "backbones": list(backbones), "metrics": metrics, "initial": initial, "onnx": str(onnx) if onnx else None,
         "alone": {b: r.best_metrics for b, r in zip(backbones, (front, main))}}, indent=2))
-    return replace(main, pair=PairResult(backbones, metrics, front, onnx))
+    rows = [(name, m) for name, m in (("untrained", initial), ("best epochs", metrics)) if m]
+    with open(out / "metrics.md", "a") as f:       # the run report names what two.onnx holds
+        f.write(f"\n## Both backbones ({' + '.join(backbones)}: two.onnx)\n\n{metrics_markdown(rows)}")
+    return replace(main, pair=PairResult(backbones, metrics, initial, front, onnx))

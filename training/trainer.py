@@ -39,6 +39,7 @@ class PairResult:
 
     backbones: tuple[str, str]          # in the embedding's order: the front (cfg.concat) first
     metrics: dict[str, float]           # the joined embedder on the run's evaluation split
+    initial: dict[str, float]           # the same before training ({} with eval_initial = false)
     front: "TrainResult"                # the second backbone's own run
     onnx_path: Path | None              # <out>/two.onnx (None with export_onnx = false)
 

@@ -168,6 +168,10 @@ def test_concat_trains_a_second_backbone_first_and_exports_both_in_one_file(cub_
     assert abs(r1 - pair.metrics["R@1"]) <= 1 / len(test)
     saved = json.loads((out / "two.json").read_text())
     assert saved["backbones"] == list(pair.backbones) and set(saved["alone"]) == set(pair.backbones)
+    assert saved["initial"] == pair.initial and 0 < pair.initial["R@1"] <= 1
+    report = (out / "metrics.md").read_text()
+    assert "## Both backbones (efficientnet_lite1 + efficientnet_lite0: two.onnx)" in report
+    assert f"| best epochs | {100 * pair.metrics['R@1']:.2f} |" in report and "| untrained |" in report
 
 
 @pytest.mark.parametrize("concat, says", [("efficientnet_lite0", "is the backbone itself"),
