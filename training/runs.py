@@ -1,16 +1,9 @@
-"""What a config asks for: one backbone's run, or two backbones fine-tuned by one recipe and
-exported as one embedder (config ``concat``).
-
-Why: on CPUs with int8 dot products `indexer build` embeds with two training-free backbones at
-once (Lite0 + Lite1, 2,560-d), so fine-tuning one of them starts below the default it should
-improve on (unseen birds, int8 + DBA: the Lite1 run 94.76, the default 95.50); both trunks
-fine-tuned by the same recipe, 96.04 (docs/benchmarks/training-das.md, round 5). The second
-backbone trains first, into ``<out>/<its name>/``, with everything else as configured; then this
-one into ``<out>``, as a one-backbone run would. Their best checkpoints are joined in the default's
-order (the second in front: `embedder.concat`), evaluated on the same split as each run, and
-exported with the parity check to ``<out>/two.onnx``, the one file (the runs' own exports are
-skipped: `python -m embedder export <run>/best.pt` makes one); the figures go to ``<out>/two.json``.
-A rerun with ``resume = true`` resumes whichever run was interrupted.
+"""What a config asks for: one backbone's run, or with ``concat`` two backbones fine-tuned by one
+recipe and joined as the two-backbone default is (`embedder.concat`, the second in front). Why: a
+one-backbone run starts below that default (unseen birds, int8 + DBA: 94.76 vs 95.50; both 96.04:
+docs/benchmarks/training-das.md). The second trains into ``<out>/<its name>/``, then this one into
+``<out>``; the pair, before and after, is evaluated on the runs' split and exported (parity-checked)
+to ``<out>/two.onnx``, the one file; ``resume = true`` resumes whichever run was interrupted.
 """
 from __future__ import annotations
 
