@@ -44,7 +44,7 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"batch_size={batch_size} with per_class={per_class} needs "
                              f"{self.classes_per_batch} classes per batch, but labels have only "
                              f"{len(groups)} (a batch_size of at most {len(groups) * per_class}, "
-                             f"or more training classes)")
+                             f"more training classes, or the trainer's fit_batch = true)")
         self.batch_size, self.per_class = int(batch_size), int(per_class)
         self.seed, self.drop_last = int(seed), bool(drop_last)
         self._groups = [np.asarray(ix) for _, ix in sorted(groups.items(), key=lambda kv: kv[1][0])]

@@ -150,6 +150,7 @@ class TrainConfig:
     epochs: int = 300  # training epochs (paper: 300)
     batch_size: int = 112  # global batch (split over ranks in DDP)
     per_class: int = 2  # images per class in a batch
+    fit_batch: bool = False  # fewer training classes than batch_size / per_class: a batch holds every class (else an error)
     lr: float = 1e-5  # Adam learning rate of the model
     weight_decay: float = 4e-4  # Adam weight decay
     lr_milestones: list[int] = field(default_factory=list)  # empty = 2/3 and 5/6 of epochs

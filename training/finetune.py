@@ -149,17 +149,14 @@ def readable_rows(skips: SkipLog, ds: ImageDataset, rows: np.ndarray | None, lab
 def _device_sets(cfg: TrainConfig, state, train: ImageDataset, evaluate: ImageDataset):
     """``device_batches = true``: the training images decoded once into device memory (the
     sampler rebuilt without those that do not decode) and the evaluation crops beside them."""
-    from .batching import ClassBalancedBatchSampler
     from .device_batches import DeviceBatches, DeviceEvalSet, DeviceImages
-    from .run_state import build_preprocessing
+    from .run_state import balanced_sampler, build_preprocessing
 
     pre, threads = build_preprocessing(cfg), max(cfg.workers, torch.get_num_threads())
     images = DeviceImages(train.split, pre, state.device, state.skips, threads=threads)
     rows, labels = readable_rows(state.skips, train, None, train.labels, "train", cfg.per_class)
     if len(rows) != len(train):
-        state.sampler = ClassBalancedBatchSampler(labels, batch_size=cfg.batch_size,
-                                                  per_class=cfg.per_class, seed=cfg.seed,
-                                                  drop_last=True)
+        state.sampler = balanced_sampler(cfg, labels)
     return (DeviceBatches(images, state.sampler, cfg.seed, rows),
             DeviceEvalSet(evaluate.split, pre, state.device, state.skips, threads=threads))
 
@@ -168,7 +165,7 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
                    fresh: bool) -> Inputs:
     """Datasets and network of a run; `fresh` runs also get the PCA head init. Rows the trunk
     cache could not decode are left out (sampler rebuilt); else failures drop out per batch."""
-    from .batching import ClassBalancedBatchSampler
+    from .run_state import balanced_sampler
     from .trunk_cache import CachedViews
 
     train, evaluate, rows_t, rows_v = carve_validation(train_full, test, cfg.validation_classes)
@@ -184,9 +181,7 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         rt, yt = readable_rows(skips, train_full, rows_t, train.labels, "train", cfg.per_class)
         train_in = CachedViews(acts, yt, train=True, seed=cfg.seed, rows=rt)
         if len(rt) != len(train):       # the same batches whenever the same rows are left
-            state.sampler = ClassBalancedBatchSampler(yt, batch_size=cfg.batch_size,
-                                                      per_class=cfg.per_class, seed=cfg.seed,
-                                                      drop_last=True)
+            state.sampler = balanced_sampler(cfg, yt)
         held = rows_v is not None    # validation classes: rows of the training cache
         rv, yv = readable_rows(skips, train_full if held else test, rows_v, evaluate.labels,
                                 "validation" if held else "test")

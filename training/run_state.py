@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +37,17 @@ def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
     pre = build_preprocessing(cfg)
     return (ImageDataset(train_split, pre.train_transform(), pre.mode, cfg.cache_images),
             ImageDataset(test_split, pre.eval_transform(), pre.mode, cfg.cache_images))
+
+
+def balanced_sampler(cfg: TrainConfig, labels: Any) -> ClassBalancedBatchSampler:
+    """The run's class-balanced batches. With ``fit_batch`` a batch is capped at every training class
+    x ``per_class``: the photo recipe's 12 classes a batch on a team's ten folders (five train) would
+    otherwise stop the run; the paper's configs keep the error (their batch is part of the recipe)."""
+    batch = cfg.batch_size
+    if cfg.fit_batch:
+        batch = min(batch, len(set(np.asarray(labels).tolist())) * cfg.per_class)
+    return ClassBalancedBatchSampler(labels, batch_size=batch, per_class=cfg.per_class, seed=cfg.seed,
+                                     drop_last=True)
 
 
 def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
@@ -172,8 +184,10 @@ class RunState:
             das.to(device)
         opt, sched = build_optimizer(cfg, model, criterion, split)
         scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-        sampler = ClassBalancedBatchSampler(train_labels, batch_size=cfg.batch_size,
-                                            per_class=cfg.per_class, seed=cfg.seed, drop_last=True)
+        sampler = balanced_sampler(cfg, train_labels)
+        if sampler.batch_size != cfg.batch_size:
+            print(f"batch_size {cfg.batch_size} -> {sampler.batch_size}: {sampler.classes_per_batch} "
+                  f"training classes x per_class {cfg.per_class} (fit_batch)")
         return cls(model, criterion, das, opt, sched, scaler, sampler, device, split)
 
     def record_best(self, epoch: int, metrics: dict[str, float]) -> bool:

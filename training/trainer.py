@@ -239,6 +239,8 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
+    if state.sampler.batch_size % info.world_size:        # fit_batch's
+        raise ValueError(f"batch_size={state.sampler.batch_size} does not split over {info.world_size} ranks")
     resuming = cfg.resume and last_path.is_file()
     inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)
     batches = distributed.RankSlice(state.sampler, info) if info.enabled else state.sampler

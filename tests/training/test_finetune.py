@@ -174,6 +174,19 @@ def test_concat_trains_a_second_backbone_first_and_exports_both_in_one_file(cub_
     assert f"| best epochs | {100 * pair.metrics['R@1']:.2f} |" in report and "| untrained |" in report
 
 
+def test_fit_batch_trains_on_fewer_classes_than_a_batch_holds(cub_mini, tmp_path, capsys):
+    """The photo recipes' 12 classes a batch on 3 training folders: with fit_batch a batch holds
+    all 3 (x per_class); without, the run stops before training, naming the remedy."""
+    from training import train
+
+    with pytest.raises(ValueError, match="needs 12 classes per batch, but labels have only 3.*fit_batch"):
+        train(_cfg(cub_mini, tmp_path / "strict", batch_size=48, per_class=4))
+    res = train(_cfg(cub_mini, tmp_path / "fit", batch_size=48, per_class=4, fit_batch=True,
+                     steps_per_epoch=0))
+    assert "batch_size 48 -> 12: 3 training classes x per_class 4 (fit_batch)" in capsys.readouterr().out
+    assert res.history[-1]["steps"] == 36 // 12                      # 3 classes x 12 photos
+
+
 @pytest.mark.parametrize("concat, says", [("efficientnet_lite0", "is the backbone itself"),
                                           ("resnet18", r"\(mean, std differ\)"),
                                           ("resnet5", "unknown backbone")])
