@@ -234,6 +234,12 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
     last_path, best_path = run_dir / "last.pt", run_dir / "best.pt"
     train_full, test_full = build_datasets(cfg, train_split, test_split)   # a bad root: nothing written
     train_ds, test_ds, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)
+    counts = np.bincount(train_ds.labels, minlength=train_ds.split.num_classes)
+    if (counts < cfg.per_class).any():            # a batch takes per_class images of a class
+        small = [f"{train_ds.split.classes[c]!r} ({n})" for c, n in enumerate(counts) if n < cfg.per_class]
+        raise ValueError(f"training class(es) with fewer than per_class={cfg.per_class} images: "
+                         f"{', '.join(small[:5])}{' ...' if len(small) > 5 else ''}; add photos, move "
+                         f"the folder out of the training half, or set per_class lower")
     if info.is_main:   # eval_classes.txt: the split's own order (natural, case-insensitive), for galleries of it
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

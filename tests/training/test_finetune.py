@@ -187,6 +187,20 @@ def test_fit_batch_trains_on_fewer_classes_than_a_batch_holds(cub_mini, tmp_path
     assert res.history[-1]["steps"] == 36 // 12                      # 3 classes x 12 photos
 
 
+def test_a_training_class_smaller_than_per_class_is_named_before_anything_is_written(cub_mini, tmp_path):
+    from training import train
+
+    root = tmp_path / "photos"
+    for d in sorted(p for p in cub_mini.iterdir() if p.is_dir()):
+        (root / d.name).mkdir(parents=True)
+        for f in sorted(d.iterdir())[:2 if d.name == sorted(p.name for p in cub_mini.iterdir())[1] else None]:
+            (root / d.name / f.name).symlink_to(f)
+    small = sorted(p.name for p in root.iterdir())[1]
+    with pytest.raises(ValueError, match=f"fewer than per_class=4 images: '{small}' \\(2\\); add photos"):
+        train(_cfg(root, tmp_path / "run", per_class=4, batch_size=12, max_classes=0))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("concat, says", [("efficientnet_lite0", "is the backbone itself"),
                                           ("resnet18", r"\(mean, std differ\)"),
                                           ("resnet5", "unknown backbone")])
