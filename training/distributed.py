@@ -58,7 +58,9 @@ def gather_batch(emb: torch.Tensor, labels: torch.Tensor, info: DistInfo
         # deprecated in favour of a private module (_functional_collectives); still the public
         # autograd-aware gather, and its backward sums each slice's gradient from every rank
         warnings.simplefilter("ignore", FutureWarning)
-        all_emb = torch.cat(all_gather(emb), dim=0)
+        # the group named at call time: all_gather's default is the group of its first import,
+        # stale once a run's group is destroyed and the next run (config `concat`) makes another
+        all_emb = torch.cat(all_gather(emb, group=dist.group.WORLD), dim=0)
     all_lab = [torch.empty_like(labels) for _ in range(info.world_size)]
     dist.all_gather(all_lab, labels)
     return all_emb, torch.cat(all_lab, dim=0)

@@ -36,24 +36,26 @@ def _grads(model, criterion) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
 
 
-def _worker(rank: int, port: int, x: torch.Tensor, y: torch.Tensor, num_classes: int, out: str):
+def _worker(rank: int, ports: tuple[int, int], x: torch.Tensor, y: torch.Tensor, num_classes: int, out: str):
     from training import distributed as D
     from training.step import compute_loss
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        model, criterion, das = _build(num_classes)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        n = len(x) // WORLD
-        loss = compute_loss(ddp, criterion, das, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n],
-                            info=D.DistInfo(rank, WORLD, rank), seed=1234)
-        loss.backward()
-        torch.save({"loss": loss.detach(), "grads": _grads(model, criterion),
-                    "das": das.state_dict()}, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    # twice, each time in a new process group, as the two runs of a config with `concat` do
+    for port, name in zip(ports, (f"rank{rank}.pt", f"rank{rank}-again.pt")):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        try:
+            model, criterion, das = _build(num_classes)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            n = len(x) // WORLD
+            loss = compute_loss(ddp, criterion, das, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n],
+                                info=D.DistInfo(rank, WORLD, rank), seed=1234)
+            loss.backward()
+            torch.save({"loss": loss.detach(), "grads": _grads(model, criterion),
+                        "das": das.state_dict()}, Path(out) / name)
+        finally:
+            dist.destroy_process_group()
 
 
 
@@ -71,7 +73,7 @@ def test_two_rank_gloo_matches_single_process(tmp_path, omniglot_root, free_port
     x = torch.stack([ds[i][0] for i in idx])
     y = torch.tensor([int(train.labels[i]) for i in idx])
 
-    mp.spawn(_worker, args=(free_port(), x, y, train.num_classes, str(tmp_path)), nprocs=WORLD,
+    mp.spawn(_worker, args=((free_port(), free_port()), x, y, train.num_classes, str(tmp_path)), nprocs=WORLD,
              join=True)
 
     model, criterion, das = _build(train.num_classes)
@@ -79,8 +81,8 @@ def test_two_rank_gloo_matches_single_process(tmp_path, omniglot_root, free_port
     loss.backward()
     ref = _grads(model, criterion)
     assert any(k.startswith("criterion.") for k in ref)  # margin betas get gradients too
-    for rank in range(WORLD):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+    for rank, again in [(r, a) for r in range(WORLD) for a in ("", "-again")]:
+        got = torch.load(tmp_path / f"rank{rank}{again}.pt", weights_only=True)
         torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
         assert got["grads"].keys() == ref.keys()
         for k, g in ref.items():
