@@ -140,12 +140,11 @@ def scored_pairs(graph: KnnGraph, threshold: float = DEFAULT_THRESHOLD) -> Pairs
     return a[keep], b[keep], cos[keep], score[keep], [None] * int(keep.sum())
 
 
-def near_duplicates(graph: KnnGraph, threshold: float = DEFAULT_THRESHOLD,
-                    extra: tuple[np.ndarray, ...] | None = None, scored: Pairs | None = None) -> list[DuplicateGroup]:
-    """Groups of rows joined by the ``scored`` pairs (default: all scoring >= ``threshold``) and
-    by the ``extra`` pairs ``(a, b, cos, score, inliers)`` (verified below it), ordered by their
-    best pair (then by first row: no order depends on a float tie)."""
-    a, b, cos, score, inl = scored if scored is not None else scored_pairs(graph, threshold)
+def near_duplicates(scored: Pairs, extra: Pairs | None = None) -> list[DuplicateGroup]:
+    """Groups of rows joined by the ``scored`` pairs (:func:`scored_pairs`, less those the pixels
+    refuted) and by the ``extra`` pairs (verified below the threshold), ordered by their best pair
+    (then by first row: no order depends on a float tie)."""
+    a, b, cos, score, inl = scored
     inl = list(inl)
     if extra is not None and len(extra[0]):
         ea, eb, ec, es, ei = extra

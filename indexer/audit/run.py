@@ -111,7 +111,7 @@ def _audit(g: Gallery, k: int, threshold: float, kinds: tuple[str, ...], progres
             extra, checked = _verified(g, graph, threshold, verify_max)
             checked.update(dropped)
             t["verify"] = time.perf_counter() - t0
-        dups = near_duplicates(graph, threshold, extra, scored)
+        dups = near_duplicates(scored, extra)
     t0 = time.perf_counter()
     out = outlier_scores(graph, view)
     conf = confused_pairs(view, graph) if view is not None and "confused" in kinds else []

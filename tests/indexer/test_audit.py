@@ -281,7 +281,7 @@ def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_a
     import numpy as np
 
     from indexer.audit import open_gallery
-    from indexer.audit.duplicates import candidates, near_duplicates, verify_pairs
+    from indexer.audit.duplicates import candidates, near_duplicates, scored_pairs, verify_pairs
     from indexer.audit.graph import build_graph
 
     g = open_gallery(faulty["index"])
@@ -291,8 +291,8 @@ def test_copies_the_score_misses_are_grouped_by_pixels_and_photos_of_a_species_a
     assert len(a) >= len(g.ids) // 2
     v = verify_pairs(a, b, g.image_bytes)
     ok, inl = v.same, v.inliers
-    assert not near_duplicates(graph, 3.0)                          # the score alone: nothing
-    groups = near_duplicates(graph, 3.0, (a[ok], b[ok], cos[ok], score[ok], inl[ok]))
+    assert not near_duplicates(scored_pairs(graph, 3.0))            # the score alone: nothing
+    groups = near_duplicates(scored_pairs(graph, 3.0), (a[ok], b[ok], cos[ok], score[ok], inl[ok]))
     group_of = {path[r]: i for i, grp in enumerate(groups) for r in grp.rows}
     for x, y in faulty["copies"]:
         assert x in group_of and group_of[x] == group_of[y], (x, y, inl[(np.array(path)[a] == x)])
