@@ -97,10 +97,9 @@ def cached_activations(cfg: TrainConfig, prefix: nn.Module, train_full: ImageDat
     prefix from the trunk cache, computed on first use (a benchmark calls it before forking).
     Every seed reads the same cache (seed 0) and draws its own views; pooled features are float32
     like the gallery embedder's. Undecodable images go into `skips` (else the first raises)."""
-    from .run_state import build_preprocessing
     from .trunk_cache import trunk_activations
 
-    pre = build_preprocessing(cfg)
+    pre = cfg.preprocessing()
     pooled = cfg.trainable == "head"
     kw = dict(seed=0, cache_dir=cfg.cache_dir or None, progress=cfg.progress,
               threads=max(1, cfg.workers or torch.get_num_threads()),
@@ -150,9 +149,9 @@ def _device_sets(cfg: TrainConfig, state, train: ImageDataset, evaluate: ImageDa
     """``device_batches = true``: the training images decoded once into device memory (the
     sampler rebuilt without those that do not decode) and the evaluation crops beside them."""
     from .device_batches import DeviceBatches, DeviceEvalSet, DeviceImages
-    from .run_state import balanced_sampler, build_preprocessing
+    from .run_state import balanced_sampler
 
-    pre, threads = build_preprocessing(cfg), max(cfg.workers, torch.get_num_threads())
+    pre, threads = cfg.preprocessing(), max(cfg.workers, torch.get_num_threads())
     images = DeviceImages(train.split, pre, state.device, state.skips, threads=threads)
     rows, labels = readable_rows(state.skips, train, None, train.labels, "train", cfg.per_class)
     if len(rows) != len(train):

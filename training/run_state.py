@@ -21,11 +21,6 @@ from .stages import StageSplit, split_stages
 from .step import build_criterion, build_das
 
 
-def build_preprocessing(cfg: TrainConfig):
-    """The backbone's Preprocessing, with the config's input size / resize when given."""
-    return cfg.preprocessing()
-
-
 def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
                    test_split: Split | None = None) -> tuple[ImageDataset, ImageDataset]:
     """(train, test) datasets: the config's dataset, or the given parsed splits (a benchmark
@@ -34,7 +29,7 @@ def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
         train_split, test_split = load_splits(cfg.dataset, cfg.root, max_classes=cfg.max_classes,
                                               test_classes=cfg.test_classes,
                                               holdout_alphabets=cfg.holdout_alphabets)
-    pre = build_preprocessing(cfg)
+    pre = cfg.preprocessing()
     return (ImageDataset(train_split, pre.train_transform(), pre.mode, cfg.cache_images),
             ImageDataset(test_split, pre.eval_transform(), pre.mode, cfg.cache_images))
 
@@ -51,10 +46,10 @@ def balanced_sampler(cfg: TrainConfig, labels: Any) -> ClassBalancedBatchSampler
 
 
 def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
-    """The embedder described by the config (preprocessing from `build_preprocessing`)."""
+    """The embedder described by the config (preprocessing: `TrainConfig.preprocessing`)."""
     from embedder import Embedder, EmbedderConfig
 
-    pre = build_preprocessing(cfg)
+    pre = cfg.preprocessing()
     return Embedder(EmbedderConfig(backbone=cfg.backbone, dim=cfg.dim, pooling=cfg.pooling,
                                    normalize=normalize, pretrained=cfg.pretrained,
                                    frozen_bn=cfg.frozen_bn, gem_p=cfg.gem_p,
@@ -184,11 +179,7 @@ class RunState:
             das.to(device)
         opt, sched = build_optimizer(cfg, model, criterion, split)
         scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
-        sampler = balanced_sampler(cfg, train_labels)
-        if sampler.batch_size != cfg.batch_size:
-            print(f"batch_size {cfg.batch_size} -> {sampler.batch_size}: {sampler.classes_per_batch} "
-                  f"training classes x per_class {cfg.per_class} (fit_batch)")
-        return cls(model, criterion, das, opt, sched, scaler, sampler, device, split)
+        return cls(model, criterion, das, opt, sched, scaler, balanced_sampler(cfg, train_labels), device, split)
 
     def record_best(self, epoch: int, metrics: dict[str, float]) -> bool:
         """Note epoch ``epoch``'s evaluation; True when its R@1 is the best so far (save best.pt)."""

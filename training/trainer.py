@@ -62,13 +62,14 @@ class TrainResult:
     pair: PairResult | None = None                          # with cfg.concat: both backbones joined
 
 
-@torch.no_grad()
-def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, device: torch.device,
-                   autocast_dtype: torch.dtype | None, skips: SkipLog) -> dict[str, float]:
-    """R@k, NMI, F1, MAP@R on the test split, without touching the training RNG streams (how
-    often one evaluates never changes the trajectory); unreadable images go to `skips`."""
-    from embedder.metrics import evaluate
+EVAL_EMBEDDINGS = "eval_embeddings.npz"   # train_run(keep_embeddings=True): "initial", "best", "labels"
 
+
+@torch.no_grad()
+def embed_split(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, device: torch.device,
+                autocast_dtype: torch.dtype | None, skips: SkipLog) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings, labels) of the evaluation split, without touching the training RNG streams (how
+    often one evaluates never changes the trajectory); unreadable images go to `skips`."""
     was_training = model.training
     model.eval()
     out, labels = [], []
@@ -79,16 +80,32 @@ def evaluate_model(model: nn.Module, dataset: ImageDataset, cfg: TrainConfig, de
                                 enabled=autocast_dtype is not None):
                 e = model(_on_device(x, device, cfg))
             out.append(e.float().cpu().numpy())
-        model.train(was_training)
-        y_all = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
-        if len(np.unique(y_all)) < 2:
-            raise UnreadableDataError(
-                f"evaluation: {len(y_all)} readable image(s) in {len(np.unique(y_all))} class(es) "
-                f"of {len(dataset)} ({len(skips)} unreadable skipped so far); expected images "
-                f"of at least 2 classes")
-        metrics = evaluate(np.concatenate(out, axis=0), y_all, ks=tuple(cfg.eval_ks),
-                           clustering=cfg.eval_clustering, seed=cfg.seed)
+    model.train(was_training)
+    y_all = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+    if len(np.unique(y_all)) < 2:
+        raise UnreadableDataError(
+            f"evaluation: {len(y_all)} readable image(s) in {len(np.unique(y_all))} class(es) "
+            f"of {len(dataset)} ({len(skips)} unreadable skipped so far); expected images "
+            f"of at least 2 classes")
+    return np.concatenate(out, axis=0), y_all
+
+
+def split_metrics(x: np.ndarray, y: np.ndarray, cfg: TrainConfig) -> dict[str, float]:
+    """R@k, NMI, F1, MAP@R of the evaluation split's embeddings (`embedder.metrics.evaluate`)."""
+    from embedder.metrics import evaluate
+
+    metrics = evaluate(x, y, ks=tuple(cfg.eval_ks), clustering=cfg.eval_clustering, seed=cfg.seed)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def store_embeddings(path: Path, name: str, x: np.ndarray, y: np.ndarray) -> None:
+    """Store ``x`` as ``name`` (with ``labels``) in the npz at ``path``, beside what it holds
+    already (a resumed run's earlier evaluations); replaced whole, never half-written."""
+    held = dict(np.load(path)) if path.is_file() else {}
+    held.update({name: x, "labels": y})
+    tmp = path.with_name(path.stem + ".partial.npz")
+    np.savez(tmp, **held)
+    tmp.replace(path)
 
 
 def _eval_batches(dataset: ImageDataset | DeviceEvalSet, cfg: TrainConfig, skips: SkipLog):
@@ -211,10 +228,11 @@ def _distribute(state: RunState, net: nn.Module, cfg: TrainConfig, info: distrib
 
 
 def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
-              test_split: Split | None = None) -> TrainResult:
+              test_split: Split | None = None, keep_embeddings: bool = False) -> TrainResult:
     """Run (or resume) one backbone's run described by `cfg` (``cfg.concat`` is
     `training.runs.train`'s); returns where everything went. `train_split`/`test_split` replace
-    the config's dataset (a benchmark shares one parse)."""
+    the config's dataset (a benchmark shares one parse). `keep_embeddings`: the evaluation split's
+    embeddings before training and of best.pt go to ``EVAL_EMBEDDINGS`` (a pair joins them)."""
     from embedder import save_checkpoint
 
     cfg.validate()
@@ -245,9 +263,15 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
     state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
-    if state.sampler.batch_size % info.world_size:        # fit_batch's
+    if state.sampler.batch_size != cfg.batch_size and info.is_main:     # fit_batch's
+        print(f"batch_size {cfg.batch_size} -> {state.sampler.batch_size}: {state.sampler.classes_per_batch} "
+              f"training classes x per_class {cfg.per_class} (fit_batch)")
+    if state.sampler.batch_size % info.world_size:
         raise ValueError(f"batch_size={state.sampler.batch_size} does not split over {info.world_size} ranks")
     resuming = cfg.resume and last_path.is_file()
+    kept = run_dir / EVAL_EMBEDDINGS if keep_embeddings and info.is_main else None
+    if kept is not None and not resuming:
+        kept.unlink(missing_ok=True)              # an earlier run's, in the same directory
     inputs = prepare_inputs(cfg, state, train_full, test_full, fresh=not resuming)
     batches = distributed.RankSlice(state.sampler, info) if info.enabled else state.sampler
     # Not persistent: fresh workers each epoch take their seeds from the global torch RNG, which
@@ -266,8 +290,10 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
             print(f"resumed from {last_path} at epoch {state.epoch}")
     logger = EpochLogger(run_dir, cfg, aux=aux_weight(cfg) is not None) if info.is_main else None
     if state.epoch == 0 and info.is_main and cfg.eval_initial and not state.history:
-        state.initial_metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device,
-                                                   ac_dtype, state.skips)
+        x, y = embed_split(inputs.net, inputs.evaluate, cfg, device, ac_dtype, state.skips)
+        state.initial_metrics = split_metrics(x, y, cfg)
+        if kept is not None:
+            store_embeddings(kept, "initial", x, y)
         state.history.append({"epoch": 0, "steps": 0, "loss": "", "lr": cfg.lr, "seconds": 0.0,
                               **state.initial_metrics})
     distributed.barrier(info)
@@ -276,12 +302,14 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
     for epoch in range(state.epoch, cfg.epochs):
         row = train_one_epoch(state, net, loader, cfg, epoch, info, ac_dtype)
         if info.is_main and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
-            metrics = evaluate_model(inputs.net, inputs.evaluate, cfg, device, ac_dtype,
-                                     state.skips)
+            x, y = embed_split(inputs.net, inputs.evaluate, cfg, device, ac_dtype, state.skips)
+            metrics = split_metrics(x, y, cfg)
             row.update(metrics)
             if state.record_best(epoch + 1, metrics):
                 save_checkpoint(best_path, state.model, epoch=epoch + 1, metrics=metrics,
                                 train_config=cfg.to_dict(), classes=train_ds.split.classes)
+                if kept is not None:
+                    store_embeddings(kept, "best", x, y)
         state.history.append(row)
         state.epoch = epoch + 1
         if info.is_main:

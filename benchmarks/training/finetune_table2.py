@@ -132,12 +132,12 @@ def training_free(cfg) -> dict[str, dict[str, float]]:
     from embedder import Embedder, EmbedderConfig
     from embedder.metrics import evaluate
     from training.finetune import carve_validation
-    from training.run_state import build_datasets, build_preprocessing
+    from training.run_state import build_datasets
 
     train, test = build_datasets(cfg)
     _, ev, _, _ = carve_validation(train, test, cfg.validation_classes)
     model = Embedder(EmbedderConfig(backbone=cfg.backbone, dim=0, pretrained=cfg.pretrained,
-                                    pooling="gem", gem_p=cfg.gem_p), build_preprocessing(cfg)).eval()
+                                    pooling="gem", gem_p=cfg.gem_p), cfg.preprocessing()).eval()
     avg, gem = [], []
     with torch.no_grad():
         for x, _ in tqdm(DataLoader(ev, batch_size=32), desc="training-free embedders"):

@@ -40,11 +40,9 @@ def test_crops_follow_torchvision_random_resized_crop():
 
 def test_evaluation_inputs_are_the_dataloaders_bit_for_bit(cub_mini):
     from training.data import ImageDataset, load_splits
-    from training.run_state import build_preprocessing
     from training.config import TrainConfig
 
-    pre = build_preprocessing(TrainConfig(backbone="efficientnet_lite0", input_size=64,
-                                          resize=72))
+    pre = TrainConfig(backbone="efficientnet_lite0", input_size=64, resize=72).preprocessing()
     _, test = load_splits("folder", cub_mini)
     on_device = DeviceEvalSet(test, pre, torch.device("cpu"), SkipLog(), threads=2)
     x, y = next(on_device.batches(len(test)))
@@ -57,11 +55,9 @@ def test_training_crops_are_photos_of_the_size_asked(cub_mini):
     """Batches of real photos: input-sized, normalised, not blank (the canvas' padding never
     enters a crop), and drawn again the same from the same generator seed."""
     from training.data import load_splits
-    from training.run_state import build_preprocessing
     from training.config import TrainConfig
 
-    pre = build_preprocessing(TrainConfig(backbone="efficientnet_lite0", input_size=64,
-                                          resize=72))
+    pre = TrainConfig(backbone="efficientnet_lite0", input_size=64, resize=72).preprocessing()
     train, _ = load_splits("folder", cub_mini)
     images = DeviceImages(train, pre, torch.device("cpu"), SkipLog(), threads=2)
     assert images.canvas.shape[1:] == (3, 128, 128) and images.ok.all()

@@ -51,7 +51,6 @@ def test_last1_trains_only_the_last_stage_and_the_head(cub_mini, tmp_path):
 def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_mini, tmp_path):
     from training.data import ImageDataset, load_splits
     from training.distributed import DistInfo
-    from training.run_state import build_preprocessing
     from training.stages import split_stages
     from training.step import build_criterion, compute_loss
     from training.trunk_cache import trunk_activations
@@ -60,7 +59,7 @@ def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_mini, t
     model = _initial(cfg)
     split = split_stages(model, cfg.trainable)
     train_split, _ = load_splits("folder", cub_mini, max_classes=3)
-    pre = build_preprocessing(cfg)
+    pre = cfg.preprocessing()
     ds = ImageDataset(train_split, pre.eval_transform())
     acts = trunk_activations(split.prefix, ds, pre, what="t", views=2, seed=5,
                              cache_dir=tmp_path / "c", progress=False)
@@ -91,7 +90,6 @@ def test_cached_trunk_gives_the_full_networks_loss_on_the_same_views(cub_mini, t
 
 def test_trunk_cache_is_reused_and_keyed_by_views(cub_mini, tmp_path, monkeypatch):
     from training.data import ImageDataset, load_splits
-    from training.run_state import build_preprocessing
     from training.stages import split_stages
     from training.trunk_cache import trunk_activations
 
@@ -99,7 +97,7 @@ def test_trunk_cache_is_reused_and_keyed_by_views(cub_mini, tmp_path, monkeypatc
     model = _initial(cfg)
     split = split_stages(model, "head")
     _, test = load_splits("folder", cub_mini, max_classes=2)
-    pre = build_preprocessing(cfg)
+    pre = cfg.preprocessing()
     ds = ImageDataset(test, pre.eval_transform())
     a = np.array(trunk_activations(split.prefix, ds, pre, what="h", cache_dir=tmp_path, progress=False))
     assert a.shape == (1, len(ds), model.num_features)
@@ -172,6 +170,17 @@ def test_concat_trains_a_second_backbone_first_and_exports_both_in_one_file(cub_
     report = (out / "metrics.md").read_text()
     assert "## Both backbones (efficientnet_lite1 + efficientnet_lite0: two.onnx)" in report
     assert f"| best epochs | {100 * pair.metrics['R@1']:.2f} |" in report and "| untrained |" in report
+    # the pair's figures come from the runs' kept evaluation embeddings (no second pass): best.pt's
+    # embeddings and the epoch-0 network's; a resumed finished pair reads them again
+    for run, emb in zip((pair.front, res), parts):
+        held = np.load(run.run_dir / "eval_embeddings.npz")
+        assert set(held) == {"initial", "best", "labels"} and np.array_equal(held["labels"], test.labels)
+        np.testing.assert_allclose(held["best"], emb, atol=1e-4)
+        assert evaluate(held["initial"], test.labels, ks=(1,), clustering=False, map_r=False)["R@1"] == \
+            run.initial_metrics["R@1"]
+    again = train(_cfg(cub_mini, out, concat="efficientnet_lite1", trunk_cache=True, frozen_bn=True,
+                       export_onnx=True, parity_images=4, resume=True)).pair
+    assert again.metrics == pair.metrics and again.initial == pair.initial
 
 
 def test_fit_batch_trains_on_fewer_classes_than_a_batch_holds(cub_mini, tmp_path, capsys):
@@ -217,14 +226,13 @@ def test_pca_head_starts_at_the_pooled_ranking(cub_mini, tmp_path):
     from embedder.metrics import evaluate
     from training import train
     from training.data import ImageDataset, load_splits
-    from training.run_state import build_preprocessing
 
     cfg = _cfg(cub_mini, tmp_path / "run", trainable="head", trunk_cache=True, dim=32, epochs=1,
                steps_per_epoch=1)
     res = train(cfg)
     model = _initial(cfg)
     _, test = load_splits("folder", cub_mini, max_classes=3)
-    ds = ImageDataset(test, build_preprocessing(cfg).eval_transform())
+    ds = ImageDataset(test, cfg.preprocessing().eval_transform())
     with torch.no_grad():
         pooled = torch.cat([model.features(torch.stack([ds[i][0] for i in range(s, min(s + 32, len(ds)))]))
                             for s in range(0, len(ds), 32)]).numpy()

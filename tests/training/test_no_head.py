@@ -35,11 +35,11 @@ def test_without_a_head_epoch_0_is_the_pretrained_embedder_and_the_tail_trains(c
     cfg = _cfg(cub_mini, tmp_path / "run")
     result = train(cfg)
     # epoch 0 ranks exactly as the pretrained GeM features of the same network (no layer between)
-    from training.run_state import build_datasets, build_preprocessing
+    from training.run_state import build_datasets
 
     _, test = build_datasets(cfg)
     ref = Embedder(EmbedderConfig(backbone="efficientnet_lite0", dim=0, pooling="gem", gem_p=4.0,
-                                  pretrained=True), build_preprocessing(cfg)).eval()
+                                  pretrained=True), cfg.preprocessing()).eval()
 
     with torch.no_grad():
         e = torch.cat([ref(torch.stack([test[i][0] for i in range(j, min(j + 32, len(test)))]))

@@ -80,12 +80,11 @@ def _readable_r1(checkpoint: Path, data: dict) -> tuple[float, float]:
     from embedder import load_checkpoint
     from embedder.metrics import evaluate
     from training.data import ImageDataset, folder_splits
-    from training.run_state import build_preprocessing
     from training.config import TrainConfig
 
     _, test = folder_splits(data["root"])
     keep = [i for i, p in enumerate(test.paths) if p not in data["bad"].values()]
-    pre = build_preprocessing(TrainConfig(backbone="small_cnn"))
+    pre = TrainConfig(backbone="small_cnn").preprocessing()
     ds = ImageDataset(test, pre.eval_transform(), pre.mode)
     model, _ = load_checkpoint(checkpoint)
     with torch.no_grad():
@@ -179,7 +178,7 @@ def test_trunk_activations_without_failed_raises_the_first_unreadable_image(tmp_
     from embedder import ImageLoadError
     from training.config import TrainConfig
     from training.data import folder_splits
-    from training.run_state import build_datasets, build_model, build_preprocessing
+    from training.run_state import build_datasets, build_model
     from training.stages import split_stages
     from training.trunk_cache import trunk_activations
 
@@ -189,10 +188,10 @@ def test_trunk_activations_without_failed_raises_the_first_unreadable_image(tmp_
     split = split_stages(build_model(cfg), "head")
     kw = dict(what="t", cache_dir=tmp_path / "c", progress=False)
     failed: dict[int, str] = {}
-    acts = trunk_activations(split.prefix, train, build_preprocessing(cfg), failed=failed, **kw)
+    acts = trunk_activations(split.prefix, train, cfg.preprocessing(), failed=failed, **kw)
     rows = {train.split.paths[r] for r in failed}
     assert rows == {dataset["bad"]["truncated"], dataset["bad"]["empty"], dataset["bad"]["raw"]}
     assert not np.asarray(acts[0, sorted(failed)]).any()          # zero rows, left out
     assert np.asarray(acts[0, [r for r in range(len(train)) if r not in failed]]).any(axis=1).all()
     with pytest.raises(ImageLoadError, match="x_truncated.jpg: truncated or corrupt"):
-        trunk_activations(split.prefix, train, build_preprocessing(cfg), **kw)
+        trunk_activations(split.prefix, train, cfg.preprocessing(), **kw)
