@@ -41,8 +41,8 @@ def int8_model(args: argparse.Namespace) -> Path:
     from ..directory.model import load_embedder
 
     fp32 = load_embedder(args.model, device="cpu").path   # the gallery: checked by `build` first
-    return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(fp32, args.gallery,
-                                                                          progress=not args.quiet)
+    return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(
+        fp32, args.gallery, progress=not args.quiet, log=lambda m: print(f"indexer build: {m}", file=sys.stderr))
 
 
 def kept_int8(d: IndexDir, fp32: Path) -> Path | None:

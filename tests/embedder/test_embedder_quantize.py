@@ -273,6 +273,27 @@ def test_bias_correction_moves_only_biases_and_brings_int8_closer_to_fp32(pretra
     assert cos["corrected"] > cos["default"] + 0.004, cos
 
 
+def test_drawings_the_default_quantises_badly_get_their_biases_corrected(pretrained_onnx, omniglot_paths,
+                                                                        tmp_path):
+    """Line drawings (Omniglot): the default recipe's int8 model misses the int8/fp32 check (mean
+    cosine ~0.93 < 0.95, which stopped `indexer build` at its default on such a gallery), so its
+    biases are corrected (~0.996) and that model is written, its metadata saying so, with one
+    line why; the recipe without that fallback refuses the same calibration, nothing written."""
+    from dataclasses import replace
+
+    from embedder.quantize import DEFAULT_RECIPE, MIN_MEAN_COSINE, QuantizationError, quantize_embedder
+
+    files, lines = omniglot_paths[:16], []
+    r = quantize_embedder(pretrained_onnx, files, tmp_path / "q.onnx", log=lines.append)
+    q = json.loads(OnnxEmbedder(r.out).metadata["quantization"])
+    assert q["bias_correction"] is True and r.mean_cosine >= MIN_MEAN_COSINE, (q, r.mean_cosine)
+    assert len(lines) == 1 and "correcting the int8 convolutions' biases" in lines[0], lines
+    with pytest.raises(QuantizationError, match="int8 model's embeddings differ from fp32"):
+        quantize_embedder(pretrained_onnx, files, tmp_path / "strict.onnx",
+                          recipe=replace(DEFAULT_RECIPE, correct_when_off=False))
+    assert not (tmp_path / "strict.onnx").exists()
+
+
 def test_recipe_options_are_checked_and_named():
     from embedder.quantize import QuantizationError, QuantRecipe
 
