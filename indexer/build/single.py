@@ -92,6 +92,16 @@ def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray, dba: neighbours.Dba
     return neighbours.write(d.path, neighbours.build(ids, x, dba, progress=progress))
 
 
+def without_dba(out: str | Path, *, wait: bool = False) -> Manifest:
+    """The index at ``out`` with its DBA neighbourhoods dropped: the manifest first (a reader never
+    sees a record without its file), then the file."""
+    d = IndexDir(out)
+    with writer_lock(d.path, "indexer build", wait=wait):
+        m = d.write_manifest(dataclasses.replace(d.read_manifest(), neighbours=None))
+        neighbours.remove_file(d.path)
+    return m
+
+
 def _write_index_dir(d: IndexDir, index: faiss.Index, fields: dict, model: dict, extra: dict) -> Manifest:
     fx.write_atomic(index, d.index_file)
     return d.write_manifest(Manifest(model=model, **fields, **extra, index_file=d.index_record(),

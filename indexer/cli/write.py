@@ -157,6 +157,7 @@ def build(args: argparse.Namespace) -> None:
     ray = args.ray is not None or args.shards is not None or args.sharded
     check_build_flags(args, ray)
     gallery_files(args.gallery)       # missing or empty: one line before the plan and any export
+    auto_dba = args.dba is None
     d = resolve_build_defaults(args, ray)
     dba_params(args)                                      # bad --dba-* flags: refused before any note
     if args.ray is not None:                              # a Ray that could never start: likewise
@@ -181,10 +182,33 @@ def build(args: argparse.Namespace) -> None:
     ing = m.ingest
     print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
                       args.out / m.report))
+    if auto_dba and m.neighbours:
+        m = dba_where_it_helps(args.out, m, wait=args.wait)
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
         print_index_line(m, args.out)
+
+
+def dba_where_it_helps(out: Path, m: Manifest, *, wait: bool = False) -> Manifest:
+    """The default's DBA, kept unless the gallery's own labels say it hurts: leave-one-out R@1 of
+    up to 2,000 labelled images with and without it (``indexer eval --leave-one-out``'s search),
+    off when DBA is behind beyond the noise (McNemar's z < -2). Why: DBA's sign flips between
+    sets: +-0.6 R@1 on the photo sets it was chosen on, -3.7 on 1,000 Omniglot drawings
+    (docs/INDEXING.md#the-default). An unlabelled gallery keeps the default."""
+    from ..build.single import without_dba
+    from ..layouts.evaluate import dba_check
+    from ..layouts.index import Index
+
+    with Index.open(out, device="cpu") as idx:
+        if not idx.labels():
+            return m
+        c = dba_check(idx)
+    if c.z >= -2:
+        return m
+    print(f"indexer build: no DBA: leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} "
+          f"with it, {100 * c.plain:.2f} without (--dba keeps it)", file=sys.stderr)
+    return without_dba(out, wait=wait)
 
 
 def merge(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ the photo gets as a query the gallery never held.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -116,14 +117,46 @@ def evaluate_gallery(index: Index, ks: Sequence[int] = (1, 2, 4, 8), *, dba: boo
     """Leave-one-out: each labelled item (a sample of ``max_queries``) queries the others with
     its stored vector, excluded and guarded. Same keys as :func:`evaluate_queries`."""
     ks = _ks(ks)
+    ids, labels = _labelled(index, max_queries, seed)
+    res = _both(index, index.embeddings(ids), labels, ids, ks, dba)
+    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": []}
+
+
+@dataclass(frozen=True)
+class DbaCheck:
+    """Leave-one-out R@1 of labelled gallery items without and with DBA (same queries, guarded),
+    and McNemar's z of the difference (> 0: DBA ahead; |z| < 2: within the noise)."""
+
+    queries: int
+    plain: float
+    dba: float
+    z: float
+
+
+def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck:
+    """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items."""
+    ids, labels = _labelled(index, max_queries, seed)
+    emb = index.embeddings(ids)
+    plain, dba = (_top1(index, emb, labels, ids, on) for on in (False, True))
+    ahead, behind = int((dba & ~plain).sum()), int((plain & ~dba).sum())
+    z = (ahead - behind) / np.sqrt(ahead + behind) if ahead + behind else 0.0
+    return DbaCheck(len(ids), float(plain.mean()), float(dba.mean()), float(z))
+
+
+def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str]]:
+    """The labelled items' ids (a seeded sample of ``max_queries``) and their labels."""
     ids = [i for lab in index.labels() for i in index.ids_for_label(lab)]
     if not ids:
         raise IndexerError(f"{index.directory}: the gallery has no labels to evaluate against")
     if max_queries is not None and len(ids) > max_queries:
         ids = sorted(np.random.default_rng(seed).choice(ids, size=max_queries, replace=False).tolist())
-    labels = [index.meta(i).get("label") for i in ids]
-    res = _both(index, index.embeddings(ids), labels, ids, ks, dba)
-    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": []}
+    return ids, [index.meta(i).get("label") for i in ids]
+
+
+def _top1(index: Index, emb: np.ndarray, labels: Sequence[str], own: Sequence[int], dba: bool) -> np.ndarray:
+    """Whether each query's first result (itself left out and guarded) has its label."""
+    _, ids = index.search_embeddings(emb, 1, dba=dba, exclude=list(own))
+    return np.array([i >= 0 and _label(index, int(i)) == lab for i, lab in zip(ids[:, 0], labels)], dtype=bool)
 
 
 def _label(index: Index, id: int) -> str | None:
