@@ -182,20 +182,21 @@ def build(args: argparse.Namespace) -> None:
     ing = m.ingest
     print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
                       args.out / m.report))
-    if auto_dba and m.neighbours:
-        m = dba_where_it_helps(args.out, m, wait=args.wait)
+    if m.neighbours:
+        m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait)
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
         print_index_line(m, args.out)
 
 
-def dba_where_it_helps(out: Path, m: Manifest, *, wait: bool = False) -> Manifest:
-    """The default's DBA, kept unless the gallery's own labels say it hurts: leave-one-out R@1 of
-    up to 2,000 labelled images with and without it (``indexer eval --leave-one-out``'s search),
-    off when DBA is behind beyond the noise (McNemar's z < -2). Why: DBA's sign flips between
-    sets: +-0.6 R@1 on the photo sets it was chosen on, -3.7 on 1,000 Omniglot drawings
-    (docs/INDEXING.md#the-default). An unlabelled gallery keeps the default."""
+def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False) -> Manifest:
+    """DBA measured on the gallery's own labels: leave-one-out R@1 of up to 2,000 labelled images
+    with and without it (``indexer eval --leave-one-out``'s search); where DBA is behind beyond the
+    noise (McNemar's z < -2) the default's is dropped (``drop``), an asked-for one kept with a
+    warning. Why: DBA's sign flips between sets: +-0.6 R@1 on the photo sets the default was chosen
+    on, -3.7 on 1,000 Omniglot drawings, -0.9 for a fine-tuned pair in fp32 on unseen birds
+    (docs/INDEXING.md#the-default). An unlabelled gallery keeps what it has."""
     from ..build.single import without_dba
     from ..layouts.evaluate import dba_check
     from ..layouts.index import Index
@@ -206,8 +207,13 @@ def dba_where_it_helps(out: Path, m: Manifest, *, wait: bool = False) -> Manifes
         c = dba_check(idx)
     if c.z >= -2:
         return m
-    print(f"indexer build: no DBA: leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} "
-          f"with it, {100 * c.plain:.2f} without (--dba keeps it)", file=sys.stderr)
+    figures = (f"leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} with it, "
+               f"{100 * c.plain:.2f} without")
+    if not drop:
+        print(f"indexer build: warning: DBA, asked for, is behind on this gallery: {figures} "
+              f"(--no-dba drops it; dba=false per request)", file=sys.stderr)
+        return m
+    print(f"indexer build: no DBA: {figures} (--dba keeps it)", file=sys.stderr)
     return without_dba(out, wait=wait)
 
 
