@@ -122,6 +122,10 @@ def evaluate(args: argparse.Namespace) -> int:
         tag = f" ({name})" if len(rows) > 1 else ""
         for k, v in rec.items():
             print(f"Recall@{k}{tag}: {v:.4f}")
+    if "dba_z" in res:
+        z = res["dba_z"]
+        print(f"DBA vs plain at Recall@1, same queries: McNemar z {z:+.2f} "
+              f"({'within the noise' if abs(z) < 2 else 'DBA ahead' if z > 0 else 'DBA behind'})")
     return 0
 
 

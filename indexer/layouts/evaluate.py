@@ -26,25 +26,33 @@ def _ks(ks: Sequence[int]) -> list[int]:
 
 
 def _recall(index: Index, emb: np.ndarray, labels: Sequence[str], own: Sequence[int | None],
-            ks: list[int], dba: bool | None) -> dict[int, float]:
-    """Recall@k of queries ``emb`` (``own[r]``: the gallery id query r is, left out and guarded)."""
+            ks: list[int], dba: bool | None) -> tuple[dict[int, float], np.ndarray]:
+    """Recall@k of queries ``emb`` (``own[r]``: the gallery id query r is, left out and guarded),
+    and whether each query's first result has its label."""
     from embedder.metrics import recall_at_k_of_labels
 
     kmax = min(ks[-1], len(index))
     _, ids = index.search_embeddings(emb, kmax, dba=dba, exclude=list(own))
     neighbor_labels = [[_label(index, int(i)) for i in row if i >= 0] for row in ids]
     rec = recall_at_k_of_labels(neighbor_labels, list(labels), [k for k in ks if k <= kmax])
-    return {int(k): float(v) for k, v in rec.items()}
+    top1 = np.array([bool(row) and row[0] == lab for row, lab in zip(neighbor_labels, labels)], dtype=bool)
+    return {int(k): float(v) for k, v in rec.items()}, top1
 
 
 def _both(index: Index, emb: np.ndarray, labels: Sequence[str], own: Sequence[int | None],
           ks: list[int], dba: bool | None) -> dict:
     """The figures as asked (``dba``; None: as the index serves by default) and, for an index
-    with DBA neighbourhoods, the other setting beside them (``recall_plain`` / ``recall_dba``)."""
+    with DBA neighbourhoods, the other setting beside them (``recall_plain`` / ``recall_dba``) and
+    ``dba_z``: McNemar's z of DBA's R@1 against plain's on the same queries (> 0: DBA ahead;
+    |z| < 2: within the noise)."""
     used = index.has_dba if dba is None else bool(dba)
-    out = {"recall": _recall(index, emb, labels, own, ks, used), "dba": used}
+    rec, top1 = _recall(index, emb, labels, own, ks, used)
+    out = {"recall": rec, "dba": used}
     if index.has_dba:
-        out["recall_dba" if not used else "recall_plain"] = _recall(index, emb, labels, own, ks, not used)
+        out["recall_dba" if not used else "recall_plain"], other = _recall(index, emb, labels, own, ks, not used)
+        with_dba, plain = (top1, other) if used else (other, top1)
+        ahead, behind = int((with_dba & ~plain).sum()), int((plain & ~with_dba).sum())
+        out["dba_z"] = (ahead - behind) / float(np.sqrt(ahead + behind)) if ahead + behind else 0.0
     return out
 
 
@@ -135,12 +143,8 @@ class DbaCheck:
 
 def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck:
     """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items."""
-    ids, labels = _labelled(index, max_queries, seed)
-    emb = index.embeddings(ids)
-    plain, dba = (_top1(index, emb, labels, ids, on) for on in (False, True))
-    ahead, behind = int((dba & ~plain).sum()), int((plain & ~dba).sum())
-    z = (ahead - behind) / np.sqrt(ahead + behind) if ahead + behind else 0.0
-    return DbaCheck(len(ids), float(plain.mean()), float(dba.mean()), float(z))
+    r = evaluate_gallery(index, (1,), dba=True, max_queries=max_queries, seed=seed)
+    return DbaCheck(r["queries"], r["recall_plain"][1], r["recall"][1], r["dba_z"])
 
 
 def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str]]:
@@ -151,12 +155,6 @@ def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[in
     if max_queries is not None and len(ids) > max_queries:
         ids = sorted(np.random.default_rng(seed).choice(ids, size=max_queries, replace=False).tolist())
     return ids, [index.meta(i).get("label") for i in ids]
-
-
-def _top1(index: Index, emb: np.ndarray, labels: Sequence[str], own: Sequence[int], dba: bool) -> np.ndarray:
-    """Whether each query's first result (itself left out and guarded) has its label."""
-    _, ids = index.search_embeddings(emb, 1, dba=dba, exclude=list(own))
-    return np.array([i >= 0 and _label(index, int(i)) == lab for i, lab in zip(ids[:, 0], labels)], dtype=bool)
 
 
 def _label(index: Index, id: int) -> str | None:

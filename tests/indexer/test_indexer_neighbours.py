@@ -191,5 +191,9 @@ def test_eval_reports_both_settings(tmp_path: Path, dba_index: Path, gallery8: P
     assert loo["recall"] == folder["recall"] and loo["recall_plain"] == folder["recall_plain"]
     off = json.loads(run_cli("eval", "--index", dba_index, "--leave-one-out", "--dba", "off", "--json").stdout)
     assert off["dba"] is False and off["recall"] == loo["recall_plain"] and off["recall_dba"] == loo["recall"]
+    # McNemar's z of DBA against plain at R@1 on the same queries, whichever setting leads
+    assert loo["dba_z"] == folder["dba_z"] == off["dba_z"]
+    assert (loo["dba_z"] > 0) == (loo["recall"]["1"] > loo["recall_plain"]["1"]) or loo["dba_z"] == 0
     text = run_cli("eval", "--index", dba_index, "--leave-one-out").stdout
     assert "Recall@1 (DBA):" in text and "Recall@1 (plain):" in text
+    assert f"DBA vs plain at Recall@1, same queries: McNemar z {loo['dba_z']:+.2f}" in text
