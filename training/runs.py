@@ -47,7 +47,7 @@ def train_pair(cfg: TrainConfig, *, train_split: Split | None = None,
     backbones = (cfg.concat, cfg.backbone)
     model, source = joined([(load_checkpoint(r.best_checkpoint)[0], file_sha256(r.best_checkpoint))
                             for r in (front, main)])
-    initial, metrics = (_joined_metrics(cfg, (front, main), name) for name in ("initial", "best"))
+    initial, metrics = _joined_metrics(cfg, (front, main), model.scale)
     onnx = export_onnx(model.cpu(), out / "two.onnx", source_hash=source) if cfg.export_onnx else None
     (out / "two.json").write_text(json.dumps({
         "backbones": list(backbones), "metrics": metrics, "initial": initial, "onnx": str(onnx) if onnx else None,
@@ -58,10 +58,11 @@ def train_pair(cfg: TrainConfig, *, train_split: Split | None = None,
     return replace(main, pair=PairResult(backbones, metrics, initial, front, onnx))
 
 
-def _joined_metrics(cfg: TrainConfig, runs: tuple[TrainResult, ...], name: str) -> dict[str, float]:
-    """The pair's metrics from its runs' kept evaluation embeddings (``name``: "initial", before
-    training, {} without eval_initial; "best"): joined as `embedder.concat` joins the networks, so no
-    photo is decoded and embedded again (that took ~2 of a 9-minute run on 1,489 photos)."""
+def _joined_metrics(cfg: TrainConfig, runs: tuple[TrainResult, ...],
+                    scale: float) -> tuple[dict[str, float], dict[str, float]]:
+    """The pair's metrics before training ({} without eval_initial) and of the best epochs, from its
+    runs' kept evaluation embeddings joined as `embedder.concat` joins the networks (``scale``: its
+    1/sqrt(n)), so no photo is decoded and embedded again (~2 min of a 9-minute run on 1,489 photos)."""
     held = []
     for r in runs:
         path = r.run_dir / EVAL_EMBEDDINGS
@@ -69,10 +70,13 @@ def _joined_metrics(cfg: TrainConfig, runs: tuple[TrainResult, ...], name: str) 
             raise FileNotFoundError(f"{path}: the run's evaluation embeddings are missing (a run "
                                     f"finished before they were kept); run it again without resume")
         held.append(dict(np.load(path)))
-    if any(name not in h for h in held):
-        return {}
     if any(not np.array_equal(h["labels"], held[0]["labels"]) for h in held):
         raise ValueError(f"{', '.join(str(r.run_dir) for r in runs)}: the runs evaluated different "
                          f"images (an image unreadable in one of them); run them again")
-    x = np.concatenate([h[name] for h in held], axis=1) / np.sqrt(len(held))
-    return split_metrics(x, held[0]["labels"], cfg)
+
+    def of(name: str) -> dict[str, float]:
+        if any(name not in h for h in held):
+            return {}
+        return split_metrics(np.concatenate([h[name] for h in held], axis=1) * scale, held[0]["labels"], cfg)
+
+    return of("initial"), of("best")
