@@ -58,7 +58,7 @@ def timed_cli(checkout: Path, gallery: Path, model: Path, out: Path, shards: int
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(model), "--out",
            str(out), "--ray", "local", "--shards", str(shards), "--sharded", "--quiet",
-           "--flat-threshold", "100"]
+           "--flat-threshold", "100", "--no-int8"]     # --model builds of >= 256 images: int8 since 2026-11-30
     for _ in range(3):      # Ray gives its raylet 30 s to start: on loaded cores it may not
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()

@@ -68,10 +68,10 @@ def parser() -> argparse.ArgumentParser:
                         "quantised once on 256 of the gallery's images and cached in $DAS_CACHE/int8 "
                         "(`python -m embedder quantize --help`); the network runs ~2x as fast, "
                         "the whole build ~1.6x (docs/benchmarks/embedder.md). Default (auto): on "
-                        "for the default embedder on a gallery of >= 256 images (the measured "
-                        "default, with --dba: docs/benchmarks/quality-round5.md), off below 256 "
-                        "and with --model (measured for the default embedder only); --shard and "
-                        "--ray builds too. --no-int8: the fp32 model")
+                        "for a gallery of >= 256 images (the measured default, with --dba: "
+                        "docs/benchmarks/quality-round5.md), --shard and --ray builds too; off "
+                        "below 256, and for a model whose int8 version misses the int8/fp32 "
+                        "check (one line). --no-int8: the fp32 model")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
@@ -172,11 +172,12 @@ def dba_opts(sp: argparse.ArgumentParser, auto: bool = False) -> None:
             "those (switchable per request; kept right by add/remove)")
     if auto:
         sp.add_argument("--dba", action=argparse.BooleanOptionalAction, default=None,
-                        help=what + f". Default (auto): on for the default embedder on a gallery of "
-                                    f">= {dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), off "
-                                    "below, with --model, with --shard (the merge's: `indexer "
-                                    "merge --dba`) and with --ray/--sharded (not available there). "
-                                    "--no-dba: without")
+                        help=what + f". Default (auto): on for a gallery of >= "
+                                    f"{dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), then "
+                                    "measured on its labels and dropped where it hurts; off below, "
+                                    "with --model on a gallery without labels, with --shard (the "
+                                    "merge's: `indexer merge --dba`) and with --ray/--sharded (not "
+                                    "available there). --no-dba: without")
     else:
         sp.add_argument("--dba", action="store_true", help=what)
     sp.add_argument("--dba-k", type=int, default=DEFAULT_K, metavar="K",

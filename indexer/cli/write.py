@@ -32,17 +32,24 @@ def dba_params(args: argparse.Namespace) -> object:
     return DbaParams(args.dba_k, args.dba_alpha, args.dba_depth)
 
 
-def int8_model(args: argparse.Namespace) -> Path:
+def int8_model(args: argparse.Namespace, *, fallback: bool = False) -> Path:
     """``indexer build --int8``: the int8 version of --model (or of the default), calibrated on the
     gallery (``int8_model_path``: the same gallery gives the same file), or the one the index at
-    --out already has (:func:`kept_int8`)."""
-    from embedder.quantize import int8_model_path
+    --out already has (:func:`kept_int8`). ``fallback`` (int8 by default, not asked for): a model
+    whose int8 version misses the fp32 check, even bias-corrected, is built in fp32 with one line."""
+    from embedder.quantize import QuantizationError, int8_model_path
 
     from ..directory.model import load_embedder
 
     fp32 = load_embedder(args.model, device="cpu").path   # the gallery: checked by `build` first
-    return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(
-        fp32, args.gallery, progress=not args.quiet, log=lambda m: print(f"indexer build: {m}", file=sys.stderr))
+    try:
+        return kept_int8(IndexDir(args.out), Path(fp32)) or int8_model_path(
+            fp32, args.gallery, progress=not args.quiet, log=lambda m: print(f"indexer build: {m}", file=sys.stderr))
+    except QuantizationError as e:
+        if not fallback:
+            raise
+        print(f"indexer build: fp32 embedder: {e} (--int8 insists)", file=sys.stderr)
+        return Path(args.model)
 
 
 def kept_int8(d: IndexDir, fp32: Path) -> Path | None:
@@ -104,8 +111,9 @@ def kept_embedder(d: IndexDir) -> str | None:
 
 def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
     """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
-    gallery (the walk stopped at the largest threshold), with the embedder when there is no --model;
-    its notes are a line per choice that turned one off or hangs on the CPU."""
+    gallery (the walk stopped at the largest threshold; labelled if one of those files is), with the
+    embedder when there is no --model; its notes are a line per choice that turned one off or hangs
+    on the CPU."""
     import itertools
 
     from embedder.quantize import int8_dot_product
@@ -113,13 +121,13 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
 
-    images = 0
-    counted = args.model is None and (args.int8 is None or args.dba is None)
+    images, labelled = 0, False
+    counted = args.int8 is None or args.dba is None
     if counted:
         bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
-        images = sum(1 for _ in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None),
-                                                 bound))
-    d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images,
+        for f in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None), bound):
+            images, labelled = images + 1, labelled or f.label is not None
+    d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images, labelled=labelled,
                          mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k,
                          int8_dot=int8_dot_product(),
                          kept=None if args.model else kept_embedder(IndexDir(args.out)))
@@ -157,28 +165,29 @@ def build(args: argparse.Namespace) -> None:
     ray = args.ray is not None or args.shards is not None or args.sharded
     check_build_flags(args, ray)
     gallery_files(args.gallery)       # missing or empty: one line before the plan and any export
-    auto_dba = args.dba is None
+    auto_int8, auto_dba = args.int8 is None, args.dba is None
     d = resolve_build_defaults(args, ray)
-    dba_params(args)                                      # bad --dba-* flags: refused before any note
+    dba_params(args)                                      # bad --dba-* flags: refused before any export
     if args.ray is not None:                              # a Ray that could never start: likewise
         from ..ray.cluster import check_can_start
 
         check_can_start(args.ray)
-    for note in d.notes:
-        print(f"indexer build: {note}", file=sys.stderr)
     if args.model is None:                                # a first build exports it: say so first
         from embedder import default_model_path
 
         args.model = default_model_path(d.embedder, on_export=None if args.quiet else lambda m: print(
             f"indexer build: {m}", file=sys.stderr, flush=True))
     if args.int8:
-        args.model = int8_model(args)
+        args.model = int8_model(args, fallback=auto_int8)
     if ray:
-        return print_index_line(build_with_ray_command(args), args.out)   # locks --out itself
+        m = build_with_ray_command(args)                  # locks --out itself
+        say_notes(d)
+        return print_index_line(m, args.out)
     shard = parse_shard(args.shard) if args.shard else None
     m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
                     batch_size=args.batch_size, workers=args.workers, device=args.device,
                     progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+    say_notes(d)
     ing = m.ingest
     print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
                       args.out / m.report))
@@ -188,6 +197,13 @@ def build(args: argparse.Namespace) -> None:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
         print_index_line(m, args.out)
+
+
+def say_notes(d: BuildDefaults) -> None:
+    """The default's notes (what it turned off, and why), once the build has succeeded: a failing
+    command says one thing."""
+    for note in d.notes:
+        print(f"indexer build: {note}", file=sys.stderr)
 
 
 def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False) -> Manifest:

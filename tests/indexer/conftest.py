@@ -25,9 +25,9 @@ def omniglot_gallery(tmp_path_factory: pytest.TempPathFactory, omniglot_root: Pa
 
 @pytest.fixture(scope="session")
 def built_index(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path, small_onnx: Path) -> Path:
-    """A Flat index of ``omniglot_gallery`` built through the CLI; tests must not modify it."""
+    """A Flat index of ``omniglot_gallery`` built through the CLI, without DBA; tests must not modify it."""
     return shared_fixture(tmp_path_factory, "built-idx", lambda out: run_cli(
-        "build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet"))
+        "build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet", "--no-dba"))
 
 
 @pytest.fixture(scope="session")

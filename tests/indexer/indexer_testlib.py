@@ -95,7 +95,7 @@ def serve_app(args: list, log_dir: Path, port: int, timeout: float = 180) -> Ite
 
 # The Ray build tests (test_ray.py, test_ray_cluster.py): one gallery shape and build flags, and
 # one notion of "the same index" for a Ray build against the one-process build.
-RAY_FLAGS = ["--quiet", "--flat-threshold", "100"]     # IVF: the case where merging must match
+RAY_FLAGS = ["--quiet", "--flat-threshold", "100", "--no-int8", "--no-dba"]   # IVF: where merging must match
 RAY_CHARS = 30                                         # 600 images, ~300 per shard (one commit: 256)
 
 

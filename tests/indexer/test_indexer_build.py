@@ -114,7 +114,7 @@ def test_rebuild_embeds_nothing_twice(tmp_path: Path, omniglot_root: Path, small
 
 def test_ivf_path_meets_the_recall_target(tmp_path: Path, omniglot_gallery: Path, small_onnx: Path) -> None:
     out = tmp_path / "ivf"
-    run_cli("build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet",
+    run_cli("build", omniglot_gallery, "--model", small_onnx, "--out", out, "--quiet", "--no-dba",
             "--flat-threshold", "100", "--target-recall", "0.97")
     m = json.loads((out / "manifest.json").read_text())
     assert m["index_type"] == "ivf" and m["nlist"] == 240 // 39
@@ -205,6 +205,8 @@ def test_default_pretrained_embedder_on_photos(tmp_path: Path, photo_paths: list
 
 def test_build_defaults_policy() -> None:
     """indexer.ann.options.resolve_defaults, the one place the build's default is decided (issue 41)."""
+    from dataclasses import replace
+
     from indexer.ann.options import resolve_defaults as r
 
     big, mid, tiny = 10_000, 100, 10
@@ -218,9 +220,13 @@ def test_build_defaults_policy() -> None:
     assert (d.int8, d.dba) == (False, False) and len(d.notes) == 2
     assert r(None, None, model_given=False, images=17).dba and not r(None, None, model_given=False, images=16).dba
     assert r(None, None, model_given=False, images=9, dba_k=4).dba           # 2k + 1 of the given k
-    for n in (tiny, mid, big):                                                # --model: as before
-        d = r(None, None, model_given=True, images=n)
-        assert (d.int8, d.dba, d.notes) == (False, False, ())
+    for n in (tiny, mid, big):                     # --model: the same, DBA only where labels measure it
+        assert r(None, None, model_given=True, images=n) == replace(r(None, None, model_given=False, images=n),
+                                                                    embedder=None)
+        d = r(None, None, model_given=True, images=n, labelled=False)
+        assert (d.int8, d.dba) == (n >= 256, False) and d.notes[-1].startswith("no DBA: ")
+    assert "has none (--dba forces it)" in r(None, None, model_given=True, images=big, labelled=False).notes[0]
+    assert r(None, None, model_given=False, images=big, labelled=False).dba   # validated for the default
     d = r(False, False, model_given=False, images=big)                        # --no-int8 --no-dba
     assert (d.int8, d.dba, d.notes) == (False, False, ())
     d = r(True, True, model_given=True, images=tiny)                          # explicit: kept as today
@@ -384,14 +390,15 @@ def test_default_on_a_cub_gallery_is_int8_with_dba(tmp_path: Path, cub_root: Pat
     assert m2["model"]["hash"] == m["model"]["hash"] and m2["count"] == 263 and m2["neighbours"]
 
 
-def test_default_dba_is_dropped_where_the_gallerys_own_labels_say_it_hurts(tmp_path: Path,
-                                                                          omniglot_root: Path) -> None:
+def test_default_dba_is_dropped_where_the_gallerys_own_labels_say_it_hurts(tmp_path: Path, omniglot_root: Path,
+                                                                          pretrained_onnx: Path) -> None:
     """DBA's sign flips between sets (issue 41): a default build measures it on the gallery's own
     labels (leave-one-out, itself guarded, as `indexer eval`) and builds without it where it loses
     beyond the noise. 240 Armenian letters (12 x 20 drawings; under 256: Lite1 fp32, no
     quantising): R@1 ~69 with DBA, ~77 without -> no DBA, one line naming both and `--dba`,
-    and `indexer eval` finds the figure printed; `--dba` asked for keeps it, with a warning (the
-    photo galleries keep the default's DBA: test_default_on_a_cub_gallery_is_int8_with_dba)."""
+    and `indexer eval` finds the figure printed; the same network given as `--model` is measured
+    alike; `--dba` asked for keeps it, with a warning (the photo galleries keep the default's DBA:
+    test_default_on_a_cub_gallery_is_int8_with_dba)."""
     import re
 
     g = tmp_path / "letters"
@@ -410,8 +417,67 @@ def test_default_dba_is_dropped_where_the_gallerys_own_labels_say_it_hurts(tmp_p
     assert not (out / "neighbours.npz").exists()
     e = json.loads(run_cli("eval", "--index", out, "--leave-one-out", "-k", "1", "--json").stdout)
     assert e["dba"] is False and abs(100 * e["recall"]["1"] - without) < 0.01
+    p = run_cli("build", g, "--out", out, "--model", pretrained_onnx, "--quiet")   # --model: measured alike
+    assert "0 new, 240 unchanged" in p.stdout and f"no DBA: {lines[0].split('no DBA: ')[1]}" in p.stderr
+    assert not (out / "neighbours.npz").exists()
     p = run_cli("build", g, "--out", out, "--dba", "--quiet")      # asked for: kept, nothing embedded
     assert "0 new, 240 unchanged" in p.stdout
     assert "warning: DBA, asked for, is behind on this gallery: leave-one-out R@1 of 240" in p.stderr, p.stderr
     assert json.loads((out / "manifest.json").read_text())["neighbours"]["k"] == 8
 
+
+
+def test_model_whose_int8_misses_the_check_is_built_in_fp32_by_default(tmp_path: Path, omniglot_root: Path,
+                                                                       small_onnx: Path) -> None:
+    """`--model` on >= 256 images is quantised by default, as the default embedder is; a network
+    whose int8 version misses the int8/fp32 check even bias-corrected is built in fp32 with one
+    line (asked-for `--int8` refuses it). Here small_cnn with one input channel of its last conv
+    always 0 (negative weights on ReLU outputs, then ReLU) but weighted 1e4 (7-bit per-channel weights round every other one of that conv
+    to 0) and its head centred (fp32 embeddings point every way): mean cosine ~0.1. The gallery has
+    no labels: a --model gets no DBA (nothing to measure it on), said in one line."""
+    import re
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from embedder.hashing import file_sha256
+    from embedder.runtime import OnnxEmbedder
+
+    g = tmp_path / "unlabelled"
+    g.mkdir()
+    files = sorted((omniglot_root / "images_background").rglob("*.png"))[:260]
+    for i, f in enumerate(files):
+        (g / f"{i:03d}.png").symlink_to(f)
+    m = onnx.load(str(small_onnx))
+    w = {i.name: i for i in m.graph.initializer}
+
+    def edit(name: str, change) -> None:
+        a = numpy_helper.to_array(w[name]).copy()
+        change(a)
+        w[name].CopyFrom(numpy_helper.from_array(a, name))
+
+    edit("backbone.body.8.weight", lambda k: k.__setitem__(0, -np.abs(k[0]) - 0.1))   # of ReLU'd inputs: <= 0
+    edit("backbone.body.12.weight", lambda k: k.__setitem__((slice(None), 0), 1e4))
+    m.graph.output.append(onnx.helper.make_tensor_value_info("view", onnx.TensorProto.FLOAT, None))
+    x = np.stack([OnnxEmbedder(small_onnx, device="cpu").prepare(f) for f in files[:64]])
+    pooled = ort.InferenceSession(m.SerializeToString()).run(["view"], {"x": x})[0].mean(0)
+    edit("head.bias", lambda b: b.__setitem__(slice(None), -numpy_helper.to_array(w["head.weight"]) @ pooled))
+    m.graph.output.pop()
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+
+    out = tmp_path / "idx"
+    p = run_cli("build", g, "--model", bad, "--out", out, "--quiet")
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 3 and "correcting the int8 convolutions' biases" in lines[0], p.stderr
+    assert lines[1].startswith(f"indexer build: fp32 embedder: {bad}: the int8 model's embeddings differ "
+                               "from fp32") and lines[1].endswith("not written (--int8 insists)"), p.stderr
+    assert float(re.search(r"mean cosine ([\d.]+)", lines[1]).group(1)) < 0.5      # far off, not a near miss
+    assert lines[2] == ("indexer build: no DBA: a --model embedder's DBA is measured on the gallery's labels, "
+                        "and it has none (--dba forces it)")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["count"] == 260 and man["model"]["hash"] == file_sha256(bad) and not man.get("neighbours")
+    p = run_cli("build", g, "--model", bad, "--out", tmp_path / "asked", "--int8", "--quiet", check=False)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("indexer build: error: ")
+    assert "not written" in p.stderr and not (tmp_path / "asked" / "manifest.json").exists()

@@ -34,7 +34,7 @@ def test_killed_build_resumes_without_duplicates(tmp_path: Path, omniglot_root: 
     out = tmp_path / "idx"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "indexer", "build", str(gallery), "--model", str(small_onnx),
-           "--out", str(out), "--quiet", "--workers", "1", "--batch-size", "8"]
+           "--out", str(out), "--quiet", "--workers", "1", "--batch-size", "8", "--no-int8", "--no-dba"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -62,7 +62,7 @@ def test_killed_build_resumes_without_duplicates(tmp_path: Path, omniglot_root: 
             assert hashlib.sha256(st.get_bytes(int(i))).hexdigest() == m["sha256"]
             assert st.id_for_path(m["path"]) == int(i)
 
-    res = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--quiet")
+    res = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--quiet", "--no-int8", "--no-dba")
     m = json.loads((out / "manifest.json").read_text())
     assert m["count"] == unique == len(files)
     assert m["ingest"]["unchanged"] == done and m["ingest"]["new"] == len(files) - done, res.stdout

@@ -187,7 +187,7 @@ def test_add_and_remove_on_types_that_cannot_remove_in_place(tmp_path, omniglot_
     copy_characters(omniglot_root, g1, 6, per_char=20)
     new = copy_characters(omniglot_root, g2, 1, per_char=10, skip_chars=50)
     out = tmp_path / "idx"
-    run_cli("build", g1, "--model", small_onnx, "--out", out, "--quiet", "--index-type", index_type)
+    run_cli("build", g1, "--model", small_onnx, "--out", out, "--quiet", "--no-dba", "--index-type", index_type)
     m = IndexDir(out).read_manifest()
     assert m["index_type"] == index_type and m["heldout_queries"] == 12 and m["search_params"]
     run_cli("add", g2, "--index", out, "--prefix", "more", "--quiet")

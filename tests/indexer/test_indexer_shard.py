@@ -16,7 +16,7 @@ from indexer.store.walk import shard_of
 
 def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery: Path, small_onnx: Path) -> None:
     flags = ["--model", small_onnx, "--quiet", "--flat-threshold", "100"]
-    run_cli("build", omniglot_gallery, "--out", tmp_path / "single", *flags)
+    run_cli("build", omniglot_gallery, "--out", tmp_path / "single", "--no-dba", *flags)
     for i in range(2):
         run_cli("build", omniglot_gallery, "--shard", f"{i}/2", "--out", tmp_path / f"s{i}", *flags)
     counts = []
