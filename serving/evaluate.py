@@ -13,15 +13,30 @@ DEFAULT_KS: tuple[int, ...] = (1, 2, 4, 8)
 
 @dataclass
 class EvalResult:
+    """``recall`` as the index serves by default (``dba``); an index with DBA also has ``other``
+    (the other setting, same queries) and ``dba_z`` (McNemar's z of DBA against plain at R@1):
+    DBA's sign flips between galleries, so the tab shows both, as `indexer eval` does."""
+
     index: str
     source: str
     recall: dict[int, float]
     queries: int
     skipped: list[str] = field(default_factory=list)
+    dba: bool = False
+    other: dict[int, float] | None = None
+    dba_z: float | None = None
 
-    def row(self) -> dict[str, object]:
-        return {"index": self.index, "queries": self.source, "n": self.queries,
-                **{f"R@{k}": round(100 * v, 2) for k, v in self.recall.items()}}
+    @classmethod
+    def of(cls, index: str, source: str, out: dict, skipped: Sequence[str] = ()) -> "EvalResult":
+        """From ``indexer.layouts.evaluate``'s answer."""
+        return cls(index, source, out["recall"], int(out["queries"]), list(skipped), bool(out["dba"]),
+                   out.get("recall_plain" if out["dba"] else "recall_dba"), out.get("dba_z"))
+
+    def rows(self) -> list[dict[str, object]]:
+        """A row per DBA setting measured, the served one first."""
+        settings = [(self.dba, self.recall)] + ([] if self.other is None else [(not self.dba, self.other)])
+        return [{"index": self.index, "DBA": "on" if dba else "off", "queries": self.source, "n": self.queries,
+                 **{f"R@{k}": round(100 * v, 2) for k, v in rec.items()}} for dba, rec in settings]
 
 
 def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None = None,
@@ -32,7 +47,7 @@ def evaluate_folder(searcher: Searcher, folder: str | Path, *, index: str | None
     snap = searcher.snapshot(index)
     out = evaluate_queries(snap.index, Path(folder), ks)
     skipped = [f"{s.get('path')}: {s.get('reason')}" for s in out.get("skipped", [])]
-    return EvalResult(snap.name, source or Path(folder).name, out["recall"], int(out["queries"]), skipped)
+    return EvalResult.of(snap.name, source or Path(folder).name, out, skipped)
 
 
 def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequence[int] = DEFAULT_KS,
@@ -42,8 +57,16 @@ def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequen
 
     snap = searcher.snapshot(index)
     out = leave_one_out(snap.index, ks, max_queries=max_queries, seed=seed)
-    return EvalResult(snap.name, f"gallery leave-one-out ({out['queries']} queries)", out["recall"],
-                      int(out["queries"]))
+    return EvalResult.of(snap.name, f"gallery leave-one-out ({out['queries']} queries)", out)
+
+
+def dba_line(results: Sequence[EvalResult]) -> str:
+    """McNemar's z of DBA against plain at R@1 for each index with DBA, in words; "" if none."""
+    from indexer.layouts.evaluate import dba_verdict
+
+    z = [(r.index, r.dba_z) for r in results if r.dba_z is not None]
+    return ("DBA against plain at R@1, same queries: " + "; ".join(
+        f"{name} McNemar z {v:+.2f} ({dba_verdict(v)})" for name, v in z)) if z else ""
 
 
 def recall_figure(results: Sequence[EvalResult]) -> bytes:
@@ -56,7 +79,11 @@ def recall_figure(results: Sequence[EvalResult]) -> bytes:
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
     for r in results:
         ks = sorted(r.recall)
-        ax.plot(ks, [100 * r.recall[k] for k in ks], marker="o", label=f"{r.index} ({r.queries} q)")
+        line, = ax.plot(ks, [100 * r.recall[k] for k in ks], marker="o",
+                        label=f"{r.index} ({r.queries} q)" + (f", DBA {'on' if r.dba else 'off'}" if r.other else ""))
+        if r.other:                                       # the other DBA setting: dashed, same colour
+            ax.plot(ks, [100 * r.other[k] for k in ks], marker="o", ls="--", color=line.get_color(),
+                    label=f"{r.index}, DBA {'off' if r.dba else 'on'}")
     ax.set_xscale("log", base=2)
     ks_all = sorted({k for r in results for k in r.recall})
     ax.set_xticks(ks_all, [str(k) for k in ks_all])

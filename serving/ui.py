@@ -17,7 +17,7 @@ from embedder.containers import ACCEPTED_TEXT
 from indexer import IndexerError, Manifest
 from indexer.directory.index_dir import MANIFEST
 
-from .evaluate import evaluate_folder, evaluate_gallery, recall_figure
+from .evaluate import dba_line, evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
 from .queries import MAX_QUERY_IMAGES, check_count, parse_box
 from .redact import Redactor
@@ -193,11 +193,13 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                 raise RequestError(f"query set {source!r}: expected one of {[GALLERY_LOO, *query_sets]}")
         except (ValueError, FileNotFoundError, IndexerError) as e:
             return fail(e, 2)
-        head = ["index", "queries", "n"] + [f"R@{k}" for k in sorted(set(ks))]
-        rows = [[r.row().get(h) for h in head] for r in results]   # no R@k past an index's size
+        head = ["index", "DBA", "queries", "n"] + [f"R@{k}" for k in sorted(set(ks))]
+        rows = [[row.get(h) for h in head] for r in results for row in r.rows()]   # no R@k past an index's size
         png = Image.open(io.BytesIO(recall_figure(results)))
         skipped = sum(len(r.skipped) for r in results)
         msg = f"Recall@k (%) on **{results[0].source}**" + (f" · {skipped} unreadable files skipped" if skipped else "")
+        if dba_line(results):
+            msg += f"\n\n{dba_line(results)}"
         import pandas as pd  # a gradio dependency; headers travel with the data this way
 
         return [msg, pd.DataFrame(rows, columns=head), png]
@@ -294,7 +296,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             with gr.Tab("Evaluate", id="evaluate"):
                 gr.Markdown("Recall@k of every open index: leave-one-out on the gallery (each labelled image "
                             "queries the rest), or on a labelled query folder (`<folder>/<label>/<images>`) "
-                            "given to the server with `--queries`.")
+                            "given to the server with `--queries`; an index with DBA with and without it, "
+                            "and whether the difference at R@1 is beyond the noise.")
                 with gr.Row():
                     e_src = gr.Dropdown([GALLERY_LOO, *query_sets], value=(list(query_sets) or [GALLERY_LOO])[0],
                                         label="Queries", elem_id="eval-source")

@@ -94,7 +94,7 @@ def search_folder(args: argparse.Namespace) -> None:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
-    from ..layouts.evaluate import evaluate_gallery, evaluate_queries
+    from ..layouts.evaluate import dba_verdict, evaluate_gallery, evaluate_queries
 
     if args.max_queries is not None and not args.leave_one_out:
         raise UsageError("--max-queries needs --leave-one-out")
@@ -124,8 +124,7 @@ def evaluate(args: argparse.Namespace) -> int:
             print(f"Recall@{k}{tag}: {v:.4f}")
     if "dba_z" in res:
         z = res["dba_z"]
-        print(f"DBA vs plain at Recall@1, same queries: McNemar z {z:+.2f} "
-              f"({'within the noise' if abs(z) < 2 else 'DBA ahead' if z > 0 else 'DBA behind'})")
+        print(f"DBA vs plain at Recall@1, same queries: McNemar z {z:+.2f} ({dba_verdict(z)})")
     return 0
 
 

@@ -141,6 +141,11 @@ class DbaCheck:
     z: float
 
 
+def dba_verdict(z: float) -> str:
+    """McNemar's z of DBA against plain in words (|z| < 2: the 95% bar)."""
+    return "within the noise" if abs(z) < 2 else "DBA ahead" if z > 0 else "DBA behind"
+
+
 def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck:
     """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items."""
     r = evaluate_gallery(index, (1,), dba=True, max_queries=max_queries, seed=seed)

@@ -87,3 +87,22 @@ def test_ui_checkbox(dba_server, dba_index, gradio_client):
     assert "⚠" not in status
     want = _expected(dba_index, gid, 4, True)
     assert [g["caption"] for g in dba_gal] == [f"{idx.meta(i).get('label')} · {s:.3f}" for i, s in want]
+
+
+def test_evaluate_tab_shows_both_settings_and_mcnemar_z(dba_server, dba_index, gradio_client):
+    """The Evaluate tab, as `indexer eval`: an index with DBA gets a row with it (served first) and
+    one without, and McNemar's z of the two at R@1, each equal to the indexer's own figures; an
+    index without DBA one row."""
+    from indexer import Index
+    from indexer.layouts.evaluate import dba_verdict, evaluate_gallery
+
+    with Index.open(dba_index) as idx:
+        want = evaluate_gallery(idx, (1, 4), max_queries=2000)
+    status, table, _ = gradio_client(dba_server).predict("gallery (leave-one-out)", "1, 4", api_name="/evaluate")
+    assert table["headers"] == ["index", "DBA", "queries", "n", "R@1", "R@4"]
+    rows = table["data"]
+    assert [r[:2] for r in rows] == [["dba", "on"], ["dba", "off"], ["small", "off"]]
+    for row, rec in zip(rows, (want["recall"], want["recall_plain"])):
+        assert row[4:] == [round(100 * rec[1], 2), round(100 * rec[4], 2)]
+    assert f"dba McNemar z {want['dba_z']:+.2f} ({dba_verdict(want['dba_z'])})" in status, status
+    assert "small McNemar" not in status

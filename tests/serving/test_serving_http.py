@@ -125,9 +125,9 @@ def test_gradio_client_search_and_probes(server, demo_dirs, searcher, tmp_path, 
         client.predict(handle_file(str(bad)), None, None, 3, api_name="/search")
     ev = client.predict("queries", "1, 4", api_name="/evaluate")
     assert "Recall" in ev[0]
-    assert ev[1]["headers"] == ["index", "queries", "n", "R@1", "R@4"]
-    assert [row[0] for row in ev[1]["data"]] == ["pretrained", "small"]
-    assert all(0 <= row[3] <= row[4] <= 100 for row in ev[1]["data"])
+    assert ev[1]["headers"] == ["index", "DBA", "queries", "n", "R@1", "R@4"]
+    assert [row[:2] for row in ev[1]["data"]] == [["pretrained", "off"], ["small", "off"]]
+    assert all(0 <= row[4] <= row[5] <= 100 for row in ev[1]["data"])
 
 
 def test_cli_rejects_bad_arguments_in_one_line(tmp_path):
