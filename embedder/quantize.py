@@ -145,6 +145,16 @@ def spread(files: Sequence[Path], n: int) -> list[Path]:
     return [files[int(i * step)] for i in range(min(n, len(files)))]
 
 
+def int8_by_default(backbone: str) -> bool:
+    """Whether `indexer build` quantises an embedder of this backbone unasked. This project's own
+    backbones (EfficientNet-Lite, ResNet, small_cnn, and pairs of them) are convolutional: the
+    recipe's ops are their compute. A timm one (``timm:NAME``, a ViT say) is quantised only when
+    asked: the recipe leaves MatMul float, so it would run no faster."""
+    from .timm_backbone import is_timm
+
+    return not any(is_timm(part) for part in backbone.split("+"))
+
+
 def is_quantized(meta: dict[str, str]) -> bool:
     return "quantization" in meta
 

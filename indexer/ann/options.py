@@ -88,23 +88,32 @@ class BuildDefaults:
 
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
                      mode: str = "process", dba_k: int = 8, int8_dot: str | None = None,
-                     kept: str | None = None, labelled: bool = True) -> BuildDefaults:
+                     kept: str | None = None, labelled: bool = True, backbone: str | None = None
+                     ) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
     and DBA from :func:`dba_min_images`; a ``--model`` embedder's DBA only on a ``labelled``
     gallery, where the build measures it (``dba_where_it_helps``): it was validated for the default
     alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode`` "shard" (DBA is the
     merge's) and "ray" keep DBA off. ``images``: the gallery's count or a bound of it (a count, not
-    a sample, so a rerun resumes the same way). The embedder (without --model): ``kept`` (the one
+    a sample, so a rerun resumes the same way); ``backbone``: the --model's, int8 only where
+    ``embedder.quantize.int8_by_default`` says. The embedder (without --model): ``kept`` (the one
     the index at --out was built with, so a rerun elsewhere resumes), else
     :data:`EMBEDDER_INT8_DOT` in int8 where ``int8_dot`` names the CPU's int8 dot product, except for
     ``--shard`` builds, which may run on machines that differ; else :data:`EMBEDDER`."""
     notes = []
     if int8 is None:
-        int8 = images >= INT8_MIN_IMAGES
-        if not int8:
-            notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
-                         f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
+        from embedder.quantize import int8_by_default
+
+        if backbone is not None and not int8_by_default(backbone):
+            int8 = False
+            notes.append(f"fp32 embedder: int8 quantises convolutions, and --model's backbone {backbone} "
+                         "is not one of this project's convolutional ones (--int8 quantises it anyway)")
+        else:
+            int8 = images >= INT8_MIN_IMAGES
+            if not int8:
+                notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
+                             f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
     if dba is None:
         dba = mode == "process" and images >= dba_min_images(dba_k) and (labelled or not model_given)
         if not dba:

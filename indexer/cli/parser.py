@@ -70,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
                         "the whole build ~1.6x (docs/benchmarks/embedder.md). Default (auto): on "
                         "for a gallery of >= 256 images (the measured default, with --dba: "
                         "docs/benchmarks/quality-round5.md), --shard and --ray builds too; off "
-                        "below 256, and for a model whose int8 version misses the int8/fp32 "
-                        "check (one line). --no-int8: the fp32 model")
+                        "below 256, for a --model of a timm backbone (int8 leaves MatMul float) "
+                        "and for a model whose int8 version misses the int8/fp32 check (one "
+                        "line each). --no-int8: the fp32 model")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")

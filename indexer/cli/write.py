@@ -109,6 +109,18 @@ def kept_embedder(d: IndexDir) -> str | None:
     return next((n for n in (EMBEDDER, EMBEDDER_INT8_DOT) if PRETRAINED[n].backbone == backbone), None)
 
 
+def model_backbone(model: Path) -> str | None:
+    """The backbone an exported embedder's metadata names; None where it cannot be read (the
+    build's own load of the model then says what is wrong, in its words)."""
+    from embedder.errors import ModelLoadError
+    from embedder.runtime import read_metadata
+
+    try:
+        return read_metadata(model).get("backbone")
+    except ModelLoadError:
+        return None
+
+
 def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
     """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
     gallery (the walk stopped at the largest threshold; labelled if one of those files is), with the
@@ -128,6 +140,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
         for f in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None), bound):
             images, labelled = images + 1, labelled or f.label is not None
     d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images, labelled=labelled,
+                         backbone=model_backbone(args.model) if args.model and args.int8 is None else None,
                          mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k,
                          int8_dot=int8_dot_product(),
                          kept=None if args.model else kept_embedder(IndexDir(args.out)))

@@ -227,6 +227,11 @@ def test_build_defaults_policy() -> None:
         assert (d.int8, d.dba) == (n >= 256, False) and d.notes[-1].startswith("no DBA: ")
     assert "has none (--dba forces it)" in r(None, None, model_given=True, images=big, labelled=False).notes[0]
     assert r(None, None, model_given=False, images=big, labelled=False).dba   # validated for the default
+    for backbone, int8 in (("efficientnet_lite0+efficientnet_lite1", True), ("resnet50", True), ("small_cnn", True),
+                           ("timm:vit_small_patch16_224", False), ("efficientnet_lite1+timm:convnext_atto", False)):
+        d = r(None, None, model_given=True, images=big, backbone=backbone)     # int8 leaves MatMul float
+        assert d.int8 is int8 and d.dba and (int8 or f"--model's backbone {backbone} is not" in d.notes[0])
+    assert r(True, None, model_given=True, images=big, backbone="timm:vit_small_patch16_224").int8   # asked for
     d = r(False, False, model_given=False, images=big)                        # --no-int8 --no-dba
     assert (d.int8, d.dba, d.notes) == (False, False, ())
     d = r(True, True, model_given=True, images=tiny)                          # explicit: kept as today

@@ -118,6 +118,12 @@ def test_vit_and_cnn_indexes_are_searched_through_the_app(cub_root, tmp_path, we
     assert embedder_cli(["pretrained", "--backbone", "timm:test_convnext", "--weights",
                          str(weights["cnn"]), "--pooling", "gem", "--input-size", str(SIZE),
                          "--out", str(cnn_onnx)]) == 0
+    from embedder.quantize import int8_by_default
+    from indexer.cli.write import model_backbone
+
+    # `indexer build --model` leaves timm backbones fp32 unasked (int8 would leave MatMul float)
+    assert [(model_backbone(m), int8_by_default(model_backbone(m))) for m in (vit_onnx, cnn_onnx)] == [
+        ("timm:test_vit", False), ("timm:test_convnext", False)]
     gallery = _gallery(cub_root, tmp_path / "gallery")
     idx = {}
     for name, model in (("vit", vit_onnx), ("cnn", cnn_onnx)):
