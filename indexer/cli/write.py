@@ -109,16 +109,16 @@ def kept_embedder(d: IndexDir) -> str | None:
     return next((n for n in (EMBEDDER, EMBEDDER_INT8_DOT) if PRETRAINED[n].backbone == backbone), None)
 
 
-def model_backbone(model: Path) -> str | None:
-    """The backbone an exported embedder's metadata names; None where it cannot be read (the
-    build's own load of the model then says what is wrong, in its words)."""
+def model_metadata(model: Path) -> dict[str, str]:
+    """An exported embedder's metadata; {} where it cannot be read (the build's own load of the
+    model then says what is wrong, in its words)."""
     from embedder.errors import ModelLoadError
     from embedder.runtime import read_metadata
 
     try:
-        return read_metadata(model).get("backbone")
+        return read_metadata(model)
     except ModelLoadError:
-        return None
+        return {}
 
 
 def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
@@ -128,7 +128,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     on the CPU."""
     import itertools
 
-    from embedder.quantize import int8_dot_product
+    from embedder.quantize import int8_dot_product, is_quantized
 
     from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
@@ -139,8 +139,10 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
         bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
         for f in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None), bound):
             images, labelled = images + 1, labelled or f.label is not None
-    d = resolve_defaults(args.int8, args.dba, model_given=args.model is not None, images=images, labelled=labelled,
-                         backbone=model_backbone(args.model) if args.model and args.int8 is None else None,
+    meta = model_metadata(args.model) if args.model and args.int8 is None else {}
+    d = resolve_defaults(True if is_quantized(meta) else args.int8, args.dba,   # an int8 --model: as it is
+                         model_given=args.model is not None, images=images, labelled=labelled,
+                         backbone=meta.get("backbone"),
                          mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k,
                          int8_dot=int8_dot_product(),
                          kept=None if args.model else kept_embedder(IndexDir(args.out)))

@@ -77,7 +77,7 @@ def test_build_int8_indexes_with_the_quantised_default(int8_index, pretrained_on
     assert weights["backbone.net.conv_stem.weight"] == onnx.TensorProto.FLOAT
 
 
-def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery, pretrained_onnx):
+def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery, pretrained_onnx, tmp_path):
     """Same gallery -> same calibration -> same int8 file: nothing is embedded again."""
     out, first = int8_index
     before = json.loads((out / "manifest.json").read_text())["model"]["hash"]
@@ -85,6 +85,11 @@ def test_build_int8_rerun_resumes_with_the_same_model(int8_index, cub_gallery, p
              "--no-dba", "--quiet")
     assert r.returncode == 0, r.stderr
     assert "0 new, 96 unchanged" in r.stdout
+    assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == before
+    # that int8 model given as --model (96 photos: too few to quantise) is used as it is, no fp32 line
+    shutil.copy2(out / "model.onnx", tmp_path / "int8.onnx")
+    r = _run("indexer", "build", cub_gallery[0], "--model", tmp_path / "int8.onnx", "--out", out, "--no-dba", "--quiet")
+    assert r.returncode == 0 and "0 new, 96 unchanged" in r.stdout and "fp32" not in r.stderr, r.stderr
     assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == before
 
 
