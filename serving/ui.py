@@ -198,7 +198,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         png = Image.open(io.BytesIO(recall_figure(results)))
         skipped = sum(len(r.skipped) for r in results)
         msg = f"Recall@k (%) on **{results[0].source}**" + (f" · {skipped} unreadable files skipped" if skipped else "")
-        msg += f"\n\n{dba_line(results)}" if any(r.dba_z is not None for r in results) else ""
+        line = dba_line(results)
+        msg += f"\n\n{line}" if line else ""
         import pandas as pd  # a gradio dependency; headers travel with the data this way
 
         return [msg, pd.DataFrame(rows, columns=head), png]
