@@ -58,10 +58,27 @@ def _assert_all_searchable(idx_dir: Path, folder: Path) -> None:
     assert all(i in {h.id for h in hs} for i, hs in zip(ids, hits))
 
 
+def _holds_the_lock(index: Path, p: subprocess.Popen) -> None:
+    """Wait until ``p`` holds ``index``'s writer lock (it must not exit first)."""
+    deadline = time.monotonic() + 120
+    while not (is_locked(index) and (holder(index) or {}).get("pid") == p.pid):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+
+
 def test_two_concurrent_adds_one_refused_nothing_lost(index_copy: Path, new_folders):
+    """Two adds at once. The second starts while the first holds the lock, the first paused there
+    (SIGSTOP): started together, the first could finish before the second's imports did (a loaded
+    2-core run saw both exit 0, one after the other)."""
     a, b = new_folders
-    procs = [_popen("add", a, "--index", index_copy, "--quiet"),
-             _popen("add", b, "--index", index_copy, "--quiet")]
+    procs = [_popen("add", a, "--index", index_copy, "--quiet")]
+    _holds_the_lock(index_copy, procs[0])
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    try:
+        procs.append(_popen("add", b, "--index", index_copy, "--quiet"))
+        procs[1].wait(timeout=300)
+    finally:
+        os.kill(procs[0].pid, signal.SIGCONT)
     outs = [p.communicate(timeout=300) for p in procs]
     codes = [p.returncode for p in procs]
     assert sorted(codes) == [0, 1], (codes, outs)
@@ -105,10 +122,7 @@ def test_writer_lock_refuses_and_waits(index_copy: Path, new_folders):
 def test_kill9_of_the_lock_holder_frees_the_index(index_copy: Path, new_folders):
     a, b = new_folders
     p = _popen("add", a, "--index", index_copy, "--quiet")
-    deadline = time.monotonic() + 120
-    while not (is_locked(index_copy) and (holder(index_copy) or {}).get("pid") == p.pid):
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-        time.sleep(0.02)
+    _holds_the_lock(index_copy, p)
     os.kill(p.pid, signal.SIGKILL)
     p.communicate()
     assert p.returncode == -signal.SIGKILL
