@@ -74,6 +74,16 @@ EMBEDDER = "lite1-gem4-224"
 EMBEDDER_INT8_DOT = "lite0+lite1-gem4"
 
 
+def is_default_embedder(source_hash: str | None) -> bool:
+    """Whether an exported embedder (its metadata's ``source_hash``, which int8 versions keep) is
+    one of the build's defaults: `indexer merge` gives the shards' model the rule of a build
+    without --model."""
+    from embedder.pretrained import resolve_spec
+
+    return source_hash is not None and any(resolve_spec(n).source_hash() == source_hash
+                                           for n in (EMBEDDER, EMBEDDER_INT8_DOT))
+
+
 @dataclass(frozen=True)
 class BuildDefaults:
     """What ``indexer build`` runs with: ``int8``, ``dba`` and, without --model, the pretrained
@@ -94,8 +104,9 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
     and DBA from :func:`dba_min_images`; a ``--model`` embedder's DBA only on a ``labelled``
     gallery, where the build measures it (``dba_where_it_helps``): it was validated for the default
-    alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode`` "shard" (DBA is the
-    merge's) and "ray" keep DBA off. ``images``: the gallery's count or a bound of it (a count, not
+    alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode``: "process" (one process,
+    a ``--ray`` build merged, ``indexer merge``), "shard" (DBA is the merge's) or "parts" (a
+    sharded index, its shards kept as its parts: DBA is not computed there). ``images``: the gallery's count or a bound of it (a count, not
     a sample, so a rerun resumes the same way); ``backbone``: the --model's, int8 only where
     ``embedder.quantize.int8_by_default`` says. The embedder (without --model): ``kept`` (the one
     the index at --out was built with, so a rerun elsewhere resumes), else
@@ -118,8 +129,8 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
         dba = mode == "process" and images >= dba_min_images(dba_k) and (labelled or not model_given)
         if not dba:
             notes.append("no DBA: " + (
-                "--shard builds leave it to `indexer merge --dba`" if mode == "shard" else
-                "--ray/--sharded builds do not compute it yet" if mode == "ray" else
+                "--shard builds leave it to `indexer merge`" if mode == "shard" else
+                "sharded indexes do not compute it yet" if mode == "parts" else
                 f"the gallery holds {images} images, DBA with k={dba_k} needs "
                 f"{dba_min_images(dba_k)}" if images < dba_min_images(dba_k) else
                 "a --model embedder's DBA is measured on the gallery's labels, and it has none (--dba forces it)"))

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..ann.neighbours import DbaParams
 from ..ann.options import BuildOptions
 from ..directory.index_dir import FILE_LIST, PART_FILE, PLAN_FILE, RUN_FILE, SHARDS_DIR, STORE_DIR, IndexDir
 from ..directory.lock import writer_lock
@@ -198,9 +199,11 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    max_retries: int = 3, cpus_per_shard: int | None = None,
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
                    device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
-                   options: BuildOptions | None = None, **option_kw: Any) -> Manifest:
+                   options: BuildOptions | None = None, dba: DbaParams | None = None,
+                   **option_kw: Any) -> Manifest:
     """Build ``gallery`` into ``out`` with one Ray task per shard (``out/shards/<i>``), then merge (or,
-    ``sharded``, keep the shards as the parts); every input checked before Ray starts, ``out``'s
+    ``sharded``, keep the shards as the parts; ``dba``: the merged index's, as ``merge_shards``);
+    every input checked before Ray starts, ``out``'s
     writer lock held from then on. The manifest's ``ray`` entry (and ``out/shards/ray.json``) says
     shards, attempts, resources and the node of each attempt, reader and fill."""
     from .single import gallery_files, merge_shards
@@ -216,6 +219,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             raise ValueError(f"{name}={v}: expected a positive integer")
     if max_retries < 0:
         raise ValueError(f"--max-retries={max_retries}: expected 0 or more")
+    if sharded and dba is not None:
+        raise ValueError("DBA is not available for a sharded index yet (merge the shards)")
     emb = load_embedder(model, device="cpu", batch_size=batch_size)   # fails fast on a bad model
     ray = ray_module()
     with writer_lock(out, "indexer build --ray", wait=wait):
@@ -249,7 +254,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             if started:
                 ray.shutdown()
         if not sharded:
-            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress)
+            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress, dba=dba)
         ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                      "nodes": where, "attempt_nodes": tried, "seconds": round(time.perf_counter() - t0, 3)}
         if sharded:     # what the shards' readers sent the driver, where each ran, where each part was filled

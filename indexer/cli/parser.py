@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
     ray_arguments(opts(b, "--batch-size", "--workers"))
     index_opts(b)
-    dba_opts(b, auto=True)
+    dba_opts(b)
     opts(b, "--device", "--quiet", "--wait").set_defaults(func=write.build)
 
     a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), index=True)
@@ -161,9 +161,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def dba_opts(sp: argparse.ArgumentParser, auto: bool = False) -> None:
-    """``--dba`` and its parameters (indexer.ann.neighbours), for build and merge; ``auto`` (build):
-    ``--dba``/``--no-dba``, unset = the default of indexer.ann.options.resolve_defaults."""
+def dba_opts(sp: argparse.ArgumentParser) -> None:
+    """``--dba``/``--no-dba`` and DBA's parameters (indexer.ann.neighbours), for build and merge;
+    unset = the default of indexer.ann.options.resolve_defaults."""
     from ..ann.neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
     from ..ann.options import dba_min_images
 
@@ -171,16 +171,13 @@ def dba_opts(sp: argparse.ArgumentParser, auto: bool = False) -> None:
             "kept as the sim^alpha-weighted mean of its --dba-k nearest gallery "
             "vectors (itself included) and searches re-rank their top candidates with "
             "those (switchable per request; kept right by add/remove)")
-    if auto:
-        sp.add_argument("--dba", action=argparse.BooleanOptionalAction, default=None,
-                        help=what + f". Default (auto): on for a gallery of >= "
-                                    f"{dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), then "
-                                    "measured on its labels and dropped where it hurts; off below, "
-                                    "with --model on a gallery without labels, with --shard (the "
-                                    "merge's: `indexer merge --dba`) and with --ray/--sharded (not "
-                                    "available there). --no-dba: without")
-    else:
-        sp.add_argument("--dba", action="store_true", help=what)
+    sp.add_argument("--dba", action=argparse.BooleanOptionalAction, default=None,
+                    help=what + f". Default (auto): on for a gallery of >= "
+                                f"{dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), then "
+                                "measured on its labels and dropped where it hurts; off below, "
+                                "with --model on a gallery without labels, with --shard (the "
+                                "merge decides, by the same rule) and with --sharded (not "
+                                "available there). --no-dba: without")
     sp.add_argument("--dba-k", type=int, default=DEFAULT_K, metavar="K",
                     help=f"gallery vectors averaged, the item included (default {DEFAULT_K})")
     sp.add_argument("--dba-alpha", type=float, default=DEFAULT_ALPHA, metavar="A",

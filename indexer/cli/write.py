@@ -82,7 +82,7 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
                        progress=not args.quiet, wait=args.wait, sharded=args.sharded,
-                       options=build_options(args))
+                       options=build_options(args), dba=dba_params(args))
     r = m.extra["ray"]
     skipped = m.ingest.skipped if m.ingest else 0
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
@@ -143,7 +143,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     d = resolve_defaults(True if is_quantized(meta) else args.int8, args.dba,   # an int8 --model: as it is
                          model_given=args.model is not None, images=images, labelled=labelled,
                          backbone=meta.get("backbone"),
-                         mode="ray" if ray else "shard" if args.shard else "process", dba_k=args.dba_k,
+                         mode="parts" if args.sharded else "shard" if args.shard else "process", dba_k=args.dba_k,
                          int8_dot=int8_dot_product(),
                          kept=None if args.model else kept_embedder(IndexDir(args.out)))
     args.int8, args.dba = d.int8, d.dba
@@ -166,9 +166,9 @@ def check_build_flags(args: argparse.Namespace, ray: bool) -> None:
                          + " needs --ray (for one shard by hand use --shard i/n)")
     if ray and args.shard:
         raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
-    if ray and args.dba:
-        raise UsageError("--dba is not available with --ray/--sharded builds yet; build "
-                         "without --ray, or `indexer merge --dba` the shards")
+    if args.sharded and args.dba:
+        raise UsageError("--dba is not available with --sharded builds yet; build without "
+                         "--sharded, or `indexer merge --dba` the shards")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: a file is there; expected an index directory (new or existing)")
 
@@ -197,15 +197,15 @@ def build(args: argparse.Namespace) -> None:
     if ray:
         m = build_with_ray_command(args)                  # locks --out itself
         say_notes(d)
-        return print_index_line(m, args.out)
-    shard = parse_shard(args.shard) if args.shard else None
-    m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
-                    batch_size=args.batch_size, workers=args.workers, device=args.device,
-                    progress=not args.quiet, wait=args.wait, dba=dba_params(args))
-    say_notes(d)
-    ing = m.ingest
-    print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
-                      args.out / m.report))
+    else:
+        shard = parse_shard(args.shard) if args.shard else None
+        m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
+                        batch_size=args.batch_size, workers=args.workers, device=args.device,
+                        progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+        say_notes(d)
+        ing = m.ingest
+        print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
+                          args.out / m.report))
     if m.neighbours:
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait)
     if m.is_shard:
@@ -214,14 +214,15 @@ def build(args: argparse.Namespace) -> None:
         print_index_line(m, args.out)
 
 
-def say_notes(d: BuildDefaults) -> None:
+def say_notes(d: BuildDefaults, command: str = "build") -> None:
     """The default's notes (what it turned off, and why), once the build has succeeded: a failing
     command says one thing."""
     for note in d.notes:
-        print(f"indexer build: {note}", file=sys.stderr)
+        print(f"indexer {command}: {note}", file=sys.stderr)
 
 
-def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False) -> Manifest:
+def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False,
+                       command: str = "build") -> Manifest:
     """DBA measured on the gallery's own labels: leave-one-out R@1 of up to 2,000 labelled images
     with and without it (``indexer eval --leave-one-out``'s search); where DBA is behind beyond the
     noise (McNemar's z < -2) the default's is dropped (``drop``), an asked-for one kept with a
@@ -241,19 +242,44 @@ def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False
     figures = (f"leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} with it, "
                f"{100 * c.plain:.2f} without")
     if not drop:
-        print(f"indexer build: warning: DBA, asked for, is behind on this gallery: {figures} "
+        print(f"indexer {command}: warning: DBA, asked for, is behind on this gallery: {figures} "
               f"(--no-dba drops it; dba=false per request)", file=sys.stderr)
         return m
-    print(f"indexer build: no DBA: {figures} (--dba keeps it)", file=sys.stderr)
+    print(f"indexer {command}: no DBA: {figures} (--dba keeps it)", file=sys.stderr)
     return without_dba(out, wait=wait)
 
 
+def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:
+    """``indexer merge`` without --dba/--no-dba: the build's rule (``resolve_defaults``) for the
+    merged gallery, so shards merged give what one build of the gallery gives: the shards' image
+    count, whether any is labelled, and whether their model is a default embedder."""
+    from ..ann.options import is_default_embedder, resolve_defaults
+    from ..build.single import check_shards
+    from ..store.gallery import GalleryStore
+
+    if args.sharded and args.dba:
+        raise UsageError("--dba is not available with merge --sharded yet; merge without --sharded")
+    images, labelled, source = 0, False, None
+    if args.dba is None and not args.sharded:
+        dirs = [IndexDir(s) for s in args.shards]
+        manifests = check_shards(dirs)           # what merging would refuse, refused first
+        for d, m in zip(dirs, manifests):
+            with GalleryStore(d.store_dir) as store:
+                images, labelled = images + m.count, labelled or bool(store.labels())
+        source = (manifests[0].model.metadata or {}).get("source_hash")
+    d = resolve_defaults(False, args.dba, model_given=not is_default_embedder(source), images=images,
+                         labelled=labelled, mode="parts" if args.sharded else "process",
+                         dba_k=args.dba_k)
+    args.dba = d.dba
+    return d
+
+
 def merge(args: argparse.Namespace) -> None:
+    auto_dba = args.dba is None
+    d = resolve_merge_defaults(args)
     if args.sharded:
         from ..build.sharded import build_sharded
 
-        if args.dba:
-            raise UsageError("--dba is not available with merge --sharded yet; merge without --sharded")
         m = build_sharded(args.shards, args.out, options=build_options(args), device=args.device,
                           progress=not args.quiet, wait=args.wait)      # locks --out and the shards
     else:
@@ -261,6 +287,9 @@ def merge(args: argparse.Namespace) -> None:
 
         m = merge_shards(args.shards, args.out, options=build_options(args), device=args.device,
                          progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+    say_notes(d, "merge")
+    if m.neighbours:
+        m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait, command="merge")
     print_index_line(m, args.out)
 
 

@@ -40,7 +40,7 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory, omniglot_gallery: Path,
         for i in range(2):
             run_cli("build", omniglot_gallery, "--model", small_onnx, "--shard", f"{i}/2",
                     "--out", root / f"s{i}", *flags)
-        run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", *flags)
+        run_cli("merge", root / "s0", root / "s1", "--out", root / "merged", "--no-dba", *flags)
         run_cli("merge", "--sharded", root / "s0", root / "s1", "--out", root / "sharded", *flags)
 
     return shared_fixture(tmp_path_factory, "two_shards", build)

@@ -99,8 +99,9 @@ RAY_FLAGS = ["--quiet", "--flat-threshold", "100", "--no-int8", "--no-dba"]   # 
 RAY_CHARS = 30                                         # 600 images, ~300 per shard (one commit: 256)
 
 
-def assert_same_index(merged: Any, single: Any, gallery: Path) -> None:
-    """Same ids, same vectors, same search answers (by vector and by image file)."""
+def assert_same_index(merged: Any, single: Any, gallery: Path, dba: bool | None = None) -> None:
+    """Same ids, same vectors, same search answers (by vector and by image file; ``dba`` as
+    ``Index.search``)."""
     import numpy as np
 
     from indexer.ann.faiss_index import index_ids
@@ -120,14 +121,14 @@ def assert_same_index(merged: Any, single: Any, gallery: Path) -> None:
     # ids up to float ties: the same vector sits elsewhere in the merged lists, where another
     # CPU's SIMD kernel may round its score another way, and look-alike glyphs tie within 1e-8
     xn = x / np.linalg.norm(x, axis=1, keepdims=True)
-    s1, i1 = single.search_embeddings(x, 10)
-    s2, i2 = merged.search_embeddings(x, 10)
+    s1, i1 = single.search_embeddings(x, 10, dba=dba)
+    s2, i2 = merged.search_embeddings(x, 10, dba=dba)
     assert_knn(i2, i1, vector_scorer(xn, xn, ids), ordered=True, got_scores=s2, score_atol=1e-5)
     np.testing.assert_allclose(s2, s1, atol=1e-5)
     queries = sorted(gallery.rglob("*.png"))[::50]          # image files, through the embedder
     row = {int(j): r for r, j in enumerate(ids)}
     qx = xn[[row[single.store.id_for_path(q.relative_to(gallery).as_posix())] for q in queries]]
-    got, want = merged.search(queries, 5), single.search(queries, 5)
+    got, want = merged.search(queries, 5, dba=dba), single.search(queries, 5, dba=dba)
     assert_knn([[h.id for h in a] for a in got], [[h.id for h in b] for b in want],
                vector_scorer(qx, xn, ids), ordered=True)
     for h in (h for a in got for h in a):                   # each hit's path and label its own

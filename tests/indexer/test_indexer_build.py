@@ -236,7 +236,7 @@ def test_build_defaults_policy() -> None:
     assert (d.int8, d.dba, d.notes) == (False, False, ())
     d = r(True, True, model_given=True, images=tiny)                          # explicit: kept as today
     assert (d.int8, d.dba) == (True, True)
-    for mode in ("shard", "ray"):                                             # DBA: not there (yet)
+    for mode in ("shard", "parts"):                                         # DBA: the merge's, not there (yet)
         d = r(None, None, model_given=False, images=big, mode=mode)
         assert (d.int8, d.dba) == (True, False) and len(d.notes) == 1
     # a rerun (same gallery, same count) decides the same
@@ -253,12 +253,24 @@ def test_build_defaults_policy() -> None:
     assert r(None, None, model_given=False, images=mid, int8_dot="amx_int8").embedder == EMBEDDER
     assert r(False, None, model_given=False, images=big, int8_dot="avx_vnni").embedder == EMBEDDER
     assert r(True, None, model_given=False, images=tiny, int8_dot="avx_vnni").embedder == EMBEDDER_INT8_DOT
-    assert r(None, None, model_given=False, images=big, int8_dot="avx_vnni", mode="ray").embedder == EMBEDDER_INT8_DOT
+    assert r(None, None, model_given=False, images=big, int8_dot="avx_vnni", mode="parts").embedder == EMBEDDER_INT8_DOT
     assert r(None, None, model_given=False, images=big, int8_dot="avx_vnni", mode="shard").embedder == EMBEDDER
     d = r(None, None, model_given=False, images=big, int8_dot="avx512_vnni", kept=EMBEDDER)
     assert d.embedder == EMBEDDER and d.notes == ()
     assert r(None, None, model_given=False, images=big, kept=EMBEDDER_INT8_DOT).embedder == EMBEDDER_INT8_DOT
     assert r(None, None, model_given=True, images=big, int8_dot="avx512_vnni").embedder is None
+
+
+def test_merge_knows_a_default_embedder_by_its_weights(pretrained_onnx: Path, small_onnx: Path) -> None:
+    """`indexer merge` gives shards of a default embedder the rule of a build without --model:
+    known by the hash of its weights (exports record it; int8 versions keep it)."""
+    from embedder.pretrained import resolve_spec
+    from embedder.runtime import read_metadata
+    from indexer.ann.options import EMBEDDER_INT8_DOT, is_default_embedder
+
+    assert is_default_embedder(read_metadata(pretrained_onnx)["source_hash"])
+    assert is_default_embedder(resolve_spec(EMBEDDER_INT8_DOT).source_hash())
+    assert not is_default_embedder(read_metadata(small_onnx).get("source_hash")) and not is_default_embedder(None)
 
 
 def test_int8_dot_product_reads_the_cpu_flags(tmp_path: Path) -> None:

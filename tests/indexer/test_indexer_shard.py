@@ -14,11 +14,20 @@ from indexer.directory.index_dir import STORE_DIR
 from indexer.store.walk import shard_of
 
 
+def dba_lines(stderr: str, command: str) -> list[str]:
+    """The lines a build or a merge printed about DBA, without the command's name."""
+    return [line.removeprefix(f"indexer {command}: ") for line in stderr.splitlines() if "DBA" in line]
+
+
 def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery: Path, small_onnx: Path) -> None:
+    """Both at their defaults: the merge takes the build's DBA rule (240 labelled drawings, a
+    --model: DBA, then measured on the labels), so it decides the same and holds the same
+    neighbourhoods; the plain searches are one index's."""
     flags = ["--model", small_onnx, "--quiet", "--flat-threshold", "100"]
-    run_cli("build", omniglot_gallery, "--out", tmp_path / "single", "--no-dba", *flags)
+    b = run_cli("build", omniglot_gallery, "--out", tmp_path / "single", *flags)
     for i in range(2):
-        run_cli("build", omniglot_gallery, "--shard", f"{i}/2", "--out", tmp_path / f"s{i}", *flags)
+        p = run_cli("build", omniglot_gallery, "--shard", f"{i}/2", "--out", tmp_path / f"s{i}", *flags)
+        assert dba_lines(p.stderr, "build") == ["no DBA: --shard builds leave it to `indexer merge`"]
     counts = []
     for i in range(2):
         with GalleryStore(tmp_path / f"s{i}" / STORE_DIR) as st:
@@ -29,9 +38,15 @@ def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery
     p = run_cli("search", next(omniglot_gallery.rglob("*.png")), "--index", tmp_path / "s0", check=False)
     assert p.returncode == 1 and "indexer merge" in p.stderr
 
-    run_cli("merge", tmp_path / "s0", tmp_path / "s1", "--out", tmp_path / "merged", "--quiet",
-            "--flat-threshold", "100")
+    m = run_cli("merge", tmp_path / "s0", tmp_path / "s1", "--out", tmp_path / "merged", "--quiet",
+                "--flat-threshold", "100")
+    assert dba_lines(m.stderr, "merge") == dba_lines(b.stderr, "build"), (m.stderr, b.stderr)
     single, merged = Index.open(tmp_path / "single"), Index.open(tmp_path / "merged")
+    assert merged.has_dba == single.has_dba
+    if single.has_dba:          # the same neighbours' similarities (which neighbour wins a tie aside)
+        got, want = merged.neighbours, single.neighbours
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_allclose(got.sims, want.sims, atol=1e-5)
     ms, mm = single.manifest, merged.manifest
     assert mm["index_type"] == ms["index_type"] == "ivf"
     for key in ("count", "nlist", "nprobe", "recall_at_10", "dim"):
@@ -43,8 +58,8 @@ def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery
     np.testing.assert_allclose(q_merged, q_single, atol=1e-6)
     # same answers for every gallery image, at the tuned nprobe
     ids, x = single.store.all_embeddings(single.model_hash)
-    s1, i1 = single.search_embeddings(x, 10)
-    s2, i2 = merged.search_embeddings(x, 10)
+    s1, i1 = single.search_embeddings(x, 10, dba=False)
+    s2, i2 = merged.search_embeddings(x, 10, dba=False)
     np.testing.assert_allclose(s2, s1, atol=1e-5)
     # ids up to float ties: the same vector sits elsewhere in the merged lists, where another
     # CPU's SIMD kernel may round its score another way, and look-alike glyphs tie within 1e-8
@@ -55,3 +70,5 @@ def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery
         assert merged.store.get_meta(int(j)) == single.store.get_meta(int(j))
         assert merged.store.get_bytes(int(j)) == single.store.get_bytes(int(j))
     assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["shards"] == [[0, 2], [1, 2]]
+    p = run_cli("merge", "--sharded", tmp_path / "s0", tmp_path / "s1", "--out", tmp_path / "sharded", "--quiet")
+    assert dba_lines(p.stderr, "merge") == ["no DBA: sharded indexes do not compute it yet"]

@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 from indexer_testlib import RAY_FLAGS as FLAGS  # noqa: E402
 from indexer_testlib import assert_same_index, run_cli  # noqa: E402
 from indexer import GalleryStore, Index  # noqa: E402
+from indexer.ann import neighbours  # noqa: E402
 from indexer.directory.index_dir import STORE_DIR  # noqa: E402
 from indexer.directory.index_dir import FILE_LIST  # noqa: E402
 from indexer.store.walk import read_file_list, shard_of  # noqa: E402
@@ -39,9 +40,11 @@ def ray_address(ray_cluster) -> str:
 
 def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, ray_gallery: Path,
                                              small_onnx: Path, ray_single: Index) -> None:
+    """Progress across shards, each task's own list, and the merged index equal to one process's,
+    with DBA as `merge` computes it (asked for: kept whatever the labels say)."""
     out = tmp_path / "ray"
     p = run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
-                "--shards", "2", "--flat-threshold", "100", "--no-int8")
+                "--shards", "2", "--flat-threshold", "100", "--no-int8", "--dba")
     n = len(list(ray_gallery.rglob("*.png")))
     assert f"{n} files in 2 shards on Ray" in p.stdout and "attempts per shard: 1, 1" in p.stdout, p.stdout
     assert f"{n}/{n}" in p.stderr, p.stderr[-2000:]          # one progress bar across both shards
@@ -54,7 +57,11 @@ def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, r
         assert sorted(listed) == sorted(paths)
     merged = Index.open(out)
     assert merged.manifest["shards"] == [[0, 2], [1, 2]]
-    assert_same_index(merged, ray_single, ray_gallery)
+    assert_same_index(merged, ray_single, ray_gallery, dba=False)
+    ids, x = ray_single.store.all_embeddings(ray_single.model_hash)
+    want = neighbours.build(ids, x)           # the neighbours' similarities (a tie's winner aside)
+    np.testing.assert_array_equal(merged.neighbours.ids, want.ids)
+    np.testing.assert_allclose(merged.neighbours.sims, want.sims, atol=1e-5)
     # shards cut another way must not be resumed into these
     p = run_cli("build", ray_gallery, "--model", small_onnx, "--out", out, "--ray", ray_address,
                 "--shards", "3", *FLAGS, check=False)

@@ -80,7 +80,7 @@ def test_refusals_come_before_the_default_plan(omniglot_gallery: Path, tmp_path:
     base = ["build", omniglot_gallery, "--out", tmp_path / "o", "--quiet"]
     _usage_error(capsys, [*base, "--shards", "2"], "--shards needs --ray")
     _usage_error(capsys, [*base, "--ray", "local", "--shard", "0/2"], "--shard and --ray exclude each other")
-    _usage_error(capsys, [*base, "--ray", "local", "--dba"], "--dba is not available with --ray")
+    _usage_error(capsys, [*base, "--ray", "local", "--sharded", "--dba"], "--dba is not available with --sharded")
     (tmp_path / "afile").write_text("not an index")
     _usage_error(capsys, ["build", omniglot_gallery, "--out", tmp_path / "afile"],
                  f"--out {tmp_path / 'afile'}: a file is there")
