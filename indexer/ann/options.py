@@ -66,6 +66,12 @@ def dba_min_images(k: int) -> int:
     return 2 * k + 1
 
 
+#: the default's DBA stops here (a line says so; --dba computes it anyway): its neighbour pass is
+#: an exact k-NN of the gallery against itself, O(n^2 d) (2 cores: 27 s for 20k x 2,560, so ~11 min
+#: at 100k and ~19 h at 1M), and a server holds its n x d float32 vectors (1 GB at 100k x 2,560)
+DBA_MAX_IMAGES = 100_000
+
+
 #: the training-free embedder (embedder.pretrained names) of a build without --model, and the one
 #: int8 uses on a CPU with int8 dot products (embedder.quantize.int8_dot_product): there the
 #: two-backbone int8 model builds at 1.07-1.23x Lite1 fp32's rate and ranks higher on every set;
@@ -102,7 +108,7 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
                      ) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
-    and DBA from :func:`dba_min_images`; a ``--model`` embedder's DBA only on a ``labelled``
+    and DBA from :func:`dba_min_images` up to :data:`DBA_MAX_IMAGES`; a ``--model`` embedder's DBA only on a ``labelled``
     gallery, where the build measures it (``dba_where_it_helps``): it was validated for the default
     alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode``: "process" (one process,
     a ``--ray`` build merged, ``indexer merge``), "shard" (DBA is the merge's) or "parts" (a
@@ -126,13 +132,17 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
                 notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
                              f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
     if dba is None:
-        dba = mode == "process" and images >= dba_min_images(dba_k) and (labelled or not model_given)
+        dba = (mode == "process" and dba_min_images(dba_k) <= images <= DBA_MAX_IMAGES
+               and (labelled or not model_given))
         if not dba:
             notes.append("no DBA: " + (
                 "--shard builds leave it to `indexer merge`" if mode == "shard" else
                 "sharded indexes do not compute it yet" if mode == "parts" else
                 f"the gallery holds {images} images, DBA with k={dba_k} needs "
                 f"{dba_min_images(dba_k)}" if images < dba_min_images(dba_k) else
+                f"the gallery holds over {DBA_MAX_IMAGES:,} images: DBA's exact neighbour pass grows as "
+                "n^2 (hours from 1M on a CPU) and a server holds its n x d vectors (--dba computes it "
+                "anyway)" if images > DBA_MAX_IMAGES else
                 "a --model embedder's DBA is measured on the gallery's labels, and it has none (--dba forces it)"))
     embedder = None
     if not model_given:

@@ -165,7 +165,7 @@ def dba_opts(sp: argparse.ArgumentParser) -> None:
     """``--dba``/``--no-dba`` and DBA's parameters (indexer.ann.neighbours), for build and merge;
     unset = the default of indexer.ann.options.resolve_defaults."""
     from ..ann.neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
-    from ..ann.options import dba_min_images
+    from ..ann.options import DBA_MAX_IMAGES, dba_min_images
 
     what = ("database-side augmentation at serve time: each gallery vector is also "
             "kept as the sim^alpha-weighted mean of its --dba-k nearest gallery "
@@ -175,6 +175,7 @@ def dba_opts(sp: argparse.ArgumentParser) -> None:
                     help=what + f". Default (auto): on for a gallery of >= "
                                 f"{dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), then "
                                 "measured on its labels and dropped where it hurts; off below, "
+                                f"above {DBA_MAX_IMAGES:,} images (an n^2 neighbour pass), "
                                 "with --model on a gallery without labels, with --shard (the "
                                 "merge decides, by the same rule) and with --sharded (not "
                                 "available there). --no-dba: without")

@@ -130,13 +130,13 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
 
     from embedder.quantize import int8_dot_product, is_quantized
 
-    from ..ann.options import INT8_MIN_IMAGES, dba_min_images, resolve_defaults
+    from ..ann.options import DBA_MAX_IMAGES, INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
 
     images, labelled = 0, False
     counted = args.int8 is None or args.dba is None
     if counted:
-        bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k))
+        bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k), DBA_MAX_IMAGES + 1 if args.dba is None else 0)
         for f in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None), bound):
             images, labelled = images + 1, labelled or f.label is not None
     meta = model_metadata(args.model) if args.model and args.int8 is None else {}

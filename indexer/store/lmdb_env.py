@@ -280,12 +280,6 @@ class LmdbStore:
         except READ_DAMAGE as e:
             raise damaged_store(self.path, e) from None
 
-    def check_file(self) -> None:
-        """The per-read file check alone (what `check_reads` switches), for timing it."""
-        self.env  # noqa: B018 - opens lazily
-        if self._shared is not None and self._shared.mapped is not None:
-            _check_mapped(self._shared, self.path)
-
     def probe(self) -> None:
         """Read the first record of every database (the pages from each root down: a few page
         reads, cheap enough for each health request); garbage there fails in one line."""

@@ -236,6 +236,12 @@ def test_build_defaults_policy() -> None:
     assert (d.int8, d.dba, d.notes) == (False, False, ())
     d = r(True, True, model_given=True, images=tiny)                          # explicit: kept as today
     assert (d.int8, d.dba) == (True, True)
+    from indexer.ann.options import DBA_MAX_IMAGES      # an n^2 neighbour pass: off above, one line
+
+    assert r(None, None, model_given=False, images=DBA_MAX_IMAGES).dba
+    d = r(None, None, model_given=False, images=DBA_MAX_IMAGES + 1)
+    assert (d.int8, d.dba) == (True, False) and d.notes[0].startswith("no DBA: the gallery holds over 100,000")
+    assert r(None, True, model_given=False, images=DBA_MAX_IMAGES + 1).dba     # --dba: computed anyway
     for mode in ("shard", "parts"):                                         # DBA: the merge's, not there (yet)
         d = r(None, None, model_given=False, images=big, mode=mode)
         assert (d.int8, d.dba) == (True, False) and len(d.notes) == 1
