@@ -432,7 +432,7 @@ def quantize_matmuls(fp32: Any, model: Path, out: Path, x: np.ndarray, batch: in
     calibration, so no fixed ranges to miss a ViT's outlier activations); other ops float. Written
     only when its embeddings of ``x`` (preprocessed images) keep a mean cosine to fp32 >=
     :data:`MIN_MEAN_COSINE`; returns (mean, min). Measured (ViT-S/14, 2 Zen 4 cores, VNNI): the
-    network 1.95x, `indexer build` 2.16x (docs/benchmarks/embedder.md)."""
+    network 1.95-2.10x, `indexer build` 2.16-2.25x (docs/benchmarks/embedder.md)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 

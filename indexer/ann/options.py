@@ -108,12 +108,13 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
                      ) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
-    and DBA from :func:`dba_min_images` up to :data:`DBA_MAX_IMAGES`; a ``--model`` embedder's DBA only on a ``labelled``
-    gallery, where the build measures it (``dba_where_it_helps``): it was validated for the default
-    alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode``: "process" (one process,
-    a ``--ray`` build merged, ``indexer merge``), "shard" (DBA is the merge's) or "parts" (a
-    sharded index, its shards kept as its parts: DBA is not computed there). ``images``: the gallery's count or a bound of it (a count, not
-    a sample, so a rerun resumes the same way); ``backbone``: the --model's, int8 only where
+    and DBA from :func:`dba_min_images` up to :data:`DBA_MAX_IMAGES`; a ``--model`` embedder's DBA
+    only on a ``labelled`` gallery, where the build measures it (``dba_where_it_helps``): it was
+    validated for the default alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode``:
+    "process" (one process, a ``--ray`` build merged, ``indexer merge``), "shard" (DBA is the
+    merge's) or "parts" (a sharded index, its shards kept as its parts: DBA is not computed there).
+    ``images``: the gallery's count or a bound of it (a count, not a sample, so a rerun resumes the
+    same way); ``backbone``: the --model's, int8 only where
     ``embedder.quantize.int8_by_default`` says. The embedder (without --model): ``kept`` (the one
     the index at --out was built with, so a rerun elsewhere resumes), else
     :data:`EMBEDDER_INT8_DOT` in int8 where ``int8_dot`` names the CPU's int8 dot product, except for
