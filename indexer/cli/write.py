@@ -109,6 +109,26 @@ def kept_embedder(d: IndexDir) -> str | None:
     return next((n for n in (EMBEDDER, EMBEDDER_INT8_DOT) if PRETRAINED[n].backbone == backbone), None)
 
 
+def own_model(d: IndexDir) -> Path | None:
+    """The index at ``d``'s own ``model.onnx`` when that is not a default embedder (it was built
+    with --model: a fine-tuned network, say): a rebuild without --model resumes with it, as with a
+    default one (:func:`kept_embedder`), instead of embedding every image again with the default
+    (measured: all 200 of a gallery, its fine-tuned model silently replaced). None without an
+    intact index there."""
+    from ..ann.options import is_default_embedder
+    from ..directory.validate import check_model_file
+    from ..errors import IndexerError
+
+    if not d.exists():
+        return None
+    try:
+        model = d.read_manifest().model
+        check_model_file(d.model_file, model.hash)
+    except (IndexerError, ValueError):          # damaged: the build itself says what is wrong
+        return None
+    return None if is_default_embedder((model.metadata or {}).get("source_hash")) else d.model_file
+
+
 def model_metadata(model: Path) -> dict[str, str]:
     """An exported embedder's metadata; {} where it cannot be read (the build's own load of the
     model then says what is wrong, in its words)."""
@@ -124,8 +144,8 @@ def model_metadata(model: Path) -> dict[str, str]:
 def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
     """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
     gallery (the walk stopped at the largest threshold; labelled if one of those files is), with the
-    embedder when there is no --model; its notes are a line per choice that turned one off or hangs
-    on the CPU."""
+    embedder when there is no --model (an index's own non-default one is kept: :func:`own_model`);
+    its notes are a line per choice that turned one off or hangs on the CPU."""
     import itertools
 
     from embedder.quantize import int8_dot_product, is_quantized
@@ -133,6 +153,9 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     from ..ann.options import DBA_MAX_IMAGES, INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
 
+    own = None if args.model else own_model(IndexDir(args.out))
+    if own is not None:
+        args.model = own
     images, labelled = 0, False
     counted = args.int8 is None or args.dba is None
     if counted:
@@ -147,6 +170,9 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
                          int8_dot=int8_dot_product(),
                          kept=None if args.model else kept_embedder(IndexDir(args.out)))
     args.int8, args.dba = d.int8, d.dba
+    if own is not None:
+        d = replace(d, notes=(f"the embedder {args.out} was built with (its {own.name}; --model changes it)",
+                              *d.notes))
     return replace(d, notes=()) if counted and images == 0 else d    # nothing readable: an error
 
 

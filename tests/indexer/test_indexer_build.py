@@ -311,6 +311,24 @@ def test_a_rebuild_keeps_the_default_embedder_the_index_was_built_with(
     assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == model["hash"]
 
 
+def test_a_rebuild_without_model_keeps_the_model_the_index_was_built_with(
+        tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
+    """An index built with --model (a fine-tuned network) rebuilt without it: it resumes with its
+    own model (one line says so), nothing embedded again; before, the default embedder replaced
+    it and every image was embedded again."""
+    from indexer_testlib import copy_characters
+
+    g = tmp_path / "g"
+    copy_characters(omniglot_root, g, 2)                                   # 40 drawings
+    out = tmp_path / "idx"
+    run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    model = json.loads((out / "manifest.json").read_text())["model"]
+    p = run_cli("build", g, "--out", out, "--quiet")
+    assert "40 files: 0 new, 40 unchanged, 0 duplicate content, 0 skipped; 0 embedded" in p.stdout, p.stdout
+    assert f"indexer build: the embedder {out} was built with (its model.onnx; --model changes it)" in p.stderr
+    assert json.loads((out / "manifest.json").read_text())["model"]["hash"] == model["hash"]
+
+
 def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omniglot_root: Path,
                                                             pretrained_onnx: Path) -> None:
     """100 images, no --model: fp32 (too few to calibrate int8) with DBA; built, searched. The
