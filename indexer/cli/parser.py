@@ -147,7 +147,9 @@ def parser() -> argparse.ArgumentParser:
                         "that the cheap open-time checks cannot see; reads the whole store)")
 
     m = sub.add_parser("merge", help="merge shard directories into one index",
-                       description="Train one IVF quantizer over all shards and merge their inverted lists.")
+                       description="Train one IVF quantizer over all shards and merge their inverted lists; "
+                                   "DBA by `indexer build`'s rule for the merged gallery, so the "
+                                   "result equals one build of it.")
     m.add_argument("shards", type=Path, nargs="+", metavar="SHARD_DIR")
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--sharded", action="store_true",
