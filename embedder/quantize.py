@@ -429,7 +429,9 @@ def quantize_embedder(model: str | os.PathLike, calibration: str | os.PathLike |
 def quantize_matmuls(fp32: Any, model: Path, out: Path, x: np.ndarray, batch: int) -> tuple[float, float]:
     """Write the int8 version of a transformer embedder: MatMul/Gemm weights int8 per output
     channel, activations quantised per call at run time (onnxruntime's dynamic quantisation: no
-    calibration, so no fixed ranges to miss a ViT's outlier activations); other ops float. Written
+    calibration, so no fixed ranges to miss a ViT's outlier activations; a scale per tensor of
+    the call, so an image's embedding moves a little with its batch-mates: cosine 0.9999 to fp32
+    on a trained ViT-Tiny, docs/benchmarks/embedder.md); other ops float. Written
     only when its embeddings of ``x`` (preprocessed images) keep a mean cosine to fp32 >=
     :data:`MIN_MEAN_COSINE`; returns (mean, min). Measured (ViT-S/14, 2 Zen 4 cores, VNNI): the
     network 1.95-2.10x, `indexer build` 2.16-2.25x (docs/benchmarks/embedder.md)."""
