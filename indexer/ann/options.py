@@ -80,14 +80,15 @@ EMBEDDER = "lite1-gem4-224"
 EMBEDDER_INT8_DOT = "lite0+lite1-gem4"
 
 
-def is_default_embedder(source_hash: str | None) -> bool:
-    """Whether an exported embedder (its metadata's ``source_hash``, which int8 versions keep) is
-    one of the build's defaults: `indexer merge` gives the shards' model the rule of a build
-    without --model."""
+def default_embedder_of(source_hash: str | None) -> str | None:
+    """Which of the build's default embedders an exported one is, by its metadata's
+    ``source_hash`` (the weights' hash, which int8 versions keep); None for any other network. A
+    rebuild resumes with an index's own embedder, and `indexer merge` gives the shards' model the
+    rule of a build without --model."""
     from embedder.pretrained import resolve_spec
 
-    return source_hash is not None and any(resolve_spec(n).source_hash() == source_hash
-                                           for n in (EMBEDDER, EMBEDDER_INT8_DOT))
+    return next((n for n in (EMBEDDER, EMBEDDER_INT8_DOT)
+                 if source_hash is not None and resolve_spec(n).source_hash() == source_hash), None)
 
 
 @dataclass(frozen=True)

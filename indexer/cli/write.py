@@ -92,41 +92,27 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
     return m
 
 
-def kept_embedder(d: IndexDir) -> str | None:
-    """The default embedder (indexer.ann.options) the index at ``d`` was built with, by its
-    manifest's backbone: a rerun on another machine resumes with it instead of re-embedding."""
-    from embedder.pretrained import PRETRAINED
-
-    from ..ann.options import EMBEDDER, EMBEDDER_INT8_DOT
-    from ..errors import IndexerError
-
-    if not d.exists():
-        return None
-    try:
-        backbone = d.read_manifest().model.backbone
-    except (IndexerError, ValueError):          # damaged: the build itself says what is wrong
-        return None
-    return next((n for n in (EMBEDDER, EMBEDDER_INT8_DOT) if PRETRAINED[n].backbone == backbone), None)
-
-
-def own_model(d: IndexDir) -> Path | None:
-    """The index at ``d``'s own ``model.onnx`` when that is not a default embedder (it was built
-    with --model: a fine-tuned network, say): a rebuild without --model resumes with it, as with a
-    default one (:func:`kept_embedder`), instead of embedding every image again with the default
-    (measured: all 200 of a gallery, its fine-tuned model silently replaced). None without an
-    intact index there."""
-    from ..ann.options import is_default_embedder
+def kept_model(d: IndexDir) -> tuple[str | None, Path | None]:
+    """What a rebuild of the index at ``d`` without --model resumes with, so nothing is embedded
+    again (an index keeps its embedder): (the default embedder's name, None) when it was built with
+    one (:func:`~indexer.ann.options.default_embedder_of`; on another machine too, whatever that
+    one's default), else (None, its own ``model.onnx``): a --model, a fine-tuned network say, which
+    the default used to replace, embedding every image again (all 200 of a gallery, measured).
+    (None, None) without an intact index: the build itself then says what is wrong."""
+    from ..ann.options import default_embedder_of
     from ..directory.validate import check_model_file
     from ..errors import IndexerError
 
     if not d.exists():
-        return None
+        return None, None
     try:
         model = d.read_manifest().model
-        check_model_file(d.model_file, model.hash)
-    except (IndexerError, ValueError):          # damaged: the build itself says what is wrong
-        return None
-    return None if is_default_embedder((model.metadata or {}).get("source_hash")) else d.model_file
+        name = default_embedder_of((model.metadata or {}).get("source_hash"))
+        if name is None:
+            check_model_file(d.model_file, model.hash)
+    except (IndexerError, ValueError):
+        return None, None
+    return name, None if name else d.model_file
 
 
 def model_metadata(model: Path) -> dict[str, str]:
@@ -144,7 +130,7 @@ def model_metadata(model: Path) -> dict[str, str]:
 def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
     """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
     gallery (the walk stopped at the largest threshold; labelled if one of those files is), with the
-    embedder when there is no --model (an index's own non-default one is kept: :func:`own_model`);
+    embedder when there is no --model (an index's own is kept: :func:`kept_model`);
     its notes are a line per choice that turned one off or hangs on the CPU."""
     import itertools
 
@@ -153,7 +139,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     from ..ann.options import DBA_MAX_IMAGES, INT8_MIN_IMAGES, dba_min_images, resolve_defaults
     from ..store.walk import walk_gallery
 
-    own = None if args.model else own_model(IndexDir(args.out))
+    kept, own = (None, None) if args.model else kept_model(IndexDir(args.out))
     if own is not None:
         args.model = own
     images, labelled = 0, False
@@ -168,7 +154,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
                          backbone=meta.get("backbone"),
                          mode="parts" if args.sharded else "shard" if args.shard else "process", dba_k=args.dba_k,
                          int8_dot=int8_dot_product(),
-                         kept=None if args.model else kept_embedder(IndexDir(args.out)))
+                         kept=kept)
     args.int8, args.dba = d.int8, d.dba
     if own is not None:
         d = replace(d, notes=(f"the embedder {args.out} was built with (its {own.name}; --model changes it)",
@@ -279,7 +265,7 @@ def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:
     """``indexer merge`` without --dba/--no-dba: the build's rule (``resolve_defaults``) for the
     merged gallery, so shards merged give what one build of the gallery gives: the shards' image
     count, whether any is labelled, and whether their model is a default embedder."""
-    from ..ann.options import is_default_embedder, resolve_defaults
+    from ..ann.options import default_embedder_of, resolve_defaults
     from ..build.single import check_shards
     from ..store.gallery import GalleryStore
 
@@ -293,7 +279,7 @@ def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:
             with GalleryStore(d.store_dir) as store:
                 images, labelled = images + m.count, labelled or bool(store.labels())
         source = (manifests[0].model.metadata or {}).get("source_hash")
-    d = resolve_defaults(False, args.dba, model_given=not is_default_embedder(source), images=images,
+    d = resolve_defaults(False, args.dba, model_given=default_embedder_of(source) is None, images=images,
                          labelled=labelled, mode="parts" if args.sharded else "process",
                          dba_k=args.dba_k)
     args.dba = d.dba

@@ -272,11 +272,12 @@ def test_merge_knows_a_default_embedder_by_its_weights(pretrained_onnx: Path, sm
     known by the hash of its weights (exports record it; int8 versions keep it)."""
     from embedder.pretrained import resolve_spec
     from embedder.runtime import read_metadata
-    from indexer.ann.options import EMBEDDER_INT8_DOT, is_default_embedder
+    from indexer.ann.options import EMBEDDER, EMBEDDER_INT8_DOT, default_embedder_of
 
-    assert is_default_embedder(read_metadata(pretrained_onnx)["source_hash"])
-    assert is_default_embedder(resolve_spec(EMBEDDER_INT8_DOT).source_hash())
-    assert not is_default_embedder(read_metadata(small_onnx).get("source_hash")) and not is_default_embedder(None)
+    assert default_embedder_of(read_metadata(pretrained_onnx)["source_hash"]) == EMBEDDER
+    assert default_embedder_of(resolve_spec(EMBEDDER_INT8_DOT).source_hash()) == EMBEDDER_INT8_DOT
+    assert default_embedder_of(read_metadata(small_onnx).get("source_hash")) is None
+    assert default_embedder_of(None) is None
 
 
 def test_int8_dot_product_reads_the_cpu_flags(tmp_path: Path) -> None:
