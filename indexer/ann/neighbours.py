@@ -31,6 +31,7 @@ DEFAULT_K = 8
 DEFAULT_ALPHA = 5.0
 DEFAULT_DEPTH = 100         # candidates from the plain index that a DBA search re-orders
 _BLOCK = 4096               # gallery rows per block of the exact k-NN (bounded memory)
+_AUG_BLOCK = 512            # rows per block of augmented vectors: a (512, k - 1, d) gather, 37 MB at 2,560-d
 _MARGIN = 1e-5              # float slack when deciding whether an added item may enter a list
 
 Vectors = Callable[[np.ndarray], np.ndarray]    # ids -> their plain (normalised) vectors
@@ -131,11 +132,17 @@ def augment(x_self: np.ndarray, x_nbrs: np.ndarray, sims: np.ndarray, alpha: flo
 def _augment_subset(ids: np.ndarray, x: np.ndarray, nbr: np.ndarray, sims: np.ndarray,
                     rows: np.ndarray, k: int, alpha: float) -> np.ndarray:
     """Augmented vectors of gallery ``rows`` from the first k - 1 entries of their neighbour
-    lists (gallery ``ids`` ascending, ``x`` aligned)."""
-    use, s = nbr[rows, :k - 1], sims[rows, :k - 1].copy()
-    s[use < 0] = 0.0
-    xn = x[np.searchsorted(ids, np.maximum(use, 0)).clip(0, len(ids) - 1)]
-    return augment(x[rows], xn, s, alpha)
+    lists (gallery ``ids`` ascending, ``x`` aligned), ``_AUG_BLOCK`` rows at a time: the whole
+    gallery's (n, k - 1, d) gather at once took 1.8 GB and as long as the k-NN pass itself
+    (16 s at 25k x 2,560; 0.9 s in blocks)."""
+    out = np.empty((len(rows), x.shape[1]), np.float32)
+    for b in range(0, len(rows), _AUG_BLOCK):
+        r = rows[b:b + _AUG_BLOCK]
+        use, s = nbr[r, :k - 1], sims[r, :k - 1].copy()
+        s[use < 0] = 0.0
+        xn = x[np.searchsorted(ids, np.maximum(use, 0)).clip(0, len(ids) - 1)]
+        out[b:b + len(r)] = augment(x[r], xn, s, alpha)
+    return out
 
 
 def _sorted(ids: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -67,8 +67,8 @@ def dba_min_images(k: int) -> int:
 
 
 #: the default's DBA stops here (a line says so; --dba computes it anyway): its neighbour pass is
-#: an exact k-NN of the gallery against itself, O(n^2 d) (2 cores: 27 s for 20k x 2,560, so ~11 min
-#: at 100k and ~19 h at 1M), and a server holds its n x d float32 vectors (1 GB at 100k x 2,560)
+#: an exact k-NN of the gallery against itself, O(n^2 d) (2 Zen 4 cores: 11 s for 20k x 2,560, so
+#: ~4.5 min at 100k and ~7 h at 1M), and a server holds its n x d float32 vectors (1 GB at 100k x 2,560)
 DBA_MAX_IMAGES = 100_000
 
 
