@@ -308,8 +308,11 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
         print(f"  likely mislabelled: {fd['mislabelled']} images nearer another label's images than their own", file=f)
         print(f"  confused class pairs: {fd['confused_pairs']} listed", file=f)
     print(f"  outliers: ranked, top {info['written']['outliers']} written", file=f)
+    by_why: dict[str, list[str]] = {}       # one line a reason: an unlabelled gallery skips two kinds
     for kind, why in info["skipped"].items():
-        print(f"  {kind}: not computed: {why}", file=f)
+        by_why.setdefault(why, []).append(kind)
+    for why, kinds in by_why.items():
+        print(f"  {' and '.join(kinds)}: not computed: {why}", file=f)
     if out is not None:
         print(f"-> {out} (JSONL + CSV per kind, sheets/*.png, summary.json)", file=f)
 

@@ -131,7 +131,8 @@ def test_a_gallery_without_labels_gets_duplicates_and_outliers_only(tmp_path: Pa
     idx = tmp_path / "idx"
     run_cli("build", gal, "--model", small_onnx, "--out", idx, "--quiet")
     p = run_audit_cli("--index", idx, "--out", tmp_path / "a", "-k", "5", "--quiet")
-    assert "mislabelled: not computed: the gallery has no labels" in p.stdout
+    assert "mislabelled and confused: not computed: the gallery has no labels" in p.stdout
+    assert p.stdout.count("not computed") == 1          # one line for the one reason
     files = {f.name for f in (tmp_path / "a").iterdir()}
     assert {"duplicates.jsonl", "outliers.jsonl", "summary.json"} <= files and "mislabelled.jsonl" not in files
     assert len(rows(tmp_path / "a", "outliers")) == 16
