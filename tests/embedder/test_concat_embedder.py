@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedder import Embedder, EmbedderConfig, OnnxEmbedder, export_onnx
+from embedder import Embedder, EmbedderConfig, OnnxEmbedder, export_onnx, load_image
 from embedder.concat import ConcatEmbedder
 from embedder.pretrained import PRETRAINED, ConcatSpec, parse_spec
 from embedder.preprocess import Preprocessing
@@ -80,7 +80,7 @@ def test_concat_exports_to_one_onnx_file(tmp_path, omniglot_paths):
     assert e.shape == (4, 64) and np.allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
 
 
-def test_export_puts_a_pretrained_embedder_in_front_of_a_checkpoint(tmp_path, cub_root):
+def test_export_puts_a_pretrained_embedder_in_front_of_a_checkpoint(tmp_path, cub_root, omniglot_paths):
     """`embedder export CKPT --concat lite0-gem4-224` (or `--concat LITE0.pt`): the fine-tuning
     recipe's Lite1 with Lite0 in front. With the recipe's networks untouched (epoch 0) that is the
     two-backbone default itself: the same embeddings as `embedder pretrained --name
@@ -98,11 +98,16 @@ def test_export_puts_a_pretrained_embedder_in_front_of_a_checkpoint(tmp_path, cu
     got = OnnxEmbedder(tmp_path / "two.onnx").embed(photos)
     want = OnnxEmbedder(default_model_path("lite0+lite1-gem4")).embed(photos)
     assert got.shape == (6, 2560) and np.abs(got - want).max() < 1e-4
-    # both trunks fine-tuned: the recipe's Lite0 run (here its epoch 0) as a checkpoint in front
-    front = save_checkpoint(tmp_path / "lite0.pt", pretrained_embedder("lite0-gem4-224"))
-    r = run_main(main, "embedder", ["export", ckpt, "--concat", front, "--out", tmp_path / "both.onnx"])
-    assert r.returncode == 0 and "dim 2560" in r.stdout, r.stderr
-    assert np.abs(OnnxEmbedder(tmp_path / "both.onnx").embed(photos) - want).max() < 1e-4
+    # both trunks fine-tuned (the recipe's two runs): a checkpoint in front of a checkpoint; small
+    # networks, as the route is what differs (a second two-backbone export cost ~20 s of the suite)
+    front, back = save_checkpoint(tmp_path / "a.pt", _small(0)), save_checkpoint(tmp_path / "b.pt", _small(1))
+    r = run_main(main, "embedder", ["export", back, "--concat", front, "--out", tmp_path / "both.onnx"])
+    assert r.returncode == 0 and "(small_cnn+small_cnn, dim 64)" in r.stdout, r.stderr
+    pre = _small(0).preprocessing
+    x = np.stack([pre.eval_array(load_image(p, mode=pre.mode)) for p in omniglot_paths[:4]]).astype(np.float32)
+    with torch.no_grad():
+        both = ConcatEmbedder([_small(0), _small(1)]).eval()(torch.from_numpy(x)).numpy()
+    assert np.abs(OnnxEmbedder(tmp_path / "both.onnx").embed(omniglot_paths[:4]) - both).max() < 1e-4
     r = run_main(main, "embedder", ["export", ckpt, "--concat", tmp_path / "none.pt", "--out", tmp_path / "y.onnx"])
     assert r.returncode == 1 and "none.pt" in r.stderr and "not found" in r.stderr
     small = save_checkpoint(tmp_path / "small.pt", _small(0))
