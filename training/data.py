@@ -190,19 +190,44 @@ def omniglot_splits(root: str | Path, holdout_alphabets: int = 10) -> tuple[Spli
     return Split.from_pairs(pairs, train_cls), Split.from_pairs(pairs, test_cls)
 
 
+def _tree_pairs(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
+    """Every image under ``root`` with the label ``indexer build`` gives it (its folder relative to
+    ``root``: "dogs/beagle" when nested, as ``indexer.store.walk.label_of``), so that a folder
+    trains and indexes with the same classes; classes in natural order, files sorted in each.
+    Images at the root itself have no label and are left out; folders are followed through
+    symlinks, each once (a link back up the tree is not walked again)."""
+    import os
+
+    by_label: dict[str, list[Path]] = {}
+    seen: set[str] = set()
+    for d, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(d)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        rel = Path(d).relative_to(root).as_posix()
+        imgs = sorted(f for f in files if is_listed(f) and os.path.isfile(os.path.join(d, f)))
+        if rel != "." and imgs:
+            by_label.setdefault(rel, []).extend(Path(d) / f for f in imgs)
+    classes = sorted(by_label, key=_natural_key)
+    return [(p, c) for c in classes for p in by_label[c]], classes
+
+
 def folder_splits(root: str | Path, test_classes: Sequence[str] = ()) -> tuple[Split, Split]:
-    """root/<class>/*.jpg: sorted classes, first half train; or an explicit list of test classes."""
+    """root/<class>/*.jpg (nested: root/<a>/<b>/*.jpg is class "a/b"): sorted classes, first half
+    train; or an explicit list of test classes."""
     root = Path(root)
     if not root.is_dir():
         raise DatasetLayoutError(f"image folder root {root}: not a directory (expected <class>/ sub-folders)")
-    classes = sorted((d.name for d in root.iterdir() if d.is_dir()), key=_natural_key)
+    pairs, classes = _tree_pairs(root)
     if len(classes) < 2:
-        raise DatasetLayoutError(f"image folder root {root}: expected at least 2 class sub-folders, "
-                                 f"found {len(classes)}")
+        raise DatasetLayoutError(f"image folder root {root}: expected at least 2 class sub-folders holding "
+                                 f"images, found {len(classes)}")
     unknown = sorted(set(test_classes) - set(classes))
     if unknown:
         raise DatasetLayoutError(f"image folder root {root}: test classes not found: {', '.join(unknown)}")
-    pairs = _folder_pairs(root, classes)
     if not test_classes:
         return _halves(pairs, classes)
     return (Split.from_pairs(pairs, [c for c in classes if c not in set(test_classes)]),

@@ -142,6 +142,25 @@ def test_folder_split_by_half_or_explicit_list(tmp_path, four_class_images):
         folder_splits(tmp_path, ["zebra"])
 
 
+def test_nested_folders_are_the_classes_indexer_build_labels(tmp_path, four_class_images):
+    """A folder trains with the labels `indexer build` gives it: an image's folder relative to the
+    root ("dogs/beagle" when nested); images at the root are unlabelled, empty folders no class.
+    Until 2026-11-30 training took the top folders' own files only: "dogs" held none."""
+    from indexer.store.walk import walk_gallery
+
+    for rel, src in [("dogs/beagle/0", 0), ("dogs/beagle/1", 0), ("dogs/pug/0", 1), ("cat/0", 2),
+                     ("cat/kittens/0", 3), ("top", 3)]:
+        img = four_class_images[src][0]
+        _copy(img, tmp_path / f"{rel}{img.suffix}")
+    (tmp_path / "empty" / "deeper").mkdir(parents=True)
+    (tmp_path / "dogs" / "loop").symlink_to(tmp_path)                 # a link back up: walked once
+    train, test = folder_splits(tmp_path)
+    assert train.classes + test.classes == ["cat", "cat/kittens", "dogs/beagle", "dogs/pug"]
+    labelled = {str(f.abspath): f.label for f in walk_gallery(tmp_path) if f.problem is None and f.label}
+    got = {str(p): s.classes[y] for s in (train, test) for p, y in zip(s.paths, s.labels)}
+    assert got == labelled and len(got) == 5
+
+
 @pytest.mark.parametrize("dataset,expected", [
     ("cub", "images.txt"), ("cars", "cars_annos.mat"), ("sop", "Ebay_train.txt"),
     ("omniglot", "images_background"), ("folder", "class sub-folders")])
