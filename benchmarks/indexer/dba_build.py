@@ -21,6 +21,7 @@ import numpy as np
 from embedder.cli import run_main
 
 PROG = "python -m benchmarks.indexer.dba_build"
+QUERY_BLOCK = 4096          # gallery rows searched at a time, as the build does
 
 
 def _timed(fn, repeats: int) -> tuple[float, float, object]:
@@ -54,14 +55,15 @@ def run(args: argparse.Namespace) -> int:
     p = nbm.DbaParams()
     print(f"{len(all_ids)} stored vectors, {all_x.shape[1]}-d; k={p.k}, alpha={p.alpha}")
     for n in args.sizes:
-        ids, x = nbm._sorted(all_ids[:n], all_x[:n])
+        order = np.argsort(all_ids[:n], kind="stable")       # the build's order: ids ascending
+        ids, x = all_ids[:n][order], np.ascontiguousarray(all_x[:n][order], dtype=np.float32)
         n = len(ids)
 
         def lists() -> tuple[np.ndarray, np.ndarray]:
             nbr, sims = np.full((n, p.k), -1, np.int64), np.zeros((n, p.k), np.float32)
-            for i in range(0, n, nbm._BLOCK):
-                nbr[i:i + nbm._BLOCK], sims[i:i + nbm._BLOCK] = nbm.neighbour_lists(
-                    ids[i:i + nbm._BLOCK], x[i:i + nbm._BLOCK], ids, x, p.k)
+            for i in range(0, n, QUERY_BLOCK):
+                nbr[i:i + QUERY_BLOCK], sims[i:i + QUERY_BLOCK] = nbm.neighbour_lists(
+                    ids[i:i + QUERY_BLOCK], x[i:i + QUERY_BLOCK], ids, x, p.k)
             return nbr, sims
 
         t_l, m_l, (nbr, sims) = _timed(lists, args.repeats)
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             return nbm.augment(x, x[np.searchsorted(ids, np.maximum(use, 0)).clip(0, n - 1)], s, p.alpha)
 
         t_g, m_g, old = _timed(gather, args.repeats)
-        t_a, m_a, new = _timed(lambda: nbm._augment_subset(ids, x, nbr, sims, np.arange(n), p.k, p.alpha),
+        t_a, m_a, new = _timed(lambda: nbm.augment_rows(ids, x, nbr, sims, np.arange(n), p.k, p.alpha),
                                args.repeats)
         print(f"n={n:,}: lists {t_l:.1f} s ({m_l:.0f} MiB); augment {t_a:.2f} s ({m_a:.0f} MiB); "
               f"gather {t_g:.2f} s ({m_g:.0f} MiB); build {t_l + t_a:.1f} s vs {t_l + t_g:.1f} s "

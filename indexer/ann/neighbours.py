@@ -129,8 +129,8 @@ def augment(x_self: np.ndarray, x_nbrs: np.ndarray, sims: np.ndarray, alpha: flo
     return l2_normalize(x_self + np.einsum("nm,nmd->nd", w, x_nbrs, dtype=np.float32))
 
 
-def _augment_subset(ids: np.ndarray, x: np.ndarray, nbr: np.ndarray, sims: np.ndarray,
-                    rows: np.ndarray, k: int, alpha: float) -> np.ndarray:
+def augment_rows(ids: np.ndarray, x: np.ndarray, nbr: np.ndarray, sims: np.ndarray,
+                 rows: np.ndarray, k: int, alpha: float) -> np.ndarray:
     """Augmented vectors of gallery ``rows`` from the first k - 1 entries of their neighbour
     lists (gallery ``ids`` ascending, ``x`` aligned), ``_AUG_BLOCK`` rows at a time: the whole
     gallery's (n, k - 1, d) gather at once took 1.8 GB and as long as the k-NN pass itself
@@ -167,7 +167,7 @@ def build(ids: np.ndarray, x: np.ndarray, params: DbaParams | None = None,
     for i in starts:
         nbr[i:i + _BLOCK], sims[i:i + _BLOCK] = neighbour_lists(ids[i:i + _BLOCK], x[i:i + _BLOCK], ids, x, params.k)
     return Neighbourhoods(params, ids, nbr, sims,
-                          _augment_subset(ids, x, nbr, sims, np.arange(len(ids)), params.k, params.alpha))
+                          augment_rows(ids, x, nbr, sims, np.arange(len(ids)), params.k, params.alpha))
 
 
 def update(nb: Neighbourhoods, ids: np.ndarray, x: np.ndarray) -> tuple[Neighbourhoods, int]:
@@ -198,7 +198,7 @@ def update(nb: Neighbourhoods, ids: np.ndarray, x: np.ndarray) -> tuple[Neighbou
         nbr[r], sims[r] = neighbour_lists(ids[r], x[r], ids, x, k)
     aug = np.where(old_row[:, None] >= 0, nb.aug[np.maximum(old_row, 0)], 0.0).astype(np.float32)
     if len(rows):
-        aug[rows] = _augment_subset(ids, x, nbr, sims, rows, k, nb.params.alpha)
+        aug[rows] = augment_rows(ids, x, nbr, sims, rows, k, nb.params.alpha)
     return Neighbourhoods(nb.params, ids, nbr, sims, aug), int(len(rows))
 
 
