@@ -154,7 +154,9 @@ def _sorted(ids: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def build(ids: np.ndarray, x: np.ndarray, params: DbaParams | None = None,
           *, progress: bool = False) -> Neighbourhoods:
     """Neighbour lists and augmented vectors of a whole gallery: one exact k-NN of the gallery
-    against itself, O(n^2 d) (about 2 s for 10k x 1280 on 2 cores; 100k takes minutes)."""
+    against itself, O(n^2 d) (2 Zen 4 cores: 17 s for 25k x 2,560, ~190 GFLOP/s of BLAS). Exact
+    on purpose: an IVF-Flat over the same vectors took 7 / 14 / 25 s for 0.94 / 0.98 / 0.995 of
+    these lists (its scan is memory-bound), probing lists per cluster 11 s for 0.99 (2026-11-30)."""
     params = params or DbaParams()
     ids, x = _sorted(ids, x)
     nbr = np.full((len(ids), params.k), -1, np.int64)
