@@ -70,6 +70,20 @@ def selected(hard) -> tuple[faiss.Index, dict]:
     return make_index(ids[:20_000], x[:20_000], target_recall=0.95, device="cpu")
 
 
+def test_the_chosen_candidate_is_the_index_itself_when_the_sample_is_the_gallery(hard) -> None:
+    """Candidates that can no longer win are freed as the selection goes (all six held 1.3 GB at
+    25k x 2,560), never the one ``choose`` takes: it comes back built, filled with the sample."""
+    ids, x, _ = hard
+    n = 12_000
+    ho = tuning.holdout(n, 64)
+    specs = [fx.choose_spec(n, 64, t, nlist=nl) for t, nl in
+             [("flat", None), ("ivf", 64), ("ivf", 16), ("sq8rf", 64), ("hnsw", None)]]
+    sel = selection.select(x[:n], ids[:n], ho, 0.95, specs=specs, device="cpu")
+    won = selection.choose(sel.table)
+    assert sel.spec == specs[won] and sel.table[won]["chosen"] and sel.index is not None
+    assert np.array_equal(np.sort(fx.index_ids(sel.index)), ids[ho.rows])     # any list order
+
+
 def test_selection_keeps_the_fastest_that_meets_the_target(selected) -> None:
     index, m = selected
     table = m["candidates"]
