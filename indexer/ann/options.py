@@ -4,6 +4,7 @@ sharded build all take and hand on the same choices).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -66,10 +67,18 @@ def dba_min_images(k: int) -> int:
     return 2 * k + 1
 
 
-#: the default's DBA stops here (a line says so; --dba computes it anyway): its neighbour pass is
-#: an exact k-NN of the gallery against itself, O(n^2 d) (2 Zen 4 cores: 11 s for 20k x 2,560, so
-#: ~4.5 min at 100k and ~7 h at 1M), and a server holds its n x d float32 vectors (1 GB at 100k x 2,560)
+#: the default's DBA stops at this many images of DBA_MAX_AT_DIM-d embeddings (a line says so; --dba
+#: computes it anyway), narrower ones at the same cost (:func:`dba_max_images`): its neighbour pass is
+#: an exact k-NN of the gallery against itself, n^2 d (2 Zen 4 cores: 11 s for 20k x 2,560, so ~4.5
+#: min at 100k and ~7 h at 1M), and a server holds its n x d float32 vectors (1 GB at 100k x 2,560)
 DBA_MAX_IMAGES = 100_000
+DBA_MAX_AT_DIM = 2_560
+
+
+def dba_max_images(dim: int | None) -> int:
+    """The largest gallery whose default DBA costs what 100,000 x 2,560's does (n^2 d): 141,421 at
+    1,280-d, 447,213 at 128-d, and at most n x d <= 256M floats held; None: the 2,560-d bound."""
+    return int(DBA_MAX_IMAGES * math.sqrt(DBA_MAX_AT_DIM / max(1, dim or DBA_MAX_AT_DIM)))
 
 
 #: the training-free embedder (embedder.pretrained names) of a build without --model, and the one
@@ -105,11 +114,12 @@ class BuildDefaults:
 
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
                      mode: str = "process", dba_k: int = 8, int8_dot: str | None = None,
-                     kept: str | None = None, labelled: bool = True, backbone: str | None = None
-                     ) -> BuildDefaults:
+                     kept: str | None = None, labelled: bool = True, backbone: str | None = None,
+                     dim: int | None = None) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
-    and DBA from :func:`dba_min_images` up to :data:`DBA_MAX_IMAGES`; a ``--model`` embedder's DBA
+    and DBA from :func:`dba_min_images` up to :func:`dba_max_images` of ``dim`` (the --model's; without
+    one, the chosen embedder's); a ``--model`` embedder's DBA
     only on a ``labelled`` gallery, where the build measures it (``dba_where_it_helps``): it was
     validated for the default alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode``:
     "process" (one process, a ``--ray`` build merged, ``indexer merge``), "shard" (DBA is the
@@ -134,8 +144,15 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
             if not int8:
                 notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
                              f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
+    embedder = None
+    if not model_given:
+        from embedder.pretrained import resolve_spec
+
+        embedder = kept or (EMBEDDER_INT8_DOT if int8 and int8_dot and mode != "shard" else EMBEDDER)
+        dim = resolve_spec(embedder).dim
+    most = dba_max_images(dim)
     if dba is None:
-        dba = (mode == "process" and dba_min_images(dba_k) <= images <= DBA_MAX_IMAGES
+        dba = (mode == "process" and dba_min_images(dba_k) <= images <= most
                and (labelled or not model_given))
         if not dba:
             notes.append("no DBA: " + (
@@ -143,14 +160,11 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
                 "sharded indexes do not compute it yet" if mode == "parts" else
                 f"the gallery holds {images} images, DBA with k={dba_k} needs "
                 f"{dba_min_images(dba_k)}" if images < dba_min_images(dba_k) else
-                f"the gallery holds over {DBA_MAX_IMAGES:,} images: DBA's exact neighbour pass grows as "
-                "n^2 (hours from 1M on a CPU) and a server holds its n x d vectors (--dba computes it "
-                "anyway)" if images > DBA_MAX_IMAGES else
+                f"the gallery holds over {most:,} images of {dim or DBA_MAX_AT_DIM}-d: DBA's exact neighbour "
+                "pass grows as n^2 d (hours from 1M x 2,560 on a CPU) and a server holds its n x d vectors "
+                "(--dba computes it anyway)" if images > most else
                 "a --model embedder's DBA is measured on the gallery's labels, and it has none (--dba forces it)"))
-    embedder = None
-    if not model_given:
-        embedder = kept or (EMBEDDER_INT8_DOT if int8 and int8_dot and mode != "shard" else EMBEDDER)
-        if embedder == EMBEDDER_INT8_DOT and not kept:
-            notes.append(f"two-backbone embedder {EMBEDDER_INT8_DOT} in int8: this CPU has int8 dot "
-                         f"products ({int8_dot})")
+    if embedder == EMBEDDER_INT8_DOT and not kept:
+        notes.append(f"two-backbone embedder {EMBEDDER_INT8_DOT} in int8: this CPU has int8 dot "
+                     f"products ({int8_dot})")
     return BuildDefaults(bool(int8), bool(dba), tuple(notes), embedder)

@@ -167,7 +167,7 @@ def dba_opts(sp: argparse.ArgumentParser) -> None:
     """``--dba``/``--no-dba`` and DBA's parameters (indexer.ann.neighbours), for build and merge;
     unset = the default of indexer.ann.options.resolve_defaults."""
     from ..ann.neighbours import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_K
-    from ..ann.options import DBA_MAX_IMAGES, dba_min_images
+    from ..ann.options import DBA_MAX_AT_DIM, DBA_MAX_IMAGES, dba_min_images
 
     what = ("database-side augmentation at serve time: each gallery vector is also "
             "kept as the sim^alpha-weighted mean of its --dba-k nearest gallery "
@@ -177,7 +177,8 @@ def dba_opts(sp: argparse.ArgumentParser) -> None:
                     help=what + f". Default (auto): on for a gallery of >= "
                                 f"{dba_min_images(DEFAULT_K)} images (2 x --dba-k + 1), then "
                                 "measured on its labels and dropped where it hurts; off below, "
-                                f"above {DBA_MAX_IMAGES:,} images (an n^2 neighbour pass), "
+                                f"above {DBA_MAX_IMAGES:,} images of {DBA_MAX_AT_DIM:,}-d (an n^2 d "
+                                "neighbour pass: more images of narrower embeddings), "
                                 "with --model on a gallery without labels, with --shard (the "
                                 "merge decides, by the same rule) and with --sharded (not "
                                 "available there). --no-dba: without")

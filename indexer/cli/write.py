@@ -134,9 +134,11 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
     its notes are a line per choice that turned one off or hangs on the CPU."""
     import itertools
 
+    from embedder.pretrained import resolve_spec
     from embedder.quantize import int8_dot_product, is_quantized
 
-    from ..ann.options import DBA_MAX_IMAGES, INT8_MIN_IMAGES, dba_min_images, resolve_defaults
+    from ..ann.options import (EMBEDDER, EMBEDDER_INT8_DOT, INT8_MIN_IMAGES, dba_max_images, dba_min_images,
+                               resolve_defaults)
     from ..store.walk import walk_gallery
 
     kept, own = (None, None) if args.model else kept_model(IndexDir(args.out))
@@ -144,14 +146,18 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
         args.model = own
     images, labelled = 0, False
     counted = args.int8 is None or args.dba is None
-    if counted:
-        bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k), DBA_MAX_IMAGES + 1 if args.dba is None else 0)
+    meta = model_metadata(args.model) if args.model and counted else {}
+    dim = int(meta["dim"]) if str(meta.get("dim", "")).isdigit() else None
+    if counted:       # DBA's bound: the --model's width, else the narrowest default's (the larger count)
+        narrowest = min(resolve_spec(n).dim for n in (EMBEDDER, EMBEDDER_INT8_DOT))
+        most = dba_max_images(dim if args.model else narrowest) + 1 if args.dba is None else 0
+        bound = max(INT8_MIN_IMAGES, dba_min_images(args.dba_k), most)
         for f in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None), bound):
             images, labelled = images + 1, labelled or f.label is not None
-    meta = model_metadata(args.model) if args.model and args.int8 is None else {}
-    d = resolve_defaults(True if is_quantized(meta) else args.int8, args.dba,   # an int8 --model: as it is
+    int8 = True if args.int8 is None and is_quantized(meta) else args.int8      # an int8 --model: as it is
+    d = resolve_defaults(int8, args.dba,
                          model_given=args.model is not None, images=images, labelled=labelled,
-                         backbone=meta.get("backbone"),
+                         backbone=meta.get("backbone") if args.int8 is None else None, dim=dim,
                          mode="parts" if args.sharded else "shard" if args.shard else "process", dba_k=args.dba_k,
                          int8_dot=int8_dot_product(),
                          kept=kept)
@@ -271,17 +277,17 @@ def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:
 
     if args.sharded and args.dba:
         raise UsageError("--dba is not available with merge --sharded yet; merge without --sharded")
-    images, labelled, source = 0, False, None
+    images, labelled, source, dim = 0, False, None, None
     if args.dba is None and not args.sharded:
         dirs = [IndexDir(s) for s in args.shards]
         manifests = check_shards(dirs)           # what merging would refuse, refused first
         for d, m in zip(dirs, manifests):
             with GalleryStore(d.store_dir) as store:
                 images, labelled = images + m.count, labelled or bool(store.labels())
-        source = (manifests[0].model.metadata or {}).get("source_hash")
+        source, dim = (manifests[0].model.metadata or {}).get("source_hash"), manifests[0].dim
     d = resolve_defaults(False, args.dba, model_given=default_embedder_of(source) is None, images=images,
                          labelled=labelled, mode="parts" if args.sharded else "process",
-                         dba_k=args.dba_k)
+                         dba_k=args.dba_k, dim=dim)
     args.dba = d.dba
     return d
 

@@ -236,12 +236,21 @@ def test_build_defaults_policy() -> None:
     assert (d.int8, d.dba, d.notes) == (False, False, ())
     d = r(True, True, model_given=True, images=tiny)                          # explicit: kept as today
     assert (d.int8, d.dba) == (True, True)
-    from indexer.ann.options import DBA_MAX_IMAGES      # an n^2 neighbour pass: off above, one line
+    from indexer.ann.options import DBA_MAX_IMAGES, dba_max_images   # an n^2 d pass: off above, one line
 
-    assert r(None, None, model_given=False, images=DBA_MAX_IMAGES).dba
-    d = r(None, None, model_given=False, images=DBA_MAX_IMAGES + 1)
-    assert (d.int8, d.dba) == (True, False) and d.notes[0].startswith("no DBA: the gallery holds over 100,000")
+    pair = r(None, None, model_given=False, images=DBA_MAX_IMAGES, int8_dot="avx512_vnni")   # 2,560-d
+    assert pair.dba and pair.embedder == "lite0+lite1-gem4"
+    d = r(None, None, model_given=False, images=DBA_MAX_IMAGES + 1, int8_dot="avx512_vnni")
+    assert (d.int8, d.dba) == (True, False) and d.notes[0].startswith("no DBA: the gallery holds over 100,000 "
+                                                                        "images of 2560-d")
     assert r(None, True, model_given=False, images=DBA_MAX_IMAGES + 1).dba     # --dba: computed anyway
+    # the same cost for narrower embeddings: Lite1 (1,280-d, the default without int8 dot products)
+    # to 141,421 images, a 128-d --model to 447,213
+    assert dba_max_images(1280) == 141_421 and dba_max_images(128) == 447_213 and dba_max_images(None) == 100_000
+    assert r(None, None, model_given=False, images=141_421, int8_dot=None).dba
+    assert not r(None, None, model_given=False, images=141_422, int8_dot=None).dba
+    assert r(None, None, model_given=True, images=447_213, dim=128).dba
+    assert not r(None, None, model_given=True, images=447_214, dim=128).dba
     for mode in ("shard", "parts"):                                         # DBA: the merge's, not there (yet)
         d = r(None, None, model_given=False, images=big, mode=mode)
         assert (d.int8, d.dba) == (True, False) and len(d.notes) == 1
