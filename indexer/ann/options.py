@@ -77,7 +77,7 @@ DBA_MAX_AT_DIM = 2_560
 
 def dba_max_images(dim: int | None) -> int:
     """The largest gallery whose default DBA costs what 100,000 x 2,560's does (n^2 d): 141,421 at
-    1,280-d, 447,213 at 128-d, and at most n x d <= 256M floats held; None: the 2,560-d bound."""
+    1,280-d, 447,213 at 128-d (n x d held: <= 256M floats up to 2,560-d); None: the 2,560-d bound."""
     return int(DBA_MAX_IMAGES * math.sqrt(DBA_MAX_AT_DIM / max(1, dim or DBA_MAX_AT_DIM)))
 
 
@@ -118,8 +118,8 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
                      dim: int | None = None) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
-    and DBA from :func:`dba_min_images` up to :func:`dba_max_images` of ``dim`` (the --model's; without
-    one, the chosen embedder's); a ``--model`` embedder's DBA
+    and DBA from :func:`dba_min_images` up to :func:`dba_max_images` of ``dim`` (the --model's or a
+    merge's shards'; else the chosen embedder's); a ``--model`` embedder's DBA
     only on a ``labelled`` gallery, where the build measures it (``dba_where_it_helps``): it was
     validated for the default alone, and a fine-tuned pair in fp32 lost 0.9 R@1 with it. ``mode``:
     "process" (one process, a ``--ray`` build merged, ``indexer merge``), "shard" (DBA is the
@@ -149,7 +149,7 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
         from embedder.pretrained import resolve_spec
 
         embedder = kept or (EMBEDDER_INT8_DOT if int8 and int8_dot and mode != "shard" else EMBEDDER)
-        dim = resolve_spec(embedder).dim
+        dim = dim or resolve_spec(embedder).dim     # a merge gives its shards' width
     most = dba_max_images(dim)
     if dba is None:
         dba = (mode == "process" and dba_min_images(dba_k) <= images <= most

@@ -251,6 +251,7 @@ def test_build_defaults_policy() -> None:
     assert not r(None, None, model_given=False, images=141_422, int8_dot=None).dba
     assert r(None, None, model_given=True, images=447_213, dim=128).dba
     assert not r(None, None, model_given=True, images=447_214, dim=128).dba
+    assert not r(None, None, model_given=False, images=141_421, dim=2560).dba    # a merge of pair shards
     for mode in ("shard", "parts"):                                         # DBA: the merge's, not there (yet)
         d = r(None, None, model_given=False, images=big, mode=mode)
         assert (d.int8, d.dba) == (True, False) and len(d.notes) == 1
