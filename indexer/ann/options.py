@@ -115,7 +115,7 @@ class BuildDefaults:
 def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, images: int,
                      mode: str = "process", dba_k: int = 8, int8_dot: str | None = None,
                      kept: str | None = None, labelled: bool = True, backbone: str | None = None,
-                     dim: int | None = None) -> BuildDefaults:
+                     dim: int | None = None, kept_int8: bool = False) -> BuildDefaults:
     """The one place ``indexer build``'s default is decided (docs/benchmarks/quality-round5.md):
     ``int8``/``dba`` None = auto. Every embedder gets int8 from :data:`INT8_MIN_IMAGES` images
     and DBA from :func:`dba_min_images` up to :func:`dba_max_images` of ``dim`` (the --model's or a
@@ -127,7 +127,8 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
     ``images``: the gallery's count or a bound of it (a count, not a sample, so a rerun resumes the
     same way); ``backbone``: the --model's, int8 only where
     ``embedder.quantize.int8_by_default`` says. The embedder (without --model): ``kept`` (the one
-    the index at --out was built with, so a rerun elsewhere resumes), else
+    the index at --out was built with, so a rerun elsewhere resumes; int8 if ``kept_int8``) unless
+    the rebuild changes its precision, which embeds every image again anyway, else
     :data:`EMBEDDER_INT8_DOT` in int8 where ``int8_dot`` names the CPU's int8 dot product, except for
     ``--shard`` builds, which may run on machines that differ; else :data:`EMBEDDER`."""
     notes = []
@@ -144,6 +145,8 @@ def resolve_defaults(int8: bool | None, dba: bool | None, *, model_given: bool, 
             if not int8:
                 notes.append(f"fp32 embedder: the gallery holds {images} images, int8 calibration needs "
                              f"{INT8_MIN_IMAGES} of them (--int8 quantises on what there is)")
+    if kept and kept_int8 != bool(int8):     # fp32 <-> int8 (a gallery grown past 256): every image is
+        kept = None                          # embedded again anyway, so by the default a fresh build takes
     embedder = None
     if not model_given:
         from embedder.pretrained import resolve_spec

@@ -92,27 +92,30 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
     return m
 
 
-def kept_model(d: IndexDir) -> tuple[str | None, Path | None]:
+def kept_model(d: IndexDir) -> tuple[str | None, Path | None, bool]:
     """What a rebuild of the index at ``d`` without --model resumes with, so nothing is embedded
-    again (an index keeps its embedder): (the default embedder's name, None) when it was built with
-    one (:func:`~indexer.ann.options.default_embedder_of`; on another machine too, whatever that
-    one's default), else (None, its own ``model.onnx``): a --model, a fine-tuned network say, which
-    the default used to replace, embedding every image again (all 200 of a gallery, measured).
-    (None, None) without an intact index: the build itself then says what is wrong."""
+    again (an index keeps its embedder): (the default embedder's name, None, whether it is int8)
+    when it was built with one (:func:`~indexer.ann.options.default_embedder_of`; on another machine
+    too, whatever that one's default), else (None, its own ``model.onnx``, False): a --model, a
+    fine-tuned network say, which the default used to replace, embedding every image again (all 200
+    of a gallery, measured). (None, None, False) without an intact index: the build itself then says
+    what is wrong."""
+    from embedder.quantize import is_quantized
+
     from ..ann.options import default_embedder_of
     from ..directory.validate import check_model_file
     from ..errors import IndexerError
 
     if not d.exists():
-        return None, None
+        return None, None, False
     try:
         model = d.read_manifest().model
         name = default_embedder_of((model.metadata or {}).get("source_hash"))
         if name is None:
             check_model_file(d.model_file, model.hash)
     except (IndexerError, ValueError):
-        return None, None
-    return name, None if name else d.model_file
+        return None, None, False
+    return (name, None, is_quantized(model.metadata or {})) if name else (None, d.model_file, False)
 
 
 def model_metadata(model: Path) -> dict[str, str]:
@@ -141,7 +144,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
                                resolve_defaults)
     from ..store.walk import walk_gallery
 
-    kept, own = (None, None) if args.model else kept_model(IndexDir(args.out))
+    kept, own, kept_int8 = (None, None, False) if args.model else kept_model(IndexDir(args.out))
     if own is not None:
         args.model = own
     images, labelled = 0, False
@@ -159,8 +162,7 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
                          model_given=args.model is not None, images=images, labelled=labelled,
                          backbone=meta.get("backbone") if args.int8 is None else None, dim=dim,
                          mode="parts" if args.sharded else "shard" if args.shard else "process", dba_k=args.dba_k,
-                         int8_dot=int8_dot_product(),
-                         kept=kept)
+                         int8_dot=int8_dot_product(), kept=kept, kept_int8=kept_int8)
     args.int8, args.dba = d.int8, d.dba
     if own is not None:
         d = replace(d, notes=(f"the embedder {args.out} was built with (its {own.name}; --model changes it)",

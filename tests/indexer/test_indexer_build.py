@@ -271,9 +271,15 @@ def test_build_defaults_policy() -> None:
     assert r(True, None, model_given=False, images=tiny, int8_dot="avx_vnni").embedder == EMBEDDER_INT8_DOT
     assert r(None, None, model_given=False, images=big, int8_dot="avx_vnni", mode="parts").embedder == EMBEDDER_INT8_DOT
     assert r(None, None, model_given=False, images=big, int8_dot="avx_vnni", mode="shard").embedder == EMBEDDER
-    d = r(None, None, model_given=False, images=big, int8_dot="avx512_vnni", kept=EMBEDDER)
+    d = r(None, None, model_given=False, images=big, int8_dot="avx512_vnni", kept=EMBEDDER, kept_int8=True)
     assert d.embedder == EMBEDDER and d.notes == ()
-    assert r(None, None, model_given=False, images=big, kept=EMBEDDER_INT8_DOT).embedder == EMBEDDER_INT8_DOT
+    assert r(None, None, model_given=False, images=big, kept=EMBEDDER_INT8_DOT, kept_int8=True).embedder == \
+        EMBEDDER_INT8_DOT
+    # an index of Lite1 in fp32 (built when its gallery held under 256 images) grown past 256: its
+    # images are embedded again in int8 whatever the model, so by the default a fresh build takes
+    d = r(None, None, model_given=False, images=big, int8_dot="avx512_vnni", kept=EMBEDDER, kept_int8=False)
+    assert (d.int8, d.embedder) == (True, EMBEDDER_INT8_DOT) and "two-backbone" in d.notes[-1]
+    assert r(False, None, model_given=False, images=big, int8_dot="avx512_vnni", kept=EMBEDDER).embedder == EMBEDDER
     assert r(None, None, model_given=True, images=big, int8_dot="avx512_vnni").embedder is None
 
 
