@@ -327,6 +327,28 @@ def add(args: argparse.Namespace) -> None:
     else:
         print(f"added {c.added} vectors; index now holds {c.manifest.count}"
               + (f", nprobe {c.manifest.nprobe}" if c.manifest.nprobe else ""))
+    hint = int8_hint(c.manifest, c.added, args.index)
+    if hint:
+        print(hint, file=sys.stderr)
+
+
+def int8_hint(m: Manifest, added: int, index: str | Path) -> str | None:
+    """One line when ``add`` takes an fp32 index of a default embedder past the images int8
+    calibration needs: ``add`` keeps the index's model (a small gallery's), while a rebuild gives
+    the gallery the default of its size (int8; the two-backbone pair where the CPU has int8 dot
+    products). Else None."""
+    from embedder.quantize import is_quantized
+
+    from ..ann.options import INT8_MIN_IMAGES, default_embedder_of
+
+    meta = m.model.metadata or {}
+    if default_embedder_of(meta.get("source_hash")) is None or is_quantized(meta):
+        return None
+    if not m.count - added < INT8_MIN_IMAGES <= m.count:
+        return None
+    return (f"indexer add: the index now holds {m.count} images, enough for the int8 default; `add` keeps "
+            f"its fp32 model: `python -m indexer build {m.gallery or 'GALLERY'} --out {index}` embeds them "
+            "again with the default of this size")
 
 
 def remove(args: argparse.Namespace) -> None:

@@ -374,9 +374,22 @@ def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omn
     idx.close()
     more = tmp_path / "more"
     copy_characters(omniglot_root, more, 1, per_char=5, skip_chars=50)
-    assert "added 5 vectors" in run_cli("add", more, "--index", out, "--prefix", "more", "--quiet").stdout
+    p = run_cli("add", more, "--index", out, "--prefix", "more", "--quiet")
+    assert "added 5 vectors" in p.stdout and "int8 default" not in p.stderr
     m = json.loads((out / "manifest.json").read_text())
     assert m["model"]["hash"] == fp32 and m["count"] == 105 and "neighbours" not in m
+    # an `add` that takes such an index past 256 images says once how to get the int8 default
+    from dataclasses import replace
+
+    from indexer.cli.write import int8_hint
+    from indexer.directory.manifest import Manifest
+
+    man = Manifest.read(out / "manifest.json")
+    hint = int8_hint(replace(man, count=260), 10, out)
+    assert hint and f"`python -m indexer build {g.resolve()} --out {out}`" in hint
+    assert int8_hint(replace(man, count=300), 10, out) is None          # past it before this add
+    int8 = replace(man.model, metadata={**man.model.metadata, "quantization": "{}"})
+    assert int8_hint(replace(man, count=260, model=int8), 10, out) is None
 
 
 def test_int8_rebuild_after_photos_were_added_keeps_the_index_int8_model(
