@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from embedder.cli import UsageError
@@ -92,14 +92,23 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
     return m
 
 
-def kept_model(d: IndexDir) -> tuple[str | None, Path | None, bool]:
+@dataclass(frozen=True)
+class KeptIndex:
+    """What the index already at --out tells a rebuild (:func:`kept_model`)."""
+
+    name: str | None = None     # the default embedder it was built with, if one
+    own: Path | None = None     # else its own model.onnx (a --model, a fine-tuned network say)
+    int8: bool = False          # the default's model in it is int8
+    count: int = 0              # images it holds: a rebuild keeps those added from other folders too
+
+
+def kept_model(d: IndexDir) -> KeptIndex:
     """What a rebuild of the index at ``d`` without --model resumes with, so nothing is embedded
-    again (an index keeps its embedder): (the default embedder's name, None, whether it is int8)
-    when it was built with one (:func:`~indexer.ann.options.default_embedder_of`; on another machine
-    too, whatever that one's default), else (None, its own ``model.onnx``, False): a --model, a
-    fine-tuned network say, which the default used to replace, embedding every image again (all 200
-    of a gallery, measured). (None, None, False) without an intact index: the build itself then says
-    what is wrong."""
+    again (an index keeps its embedder): its default embedder's name when it was built with one
+    (:func:`~indexer.ann.options.default_embedder_of`; on another machine too, whatever that one's
+    default), else its own ``model.onnx``: a --model, which the default used to replace, embedding
+    every image again (all 200 of a gallery, measured). Nothing without an intact index: the build
+    itself then says what is wrong."""
     from embedder.quantize import is_quantized
 
     from ..ann.options import default_embedder_of
@@ -107,15 +116,16 @@ def kept_model(d: IndexDir) -> tuple[str | None, Path | None, bool]:
     from ..errors import IndexerError
 
     if not d.exists():
-        return None, None, False
+        return KeptIndex()
     try:
-        model = d.read_manifest().model
-        name = default_embedder_of((model.metadata or {}).get("source_hash"))
+        m = d.read_manifest()
+        meta = m.model.metadata or {}
+        name = default_embedder_of(meta.get("source_hash"))
         if name is None:
-            check_model_file(d.model_file, model.hash)
+            check_model_file(d.model_file, m.model.hash)
     except (IndexerError, ValueError):
-        return None, None, False
-    return (name, None, is_quantized(model.metadata or {})) if name else (None, d.model_file, False)
+        return KeptIndex()
+    return KeptIndex(name, None if name else d.model_file, bool(name) and is_quantized(meta), m.count)
 
 
 def model_metadata(model: Path) -> dict[str, str]:
@@ -144,7 +154,8 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
                                resolve_defaults)
     from ..store.walk import walk_gallery
 
-    kept, own, kept_int8 = (None, None, False) if args.model else kept_model(IndexDir(args.out))
+    kept = kept_model(IndexDir(args.out))
+    default, own = (None, None) if args.model else (kept.name, kept.own)
     if own is not None:
         args.model = own
     images, labelled = 0, False
@@ -158,11 +169,11 @@ def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults
         for f in itertools.islice((f for f in walk_gallery(args.gallery) if f.problem is None), bound):
             images, labelled = images + 1, labelled or f.label is not None
     int8 = True if args.int8 is None and is_quantized(meta) else args.int8      # an int8 --model: as it is
-    d = resolve_defaults(int8, args.dba,
-                         model_given=args.model is not None, images=images, labelled=labelled,
+    d = resolve_defaults(int8, args.dba,     # the images the index will hold: the folder's or more
+                         model_given=args.model is not None, images=max(images, kept.count), labelled=labelled,
                          backbone=meta.get("backbone") if args.int8 is None else None, dim=dim,
                          mode="parts" if args.sharded else "shard" if args.shard else "process", dba_k=args.dba_k,
-                         int8_dot=int8_dot_product(), kept=kept, kept_int8=kept_int8)
+                         int8_dot=int8_dot_product(), kept=default, kept_int8=kept.int8)
     args.int8, args.dba = d.int8, d.dba
     if own is not None:
         d = replace(d, notes=(f"the embedder {args.out} was built with (its {own.name}; --model changes it)",

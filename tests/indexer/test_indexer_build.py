@@ -390,6 +390,14 @@ def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omn
     assert int8_hint(replace(man, count=300), 10, out) is None          # past it before this add
     int8 = replace(man.model, metadata={**man.model.metadata, "quantization": "{}"})
     assert int8_hint(replace(man, count=260, model=int8), 10, out) is None
+    # and that command counts the images the index holds (a rebuild keeps the added ones), not
+    # only the folder's 100: past 256, int8 (before: fp32 again, the hint's command did nothing)
+    from indexer.cli.parser import parser
+    from indexer.cli.write import resolve_build_defaults
+
+    replace(man, count=300).write(out / "manifest.json")
+    d = resolve_build_defaults(parser().parse_args(["build", str(g), "--out", str(out)]), False)
+    assert d.int8 and "int8 calibration needs" not in " ".join(d.notes)
 
 
 def test_int8_rebuild_after_photos_were_added_keeps_the_index_int8_model(
