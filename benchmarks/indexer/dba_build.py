@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                                args.repeats)
         print(f"n={n:,}: lists {t_l:.1f} s ({m_l:.0f} MiB); augment {t_a:.2f} s ({m_a:.0f} MiB); "
               f"gather {t_g:.2f} s ({m_g:.0f} MiB); build {t_l + t_a:.1f} s vs {t_l + t_g:.1f} s "
-              f"({(t_l + t_g) / (t_l + t_a):.2f}x); same vectors: {np.array_equal(old, new)}", flush=True)
+              f"({(t_l + t_g) / (t_l + t_a):.2f}x); same vectors: {np.array_equal(old.astype(nbm.AUG_DTYPE), new)}", flush=True)
     return 0
 
 

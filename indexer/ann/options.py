@@ -70,14 +70,14 @@ def dba_min_images(k: int) -> int:
 #: the default's DBA stops at this many images of DBA_MAX_AT_DIM-d embeddings (a line says so; --dba
 #: computes it anyway), narrower ones at the same cost (:func:`dba_max_images`): its neighbour pass is
 #: an exact k-NN of the gallery against itself, n^2 d (2 Zen 4 cores: 11 s for 20k x 2,560, so ~4.5
-#: min at 100k and ~7 h at 1M), and a server holds its n x d float32 vectors (1 GB at 100k x 2,560)
+#: min at 100k and ~7 h at 1M), and a server holds its n x d float16 vectors (0.5 GB at 100k x 2,560)
 DBA_MAX_IMAGES = 100_000
 DBA_MAX_AT_DIM = 2_560
 
 
 def dba_max_images(dim: int | None) -> int:
     """The largest gallery whose default DBA costs what 100,000 x 2,560's does (n^2 d): 141,421 at
-    1,280-d, 447,213 at 128-d (n x d held: <= 256M floats up to 2,560-d); None: the 2,560-d bound."""
+    1,280-d, 447,213 at 128-d (n x d held: <= 256M half floats up to 2,560-d); None: the 2,560-d bound."""
     return int(DBA_MAX_IMAGES * math.sqrt(DBA_MAX_AT_DIM / max(1, dim or DBA_MAX_AT_DIM)))
 
 
