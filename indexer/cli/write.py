@@ -140,7 +140,7 @@ def model_metadata(model: Path) -> dict[str, str]:
         return {}
 
 
-def resolve_build_defaults(args: argparse.Namespace, ray: bool) -> BuildDefaults:
+def resolve_build_defaults(args: argparse.Namespace) -> BuildDefaults:
     """``--int8``/``--dba`` left unset: decided by ``resolve_defaults`` on a bounded count of the
     gallery (the walk stopped at the largest threshold; labelled if one of those files is), with the
     embedder when there is no --model (an index's own is kept: :func:`kept_model`);
@@ -212,7 +212,7 @@ def build(args: argparse.Namespace) -> None:
     check_build_flags(args, ray)
     gallery_files(args.gallery)       # missing or empty: one line before the plan and any export
     auto_int8, auto_dba = args.int8 is None, args.dba is None
-    d = resolve_build_defaults(args, ray)
+    d = resolve_build_defaults(args)
     dba_params(args)                                      # bad --dba-* flags: refused before any export
     if args.ray is not None:                              # a Ray that could never start: likewise
         from ..ray.cluster import check_can_start

@@ -396,7 +396,7 @@ def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omn
     from indexer.cli.write import resolve_build_defaults
 
     replace(man, count=300).write(out / "manifest.json")
-    d = resolve_build_defaults(parser().parse_args(["build", str(g), "--out", str(out)]), False)
+    d = resolve_build_defaults(parser().parse_args(["build", str(g), "--out", str(out)]))
     assert d.int8 and "int8 calibration needs" not in " ".join(d.notes)
 
 
