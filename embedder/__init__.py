@@ -15,6 +15,7 @@ _EXPORTS = {
     "pretrained_embedder": "pretrained", "PretrainedWeightsUnavailable": "errors",
     "CheckpointError": "errors", "ParityError": "errors", "ModelLoadError": "errors",
     "keep_freed_memory": "decode_budget", "use_batch_budget": "decode_budget", "out_of_place": "export",
+    "walk_gallery": "folders",
 }
 PUBLIC_MODULES = ("cli", "knn", "metrics", "pretrained", "quantize", "regions")   # `from embedder import metrics`
 __all__ = sorted([*_EXPORTS, *PUBLIC_MODULES])
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decode_budget import keep_freed_memory, use_batch_budget
     from .errors import CheckpointError, ModelLoadError, ParityError, PretrainedWeightsUnavailable
     from .export import default_parity_images, export_onnx, out_of_place
+    from .folders import walk_gallery
     from .hashing import file_sha256
     from .images import ImageLoadError, ImageTooLargeError, load_image
     from .model import Embedder, EmbedderConfig

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import ModelLoadError
 from .files import atomic_target
+from .folders import walk_gallery
 from .hashing import file_sha256
 from .images import IMAGE_SUFFIXES, ImageLoadError
 
@@ -129,16 +130,9 @@ def calibration_files(folder: str | os.PathLike, n: int = DEFAULT_IMAGES) -> lis
         raise QuantizationError(f"{root}: calibration folder not found (expected a folder of images)")
     if n < 1:
         raise QuantizationError(f"calibration image count must be >= 1, got {n}")
-    files = []
-    seen: set[str] = set()
-    # linked class folders are followed, as `indexer build` does (a loop is walked once)
-    for d, dirs, names in os.walk(root, followlinks=True):
-        if os.path.realpath(d) in seen:
-            dirs[:] = []
-            continue
-        seen.add(os.path.realpath(d))
-        files += [Path(d) / f for f in names if Path(f).suffix.lower() in IMAGE_SUFFIXES]
-    files = sorted(p for p in files if p.is_file())
+    # the gallery's walk (linked class folders followed once, hidden entries left out), sorted
+    files = sorted(f.abspath for f in walk_gallery(root)
+                   if f.problem is None and f.abspath.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise QuantizationError(f"{root}: no images (expected files ending in "
                                 f"{', '.join(sorted(IMAGE_SUFFIXES))})")

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from embedder.folders import walk_gallery
 from embedder.images import is_listed
 
 
@@ -191,28 +192,16 @@ def omniglot_splits(root: str | Path, holdout_alphabets: int = 10) -> tuple[Spli
 
 
 def _tree_pairs(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
-    """Every image under ``root`` with the label ``indexer build`` gives it (its folder relative to
-    ``root``: "dogs/beagle" when nested, as ``indexer.store.walk.label_of``), so that a folder
-    trains and indexes with the same classes; classes in natural order, files sorted in each.
-    Images at the root itself have no label and are left out; folders are followed through
-    symlinks, each once (a link back up the tree is not walked again)."""
-    import os
-
+    """Every image under ``root`` with the label ``indexer build`` gives it, by the same walk
+    (``embedder.folders``: its folder relative to ``root``, "dogs/beagle" when nested; hidden
+    entries and files at the root left out), so that a folder trains and indexes as the same
+    classes; classes in natural order, files sorted in each."""
     by_label: dict[str, list[Path]] = {}
-    seen: set[str] = set()
-    for d, dirs, files in os.walk(root, followlinks=True):
-        real = os.path.realpath(d)
-        if real in seen:
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs.sort()
-        rel = Path(d).relative_to(root).as_posix()
-        imgs = sorted(f for f in files if is_listed(f) and os.path.isfile(os.path.join(d, f)))
-        if rel != "." and imgs:
-            by_label.setdefault(rel, []).extend(Path(d) / f for f in imgs)
+    for f in walk_gallery(root):
+        if f.problem is None and f.label is not None:
+            by_label.setdefault(f.label, []).append(f.abspath)
     classes = sorted(by_label, key=_natural_key)
-    return [(p, c) for c in classes for p in by_label[c]], classes
+    return [(p, c) for c in classes for p in sorted(by_label[c])], classes
 
 
 def folder_splits(root: str | Path, test_classes: Sequence[str] = ()) -> tuple[Split, Split]:

@@ -55,7 +55,8 @@ def make_tree(root: Path, n: int, per_dir: int = 1000) -> None:
 
 def _task_walk(root: str, shard: str, n: str) -> dict:
     """Before: one shard task's walk (the whole gallery, its share kept by path hash)."""
-    from indexer.store.walk import shard_of, walk_gallery
+    from embedder import walk_gallery
+    from indexer.store.walk import shard_of
 
     t0 = time.perf_counter()
     kept = sum(1 for f in walk_gallery(root) if shard_of(f.relpath, int(n)) == int(shard))
@@ -64,7 +65,7 @@ def _task_walk(root: str, shard: str, n: str) -> dict:
 
 def _count_walk(root: str) -> dict:
     """Before: the driver's own walk, counting files for the progress bar."""
-    from indexer.store.walk import walk_gallery
+    from embedder import walk_gallery
 
     t0 = time.perf_counter()
     n = sum(1 for _ in walk_gallery(root))

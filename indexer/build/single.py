@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import faiss
 import numpy as np
 
+from embedder.folders import GalleryFile, walk_gallery
 from embedder.images import IMAGE_SUFFIXES
 
 from ..ann import faiss_index as fx
@@ -24,7 +25,7 @@ from ..directory.model import load_embedder, model_info
 from ..errors import IndexerError
 from ..store.gallery import GalleryStore
 from ..store.ingest import ingest
-from ..store.walk import GalleryFile, shard_of, walk_gallery
+from ..store.walk import shard_of
 
 # ---------------------------------------------------------------------------- build
 def gallery_files(gallery: str | Path, shard: tuple[int, int] | None = None) -> Iterator[GalleryFile]:

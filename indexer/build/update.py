@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import faiss
 import numpy as np
 
+from embedder.folders import GalleryFile, walk_gallery
 from embedder.knn import drop_self
 
 from ..ann import faiss_index as fx
@@ -28,7 +29,6 @@ from ..store.gallery import GalleryStore
 from ..store.ingest import IngestStats, embed_missing, ingest
 from ..store.lmdb_faults import DiskFullError
 from ..store.sources import Rows, StoreSource
-from ..store.walk import GalleryFile, walk_gallery
 
 
 @dataclass

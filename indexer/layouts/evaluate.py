@@ -12,9 +12,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from embedder.folders import walk_gallery
+
 from ..errors import IndexerError
 from ..store.gallery import id_for_sha256
-from ..store.walk import walk_gallery
 from .index import Index
 
 

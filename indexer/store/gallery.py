@@ -20,9 +20,10 @@ from typing import Any, Iterable, Iterator, Sequence
 import lmdb
 import numpy as np
 
+from embedder.folders import label_of
+
 from ..errors import IndexerError
 from .lmdb_env import LmdbStore
-from .walk import label_of
 
 ID_BITS = 53          # ids stay exact in JavaScript (Number.MAX_SAFE_INTEGER == 2**53 - 1)
 _PATHREC = struct.Struct(">QQq")

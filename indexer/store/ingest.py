@@ -18,13 +18,13 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from embedder.folders import GalleryFile
 from embedder.runtime import DECODE_WORKERS, OnnxEmbedder, chunked
 from embedder.vectors import l2_normalize
 
 from ..errors import IndexerError
 from .gallery import GalleryStore, NewItem, Snapshot
 from .reader import DECODED, FAILED, SKIP, TOUCH, UNCHANGED, prefetch, read_chunk
-from .walk import GalleryFile
 
 
 @dataclass

@@ -16,8 +16,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from embedder.folders import GalleryFile
+
 from .gallery import NewItem, Snapshot, id_for_sha256
-from .walk import GalleryFile
 
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
 _PNG_IHDR = struct.Struct(">4sII")

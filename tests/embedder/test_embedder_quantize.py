@@ -196,6 +196,8 @@ def test_calibration_follows_linked_class_folders_once(tmp_path: Path, cub_root)
     for c in classes:
         (cal / c.name).symlink_to(c, target_is_directory=True)
     (cal / "loop").symlink_to(cal, target_is_directory=True)
+    (cal / ".thumbnails").mkdir()                      # hidden: not walked, as by `indexer build`
+    shutil.copy(next(classes[0].glob("*.jpg")), cal / ".thumbnails")
     files = calibration_files(cal, n=10_000)
     want = sum(1 for c in classes for f in c.iterdir() if f.suffix.lower() in (".jpg", ".jpeg", ".png"))
     assert len(files) == want and want > 0

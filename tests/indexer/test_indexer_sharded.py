@@ -152,7 +152,8 @@ def test_sharded_index_is_healthy_and_has_one_writer(built: Path, tmp_path: Path
 def test_a_shard_that_received_no_file_is_valid(tmp_path: Path, omniglot_root: Path, small_onnx: Path) -> None:
     """`--ray --shards 8` on a small gallery leaves some shards with no file: their (empty)
     store and part must not stop the sharded index from building, opening, searching, adding."""
-    from indexer.store.walk import shard_of, walk_gallery
+    from embedder.folders import walk_gallery
+    from indexer.store.walk import shard_of
 
     gallery = tmp_path / "g"
     copy_characters(omniglot_root, gallery, 1, per_char=3)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from indexer.store.walk import read_file_list, shard_of, split_walk, walk_gallery
+from embedder.folders import walk_gallery
+from indexer.store.walk import read_file_list, shard_of, split_walk
 
 
 def test_split_walk_lists_equal_per_shard_walks(tmp_path: Path, omniglot_gallery: Path) -> None:
@@ -19,6 +20,9 @@ def test_split_walk_lists_equal_per_shard_walks(tmp_path: Path, omniglot_gallery
     os.symlink(gallery / "missing.png", gallery / "dangling.png")
     (gallery / "ünïcode label").mkdir()
     (gallery / "ünïcode label" / "a b.png").write_bytes(b"not a png")
+    (gallery / ".thumbnails").mkdir()                     # hidden entries are not walked
+    (gallery / ".thumbnails" / "t.png").write_bytes(sorted(omniglot_gallery.rglob("*.png"))[0].read_bytes())
+    (gallery / "ünïcode label" / "._a b.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
     lists = [tmp_path / "lists" / str(i) / "files.jsonl" for i in range(3)]
     for p in lists:
         p.parent.mkdir(parents=True)
@@ -31,3 +35,4 @@ def test_split_walk_lists_equal_per_shard_walks(tmp_path: Path, omniglot_gallery
         assert mine == [f for f in walked if shard_of(f.relpath, 3) == i]
     problems = {f.relpath: f.problem for f in walked if f.problem}
     assert set(problems) == {"odd dir.jpg", "dangling.png"}, problems
+    assert not [f.relpath for f in walked if "/." in f"/{f.relpath}"]

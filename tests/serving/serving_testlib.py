@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from indexer.store.walk import walk_gallery
+from embedder.folders import walk_gallery
 
 # the demo gallery's classes (scikit-image's sample pictures), for conftest's fixtures and the tests
 DEMO_CLASSES = ["astronaut", "chelsea", "coffee", "rocket", "motorcycle", "coins", "retina", "page"]

@@ -144,12 +144,15 @@ def test_folder_split_by_half_or_explicit_list(tmp_path, four_class_images):
 
 def test_nested_folders_are_the_classes_indexer_build_labels(tmp_path, four_class_images):
     """A folder trains with the labels `indexer build` gives it: an image's folder relative to the
-    root ("dogs/beagle" when nested); images at the root are unlabelled, empty folders no class.
-    Until 2026-11-30 training took the top folders' own files only: "dogs" held none."""
-    from indexer.store.walk import walk_gallery
+    root ("dogs/beagle" when nested); images at the root are unlabelled, empty folders no class,
+    hidden entries (a Jupyter checkpoint folder, macOS's ``._`` copies) not walked. Until
+    2026-11-30 training took the top folders' own files only ("dogs" held none), and until
+    2026-12-01 a hidden folder was a class of both."""
+    from embedder.folders import walk_gallery
 
     for rel, src in [("dogs/beagle/0", 0), ("dogs/beagle/1", 0), ("dogs/pug/0", 1), ("cat/0", 2),
-                     ("cat/kittens/0", 3), ("top", 3)]:
+                     ("cat/kittens/0", 3), ("top", 3), (".ipynb_checkpoints/0", 1),
+                     ("cat/._0", 2), ("dogs/.thumbnails/0", 0)]:
         img = four_class_images[src][0]
         _copy(img, tmp_path / f"{rel}{img.suffix}")
     (tmp_path / "empty" / "deeper").mkdir(parents=True)
