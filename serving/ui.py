@@ -212,7 +212,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
             return fail(e, len(AUDIT_GALLERIES) + 1) + [[[] for _ in AUDIT_GALLERIES]]
         items = {"mislabelled": [(x, f"{x['label']} → {x['suggested']} · {x['score']:.2f}")
                                  for x in found.get("mislabelled", [])],
-                 "duplicates": [(x, f"group {g['group']} · {x['label'] or ''} · max cos {g['max_cosine']:.3f}")
+                 "duplicates": [(x, f"group {g['group']} · {x['label'] or ''} · max cos {g['max_cosine']:.3f}"
+                                    + (" · identical files" if g["identical_files"] else ""))
                                 for g in found["duplicates"] for x in g["items"]],
                  "outliers": [(x, f"{x['label'] or ''} · {x['score']:.2f}") for x in found["outliers"]]}
         gals = [[(searcher.thumbnail(name, x["id"]), cap) for x, cap in items[kind][:AUDIT_SHOWN]]

@@ -34,8 +34,9 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--index", type=Path, required=True, metavar="DIR", help="index directory to audit")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="where to write the audit (default: DIR/audit beside the index's files)")
-    p.add_argument("-k", type=positive, default=DEFAULT_K,
-                   help=f"neighbours per image in the kNN graph (default {DEFAULT_K})")
+    p.add_argument("-k", type=positive, default=None,
+                   help=f"neighbours per image in the kNN graph (default {DEFAULT_K}, or all the others of a "
+                        "smaller gallery)")
     p.add_argument("--threshold", type=_cosine, default=DEFAULT_THRESHOLD,
                    help=f"pair score (cosine + its lead over both neighbourhoods) from which two images "
                         f"are near-duplicates (default {DEFAULT_THRESHOLD})")

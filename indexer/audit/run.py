@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from embedder.folders import label_of
+
 from . import report
 from .duplicates import (DEFAULT_THRESHOLD, MAX_DIFFER, MIN_INLIERS, DuplicateGroup, Pairs, candidates,
                          near_duplicates, pixel_inliers, scored_pairs, verify_pairs)
@@ -45,6 +47,7 @@ class Audit:
     skipped: dict[str, str] = field(default_factory=dict)   # kind -> why not computed
     seconds: dict[str, float] = field(default_factory=dict)
     verified: dict[str, Any] = field(default_factory=dict)  # the pixel check of near-duplicates
+    identical: dict[int, list[str]] = field(default_factory=dict)   # row -> its files, when several
 
     def mislabelled(self, top: int | None = None) -> np.ndarray:
         return np.zeros(0, dtype=np.int64) if self.view is None else mislabelled(self.view, top)
@@ -53,7 +56,7 @@ class Audit:
         return ranked(self.outliers, top)
 
 
-def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold: float = DEFAULT_THRESHOLD,
+def run_audit(directory: str | Path | Gallery, *, k: int | None = None, threshold: float = DEFAULT_THRESHOLD,
               kinds: tuple[str, ...] = KINDS, progress: bool = False, ray: Any = None,
               verify: bool = True, verify_max: int = DEFAULT_VERIFY_MAX, **params: float) -> Audit:
     """Audit an index directory (or an opened :class:`Gallery`). ``kinds``: the ones asked for;
@@ -66,7 +69,7 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
     bad = [x for x in kinds if x not in KINDS]
     if bad:
         raise ValueError(f"unknown audit kinds {bad}: expected some of {list(KINDS)}")
-    if k < 1:
+    if k is not None and k < 1:
         raise ValueError(f"-k {k}: expected a positive number of neighbours")
     if not -1.0 <= threshold <= 1.0:
         raise ValueError(f"--threshold {threshold}: a cosine similarity is between -1 and 1")
@@ -82,10 +85,14 @@ def run_audit(directory: str | Path | Gallery, *, k: int = DEFAULT_K, threshold:
         raise
 
 
-def _audit(g: Gallery, k: int, threshold: float, kinds: tuple[str, ...], progress: bool, verify: bool,
+def _audit(g: Gallery, k: int | None, threshold: float, kinds: tuple[str, ...], progress: bool, verify: bool,
            verify_max: int, params: dict[str, float]) -> Audit:
     t = {}
     t0 = time.perf_counter()
+    if len(g.ids) < 2:
+        raise ValueError(f"{g.directory}: the index holds 1 image; an audit compares images with each other")
+    if k is None:               # the default on a tiny gallery: all its other images
+        k = min(DEFAULT_K, len(g.ids) - 1)
     if len(g.ids) - 1 < k:
         raise ValueError(f"-k {k}: the gallery holds only {len(g.ids)} images, so each has at most "
                          f"{len(g.ids) - 1} others; use -k {max(1, len(g.ids) - 1)} or less")
@@ -102,7 +109,7 @@ def _audit(g: Gallery, k: int, threshold: float, kinds: tuple[str, ...], progres
         t0 = time.perf_counter()
         view = class_view(g, graph, **params)
         t["classes"] = time.perf_counter() - t0
-    dups, checked = [], {}
+    dups, checked, ident = [], {}, {}
     if "duplicates" in kinds:
         extra, scored = None, scored_pairs(graph, threshold)
         if verify and verify_max > 0:
@@ -112,12 +119,13 @@ def _audit(g: Gallery, k: int, threshold: float, kinds: tuple[str, ...], progres
             checked.update(dropped)
             t["verify"] = time.perf_counter() - t0
         dups = near_duplicates(scored, extra)
+        ident = g.identical_files()
     t0 = time.perf_counter()
     out = outlier_scores(graph, view)
     conf = confused_pairs(view, graph) if view is not None and "confused" in kinds else []
     t["kinds"] = time.perf_counter() - t0
     skipped.update({x: "not asked for" for x in KINDS if x not in kinds and x not in skipped})
-    return Audit(g, graph, threshold, dups, out, view, conf, skipped, t, checked)
+    return Audit(g, graph, threshold, dups, out, view, conf, skipped, t, checked, ident)
 
 
 def _unrefuted(g: Gallery, scored: Pairs, cap: int) -> tuple[Pairs, dict[str, Any]]:
@@ -173,16 +181,35 @@ def _f(x: float) -> float | None:
     return None if x is None or not np.isfinite(x) else round(float(x), 4)
 
 
+def _duplicate_groups(a: Audit) -> list[dict]:
+    """Groups of files that are one picture: byte-identical files first (one stored image under
+    several paths, the graph cannot pair them: the same photo filed under two labels shows here),
+    then the graph's near-duplicate groups, an image stored as several files listed once a file."""
+    g = a.gallery
+
+    def files(r: int) -> list[dict]:
+        paths = a.identical.get(r)
+        return [_item(a, r)] if paths is None else [{"id": int(g.ids[r]), "path": p, "label": label_of(p)}
+                                                   for p in paths]
+
+    def group(rows: list[int], pairs: list, max_score: float | None) -> dict:
+        items = [it for r in rows for it in files(r)]
+        return {"size": len(items), "max_cosine": 1.0 if not pairs else _f(max(p[2] for p in pairs)),
+                "labels_differ": len({it["label"] for it in items}) > 1,
+                "identical_files": sum(len(a.identical.get(r, [None])) - 1 for r in rows),
+                "items": items, "max_score": max_score,
+                "pairs": [{"a": int(g.ids[x]), "b": int(g.ids[y]), "cosine": _f(s), "score": _f(sc),
+                           "inliers": n} for x, y, s, sc, n in pairs]}
+
+    near = {r for grp in a.duplicates for r in grp.rows}
+    alone = [group([r], [], None) for r in sorted(a.identical, key=lambda r: a.identical[r]) if r not in near]
+    return alone + [group(grp.rows, grp.pairs, _f(grp.max_score)) for grp in a.duplicates]
+
+
 def lists(a: Audit, top: int = DEFAULT_TOP) -> dict[str, list[dict]]:
     """The four lists as rows (what the JSONL files hold; the API can serve the same)."""
     g, out = a.gallery, {}
-    out["duplicates"] = [{"group": i + 1, "max_cosine": _f(grp.max_sim), "size": len(grp.rows),
-                          "labels_differ": len({int(g.codes[r]) for r in grp.rows}) > 1,
-                          "items": [_item(a, r) for r in grp.rows],
-                          "max_score": _f(grp.max_score),
-                          "pairs": [{"a": int(g.ids[x]), "b": int(g.ids[y]), "cosine": _f(s), "score": _f(sc),
-                                     "inliers": n} for x, y, s, sc, n in grp.pairs]}
-                         for i, grp in enumerate(a.duplicates[:top])]
+    out["duplicates"] = [{"group": i + 1, **grp} for i, grp in enumerate(_duplicate_groups(a)[:top])]
     if a.view is not None:
         v = a.view
         out["mislabelled"] = [{"rank": i + 1, **_item(a, r),
@@ -205,7 +232,8 @@ def lists(a: Audit, top: int = DEFAULT_TOP) -> dict[str, list[dict]]:
 
 
 COLUMNS = {
-    "duplicates": ["group", "size", "max_cosine", "max_score", "labels_differ", "id", "path", "label"],
+    "duplicates": ["group", "size", "max_cosine", "max_score", "labels_differ", "identical_files", "id", "path",
+                   "label"],
     "mislabelled": ["rank", "id", "path", "label", "suggested", "score", "margin", "p_label", "p_suggested",
                     "neighbours_agree"],
     "outliers": ["rank", "id", "path", "label", "score", "knn_far", "class_far", "own_class_far",
@@ -216,13 +244,17 @@ COLUMNS = {
 
 def summary(a: Audit, rows: dict[str, list[dict]]) -> dict:
     g = a.gallery
+    near = {r for x in a.duplicates for r in x.rows}
     return {"index": str(g.directory), "images": int(len(g.ids)), "labels": len(g.label_names),
             "labelled_images": int((g.codes >= 0).sum()), "k": a.graph.k,
             "duplicate_threshold": a.threshold, "duplicates_verified": a.verified or None,
             "index_type": g.index.manifest.index_type,
             "scores": "exact" if g.exact_scores else "recomputed from the stored vectors",
-            "found": {"duplicate_groups": len(a.duplicates),
-                      "duplicate_images": int(sum(len(x.rows) for x in a.duplicates)),
+            "found": {"duplicate_groups": len(a.duplicates) + len(set(a.identical) - near),
+                      "duplicate_images": len(near | set(a.identical)),
+                      "identical_files": sum(len(p) - 1 for p in a.identical.values()),
+                      "identical_across_labels": sum(len({label_of(x) for x in p}) > 1
+                                                     for p in a.identical.values()),
                       **({"mislabelled": int(len(a.mislabelled())), "confused_pairs": len(a.confused)}
                          if a.view is not None else {})},
             "written": {kind: len(r) for kind, r in rows.items()},
@@ -237,7 +269,7 @@ def write_audit(a: Audit, out: str | Path, *, top: int = DEFAULT_TOP, sheets: bo
         for kind, r in rows.items():
             flat = None
             if kind == "duplicates":        # the CSV: one line per member
-                flat = [{**{c: grp[c] for c in ("group", "size", "max_cosine", "max_score", "labels_differ")}, **it}
+                flat = [{**{c: grp[c] for c in COLUMNS[kind][:6]}, **it}
                         for grp in r for it in grp["items"]]
             report.write_rows(tmp, kind, r, COLUMNS[kind], flat)
         if sheets:
@@ -292,6 +324,9 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
           f"of {info['index']}, k={info['k']}, {info['index_type']} index", file=f)
     print(f"  near-duplicates: {fd['duplicate_groups']} groups, {fd['duplicate_images']} images "
           f"(pair score >= {info['duplicate_threshold']}: cosine + its lead over the neighbourhoods)", file=f)
+    if fd.get("identical_files"):
+        print(f"    files byte-identical to another: {fd['identical_files']} (stored once; filed under two "
+              f"labels or more: {fd['identical_across_labels']} images)", file=f)
     v = info.get("duplicates_verified")
     if v and v.get("scored_checked"):
         print(f"    {v['scored_dropped']} of {v['scored_checked']} pairs above it dropped: under {v['min_inliers']} "

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .run import DEFAULT_K, lists, run_audit, summary
+from .run import lists, run_audit, summary
 from .source import manifest_file, open_gallery
 
 CACHE_FILE = "audit.json"
@@ -23,9 +23,14 @@ _LOCKS_GUARD = threading.Lock()
 _MEMO: dict[Path, dict[str, Any]] = {}     # the audit this process last served, per directory
 
 
+#: the lists' format: a cache written by an older audit (2: byte-identical files) is computed again
+FORMAT = 2
+
+
 def version(directory: str | Path) -> str:
-    """The index's version: the sha256 of its manifest (what every change rewrites last)."""
-    return hashlib.sha256(manifest_file(directory).read_bytes()).hexdigest()
+    """The index's version: the sha256 of its manifest (what every change rewrites last), and the
+    audit's format."""
+    return f"{FORMAT}:" + hashlib.sha256(manifest_file(directory).read_bytes()).hexdigest()
 
 
 def served_audit(directory: str | Path, *, top: int = SERVED_TOP) -> dict[str, Any]:
@@ -56,7 +61,7 @@ def _stored(d: Path, key: str) -> dict[str, Any] | None:
 def _computed(d: Path, key: str, top: int) -> dict[str, Any]:
     g = open_gallery(d)
     try:
-        a = run_audit(g, k=min(DEFAULT_K, max(1, len(g.ids) - 1)))     # a tiny gallery: all its others
+        a = run_audit(g)            # k: the default, or on a tiny gallery all its other images
         rows = lists(a, top)
         info = {k: v for k, v in summary(a, rows).items() if k != "index"}
     finally:

@@ -82,6 +82,26 @@ class Gallery:
                                "audit needs every shard (retry, or raise --shard-timeout)")
         return ans.scores, ans.ids
 
+    def identical_files(self) -> dict[int, list[str]]:
+        """Row -> the paths of its files, for each image the gallery holds as more than one file
+        (byte-identical copies are stored once, under every path: the graph cannot pair them)."""
+        parts = self.index.layout.parts
+        ids = []
+        for part in parts:
+            with GalleryStore(part.store_dir) as st:
+                ids.append(st.path_ids())
+        u, n = np.unique(np.concatenate(ids), return_counts=True)
+        many = set(u[n > 1].tolist())
+        if not many:
+            return {}
+        paths: dict[int, list[str]] = {}
+        for part in parts:
+            with GalleryStore(part.store_dir) as st:
+                for i, ps in st.paths_of(many).items():
+                    paths.setdefault(i, []).extend(ps)
+        rows = self.rows_of(np.fromiter(paths, np.int64, len(paths)))
+        return {int(r): sorted(ps) for r, ps in zip(rows, paths.values()) if r >= 0}
+
     def meta(self, row: int) -> dict:
         return self.index.meta(int(self.ids[row]))
 

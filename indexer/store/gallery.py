@@ -133,6 +133,23 @@ class GalleryStore(LmdbStore):
             raw = txn.get(relpath.encode("utf-8"), db=self._db("path"))
         return None if raw is None else _PATHREC.unpack(raw)
 
+    def path_ids(self) -> np.ndarray:
+        """The id of every file the store holds, one per path (identical files are one id under
+        several paths: what the audit lists as exact copies)."""
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db("path"))
+            return np.fromiter((_PATHREC.unpack(v)[0] for v in cur.iternext(keys=False)), np.int64)
+
+    def paths_of(self, ids: set[int]) -> dict[int, list[str]]:
+        """The relative paths of each of ``ids`` (sorted; ids without a path left out)."""
+        out: dict[int, list[str]] = {}
+        with self._read() as txn:
+            for k, v in txn.cursor(db=self._db("path")):
+                i = _PATHREC.unpack(v)[0]
+                if i in ids:
+                    out.setdefault(i, []).append(k.decode("utf-8"))
+        return out
+
     def id_for_path(self, rel_path: str) -> int | None:
         rec = self.path_record(str(rel_path))
         return None if rec is None else rec[0]

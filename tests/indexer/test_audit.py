@@ -65,11 +65,19 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, cub_mini: Path, photo_paths
     for p, c in zip(photo_paths[:2], (classes[1], classes[6])):
         (gal / c / f"ood_{p.name}").symlink_to(p)
         ood.append(f"{c}/ood_{p.name}")
+    # byte-identical files (stored once, so the graph cannot pair them): one in its own folder,
+    # one filed under a second label
+    twins = {}
+    for src, dst in ((classes[0], classes[0]), (classes[2], classes[3])):
+        f = sorted((gal / src).iterdir())[5]
+        shutil.copy(f, gal / dst / f"twin_{f.name}")
+        twins[f"{src}/{f.name}"] = f"{dst}/twin_{f.name}"
     idx = root / "index"
     run_cli("build", gal, "--model", pretrained_onnx, "--dba", "--out", idx, "--quiet")
     out = root / "audit"
     p = run_audit_cli("--index", idx, "--out", out, "--quiet")
-    return {"index": idx, "out": out, "flipped": flipped, "copies": copies, "ood": ood, "stdout": p.stdout}
+    return {"index": idx, "out": out, "flipped": flipped, "copies": copies, "ood": ood, "twins": twins,
+            "stdout": p.stdout}
 
 
 def test_flipped_labels_rank_first_with_their_true_label_suggested(faulty: dict) -> None:
@@ -87,7 +95,21 @@ def test_transformed_copies_are_grouped_with_their_originals(faulty: dict) -> No
     for a, b in faulty["copies"]:
         assert group_of.get(a) is not None and group_of.get(a) == group_of.get(b), (a, b, groups)
     injected = {p for pair in faulty["copies"] for p in pair}
-    assert sum(len(g["items"]) for g in groups) <= len(injected) + 2     # nothing much else grouped
+    near = [g for g in groups if g["pairs"]]
+    assert sum(len(g["items"]) for g in near) <= len(injected) + 2     # nothing much else grouped
+
+
+def test_byte_identical_files_are_grouped_and_a_second_label_is_flagged(faulty: dict) -> None:
+    """Identical files are one stored image under two paths, so no kNN pair can find them: until
+    2026-12-01 the audit listed neither a copy nor the same photo filed under two labels."""
+    groups = [g for g in rows(faulty["out"], "duplicates") if g["identical_files"]]
+    got = {frozenset(it["path"] for it in g["items"]): g["labels_differ"] for g in groups}
+    want = {frozenset(pair): pair[0].split("/")[0] != pair[1].split("/")[0] for pair in faulty["twins"].items()}
+    assert got == want and sorted(want.values()) == [False, True], groups
+    assert all(len({it["id"] for it in g["items"]}) == 1 and g["max_cosine"] == 1.0 for g in groups)
+    found = json.loads((faulty["out"] / "summary.json").read_text())["found"]
+    assert (found["identical_files"], found["identical_across_labels"]) == (2, 1)
+    assert "byte-identical to another: 2" in faulty["stdout"]
 
 
 def test_off_domain_photos_are_the_top_outliers(faulty: dict) -> None:
@@ -133,6 +155,11 @@ def test_a_gallery_without_labels_gets_duplicates_and_outliers_only(tmp_path: Pa
     p = run_audit_cli("--index", idx, "--out", tmp_path / "a", "-k", "5", "--quiet")
     assert "mislabelled and confused: not computed: the gallery has no labels" in p.stdout
     assert p.stdout.count("not computed") == 1          # one line for the one reason
+    for f in sorted(gal.iterdir())[6:]:                  # 6 images: the default k is their 5 others
+        f.unlink()
+    run_cli("build", gal, "--model", small_onnx, "--out", tmp_path / "six", "--quiet")
+    p = run_audit_cli("--index", tmp_path / "six", "--out", tmp_path / "a6", "--quiet")
+    assert json.loads((tmp_path / "a6" / "summary.json").read_text())["k"] == 5
     files = {f.name for f in (tmp_path / "a").iterdir()}
     assert {"duplicates.jsonl", "outliers.jsonl", "summary.json"} <= files and "mislabelled.jsonl" not in files
     assert len(rows(tmp_path / "a", "outliers")) == 16
