@@ -290,6 +290,9 @@ def speed(args: argparse.Namespace) -> None:
         def search(self, q, k):
             return ivf.search(q, k)
 
+        def identical_files(self):
+            return {}                   # synthetic vectors have no files
+
     class FakeIndex:
         directory, dim = Path("synthetic"), d
 
