@@ -4,11 +4,12 @@ on white, 16-bit and float scaled into 0..255, and every bad file one :class:`Im
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -16,6 +17,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from . import decode_budget as budget
 from .containers import ACCEPTED_TEXT, AVIF, FormatRefused, open_image
 from .errors import PathError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from PIL import ImageFont
 
 # File suffixes every package treats as images (gallery walks, dataset folders, query folders):
 # the usual names of the formats embedder.containers opens (.jfif and .jpe are JPEG's other names,
@@ -51,6 +55,18 @@ def is_listed(name: str) -> bool:
 
 
 MODES = ("RGB", "L")
+
+
+@functools.lru_cache(maxsize=8)
+def label_font(size: int = 10) -> "ImageFont.FreeTypeFont":
+    """The font of every label this project draws into a PNG (audit contact sheets, the probe
+    grid): DejaVu Sans from matplotlib's own files (a dependency), so a label in a Latin, Greek or
+    Cyrillic script is legible and looks the same on every machine; Pillow's default font holds
+    ASCII only ("été" came out as boxes). CJK labels would need a system font: not covered."""
+    from PIL import ImageFont
+    import matplotlib
+
+    return ImageFont.truetype(str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"), size)
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
 

@@ -6,17 +6,12 @@ from typing import TYPE_CHECKING
 
 from PIL import Image, ImageDraw, ImageFont
 
+from embedder.images import label_font
+
 from .thumbs import framed
 
 if TYPE_CHECKING:
     from .searcher import ProbeReport, Result, Searcher
-
-
-def _font(size: int) -> ImageFont.ImageFont:
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow < 10.1 has no sized default font
-        return ImageFont.load_default()
 
 
 def caption(r: "Result") -> str:
@@ -58,7 +53,7 @@ def probe_grid(searcher: "Searcher", report: "ProbeReport", cell: int = 112, que
     H = pad + 22 + len(rows) * row_h + pad
     out = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(out)
-    f_title, f_small = _font(14), _font(11)
+    f_title, f_small = label_font(14), label_font(11)
     q = report.query
     title = f"index {report.index} · query {q.name}" + (f" · label {q.label}" if q.label else "")
     d.text((pad, pad), _fit(title, f_title, W - 2 * pad, d), fill="black", font=f_title)

@@ -61,6 +61,7 @@ def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: 
     from PIL import Image, ImageDraw
 
     from embedder import load_image
+    from embedder.images import label_font
 
     rows = [r for r in rows[:SHEET_ROWS] if r]
     if not rows:
@@ -70,7 +71,8 @@ def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: 
     W, H = cols * (THUMB + pad) + pad, 24 + len(rows) * (THUMB + cap + pad)
     sheet = Image.new("RGB", (W, H), "white")
     draw = ImageDraw.Draw(sheet)
-    draw.text((pad, 6), title, fill="black")
+    font = label_font(10)
+    draw.text((pad, 6), title, fill="black", font=font)
     for i, row in enumerate(rows):
         y = 24 + i * (THUMB + cap + pad)
         for j, (data, caption) in enumerate(row[:cols]):
@@ -84,7 +86,7 @@ def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: 
             if j == 0:
                 draw.rectangle((x - 2, y - 2, x + THUMB + 1, y + THUMB + 1), outline="red", width=2)
             for li, line in enumerate(_wrap(caption, 18)[:2]):
-                draw.text((x, y + THUMB + 2 + li * 11), line, fill="black")
+                draw.text((x, y + THUMB + 2 + li * 11), line, fill="black", font=font)
     sheet.save(path, format="PNG")
     return True
 

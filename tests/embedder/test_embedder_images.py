@@ -139,3 +139,19 @@ def test_sources_agree_and_palette(tmp_path, photo_paths, photo):
     assert load_image(pal).mode == "RGB"
     with pytest.raises(ValueError, match="mode must be one of"):
         load_image(p, mode="CMYK")
+
+
+def test_labels_in_latin_greek_and_cyrillic_scripts_are_drawn_not_boxed() -> None:
+    """Contact sheets and the probe grid draw labels with `label_font`: Pillow's default font drew
+    "été" as boxes (its .notdef glyph, what U+FFFF gets) until 2026-12-01."""
+    from PIL import ImageDraw
+
+    from embedder.images import label_font
+
+    def glyph(c: str) -> bytes:
+        im = Image.new("L", (40, 20))
+        ImageDraw.Draw(im).text((2, 2), c, font=label_font(10), fill=255)
+        return im.tobytes()
+
+    notdef = glyph("\uffff")
+    assert any(notdef) and [c for c in "aéüßжωñç" if glyph(c) == notdef] == []
