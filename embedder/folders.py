@@ -3,7 +3,8 @@
 calibrates and indexes as the same images with the same classes. Deterministic (sorted); entries
 that look like images but cannot be read are yielded with ``problem`` set, to be reported, not
 dropped; hidden entries (names starting with ".": macOS ``._`` files, ``.ipynb_checkpoints``,
-``.thumbnails``) are not walked, as file browsers and shell globs do not show them."""
+``.thumbnails``) are not walked, as file browsers and shell globs do not show them, nor is an index
+directory kept inside the folder (its audit's contact sheets are PNGs)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,11 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from .images import is_listed
+
+
+#: a folder holding one of these is an index that `indexer build` wrote (a store, a shard's part, a
+#: sharded index's trained file: ``indexer.directory.index_dir``'s names), not photos: not walked
+INDEX_FILES = frozenset({"store.lmdb", "index.faiss", "part.faiss", "trained.faiss"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
             yield GalleryFile(d, rel(d) if d != root else ".", None,
                               f"unreadable directory: {e.strerror or e}")
             continue
+        if d != root and not INDEX_FILES.isdisjoint(e.name for e in entries):
+            continue                        # an index (its audit sheets too) kept inside the gallery
         subdirs = []
         for e in entries:
             if e.name.startswith("."):

@@ -346,3 +346,22 @@ def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
     assert full["scored_checked"] == full["scored"] >= 1 and full["scored_dropped"] == 0   # the copies all kept
     bad = run_audit_cli("--index", faulty["index"], "--verify-max", "-1", check=False)
     assert bad.returncode == 2
+
+
+def test_an_index_kept_inside_its_gallery_is_not_walked_as_photos(tmp_path: Path, omniglot_paths: list[Path],
+                                                                   small_onnx: Path) -> None:
+    """`indexer build photos/ --out photos/index` then `audit` (sheets into photos/index/audit):
+    until 2026-12-01 the next build indexed the audit's contact sheets as photos of a class."""
+    from embedder.folders import INDEX_FILES
+    from indexer.directory import index_dir as names
+
+    assert {names.STORE_DIR, names.INDEX_FILE, names.PART_FILE, names.TRAINED_FILE} == INDEX_FILES
+    gal = tmp_path / "photos"
+    for i, p in enumerate(omniglot_paths[:12]):
+        (gal / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, gal / f"c{i % 2}" / f"{i:02d}.png")
+    run_cli("build", gal, "--model", small_onnx, "--out", gal / "index", "--quiet")
+    run_audit_cli("--index", gal / "index", "--quiet")
+    assert list((gal / "index" / "audit" / "sheets").glob("*.png"))
+    again = run_cli("build", gal, "--model", small_onnx, "--out", gal / "index")
+    assert "12 files: 0 new, 12 unchanged" in again.stdout, again.stdout
