@@ -4,6 +4,7 @@ the manifest read once, so a library caller is as safe as the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..directory.model import load_embedder
 from ..errors import IndexerError
 from ..layouts.counts import CountCheck, check_counts, faiss_ntotal
 from ..layouts.layout import Layout, Part, layout_of
-from ..store.gallery import GalleryStore
+from ..store.gallery import GalleryStore, id_for_sha256
 from ..store.ingest import IngestStats, embed_missing, ingest
 from ..store.lmdb_faults import DiskFullError
 from ..store.sources import Rows, StoreSource
@@ -58,8 +59,9 @@ def add_images(directory: str | Path, folder: str | Path, model: str | Path | No
         layout = _ready(layout_of(directory))
         emb = update_embedder(layout.d, layout.manifest, model, device, batch_size)
         target = min(layout.parts, key=_stored)
+        files = not_replacing(list(walk_gallery(folder, prefix=prefix)), layout.parts)
         with GalleryStore(target.store_dir, readonly=False) as store:
-            stats = ingest_folder(store, folder, prefix, emb, target.faiss_file, workers, progress)
+            stats = ingest_folder(store, folder, files, emb, target.faiss_file, workers, progress)
         layout.d.write_report(stats.skipped)
         return dataclasses.replace(sync(layout), stats=stats, shard=target.shard)
 
@@ -146,11 +148,40 @@ def update_embedder(d: IndexDir, manifest: Manifest, model: str | Path | None, d
     return emb
 
 
-def ingest_folder(store: GalleryStore, folder: Path, prefix: str, emb: Any, rewritten: Path,
+def not_replacing(files: list[GalleryFile], parts: Sequence[Part]) -> list[GalleryFile]:
+    """``files`` with those whose path the index holds with other content set aside as problems:
+    ``add`` never replaces an image (a build does, for a gallery file that changed), since two
+    folders' ``dogs/IMG_0001.jpg`` are two photos; before 2026-12-01 the second one silently took
+    the first one's place. A path whose size and mtime are the stored ones is the same file."""
+    taken: dict[str, list[tuple[int, int, int]]] = {}
+    for p in parts:
+        with GalleryStore(p.store_dir) as st:
+            for f in files:
+                rec = None if f.problem else st.path_record(f.relpath)
+                if rec is not None:
+                    taken.setdefault(f.relpath, []).append(rec)
+    out = []
+    for f in files:
+        recs = taken.get(f.relpath)
+        if recs:
+            try:
+                st_ = f.abspath.stat()
+                same = any(r[1:] == (st_.st_size, st_.st_mtime_ns) for r in recs) or \
+                    id_for_sha256(hashlib.sha256(f.abspath.read_bytes()).hexdigest()) in {r[0] for r in recs}
+            except OSError:
+                same = True             # unreadable: the reader reports it
+            if not same:
+                f = dataclasses.replace(f, problem=(
+                    f"not added: the index holds another image at {f.relpath}; add the folder with --prefix NAME "
+                    f"(stored as NAME/...) or run `indexer remove {f.relpath}` first"))
+        out.append(f)
+    return out
+
+
+def ingest_folder(store: GalleryStore, folder: Path, files: list[GalleryFile], emb: Any, rewritten: Path,
                   workers: int | None, progress: bool) -> IngestStats:
-    """``indexer add``'s ingest; a full disk is told with what the whole command needs
-    (:func:`space_needed`; ``rewritten``: the faiss file the add rewrites beside itself)."""
-    files = list(walk_gallery(folder, prefix=prefix))
+    """``indexer add``'s ingest of ``folder``'s ``files``; a full disk is told with what the whole
+    command needs (:func:`space_needed`; ``rewritten``: the faiss file the add rewrites beside itself)."""
     if not files:
         raise IndexerError(f"{folder}: no images to add")
     try:

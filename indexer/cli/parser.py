@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="ingest a gallery folder and build its index",
                        description="Walk GALLERY (labels = sub-folders), store and embed every image, "
                                    "build and tune the faiss index. Rerun to resume.")
-    b.add_argument("gallery", type=Path)
+    b.add_argument("gallery", type=Path, help="folder of images; sub-folders are the labels")
     b.add_argument("--model", type=Path, default=None,
                    help="exported .onnx embedder (default: an offline pretrained ImageNet embedder, "
                         "Lite1; in int8 on a CPU with int8 dot products (VNNI, AMX) Lite0 + Lite1, "
@@ -82,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
     opts(b, "--device", "--quiet", "--wait").set_defaults(func=write.build)
 
     a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), index=True)
-    a.add_argument("folder", type=Path)
+    a.add_argument("folder", type=Path, help="folder of images, stored as PREFIX/<path in it>; a file at a path the "
+                                             "index holds with other content is skipped and reported, never replaces")
     a.add_argument("--model", type=Path, default=None,
                    help="must be the model the index was built with (default: the index's copy)")
     a.add_argument("--prefix", default="", help="prefix for the stored relative paths (and labels)")

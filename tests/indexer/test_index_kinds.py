@@ -202,6 +202,29 @@ def _writable_copy(kind: str, built_index: Path, two_shards: Path, root: Path) -
     return out
 
 
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_add_never_replaces_an_image_stored_under_the_same_path(kind: str, built_index: Path, two_shards: Path,
+                                                                 omniglot_root: Path, tmp_path: Path) -> None:
+    """Two folders' ``c/0001.png`` are two pictures: `add` of the second skips it with the way to
+    add it (--prefix, or remove first) and adds the rest; until 2026-12-01 it replaced the first
+    (the index lost that image), in any shard. Re-adding the same files stays "unchanged"."""
+    import indexer
+
+    d = _writable_copy(kind, built_index, two_shards, tmp_path)
+    new = copy_characters(omniglot_root, tmp_path / "new", 1, per_char=4, skip_chars=12)
+    first = indexer.add_images(d, tmp_path / "new", progress=False)
+    rel = new[0].relative_to(tmp_path / "new")
+    clash = tmp_path / "clash"
+    (clash / rel).parent.mkdir(parents=True)
+    shutil.copy(new[1], clash / rel)                          # another picture under a stored path
+    shutil.copy(new[1], clash / rel.parent / "other name.png")  # its content, new path: a duplicate
+    c = indexer.add_images(d, clash, progress=False)
+    assert [x["path"] for x in c.stats.skipped] == [rel.as_posix()] and "--prefix" in c.stats.skipped[0]["reason"]
+    assert c.manifest.count == first.manifest.count and c.stats.duplicates == 1
+    again = indexer.add_images(d, tmp_path / "new", progress=False)
+    assert again.stats.unchanged == 4 and not again.stats.skipped
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_add_remove_repair_info_through_the_library_hold_the_lock(
         kind: str, built_index: Path, two_shards: Path, omniglot_root: Path, tmp_path: Path,
