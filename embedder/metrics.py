@@ -154,7 +154,9 @@ def cluster_scores(embeddings, labels, seed: int = 0, *, nredo: int = 1,
 
 def evaluate(embeddings, labels, ks=(1, 2, 4, 8), *, clustering: bool = True,
              map_r: bool = True, seed: int = 0) -> dict[str, float]:
-    """R@k, NMI and F1 (``clustering``), MAP@R (``map_r``), each item a query against all others."""
+    """R@k, NMI and F1 (``clustering``), MAP@R (``map_r``), each item a query against all others;
+    an item whose label has no other item is no R@k query (nothing could be found: PML's "lone"
+    queries), as it is none of MAP@R's."""
     x, y = _embeddings_and_labels(embeddings, labels)
     ks = [int(k) for k in ks]
     _, inverse, counts = np.unique(y, return_inverse=True, return_counts=True)
@@ -165,7 +167,9 @@ def evaluate(embeddings, labels, ks=(1, 2, 4, 8), *, clustering: bool = True,
         raise ValueError(f"ks={ks}: the largest k exceeds the {x.shape[0] - 1} other items")
     _, ids = knn(x, x, k_needed, exclude_self=True)
     nl = y[ids]
-    out = {f"R@{k}": v for k, v in recall_at_k(nl, y, ks).items()}
+    if not (r > 0).any():
+        raise ValueError(f"none of the {len(y)} labels holds two items: R@k needs another item of a query's label")
+    out = {f"R@{k}": v for k, v in recall_at_k(nl[r > 0], y[r > 0], ks).items()}
     if clustering:
         c = cluster_scores(x, y, seed=seed)
         out["NMI"], out["F1"] = c["nmi"], c["f1"]

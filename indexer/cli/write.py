@@ -265,10 +265,8 @@ def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False
     from ..layouts.index import Index
 
     with Index.open(out, device="cpu") as idx:
-        if not idx.labels():
-            return m
         c = dba_check(idx)
-    if c.z >= -2:
+    if c is None or c.z >= -2:          # no label holds two images: nothing to measure
         return m
     figures = (f"leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} with it, "
                f"{100 * c.plain:.2f} without")

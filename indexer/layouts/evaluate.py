@@ -124,11 +124,16 @@ def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None =
 def evaluate_gallery(index: Index, ks: Sequence[int] = (1, 2, 4, 8), *, dba: bool | None = None,
                      max_queries: int | None = None, seed: int = 0) -> dict:
     """Leave-one-out: each labelled item (a sample of ``max_queries``) queries the others with
-    its stored vector, excluded and guarded. Same keys as :func:`evaluate_queries`."""
+    its stored vector, excluded and guarded. Same keys as :func:`evaluate_queries`, and ``lone``:
+    the labelled items left out as the only image of their label."""
     ks = _ks(ks)
-    ids, labels = _labelled(index, max_queries, seed)
+    ids, labels, lone = _labelled(index, max_queries, seed)
+    if not ids:
+        raise IndexerError(f"{index.directory}: each of its {lone} labels holds one image; leave-one-out needs "
+                           "a second image of a query's label" if lone else
+                           f"{index.directory}: the gallery has no labels to evaluate against")
     res = _both(index, index.embeddings(ids), labels, ids, ks, dba)
-    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": []}
+    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": [], "lone": lone}
 
 
 @dataclass(frozen=True)
@@ -147,20 +152,25 @@ def dba_verdict(z: float) -> str:
     return "within the noise" if abs(z) < 2 else "DBA ahead" if z > 0 else "DBA behind"
 
 
-def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck:
-    """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items."""
-    r = evaluate_gallery(index, (1,), dba=True, max_queries=max_queries, seed=seed)
-    return DbaCheck(r["queries"], r["recall_plain"][1], r["recall"][1], r["dba_z"])
-
-
-def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str]]:
-    """The labelled items' ids (a seeded sample of ``max_queries``) and their labels."""
-    ids = [i for lab in index.labels() for i in index.ids_for_label(lab)]
+def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck | None:
+    """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items; None when no
+    label holds two images (nothing to measure)."""
+    ids, labels, _ = _labelled(index, max_queries, seed)
     if not ids:
-        raise IndexerError(f"{index.directory}: the gallery has no labels to evaluate against")
+        return None
+    r = _both(index, index.embeddings(ids), labels, ids, [1], True)
+    return DbaCheck(len(ids), r["recall_plain"][1], r["recall"][1], r["dba_z"])
+
+
+def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str], int]:
+    """The ids (a seeded sample of ``max_queries``) and labels of the labelled items whose label
+    has another item, and how many are not: a label's only image finds nothing of its label
+    (``metrics.evaluate``'s rule)."""
+    by_label = [index.ids_for_label(lab) for lab in index.labels()]
+    ids = [i for held in by_label if len(held) > 1 for i in held]
     if max_queries is not None and len(ids) > max_queries:
         ids = sorted(np.random.default_rng(seed).choice(ids, size=max_queries, replace=False).tolist())
-    return ids, [index.meta(i).get("label") for i in ids]
+    return ids, [index.meta(i).get("label") for i in ids], sum(len(held) == 1 for held in by_label)
 
 
 def _label(index: Index, id: int) -> str | None:

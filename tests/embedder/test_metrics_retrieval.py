@@ -133,6 +133,16 @@ def test_evaluate_keys_and_perfect_embedding():
     assert all(v == pytest.approx(1.0) for v in out.values())
 
 
+def test_an_item_alone_in_its_label_is_no_recall_query():
+    """Its neighbours cannot hold its label: counted, it put R@k of a perfect embedding at 0.83
+    (as PML's lone queries, and as MAP@R leaves it out); a set of such items has no R@k."""
+    y = np.array([0, 0, 0, 1, 1, 1, 2])
+    x = (np.eye(3, 4)[y] * 10).astype(np.float32)
+    assert evaluate(x, y, ks=(1,), clustering=False)["R@1"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="none of the 3 labels holds two items"):
+        evaluate(x[[0, 3, 6]], y[[0, 3, 6]], ks=(1,), clustering=False)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: knn(np.zeros((3, 2)), np.zeros((3, 4)), 1), "dim"),
     (lambda: knn(np.zeros((3, 2)), np.zeros((3, 2)), 3, exclude_self=True), "k=3"),
