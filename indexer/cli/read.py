@@ -126,6 +126,10 @@ def evaluate(args: argparse.Namespace) -> int:
     if "dba_z" in res:
         z = res["dba_z"]
         print(f"DBA vs plain at Recall@1, same queries: McNemar z {z:+.2f} ({dba_verdict(z)})")
+    for s in res["skipped"][:10]:
+        print(f"indexer eval: skipped {s['path']}: {s['reason']}", file=sys.stderr)
+    if len(res["skipped"]) > 10:
+        print(f"indexer eval: ... and {len(res['skipped']) - 10} more skipped (--json lists them)", file=sys.stderr)
     return 0
 
 

@@ -69,9 +69,15 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
     skipped = [{"path": f.relpath, "reason": f.problem} for f in files if f.problem]
     unlabeled = [f for f in files if not f.problem and f.label is None]
     skipped += [{"path": f.relpath, "reason": "no label (query at the folder root)"} for f in unlabeled]
-    todo = [f for f in files if not f.problem and f.label is not None]
+    known = set(index.labels())         # a query of a label the gallery lacks finds nothing of it
+    labelled = [f for f in files if not f.problem and f.label is not None]
+    todo = [f for f in labelled if f.label in known]
+    skipped += [{"path": f.relpath, "reason": f"no gallery image has its label {f.label!r}"}
+                for f in labelled if f.label not in known]
     if not todo:
-        raise IndexerError(f"{queries}: no labelled query images (put them in one folder per label)")
+        raise IndexerError(f"{queries}: no labelled query images (put them in one folder per label)" if not labelled
+                           else f"{queries}: no query's label is a label of the index (its folders are named "
+                                f"as the gallery's, e.g. {sorted(known)[:3]})")
 
     def items() -> Iterator[tuple[tuple[str, str, int], bytes]]:
         for f in todo:
@@ -90,7 +96,14 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
     if not keys:
         raise IndexerError(f"{queries}: no query image could be read ({len(skipped)} skipped)")
     own = [own_id if own_id in index else None for _, _, own_id in keys]   # a query the gallery holds
-    res = _both(index, np.concatenate(embs), [lab for _, lab, _ in keys], own, ks, dba)
+    alone = [o is not None and len(index.ids_for_label(lab)) == 1 for (_, lab, _), o in zip(keys, own)]
+    skipped += [{"path": key[0], "reason": "it is the gallery's only image of its label"}
+                for key, a in zip(keys, alone) if a]
+    keep = [i for i, a in enumerate(alone) if not a]
+    if not keep:
+        raise IndexerError(f"{queries}: each query is the gallery's only image of its label: nothing to find")
+    keys, own = [keys[i] for i in keep], [own[i] for i in keep]
+    res = _both(index, np.concatenate(embs)[keep], [lab for _, lab, _ in keys], own, ks, dba)
     return {**res, "queries": len(keys), "self_matches": sum(o is not None for o in own),
             "skipped": skipped}
 

@@ -211,6 +211,16 @@ def test_labels_of_one_image_are_no_leave_one_out_queries(tmp_path: Path, galler
     run_cli("build", gal, "--model", small_onnx, "--out", tmp_path / "idx", "--quiet")
     loo = json.loads(run_cli("eval", "--index", tmp_path / "idx", "--leave-one-out", "--json").stdout)
     assert (loo["queries"], loo["lone"]) == (60, 1)
+    q = tmp_path / "queries"        # a query folder: a label the gallery lacks is skipped, and so is
+    shutil.copytree(gallery8 / "extra", q)          # a query that is its label's only gallery image
+    shutil.copytree(gal / "lone", q / "lone")
+    known = sorted(gal.rglob("*.png"))[0]
+    (q / known.relative_to(gal)).parent.mkdir(parents=True)
+    shutil.copy(known, q / known.relative_to(gal))
+    folder = json.loads(run_cli("eval", "--index", tmp_path / "idx", "--queries", q, "--json").stdout)
+    assert (folder["queries"], folder["self_matches"], len(folder["skipped"])) == (1, 1, 21)
+    why = sorted({x["reason"].split(" '")[0] for x in folder["skipped"]})
+    assert why == ["it is the gallery's only image of its label", "no gallery image has its label"], why
     one_each = tmp_path / "products"
     for i, p in enumerate(omniglot_paths[:20]):
         (one_each / f"p{i:02d}").mkdir(parents=True)
