@@ -258,6 +258,10 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
         raise ValueError(f"training class(es) with fewer than per_class={cfg.per_class} images: "
                          f"{', '.join(small[:5])}{' ...' if len(small) > 5 else ''}; add photos, move "
                          f"the folder out of the training half, or set per_class lower")
+    if (np.bincount(test_ds.labels) < 2).all():   # each query needs another image of its class
+        raise ValueError(f"no test class holds two images or more ({len(test_ds.split.classes)} classes, e.g. "
+                         f"{test_ds.split.classes[0]!r}): R@k needs another image of a query's class; add photos "
+                         "to the test half's folders")
     if info.is_main:   # eval_classes.txt: the split's own order (natural, case-insensitive), for galleries of it
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

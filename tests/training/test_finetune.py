@@ -208,6 +208,13 @@ def test_a_training_class_smaller_than_per_class_is_named_before_anything_is_wri
     with pytest.raises(ValueError, match=f"fewer than per_class=4 images: '{small}' \\(2\\); add photos"):
         train(_cfg(root, tmp_path / "run", per_class=4, batch_size=12, max_classes=0))
     assert not (tmp_path / "run").exists()
+    test_half = sorted(p for p in root.iterdir())[len(list(root.iterdir())) // 2:]
+    for d in test_half:                     # the test half one photo a class: nothing could be found
+        for f in sorted(d.iterdir())[1:]:
+            f.unlink()
+    with pytest.raises(ValueError, match="no test class holds two images or more"):
+        train(_cfg(root, tmp_path / "run", per_class=2, batch_size=4, max_classes=0))
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("concat, says", [("efficientnet_lite0", "is the backbone itself"),
