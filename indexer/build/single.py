@@ -49,11 +49,12 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
                 progress: bool = True, embedder: Any = None,
                 on_done: Callable[[int], None] | None = None, wait: bool = False,
                 files: Iterable[GalleryFile] | None = None,
-                dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
+                dba: neighbours.DbaParams | None = None, prune: bool = False, **option_kw: Any) -> Manifest:
     """``indexer build``: ingest a gallery folder into ``out`` and (unless a shard) index it; resumable,
     under ``out``'s writer lock. ``files``: entries already listed (a ``--ray`` task's share); ``dba``:
     also DBA's neighbourhoods; ``options`` or its fields by name (``max_memory``: old name of
-    ``index_memory``), checked before any work."""
+    ``index_memory``), checked before any work. ``prune``: drop stored images whose file the walk
+    did not find (by default kept and counted: ``ingest``)."""
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
     files = gallery_files(gallery, shard) if files is None else files
@@ -63,7 +64,8 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         out.mkdir(parents=True, exist_ok=True)
         d = IndexDir(out)
         with GalleryStore(d.store_dir, readonly=False) as store:
-            stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done)
+            stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done, walked=True,
+                           prune=prune)
             d.write_report(stats.skipped)
             ids, x = store.all_embeddings(emb.model_hash)
         d.copy_model(emb.path, emb.model_hash)

@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
                         "and for a model whose int8 version misses the int8/fp32 check (one "
                         "line each). --no-int8: the fp32 model")
     b.add_argument("--out", type=Path, default=Path(DEFAULT_DIR), help=f"index directory (default {DEFAULT_DIR})")
+    b.add_argument("--prune", action="store_true",
+                   help="drop stored images whose file is no longer under GALLERY (deleted, renamed, or brought "
+                        "by `indexer add` from another folder); by default they are kept and counted in one line")
     b.add_argument("--shard", default=None, metavar="i/n",
                    help="ingest and embed only shard i of n (0 <= i < n); combine with `merge`")
     ray_arguments(opts(b, "--batch-size", "--workers"))

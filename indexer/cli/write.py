@@ -197,6 +197,9 @@ def check_build_flags(args: argparse.Namespace, ray: bool) -> None:
                          + " needs --ray (for one shard by hand use --shard i/n)")
     if ray and args.shard:
         raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
+    if args.prune and (ray or args.shard):
+        raise UsageError("--prune is for a build in one process (a merge keeps what its shards hold): "
+                         "build the shards into a new --out instead")
     if args.sharded and args.dba:
         raise UsageError("--dba is not available with --sharded builds yet; build without "
                          "--sharded, or `indexer merge --dba` the shards")
@@ -232,11 +235,17 @@ def build(args: argparse.Namespace) -> None:
         shard = parse_shard(args.shard) if args.shard else None
         m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
                         batch_size=args.batch_size, workers=args.workers, device=args.device,
-                        progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+                        progress=not args.quiet, wait=args.wait, dba=dba_params(args), prune=args.prune)
         say_notes(d)
         ing = m.ingest
         print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
                           args.out / m.report))
+        if ing.absent:
+            print(f"indexer build: {ing.absent} stored files are not in {args.gallery} any more (deleted, or "
+                  "brought by `indexer add` from another folder): kept and searchable; --prune drops them",
+                  file=sys.stderr)
+        if ing.pruned:
+            print(f"indexer build: {ing.pruned} stored files not in {args.gallery} any more: dropped (--prune)")
     if m.neighbours:
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait)
     if m.is_shard:

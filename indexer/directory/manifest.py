@@ -97,6 +97,8 @@ class IngestRecord(Record):              # IngestStats, skipped as a count (a me
     unchanged: int | None = None
     duplicates: int | None = None
     embedded: int | None = None
+    absent: int | None = None            # stored paths the build's walk did not find, kept
+    pruned: int | None = None            # ... dropped (build --prune)
 
 
 @dataclass(kw_only=True)

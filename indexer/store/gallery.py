@@ -140,6 +140,25 @@ class GalleryStore(LmdbStore):
             cur = txn.cursor(db=self._db("path"))
             return np.fromiter((_PATHREC.unpack(v)[0] for v in cur.iternext(keys=False)), np.int64)
 
+    def paths_not_in(self, walked: set[str]) -> list[str]:
+        """The stored paths a walk did not find (a file deleted, or added from another folder)."""
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db("path"))
+            return [k.decode("utf-8") for k in cur.iternext(keys=True, values=False)
+                    if k.decode("utf-8") not in walked]
+
+    def remove_paths(self, relpaths: Sequence[str]) -> int:
+        """Delete paths in one transaction (an id goes with its last path); how many ids went."""
+        def fn(txn: lmdb.Transaction) -> int:
+            gone = 0
+            for p in relpaths:
+                raw = txn.get(p.encode("utf-8"), db=self._dbs["path"])
+                if raw is not None:
+                    gone += self._detach_path(txn, p, _PATHREC.unpack(raw)[0])
+            return gone
+
+        return self.write(fn)
+
     def paths_of(self, ids: set[int]) -> dict[int, list[str]]:
         """The relative paths of each of ``ids`` (sorted; ids without a path left out)."""
         out: dict[int, list[str]] = {}

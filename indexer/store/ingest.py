@@ -36,6 +36,8 @@ class IngestStats:
     unchanged: int = 0      # path already stored with the same size/mtime or the same sha256
     duplicates: int = 0     # identical content under another path: stored once, path recorded
     embedded: int = 0       # embeddings computed (new content + stored content new to the model)
+    absent: int = 0         # stored paths the walk did not find (deleted, or from `add`): kept
+    pruned: int = 0         # ... dropped instead (``prune``)
     skipped: list[dict] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)    # per stage of the runner (run)
 
@@ -143,11 +145,13 @@ class _Settle:
 
 def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryFile], embedder: OnnxEmbedder,
            *, workers: int | None = None, commit_every: int = 256, progress: bool = True,
-           on_done: Callable[[int], None] | None = None) -> IngestStats:
+           on_done: Callable[[int], None] | None = None, walked: bool = False, prune: bool = False) -> IngestStats:
     """Bring ``files`` into ``store`` through :func:`run` (``workers`` decode threads). A lazy
     ``files`` is consumed by a helper thread into a fresh store (walking overlaps embedding), else
     listed first (for the snapshot). ``on_done(n)``: files whose outcome is final (they add up to
-    ``stats.found``)."""
+    ``stats.found``). ``walked``: ``files`` is the whole gallery (a build), so a stored path not
+    among them is counted in ``stats.absent`` (its file was deleted, or `add` brought it from
+    another folder) and, with ``prune``, dropped (``stats.pruned``)."""
     batch_size = embedder.batch_size
     workers = workers or DECODE_WORKERS
     fresh = not store.exists
@@ -192,6 +196,13 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
             on_done(len(settle.aliases))
     finally:
         bar.close()
+    if walked and not fresh:
+        gone = store.paths_not_in({f.relpath for f in files})
+        if prune and gone:
+            store.remove_paths(gone)
+            stats.pruned = len(gone)
+        else:
+            stats.absent = len(gone)
     if not fresh:   # a fresh store holds only what this run committed, embedded: nothing missing
         stats.embedded += embed_missing(store, embedder, workers=workers, progress=progress,
                                         seconds=stats.seconds)

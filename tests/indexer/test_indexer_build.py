@@ -560,3 +560,35 @@ def test_model_whose_int8_misses_the_check_is_built_in_fp32_by_default(tmp_path:
     p = run_cli("build", g, "--model", bad, "--out", tmp_path / "asked", "--int8", "--quiet", check=False)
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("indexer build: error: ")
     assert "not written" in p.stderr and not (tmp_path / "asked" / "manifest.json").exists()
+
+
+def test_a_rebuild_counts_the_stored_files_gone_from_the_gallery_and_prune_drops_them(
+        tmp_path: Path, omniglot_paths: list[Path], small_onnx: Path) -> None:
+    """Photos deleted from the gallery stayed searchable after a rebuild without a word (a rebuild
+    keeps what `add` brought from other folders too): now one line counts them, `--prune` drops
+    them (one process only: a merge keeps what its shards hold)."""
+    g = tmp_path / "g"
+    for i, p in enumerate(omniglot_paths[:12]):
+        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    out = tmp_path / "idx"
+    run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    gone = sorted(g.rglob("*.png"))[:2]
+    for f in gone:
+        f.unlink()
+    kept = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    assert "indexer build: 2 stored files are not in" in kept.stderr and "--prune drops them" in kept.stderr
+    assert json.loads((out / "manifest.json").read_text())["count"] == 12
+    pruned = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet", "--prune")
+    assert "2 stored files not in" in pruned.stdout and "dropped (--prune)" in pruned.stdout
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["count"] == 10 and m["ingest"]["pruned"] == 2
+    from indexer import GalleryStore
+
+    with GalleryStore(out / "store.lmdb") as st:
+        assert all(st.id_for_path(f.relative_to(g).as_posix()) is None for f in gone) and len(st) == 10
+    again = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    assert "stored files" not in again.stderr + again.stdout
+    refused = run_cli("build", g, "--model", small_onnx, "--out", tmp_path / "s0", "--shard", "0/2", "--prune",
+                      check=False)
+    assert refused.returncode == 2 and "--prune is for a build in one process" in refused.stderr
