@@ -151,7 +151,7 @@ def update_embedder(d: IndexDir, manifest: Manifest, model: str | Path | None, d
 def not_replacing(files: list[GalleryFile], parts: Sequence[Part]) -> list[GalleryFile]:
     """``files`` with those whose path the index holds with other content set aside as problems:
     ``add`` never replaces an image (a build does, for a gallery file that changed), since two
-    folders' ``dogs/IMG_0001.jpg`` are two photos; before 2026-12-01 the second one silently took
+    folders' ``dogs/IMG_0001.jpg`` are two photos; before 2026-11-30 the second one silently took
     the first one's place. A path whose size and mtime are the stored ones is the same file."""
     taken: dict[str, list[tuple[int, int, int]]] = {}
     for p in parts:

@@ -143,7 +143,7 @@ def test_sources_agree_and_palette(tmp_path, photo_paths, photo):
 
 def test_labels_in_latin_greek_and_cyrillic_scripts_are_drawn_not_boxed() -> None:
     """Contact sheets and the probe grid draw labels with `label_font`: Pillow's default font drew
-    "été" as boxes (its .notdef glyph, what U+FFFF gets) until 2026-12-01."""
+    "été" as boxes (its .notdef glyph, what U+FFFF gets) until 2026-11-30."""
     from PIL import ImageDraw
 
     from embedder.images import label_font

@@ -101,7 +101,7 @@ def test_transformed_copies_are_grouped_with_their_originals(faulty: dict) -> No
 
 def test_byte_identical_files_are_grouped_and_a_second_label_is_flagged(faulty: dict) -> None:
     """Identical files are one stored image under two paths, so no kNN pair can find them: until
-    2026-12-01 the audit listed neither a copy nor the same photo filed under two labels."""
+    2026-11-30 the audit listed neither a copy nor the same photo filed under two labels."""
     groups = [g for g in rows(faulty["out"], "duplicates") if g["identical_files"]]
     got = {frozenset(it["path"] for it in g["items"]): g["labels_differ"] for g in groups}
     want = {frozenset(pair): pair[0].split("/")[0] != pair[1].split("/")[0] for pair in faulty["twins"].items()}
@@ -351,7 +351,7 @@ def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
 def test_an_index_kept_inside_its_gallery_is_not_walked_as_photos(tmp_path: Path, omniglot_paths: list[Path],
                                                                    small_onnx: Path) -> None:
     """`indexer build photos/ --out photos/index` then `audit` (sheets into photos/index/audit):
-    until 2026-12-01 the next build indexed the audit's contact sheets as photos of a class."""
+    until 2026-11-30 the next build indexed the audit's contact sheets as photos of a class."""
     from embedder.folders import INDEX_FILES
     from indexer.directory import index_dir as names
 

@@ -206,7 +206,7 @@ def _writable_copy(kind: str, built_index: Path, two_shards: Path, root: Path) -
 def test_add_never_replaces_an_image_stored_under_the_same_path(kind: str, built_index: Path, two_shards: Path,
                                                                  omniglot_root: Path, tmp_path: Path) -> None:
     """Two folders' ``c/0001.png`` are two pictures: `add` of the second skips it with the way to
-    add it (--prefix, or remove first) and adds the rest; until 2026-12-01 it replaced the first
+    add it (--prefix, or remove first) and adds the rest; until 2026-11-30 it replaced the first
     (the index lost that image), in any shard. Re-adding the same files stays "unchanged"."""
     import indexer
 

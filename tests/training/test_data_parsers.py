@@ -147,7 +147,7 @@ def test_nested_folders_are_the_classes_indexer_build_labels(tmp_path, four_clas
     root ("dogs/beagle" when nested); images at the root are unlabelled, empty folders no class,
     hidden entries (a Jupyter checkpoint folder, macOS's ``._`` copies) not walked. Until
     2026-11-30 training took the top folders' own files only ("dogs" held none), and until
-    2026-12-01 a hidden folder was a class of both."""
+    2026-11-30 a hidden folder was a class of both."""
     from embedder.folders import walk_gallery
 
     for rel, src in [("dogs/beagle/0", 0), ("dogs/beagle/1", 0), ("dogs/pug/0", 1), ("cat/0", 2),
