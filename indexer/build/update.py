@@ -173,7 +173,8 @@ def not_replacing(files: list[GalleryFile], parts: Sequence[Part]) -> list[Galle
             if not same:
                 f = dataclasses.replace(f, problem=(
                     f"not added: the index holds another image at {f.relpath}; add the folder with --prefix NAME "
-                    f"(stored as NAME/...) or run `indexer remove {f.relpath}` first"))
+                    f"(stored as NAME/...), or run `indexer remove {f.relpath}` first (a gallery file that changed: "
+                    "`indexer build` updates it)"))
         out.append(f)
     return out
 
