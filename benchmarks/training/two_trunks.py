@@ -8,7 +8,8 @@ Lite0 and Lite1 (configs/photos_finetune_cpu.toml, ``last:2`` trainable, trunk c
 batch sampler, and each image's stored view is the same crop in both caches (seeded per image), so
 ``joint`` sees exactly the batches ``apart`` does. Prints R@1 / MAP@R of each trunk and of the
 concatenation on the validation classes after every epoch. ``apart`` reproduces the two CLI runs
-to the digit; ``--set das=true das_preset=robust`` adds DAS to each trunk's loss (``apart``).
+to the digit; ``--set das=true das_preset=robust`` adds DAS to each trunk's loss (``apart``), ``--xbm N``
+a cross-batch memory.
 Why not in the trainer: on the 12 validation species joint training gave what training apart
 gives (docs/benchmarks/training-das.md, round 5).
 """
@@ -37,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default="../shared/data/cub-dev/images")
     ap.add_argument("--validation-classes", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--xbm", type=int, default=0, metavar="N",
+                    help="apart: add a cross-batch memory of N embeddings per trunk (PML's CrossBatchMemory, MS "
+                         "loss and miner; XBM, Wang et al. 2020): the batch's MS loss against the memory")
+    ap.add_argument("--xbm-from", type=int, default=0, metavar="STEP",
+                    help="the memory's loss counts from this step on (the memory fills from step 0)")
+    ap.add_argument("--xbm-only", action="store_true", help="from --xbm-from on, the memory's loss alone")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides of the recipe, for both trunks")
     return run_main(PROG, ap, argv, handler=_run)
@@ -63,6 +70,14 @@ def _run(a: argparse.Namespace) -> int:
         state = RunState.build(cfg, train.labels, train.split.num_classes, torch.device("cpu"), None)
         sides.append((cfg, state, prepare_inputs(cfg, state, train_full, test_full, fresh=True)))
     labels = sides[0][2].train.labels
+    if a.xbm and (a.mode != "apart" or any(cfg.das for cfg, _, _ in sides)):
+        raise ValueError("--xbm: with --mode apart and without DAS")
+    memories: list = [None, None]
+    if a.xbm:
+        from pytorch_metric_learning import losses, miners
+
+        memories = [losses.CrossBatchMemory(losses.MultiSimilarityLoss(2.0, 40.0, 0.5), 1280, memory_size=a.xbm,
+                                            miner=miners.MultiSimilarityMiner(0.1)) for _ in sides]
     sampler = sides[0][1].sampler
 
     @torch.no_grad()
@@ -91,7 +106,13 @@ def _run(a: argparse.Namespace) -> int:
             y = torch.as_tensor(labels[idx])
             xs = [torch.stack([inp.train[j][0] for j in idx]) for _, _, inp in sides]
             loss = torch.zeros(())
-            if a.mode in ("apart", "both"):
+            if a.xbm:           # the trunk's MS loss on the batch (DAS off: compute_loss's), plus the memory's
+                for (_, st, inp), x, memory in zip(sides, xs, memories):
+                    emb = inp.net(x)
+                    held = memory(emb, y)                               # enqueues the batch every step
+                    part = st.criterion(emb, y)
+                    loss = loss + (part if step < a.xbm_from else (0 if a.xbm_only else part) + held)
+            elif a.mode in ("apart", "both"):
                 loss = loss + sum(compute_loss(inp.net, st.criterion, st.das, x, y, info=DistInfo(),
                                                seed=step_seed(cfg, step), aux_weight=aux_weight(cfg))
                                   for (cfg, st, inp), x in zip(sides, xs))

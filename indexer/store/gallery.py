@@ -143,24 +143,21 @@ class GalleryStore(LmdbStore):
     def paths_not_in(self, walked: set[str]) -> list[str]:
         """The stored paths a walk did not find (a file deleted, or added from another folder)."""
         with self._read() as txn:
-            cur = txn.cursor(db=self._db("path"))
-            return [k.decode("utf-8") for k in cur.iternext(keys=True, values=False)
-                    if k.decode("utf-8") not in walked]
+            stored = (k.decode("utf-8") for k in txn.cursor(db=self._db("path")).iternext(keys=True, values=False))
+            return [p for p in stored if p not in walked]
 
-    def remove_paths(self, relpaths: Sequence[str]) -> int:
-        """Delete paths in one transaction (an id goes with its last path); how many ids went."""
-        def fn(txn: lmdb.Transaction) -> int:
-            gone = 0
+    def remove_paths(self, relpaths: Sequence[str]) -> None:
+        """Delete paths in one transaction (an id goes with its last path)."""
+        def fn(txn: lmdb.Transaction) -> None:
             for p in relpaths:
                 raw = txn.get(p.encode("utf-8"), db=self._dbs["path"])
                 if raw is not None:
-                    gone += self._detach_path(txn, p, _PATHREC.unpack(raw)[0])
-            return gone
+                    self._detach_path(txn, p, _PATHREC.unpack(raw)[0])
 
-        return self.write(fn)
+        self.write(fn)
 
     def paths_of(self, ids: set[int]) -> dict[int, list[str]]:
-        """The relative paths of each of ``ids`` (sorted; ids without a path left out)."""
+        """The relative paths of each of ``ids`` (in path order; ids without a path left out)."""
         out: dict[int, list[str]] = {}
         with self._read() as txn:
             for k, v in txn.cursor(db=self._db("path")):
