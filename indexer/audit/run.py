@@ -192,9 +192,9 @@ def _duplicate_groups(a: Audit) -> list[dict]:
         return [_item(a, r)] if paths is None else [{"id": int(g.ids[r]), "path": p, "label": label_of(p)}
                                                    for p in paths]
 
-    def group(rows: list[int], pairs: list, max_score: float | None) -> dict:
+    def group(rows: list[int], pairs: list, max_cosine: float | None, max_score: float | None) -> dict:
         items = [it for r in rows for it in files(r)]
-        return {"size": len(items), "max_cosine": 1.0 if not pairs else _f(max(p[2] for p in pairs)),
+        return {"size": len(items), "max_cosine": max_cosine,
                 "labels_differ": len({it["label"] for it in items}) > 1,
                 "identical_files": sum(len(a.identical.get(r, [None])) - 1 for r in rows),
                 "items": items, "max_score": max_score,
@@ -202,8 +202,8 @@ def _duplicate_groups(a: Audit) -> list[dict]:
                            "inliers": n} for x, y, s, sc, n in pairs]}
 
     near = {r for grp in a.duplicates for r in grp.rows}
-    alone = [group([r], [], None) for r in sorted(a.identical, key=lambda r: a.identical[r]) if r not in near]
-    return alone + [group(grp.rows, grp.pairs, _f(grp.max_score)) for grp in a.duplicates]
+    alone = [group([r], [], 1.0, None) for r in sorted(a.identical, key=lambda r: a.identical[r]) if r not in near]
+    return alone + [group(grp.rows, grp.pairs, _f(grp.max_sim), _f(grp.max_score)) for grp in a.duplicates]
 
 
 def lists(a: Audit, top: int = DEFAULT_TOP) -> dict[str, list[dict]]:
