@@ -14,7 +14,6 @@ from typing import Iterator
 
 from .images import is_listed
 
-
 #: a folder holding one of these is an index that `indexer build` wrote (a store, a shard's part, a
 #: sharded index's trained file: ``indexer.directory.index_dir``'s names), not photos: not walked
 INDEX_FILES = frozenset({"store.lmdb", "index.faiss", "part.faiss", "trained.faiss"})
@@ -55,8 +54,9 @@ def label_of(relpath: str) -> str | None:
 
 
 def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
-    """Yield every image-named entry under ``root`` but hidden ones in sorted order, symlinks followed (as ``find -L``,
-    each directory once: a link to an ancestor is yielded with ``problem`` set). Also with ``problem``:
+    """Yield every image-named entry under ``root`` (hidden ones and index directories left out) in
+    sorted order, symlinks followed (as ``find -L``, each directory once: a link to an ancestor is
+    yielded with ``problem`` set). Also with ``problem``:
     image-named non-regular files, names not UTF-8 (``relpath`` printable) and ENAMETOOLONG. Image
     names are ``embedder.images.is_listed``'s: HEIC or raw photos too, reported when they fail to decode."""
     root = Path(root)
