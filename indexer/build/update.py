@@ -207,18 +207,27 @@ def space_needed(files: Sequence[GalleryFile], dim: int, index_file: Path | None
 
 
 def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence[str], where: Path) -> list[str]:
-    """Remove each target (a stored path, else an id) from every store that holds it, one line
-    each; all are looked up first, so an unknown one refuses the command and nothing goes."""
+    """Remove each target (a stored path, a folder "dogs/": every path under it, else an id) from
+    every store that holds it, one line each; all are looked up first, so an unknown one refuses
+    the command and nothing goes."""
     def holds(store: GalleryStore, t: str) -> bool:
+        if t.endswith("/"):
+            return bool(store.paths_under(t))
         return store.id_for_path(t) is not None or (t.isdigit() and int(t) in store)
 
     for t in targets:
         if not any(holds(s, t) for s, _ in stores):
-            raise IndexerError(f"{t}: no such id or path in {where}")
+            raise IndexerError(f"{t}: no such id or path in {where}" + (" (a folder: no stored path under it)"
+                                                                         if t.endswith("/") else ""))
     msgs = []
     for t in targets:
         for store, suffix in stores:
-            if store.id_for_path(t) is not None:
+            if t.endswith("/"):
+                paths = store.paths_under(t)
+                if paths:
+                    gone = store.remove_paths(paths)
+                    msgs.append(f"removed {len(paths)} paths under {t}{suffix} ({gone} images left the index)")
+            elif store.id_for_path(t) is not None:
                 i, gone = store.remove_path(t)  # type: ignore[misc]
                 msgs.append(f"removed {t} (id {i}){suffix}" if gone else
                             f"removed path {t}{suffix}; its content (id {i}) stays under another path")

@@ -92,8 +92,10 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--prefix", default="", help="prefix for the stored relative paths (and labels)")
     opts(a, "--batch-size", "--workers", "--device", "--quiet", "--wait").set_defaults(func=write.add)
 
-    r = sub.add_parser("remove", help="remove images by id or stored relative path")
-    r.add_argument("targets", nargs="+", metavar="ID|PATH")
+    r = sub.add_parser("remove", help="remove images by id, stored relative path or folder")
+    r.add_argument("targets", nargs="+", metavar="ID|PATH|FOLDER/",
+                   help="an image id, a stored relative path (dogs/a.jpg), or a folder ending in / (dogs/: every "
+                        "stored path under it, e.g. a class the audit found wrong)")
     opts(r, "--wait", index=True).set_defaults(func=write.remove)
 
     opts(sub.add_parser("repair", help="bring the faiss index and the manifest in step with the store",

@@ -146,15 +146,30 @@ class GalleryStore(LmdbStore):
             stored = (k.decode("utf-8") for k in txn.cursor(db=self._db("path")).iternext(keys=True, values=False))
             return [p for p in stored if p not in walked]
 
-    def remove_paths(self, relpaths: Sequence[str]) -> None:
-        """Delete paths in one transaction (an id goes with its last path)."""
-        def fn(txn: lmdb.Transaction) -> None:
+    def paths_under(self, folder: str) -> list[str]:
+        """The stored paths under ``folder`` ("dogs/": dogs/a.jpg, dogs/pug/b.jpg), in path order."""
+        prefix = folder.rstrip("/").encode("utf-8") + b"/"
+        out = []
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db("path"))
+            if cur.set_range(prefix):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(prefix):
+                        break
+                    out.append(k.decode("utf-8"))
+        return out
+
+    def remove_paths(self, relpaths: Sequence[str]) -> int:
+        """Delete paths in one transaction (an id goes with its last path); how many ids went."""
+        def fn(txn: lmdb.Transaction) -> int:
+            gone = 0
             for p in relpaths:
                 raw = txn.get(p.encode("utf-8"), db=self._dbs["path"])
                 if raw is not None:
-                    self._detach_path(txn, p, _PATHREC.unpack(raw)[0])
+                    gone += self._detach_path(txn, p, _PATHREC.unpack(raw)[0])
+            return gone
 
-        self.write(fn)
+        return self.write(fn)
 
     def paths_of(self, ids: set[int]) -> dict[int, list[str]]:
         """The relative paths of each of ``ids`` (in path order; ids without a path left out)."""

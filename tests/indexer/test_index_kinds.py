@@ -225,6 +225,25 @@ def test_add_never_replaces_an_image_stored_under_the_same_path(kind: str, built
     assert again.stats.unchanged == 4 and not again.stats.skipped
 
 
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_remove_a_folder_removes_every_stored_path_under_it(kind: str, built_index: Path, two_shards: Path,
+                                                           omniglot_root: Path, tmp_path: Path) -> None:
+    """`indexer remove dogs/`: a class the audit found wrong goes in one command (it took one path
+    per image), in every shard that holds some; a folder with nothing stored under it refuses."""
+    import indexer
+    from indexer.errors import IndexerError
+
+    d = _writable_copy(kind, built_index, two_shards, tmp_path)
+    new = copy_characters(omniglot_root, tmp_path / "new", 1, per_char=4, skip_chars=12)
+    first = indexer.add_images(d, tmp_path / "new", progress=False)
+    folder = new[0].relative_to(tmp_path / "new").parent.as_posix() + "/"
+    c = indexer.remove_items(d, [folder])
+    assert c.manifest.count == first.manifest.count - 4 and check_counts(d).ok
+    assert len(c.messages) == 1 and c.messages[0].startswith(f"removed 4 paths under {folder}")
+    with pytest.raises(IndexerError, match="no stored path under it"):
+        indexer.remove_items(d, [folder])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_add_remove_repair_info_through_the_library_hold_the_lock(
         kind: str, built_index: Path, two_shards: Path, omniglot_root: Path, tmp_path: Path,

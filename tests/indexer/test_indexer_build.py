@@ -48,7 +48,7 @@ def test_manifest_contents(built_index: Path, small_onnx: Path) -> None:
     seconds = m["ingest"].pop("seconds")             # the embedding runner's stages
     assert set(seconds) == {"read", "embed", "write", "total"} and min(seconds.values()) >= 0
     assert m["ingest"] == {"found": 240, "new": 240, "unchanged": 0, "duplicates": 0,
-                           "embedded": 240, "skipped": 0}
+                           "embedded": 240, "skipped": 0, "absent": 0, "pruned": 0}
     index = faiss.read_index(str(built_index / INDEX_FILE))
     assert index.ntotal == 240 and index.d == 64 and index.metric_type == faiss.METRIC_INNER_PRODUCT
     assert not list(built_index.glob("*.tmp"))
@@ -103,7 +103,7 @@ def test_rebuild_embeds_nothing_twice(tmp_path: Path, omniglot_root: Path, small
     ing = m2["ingest"]          # the JSON view: a copy
     assert ing.pop("seconds")["total"] >= 0
     assert ing == {"found": 41, "new": 10, "unchanged": 30, "duplicates": 1,
-                            "embedded": 10, "skipped": 0}
+                            "embedded": 10, "skipped": 0, "absent": 0, "pruned": 0}
     assert m2["count"] == 40
     with GalleryStore(tmp_path / "idx" / STORE_DIR) as st:
         i = st.id_for_path("copy_at_root.png")
