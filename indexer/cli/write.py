@@ -186,7 +186,8 @@ def ingest_line(found: int, new: int, unchanged: int, duplicates: int, skipped: 
     """The summary `build` and `add` print. "embedded" also counts stored images new to the model
     (a rebuild with another model), which are neither new nor unchanged."""
     return (f"{found} files: {new} new, {unchanged} unchanged, {duplicates} duplicate content"
-            + (" (stored once; `indexer audit` lists the files)" if duplicates else "") + f", {skipped} skipped" + (f" (reasons in {report})" if skipped else "") + f"; {embedded} embedded")
+            + (" (stored once; `indexer audit` lists the files)" if duplicates else "")
+            + f", {skipped} skipped" + (f" (reasons in {report})" if skipped else "") + f"; {embedded} embedded")
 
 
 def check_build_flags(args: argparse.Namespace, ray: bool) -> None:
