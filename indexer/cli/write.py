@@ -229,6 +229,7 @@ def build(args: argparse.Namespace) -> None:
             f"indexer build: {m}", file=sys.stderr, flush=True))
     if args.int8:
         args.model = int8_model(args, fallback=auto_int8)
+    before = _selected_at(args.out)
     if ray:
         m = build_with_ray_command(args)                  # locks --out itself
         say_notes(d)
@@ -252,7 +253,19 @@ def build(args: argparse.Namespace) -> None:
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
-        print_index_line(m, args.out)
+        print_index_line(m, args.out, kept=before is not None and m.selected_at == before)
+
+
+def _selected_at(out: Path) -> str | None:
+    """When the index at ``out`` had its type chosen (None: no index, or none recorded): the same
+    after a build says it kept that index (``indexer.build.single.kept_index``)."""
+    from ..errors import IndexerError
+
+    d = IndexDir(out)
+    try:
+        return d.read_manifest().selected_at if d.exists() else None
+    except (IndexerError, ValueError):
+        return None
 
 
 def say_notes(d: BuildDefaults, command: str = "build") -> None:
@@ -387,11 +400,12 @@ def repair(args: argparse.Namespace) -> None:
           f"faiss vectors; index now holds {c.manifest.count}")
 
 
-def print_index_line(m: Manifest, out: Path) -> None:
+def print_index_line(m: Manifest, out: Path, *, kept: bool = False) -> None:
     params = f", {m.search_params}" if m.search_params else (
         f", nlist {m.nlist}, nprobe {m.nprobe}" if m.nlist else "")
     held = " on held-out queries" if m.heldout_queries else ""
+    same = f"; kept: chosen {m.selected_at[:19]}Z for the same images, model and options" if kept else ""
     print(f"{m.index_type} index of {m.count} x {m.dim}{params}, recall@10 vs exact{held} "
-          f"{m.recall_at_10:.3f} (target {m.target_recall}) in {m.build_seconds:.1f}s -> {out}")
+          f"{m.recall_at_10:.3f} (target {m.target_recall}) in {m.build_seconds:.1f}s{same} -> {out}")
     if m.warning:
         print(f"warning: {m.warning}", file=sys.stderr)

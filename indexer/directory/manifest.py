@@ -156,6 +156,10 @@ class Manifest(Record, Mapping):
     stage_seconds: dict[str, float] | None = None
     neighbours: NeighboursRecord | None = None
     build_seconds: float | None = None
+    #: sha256 of what the index type was chosen for (model, build options, sorted ids): a rebuild
+    #: that would choose for the same keeps index.faiss (indexer.build.single.kept_index)
+    selected_for: str | None = None
+    selected_at: str | None = None          # when it was chosen (a kept index: before built_at)
     built_at: str | None = None
     updated_at: str | None = None
     format: str = FORMAT

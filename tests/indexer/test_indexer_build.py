@@ -592,3 +592,36 @@ def test_a_rebuild_counts_the_stored_files_gone_from_the_gallery_and_prune_drops
     refused = run_cli("build", g, "--model", small_onnx, "--out", tmp_path / "s0", "--shard", "0/2", "--prune",
                       check=False)
     assert refused.returncode == 2 and "--prune is for a build in one process" in refused.stderr
+
+
+def test_a_rebuild_that_changes_nothing_keeps_the_chosen_index(tmp_path: Path, omniglot_paths: list[Path],
+                                                               small_onnx: Path) -> None:
+    """Choosing the index type measures every candidate (most of a 98-111 s rebuild of 25k photos
+    that changed nothing; 34 s kept): the same images, model and options keep index.faiss; anything
+    else (other options, an `add` since that rewrote index.faiss) chooses again."""
+    g = tmp_path / "g"
+    for i, p in enumerate(omniglot_paths[:12]):
+        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    out = tmp_path / "idx"
+
+    def build(*extra: str) -> tuple[str, dict]:
+        p = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet", *extra)
+        return p.stdout, json.loads((out / "manifest.json").read_text())
+
+    first, m1 = build()
+    again, m2 = build()
+    assert "kept: chosen" not in first and f"kept: chosen {m1['selected_at'][:19]}Z" in again, again
+    assert m2["selected_for"] == m1["selected_for"] and m2["index_file"] == m1["index_file"]
+    other, m3 = build("--target-recall", "0.9")
+    assert "kept" not in other and m3["selected_for"] != m1["selected_for"] and m3["target_recall"] == 0.9
+    extra = tmp_path / "more" / "c0"
+    extra.mkdir(parents=True)
+    shutil.copy(omniglot_paths[20], extra / "new.png")
+    run_cli("add", tmp_path / "more", "--index", out, "--prefix", "more", "--quiet")
+    run_cli("remove", "more/c0/new.png", "--index", out)       # the same ids as before the add again
+    same, _ = build("--target-recall", "0.9")
+    assert "kept: chosen" in same
+    run_cli("add", tmp_path / "more", "--index", out, "--prefix", "more", "--quiet")
+    grown, m4 = build("--target-recall", "0.9", "--prune")
+    assert "kept" not in grown and m4["count"] == 12
