@@ -118,8 +118,8 @@ def kept_index(d: IndexDir, key: str) -> Manifest | None:
 
     try:
         m = d.read_manifest()
-        if (m.sharded is not None or m.shard is not None or m.index_file is None or m.index_file.sha256 is None
-                or m.selected_for != selected_for(key, m.index_file.sha256)):
+        if m.index_file is None or m.index_file.sha256 is None or m.selected_for != selected_for(
+                key, m.index_file.sha256):        # a shard or a sharded index has no index.faiss record
             return None
         check_faiss_file(d.index_file, m.index_file)            # the file is the one recorded
     except (IndexerError, OSError, ValueError):
