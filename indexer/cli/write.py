@@ -148,11 +148,11 @@ def resolve_build_defaults(args: argparse.Namespace) -> BuildDefaults:
     import itertools
 
     from embedder.pretrained import resolve_spec
+    from embedder.folders import walk_gallery
     from embedder.quantize import int8_dot_product, is_quantized
 
     from ..ann.options import (EMBEDDER, EMBEDDER_INT8_DOT, INT8_MIN_IMAGES, dba_max_images, dba_min_images,
                                resolve_defaults)
-    from embedder.folders import walk_gallery
 
     kept = kept_model(IndexDir(args.out))
     default, own = (None, None) if args.model else (kept.name, kept.own)

@@ -96,7 +96,8 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
     if not keys:
         raise IndexerError(f"{queries}: no query image could be read ({len(skipped)} skipped)")
     own = [own_id if own_id in index else None for _, _, own_id in keys]   # a query the gallery holds
-    alone = [o is not None and len(index.ids_for_label(lab)) == 1 for (_, lab, _), o in zip(keys, own)]
+    held = {lab: len(index.ids_for_label(lab)) for (_, lab, _), o in zip(keys, own) if o is not None}
+    alone = [o is not None and held[lab] == 1 for (_, lab, _), o in zip(keys, own)]   # a label read once
     skipped += [{"path": key[0], "reason": "it is the gallery's only image of its label"}
                 for key, a in zip(keys, alone) if a]
     keep = [i for i, a in enumerate(alone) if not a]
