@@ -69,7 +69,12 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
             stats = ingest(store, files, emb, workers=workers, progress=progress, on_done=on_done, walked=True,
                            prune=prune)
             d.write_report(stats.skipped)
-            ids, x = store.all_embeddings(emb.model_hash)
+            ids = store.embedded_ids(emb.model_hash)
+            key = selection_key(emb.model_hash, opts, ids)
+            kept = None if shard is not None or not len(ids) else kept_index(d, key)
+            x = None
+            if shard is None and (kept is None or dba is not None):   # the vectors, when used
+                ids, x = store.all_embeddings(emb.model_hash)
         d.copy_model(emb.path, emb.model_hash)
         extra = {"gallery": str(gallery.resolve()), "report": REPORT,
                  "ingest": {**dataclasses.asdict(stats), "skipped": len(stats.skipped)}}
@@ -81,8 +86,6 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         if len(ids) == 0:
             raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
                                f"reasons in {d.report_file})")
-        key = selection_key(emb.model_hash, opts, ids)
-        kept = kept_index(d, key)
         if kept is None:
             index, fields = selection.build(ids, x, opts, device=device, progress=progress)
         extra["neighbours"] = _neighbours(d, ids, x, dba, progress)
@@ -128,7 +131,7 @@ def kept_index(d: IndexDir, key: str) -> Manifest | None:
     return m
 
 
-def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray, dba: neighbours.DbaParams | None,
+def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray | None, dba: neighbours.DbaParams | None,
                 progress: bool) -> dict | None:
     """Write the DBA neighbourhoods (before the manifest that records them), or remove a stale
     file when the index is built without them; the manifest's ``neighbours`` record."""

@@ -265,6 +265,11 @@ class GalleryStore(LmdbStore):
             return np.zeros((0, 0), dtype=np.float32)
         return out
 
+    def embedded_ids(self, model_hash: str) -> np.ndarray:
+        """The ids :meth:`all_embeddings` returns, without reading the vectors."""
+        parts = [i for i, _ in self.iter_embeddings(model_hash, vectors=False)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def all_embeddings(self, model_hash: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids ascending, embeddings) of every stored item embedded by ``model_hash``."""
         parts = list(self.iter_embeddings(model_hash))
