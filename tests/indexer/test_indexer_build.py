@@ -597,7 +597,7 @@ def test_a_rebuild_counts_the_stored_files_gone_from_the_gallery_and_prune_drops
 def test_a_rebuild_that_changes_nothing_keeps_the_chosen_index(tmp_path: Path, omniglot_paths: list[Path],
                                                                small_onnx: Path) -> None:
     """Choosing the index type measures every candidate (a rebuild of 25k photos that changed
-    nothing: 86 s, 33-37 s kept): the same images, model and options keep index.faiss; anything
+    nothing: 77-86 s, 31-37 s kept): the same images, model and options keep index.faiss; anything
     else (other options, an `add` since that rewrote index.faiss) chooses again."""
     g = tmp_path / "g"
     for i, p in enumerate(omniglot_paths[:12]):
