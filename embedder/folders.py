@@ -3,20 +3,24 @@
 calibrates and indexes as the same images with the same classes. Deterministic (sorted); entries
 that look like images but cannot be read are yielded with ``problem`` set, to be reported, not
 dropped; hidden entries (names starting with ".": macOS ``._`` files, ``.ipynb_checkpoints``,
-``.thumbnails``) are not walked, as file browsers and shell globs do not show them, nor is an index
-directory kept inside the folder (its audit's contact sheets are PNGs)."""
+``.thumbnails``) are not walked, as file browsers and shell globs do not show them, nor is an index,
+an audit's output or a training run kept inside the folder (``OUTPUT_FILES``: their PNGs are not photos)."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .images import is_listed
 
 #: a folder holding one of these is an index that `indexer build` wrote (a store, a shard's part, a
 #: sharded index's trained file: ``indexer.directory.index_dir``'s names), not photos: not walked
 INDEX_FILES = frozenset({"store.lmdb", "index.faiss", "part.faiss", "trained.faiss"})
+#: nor is a folder holding all of one of these sets: what `indexer audit --out` writes (its contact
+#: sheets are PNGs) and a training run (curves.png, frm.png), wherever the user put them
+OUTPUT_FILES = (*(frozenset({n}) for n in INDEX_FILES), frozenset({"summary.json", "outliers.jsonl"}),
+                frozenset({"config.json", "metrics.json"}))
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,14 @@ def label_of(relpath: str) -> str | None:
     return None if parent in ("", ".") else parent
 
 
+def written_here(names: Iterable[str]) -> bool:
+    """Whether a folder holding the files ``names`` is one this project's tools wrote."""
+    names = set(names)
+    return any(mark <= names for mark in OUTPUT_FILES)
+
+
 def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
-    """Yield every image-named entry under ``root`` (hidden ones and index directories left out) in
+    """Yield every image-named entry under ``root`` (hidden ones and tool outputs left out) in
     sorted order, symlinks followed (as ``find -L``, each directory once: a link to an ancestor is
     yielded with ``problem`` set). Also with ``problem``:
     image-named non-regular files, names not UTF-8 (``relpath`` printable) and ENAMETOOLONG. Image
@@ -86,8 +96,8 @@ def walk_gallery(root: str | Path, prefix: str = "") -> Iterator[GalleryFile]:
             yield GalleryFile(d, rel(d) if d != root else ".", None,
                               f"unreadable directory: {e.strerror or e}")
             continue
-        if d != root and not INDEX_FILES.isdisjoint(e.name for e in entries):
-            continue                        # an index (its audit sheets too) kept inside the gallery
+        if d != root and written_here(e.name for e in entries):
+            continue                        # an index, an audit or a training run inside the gallery
         subdirs = []
         for e in entries:
             if e.name.startswith("."):

@@ -111,7 +111,9 @@ def evaluate(args: argparse.Namespace) -> int:
         return 0
     if args.leave_one_out:
         print(f"{res['queries']} gallery items, each left out of its own results (leave-one-out)"
-              + (f"; {res['lone']} more are the only image of their label: no query" if res["lone"] else ""))
+              + (f"; {res['lone']} more are the only image of their label: no query" if res["lone"] else "")
+              + (f"; {res['unlabelled']} unlabelled (at the gallery root): in the results, no query"
+                 if res["unlabelled"] else ""))
     else:
         print(f"{res['queries']} queries ({res['self_matches']} also in the gallery, excluded from "
               f"their own results), {len(res['skipped'])} skipped")

@@ -139,15 +139,17 @@ def evaluate_gallery(index: Index, ks: Sequence[int] = (1, 2, 4, 8), *, dba: boo
                      max_queries: int | None = None, seed: int = 0) -> dict:
     """Leave-one-out: each labelled item (a sample of ``max_queries``) queries the others with
     its stored vector, excluded and guarded. Same keys as :func:`evaluate_queries`, and ``lone``:
-    the labelled items left out as the only image of their label."""
+    the labelled items left out as the only image of their label, and ``unlabelled``: the items
+    with no label (files at the gallery root), candidates in every query's results but no query."""
     ks = _ks(ks)
-    ids, labels, lone = _labelled(index, max_queries, seed)
+    ids, labels, lone, labelled = _labelled(index, max_queries, seed)
     if not ids:
         raise IndexerError(f"{index.directory}: each of its {lone} labels holds one image; leave-one-out needs "
                            "a second image of a query's label" if lone else
                            f"{index.directory}: the gallery has no labels to evaluate against")
     res = _both(index, index.embeddings(ids), labels, ids, ks, dba)
-    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": [], "lone": lone}
+    return {**res, "queries": len(ids), "self_matches": len(ids), "skipped": [], "lone": lone,
+            "unlabelled": max(0, len(index) - labelled)}
 
 
 @dataclass(frozen=True)
@@ -169,22 +171,23 @@ def dba_verdict(z: float) -> str:
 def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck | None:
     """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items; None when no
     label holds two images (nothing to measure)."""
-    ids, labels, _ = _labelled(index, max_queries, seed)
+    ids, labels, _, _ = _labelled(index, max_queries, seed)
     if not ids:
         return None
     r = _both(index, index.embeddings(ids), labels, ids, [1], True)
     return DbaCheck(len(ids), r["recall_plain"][1], r["recall"][1], r["dba_z"])
 
 
-def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str], int]:
+def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str], int, int]:
     """The ids (a seeded sample of ``max_queries``) and labels of the labelled items whose label
-    has another item, and how many are not: a label's only image finds nothing of its label
-    (``metrics.evaluate``'s rule)."""
+    has another item, how many are not (a label's only image finds nothing of its label:
+    ``metrics.evaluate``'s rule), and how many items have a label."""
     by_label = [index.ids_for_label(lab) for lab in index.labels()]
     ids = [i for held in by_label if len(held) > 1 for i in held]
     if max_queries is not None and len(ids) > max_queries:
         ids = sorted(np.random.default_rng(seed).choice(ids, size=max_queries, replace=False).tolist())
-    return ids, [index.meta(i).get("label") for i in ids], sum(len(held) == 1 for held in by_label)
+    return (ids, [index.meta(i).get("label") for i in ids], sum(len(held) == 1 for held in by_label),
+            sum(map(len, by_label)))
 
 
 def _label(index: Index, id: int) -> str | None:

@@ -348,7 +348,7 @@ def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
     assert bad.returncode == 2
 
 
-def test_an_index_kept_inside_its_gallery_is_not_walked_as_photos(tmp_path: Path, omniglot_paths: list[Path],
+def test_an_index_audit_or_run_kept_inside_its_gallery_is_not_walked_as_photos(tmp_path: Path, omniglot_paths: list[Path],
                                                                    small_onnx: Path) -> None:
     """`indexer build photos/ --out photos/index` then `audit` (sheets into photos/index/audit):
     until 2026-11-30 the next build indexed the audit's contact sheets as photos of a class."""
@@ -365,3 +365,17 @@ def test_an_index_kept_inside_its_gallery_is_not_walked_as_photos(tmp_path: Path
     assert list((gal / "index" / "audit" / "sheets").glob("*.png"))
     again = run_cli("build", gal, "--model", small_onnx, "--out", gal / "index")
     assert "12 files: 0 new, 12 unchanged" in again.stdout, again.stdout
+    # an audit written into the gallery itself, and a training run's folder (until 2026-11-30:
+    # the sheets and curves.png became photos of the classes "review/sheets" and "runs/r1")
+    run_audit_cli("--index", gal / "index", "--out", gal / "review", "--quiet")
+    assert list((gal / "review" / "sheets").glob("*.png"))
+    run = gal / "runs" / "r1"
+    run.mkdir(parents=True)
+    for name in ("config.json", "metrics.json"):
+        (run / name).write_text("{}")
+    shutil.copy(omniglot_paths[20], run / "curves.png")
+    again = run_cli("build", gal, "--model", small_onnx, "--out", gal / "index")
+    assert "12 files: 0 new, 12 unchanged" in again.stdout, again.stdout
+    (run / "metrics.json").unlink()               # one of the pair alone is a user's folder
+    again = run_cli("build", gal, "--model", small_onnx, "--out", gal / "index")
+    assert "13 files: 1 new, 12 unchanged" in again.stdout, again.stdout

@@ -208,13 +208,17 @@ def test_labels_of_one_image_are_no_leave_one_out_queries(tmp_path: Path, galler
     shutil.copytree(gallery8 / "first6", gal)
     (gal / "lone").mkdir()
     shutil.copy(omniglot_paths[-1], gal / "lone" / "only.png")
+    for p in omniglot_paths[-3:-1]:                 # files at the root: no label, candidates only
+        shutil.copy(p, gal / p.name)
     run_cli("build", gal, "--model", small_onnx, "--out", tmp_path / "idx", "--quiet")
     loo = json.loads(run_cli("eval", "--index", tmp_path / "idx", "--leave-one-out", "--json").stdout)
-    assert (loo["queries"], loo["lone"]) == (60, 1)
+    assert (loo["queries"], loo["lone"], loo["unlabelled"]) == (60, 1, 2)
+    assert "; 1 more are the only image of their label: no query; 2 unlabelled" in run_cli(
+        "eval", "--index", tmp_path / "idx", "--leave-one-out").stdout
     q = tmp_path / "queries"        # a query folder: a label the gallery lacks is skipped, and so is
     shutil.copytree(gallery8 / "extra", q)          # a query that is its label's only gallery image
     shutil.copytree(gal / "lone", q / "lone")
-    known = sorted(gal.rglob("*.png"))[0]
+    known = sorted(p for p in gal.rglob("*.png") if p.parent != gal)[0]
     (q / known.relative_to(gal)).parent.mkdir(parents=True)
     shutil.copy(known, q / known.relative_to(gal))
     folder = json.loads(run_cli("eval", "--index", tmp_path / "idx", "--queries", q, "--json").stdout)
