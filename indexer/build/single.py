@@ -36,7 +36,8 @@ def gallery_files(gallery: str | Path, shard: tuple[int, int] | None = None) -> 
     embedding."""
     gallery = Path(gallery)
     if not gallery.is_dir():
-        raise IndexerError(f"{gallery}: gallery folder not found")
+        raise IndexerError(f"{gallery}: a file, not a folder: `indexer build` indexes a folder of images "
+                           "(sub-folders are labels)" if gallery.is_file() else f"{gallery}: gallery folder not found")
     files = walk_gallery(gallery)
     first = next(files, None)
     if first is None:

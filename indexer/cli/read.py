@@ -49,7 +49,10 @@ def search(args: argparse.Namespace) -> None:
     # closed on return: LMDB allows one environment a path per process (main() may run again)
     with open_index(args) as idx:
         if not args.image.is_file():
-            raise IndexerError(f"{args.image}: no such image or folder")
+            scheme, sep, _ = str(args.image).partition(":/")        # Path folds "https://" to "https:/"
+            url = bool(sep) and scheme.isalpha()
+            raise IndexerError(f"{args.image}: " + ("a URL: images are not downloaded; save it and give its path"
+                                                    if url else "no such image or folder"))
         query = args.image if box is None else crop(load_image(args.image, mode="RGB"), box, str(args.image), "--box")
         found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
         hits = idx.hits(found.scores[0], found.ids[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 from PIL import Image
 
 from embedder import ImageLoadError, OnnxEmbedder
@@ -78,6 +79,10 @@ def test_model_load_errors(tmp_path, small_onnx):
     txt.write_text("not onnx")
     with pytest.raises(ModelLoadError, match="not a loadable ONNX model"):
         OnnxEmbedder(txt)
+    ckpt = tmp_path / "best.pt"                 # a training run's checkpoint where its export goes
+    torch.save({"state_dict": {}}, ckpt)
+    with pytest.raises(ModelLoadError, match="a PyTorch checkpoint, not an ONNX model: .*embedder export"):
+        OnnxEmbedder(ckpt)
     proto = onnx.load(str(small_onnx))
     del proto.metadata_props[:]
     plain = tmp_path / "plain.onnx"

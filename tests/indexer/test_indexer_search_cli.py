@@ -67,7 +67,8 @@ def test_bad_options_are_one_line(tmp_path, built_index, omniglot_gallery):
              (["search", picks[0], "--box", "1,2,3"], 1, "--box: expected four integers"),
              (["search", q, "--box", "0,0,5,5"], 2, "--box is a region of one image"),
              (["search", q, "--out", tmp_path / "r.txt"], 2, "expected a .jsonl or .csv file"),
-             (["search", tmp_path / "nothing.png"], 1, "no such image or folder")]
+             (["search", tmp_path / "nothing.png"], 1, "no such image or folder"),
+             (["search", "https://example.com/a.jpg"], 1, "a URL: images are not downloaded")]
     for args, code, words in cases:
         p = run_cli(*args, "--index", built_index, check=False)
         err = p.stderr.strip().splitlines()

@@ -87,4 +87,5 @@ def test_refusals_come_before_the_default_plan(omniglot_gallery: Path, tmp_path:
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     _one_line_error(capsys, ["build", tmp_path / "empty", "--out", tmp_path / "o"], "empty gallery")
     _one_line_error(capsys, ["build", tmp_path / "nope", "--out", tmp_path / "o"], "gallery folder not found")
+    _one_line_error(capsys, ["build", tmp_path / "afile", "--out", tmp_path / "o"], "a file, not a folder")
     assert not (tmp_path / "o").exists() and not any(cache.rglob("*.onnx"))
