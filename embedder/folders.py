@@ -57,6 +57,14 @@ def label_of(relpath: str) -> str | None:
     return None if parent in ("", ".") else parent
 
 
+def one_file(path: Path, prefix: str = "") -> GalleryFile:
+    """One image file as the walk names a file of a folder's top: ``PREFIX/<name>`` (labelled by
+    the prefix): ``indexer add photo.jpg`` without a folder made for it."""
+    prefix, name = prefix.strip("/"), printable_name(path.name)
+    relpath = f"{prefix}/{name}" if prefix else name
+    return GalleryFile(path, relpath, label_of(relpath), utf8_problem(path.name))
+
+
 def written_here(names: Iterable[str]) -> bool:
     """Whether a folder holding the files ``names`` is one this project's tools wrote."""
     names = set(names)

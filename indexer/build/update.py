@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import faiss
 import numpy as np
 
-from embedder.folders import GalleryFile, walk_gallery
+from embedder.folders import GalleryFile, one_file, walk_gallery
+from embedder.images import is_listed
 from embedder.knn import drop_self
 
 from ..ann import faiss_index as fx
@@ -50,16 +51,20 @@ class Change:
 def add_images(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
                prefix: str = "", batch_size: int = 32, workers: int | None = None, device: str = "auto",
                progress: bool = True, wait: bool = False) -> Change:
-    """``indexer add``: ingest another folder into the part whose store holds the fewest images
+    """``indexer add``: ingest another folder (or one image file) into the part whose store holds the fewest images
     and sync, under the writer lock (``wait``: wait for another writer)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise IndexerError(f"{folder}: folder not found")
+    if folder.is_file() and is_listed(folder.name):
+        found = [one_file(folder, prefix)]
+    elif folder.is_dir():
+        found = list(walk_gallery(folder, prefix=prefix))
+    else:
+        raise IndexerError(f"{folder}: " + ("not an image file name" if folder.is_file() else "no such folder or image"))
     with _locked(directory, "indexer add", wait):
         layout = _ready(layout_of(directory))
         emb = update_embedder(layout.d, layout.manifest, model, device, batch_size)
         target = min(layout.parts, key=_stored)
-        files = not_replacing(list(walk_gallery(folder, prefix=prefix)), layout.parts)
+        files = not_replacing(found, layout.parts)
         with GalleryStore(target.store_dir, readonly=False) as store:
             stats = ingest_folder(store, folder, files, emb, target.faiss_file, workers, progress)
         layout.d.write_report(stats.skipped)

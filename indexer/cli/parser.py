@@ -84,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
     dba_opts(b)
     opts(b, "--device", "--quiet", "--wait").set_defaults(func=write.build)
 
-    a = opts(sub.add_parser("add", help="add the images of a folder to an existing index"), index=True)
-    a.add_argument("folder", type=Path, help="folder of images, stored as PREFIX/<path in it>; a file at a path the "
+    a = opts(sub.add_parser("add", help="add the images of a folder (or one image) to an existing index"), index=True)
+    a.add_argument("folder", type=Path, help="folder of images, stored as PREFIX/<path in it> (one image file: "
+                                             "PREFIX/<its name>); a file at a path the "
                                              "index holds with other content is skipped and reported, never replaces")
     a.add_argument("--model", type=Path, default=None,
                    help="must be the model the index was built with (default: the index's copy)")

@@ -223,6 +223,11 @@ def test_add_never_replaces_an_image_stored_under_the_same_path(kind: str, built
     assert c.manifest.count == first.manifest.count and c.stats.duplicates == 1
     again = indexer.add_images(d, tmp_path / "new", progress=False)
     assert again.stats.unchanged == 4 and not again.stats.skipped
+    one = copy_characters(omniglot_root, tmp_path / "one", 1, per_char=1, skip_chars=13)[0]
+    c = indexer.add_images(d, one, prefix="singles/", progress=False)     # one image file, no folder for it
+    assert c.stats.new == 1 and c.manifest.count == first.manifest.count + 1
+    with Index.open(d) as idx:
+        assert idx.meta(idx.id_for_path(f"singles/{one.name}"))["label"] == "singles"
 
 
 @pytest.mark.parametrize("kind", ["single", "sharded"])
