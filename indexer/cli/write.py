@@ -187,7 +187,8 @@ def ingest_line(found: int, new: int, unchanged: int, duplicates: int, skipped: 
     (a rebuild with another model), which are neither new nor unchanged."""
     return (f"{found} files: {new} new, {unchanged} unchanged, {duplicates} duplicate content"
             + (" (stored once; `indexer audit` lists the files)" if duplicates else "")
-            + f", {skipped} skipped" + (f" (reasons in {report})" if skipped else "") + f"; {embedded} embedded")
+            + f", {skipped} skipped" + (f" (reasons in {report})" if skipped else "") + f"; {embedded} embedded"
+            + (f" ({embedded - new} of them stored before: the model is another)" if embedded > new else ""))
 
 
 def check_build_flags(args: argparse.Namespace, ray: bool) -> None:

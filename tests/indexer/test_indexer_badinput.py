@@ -144,7 +144,8 @@ def test_rebuild_with_another_model_counts_the_stored_images_it_embeds_again(
     assert "10 files: 10 new, 0 unchanged, 0 duplicate content, 0 skipped; 10 embedded" in first, first
     other = _variant(small_onnx, tmp_path / "other.onnx", source_hash="another-training-run")
     again = run_cli("build", g, "--model", other, "--out", out, "--quiet").stdout
-    assert "10 files: 0 new, 0 unchanged, 0 duplicate content, 0 skipped; 10 embedded" in again, again
+    assert ("10 files: 0 new, 0 unchanged, 0 duplicate content, 0 skipped; 10 embedded (10 of them stored "
+            "before: the model is another)") in again, again
     m = json.loads((out / "manifest.json").read_text())
     assert m["model"]["hash"] == OnnxEmbedder(other).model_hash and m["count"] == 10
 
