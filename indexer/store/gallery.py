@@ -340,10 +340,16 @@ class GalleryStore(LmdbStore):
 
         self.write(fn)
 
-    def touch_path(self, relpath: str, id: int, size: int, mtime_ns: int) -> None:
-        """Record a new size/mtime for an unchanged path (content hash matched)."""
-        self.write(lambda txn: txn.put(relpath.encode("utf-8"), _PATHREC.pack(id, size, mtime_ns),
-                                       db=self._dbs["path"]))
+    def touch_paths(self, touched: Sequence[tuple[str, int, int, int]]) -> None:
+        """Record new (relpath, id, size, mtime_ns) for unchanged paths (content hash matched), in
+        one transaction: a gallery copied or remounted touches every path (25,311 of them one
+        transaction each: 8.2 s of a 50 s rebuild)."""
+        def fn(txn: lmdb.Transaction) -> None:
+            for relpath, id, size, mtime_ns in touched:
+                txn.put(relpath.encode("utf-8"), _PATHREC.pack(id, size, mtime_ns), db=self._dbs["path"])
+
+        if touched:
+            self.write(fn)
 
     def _attach_path(self, txn: lmdb.Transaction, relpath: str, id: int, size: int,
                      mtime_ns: int) -> None:

@@ -184,8 +184,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     try:
         run(embedder, source, partial(read_chunk, snap=snap, embedder=embedder), settle, commit,
             workers=workers, commit_every=commit_every, seconds=stats.seconds)
-        for relpath, i, size, mtime_ns in settle.touches:
-            store.touch_path(relpath, i, size, mtime_ns)
+        store.touch_paths(settle.touches)
         good = [a for a in settle.aliases if a.sha256 not in settle.failed]
         stats.skipped += [{"path": a.relpath, "reason": settle.failed[a.sha256]}
                           for a in settle.aliases if a.sha256 in settle.failed]

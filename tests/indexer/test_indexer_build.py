@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -610,9 +611,16 @@ def test_a_rebuild_that_changes_nothing_keeps_the_chosen_index(tmp_path: Path, o
         return p.stdout, json.loads((out / "manifest.json").read_text())
 
     first, m1 = build()
+    files = sorted(g.rglob("*.png"))
+    for f in files:                       # a copied or remounted gallery: new times, same content
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
     again, m2 = build()
     assert "kept: chosen" not in first and f"kept: chosen {m1['selected_at'][:19]}Z" in again, again
-    assert m2["selected_for"] == m1["selected_for"] and m2["index_file"] == m1["index_file"]
+    assert "12 files: 0 new, 12 unchanged" in again and m2["selected_for"] == m1["selected_for"]
+    assert m2["index_file"] == m1["index_file"]
+    with GalleryStore(out / STORE_DIR) as store:          # the new times recorded: not hashed again
+        snap = store.snapshot(m2["model"]["hash"], [f.relative_to(g).as_posix() for f in files])
+        assert sorted(v[2] for v in snap.paths.values()) == sorted(f.stat().st_mtime_ns for f in files)
     other, m3 = build("--target-recall", "0.9")
     assert "kept" not in other and m3["selected_for"] != m1["selected_for"] and m3["target_recall"] == 0.9
     extra = tmp_path / "more" / "c0"
