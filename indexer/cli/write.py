@@ -11,8 +11,8 @@ from pathlib import Path
 from embedder.cli import UsageError
 
 from ..ann.options import BuildDefaults, BuildOptions
-from ..directory.index_dir import REPORT, IndexDir
-from ..directory.manifest import Manifest
+from ..directory.index_dir import REPORT, IndexDir, now_utc
+from ..directory.manifest import DbaDroppedRecord, Manifest
 
 
 def build_options(args: argparse.Namespace) -> BuildOptions:
@@ -238,7 +238,8 @@ def build(args: argparse.Namespace) -> None:
         shard = parse_shard(args.shard) if args.shard else None
         m = build_index(args.gallery, args.out, args.model, options=build_options(args), shard=shard,
                         batch_size=args.batch_size, workers=args.workers, device=args.device,
-                        progress=not args.quiet, wait=args.wait, dba=dba_params(args), prune=args.prune)
+                        progress=not args.quiet, wait=args.wait, dba=dba_params(args), prune=args.prune,
+                        dba_verdict=auto_dba)
         say_notes(d)
         ing = m.ingest
         print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
@@ -251,6 +252,11 @@ def build(args: argparse.Namespace) -> None:
             print(f"indexer build: {ing.pruned} stored files not in {args.gallery} any more: dropped (--prune)")
     if m.neighbours:
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait)
+    elif m.dba_dropped and auto_dba:
+        from ..layouts.evaluate import dba_figures
+
+        print(f"indexer build: no DBA: {dba_figures(m.dba_dropped)} (measured {m.dba_dropped.at} on the same index "
+              "and labels; --dba keeps it)", file=sys.stderr)
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
@@ -285,21 +291,25 @@ def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False
     on, -3.7 on 1,000 Omniglot drawings, -0.9 for a fine-tuned pair in fp32 on unseen birds
     (docs/INDEXING.md#the-default). An unlabelled gallery keeps what it has."""
     from ..build.single import without_dba
-    from ..layouts.evaluate import dba_check
+    from ..layouts.evaluate import dba_check, dba_figures, labels_digest
     from ..layouts.index import Index
 
     with Index.open(out, device="cpu") as idx:
         c = dba_check(idx)
+        digest = labels_digest(idx) if c is not None and c.z < -2 and drop else ""
     if c is None or c.z >= -2:          # no label holds two images: nothing to measure
         return m
-    figures = (f"leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} with it, "
-               f"{100 * c.plain:.2f} without")
+    figures = dba_figures(c)
     if not drop:
         print(f"indexer {command}: warning: DBA, asked for, is behind on this gallery: {figures} "
               f"(--no-dba drops it; dba=false per request)", file=sys.stderr)
         return m
     print(f"indexer {command}: no DBA: {figures} (--dba keeps it)", file=sys.stderr)
-    return without_dba(out, wait=wait)
+    p = m.neighbours
+    return without_dba(out, wait=wait, dropped=None if m.selected_for is None else DbaDroppedRecord(
+        selected_for=m.selected_for, labels=digest, k=p.k, alpha=p.alpha, depth=p.depth, queries=c.queries,
+        dba=c.dba, plain=c.plain, z=c.z, at=now_utc()))
+
 
 
 def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:

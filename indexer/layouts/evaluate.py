@@ -8,12 +8,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from embedder.folders import walk_gallery
 
+from ..directory.manifest import DbaDroppedRecord
 from ..errors import IndexerError
 from ..store.gallery import id_for_sha256
 from .index import Index
@@ -168,6 +169,12 @@ def dba_verdict(z: float) -> str:
     return "within the noise" if abs(z) < 2 else "DBA ahead" if z > 0 else "DBA behind"
 
 
+def dba_figures(c: DbaCheck | DbaDroppedRecord) -> str:
+    """A DBA check's figures in words (the check, or the manifest's record of it)."""
+    return (f"leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} with it, "
+            f"{100 * c.plain:.2f} without")
+
+
 def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck | None:
     """:class:`DbaCheck` of an index with DBA on (a sample of) its labelled items; None when no
     label holds two images (nothing to measure)."""
@@ -176,6 +183,17 @@ def dba_check(index: Index, max_queries: int = 2000, seed: int = 0) -> DbaCheck 
         return None
     r = _both(index, index.embeddings(ids), labels, ids, [1], True)
     return DbaCheck(len(ids), r["recall_plain"][1], r["recall"][1], r["dba_z"])
+
+
+def labels_digest(held: Any) -> str:
+    """sha256 of every label and its ids, of an :class:`Index` or a ``GalleryStore`` (the same
+    two methods): what the build's DBA check measured on, so a rebuild keeps its verdict only
+    while no image changed label (a file moved to another folder keeps its id)."""
+    h = hashlib.sha256()
+    for label in sorted(held.labels()):
+        h.update(label.encode("utf-8") + b"\0")
+        h.update(np.sort(np.asarray(held.ids_for_label(label), dtype=np.int64)).tobytes() + b"\0")
+    return h.hexdigest()
 
 
 def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[int], list[str], int, int]:

@@ -497,9 +497,16 @@ def test_default_dba_is_dropped_where_the_gallerys_own_labels_say_it_hurts(tmp_p
     assert not (out / "neighbours.npz").exists()
     e = json.loads(run_cli("eval", "--index", out, "--leave-one-out", "-k", "1", "--json").stdout)
     assert e["dba"] is False and abs(100 * e["recall"]["1"] - without) < 0.01
-    p = run_cli("build", g, "--out", out, "--model", pretrained_onnx, "--quiet")   # --model: measured alike
-    assert "0 new, 240 unchanged" in p.stdout and f"no DBA: {lines[0].split('no DBA: ')[1]}" in p.stderr
+    p = run_cli("build", g, "--out", out, "--model", pretrained_onnx, "--quiet")   # --model: measured alike;
+    figures = lines[0].split("no DBA: ")[1].split(" (")[0]           # the same index: the verdict kept
+    assert "0 new, 240 unchanged" in p.stdout and f"no DBA: {figures} (measured " in p.stderr, p.stderr
     assert not (out / "neighbours.npz").exists()
+    first = sorted(g.iterdir())
+    moved = sorted(first[0].iterdir())[0]
+    moved.rename(first[1] / moved.name)                      # an image filed under another label:
+    p = run_cli("build", g, "--out", out, "--prune", "--quiet")      # the same ids, measured again
+    assert "kept: chosen" in p.stdout and "no DBA: leave-one-out R@1 of 240" in p.stderr
+    assert "(measured" not in p.stderr and not (out / "neighbours.npz").exists()
     p = run_cli("build", g, "--out", out, "--dba", "--quiet")      # asked for: kept, nothing embedded
     assert "0 new, 240 unchanged" in p.stdout
     assert "warning: DBA, asked for, is behind on this gallery: leave-one-out R@1 of 240" in p.stderr, p.stderr
