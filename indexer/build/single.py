@@ -22,7 +22,7 @@ from ..ann import neighbours, selection
 from ..ann.options import BuildOptions
 from ..directory.index_dir import MODEL_FILE, REPORT, IndexDir, now_utc
 from ..directory.lock import writer_lock
-from ..directory.manifest import DbaDroppedRecord, Manifest, NeighboursRecord
+from ..directory.manifest import DbaCheckRecord, Manifest, NeighboursRecord
 from ..directory.model import load_embedder, model_info
 from ..errors import IndexerError
 from ..store.gallery import GalleryStore
@@ -58,9 +58,9 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
     under ``out``'s writer lock. ``files``: entries already listed (a ``--ray`` task's share); ``dba``:
     also DBA's neighbourhoods; ``options`` or its fields by name (``max_memory``: old name of
     ``index_memory``), checked before any work. ``prune``: drop stored images whose file the walk
-    did not find (by default kept and counted: ``ingest``). ``dba_verdict``: a kept index whose DBA
-    the build's check dropped (``Manifest.dba_dropped``) stays without it while the labels are the
-    same (the default's DBA; an asked-for one is built)."""
+    did not find (by default kept and counted: ``ingest``). A kept index keeps the DBA check's
+    record (``Manifest.dba_check``) while the labels are the same; ``dba_verdict`` (the default's
+    DBA, not an asked-for one): where that check found DBA behind, it is not built."""
     t0 = time.perf_counter()
     gallery, out = Path(gallery), Path(out)
     files = gallery_files(gallery, shard) if files is None else files
@@ -76,8 +76,8 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
             ids = store.embedded_ids(emb.model_hash)
             key = selection_key(emb.model_hash, opts, ids)
             kept = None if shard is not None or not len(ids) else kept_index(d, key)
-            dropped = kept_drop(kept, dba, store) if dba_verdict else None
-            dba = None if dropped else dba
+            check = kept_check(kept, dba, store)
+            dba = None if dba_verdict and check is not None and check.z < -2 else dba
             kept_nb = kept_neighbours(d, kept, dba)
             x = None
             if shard is None and (kept is None or (dba is not None and kept_nb is None)):   # vectors, when used
@@ -98,7 +98,7 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         extra["neighbours"] = kept_nb or _neighbours(d, ids, x, dba, progress)
         extra["build_seconds"] = round(time.perf_counter() - t0, 3)
         if kept is not None:
-            return d.write_manifest(dataclasses.replace(kept, **extra, dba_dropped=dropped, built_at=now_utc()))
+            return d.write_manifest(dataclasses.replace(kept, **extra, dba_check=check, built_at=now_utc()))
         extra["built_at"] = now_utc()
         extra["selected_at"] = f"{extra['built_at'][:-1]}.{time.time_ns() % 10**9:09d}Z"   # unique per choice
         return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra, key)
@@ -138,17 +138,24 @@ def kept_index(d: IndexDir, key: str) -> Manifest | None:
     return m
 
 
-def kept_drop(kept: Manifest | None, dba: neighbours.DbaParams | None, store: GalleryStore
-              ) -> DbaDroppedRecord | None:
-    """The kept index's record of the DBA check dropping DBA, when it was measured on this very
-    index with these DBA parameters and labels: the same verdict without the DBA pass and the
-    check (25k photos: ~25 s a rebuild)."""
+def kept_check(kept: Manifest | None, dba: neighbours.DbaParams | None, store: GalleryStore
+               ) -> DbaCheckRecord | None:
+    """The kept index's record of the DBA check, when it was measured on this very index with
+    these DBA parameters and labels: the same verdict without measuring again (25k photos: 7 s a
+    rebuild, and 17-19 s of DBA pass where the check dropped DBA)."""
     from ..layouts.evaluate import labels_digest
 
-    r = kept.dba_dropped if kept is not None and dba is not None else None
+    r = kept.dba_check if kept is not None and dba is not None else None
     if r is None or r.selected_for != kept.selected_for or (r.k, r.alpha, r.depth) != (dba.k, dba.alpha, dba.depth):
         return None
     return r if r.labels == labels_digest(store) else None
+
+
+def with_dba_check(out: str | Path, check: DbaCheckRecord, *, wait: bool = False) -> Manifest:
+    """The index at ``out`` with the DBA check's record (DBA kept), for a rebuild to keep."""
+    d = IndexDir(out)
+    with writer_lock(d.path, "indexer build", wait=wait):
+        return d.write_manifest(dataclasses.replace(d.read_manifest(), dba_check=check))
 
 
 def kept_neighbours(d: IndexDir, kept: Manifest | None, dba: neighbours.DbaParams | None
@@ -177,12 +184,12 @@ def _neighbours(d: IndexDir, ids: np.ndarray, x: np.ndarray | None, dba: neighbo
     return neighbours.write(d.path, neighbours.build(ids, x, dba, progress=progress))
 
 
-def without_dba(out: str | Path, *, wait: bool = False, dropped: DbaDroppedRecord | None = None) -> Manifest:
+def without_dba(out: str | Path, *, wait: bool = False, check: DbaCheckRecord | None = None) -> Manifest:
     """The index at ``out`` with its DBA neighbourhoods dropped: the manifest first (a reader never
-    sees a record without its file), then the file. ``dropped``: why (kept for a rebuild)."""
+    sees a record without its file), then the file. ``check``: why (kept for a rebuild)."""
     d = IndexDir(out)
     with writer_lock(d.path, "indexer build", wait=wait):
-        m = d.write_manifest(dataclasses.replace(d.read_manifest(), neighbours=None, dba_dropped=dropped))
+        m = d.write_manifest(dataclasses.replace(d.read_manifest(), neighbours=None, dba_check=check))
         neighbours.remove_file(d.path)
     return m
 

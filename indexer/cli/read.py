@@ -180,10 +180,10 @@ def print_layout(directory: Path, m: Manifest, facts: dict) -> None:
         if nb:
             print(f"rerank:   DBA, k={nb.k} (item included), weights sim^{nb.alpha:g}, top "
                   f"{nb.depth} re-ranked (neighbours.npz, {(nb.bytes or 0) / 2 ** 20:.1f} MiB)")
-        elif m.dba_dropped:
+        elif m.dba_check:
             from ..layouts.evaluate import dba_figures
 
-            print(f"rerank:   none: the build's check dropped DBA ({dba_figures(m.dba_dropped)}, {m.dba_dropped.at})")
+            print(f"rerank:   none: the build's check found DBA behind ({dba_figures(m.dba_check)}, {m.dba_check.at})")
         for i, s in enumerate(shards):
             print(f"shard {i}:  {s['shard']}: {s['images']} images stored, {s['vectors']} vectors in its part")
         if facts["held"] is not None:

@@ -12,7 +12,7 @@ from embedder.cli import UsageError
 
 from ..ann.options import BuildDefaults, BuildOptions
 from ..directory.index_dir import REPORT, IndexDir, now_utc
-from ..directory.manifest import DbaDroppedRecord, Manifest
+from ..directory.manifest import DbaCheckRecord, Manifest
 
 
 def build_options(args: argparse.Namespace) -> BuildOptions:
@@ -250,13 +250,8 @@ def build(args: argparse.Namespace) -> None:
                   file=sys.stderr)
         if ing.pruned:
             print(f"indexer build: {ing.pruned} stored files not in {args.gallery} any more: dropped (--prune)")
-    if m.neighbours:
+    if m.neighbours or (m.dba_check and auto_dba):
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait)
-    elif m.dba_dropped and auto_dba:
-        from ..layouts.evaluate import dba_figures
-
-        print(f"indexer build: no DBA: {dba_figures(m.dba_dropped)} (measured {m.dba_dropped.at} on the same index "
-              "and labels; --dba keeps it)", file=sys.stderr)
     if m.is_shard:
         print(f"shard {m.shard.i}/{m.shard.n}: {m.count} images in {args.out}")
     else:
@@ -289,27 +284,30 @@ def dba_where_it_helps(out: Path, m: Manifest, *, drop: bool, wait: bool = False
     noise (McNemar's z < -2) the default's is dropped (``drop``), an asked-for one kept with a
     warning. Why: DBA's sign flips between sets: +-0.6 R@1 on the photo sets the default was chosen
     on, -3.7 on 1,000 Omniglot drawings, -0.9 for a fine-tuned pair in fp32 on unseen birds
-    (docs/INDEXING.md#the-default). An unlabelled gallery keeps what it has."""
-    from ..build.single import without_dba
+    (docs/INDEXING.md#the-default). An unlabelled gallery keeps what it has. What it measured goes
+    into the manifest (``dba_check``): a rebuild that keeps the index and the labels reuses it."""
+    from ..build.single import with_dba_check, without_dba
     from ..layouts.evaluate import dba_check, dba_figures, labels_digest
     from ..layouts.index import Index
 
-    with Index.open(out, device="cpu") as idx:
-        c = dba_check(idx)
-        digest = labels_digest(idx) if c is not None and c.z < -2 and drop else ""
-    if c is None or c.z >= -2:          # no label holds two images: nothing to measure
-        return m
-    figures = dba_figures(c)
-    if not drop:
-        print(f"indexer {command}: warning: DBA, asked for, is behind on this gallery: {figures} "
-              f"(--no-dba drops it; dba=false per request)", file=sys.stderr)
-        return m
-    print(f"indexer {command}: no DBA: {figures} (--dba keeps it)", file=sys.stderr)
-    p = m.neighbours
-    return without_dba(out, wait=wait, dropped=None if m.selected_for is None else DbaDroppedRecord(
-        selected_for=m.selected_for, labels=digest, k=p.k, alpha=p.alpha, depth=p.depth, queries=c.queries,
-        dba=c.dba, plain=c.plain, z=c.z, at=now_utc()))
-
+    c, when = m.dba_check, ""
+    if c is not None:           # a kept index, the same labels: measured before (its manifest says when)
+        when = f"measured {c.at} on the same index and labels; "
+    else:
+        with Index.open(out, device="cpu") as idx:
+            got = dba_check(idx)
+            if got is None:     # no label holds two images: nothing to measure
+                return m
+            p = m.neighbours
+            c = DbaCheckRecord(selected_for=m.selected_for or "", labels=labels_digest(idx), k=p.k, alpha=p.alpha,
+                               depth=p.depth, queries=got.queries, dba=got.dba, plain=got.plain, z=got.z, at=now_utc())
+    if c.z >= -2 or not drop:
+        if c.z < -2:
+            print(f"indexer {command}: warning: DBA, asked for, is behind on this gallery: {dba_figures(c)} "
+                  f"({when}--no-dba drops it; dba=false per request)", file=sys.stderr)
+        return m if m.dba_check is not None or m.selected_for is None else with_dba_check(out, c, wait=wait)
+    print(f"indexer {command}: no DBA: {dba_figures(c)} ({when}--dba keeps it)", file=sys.stderr)
+    return m if m.neighbours is None else without_dba(out, wait=wait, check=c if m.selected_for else None)
 
 
 def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:

@@ -90,7 +90,7 @@ class NeighboursRecord(FileRecord):      # DBA re-ranking (indexer.ann.neighbour
 
 
 @dataclass(kw_only=True)
-class DbaDroppedRecord(Record):          # the build's DBA check dropped the default's DBA: what it measured
+class DbaCheckRecord(Record):            # what the build's DBA check measured (indexer.cli.write)
     selected_for: str                       # on the index chosen for this (Manifest.selected_for)
     labels: str                             # with these labels (indexer.layouts.evaluate.labels_digest)
     k: int                                  # and these DBA parameters
@@ -169,8 +169,8 @@ class Manifest(Record, Mapping):
     sharded: ShardedRecord | None = None
     stage_seconds: dict[str, float] | None = None
     neighbours: NeighboursRecord | None = None
-    #: a rebuild that keeps the index and the labels keeps the check's verdict too (no DBA pass)
-    dba_dropped: DbaDroppedRecord | None = None
+    #: a rebuild that keeps the index and the labels keeps the check's verdict (z < -2: no DBA pass)
+    dba_check: DbaCheckRecord | None = None
     build_seconds: float | None = None
     #: sha256 of what the index type was chosen for (model, build options, sorted ids): a rebuild
     #: that would choose for the same keeps index.faiss (indexer.build.single.kept_index)

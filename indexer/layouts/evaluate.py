@@ -14,7 +14,7 @@ import numpy as np
 
 from embedder.folders import walk_gallery
 
-from ..directory.manifest import DbaDroppedRecord
+from ..directory.manifest import DbaCheckRecord
 from ..errors import IndexerError
 from ..store.gallery import id_for_sha256
 from .index import Index
@@ -169,7 +169,7 @@ def dba_verdict(z: float) -> str:
     return "within the noise" if abs(z) < 2 else "DBA ahead" if z > 0 else "DBA behind"
 
 
-def dba_figures(c: DbaCheck | DbaDroppedRecord) -> str:
+def dba_figures(c: DbaCheck | DbaCheckRecord) -> str:
     """A DBA check's figures in words (the check, or the manifest's record of it)."""
     return (f"leave-one-out R@1 of {c.queries} labelled images {100 * c.dba:.2f} with it, "
             f"{100 * c.plain:.2f} without")

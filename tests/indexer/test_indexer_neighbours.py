@@ -100,9 +100,9 @@ def test_add_and_remove_keep_the_fresh_build_state(tmp_path: Path, gallery8: Pat
 
 def test_a_rebuild_that_changes_nothing_keeps_the_neighbourhoods(tmp_path: Path, dba_index: Path, gallery8: Path,
                                                                 small_onnx: Path) -> None:
-    """A kept index (same images, model and options) keeps neighbours.npz when DBA's parameters
-    are the same (25k photos: their k-NN was 17-19 s of a 36 s rebuild); other parameters, or a
-    damaged file, compute them again."""
+    """A kept index (same images, model and options) keeps neighbours.npz and the DBA check's record
+    when DBA's parameters are the same (25k photos: the k-NN was 17-19 s of a 36 s rebuild, the
+    check 7 s); other parameters, or a damaged file, compute them again."""
     idx = tmp_path / "idx"
     shutil.copytree(dba_index, idx)
     nb = idx / neighbours.NEIGHBOURS_FILE
@@ -111,11 +111,16 @@ def test_a_rebuild_that_changes_nothing_keeps_the_neighbourhoods(tmp_path: Path,
         return run_cli("build", gallery8 / "all", "--model", small_onnx, "--out", idx, "--dba", "--quiet",
                        *extra).stdout
 
-    st = nb.stat()
+    def manifest() -> dict:
+        return json.loads((idx / "manifest.json").read_text())
+
+    st, check = nb.stat(), manifest()["dba_check"]          # the DBA check's record, on this index
+    assert check["selected_for"] == manifest()["selected_for"] and check["k"] == neighbours.DEFAULT_K
     assert "kept: chosen" in build()
     assert (nb.stat().st_ino, nb.stat().st_mtime_ns) == (st.st_ino, st.st_mtime_ns)      # not rewritten
+    assert manifest()["dba_check"] == check                                              # nor measured
     assert "kept: chosen" in build("--dba-k", "4")
-    assert json.loads((idx / "manifest.json").read_text())["neighbours"]["k"] == 4 == _state(idx).nbr.shape[1]
+    assert manifest()["neighbours"]["k"] == 4 == _state(idx).nbr.shape[1] == manifest()["dba_check"]["k"]
     k4 = _state(idx)
     data = bytearray(nb.read_bytes())
     data[-100] ^= 0xFF
