@@ -258,6 +258,10 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
         raise ValueError(f"training class(es) with fewer than per_class={cfg.per_class} images: "
                          f"{', '.join(small[:5])}{' ...' if len(small) > 5 else ''}; add photos, move "
                          f"the folder out of the training half, or set per_class lower")
+    if train_ds.split.num_classes < 2:            # a metric loss needs a negative: another class
+        raise ValueError(f"{train_ds.split.num_classes} training class ({', '.join(train_ds.split.classes)}): metric "
+                         f"learning needs two or more (negatives come from other classes); the split gives "
+                         f"{test_ds.split.num_classes} to testing: add class folders")
     if (np.bincount(test_ds.labels) < 2).all():   # each query needs another image of its class
         raise ValueError(f"no test class holds two images or more ({len(test_ds.split.classes)} classes, e.g. "
                          f"{test_ds.split.classes[0]!r}): R@k needs another image of a query's class; add photos "

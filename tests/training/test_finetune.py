@@ -3,6 +3,7 @@ the cached trunk against the full network, the cache's reuse, and the exported O
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -207,6 +208,12 @@ def test_a_training_class_smaller_than_per_class_is_named_before_anything_is_wri
     small = sorted(p.name for p in root.iterdir())[1]
     with pytest.raises(ValueError, match=f"fewer than per_class=4 images: '{small}' \\(2\\); add photos"):
         train(_cfg(root, tmp_path / "run", per_class=4, batch_size=12, max_classes=0))
+    assert not (tmp_path / "run").exists()
+    three = tmp_path / "three"                  # 3 classes: the first half is 1 class, no negatives
+    for d in sorted(root.iterdir())[:3]:
+        shutil.copytree(d, three / d.name, symlinks=True)
+    with pytest.raises(ValueError, match="1 training class .*needs two or more"):
+        train(_cfg(three, tmp_path / "run", per_class=2, batch_size=4, max_classes=0))
     assert not (tmp_path / "run").exists()
     test_half = sorted(p for p in root.iterdir())[len(list(root.iterdir())) // 2:]
     for d in test_half:                     # the test half one photo a class: nothing could be found
