@@ -209,6 +209,31 @@ def check_build_flags(args: argparse.Namespace, ray: bool) -> None:
         raise UsageError(f"--out {args.out}: a file is there; expected an index directory (new or existing)")
 
 
+def check_same_gallery(args: argparse.Namespace) -> None:
+    """Refuse to build a gallery into an index of another folder none of whose sampled images
+    this gallery holds (``indexer build`` without --out twice: the second would keep the first's
+    images, searchable under the first's labels, with one line): --prune replaces them. A gallery
+    moved or mounted elsewhere holds its stored paths and goes on."""
+    from ..errors import IndexerError
+    from ..store.gallery import GalleryStore
+
+    d = IndexDir(args.out)
+    if args.prune or not d.store_dir.is_dir():
+        return
+    try:
+        m = d.read_manifest()
+        if m.gallery is None or Path(m.gallery) == args.gallery.resolve():
+            return
+        with GalleryStore(d.store_dir) as store:
+            sample = store.path_sample(200)
+    except (IndexerError, ValueError, OSError):       # a damaged index: the build says what is wrong
+        return
+    if sample and not any((args.gallery / p).exists() for p in sample):
+        raise UsageError(f"--out {args.out} holds an index of {m.gallery} ({m.count} images, none found in "
+                         f"{args.gallery}): give another --out, or --prune to replace its images with "
+                         f"{args.gallery}'s (`indexer add {args.gallery} --index {args.out}` adds them to it)")
+
+
 def build(args: argparse.Namespace) -> None:
     from ..build.single import build_index, gallery_files
     from ..store.walk import parse_shard
@@ -216,6 +241,7 @@ def build(args: argparse.Namespace) -> None:
     ray = args.ray is not None or args.shards is not None or args.sharded
     check_build_flags(args, ray)
     gallery_files(args.gallery)       # missing or empty: one line before the plan and any export
+    check_same_gallery(args)
     auto_int8, auto_dba = args.int8 is None, args.dba is None
     d = resolve_build_defaults(args)
     dba_params(args)                                      # bad --dba-* flags: refused before any export

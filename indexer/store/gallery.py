@@ -146,6 +146,13 @@ class GalleryStore(LmdbStore):
             stored = (k.decode("utf-8") for k in txn.cursor(db=self._db("path")).iternext(keys=True, values=False))
             return [p for p in stored if p not in walked]
 
+    def path_sample(self, n: int) -> list[str]:
+        """About ``n`` stored paths spread evenly over path order (every folder's share)."""
+        with self._read() as txn:
+            step = max(1, txn.stat(self._db("path"))["entries"] // max(1, n))
+            keys = txn.cursor(db=self._db("path")).iternext(keys=True, values=False)
+            return [k.decode("utf-8") for i, k in enumerate(keys) if i % step == 0]
+
     def paths_under(self, folder: str) -> list[str]:
         """The stored paths under ``folder`` ("dogs/": dogs/a.jpg, dogs/pug/b.jpg), in path order."""
         prefix = folder.rstrip("/").encode("utf-8") + b"/"

@@ -188,3 +188,27 @@ def test_every_command_has_help() -> None:
         assert p.stdout.startswith("usage: python -m indexer " + cmd)
     p = run_cli("search", check=False)
     assert p.returncode == 2 and "usage" in p.stderr
+
+
+def test_another_gallery_into_an_index_of_a_folder_is_refused_unless_pruned(tmp_path: Path, omniglot_root: Path,
+                                                                           small_onnx: Path) -> None:
+    """`indexer build a/` then `indexer build b/` into the same index (both without --out): until
+    2026-11-30 the second kept a's images, searchable under a's labels, with one line. Now it is
+    refused in one line naming both; --prune replaces them; the first gallery moved elsewhere
+    (its paths found under the new root) builds on, nothing embedded."""
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "idx"
+    copy_characters(omniglot_root, a, 2, per_char=5)
+    copy_characters(omniglot_root, b, 2, per_char=5, skip_chars=2)
+    run_cli("build", a, "--model", small_onnx, "--out", out, "--quiet")
+    p = run_cli("build", b, "--model", small_onnx, "--out", out, "--quiet", check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
+        f"indexer build: error: --out {out} holds an index of {a} (10 images, none found in {b})"), p.stderr
+    assert json.loads((out / "manifest.json").read_text())["count"] == 10
+    moved = tmp_path / "moved"
+    a.rename(moved)
+    p = run_cli("build", moved, "--model", small_onnx, "--out", out, "--quiet")
+    assert "10 files: 0 new, 10 unchanged" in p.stdout and "0 embedded" in p.stdout, p.stdout
+    p = run_cli("build", b, "--model", small_onnx, "--out", out, "--quiet", "--prune")
+    assert "10 files: 10 new" in p.stdout and json.loads((out / "manifest.json").read_text())["count"] == 10
+    with GalleryStore(out / STORE_DIR) as store:
+        assert sorted(store.labels()) == sorted(str(d.relative_to(b)) for d in b.glob("*/*"))
