@@ -199,10 +199,10 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    max_retries: int = 3, cpus_per_shard: int | None = None,
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
                    device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
-                   options: BuildOptions | None = None, dba: DbaParams | None = None,
+                   options: BuildOptions | None = None, dba: DbaParams | None = None, dba_verdict: bool = False,
                    **option_kw: Any) -> Manifest:
     """Build ``gallery`` into ``out`` with one Ray task per shard (``out/shards/<i>``), then merge (or,
-    ``sharded``, keep the shards as the parts; ``dba``: the merged index's, as ``merge_shards``);
+    ``sharded``, keep the shards as the parts; ``dba``, ``dba_verdict``: the merged index's, as ``merge_shards``);
     every input checked before Ray starts, ``out``'s
     writer lock held from then on. The manifest's ``ray`` entry (and ``out/shards/ray.json``) says
     shards, attempts, resources and the node of each attempt, reader and fill."""
@@ -254,7 +254,8 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             if started:
                 ray.shutdown()
         if not sharded:
-            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress, dba=dba)
+            m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress, dba=dba,
+                             dba_verdict=dba_verdict)
         ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                      "nodes": where, "attempt_nodes": tried, "seconds": round(time.perf_counter() - t0, 3)}
         if sharded:     # what the shards' readers sent the driver, where each ran, where each part was filled

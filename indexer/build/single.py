@@ -8,6 +8,7 @@ import itertools
 import json
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -75,13 +76,11 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
             d.write_report(stats.skipped)
             ids = store.embedded_ids(emb.model_hash)
             key = selection_key(emb.model_hash, opts, ids)
-            kept = None if shard is not None or not len(ids) else kept_index(d, key)
-            check = kept_check(kept, dba, store)
-            dba = None if dba_verdict and check is not None and check.z < -2 else dba
-            kept_nb = kept_neighbours(d, kept, dba)
+            kept, dba = (Kept(), dba) if shard is not None or not len(ids) else kept_parts(d, key, dba, store,
+                                                                                         dba_verdict)
             x = None
-            if shard is None and (kept is None or (dba is not None and kept_nb is None)):   # vectors, when used
-                ids, x = store.all_embeddings(emb.model_hash)
+            if shard is None and (kept.manifest is None or (dba is not None and kept.neighbours is None)):
+                ids, x = store.all_embeddings(emb.model_hash)                   # the vectors, where used
         d.copy_model(emb.path, emb.model_hash)
         extra = {"gallery": str(gallery.resolve()), "report": REPORT,
                  "ingest": {**dataclasses.asdict(stats), "skipped": len(stats.skipped)}}
@@ -93,15 +92,43 @@ def build_index(gallery: str | Path, out: str | Path, model: str | Path | None =
         if len(ids) == 0:
             raise IndexerError(f"{gallery}: no image could be indexed ({len(stats.skipped)} skipped, "
                                f"reasons in {d.report_file})")
-        if kept is None:
-            index, fields = selection.build(ids, x, opts, device=device, progress=progress)
-        extra["neighbours"] = kept_nb or _neighbours(d, ids, x, dba, progress)
-        extra["build_seconds"] = round(time.perf_counter() - t0, 3)
-        if kept is not None:
-            return d.write_manifest(dataclasses.replace(kept, **extra, dba_check=check, built_at=now_utc()))
-        extra["built_at"] = now_utc()
-        extra["selected_at"] = f"{extra['built_at'][:-1]}.{time.time_ns() % 10**9:09d}Z"   # unique per choice
-        return _write_index_dir(d, index, fields, model_info(emb, MODEL_FILE), extra, key)
+        return write_index(d, kept, key, ids, x, opts, dba, model_info(emb, MODEL_FILE), extra, t0, device=device,
+                           progress=progress)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a rebuild keeps of the index at its --out (nothing: all None)."""
+
+    manifest: Manifest | None = None            # the index type chosen (kept_index)
+    neighbours: NeighboursRecord | None = None  # DBA's file (kept_neighbours)
+    check: DbaCheckRecord | None = None         # the DBA check's record (kept_check)
+
+
+def kept_parts(d: IndexDir, key: str, dba: neighbours.DbaParams | None, store: GalleryStore, dba_verdict: bool
+               ) -> tuple[Kept, neighbours.DbaParams | None]:
+    """What a build or merge of ``key`` into ``d`` keeps, and the DBA it builds: none where the
+    kept check found it behind and ``dba_verdict`` (the default's DBA, not an asked-for one)."""
+    m = kept_index(d, key)
+    check = kept_check(m, dba, store)
+    dba = None if dba_verdict and check is not None and check.z < -2 else dba
+    return Kept(m, kept_neighbours(d, m, dba), check), dba
+
+
+def write_index(d: IndexDir, kept: Kept, key: str, ids: np.ndarray, x: np.ndarray | None, opts: BuildOptions,
+                dba: neighbours.DbaParams | None, model: Any, extra: dict, t0: float, *, device: str,
+                progress: bool, parts: Any = None) -> Manifest:
+    """A build's and a merge's end: the index type chosen by measurement (or the kept index),
+    DBA's file (or the kept one), the manifest."""
+    if kept.manifest is None:
+        index, fields = selection.build(ids, x, opts, device=device, parts=parts, progress=progress)
+    extra = {**extra, "neighbours": kept.neighbours or _neighbours(d, ids, x, dba, progress),
+             "build_seconds": round(time.perf_counter() - t0, 3)}
+    if kept.manifest is not None:
+        return d.write_manifest(dataclasses.replace(kept.manifest, **extra, dba_check=kept.check, built_at=now_utc()))
+    extra["built_at"] = now_utc()
+    extra["selected_at"] = f"{extra['built_at'][:-1]}.{time.time_ns() % 10**9:09d}Z"   # unique per choice
+    return _write_index_dir(d, index, fields, model, extra, key)
 
 
 def selection_key(model_hash: str, opts: BuildOptions, ids: np.ndarray) -> str:
@@ -234,10 +261,11 @@ def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Man
 
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
                  device: str = "auto", progress: bool = True, wait: bool = False,
-                 dba: neighbours.DbaParams | None = None, **option_kw: Any) -> Manifest:
+                 dba: neighbours.DbaParams | None = None, dba_verdict: bool = False, **option_kw: Any) -> Manifest:
     """``indexer merge``: one quantizer trained over all shards (the sample picked by position in
     the id-sorted union, as a single build picks it, so the result equals one), their inverted
-    lists merged. Holds ``out``'s writer lock; ``options`` as ``build_index``."""
+    lists merged. Holds ``out``'s writer lock; ``options``, ``dba_verdict`` and what a merge of the
+    same shards keeps as ``build_index``."""
     t0 = time.perf_counter()
     out = Path(out)
     opts = BuildOptions.of(options, **option_kw)
@@ -264,12 +292,12 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
     with writer_lock(out, "indexer merge", wait=wait):
         out.mkdir(parents=True, exist_ok=True)
         dst_dir = IndexDir(out)
+        key = selection_key(model_hash, opts, all_ids)
         with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
             for d in dirs:
                 with GalleryStore(d.store_dir) as s:
                     dst.copy_from(s, model_hash)
-        index, fields = selection.build(all_ids, x, opts, device=device, parts=parts, progress=progress)
-        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], **from_shards(dst_dir, dirs, manifests),
-                 "neighbours": _neighbours(dst_dir, all_ids, x, dba, progress),
-                 "build_seconds": round(time.perf_counter() - t0, 3)}
-        return _write_index_dir(dst_dir, index, fields, manifests[0].model, extra)
+            kept, dba = kept_parts(dst_dir, key, dba, dst, dba_verdict)
+        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], **from_shards(dst_dir, dirs, manifests)}
+        return write_index(dst_dir, kept, key, all_ids, x, opts, dba, manifests[0].model, extra, t0, device=device,
+                           progress=progress, parts=parts)

@@ -73,8 +73,9 @@ def kept_int8(d: IndexDir, fp32: Path) -> Path | None:
     return d.model_file if isinstance(q, dict) and q.get("fp32_sha256") == file_sha256(fp32) else None
 
 
-def build_with_ray_command(args: argparse.Namespace) -> Manifest:
-    """``indexer build --ray``: the build and its shard summary line (flags checked by `build`)."""
+def build_with_ray_command(args: argparse.Namespace, dba_verdict: bool) -> Manifest:
+    """``indexer build --ray``: the build and its shard summary line (flags checked by `build`;
+    ``dba_verdict``: DBA is the default's, as ``build_index``)."""
     from ..directory.index_dir import SHARDS_DIR
     from ..build.ray_build import build_with_ray
 
@@ -82,7 +83,7 @@ def build_with_ray_command(args: argparse.Namespace) -> Manifest:
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
                        progress=not args.quiet, wait=args.wait, sharded=args.sharded,
-                       options=build_options(args), dba=dba_params(args))
+                       options=build_options(args), dba=dba_params(args), dba_verdict=dba_verdict)
     r = m.extra["ray"]
     skipped = m.ingest.skipped if m.ingest else 0
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
@@ -258,7 +259,7 @@ def build(args: argparse.Namespace) -> None:
         args.model = int8_model(args, fallback=auto_int8)
     before = _selected_at(args.out)
     if ray:
-        m = build_with_ray_command(args)                  # locks --out itself
+        m = build_with_ray_command(args, auto_dba)        # locks --out itself
         say_notes(d)
     else:
         shard = parse_shard(args.shard) if args.shard else None
@@ -364,6 +365,7 @@ def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:
 def merge(args: argparse.Namespace) -> None:
     auto_dba = args.dba is None
     d = resolve_merge_defaults(args)
+    before = _selected_at(args.out)
     if args.sharded:
         from ..build.sharded import build_sharded
 
@@ -373,11 +375,11 @@ def merge(args: argparse.Namespace) -> None:
         from ..build.single import merge_shards
 
         m = merge_shards(args.shards, args.out, options=build_options(args), device=args.device,
-                         progress=not args.quiet, wait=args.wait, dba=dba_params(args))
+                         progress=not args.quiet, wait=args.wait, dba=dba_params(args), dba_verdict=auto_dba)
     say_notes(d, "merge")
-    if m.neighbours:
+    if m.neighbours or (m.dba_check and auto_dba):
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait, command="merge")
-    print_index_line(m, args.out)
+    print_index_line(m, args.out, kept=before is not None and m.selected_at == before)
 
 
 def add(args: argparse.Namespace) -> None:

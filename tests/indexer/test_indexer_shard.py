@@ -72,3 +72,21 @@ def test_two_shards_merged_equal_a_single_build(tmp_path: Path, omniglot_gallery
     assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["shards"] == [[0, 2], [1, 2]]
     p = run_cli("merge", "--sharded", tmp_path / "s0", tmp_path / "s1", "--out", tmp_path / "sharded", "--quiet")
     assert dba_lines(p.stderr, "merge") == ["no DBA: sharded indexes do not compute it yet"]
+
+
+def test_a_merge_of_the_same_shards_keeps_the_chosen_index_and_the_dba_verdict(two_shards: Path,
+                                                                               tmp_path: Path) -> None:
+    """`indexer merge` (and so `indexer build --ray`) of shards that changed nothing keeps the
+    merged index as a rebuild does: its type, DBA's file and the DBA check's verdict, measured once."""
+    out = tmp_path / "m"
+    flags = ["--quiet", "--flat-threshold", "100"]
+    first = run_cli("merge", two_shards / "s0", two_shards / "s1", "--out", out, *flags)
+    m1 = json.loads((out / "manifest.json").read_text())
+    assert "kept: chosen" not in first.stdout and m1["selected_for"] and m1["dba_check"]["k"] == 8
+    again = run_cli("merge", two_shards / "s0", two_shards / "s1", "--out", out, *flags)
+    m2 = json.loads((out / "manifest.json").read_text())
+    assert f"kept: chosen {m1['selected_at'][:19]}Z" in again.stdout, again.stdout
+    assert m2["index_file"] == m1["index_file"] and m2["dba_check"] == m1["dba_check"]
+    assert dba_lines(again.stderr, "merge") == [line.replace(" (--dba keeps it)", f" (measured {m1['dba_check']['at']} "
+                                                             "on the same index and labels; --dba keeps it)")
+                                                for line in dba_lines(first.stderr, "merge")]
