@@ -57,7 +57,10 @@ def evaluate_gallery(searcher: Searcher, *, index: str | None = None, ks: Sequen
 
     snap = searcher.snapshot(index)
     out = leave_one_out(snap.index, ks, max_queries=max_queries, seed=seed)
-    return EvalResult.of(snap.name, f"gallery leave-one-out ({out['queries']} queries)", out)
+    left = [f"{out[k]} {what}" for k, what in (("lone", "alone in their label"), ("unlabelled", "unlabelled"))
+            if out.get(k)]
+    return EvalResult.of(snap.name, f"gallery leave-one-out ({out['queries']} queries"
+                         + (f"; not queried: {', '.join(left)})" if left else ")"), out)
 
 
 def dba_line(results: Sequence[EvalResult]) -> str:
