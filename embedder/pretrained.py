@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .hashing import file_sha256
+from .lite_weights import lite_weights_file
 from .preprocess import LITE_SIZES, TF_MEAN, TF_STD, Preprocessing
 
 
@@ -73,8 +74,6 @@ class PretrainedSpec:
         return file_sha256(self.weights_path())
 
     def weights_path(self) -> Path:
-        from .model import lite_weights_file
-
         return lite_weights_file(self.backbone)
 
     def embedder(self):
