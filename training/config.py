@@ -381,8 +381,12 @@ def config_from_mapping(data: dict[str, Any], where: str = "config") -> TrainCon
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - names)
     if unknown:
+        from difflib import get_close_matches
+
+        meant = [f"{u} -> {m[0]}" for u in unknown for m in [get_close_matches(u, names, n=1)] if m]
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; "
-                          f"see `python -m training --help`")
+                          + (f"did you mean {', '.join(meant)}? " if meant else "")
+                          + "see `python -m training --help`")
     data = expand_preset(data, where)
     values = {k: _coerce(k, v, where) for k, v in data.items()}
     return TrainConfig(**values).validate()

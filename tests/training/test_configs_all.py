@@ -117,7 +117,8 @@ def test_include_override_and_set_values(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ("lr = 'fast'", "lr='fast': expected float"),
-    ("optimizer = 'sgd'", "unknown option(s) optimizer"),
+    ("optimizer = 'sgd'", "unknown option(s) optimizer; see"),
+    ("epoch = 4", "unknown option(s) epoch; did you mean epoch -> epochs?"),
     ("dataset = 'imagenet'", "dataset='imagenet': expected one of"),
     ("batch_size = 100\nper_class = 3", "not a multiple of per_class=3"),
     ("lr = [", "not valid TOML"),
