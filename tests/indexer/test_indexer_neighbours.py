@@ -246,6 +246,9 @@ def test_labels_of_one_image_are_no_leave_one_out_queries(tmp_path: Path, galler
     assert (loo["queries"], loo["lone"], loo["unlabelled"]) == (60, 1, 2)
     assert "; 1 more are the only image of their label: no query; 2 unlabelled" in run_cli(
         "eval", "--index", tmp_path / "idx", "--leave-one-out").stdout
+    beyond = run_cli("eval", "--index", tmp_path / "idx", "--leave-one-out", "-k", "1", "1000")
+    assert "Recall@1" in beyond.stdout and "Recall@1000" not in beyond.stdout          # no figure, said
+    assert "Recall@1000 not measured: the index holds 63 images" in beyond.stderr, beyond.stderr
     q = tmp_path / "queries"        # a query folder: a label the gallery lacks is skipped, and so is
     shutil.copytree(gallery8 / "extra", q)          # a query that is its label's only gallery image
     shutil.copytree(gal / "lone", q / "lone")
