@@ -385,6 +385,9 @@ def merge(args: argparse.Namespace) -> None:
 def add(args: argparse.Namespace) -> None:
     from ..build.update import add_images
 
+    if any(part in ("..", ".") for part in args.prefix.replace("\\", "/").split("/")):
+        raise UsageError(f"--prefix {args.prefix}: expected a folder path inside the index (labels and "
+                         "stored paths start with it), without '.' or '..'")
     c = add_images(args.index, args.folder, args.model, prefix=args.prefix, batch_size=args.batch_size,
                    workers=args.workers, device=args.device, progress=not args.quiet, wait=args.wait)
     st = c.stats

@@ -228,6 +228,8 @@ def test_add_never_replaces_an_image_stored_under_the_same_path(kind: str, built
     assert c.stats.new == 1 and c.manifest.count == first.manifest.count + 1
     with Index.open(d) as idx:
         assert idx.meta(idx.id_for_path(f"singles/{one.name}"))["label"] == "singles"
+    out = run_cli("add", one, "--index", d, "--prefix", "../up", check=False)      # stored paths stay inside
+    assert out.returncode == 2 and "--prefix ../up: expected a folder path inside the index" in out.stderr
 
 
 @pytest.mark.parametrize("kind", ["single", "sharded"])
