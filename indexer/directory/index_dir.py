@@ -71,6 +71,10 @@ class IndexDir:
         """The one refusal of a path that is no index directory (the indexer's commands, the
         searcher and app.py all say it in these words). Returns ``self``."""
         if not self.exists():
+            if self.store_dir.is_dir():       # a first build stopped before its manifest
+                raise IndexerError(f"{self.path}: a first build stopped before it finished (images stored, no "
+                                   f"{MANIFEST} yet): run the same `python -m indexer build GALLERY --out "
+                                   f"{self.path}` again; it resumes")
             raise IndexerError(f"{self.path}: not an index directory (no index here: missing "
                                f"{MANIFEST}); build one with `python -m indexer build`")
         return self

@@ -81,6 +81,11 @@ def test_not_an_index_directory_is_one_message_everywhere(tmp_path: Path, capsys
     r = subprocess.run([sys.executable, str(REPO / "app.py"), "--index", str(nowhere)], capture_output=True,
                        text=True, timeout=120, cwd=tmp_path)
     assert (r.returncode, r.stderr) == (1, f"app.py: error: {msg}\n")
+    stopped = tmp_path / "stopped"
+    IndexDir(stopped).store_dir.mkdir(parents=True)          # a first build killed before its manifest
+    for argv in (["info"], ["search", str(tmp_path / "q.png")]):
+        assert main([*argv, "--index", str(stopped)]) == 1
+        assert "a first build stopped before it finished" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- one input check
