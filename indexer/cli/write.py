@@ -275,6 +275,9 @@ def build(args: argparse.Namespace) -> None:
             print(f"indexer build: {ing.absent} stored files are not in {args.gallery} any more (deleted, or "
                   "brought by `indexer add` from another folder): kept and searchable; --prune drops them",
                   file=sys.stderr)
+        if ing.moved:
+            print(f"indexer build: {ing.moved} stored files were moved or renamed within {args.gallery} (the same "
+                  "image under a new path): their old paths dropped")
         if ing.pruned:
             print(f"indexer build: {ing.pruned} stored files not in {args.gallery} any more: dropped (--prune)")
     if m.neighbours or (m.dba_check and auto_dba):

@@ -112,6 +112,7 @@ class IngestRecord(Record):              # IngestStats, skipped as a count (a me
     duplicates: int | None = None
     embedded: int | None = None
     absent: int | None = None            # stored paths the build's walk did not find, kept
+    moved: int | None = None             # ... whose image it found under another path, dropped
     pruned: int | None = None            # ... dropped (build --prune)
 
 

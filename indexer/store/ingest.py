@@ -37,6 +37,7 @@ class IngestStats:
     duplicates: int = 0     # identical content under another path: stored once, path recorded
     embedded: int = 0       # embeddings computed (new content + stored content new to the model)
     absent: int = 0         # stored paths the walk did not find (deleted, or from `add`): kept
+    moved: int = 0          # ... whose image the walk found under another path: dropped
     pruned: int = 0         # ... dropped instead (``prune``)
     skipped: list[dict] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)    # per stage of the runner (run)
@@ -151,7 +152,8 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     listed first (for the snapshot). ``on_done(n)``: files whose outcome is final (they add up to
     ``stats.found``). ``walked``: ``files`` is the whole gallery (a build), so a stored path not
     among them is counted in ``stats.absent`` (its file was deleted, or `add` brought it from
-    another folder) and, with ``prune``, dropped (``stats.pruned``)."""
+    another folder) and, with ``prune``, dropped (``stats.pruned``); one whose image the gallery
+    holds under another path was moved there (a class folder renamed) and is dropped (``stats.moved``)."""
     batch_size = embedder.batch_size
     workers = workers or DECODE_WORKERS
     fresh = not store.exists
@@ -196,16 +198,30 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
     finally:
         bar.close()
     if walked and not fresh:
-        gone = store.paths_not_in({f.relpath for f in files})
+        walked_paths = {f.relpath for f in files}
+        gone = store.paths_not_in(walked_paths)
         if prune and gone:
             store.remove_paths(gone)
             stats.pruned = len(gone)
-        else:
-            stats.absent = len(gone)
+        elif gone:
+            moved = moved_paths(store, gone, walked_paths)
+            store.remove_paths(moved)
+            stats.moved, stats.absent = len(moved), len(gone) - len(moved)
+            stats.duplicates = max(0, stats.duplicates - len(moved))    # their new paths: not copies
     if not fresh:   # a fresh store holds only what this run committed, embedded: nothing missing
         stats.embedded += embed_missing(store, embedder, workers=workers, progress=progress,
                                         seconds=stats.seconds)
     return stats
+
+
+def moved_paths(store: GalleryStore, gone: Sequence[str], walked: set[str]) -> list[str]:
+    """The stored paths among ``gone`` (not found by the walk) whose image the walk found under
+    another path: a file or class folder moved or renamed. Kept, they held the image under its
+    old label (search showed "dogs/1.jpg" after dogs/ became Dogs/, until 2026-11-30); dropped,
+    nothing is lost (an `add`ed copy of a gallery image under another path loses that alias)."""
+    ids = {path: store.id_for_path(path) for path in gone}
+    held = store.paths_of({i for i in ids.values() if i is not None})
+    return [path for path, i in ids.items() if any(q in walked for q in held.get(i, ()))]
 
 
 def embed_missing(store: GalleryStore, embedder: OnnxEmbedder, *, workers: int | None = None,

@@ -49,7 +49,7 @@ def test_manifest_contents(built_index: Path, small_onnx: Path) -> None:
     seconds = m["ingest"].pop("seconds")             # the embedding runner's stages
     assert set(seconds) == {"read", "embed", "write", "total"} and min(seconds.values()) >= 0
     assert m["ingest"] == {"found": 240, "new": 240, "unchanged": 0, "duplicates": 0,
-                           "embedded": 240, "skipped": 0, "absent": 0, "pruned": 0}
+                           "embedded": 240, "skipped": 0, "absent": 0, "moved": 0, "pruned": 0}
     index = faiss.read_index(str(built_index / INDEX_FILE))
     assert index.ntotal == 240 and index.d == 64 and index.metric_type == faiss.METRIC_INNER_PRODUCT
     assert not list(built_index.glob("*.tmp"))
@@ -104,7 +104,7 @@ def test_rebuild_embeds_nothing_twice(tmp_path: Path, omniglot_root: Path, small
     ing = m2["ingest"]          # the JSON view: a copy
     assert ing.pop("seconds")["total"] >= 0
     assert ing == {"found": 41, "new": 10, "unchanged": 30, "duplicates": 1,
-                            "embedded": 10, "skipped": 0, "absent": 0, "pruned": 0}
+                            "embedded": 10, "skipped": 0, "absent": 0, "moved": 0, "pruned": 0}
     assert m2["count"] == 40
     with GalleryStore(tmp_path / "idx" / STORE_DIR) as st:
         i = st.id_for_path("copy_at_root.png")
@@ -661,3 +661,31 @@ def test_a_rebuild_that_changes_nothing_keeps_the_chosen_index(tmp_path: Path, o
     run_cli("add", tmp_path / "more", "--index", out, "--prefix", "more", "--quiet")
     grown, m4 = build("--target-recall", "0.9", "--prune")
     assert "kept" not in grown and m4["count"] == 12
+
+
+def test_a_class_folder_renamed_is_relabelled_by_a_rebuild(tmp_path: Path, omniglot_paths: list[Path],
+                                                            small_onnx: Path) -> None:
+    """Rename dogs/ to Dogs/ and rebuild: the same images under new paths. Until 2026-11-30 the
+    old paths stayed (as "absent", kept) and search kept showing "dogs/..." under the old label;
+    now a stored path whose image the walk found elsewhere is dropped as moved. A deleted file
+    stays counted as absent, kept; nothing is embedded and the chosen index is kept."""
+    g = tmp_path / "g"
+    for i, p in enumerate(omniglot_paths[:12]):
+        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    out = tmp_path / "idx"
+    run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    (g / "c0").rename(g / "renamed")
+    (g / "c1" / "01.png").unlink()
+    p = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
+    assert "11 files: 0 new, 7 unchanged, 4 duplicate content" not in p.stdout
+    assert "11 files: 0 new, 7 unchanged, 0 duplicate content, 0 skipped; 0 embedded" in p.stdout, p.stdout
+    assert "4 stored files were moved or renamed" in p.stdout and "kept: chosen" in p.stdout
+    assert "1 stored files are not in" in p.stderr, p.stderr
+    ingest = json.loads((out / "manifest.json").read_text())["ingest"]
+    assert (ingest["moved"], ingest["absent"]) == (4, 1)
+    with GalleryStore(out / STORE_DIR) as store:
+        assert sorted(store.labels()) == ["c1", "c2", "renamed"]
+        assert sorted(store.paths_under("renamed/")) == [f"renamed/{i:02d}.png" for i in (0, 3, 6, 9)]
+        assert store.paths_under("c0/") == [] and store.id_for_path("c1/01.png") is not None
+    assert check_counts(out).ok
