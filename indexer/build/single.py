@@ -259,6 +259,20 @@ def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Man
             "report": REPORT}
 
 
+def _union(parts: Sequence[tuple[np.ndarray, np.ndarray]]
+           ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """Parts without an id met in an earlier part (the same content in two shards under two
+    paths: one vector), and all their ids and vectors in id order."""
+    kept, have = [], np.zeros(0, dtype=np.int64)
+    for pids, px in parts:
+        m = ~np.isin(pids, have)
+        kept.append((pids[m], px[m]))
+        have = np.concatenate([have, pids[m]])
+    all_ids = np.concatenate([p[0] for p in kept])
+    order = np.argsort(all_ids, kind="stable")
+    return kept, all_ids[order], np.concatenate([p[1] for p in kept])[order]
+
+
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
                  device: str = "auto", progress: bool = True, wait: bool = False,
                  dba: neighbours.DbaParams | None = None, dba_verdict: bool = False, **option_kw: Any) -> Manifest:
@@ -279,24 +293,20 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
     parts = [p for p in parts if len(p[0])]
     if not parts:
         raise IndexerError("the shards hold no images")
-    kept, have = [], np.zeros(0, dtype=np.int64)
-    for pids, px in parts:          # same content in two shards (two paths): keep one vector
-        m = ~np.isin(pids, have)
-        kept.append((pids[m], px[m]))
-        have = np.concatenate([have, pids[m]])
-    parts = kept
-    all_ids = np.concatenate([p[0] for p in parts])
-    order = np.argsort(all_ids, kind="stable")
-    all_ids = all_ids[order]
-    x = np.concatenate([p[1] for p in parts])[order]
+    parts, all_ids, x = _union(parts)
     with writer_lock(out, "indexer merge", wait=wait):
         out.mkdir(parents=True, exist_ok=True)
         dst_dir = IndexDir(out)
-        key = selection_key(model_hash, opts, all_ids)
         with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
             for d in dirs:
                 with GalleryStore(d.store_dir) as s:
                     dst.copy_from(s, model_hash)
+            # images `indexer add`ed to the merged index since its last merge: indexed too, as a
+            # rebuild keeps what its store holds (until 2026-11-30 left out: counts differed, 503)
+            added = np.setdiff1d(dst.embedded_ids(model_hash), all_ids)
+            if len(added):
+                parts, all_ids, x = _union([*parts, (added, dst.get_embeddings(model_hash, added))])
+            key = selection_key(model_hash, opts, all_ids)
             kept, dba = kept_parts(dst_dir, key, dba, dst, dba_verdict)
         extra = {"merged_from": [str(d.path.resolve()) for d in dirs], **from_shards(dst_dir, dirs, manifests)}
         return write_index(dst_dir, kept, key, all_ids, x, opts, dba, manifests[0].model, extra, t0, device=device,

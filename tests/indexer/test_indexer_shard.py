@@ -90,3 +90,23 @@ def test_a_merge_of_the_same_shards_keeps_the_chosen_index_and_the_dba_verdict(t
     assert dba_lines(again.stderr, "merge") == [line.replace(" (--dba keeps it)", f" (measured {m1['dba_check']['at']} "
                                                              "on the same index and labels; --dba keeps it)")
                                                 for line in dba_lines(first.stderr, "merge")]
+
+
+def test_a_merge_again_keeps_what_add_put_into_the_merged_index(two_shards: Path, tmp_path: Path,
+                                                                omniglot_paths: list[Path]) -> None:
+    """`indexer add` into a merged index, then `indexer merge` of the same shards into it again:
+    the added image stays indexed (a rebuild keeps what its store holds). Until 2026-11-30 the
+    merge indexed the shards' images only: the store held one more than index.faiss, `info`
+    said the counts differ and the app answered 503."""
+    from indexer import check_counts
+
+    out = tmp_path / "m"
+    flags = ["--quiet", "--flat-threshold", "100", "--no-dba"]
+    run_cli("merge", two_shards / "s0", two_shards / "s1", "--out", out, *flags)
+    before = json.loads((out / "manifest.json").read_text())["count"]
+    run_cli("add", omniglot_paths[-1], "--index", out, "--prefix", "extra", "--quiet")
+    run_cli("merge", two_shards / "s0", two_shards / "s1", "--out", out, *flags)
+    assert json.loads((out / "manifest.json").read_text())["count"] == before + 1 and check_counts(out).ok
+    with Index.open(out) as idx:
+        i = idx.id_for_path(f"extra/{omniglot_paths[-1].name}")
+        assert i is not None and int(idx.search_embeddings(idx.embeddings([i]), 1)[1][0][0]) == i
