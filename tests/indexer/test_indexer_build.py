@@ -310,6 +310,14 @@ def test_int8_dot_product_reads_the_cpu_flags(tmp_path: Path) -> None:
     assert int8_dot_product(tmp_path / "none") is None                  # not Linux
 
 
+def three_classes(g: Path, paths: list[Path]) -> Path:
+    """12 drawings copied into c0/, c1/, c2/ (00.png .. 11.png, round robin)."""
+    for i, p in enumerate(paths[:12]):
+        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    return g
+
+
 def test_a_build_with_the_default_embedder_imports_neither_torch_nor_sklearn(
         tmp_path: Path, cub_root: Path, pretrained_onnx: Path) -> None:
     """`indexer build` (the default embedder cached, its DBA check run) imports neither: torch came
@@ -596,10 +604,7 @@ def test_a_rebuild_counts_the_stored_files_gone_from_the_gallery_and_prune_drops
     """Photos deleted from the gallery stayed searchable after a rebuild without a word (a rebuild
     keeps what `add` brought from other folders too): now one line counts them, `--prune` drops
     them (one process only: a merge keeps what its shards hold)."""
-    g = tmp_path / "g"
-    for i, p in enumerate(omniglot_paths[:12]):
-        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
-        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    g = three_classes(tmp_path / "g", omniglot_paths)
     out = tmp_path / "idx"
     run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
     gone = sorted(g.rglob("*.png"))[:2]
@@ -628,10 +633,7 @@ def test_a_rebuild_that_changes_nothing_keeps_the_chosen_index(tmp_path: Path, o
     """Choosing the index type measures every candidate (a rebuild of 25k photos that changed
     nothing: 77-86 s, 31-37 s kept): the same images, model and options keep index.faiss; anything
     else (other options, an `add` since that rewrote index.faiss) chooses again."""
-    g = tmp_path / "g"
-    for i, p in enumerate(omniglot_paths[:12]):
-        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
-        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    g = three_classes(tmp_path / "g", omniglot_paths)
     out = tmp_path / "idx"
 
     def build(*extra: str) -> tuple[str, dict]:
@@ -669,10 +671,7 @@ def test_a_class_folder_renamed_is_relabelled_by_a_rebuild(tmp_path: Path, omnig
     old paths stayed (as "absent", kept) and search kept showing "dogs/..." under the old label;
     now a stored path whose image the walk found elsewhere is dropped as moved. A deleted file
     stays counted as absent, kept; nothing is embedded and the chosen index is kept."""
-    g = tmp_path / "g"
-    for i, p in enumerate(omniglot_paths[:12]):
-        (g / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
-        shutil.copy(p, g / f"c{i % 3}" / f"{i:02d}.png")
+    g = three_classes(tmp_path / "g", omniglot_paths)
     out = tmp_path / "idx"
     run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
     (g / "c0").rename(g / "renamed")
