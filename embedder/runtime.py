@@ -46,7 +46,8 @@ def load_session(path: str | os.PathLike, so: Any = None, providers: Sequence[st
     except Exception as e:  # onnxruntime raises its own Fail/InvalidProtobuf types
         if path.suffix in (".pt", ".pth"):      # a training run's best.pt given where its export goes
             raise ModelLoadError(path, "a PyTorch checkpoint, not an ONNX model: give the run's model.onnx "
-                                       f"(or two.onnx), or export it: `python -m embedder export {path} --out model.onnx`") from e
+                                       "(or two.onnx), or export it: "
+                                       f"`python -m embedder export {path} --out model.onnx`") from e
         raise ModelLoadError(path, f"not a loadable ONNX model ({type(e).__name__}: {str(e)[:200]})") from e
 
 

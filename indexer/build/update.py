@@ -4,7 +4,6 @@ the manifest read once, so a library caller is as safe as the CLI."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ import faiss
 import numpy as np
 
 from embedder.folders import GalleryFile, one_file, walk_gallery
+from embedder.hashing import file_sha256
 from embedder.images import is_listed
 from embedder.knn import drop_self
 
@@ -51,15 +51,16 @@ class Change:
 def add_images(directory: str | Path, folder: str | Path, model: str | Path | None = None, *,
                prefix: str = "", batch_size: int = 32, workers: int | None = None, device: str = "auto",
                progress: bool = True, wait: bool = False) -> Change:
-    """``indexer add``: ingest another folder (or one image file) into the part whose store holds the fewest images
-    and sync, under the writer lock (``wait``: wait for another writer)."""
+    """``indexer add``: ingest another folder (or one image file) into the part whose store holds
+    the fewest images and sync, under the writer lock (``wait``: wait for another writer)."""
     folder = Path(folder)
     if folder.is_file() and is_listed(folder.name):
         found = [one_file(folder, prefix)]
     elif folder.is_dir():
         found = list(walk_gallery(folder, prefix=prefix))
     else:
-        raise IndexerError(f"{folder}: " + ("not an image file name" if folder.is_file() else "no such folder or image"))
+        raise IndexerError(f"{folder}: " + ("not an image file name" if folder.is_file()
+                                            else "no such folder or image"))
     with _locked(directory, "indexer add", wait):
         layout = _ready(layout_of(directory))
         emb = update_embedder(layout.d, layout.manifest, model, device, batch_size)
@@ -172,7 +173,7 @@ def not_replacing(files: list[GalleryFile], parts: Sequence[Part]) -> list[Galle
             try:
                 st_ = f.abspath.stat()
                 same = any(r[1:] == (st_.st_size, st_.st_mtime_ns) for r in recs) or \
-                    id_for_sha256(hashlib.sha256(f.abspath.read_bytes()).hexdigest()) in {r[0] for r in recs}
+                    id_for_sha256(file_sha256(f.abspath)) in {r[0] for r in recs}
             except OSError:
                 same = True             # unreadable: the reader reports it
             if not same:
