@@ -149,7 +149,7 @@ def kept_index(d: IndexDir, key: str) -> Manifest | None:
     """The manifest of the index at ``d`` when its index type was chosen for ``key`` and its
     index.faiss is the one recorded, else None: a rebuild that changed nothing (no image new,
     gone or embedded again, the same options) keeps it instead of measuring the candidates again
-    (25,348 photos, 2 cores: such a rebuild 77-86 -> 31-37 s, peak RSS 2.8 -> 1.7 GB; 4 s with DBA's
+    (25,348 photos, 2 cores: such a rebuild 77-86 -> 31-37 s, peak RSS 2.8 -> 1.7 GB; 2.4-2.9 s with DBA's
     file and check kept too: :func:`kept_neighbours`, :func:`kept_check`). An `add`
     or `remove` since rewrote index.faiss, so the next build chooses again, on the gallery as it
     is (unless they left the very same file)."""
