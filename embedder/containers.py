@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, Union
@@ -20,6 +21,9 @@ from PIL import Image, features
 # HEIC/HEIF (phones' default photo format) through pillow-heif's opener, lazy like Pillow's own:
 # the size (rotation applied) is read from the header, libheif decodes on load
 pillow_heif.register_heif_opener()
+# Pillow warns at open above 89 MP; every decode here checks the size from the header against its
+# own limit (embedder.images: max_pixels) and skips or refuses in one line: the warning was noise
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 #: whether this Pillow decodes AVIF (its own plugin: the pinned Pillow 12.3's wheels have it)
 AVIF = bool(features.check("avif"))
 

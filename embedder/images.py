@@ -37,6 +37,10 @@ _NOT_DECODED = {**({} if AVIF else {".avif": "an AVIF image"}), ".jxl": "a JPEG 
                 **dict.fromkeys(_RAW, "a camera raw file")}
 
 DEFAULT_MAX_PIXELS: int = 64_000_000
+#: The user's own files decoded small (the indexer's galleries and query files: ``min_side``, memory
+#: bounded by the decode budget; a JPEG drafted at 1/8): 108 MP phone photos and panoramas are read.
+#: Pillow's own refusal inside ``Image.open`` (2 x its MAX_IMAGE_PIXELS); a 200 MP photo is over it.
+GALLERY_MAX_PIXELS: int = 178_956_970
 
 
 def not_decoded(name: str) -> str | None:
@@ -196,7 +200,7 @@ def load_image(
         if max_pixels is not None:
             limit = min(limit, max_pixels)
         raise ImageLoadError(label, f"image too large: {n} pixels exceeds the limit of {limit} "
-                                    "(possible decompression bomb)") from e
+                                    "(a guard against decompression bombs)") from e
     except FileNotFoundError as e:
         raise ImageLoadError(label, "file not found") from e
     except PermissionError as e:
@@ -368,4 +372,4 @@ def _check_pixels(img: Image.Image, max_pixels: int | None, label: str) -> None:
     if max_pixels is not None and w * h > max_pixels:
         raise ImageLoadError(
             label, f"image too large: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} "
-                   "(possible decompression bomb; raise max_pixels to accept it)")
+                   "(a guard against decompression bombs)")

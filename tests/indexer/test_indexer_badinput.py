@@ -42,7 +42,7 @@ def bad_gallery(tmp_path: Path, omniglot_root: Path, photo_paths: list[Path]) ->
     (bad / "notes.jpeg").write_text("this is not an image\n")
     (bad / "folder.jpg").mkdir()
     (bad / "dangling.webp").symlink_to(bad / "does-not-exist.webp")
-    Image.new("1", (9000, 9000)).save(bad / "bomb.png")            # 81 Mpx in a few kB
+    Image.new("1", (14000, 14000)).save(bad / "bomb.png")          # 196 Mpx in a few kB
     (bad / "readme.txt").write_text("not an image name: ignored, not reported")
     # a phone photo that is not one; photo formats the decoder does not open, reported by name
     (bad / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + os.urandom(200))

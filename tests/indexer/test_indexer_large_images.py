@@ -63,3 +63,27 @@ def test_build_skips_an_icon_wrapping_a_huge_png_named_png(tmp_path: Path, omnig
     assert set(report) == {f"icons/icon{i}.png" for i in range(4)}, report
     for reason in report.values():
         assert reason.startswith("ICO frame is a 12000x12000 PNG but the icon's directory says 256x256"), reason
+
+
+def test_a_90_megapixel_photo_is_indexed_and_a_196_megapixel_png_skipped(tmp_path: Path, omniglot_root: Path,
+                                                                          small_onnx: Path):
+    """108 MP phone photos and panoramas were skipped as "possible decompression bombs" (the 64 MP
+    cap of a full decode), with Pillow's own DecompressionBombWarning on stderr. A gallery's files
+    are decoded small within the decode budget (a JPEG drafted at 1/8): up to Pillow's own refusal
+    (179 MP) they are indexed; above it, one reason in the report; no warning either way."""
+    gallery = tmp_path / "gallery"
+    copy_characters(omniglot_root, gallery, 1)                        # 20 ordinary images
+    (gallery / "big").mkdir()
+    Image.new("L", (10000, 9000), 90).save(gallery / "big" / "pano.jpg", quality=30)   # 90 MP: Pillow warns
+    Image.new("1", (14000, 14000)).save(gallery / "big" / "bomb.png")                  # 196 MP in a few kB
+    out = tmp_path / "idx"
+    p = run_cli("build", gallery, "--model", small_onnx, "--out", out, "--quiet",
+                env={"PYTHONWARNINGS": "default"})         # a subprocess, every warning shown
+    assert "21 new" in p.stdout and "1 skipped" in p.stdout, p.stdout + p.stderr
+    assert "Warning" not in p.stderr, p.stderr
+    report = {r["path"]: r["reason"] for r in map(json.loads, (out / "report.jsonl").read_text().splitlines())}
+    assert list(report) == ["big/bomb.png"] and "196000000 pixels exceeds the limit of 178956970" in report["big/bomb.png"]
+    with GalleryStore(out / "store.lmdb") as st:
+        assert st.id_for_path("big/pano.jpg") is not None
+    q = run_cli("search", gallery / "big" / "pano.jpg", "--index", out, "-k", "1")   # as a query file too
+    assert "big/pano.jpg" in q.stdout, q.stdout
