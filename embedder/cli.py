@@ -6,7 +6,10 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,8 +28,25 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split()) or type(e).__name__
 
 
+def disk_full(e: OSError) -> str:
+    """A full disk (or quota) met by any write (a model copied, an index, a checkpoint), as what to
+    do: the file and the space left there, not errno's text and two paths."""
+    name = e.filename2 or e.filename          # a plain write() names no file
+    if not name:
+        return "no space left on device (free some space and run the same command again)"
+    target = Path(re.sub(r"\.[^./]+\.tmp$", "", str(name)))      # the file, not its temporary
+    where = next((d for d in (target, *target.parents) if d.is_dir()), Path("."))
+    try:
+        free = f"{shutil.disk_usage(where).free / 2 ** 20:.1f} MB free; "
+    except OSError:
+        free = ""
+    return f"no space left on device writing {target} ({free}free some space and run the same command again)"
+
+
 def fail(prog: str, e: BaseException | str, code: int = 1) -> int:
     """Print ``PROG: error: MESSAGE`` to stderr and return ``code`` (what ``main`` returns)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        e = disk_full(e)
     print(f"{prog}: error: {e if isinstance(e, str) else one_line(e)}", file=sys.stderr)
     return code
 

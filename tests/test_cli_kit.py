@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 
 import pytest
 
@@ -53,3 +54,23 @@ def test_options_parse_and_bad_sizes_are_usage_errors(capsys) -> None:
     assert memory_size("512MiB") == 512 * 2 ** 20 and memory_size(None) is None
     with pytest.raises(ValueError, match="positive"):
         memory_size("-1G")
+
+
+def test_a_full_disk_says_which_file_and_what_to_do(tmp_path, capsys) -> None:
+    """A write that meets a full disk: what to do on one line, not errno's text with two paths.
+    Linux's /dev/full answers every write with ENOSPC (a plain write names no file); a copy's error
+    names its source and its temporary target (shutil's, as the indexer copied a model to a full
+    disk): the target is named without its temporary suffix, with the space left where it is."""
+    def copy_to_full(args):
+        with open("/dev/full", "wb") as f:
+            f.write(b"x" * 4096)
+
+    assert run_main("tool", _parser(copy_to_full), ["go"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tool go: error: no space left on device (free some space and run the same command again)"]
+    copy = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "a.onnx"), None,
+                   str(tmp_path / "idx" / "model.onnx.p74hx1q7.tmp"))
+    assert run_main("tool", _parser(_raise(copy)), ["go"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tool go: error: no space left on device writing {tmp_path}/idx/model.onnx ("), err
+    assert " MB free; free some space and run the same command again)" in err[0] and "Errno" not in err[0]
