@@ -80,7 +80,8 @@ class ImageLoadError(PathError):
 
 
 class ImageTooLargeError(ImageLoadError):
-    """A readable image whose decode would cost more than the decode budget; a server answers 413."""
+    """A readable image over the pixel cap or whose decode would cost more than the decode budget,
+    told from its header; a server answers 413 (not 415: the format is fine)."""
 
 
 def _source_name(source: object, name: str | None) -> str:
@@ -199,7 +200,7 @@ def load_image(
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         if max_pixels is not None:
             limit = min(limit, max_pixels)
-        raise ImageLoadError(label, f"image too large: {n} pixels exceeds the limit of {limit} "
+        raise ImageTooLargeError(label, f"image too large: {n} pixels exceeds the limit of {limit} "
                                     "(a guard against decompression bombs)") from e
     except FileNotFoundError as e:
         raise ImageLoadError(label, "file not found") from e
@@ -370,6 +371,6 @@ def _check_pixels(img: Image.Image, max_pixels: int | None, label: str) -> None:
     if w <= 0 or h <= 0:
         raise ImageLoadError(label, f"image has no pixels ({w}x{h})")
     if max_pixels is not None and w * h > max_pixels:
-        raise ImageLoadError(
+        raise ImageTooLargeError(
             label, f"image too large: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} "
                    "(a guard against decompression bombs)")

@@ -162,3 +162,17 @@ def test_an_image_too_large_to_decode_is_refused_413_before_decoding():
         decode_upload(buf.getvalue(), "big.webp", max_pixels=None, min_side=224)
     assert err.value.status == 413
     assert "big.webp" in err.value.message and "budget" in err.value.message
+
+
+def test_an_upload_over_the_pixel_cap_is_a_413_that_says_so():
+    """A 41.6 MP JPEG (a phone's 48 MP mode is over the 40 MP upload cap) was a 415 "not a readable
+    image (...); expected a JPEG, PNG, ... file": now 413 with the size and the cap, from its header."""
+    from serving.uploads import DEFAULT_MAX_UPLOAD_PIXELS, UploadError, decode_upload
+
+    buf = io.BytesIO()
+    Image.new("L", (8000, 5200), 90).save(buf, format="JPEG", quality=30)
+    with pytest.raises(UploadError) as err:
+        decode_upload(buf.getvalue(), "phone.jpg", min_side=224)
+    assert err.value.status == 413, err.value.message
+    assert err.value.message == (f"phone.jpg: image too large: 8000x5200 = 41600000 pixels exceeds the limit of "
+                                 f"{DEFAULT_MAX_UPLOAD_PIXELS} (a guard against decompression bombs)")
