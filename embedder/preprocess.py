@@ -77,6 +77,14 @@ class Preprocessing:
         resize still shrinks >= 2x and a reduced decode gives (almost) the full decode's pixels."""
         return 2 * int(self.resize)
 
+    @property
+    def train_decode_side(self) -> int:
+        """The least shorter side training images are decoded at: the smallest RandomResizedCrop
+        (``train_scale[0]`` of the area, aspect 4:3, torchvision's widest) still spans ``input_size``
+        pixels, as from the full decode. A phone's 12 MP JPEG decodes at 1/2, a 48 MP one at 1/4:
+        a training sample 5-9x faster (docs/benchmarks/training-das.md); smaller photos as before."""
+        return max(self.decode_side, math.ceil(self.input_size / math.sqrt(self.train_scale[0] * 3 / 4)))
+
     def to_dict(self) -> dict:
         """Plain types only (lists, not tuples) so ``torch.load(weights_only=True)`` and JSON agree."""
         return {**asdict(self), "mean": list(self.mean), "std": list(self.std),

@@ -243,11 +243,15 @@ def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_cl
 
 class ImageDataset(Dataset):
     """A split as (tensor, label) pairs, decoded by embedder's `load_image`; ``cache=True`` keeps
-    decoded uint8 images in memory (small datasets such as Omniglot)."""
+    decoded uint8 images in memory (small datasets such as Omniglot). ``min_side``: decode smaller
+    where a photo is larger than the transform needs (``Preprocessing.train_decode_side`` /
+    ``decode_side``: the latter is how ``indexer build`` decodes, so a run's test figures are the
+    gallery's); None: full size."""
 
     def __init__(self, split: Split, transform: Callable[[Image.Image], torch.Tensor],
-                 mode: str = "RGB", cache: bool = False):
+                 mode: str = "RGB", cache: bool = False, min_side: int | None = None):
         self.split, self.transform, self.mode, self.cache = split, transform, mode, cache
+        self.min_side = min_side
         self._cache: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -262,9 +266,10 @@ class ImageDataset(Dataset):
 
         if self.cache:
             if i not in self._cache:
-                self._cache[i] = np.asarray(load_image(self.split.paths[i], mode=self.mode))
+                self._cache[i] = np.asarray(load_image(self.split.paths[i], mode=self.mode,
+                                                       min_side=self.min_side))
             return Image.fromarray(self._cache[i])
-        return load_image(self.split.paths[i], mode=self.mode)
+        return load_image(self.split.paths[i], mode=self.mode, min_side=self.min_side)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.transform(self.image(i)), int(self.split.labels[i])

@@ -34,16 +34,16 @@ from .skips import SkipLog
 __all__ = ["DeviceImages", "DeviceBatches", "DeviceEvalSet", "crop_boxes"]
 
 
-def _decode_all(split: Split, mode: str, fn, threads: int, skips: SkipLog, desc: str) -> list:
-    """``fn(image)`` of every path (None where it does not decode; the reason goes to `skips`),
-    in threads (PIL's decode and resize release the GIL), with a progress bar."""
+def _decode_all(split: Split, mode: str, fn, threads: int, skips: SkipLog, desc: str, min_side: int) -> list:
+    """``fn(image)`` of every path decoded with ``min_side`` (None where it does not decode; the
+    reason goes to `skips`), in threads (PIL's decode and resize release the GIL), with a progress bar."""
     from tqdm.auto import tqdm
 
     from embedder import load_image
 
     def one(i: int):
         try:
-            return fn(load_image(split.paths[i], mode=mode))
+            return fn(load_image(split.paths[i], mode=mode, min_side=min_side))
         except ImageLoadError as e:
             skips.add(e.path, e.reason)
             return None
@@ -73,7 +73,7 @@ class DeviceImages:
                 img = img.resize((max(1, round(w * s)), max(1, round(h * s))), Image.BILINEAR)
             return _chw(img)
 
-        arrays = _decode_all(split, pre.mode, fit, threads, skips, "decoding once into device memory")
+        arrays = _decode_all(split, pre.mode, fit, threads, skips, "decoding once into device memory", side)
         channels = next((a.shape[0] for a in arrays if a is not None), 3)
         canvas = torch.zeros(len(arrays), channels, side, side, dtype=torch.uint8)
         sizes = torch.zeros(len(arrays), 2, dtype=torch.int64)       # (h, w)
@@ -171,7 +171,7 @@ class DeviceEvalSet:
     def __init__(self, split: Split, pre: Preprocessing, device: torch.device, skips: SkipLog,
                  threads: int = 8) -> None:
         arrays = _decode_all(split, pre.mode, lambda img: _chw(pre.eval_image(img)), threads, skips,
-                             "decoding the evaluation images once")
+                             "decoding the evaluation images once", pre.decode_side)
         self.ok = np.asarray([a is not None for a in arrays], dtype=bool)
         self.labels = split.labels[self.ok]
         self.crops = torch.from_numpy(np.stack([a for a in arrays if a is not None])).to(device)

@@ -42,8 +42,8 @@ def carve_validation(train: ImageDataset, test: ImageDataset, n: int
     keep = split.num_classes - n
     rows_t = np.flatnonzero(split.labels < keep)
     rows_v = np.flatnonzero(split.labels >= keep)
-    tr = ImageDataset(split.class_range(0, keep), train.transform, train.mode, train.cache)
-    va = ImageDataset(split.class_range(keep, n), test.transform, test.mode, train.cache)
+    tr = ImageDataset(split.class_range(0, keep), train.transform, train.mode, train.cache, train.min_side)
+    va = ImageDataset(split.class_range(keep, n), test.transform, test.mode, train.cache, test.min_side)
     return tr, va, rows_t, rows_v
 
 
@@ -192,7 +192,7 @@ def prepare_inputs(cfg: TrainConfig, state, train_full: ImageDataset, test: Imag
         if cfg.trunk_cache:
             centre = CachedViews(train_in.acts, train_in.labels, train=False, rows=train_in.rows)
         else:   # the training images through the eval transform (centre crops)
-            centre = ImageDataset(train.split, evaluate.transform, train.mode, train.cache)
+            centre = ImageDataset(train.split, evaluate.transform, train.mode, train.cache, evaluate.min_side)
         was = net.training
         net.eval()
         model.eval()

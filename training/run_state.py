@@ -30,8 +30,8 @@ def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
                                               test_classes=cfg.test_classes,
                                               holdout_alphabets=cfg.holdout_alphabets)
     pre = cfg.preprocessing()
-    return (ImageDataset(train_split, pre.train_transform(), pre.mode, cfg.cache_images),
-            ImageDataset(test_split, pre.eval_transform(), pre.mode, cfg.cache_images))
+    return (ImageDataset(train_split, pre.train_transform(), pre.mode, cfg.cache_images, pre.train_decode_side),
+            ImageDataset(test_split, pre.eval_transform(), pre.mode, cfg.cache_images, pre.decode_side))
 
 
 def balanced_sampler(cfg: TrainConfig, labels: Any) -> ClassBalancedBatchSampler:

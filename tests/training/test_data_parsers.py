@@ -199,3 +199,31 @@ def test_class_range_relabels_a_window_of_classes_and_refuses_one_past_the_end()
     assert s.first_classes(2).paths == s.class_range(0, 2).paths
     with pytest.raises(ValueError, match="the split has 4"):
         s.class_range(3, 2)
+
+
+def test_a_phone_photo_is_decoded_as_small_as_training_and_its_evaluation_need(tmp_path, cub_root):
+    """A 12 MP photo was decoded whole for every training sample (130 ms for a 224 px crop). The
+    training decode keeps the smallest random crop >= input_size pixels (1/2 here, 5x faster);
+    the test decode is `indexer build`'s (``decode_side``): the run's test figures and the
+    gallery's embeddings read the same pixels."""
+    from PIL import Image
+
+    from embedder import load_image
+    from training.config import TrainConfig
+    from training.data import Split
+    from training.run_state import build_datasets
+
+    src = sorted(p for p in (cub_root / sorted(d.name for d in cub_root.iterdir())[0]).iterdir())[0]
+    photo = tmp_path / "a" / "phone.jpg"
+    photo.parent.mkdir()
+    Image.open(src).convert("RGB").resize((4032, 3024), Image.BICUBIC).save(photo, quality=90)
+    split = Split([photo], np.zeros(1, np.int64), ["a"])
+    cfg = TrainConfig(backbone="efficientnet_lite1", pretrained=False, input_size=224, resize=256)
+    pre = cfg.preprocessing()
+    train, test = build_datasets(cfg, split, split)
+    assert pre.train_decode_side == 915 and train.image(0).size == (2016, 1512)
+    assert test.image(0).size == (1008, 756)                        # decode_side 512: 1/4
+    assert train[0][0].shape == test[0][0].shape == (3, 224, 224)
+    x = test[0][0].numpy()
+    assert np.array_equal(x, pre.eval_array(load_image(photo, min_side=pre.decode_side)))
+    assert not np.array_equal(x, pre.eval_array(load_image(photo)))   # the full decode's pixels differ

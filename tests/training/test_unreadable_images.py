@@ -85,7 +85,7 @@ def _readable_r1(checkpoint: Path, data: dict) -> tuple[float, float]:
     _, test = folder_splits(data["root"])
     keep = [i for i, p in enumerate(test.paths) if p not in data["bad"].values()]
     pre = TrainConfig(backbone="small_cnn").preprocessing()
-    ds = ImageDataset(test, pre.eval_transform(), pre.mode)
+    ds = ImageDataset(test, pre.eval_transform(), pre.mode, min_side=pre.decode_side)   # as the run decodes
     model, _ = load_checkpoint(checkpoint)
     with torch.no_grad():
         emb = model(torch.stack([ds[i][0] for i in keep])).numpy()
