@@ -24,6 +24,8 @@ from torch.utils.data import Dataset
 from embedder.files import atomic_target
 from embedder.images import ImageLoadError
 
+from .data import ImageDataset
+
 __all__ = ["CachedViews", "cache_key", "trunk_activations"]
 
 
@@ -34,9 +36,10 @@ def _default_dir() -> Path:
 
 
 def cache_key(prefix: nn.Module, what: str, preprocessing, views: int, seed: int,
-              paths: list[Path]) -> str:
-    """Hash of everything the cached activations depend on (see the module docstring)."""
-    h = hashlib.sha256(f"{what}\0{preprocessing!r}\0views={views}\0seed={seed}\n".encode())
+              paths: list[Path], decode_side: int | None = None) -> str:
+    """Hash of everything the cached activations depend on (see the module docstring);
+    ``decode_side``: the size photos were decoded at (caches of whole decodes are not reused)."""
+    h = hashlib.sha256(f"{what}\0{preprocessing!r}\0views={views}\0seed={seed}\0decode={decode_side}\n".encode())
     for name, t in prefix.state_dict().items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
@@ -69,7 +72,7 @@ def _failures(meta: Path, paths: list[Path], failed: dict[int, str] | None) -> N
 
 
 @torch.no_grad()
-def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, views: int = 0,
+def trunk_activations(prefix: nn.Module, dataset: ImageDataset, preprocessing, *, what: str, views: int = 0,
                       seed: int = 0,
                       cache_dir: str | os.PathLike | None = None, batch_size: int = 32,
                       threads: int = 2, progress: bool = True,
@@ -85,7 +88,7 @@ def trunk_activations(prefix: nn.Module, dataset, preprocessing, *, what: str, v
     if dtype != np.float16:       # fp16 files keep the names and keys they had
         what = f"{what}-{dtype.name}"
     paths = [Path(p) for p in dataset.split.paths]
-    key = cache_key(prefix, what, pre, views, seed, paths)
+    key = cache_key(prefix, what, pre, views, seed, paths, dataset.min_side)
     out_dir = Path(cache_dir) if cache_dir else _default_dir()
     out = out_dir / f"{what.replace(':', '')}-{len(paths)}x{1 + views}-{key}.npy"
     meta = out_dir / f"{out.stem}.json"

@@ -114,6 +114,10 @@ def test_trunk_cache_is_reused_and_keyed_by_views(cub_mini, tmp_path, monkeypatc
     trunk_activations(split.prefix, ds, pre, what="h", views=1, cache_dir=tmp_path, progress=False)
     assert calls                       # other views: another key, computed afresh
     assert len(list(tmp_path.glob("*.npy"))) == 2
+    calls.clear()                      # decoded at another size (whole, before 2026-11-30): another key
+    trunk_activations(split.prefix, ImageDataset(test, pre.eval_transform(), min_side=pre.decode_side), pre,
+                      what="h", cache_dir=tmp_path, progress=False)
+    assert calls and len(list(tmp_path.glob("*.npy"))) == 3
 
 
 def test_cached_run_exports_the_whole_network_to_onnx(cub_mini, tmp_path):
