@@ -3,7 +3,9 @@
 SPC-n sampling (Roth et al., the paper's supplementary C): an epoch has ``N // batch_size``
 batches (``ceil`` without ``drop_last``); classes come in a fresh random order, restarted when
 all were used (never repeated within a batch); each class hands out its own shuffled queue,
-reshuffled when empty. All is drawn from a generator seeded with ``(seed, epoch)``;
+reshuffled when empty. A class with fewer than `per_class` images repeats some in its batch (as
+pytorch-metric-learning's MPerClassSampler draws with replacement): a team's folder of two photos
+trains beside folders of fifty instead of stopping the run; its images are augmented afresh each time. All is drawn from a generator seeded with ``(seed, epoch)``;
 `state_dict()` adds the batches already handed out, so `load_state_dict` resumes right there.
 """
 from __future__ import annotations
@@ -34,11 +36,8 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
         groups: dict[object, list[int]] = defaultdict(list)
         for i, y in enumerate(labels.tolist()):
             groups[y].append(i)
-        small = {y: len(ix) for y, ix in groups.items() if len(ix) < per_class}
-        if small:
-            shown = ", ".join(f"{y!r} ({n})" for y, n in list(small.items())[:5])
-            raise ValueError(f"{len(small)} class(es) have fewer than per_class={per_class} "
-                             f"images: {shown}")
+        #: classes with fewer than per_class images ({label: count}): repeated within their batch
+        self.repeated = {y: len(ix) for y, ix in groups.items() if len(ix) < per_class}
         self.classes_per_batch = batch_size // per_class
         if self.classes_per_batch > len(groups):
             raise ValueError(f"batch_size={batch_size} with per_class={per_class} needs "
@@ -108,6 +107,8 @@ class ClassBalancedBatchSampler(Sampler[list[int]]):
                 q = image_queues[c]
                 if len(q) < self.per_class:
                     q.extend([i for i in rng.permutation(self._groups[c]).tolist() if i not in q])
+                    while len(q) < self.per_class:      # a class smaller than per_class repeats
+                        q.extend(rng.permutation(self._groups[c]).tolist())
                 batch.extend(q[:self.per_class])
                 del q[:self.per_class]
             out.append(batch)

@@ -253,11 +253,11 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
     train_full, test_full = build_datasets(cfg, train_split, test_split)   # a bad root: nothing written
     train_ds, test_ds, _, _ = carve_validation(train_full, test_full, cfg.validation_classes)
     counts = np.bincount(train_ds.labels, minlength=train_ds.split.num_classes)
-    if (counts < cfg.per_class).any():            # a batch takes per_class images of a class
+    if (counts < cfg.per_class).any() and info.is_main:   # a batch takes per_class images of a class
         small = [f"{train_ds.split.classes[c]!r} ({n})" for c, n in enumerate(counts) if n < cfg.per_class]
-        raise ValueError(f"training class(es) with fewer than per_class={cfg.per_class} images: "
-                         f"{', '.join(small[:5])}{' ...' if len(small) > 5 else ''}; add photos, move "
-                         f"the folder out of the training half, or set per_class lower")
+        print(f"{len(small)} training class(es) with fewer than per_class={cfg.per_class} images: "
+              f"{', '.join(small[:5])}{' ...' if len(small) > 5 else ''}; their images repeat in their "
+              "batches, augmented afresh")
     if train_ds.split.num_classes < 2:            # a metric loss needs a negative: another class
         raise ValueError(f"{train_ds.split.num_classes} training class ({', '.join(train_ds.split.classes)}): metric "
                          f"learning needs two or more (negatives come from other classes); the split gives "

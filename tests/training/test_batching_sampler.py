@@ -95,7 +95,6 @@ def test_drop_last_false_gives_a_short_last_batch():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"labels": [0, 0, 1]}, r"fewer than per_class=2.*1 \(1\)"),
     ({"labels": [0, 0, 1, 1], "batch_size": 6}, r"needs 3 classes per batch.*a batch_size of at most 4"),
     ({"labels": [0, 0, 1, 1], "batch_size": 3}, "multiple of per_class"),
     ({"labels": [], "batch_size": 2}, "non-empty"),
@@ -104,3 +103,22 @@ def test_drop_last_false_gives_a_short_last_batch():
 def test_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ClassBalancedBatchSampler(**{"batch_size": 4, **kwargs})
+
+
+def test_a_class_smaller_than_per_class_repeats_its_images_in_its_batch():
+    """As pytorch-metric-learning's MPerClassSampler: a class of 1 or 3 images beside classes of 6
+    fills its per_class places by repeating its images; the others never repeat within a batch,
+    and the batches are the same for the same seed."""
+    labels = np.array([0] * 6 + [1] + [2] * 3 + [3] * 6)
+    s = ClassBalancedBatchSampler(labels, batch_size=8, per_class=4, seed=3)
+    assert s.repeated == {1: 1, 2: 3}
+    seen = set()
+    for b in s.batches(0) + s.batches(1):
+        counts = Counter(labels[b].tolist())
+        assert len(b) == 8 and set(counts.values()) == {4}
+        for c in counts:
+            mine = [i for i in b if labels[i] == c]
+            assert len(set(mine)) == {0: 4, 1: 1, 2: 3, 3: 4}[c]      # repeats only where too few
+            seen.add(c)
+    assert seen == {0, 1, 2, 3}
+    assert s.batches(2) == ClassBalancedBatchSampler(labels, batch_size=8, per_class=4, seed=3).batches(2)
