@@ -37,7 +37,7 @@ _NOT_DECODED = {**({} if AVIF else {".avif": "an AVIF image"}), ".jxl": "a JPEG 
                 **dict.fromkeys(_RAW, "a camera raw file")}
 
 DEFAULT_MAX_PIXELS: int = 64_000_000
-#: The user's own files decoded small (the indexer's galleries and query files: ``min_side``, memory
+#: The user's own files decoded small (galleries, query files, training photos: ``min_side``, memory
 #: bounded by the decode budget; a JPEG drafted at 1/8): 108 MP phone photos and panoramas are read.
 #: Pillow's own refusal inside ``Image.open`` (2 x its MAX_IMAGE_PIXELS); a 200 MP photo is over it.
 GALLERY_MAX_PIXELS: int = 178_956_970

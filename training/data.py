@@ -263,13 +263,16 @@ class ImageDataset(Dataset):
 
     def image(self, i: int) -> Image.Image:
         from embedder import load_image
+        from embedder.images import DEFAULT_MAX_PIXELS, GALLERY_MAX_PIXELS
 
+        # decoded small, a photo is read up to the size `indexer build` reads (decode budget bound)
+        cap = GALLERY_MAX_PIXELS if self.min_side else DEFAULT_MAX_PIXELS
         if self.cache:
             if i not in self._cache:
                 self._cache[i] = np.asarray(load_image(self.split.paths[i], mode=self.mode,
-                                                       min_side=self.min_side))
+                                                       min_side=self.min_side, max_pixels=cap))
             return Image.fromarray(self._cache[i])
-        return load_image(self.split.paths[i], mode=self.mode, min_side=self.min_side)
+        return load_image(self.split.paths[i], mode=self.mode, min_side=self.min_side, max_pixels=cap)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.transform(self.image(i)), int(self.split.labels[i])

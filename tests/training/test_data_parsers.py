@@ -227,3 +227,7 @@ def test_a_phone_photo_is_decoded_as_small_as_training_and_its_evaluation_need(t
     x = test[0][0].numpy()
     assert np.array_equal(x, pre.eval_array(load_image(photo, min_side=pre.decode_side)))
     assert not np.array_equal(x, pre.eval_array(load_image(photo)))   # the full decode's pixels differ
+    pano = tmp_path / "a" / "pano.jpg"                  # 70 MP: over the 64 MP of a whole decode
+    Image.new("L", (10000, 7000), 90).save(pano, quality=30)
+    train, test = build_datasets(cfg, Split([pano], np.zeros(1, np.int64), ["a"]), split)
+    assert train.image(0).size == (2500, 1750) and test.image(0).size == (1008, 756)
