@@ -223,8 +223,10 @@ def remove_targets(stores: Sequence[tuple[GalleryStore, str]], targets: Sequence
 
     for t in targets:
         if not any(holds(s, t) for s, _ in stores):
-            raise IndexerError(f"{t}: no such id or path in {where}" + (" (a folder: no stored path under it)"
-                                                                         if t.endswith("/") else ""))
+            under = 0 if t.endswith("/") else sum(len(s.paths_under(t.rstrip("/\\") + "/")) for s, _ in stores)
+            raise IndexerError(f"{t}: no such id or path in {where}" + (
+                " (a folder: no stored path under it)" if t.endswith("/") else
+                f"; the folder {t}/ holds {under} stored images: write {t}/ to remove them all" if under else ""))
     msgs = []
     for t in targets:
         for store, suffix in stores:

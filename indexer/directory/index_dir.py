@@ -17,7 +17,7 @@ from embedder.hashing import file_sha256
 
 from ..errors import IndexerError
 from .manifest import FORMAT, FileRecord, Manifest
-from .validate import check_faiss_file, check_lmdb, check_model_file
+from .validate import check_faiss_file, check_lmdb, check_model_file, rebuild_hint
 
 # every file name of both layouts (indexer.layouts.layout), here and nowhere else
 MANIFEST = "manifest.json"
@@ -122,7 +122,8 @@ class IndexDir:
         """All file checks (:mod:`indexer.directory.validate`) before anything maps or parses a file."""
         check_lmdb(self.store_dir)
         if not manifest.is_shard:
-            check_faiss_file(self.index_file, manifest.index_file or FileRecord(), verify_hash=verify_hash)
+            check_faiss_file(self.index_file, manifest.index_file or FileRecord(), verify_hash=verify_hash,
+                             fix=rebuild_hint(manifest.gallery, self.path))
         if model:
             check_model_file(self.model_file, manifest.model.hash)
 

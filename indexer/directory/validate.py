@@ -6,6 +6,7 @@ read with plain I/O and the size compared first; ``index.faiss``'s size and sha2
 """
 from __future__ import annotations
 
+import shlex
 import struct
 from pathlib import Path
 
@@ -27,9 +28,18 @@ _DATA_VERSION = 1
 _P_META = 0x08
 
 
-def damaged(path: Path | str, what: str) -> IndexerError:
+def damaged(path: Path | str, what: str, fix: str = REPAIR) -> IndexerError:
     """The one-line error for a damaged index file."""
-    return IndexerError(f"{path}: {what}; the index is damaged: {REPAIR}")
+    return IndexerError(f"{path}: {what}; the index is damaged: {fix}")
+
+
+def rebuild_hint(gallery: str | None, out: Path | str) -> str:
+    """The build command that makes an index file again from what the store holds (nothing
+    embedded again), naming the gallery the manifest recorded; else the generic advice."""
+    if not gallery:
+        return REPAIR
+    return (f"rebuild the index with `python -m indexer build {shlex.quote(gallery)} --out "
+            f"{shlex.quote(str(out))}` (the stored images are not embedded again)")
 
 
 def _read_meta(f, offset: int) -> tuple[int, int, int, int] | None:
@@ -72,23 +82,23 @@ def check_lmdb(store_dir: str | Path) -> None:
         raise damaged(path, f"truncated ({size} bytes, its LMDB meta page needs {need})")
 
 
-def check_faiss_file(path: str | Path, rec: FileRecord, *, verify_hash: bool = True) -> None:
+def check_faiss_file(path: str | Path, rec: FileRecord, *, verify_hash: bool = True, fix: str = REPAIR) -> None:
     """``index.faiss`` exists and has the size (and sha256) the manifest recorded (``rec``);
-    older manifests without checksums get existence and non-empty only."""
+    older manifests without checksums get existence and non-empty only. ``fix``: the advice."""
     path = Path(path)
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise IndexerError(f"{path}: index file missing; {REPAIR}") from None
+        raise IndexerError(f"{path}: index file missing; {fix}") from None
     if size == 0:
-        raise damaged(path, "empty file")
+        raise damaged(path, "empty file", fix)
     if rec.bytes is not None and size != rec.bytes:
         raise damaged(path, f"{size} bytes, the manifest recorded {rec.bytes} (truncated or "
-                            f"overwritten)")
+                            f"overwritten)", fix)
     if verify_hash and rec.sha256 is not None:
         sha = file_sha256(path)
         if sha != rec.sha256:
-            raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec.sha256[:12]}")
+            raise damaged(path, f"sha256 {sha[:12]} differs from the manifest's {rec.sha256[:12]}", fix)
 
 
 def read_faiss(path: str | Path):

@@ -39,6 +39,7 @@ DAMAGE = {
     "garbage data.mdb": ("store.lmdb/data.mdb", _garbage),
     "truncated index.faiss": ("index.faiss", _truncate),
     "garbled index.faiss": ("index.faiss", _garble),
+    "missing index.faiss": ("index.faiss", lambda p: p.unlink()),
     "missing model.onnx": ("model.onnx", lambda p: p.unlink()),
 }
 
@@ -70,6 +71,12 @@ def test_damaged_index_file_stops_every_command_in_one_line(case, built_index, o
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in p.stderr, f"{case}: {cmd}:\n{p.stderr[-2000:]}"
         assert Path(rel).name in lines[0] and "indexer build" in lines[0], f"{case}: {cmd}: {lines[0]}"
+    if rel == "index.faiss":           # the command named, with the gallery the manifest recorded, works
+        gallery = json.loads((idx / "manifest.json").read_text())["gallery"]
+        fix = f"`python -m indexer build {gallery} --out {idx}` (the stored images are not embedded again)"
+        assert all(fix in p.stderr for p in runs.values()), runs["search"].stderr
+        assert "0 embedded" in run_cli("build", gallery, "--out", idx).stdout
+        assert run_cli("search", query, "--index", idx, "-k", "3").returncode == 0
 
 
 def test_manifest_records_and_info_verifies_the_faiss_checksum(built_index):

@@ -119,6 +119,9 @@ def test_add_and_remove_on_a_sharded_index(built: Path, tmp_path: Path, omniglot
     bad = run_cli("remove", rel, "no/such.png", "--index", out, check=False)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
         f"indexer remove: error: no/such.png: no such id or path in {out}"], bad.stderr
+    bare = run_cli("remove", "new", "--index", out, check=False)     # a folder without its "/"
+    assert bare.returncode == 1 and bare.stderr.strip().splitlines()[-1].endswith(
+        "the folder new/ holds 40 stored images: write new/ to remove them all"), bare.stderr
     with Index.open(out) as idx:
         assert len(idx) == 280
     run_cli("remove", rel, str(other), "--index", out)
