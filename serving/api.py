@@ -113,16 +113,15 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         region = parse_box(box)
         if region is not None and len(images) > 1:
             raise RequestError(f"box: a region of one query image; got {len(images)} images")
-        # a box is in the upload's own pixels: decode it whole (the pixel cap still holds)
-        side = None if region is not None else searcher.decode_side
         parts = []
         for upload in images:
             fname = upload.filename or "image"
             data = upload.file.read(max_upload_bytes + 1)
             if len(data) > max_upload_bytes:
                 raise RequestError(f"{fname}: {too_large(upload.size, max_upload_bytes)}", 413)
-            img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=side)
-            parts.append(searcher.query(img, name=upload.filename or "upload", box=region))
+            img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side, box=region)
+            name = upload.filename or "upload"
+            parts.append(searcher.query(img, name=name) if region is None else searcher.region_query(img, region, name))
         # else id or path: a gallery image, looked up in LMDB, never opened
         query = searcher.fused(parts) if parts else searcher.query(None, id=id, path=path, index=snap, box=region)
         res = searcher.search(query, kk, index=snap, dba=use_dba)

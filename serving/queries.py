@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image
 
 from embedder import regions
+from embedder.images import ImageLoadError
 from embedder.regions import Box
 
 from .results import RequestError
@@ -30,6 +31,17 @@ def crop(img: Image.Image, box: Box, name: str = "query", field: str = "box") ->
     """:func:`embedder.regions.crop`, its ValueError a RequestError (HTTP 400)."""
     try:
         return regions.crop(img, box, name, field)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def load_region(source: Any, box: Box, min_side: int, **kw: Any) -> Image.Image:
+    """:func:`embedder.regions.load_region`, a box outside the image a RequestError (HTTP 400);
+    an unreadable image stays an ImageLoadError (the caller's 413 / 415)."""
+    try:
+        return regions.load_region(source, box, min_side, **kw)
+    except ImageLoadError:
+        raise
     except ValueError as e:
         raise RequestError(str(e)) from None
 

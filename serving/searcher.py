@@ -159,14 +159,24 @@ class Searcher:
         meta = self._meta(snap, id)
         nm = meta.get("path") or f"{snap.name}#{id}"
         if region is not None:
-            return self._region(snap.index.image_bytes(int(id)), region, nm, label or meta.get("label"))
+            return self._region(snap.index.image_bytes(int(id)), region, nm, label or meta.get("label"),
+                                stored=True)
         return Query(id=int(id), source=snap.name, label=label or meta.get("label"), path=meta.get("path"),
                      name=nm, origin=snap)
 
-    def _region(self, image: ImageSource, box: queries.Box, name: str, label: str | None) -> Query:
-        """Decoded at full size (the box is in its pixels; the pixel cap holds), cut, then reduced."""
-        full = bounded_decode(image, name=name, min_side=None, max_pixels=DEFAULT_MAX_PIXELS)
-        cut = queries.crop(full, box, name)
+    def _region(self, image: ImageSource, box: queries.Box, name: str, label: str | None, *,
+                stored: bool = False) -> Query:
+        """The box of a decoded image (its own pixels), else of a file or bytes decoded no larger
+        than the box needs, within the decode budget (:func:`embedder.regions.load_region`)."""
+        if isinstance(image, Image.Image):
+            cut = queries.crop(image, box, name)
+        else:
+            cut = queries.load_region(image, box, self.decode_side, max_pixels=DEFAULT_MAX_PIXELS, name=name,
+                                      stored=stored)
+        return self.region_query(cut, box, name, label)
+
+    def region_query(self, cut: Image.Image, box: queries.Box, name: str, label: str | None = None) -> Query:
+        """A Query of a region already cut (``decode_upload(box=...)``), named with its box."""
         img = bounded_decode(cut, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
         return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
 

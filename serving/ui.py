@@ -19,7 +19,7 @@ from indexer.directory.index_dir import MANIFEST
 
 from .evaluate import dba_line, evaluate_folder, evaluate_gallery, recall_figure
 from .probes import DEFAULT_SCALES, DEFAULT_SHIFTS
-from .queries import MAX_QUERY_IMAGES, check_count, parse_box
+from .queries import MAX_QUERY_IMAGES, Box, check_count, parse_box
 from .redact import Redactor
 from .render import probe_grid, result_items
 from .results import RequestError, check_k
@@ -110,27 +110,29 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
     redactor = Redactor(searcher.directories)
     labels = sorted({lab for n in names for lab in searcher.index(n).labels()})
 
-    def upload(path: str, whole: bool = False) -> Image.Image:
+    def upload(path: str, box: Box | None = None) -> Image.Image:
         p = Path(path)
         if not is_in_or_equal(str(p), get_upload_folder()):
             # Gradio refuses such paths before this runs (serving.server); never read one
             raise UploadError(f"{p.name}: not an upload; upload the image through the page")
         check_size(p.stat().st_size, p.name, max_upload_bytes)
-        # a region is in the upload's own pixels: decoded whole then (the pixel cap still holds)
-        return decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes,
-                             min_side=None if whole else searcher.decode_side)
+        return decode_upload(p.read_bytes(), p.name, max_bytes=max_upload_bytes, min_side=searcher.decode_side,
+                             box=box)     # a region: decoded no larger than the box needs
 
     def make_query(img_path: str | None, pick: str | None, label: str | None, region: str | None = None,
                    more: list[str] | None = None) -> Query:
         """The query column's values -> one Query (fused with the ``more`` images, if any)."""
         box = parse_box(region)
         check_count(len(more or []) + 1, "more images")
-        img = upload(img_path, whole=box is not None) if img_path else None
+        img = upload(img_path, box) if img_path else None
         extra = [searcher.query(upload(m), name=Path(m).name) for m in more or []]
         if img is None and not pick and extra and box is None:   # the "more" files alone (a phone's
             return searcher.fused(extra, label=label or None)    # HEIC: the image box takes no HEIC)
-        q = searcher.query(img, id=pick or None, label=label or None,
-                           name=Path(img_path).name if img_path else None, box=box)
+        if img is not None and box is not None:
+            q = searcher.region_query(img, box, Path(img_path).name, label or None)
+        else:
+            q = searcher.query(img, id=pick or None, label=label or None,
+                               name=Path(img_path).name if img_path else None, box=box)
         return searcher.fused([q, *extra], label=label or None) if extra else q
 
     def fail(e: Exception, n_out: int) -> list[Any]:

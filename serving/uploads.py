@@ -12,6 +12,7 @@ from PIL import Image
 
 from embedder import ImageLoadError, ImageTooLargeError, load_image
 from embedder.containers import ACCEPTED_TEXT
+from embedder.regions import Box, load_region
 
 from .results import RequestError
 
@@ -61,15 +62,22 @@ def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None
 
 
 def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-                  max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS, min_side: int | None = None) -> Image.Image:
-    """Client bytes -> RGB image no larger than ``min_side`` needs, or UploadError (413, 415)."""
+                  max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS, min_side: int | None = None,
+                  box: Box | None = None) -> Image.Image:
+    """Client bytes -> RGB image no larger than ``min_side`` needs, or UploadError (413, 415);
+    ``box``: that region of it (in its own pixels; one outside it: RequestError, 400)."""
     if not data:
         raise UploadError(f"{name}: the upload is empty; expected an image file", status=400)
     check_size(len(data), name, max_bytes)
     try:
+        if box is not None:
+            with _DECODES:
+                return load_region(data, box, min_side or 1, max_pixels=max_pixels, name=name)
         return bounded_decode(data, name=name, min_side=min_side, max_pixels=max_pixels)
     except ImageTooLargeError as e:  # a readable image that needs more memory than decoding may use
         raise UploadError(str(e), status=413) from None
     except ImageLoadError as e:     # the accepted formats listed once (a refusal's reason has them)
         expected = "" if ACCEPTED_TEXT in e.reason else f"; expected a {ACCEPTED_TEXT} file"
         raise UploadError(f"{name}: not a readable image ({e.reason}){expected}", status=415) from None
+    except ValueError as e:         # the box is not inside the image
+        raise RequestError(str(e)) from None

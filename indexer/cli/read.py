@@ -36,8 +36,8 @@ def warn_partial(partial: Any, args: argparse.Namespace) -> None:
 
 def search(args: argparse.Namespace) -> None:
     """``indexer search IMAGE [--box]``, or ``indexer search FOLDER [--out FILE]`` (batch)."""
-    from embedder import load_image
-    from embedder.regions import crop, parse_box
+    from embedder.images import GALLERY_MAX_PIXELS
+    from embedder.regions import load_region, parse_box
 
     box = parse_box(args.box, "--box")
     if args.image.is_dir():
@@ -53,7 +53,8 @@ def search(args: argparse.Namespace) -> None:
             url = bool(sep) and scheme.isalpha()
             raise IndexerError(f"{args.image}: " + ("a URL: images are not downloaded; save it and give its path"
                                                     if url else "no such image or folder"))
-        query = args.image if box is None else crop(load_image(args.image, mode="RGB"), box, str(args.image), "--box")
+        query = args.image if box is None else load_region(    # decoded no larger than the box needs
+            args.image, box, idx.decode_side, max_pixels=GALLERY_MAX_PIXELS, name=str(args.image), field="--box")
         found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
         hits = idx.hits(found.scores[0], found.ids[0])
     warn_partial(found.partial, args)

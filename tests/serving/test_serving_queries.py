@@ -106,6 +106,14 @@ def test_api_box_and_several_images(server, searcher, two_photos):
         assert r.status_code == 400 and r.json()["error"].startswith("box:") and f"{w}x{h}" in r.json()["error"]
         r = post(files, box="0,0,5,5")
         assert r.status_code == 400 and r.json()["error"].startswith("box:")
+        # a box is decoded within the decode budget as any upload (it was decoded whole: +426 MB)
+        from embedder.decode_budget import DEFAULT_DECODE_BUDGET
+
+        side = int((DEFAULT_DECODE_BUDGET / 16) ** 0.5) + 64      # a WebP just over a server's budget
+        webp = io.BytesIO()
+        Image.new("RGB", (side, side), (120, 60, 30)).save(webp, format="WEBP", quality=10)
+        r = post([("image", ("big.webp", webp.getvalue(), "image/webp"))], box="0,0,300,300")
+        assert r.status_code == 413 and "budget" in r.json()["error"], r.text
         tiny = Image.new("RGB", (8, 8))
         buf = io.BytesIO()
         tiny.save(buf, format="PNG")
