@@ -58,19 +58,22 @@ def load_region(source: Any, box: Box, min_side: int, *, mode: str = "RGB", max_
     90 KB 6300x6300 WebP with a box cost a server +426 MB, without one it is refused (413).
     A box not inside the image (as shown: EXIF applied) is a ValueError naming both sizes."""
     from .containers import open_image
-    from .images import load_image
+    from .images import ImageLoadError, load_image
 
     label = name or str(source)
+    if isinstance(source, Image.Image):           # decoded already: its own pixels
+        return crop(load_image(source, mode=mode, max_pixels=max_pixels, name=name), box, label, field)
     try:
         with open_image(io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview))
                         else source) as im:
             header = im.size
     except (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError,
             Image.DecompressionBombError):
-        header = None      # unreadable: load_image below says why, in its own words
-    if header is None or min(header) <= 0:
-        return crop(load_image(source, mode=mode, max_pixels=max_pixels, name=name, min_side=min_side,
-                               stored=stored), box, label, field)
+        # unreadable: load_image says why, in its own words (the same checks, the same order)
+        load_image(source, mode=mode, max_pixels=max_pixels, name=name, min_side=min_side, stored=stored)
+        raise ImageLoadError(label, "unreadable image header") from None
+    if min(header) <= 0:
+        raise ImageLoadError(label, f"image has no pixels ({header[0]}x{header[1]})")
     factor = max(1, min(box.x1 - box.x0, box.y1 - box.y0) // max(1, min_side))
     img = load_image(source, mode=mode, max_pixels=max_pixels, name=name, stored=stored,
                      min_side=max(1, min(header) // factor))
