@@ -72,5 +72,6 @@ def test_a_full_disk_says_which_file_and_what_to_do(tmp_path, capsys) -> None:
                    str(tmp_path / "idx" / "model.onnx.p74hx1q7.tmp"))
     assert run_main("tool", _parser(_raise(copy)), ["go"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"tool go: error: no space left on device writing {tmp_path}/idx/model.onnx ("), err
+    want = f"tool go: error: no space left on device writing {tmp_path}/idx/model.onnx ("
+    assert len(err) == 1 and err[0].startswith(want), err
     assert " MB free; free some space and run the same command again)" in err[0] and "Errno" not in err[0]

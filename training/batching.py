@@ -1,12 +1,13 @@
 """Class-balanced batches: `per_class` images from each of `batch_size / per_class` classes.
 
-SPC-n sampling (Roth et al., the paper's supplementary C): an epoch has ``N // batch_size``
-batches (``ceil`` without ``drop_last``); classes come in a fresh random order, restarted when
-all were used (never repeated within a batch); each class hands out its own shuffled queue,
-reshuffled when empty. A class with fewer than `per_class` images repeats some in its batch (as
-pytorch-metric-learning's MPerClassSampler draws with replacement): a team's folder of two photos
-trains beside folders of fifty instead of stopping the run; its images are augmented afresh each time. All is drawn from a generator seeded with ``(seed, epoch)``;
-`state_dict()` adds the batches already handed out, so `load_state_dict` resumes right there.
+SPC-n sampling (Roth et al., the paper's supplementary C): an epoch has ``N // batch_size`` batches
+(``ceil`` without ``drop_last``); classes come in a fresh random order, restarted when all were used
+(never repeated within a batch); each class hands out its own shuffled queue, reshuffled when empty.
+A class with fewer than `per_class` images repeats some in its batch (as pytorch-metric-learning's
+MPerClassSampler draws with replacement): a team's folder of two photos trains beside folders of
+fifty instead of stopping the run; its images are augmented afresh each time. All is drawn from a
+generator seeded with ``(seed, epoch)``; `state_dict()` adds the batches already handed out, so
+`load_state_dict` resumes right there.
 """
 from __future__ import annotations
 
