@@ -10,9 +10,10 @@ import os
 import re
 import sys
 from dataclasses import MISSING, fields
+from pathlib import Path
 
 from embedder import use_batch_budget
-from embedder.cli import run_main
+from embedder.cli import UsageError, run_main
 
 from .config import TrainConfig, load_config
 
@@ -49,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    out = Path(cfg.out)
+    blocked = next((d for d in (out, *out.parents) if d.exists() and not d.is_dir()), None)
+    if blocked is not None:         # before a minute of caching: the first write would fail there
+        raise UsageError(f"--out {cfg.out}: {blocked} is a file; expected a run directory (new or existing)")
     from embedder import keep_freed_memory
 
     from .runs import train

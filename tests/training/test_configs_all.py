@@ -170,6 +170,11 @@ def test_cli_help_lists_every_option_with_default_and_errors_are_one_line(tmp_pa
                  "--backbone", "small_cnn", "--pretrained", "false"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "CUB-200-2011 root" in err[0] and "nowhere" in err[0]
+    (tmp_path / "a_file").write_text("")      # --out inside a file: refused before any data is read
+    assert main(["--config", str(REPO / "configs" / "omniglot_cpu.toml"), "--out", str(tmp_path / "a_file" / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"python -m training: error: --out {tmp_path}/a_file/run: {tmp_path}/a_file is a file; "
+                       "expected a run directory (new or existing)"), err
 
 
 def test_base_files_hold_the_paper_recipe():
