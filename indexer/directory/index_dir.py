@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +77,31 @@ class IndexDir:
                 raise IndexerError(f"{self.path}: a first build stopped before it finished (images stored, no "
                                    f"{MANIFEST} yet): run the same `python -m indexer build GALLERY --out "
                                    f"{self.path}` again; it resumes")
+            if self._holds_images():          # a gallery given where its index belongs
+                out = shlex.quote(f"indexes/{self.path.name or 'photos'}")
+                raise IndexerError(f"{self.path}: a folder of images, not an index directory: index it first "
+                                   f"with `python -m indexer build {shlex.quote(str(self.path))} --out {out}`, "
+                                   f"and give {out} as the index")
             raise IndexerError(f"{self.path}: not an index directory (no index here: missing "
                                f"{MANIFEST}); build one with `python -m indexer build`")
         return self
+
+    def _holds_images(self, look: int = 200) -> bool:
+        """Whether the first ``look`` entries of this folder and of its sub-folders name an image."""
+        from embedder.images import is_listed
+
+        try:
+            seen = 0
+            for top in self.path.iterdir():
+                for p in ([top] if not top.is_dir() else islice(top.iterdir(), look)):
+                    if is_listed(p.name) and p.is_file():
+                        return True
+                seen += 1
+                if seen >= look:
+                    break
+        except OSError:
+            return False
+        return False
 
     # -- the manifest (its schema: indexer.directory.manifest.Manifest) --------------------------------
     def read_manifest(self) -> Manifest:

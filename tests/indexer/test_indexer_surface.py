@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from embedder.images import IMAGE_SUFFIXES
 from indexer import IndexDir, IndexerError, build_index, merge_shards
@@ -86,6 +87,13 @@ def test_not_an_index_directory_is_one_message_everywhere(tmp_path: Path, capsys
     for argv in (["info"], ["search", str(tmp_path / "q.png")]):
         assert main([*argv, "--index", str(stopped)]) == 1
         assert "a first build stopped before it finished" in capsys.readouterr().err
+    photos = tmp_path / "my photos"                          # the gallery given where its index belongs
+    (photos / "dogs").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(photos / "dogs" / "a.jpg")
+    assert main(["info", "--index", str(photos)]) == 1
+    assert capsys.readouterr().err == (f"indexer info: error: {photos}: a folder of images, not an index directory: "
+                                       f"index it first with `python -m indexer build '{photos}' --out "
+                                       "'indexes/my photos'`, and give 'indexes/my photos' as the index\n")
 
 
 # ---------------------------------------------------------------------------- one input check
