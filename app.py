@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="labelled query folder <DIR>/<label>/<images> offered in the Evaluate tab; repeatable")
     p.add_argument("--demo-dir", type=Path, default=Path("indexes") / "demo",
                    help="where the demo index is found or built when no --index is given (default indexes/demo)")
-    p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MB (default 10)")
+    # serving.uploads.DEFAULT_MAX_UPLOAD_BYTES (a test holds them equal; not imported: --help stays fast)
+    p.add_argument("--max-upload-mb", type=float, default=32.0,
+                   help="largest accepted upload in MB (default %(default)g: a 108 MP phone JPEG)")
     p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
                    help="comma-separated addresses (or networks) of reverse proxies whose X-Forwarded-For / "
                         "X-Forwarded-Proto headers are believed, e.g. 127.0.0.1 for a proxy on this machine "

@@ -36,10 +36,11 @@ _RAW = (".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".srw", 
 _NOT_DECODED = {**({} if AVIF else {".avif": "an AVIF image"}), ".jxl": "a JPEG XL image",
                 **dict.fromkeys(_RAW, "a camera raw file")}
 
+#: Full-size decodes (``min_side=None``: the whole bitmap in memory, e.g. export parity checks).
 DEFAULT_MAX_PIXELS: int = 64_000_000
-#: The user's own files decoded small (galleries, query files, training photos: ``min_side``, memory
-#: bounded by the decode budget; a JPEG drafted at 1/8): 108 MP phone photos and panoramas are read.
-#: Pillow's own refusal inside ``Image.open`` (2 x its MAX_IMAGE_PIXELS); a 200 MP photo is over it.
+#: Every decode at a model's side (galleries, query files, uploads, training photos: ``min_side``,
+#: memory bounded by the decode budget; a JPEG drafted at 1/8): 108 MP phone photos and panoramas
+#: are read. Pillow's own refusal inside ``Image.open`` (2 x its MAX_IMAGE_PIXELS): 200 MP is over.
 GALLERY_MAX_PIXELS: int = 178_956_970
 
 

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 AUTH_HEADERS = {"WWW-Authenticate": 'Basic realm="das-retrieval"'}
 AUTH_MESSAGE = "authentication required (HTTP basic auth, the --auth user and password)"
 # Seconds a request body may take to arrive: without a login (the /login form, refused routes)
-# a slow client is dropped soon; a logged-in upload of the 10 MB cap gets room for a slow link.
+# a slow client is dropped soon; a logged-in upload of the 32 MB cap gets room for a slow link.
 ANON_BODY_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 120.0
 MAX_STREAMS_PER_CLIENT = 16

@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image
 
 from embedder import ImageLoadError
-from embedder.images import DEFAULT_MAX_PIXELS
+from embedder.images import GALLERY_MAX_PIXELS  # decodes here are at decode_side, within the budget
 from indexer import Index, IndexDir, check_counts
 from indexer.audit import served_audit
 
@@ -141,7 +141,7 @@ class Searcher:
         if image is not None:
             nm = name or (str(image) if isinstance(image, (str, Path)) else "query")
             if region is None:
-                img = bounded_decode(image, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
+                img = bounded_decode(image, name=name, min_side=self.decode_side, max_pixels=GALLERY_MAX_PIXELS)
                 return Query(image=img, label=label, name=nm)
             return self._region(image, region, nm, label)
         snap = self.snapshot(index)
@@ -171,13 +171,13 @@ class Searcher:
         if isinstance(image, Image.Image):
             cut = queries.crop(image, box, name)
         else:
-            cut = queries.load_region(image, box, self.decode_side, max_pixels=DEFAULT_MAX_PIXELS, name=name,
+            cut = queries.load_region(image, box, self.decode_side, max_pixels=GALLERY_MAX_PIXELS, name=name,
                                       stored=stored)
         return self.region_query(cut, box, name, label)
 
     def region_query(self, cut: Image.Image, box: queries.Box, name: str, label: str | None = None) -> Query:
         """A Query of a region already cut (``decode_upload(box=...)``), named with its box."""
-        img = bounded_decode(cut, name=name, min_side=self.decode_side, max_pixels=DEFAULT_MAX_PIXELS)
+        img = bounded_decode(cut, name=name, min_side=self.decode_side, max_pixels=GALLERY_MAX_PIXELS)
         return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
 
     def fused(self, parts: Sequence[Query], *, label: str | None = None) -> Query:
@@ -198,7 +198,7 @@ class Searcher:
         if q.image is None:
             data = (q.origin.index if q.origin is not None else self.index(q.source)).image_bytes(q.id)
             q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
-                                     max_pixels=DEFAULT_MAX_PIXELS, stored=True)
+                                     max_pixels=GALLERY_MAX_PIXELS, stored=True)
         return q.image
 
     def embed(self, q: Query, index: IndexRef = None) -> np.ndarray:

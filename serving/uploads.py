@@ -12,14 +12,18 @@ from PIL import Image
 
 from embedder import ImageLoadError, ImageTooLargeError, load_image
 from embedder.containers import ACCEPTED_TEXT
+from embedder.images import GALLERY_MAX_PIXELS
 from embedder.regions import Box, load_region
 
 from .results import RequestError
 
-DEFAULT_MAX_UPLOAD_BYTES = 10 * 1024 * 1024
-# Decoded-size cap for uploads: far below embedder's 64 MP default, because a small compressed
-# file can still decode to a huge bitmap (decompression bomb) and uploads come from strangers.
-DEFAULT_MAX_UPLOAD_PIXELS = 40_000_000
+# A phone's 48-50 MP JPEG is 8-20 MB, a 108 MP one 14-30 MB: 10 MB refused the first in most cases.
+DEFAULT_MAX_UPLOAD_BYTES = 32 * 1024 * 1024
+# Header cap for uploads: Pillow's own refusal. A decompression bomb cannot cost more than the decode
+# budget: uploads are decoded at the model's side (a JPEG drafted at 1/8: a 108 MP phone photo costs
+# +16 MB and 0.2 s of CPU), and one whose decode would not fit is a 413 before any pixel is read.
+# (Until 2026-11-30 40 MP, below which a budget alone was not trusted: phones' 48 MP mode was refused.)
+DEFAULT_MAX_UPLOAD_PIXELS = GALLERY_MAX_PIXELS
 MAX_CONCURRENT_DECODES = max(2, min(4, os.cpu_count() or 2))
 _DECODES = threading.BoundedSemaphore(MAX_CONCURRENT_DECODES)
 

@@ -12,11 +12,8 @@ if TYPE_CHECKING:
 
 def load_embedder(model: str | Path | None, *, device: str = "auto", batch_size: int = 32,
                   threads: int | None = None) -> OnnxEmbedder:
-    """An OnnxEmbedder for ``model`` (default: the offline pretrained embedder), reading the user's
-    own images up to :data:`embedder.images.GALLERY_MAX_PIXELS` (a server decodes uploads itself,
-    under its own cap, before they reach it)."""
+    """An OnnxEmbedder for ``model`` (default: the offline pretrained embedder)."""
     from embedder import OnnxEmbedder
-    from embedder.images import GALLERY_MAX_PIXELS
 
     if model is None:
         from embedder import default_model_path
@@ -27,8 +24,7 @@ def load_embedder(model: str | Path | None, *, device: str = "auto", batch_size:
         raise IndexerError(f"{path}: model not found (expected an .onnx file exported by "
                            "`python -m embedder export`)")
     try:
-        return OnnxEmbedder(path, device=device, threads=threads, batch_size=batch_size,
-                            max_pixels=GALLERY_MAX_PIXELS)
+        return OnnxEmbedder(path, device=device, threads=threads, batch_size=batch_size)
     except (ValueError, RuntimeError) as e:   # embedder's ModelLoadError is a ValueError
         raise IndexerError(str(e).splitlines()[0]) from None
 

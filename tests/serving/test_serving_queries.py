@@ -58,6 +58,18 @@ def test_a_box_on_a_gallery_image_is_a_new_image_not_left_out(searcher, two_phot
     assert region.ids[0] == ia and region.query.label == two_photos["labels"][0]
 
 
+def test_a_photo_over_64_mp_is_a_query_and_its_region_too(searcher, two_photos, tmp_path):
+    """A query file or upload over 64 MP (the library's old cap: a 108 MP phone photo) is decoded
+    drafted within the budget, whole or a box of it, and finds the photo it shows."""
+    ia, a = gallery_photo(searcher, two_photos["labels"][0])
+    big = tmp_path / "phone.jpg"
+    a.resize((a.width * 9000 // a.height, 9000), Image.BILINEAR).save(big, quality=80)
+    w, h = Image.open(big).size
+    assert w * h > 64_000_000
+    for q in (searcher.query(big), searcher.query(big, box=(0, 0, w, h))):
+        assert searcher.search(q, 1, index=INDEX, dba=False).ids == [ia]
+
+
 def test_several_images_fused_are_one_query_that_finds_each(searcher, two_photos):
     idx = searcher.index(INDEX)
     ia, ib = two_photos["ids"]
