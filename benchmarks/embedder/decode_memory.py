@@ -4,7 +4,7 @@
                                        [--formats ...] [--old-ref 7c84ca7] [--out PATH] [--plot PATH]
                                        [--webp-megapixels MP] [--modes old new]
 
-Makes one camera-size image (default 7360 x 4912 = 36 MP, under the 40 MP upload cap) from a
+Makes one camera-size image (default 7360 x 4912 = 36 MP, under the upload caps) from a
 real photo (scikit-image's hubble_deep_field.jpg) and saves it in every format Pillow opens:
 JPEG, PNG RGB / RGBA / palette, WebP, GIF, TIFF (uncompressed and LZW) and BMP. Then, each in a
 fresh process so that its peak RSS (VmHWM) is its own, ``--bursts`` bursts of N simultaneous

@@ -351,7 +351,7 @@ def _status_kb(pid: int, field: str) -> int:
 
 
 def decode_probes(url: str, proc: subprocess.Popen, root: Path) -> list[tuple[str, str, str]]:
-    """The issue's upload: a small 6300 x 6300 RGBA PNG (under the 40 MP cap), 4 at once; the
+    """The issue's upload: a small 6300 x 6300 RGBA PNG (under the pixel cap), 4 at once; the
     server's peak RSS above its level before (its high-water mark reset through clear_refs) and
     RSS 10 s later. Then a 6300 x 6300 WebP, which costs more than the decode budget."""
     import numpy as np
