@@ -88,7 +88,8 @@ def build_shard(gallery: str, shard_dir: str, model: str, shard: int, n: int, op
                         threads=opts["threads"])
     m = build_index(gallery, shard_dir, model, shard=(shard, n), batch_size=opts["batch_size"],
                     workers=opts["workers"], device=opts["device"], progress=False, embedder=emb,
-                    on_done=report, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST))
+                    on_done=report, files=read_file_list(gallery, Path(shard_dir) / FILE_LIST),
+                    prune=opts.get("prune", False))
     with report.lock:
         report.flush()
     import ray
@@ -200,9 +201,9 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                    num_cpus: int | None = None, batch_size: int = 32, workers: int | None = None,
                    device: str = "auto", progress: bool = True, sharded: bool = False, wait: bool = False,
                    options: BuildOptions | None = None, dba: DbaParams | None = None, dba_verdict: bool = False,
-                   **option_kw: Any) -> Manifest:
+                   prune: bool = False, **option_kw: Any) -> Manifest:
     """Build ``gallery`` into ``out`` with one Ray task per shard (``out/shards/<i>``), then merge (or,
-    ``sharded``, keep the shards as the parts; ``dba``, ``dba_verdict``: the merged index's, as ``merge_shards``);
+    ``sharded``, keep the shards as the parts; ``dba``, ``dba_verdict``, ``prune``: as ``merge_shards``);
     every input checked before Ray starts, ``out``'s
     writer lock held from then on. The manifest's ``ray`` entry (and ``out/shards/ray.json``) says
     shards, attempts, resources and the node of each attempt, reader and fill."""
@@ -230,7 +231,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
             n = shards or default_shards(nodes)
             res = plan_resources(nodes, n, cpus_per_shard)
             opts = {"batch_size": batch_size, "workers": workers or res["num_cpus"],
-                    "threads": res["num_cpus"], "device": device}
+                    "threads": res["num_cpus"], "device": device, "prune": prune}
             dirs, found, attempts, where, tried = _ingest_shards(ray, gallery, out / SHARDS_DIR, emb, n,
                                                                  res, opts, max_retries, progress)
             if sharded:
@@ -255,7 +256,7 @@ def build_with_ray(gallery: str | Path, out: str | Path, model: str | Path | Non
                 ray.shutdown()
         if not sharded:
             m = merge_shards(dirs, out, options=build_opts, device=device, progress=progress, dba=dba,
-                             dba_verdict=dba_verdict)
+                             dba_verdict=dba_verdict, prune=prune)
         ray_facts = {"address": address, "shards": n, "attempts": attempts, **res, "found": found,
                      "nodes": where, "attempt_nodes": tried, "seconds": round(time.perf_counter() - t0, 3)}
         if sharded:     # what the shards' readers sent the driver, where each ran, where each part was filled

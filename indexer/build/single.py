@@ -249,13 +249,20 @@ def check_shards(dirs: Sequence[IndexDir]) -> list[Manifest]:
     return manifests
 
 
-def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Manifest]) -> dict:
+def from_shards(dst: IndexDir, dirs: Sequence[IndexDir], manifests: Sequence[Manifest], *,
+                gone: int | None = None, prune: bool = False) -> dict:
     """What a merged or sharded index takes from its shards: their model and skip reports
-    (written into ``dst``), and the manifest's ``shards``, ``ingest`` and ``report``."""
+    (written into ``dst``), and the manifest's ``shards``, ``ingest`` and ``report``. ``gone``: a
+    merge's stored paths that no shard holds, ``prune``: dropped, else kept; either way its own
+    count, not the shards' prunes (their copies stayed in the merged store until now)."""
     dst.copy_model(dirs[0].model_file, manifests[0].model_hash)
     dst.write_report([r for d in dirs for r in d.read_report()])
+    ingests = [m.ingest for m in manifests if m.ingest]
+    counts = {k: sum(getattr(i, k) or 0 for i in ingests) for k in ("absent", "pruned")}
+    if gone is not None:
+        counts = {"absent": counts["absent"] + (0 if prune else gone), "pruned": gone if prune else 0}
     return {"shards": [[m.shard.i, m.shard.n] for m in manifests if m.is_shard],
-            "ingest": {"skipped": sum(m.ingest.skipped for m in manifests if m.ingest)},
+            "ingest": {"skipped": sum(i.skipped for i in ingests), **{k: n for k, n in counts.items() if n}},
             "report": REPORT}
 
 
@@ -275,11 +282,14 @@ def _union(parts: Sequence[tuple[np.ndarray, np.ndarray]]
 
 def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: BuildOptions | None = None,
                  device: str = "auto", progress: bool = True, wait: bool = False,
-                 dba: neighbours.DbaParams | None = None, dba_verdict: bool = False, **option_kw: Any) -> Manifest:
+                 dba: neighbours.DbaParams | None = None, dba_verdict: bool = False, prune: bool = False,
+                 **option_kw: Any) -> Manifest:
     """``indexer merge``: one quantizer trained over all shards (the sample picked by position in
     the id-sorted union, as a single build picks it, so the result equals one), their inverted
     lists merged. Holds ``out``'s writer lock; ``options``, ``dba_verdict`` and what a merge of the
-    same shards keeps as ``build_index``."""
+    same shards keeps as ``build_index``. Stored paths no shard holds (added by `indexer add`, or
+    pruned from their shard since the last merge) are kept and counted (``ingest.absent``), or
+    with ``prune`` dropped (``ingest.pruned``), as a build's walk does."""
     t0 = time.perf_counter()
     out = Path(out)
     opts = BuildOptions.of(options, **option_kw)
@@ -298,9 +308,15 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
         out.mkdir(parents=True, exist_ok=True)
         dst_dir = IndexDir(out)
         with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
+            held: set[str] = set()
             for d in dirs:
                 with GalleryStore(d.store_dir) as s:
                     dst.copy_from(s, model_hash)
+                    held.update(s.paths())
+            gone = dst.paths_not_in(held)
+            del held
+            if prune and gone:
+                dst.remove_paths(gone)
             # images `indexer add`ed to the merged index since its last merge: indexed too, as a
             # rebuild keeps what its store holds (until 2026-11-30 left out: counts differed, 503)
             added = np.setdiff1d(dst.embedded_ids(model_hash), all_ids)
@@ -308,6 +324,7 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
                 parts, all_ids, x = _union([*parts, (added, dst.get_embeddings(model_hash, added))])
             key = selection_key(model_hash, opts, all_ids)
             kept, dba = kept_parts(dst_dir, key, dba, dst, dba_verdict)
-        extra = {"merged_from": [str(d.path.resolve()) for d in dirs], **from_shards(dst_dir, dirs, manifests)}
+        extra = {"merged_from": [str(d.path.resolve()) for d in dirs],
+                 **from_shards(dst_dir, dirs, manifests, gone=len(gone), prune=prune)}
         return write_index(dst_dir, kept, key, all_ids, x, opts, dba, manifests[0].model, extra, t0, device=device,
                            progress=progress, parts=parts)

@@ -163,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
                    help="leave the shards where they are: train once on a sample of their stores, "
                         "give each shard its own part of the index, and write a manifest in --out "
                         "that lists them (searched as one; nothing is copied)")
+    m.add_argument("--prune", action="store_true",
+                   help="drop images --out holds that no shard holds any more (pruned from a shard by "
+                        "`build --shard i/n --prune`, or brought by `indexer add`); by default kept and counted")
     index_opts(m)
     dba_opts(m)
     opts(m, "--device", "--quiet", "--wait").set_defaults(func=write.merge)

@@ -83,7 +83,8 @@ def build_with_ray_command(args: argparse.Namespace, dba_verdict: bool) -> Manif
                        max_retries=args.max_retries, cpus_per_shard=args.cpus_per_shard,
                        batch_size=args.batch_size, workers=args.workers, device=args.device,
                        progress=not args.quiet, wait=args.wait, sharded=args.sharded,
-                       options=build_options(args), dba=dba_params(args), dba_verdict=dba_verdict)
+                       options=build_options(args), dba=dba_params(args), dba_verdict=dba_verdict,
+                       prune=args.prune)
     r = m.extra["ray"]
     skipped = m.ingest.skipped if m.ingest else 0
     print(f"{r['found']} files in {r['shards']} shards on Ray ({r['num_gpus']} GPU / "
@@ -200,9 +201,6 @@ def check_build_flags(args: argparse.Namespace, ray: bool) -> None:
                          + " needs --ray (for one shard by hand use --shard i/n)")
     if ray and args.shard:
         raise UsageError("--shard and --ray exclude each other: --ray builds every shard itself")
-    if args.prune and (ray or args.shard):
-        raise UsageError("--prune is for a build in one process (a merge keeps what its shards hold): "
-                         "build the shards into a new --out instead")
     if args.sharded and args.dba:
         raise UsageError("--dba is not available with --sharded builds yet; build without "
                          "--sharded, or `indexer merge --dba` the shards")
@@ -271,15 +269,10 @@ def build(args: argparse.Namespace) -> None:
         ing = m.ingest
         print(ingest_line(ing.found, ing.new, ing.unchanged, ing.duplicates, ing.skipped, ing.embedded,
                           args.out / m.report))
-        if ing.absent:
-            print(f"indexer build: {ing.absent} stored files are not in {args.gallery} any more (deleted, or "
-                  "brought by `indexer add` from another folder): kept and searchable; --prune drops them",
-                  file=sys.stderr)
         if ing.moved:
             print(f"indexer build: {ing.moved} stored files were moved or renamed within {args.gallery} (the same "
                   "image under a new path): their old paths dropped")
-        if ing.pruned:
-            print(f"indexer build: {ing.pruned} stored files not in {args.gallery} any more: dropped (--prune)")
+    say_absent(m, f"in {args.gallery}")
     if m.neighbours or (m.dba_check and auto_dba):
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait)
     if m.is_shard:
@@ -365,7 +358,21 @@ def resolve_merge_defaults(args: argparse.Namespace) -> BuildDefaults:
     return d
 
 
+def say_absent(m: Manifest, where: str, command: str = "build") -> None:
+    """The build's or merge's line on stored files its walk (or its shards) no longer hold."""
+    ing = m.ingest
+    if ing is not None and ing.absent:
+        print(f"indexer {command}: {ing.absent} stored files are not {where} any more (deleted, or "
+              "brought by `indexer add` from another folder): kept and searchable; --prune drops them",
+              file=sys.stderr)
+    if ing is not None and ing.pruned:
+        print(f"indexer {command}: {ing.pruned} stored files not {where} any more: dropped (--prune)")
+
+
 def merge(args: argparse.Namespace) -> None:
+    if args.prune and args.sharded:
+        raise UsageError("--prune with --sharded: the shards are the index (nothing is copied); "
+                         "`indexer build GALLERY --shard i/n --prune` drops a shard's deleted files")
     auto_dba = args.dba is None
     d = resolve_merge_defaults(args)
     before = _selected_at(args.out)
@@ -378,8 +385,10 @@ def merge(args: argparse.Namespace) -> None:
         from ..build.single import merge_shards
 
         m = merge_shards(args.shards, args.out, options=build_options(args), device=args.device,
-                         progress=not args.quiet, wait=args.wait, dba=dba_params(args), dba_verdict=auto_dba)
+                         progress=not args.quiet, wait=args.wait, dba=dba_params(args), dba_verdict=auto_dba,
+                         prune=args.prune)
     say_notes(d, "merge")
+    say_absent(m, "in the gallery or its shards", "merge")
     if m.neighbours or (m.dba_check and auto_dba):
         m = dba_where_it_helps(args.out, m, drop=auto_dba, wait=args.wait, command="merge")
     print_index_line(m, args.out, kept=before is not None and m.selected_at == before)

@@ -140,11 +140,14 @@ class GalleryStore(LmdbStore):
             cur = txn.cursor(db=self._db("path"))
             return np.fromiter((_PATHREC.unpack(v)[0] for v in cur.iternext(keys=False)), np.int64)
 
+    def paths(self) -> list[str]:
+        """Every stored path, in path order."""
+        with self._read() as txn:
+            return [k.decode("utf-8") for k in txn.cursor(db=self._db("path")).iternext(keys=True, values=False)]
+
     def paths_not_in(self, walked: set[str]) -> list[str]:
         """The stored paths a walk did not find (a file deleted, or added from another folder)."""
-        with self._read() as txn:
-            stored = (k.decode("utf-8") for k in txn.cursor(db=self._db("path")).iternext(keys=True, values=False))
-            return [p for p in stored if p not in walked]
+        return [p for p in self.paths() if p not in walked]
 
     def path_sample(self, n: int) -> list[str]:
         """About ``n`` stored paths spread evenly over path order (every folder's share)."""

@@ -603,7 +603,7 @@ def test_a_rebuild_counts_the_stored_files_gone_from_the_gallery_and_prune_drops
         tmp_path: Path, omniglot_paths: list[Path], small_onnx: Path) -> None:
     """Photos deleted from the gallery stayed searchable after a rebuild without a word (a rebuild
     keeps what `add` brought from other folders too): now one line counts them, `--prune` drops
-    them (one process only: a merge keeps what its shards hold)."""
+    them."""
     g = three_classes(tmp_path / "g", omniglot_paths)
     out = tmp_path / "idx"
     run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
@@ -623,9 +623,49 @@ def test_a_rebuild_counts_the_stored_files_gone_from_the_gallery_and_prune_drops
         assert all(st.id_for_path(f.relative_to(g).as_posix()) is None for f in gone) and len(st) == 10
     again = run_cli("build", g, "--model", small_onnx, "--out", out, "--quiet")
     assert "stored files" not in again.stderr + again.stdout
-    refused = run_cli("build", g, "--model", small_onnx, "--out", tmp_path / "s0", "--shard", "0/2", "--prune",
-                      check=False)
-    assert refused.returncode == 2 and "--prune is for a build in one process" in refused.stderr
+
+
+def test_prune_reaches_a_merged_index_through_its_shards(tmp_path: Path, omniglot_paths: list[Path],
+                                                          small_onnx: Path) -> None:
+    """`--prune` was refused for `--shard` and `--ray` builds ("a merge keeps what its shards
+    hold"), so a sharded gallery kept its deleted photos for good. Now a shard's build --prune
+    drops its own; the merge counts what no shard holds any more, and `merge --prune` drops it."""
+    g = three_classes(tmp_path / "g", omniglot_paths)
+    shards = [tmp_path / "s0", tmp_path / "s1"]
+
+    def shard_builds(*flags: str) -> None:
+        for i, s in enumerate(shards):
+            run_cli("build", g, "--model", small_onnx, "--out", s, "--shard", f"{i}/2", "--quiet", *flags)
+
+    def merge(*flags: str, check: bool = True):
+        return run_cli("merge", *shards, "--out", tmp_path / "m", "--no-dba", "--quiet", *flags, check=check)
+
+    def merged() -> dict:
+        return json.loads((tmp_path / "m" / "manifest.json").read_text())
+
+    shard_builds()
+    merge()
+    gone = sorted(g.rglob("*.png"))[:3]
+    for f in gone:
+        f.unlink()
+    shard_builds()                                   # the shards keep (and count) their deleted files
+    kept = merge()
+    assert "indexer merge: 3 stored files are not in the gallery or its shards any more" in kept.stderr
+    assert merged()["count"] == 12 and merged()["ingest"]["absent"] == 3
+    shard_builds("--prune")                          # each shard drops its own
+    assert sum(json.loads((s / "manifest.json").read_text())["ingest"]["pruned"] for s in shards) == 3
+    again = merge()                                  # the merged store's copies: kept, counted
+    assert again.stderr.count("3 stored files") == 1 and "dropped" not in again.stdout
+    assert merged()["count"] == 12 and "pruned" not in merged()["ingest"]
+    pruned = merge("--prune")
+    assert "indexer merge: 3 stored files not in the gallery or its shards any more: dropped (--prune)" in pruned.stdout
+    assert merged()["count"] == 9 and merged()["ingest"]["pruned"] == 3
+    from indexer import GalleryStore
+
+    with GalleryStore(tmp_path / "m" / "store.lmdb") as st:
+        assert all(st.id_for_path(f.relative_to(g).as_posix()) is None for f in gone) and len(st) == 9
+    refused = merge("--prune", "--sharded", check=False)
+    assert refused.returncode == 2 and "--prune with --sharded" in refused.stderr
 
 
 def test_a_rebuild_that_changes_nothing_keeps_the_chosen_index(tmp_path: Path, omniglot_paths: list[Path],

@@ -68,6 +68,32 @@ def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, r
     assert p.returncode == 1 and "holds shards of another build (--shards 2 instead of 3)" in p.stderr, p.stderr
 
 
+def test_a_ray_rebuild_with_prune_drops_deleted_files(tmp_path: Path, ray_address: str, ray_gallery: Path,
+                                                     small_onnx: Path) -> None:
+    """`--prune` with `--ray` was refused: a Ray-built index kept deleted photos for good. Now
+    the shard tasks and the merge drop them; without it the build counts them in one line."""
+    import shutil
+
+    g = tmp_path / "g"
+    for f in sorted(ray_gallery.rglob("*.png"))[:40]:
+        (g / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, g / f.parent.name / f.name)
+    out = tmp_path / "ray"
+    build = ["build", g, "--model", small_onnx, "--out", out, "--ray", ray_address, "--shards", "2", *FLAGS]
+    run_cli(*build)
+    gone = sorted(g.rglob("*.png"))[::10]
+    for f in gone:
+        f.unlink()
+    kept = run_cli(*build)
+    assert f"{len(gone)} stored files are not in {g} any more" in kept.stderr, kept.stderr
+    assert Index.open(out).manifest["count"] == 40
+    pruned = run_cli(*build, "--prune")
+    assert f"{len(gone)} stored files not in {g} any more: dropped (--prune)" in pruned.stdout, pruned.stdout
+    with GalleryStore(out / STORE_DIR) as st:
+        assert len(st) == 40 - len(gone) == Index.open(out).manifest["count"]
+        assert all(st.id_for_path(f.relative_to(g).as_posix()) is None for f in gone)
+
+
 def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: str, ray_gallery: Path,
                                                   small_onnx: Path, ray_single: Index) -> None:
     out, marker = tmp_path / "ray", tmp_path / "killed.txt"
