@@ -15,7 +15,7 @@ from embedder.folders import label_of
 
 from . import report
 from .duplicates import (DEFAULT_THRESHOLD, MAX_DIFFER, MIN_INLIERS, DuplicateGroup, Pairs, candidates,
-                         near_duplicates, pixel_inliers, scored_pairs, verify_pairs)
+                         near_duplicates, scored_pairs, verify_pairs, verify_scored)
 from .graph import KnnGraph, build_graph
 from .labels import ClassView, ConfusedPair, class_view, confused_pairs, mislabelled
 from .outliers import OutlierScores, outlier_scores, ranked
@@ -63,7 +63,7 @@ def run_audit(directory: str | Path | Gallery, *, k: int | None = None, threshol
     asking for a label kind of a gallery without labels is an error (ValueError), not asking
     leaves them out with the reason in ``skipped``. ``verify``: near-duplicate candidates below
     the threshold checked by pixels (ORB + RANSAC, ``duplicates.verify_pairs``), at most ``verify_max``
-    pairs, likeliest copies first, and the pairs above it (``duplicates.pixel_inliers``: those the
+    pairs, likeliest copies first, and the pairs above it (``duplicates.verify_scored``: those the
     pixels show are two pictures are dropped), at most ``verify_max``, lowest-scored first.
     ``params``: labels.class_view's weights."""
     bad = [x for x in kinds if x not in KINDS]
@@ -129,16 +129,17 @@ def _audit(g: Gallery, k: int | None, threshold: float, kinds: tuple[str, ...], 
 
 
 def _unrefuted(g: Gallery, scored: Pairs, cap: int) -> tuple[Pairs, dict[str, Any]]:
-    """The pairs the score joined, less those the pixels show are two pictures (fewer than
-    ``MIN_INLIERS`` inliers: ``duplicates.pixel_inliers``); the ``cap`` lowest-scored are checked,
-    the rest kept as the score says."""
+    """The pairs the score joined, less those the pixels show are two pictures
+    (``duplicates.verify_scored``); the ``cap`` lowest-scored are checked, the rest kept as the
+    score says."""
     a, b, cos, score, _ = scored
     order = np.lexsort((b, a, score))[:cap]
-    inl = pixel_inliers(a[order], b[order], g.image_bytes)
+    v = verify_scored(a[order], b[order], g.image_bytes)
     counts: list[int | None] = [None] * len(a)
-    for i, n in zip(order.tolist(), inl.tolist()):
+    keep = np.ones(len(a), dtype=bool)
+    keep[order] = v.same
+    for i, n in zip(order.tolist(), v.inliers.tolist()):
         counts[i] = n if n >= 0 else None
-    keep = np.array([n is None or n >= MIN_INLIERS for n in counts], dtype=bool)
     info = {"scored": int(len(a)), "scored_checked": int(len(order)), "scored_dropped": int((~keep).sum())}
     return (a[keep], b[keep], cos[keep], score[keep], [n for n, k in zip(counts, keep) if k]), info
 

@@ -254,7 +254,7 @@ def test_pixel_check_tells_a_crop_from_another_photo_of_the_species(cub_mini: Pa
 
 def test_pairs_the_score_joined_are_dropped_only_when_the_pixels_show_two_pictures(caltech_root: Path,
                                                                                   cub_mini: Path) -> None:
-    """duplicates.pixel_inliers on pairs the score joined in caltech101-dev's validation half: Faces_easy's
+    """duplicates.verify_scored on pairs the score joined in caltech101-dev's validation half: Faces_easy's
     crops of Faces photos and a bird photo's mirror image are one picture (>= MIN_INLIERS); two
     frames of a brain render turning and of an airplane taxiing are not; a flat image or undecodable
     bytes cannot be told (-1: kept). The crops need the deep pyramid, the mirror the mirrored try:
@@ -276,11 +276,43 @@ def test_pairs_the_score_joined_are_dropped_only_when_the_pixels_show_two_pictur
     data = [(caltech_root / n).read_bytes() for n in names] + [
         jpeg(bird), jpeg(ImageOps.mirror(bird)), jpeg(Image.new("RGB", bird.size, (90, 90, 90))), b"not an image"]
     a, b = [0, 2, 8, 4, 6, 8, 8], [1, 3, 9, 5, 7, 10, 11]
-    got = dup.pixel_inliers(a, b, lambda r: data[r]).tolist()
+    v = dup.verify_scored(a, b, lambda r: data[r])
+    got = v.inliers.tolist()
     assert min(got[:3]) >= dup.MIN_INLIERS, got
     assert 0 <= max(got[3:5]) < dup.MIN_INLIERS and got[5:] == [-1, -1], got
+    assert v.same.tolist() == [True] * 3 + [False] * 2 + [True] * 2
     band = dup.verify_pairs(a[:3], b[:3], lambda r: data[r]).inliers
     assert (band < dup.MIN_INLIERS).all(), band
+
+
+def test_two_objects_on_one_backdrop_are_compared_on_the_object(caltech_root: Path, cub_mini: Path) -> None:
+    """Two cameras of one maker shot alike on white (69 inliers) and two frames of a brain render
+    turning on black (34) were one picture: the backdrop, which agrees in any two such images,
+    counted as agreeing pixels. Now both are compared on the object and told apart, in the band's
+    check and above the threshold alike; a resized copy on its backdrop, and photos, unchanged."""
+    import io
+
+    from PIL import Image
+
+    from indexer.audit import duplicates as dup
+
+    def jpeg(x: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        x.save(buf, format="JPEG", quality=90)
+        return buf.getvalue()
+
+    cam = Image.open(caltech_root / "camera/image_0004.jpg").convert("RGB")
+    names = ["camera/image_0004.jpg", "camera/image_0018.jpg", "brain/image_0014.jpg", "brain/image_0015.jpg",
+             "Motorbikes/image_0002.jpg", "Motorbikes/image_0009.jpg"]     # one model, purple and red
+    data = [(caltech_root / n).read_bytes() for n in names] + [jpeg(cam.resize((cam.width // 2, cam.height // 2)))]
+    a, b = [0, 2, 4, 0], [1, 3, 5, 6]
+    scored, band = dup.verify_scored(a, b, lambda r: data[r]), dup.verify_pairs(a, b, lambda r: data[r])
+    assert (scored.inliers >= dup.MIN_INLIERS).all(), scored.inliers          # what the fit alone kept
+    assert scored.same.tolist() == band.same.tolist() == [False, False, False, True], (scored, band)
+    # the motorbikes differ on 2.8% of the frame (one picture by the frame), 7.3% of the object
+    assert (band.differ[:3] > dup.MAX_DIFFER).all() and band.differ[3] < 0.02, band.differ
+    bird = next(p for d in sorted(cub_mini.iterdir()) if d.is_dir() for p in sorted(d.iterdir()))
+    assert dup.backdrop(dup.gray(data[0])) is not None and dup.backdrop(dup.gray(bird.read_bytes())) is None
 
 
 def test_the_band_puts_mutual_nearest_neighbours_that_stand_out_first() -> None:
