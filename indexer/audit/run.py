@@ -331,7 +331,7 @@ def print_summary(info: dict, out: Path | None, file: Any = None) -> None:
     v = info.get("duplicates_verified")
     if v and v.get("scored_checked"):
         print(f"    {v['scored_dropped']} of {v['scored_checked']} pairs above it dropped: under {v['min_inliers']} "
-              "ORB + RANSAC inliers (other frames or photos of one object)"
+              "ORB + RANSAC inliers, or on backdrops the objects differ (other frames or photos of one object)"
               + (f"; {v['scored'] - v['scored_checked']} more kept unchecked: --verify-max"
                  if v["scored"] > v["scored_checked"] else ""), file=f)
     if v:
