@@ -57,7 +57,8 @@ MIN_OVERLAP = 0.5       # share of image a that b must cover once aligned (a cro
 MAX_DIFFER = 0.05       # share of that overlap allowed to differ (chosen on validation, below)
 # A backdrop (studio, catalogue: white around the object) agrees in any two such photos; it is left
 # out of the share that differs when both borders are one flat level (not tuned: JPEG noise on
-# white is 2-5 levels of 255; a photo's border is never 80% within 8 levels of one value).
+# white is 2-5 levels of 255; a photo's border is rarely 80% within 8 levels of one value, a clear
+# sky's can be: then the sky, which agrees as trivially, is left out too).
 BACKDROP_SHARE = 0.8    # share of an image's border pixels within BACKDROP_TOL of their median
 BACKDROP_TOL = 8 / 255
 CONTENT_TOL = 12 / 255  # a pixel is the object's where either image departs this far from its backdrop
