@@ -76,6 +76,7 @@ class TrainConfig:
     root: str = ""  # dataset root folder (layout depends on `dataset`)
     max_classes: int = 0  # use only the first N classes of each split (0 = all)
     test_classes: list[str] = field(default_factory=list)  # folder: explicit test classes
+    test_images: float = 0.0  # folder: this share of every class's photos tests, the rest trains: all classes train (0 = split by classes)
     holdout_alphabets: int = 10  # omniglot without images_evaluation/: last N alphabets test
     cache_images: bool = False  # keep decoded images in memory (small datasets; workers = 0 only: each epoch's fresh workers start empty)
     workers: int = 0  # DataLoader worker processes
@@ -187,6 +188,11 @@ class TrainConfig:
         if self.batch_size % self.per_class:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not a multiple of per_class={self.per_class}")
+        if self.test_images and (self.dataset != "folder" or self.test_classes or self.validation_classes):
+            raise ConfigError(f"test_images={self.test_images} holds out photos of every class of a folder "
+                              "dataset: not with " + ("dataset=" + repr(self.dataset) if self.dataset != "folder"
+                                                      else "test_classes" if self.test_classes
+                                                      else "validation_classes (whole classes)"))
         self._validate_backbone()
         self._validate_finetune()
         self._validate_das()
@@ -301,6 +307,7 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("backbone_lr",), lambda v: v >= 0, ">= 0 (0 = lr)"),
     (("warmup_epochs", "trunk_views", "validation_classes"), lambda v: v >= 0, "an integer >= 0"),
     (("das_shift_scale",), lambda v: v >= 0, ">= 0"),
+    (("test_images",), lambda v: 0 <= v < 1, "a share in [0, 1), e.g. 0.2 (0 = split by classes)"),
     (("das_aux_weight",), lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
 )
 

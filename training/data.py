@@ -4,6 +4,7 @@ decodes through embedder's `load_image` and a `Preprocessing` transform.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,9 +205,11 @@ def _tree_pairs(root: Path) -> tuple[list[tuple[Path, str]], list[str]]:
     return [(p, c) for c in classes for p in sorted(by_label[c])], classes
 
 
-def folder_splits(root: str | Path, test_classes: Sequence[str] = ()) -> tuple[Split, Split]:
+def folder_splits(root: str | Path, test_classes: Sequence[str] = (), test_images: float = 0.0
+                  ) -> tuple[Split, Split]:
     """root/<class>/*.jpg (nested: root/<a>/<b>/*.jpg is class "a/b"): sorted classes, first half
-    train; or an explicit list of test classes."""
+    train; or an explicit list of test classes; or, ``test_images`` > 0, every class in both, that
+    share of its photos testing (:func:`image_holdout`)."""
     root = Path(root)
     if not root.is_dir():
         raise DatasetLayoutError(f"image folder root {root}: not a directory (expected <class>/ sub-folders)")
@@ -217,21 +220,36 @@ def folder_splits(root: str | Path, test_classes: Sequence[str] = ()) -> tuple[S
     unknown = sorted(set(test_classes) - set(classes))
     if unknown:
         raise DatasetLayoutError(f"image folder root {root}: test classes not found: {', '.join(unknown)}")
+    if test_images:
+        return image_holdout(pairs, classes, test_images)
     if not test_classes:
         return _halves(pairs, classes)
     return (Split.from_pairs(pairs, [c for c in classes if c not in set(test_classes)]),
             Split.from_pairs(pairs, [c for c in classes if c in set(test_classes)]))
 
 
+def image_holdout(pairs: Sequence[tuple[Path, str]], classes: Sequence[str], share: float) -> tuple[Split, Split]:
+    """Every class trains and tests: of its photos in name order, those where ``floor((j + 1) *
+    share)`` steps test (spread over the folder, the same on every run, floor(n * share) of n; a
+    class of under 1 / share photos only trains). The retrieval a team with one labelled gallery
+    asks for: new photos of its own classes. Its test figures are not the open-set benchmarks'."""
+    seen: dict[str, int] = {}
+    train, test = [], []
+    for p, c in pairs:
+        j = seen[c] = seen.get(c, -1) + 1
+        (test if math.floor((j + 1) * share) > math.floor(j * share) else train).append((p, c))
+    return Split.from_pairs(train, classes), Split.from_pairs(test, classes)
+
+
 def load_splits(dataset: str, root: str | Path, *, max_classes: int = 0, test_classes=(),
-                holdout_alphabets: int = 10) -> tuple[Split, Split]:
+                test_images: float = 0.0, holdout_alphabets: int = 10) -> tuple[Split, Split]:
     """(train, test) for a dataset name; `max_classes` keeps the first N classes of each split."""
     if not root:
         raise DatasetLayoutError(f"dataset {dataset!r}: no root given (set root=<folder>)")
     parsers: dict[str, Callable[[], tuple[Split, Split]]] = {
         "cub": lambda: cub_splits(root), "cars": lambda: cars_splits(root), "sop": lambda: sop_splits(root),
         "omniglot": lambda: omniglot_splits(root, holdout_alphabets),
-        "folder": lambda: folder_splits(root, test_classes)}
+        "folder": lambda: folder_splits(root, test_classes, test_images)}
     if dataset not in parsers:
         raise ValueError(f"dataset={dataset!r}: expected cub, cars, sop, omniglot or folder")
     train, test = (split.first_classes(max_classes) for split in parsers[dataset]())

@@ -27,7 +27,7 @@ def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
     shares one parse between runs)."""
     if train_split is None or test_split is None:
         train_split, test_split = load_splits(cfg.dataset, cfg.root, max_classes=cfg.max_classes,
-                                              test_classes=cfg.test_classes,
+                                              test_classes=cfg.test_classes, test_images=cfg.test_images,
                                               holdout_alphabets=cfg.holdout_alphabets)
     pre = cfg.preprocessing()
     return (ImageDataset(train_split, pre.train_transform(), pre.mode, cfg.cache_images, pre.train_decode_side),

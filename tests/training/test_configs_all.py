@@ -134,6 +134,9 @@ def test_include_override_and_set_values(tmp_path):
     ("das_scale_range = 1.5", "das_scale_range=1.5: expected 0 <= r_s < 1"),
     ("das_preset = 'fast'", "das_preset='fast': expected one of paper, robust"),
     ("loss_flavour = 'roth'", "loss_flavour='roth': expected one of authors, pml"),
+    ("test_images = 1.0", "test_images=1.0: expected a share in [0, 1)"),
+    ("test_images = 0.2", "test_images=0.2 holds out photos of every class of a folder dataset: not with dataset='cub'"),
+    ("dataset = 'folder'\ntest_images = 0.2\nvalidation_classes = 4", "not with validation_classes"),
 ])
 def test_bad_config_is_named(tmp_path, text, message):
     p = tmp_path / "bad.toml"

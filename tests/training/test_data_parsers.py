@@ -142,6 +142,27 @@ def test_folder_split_by_half_or_explicit_list(tmp_path, four_class_images):
         folder_splits(tmp_path, ["zebra"])
 
 
+def test_test_images_holds_out_a_share_of_every_class_and_trains_on_all(cub_mini, tmp_path):
+    """``test_images``: a team's one labelled gallery, every class in training, a fifth of each
+    class's photos (every fifth by name) held out to test: disjoint, the same on every run, and a
+    class of under five photos only trains."""
+    train, test = load_splits("folder", cub_mini, test_images=0.2)
+    assert train.classes == test.classes and len(train.classes) == 8
+    assert not set(train.paths) & set(test.paths) and len(train) + len(test) == 8 * 12
+    assert np.bincount(test.labels).tolist() == [2] * 8                 # floor(12 * 0.2) of 12 each
+    names = sorted(p.name for p, y in zip(test.paths, test.labels) if y == 0)
+    first = sorted(p.name for p in (cub_mini / train.classes[0]).iterdir())
+    assert names == [first[4], first[9]]                                 # the 5th and the 10th
+    again = load_splits("folder", cub_mini, test_images=0.2)[1]
+    assert again.paths == test.paths
+    for c, n in (("big", 12), ("small", 4)):                              # under 1 / 0.2 photos: trains only
+        (tmp_path / c).mkdir()
+        for f in sorted((cub_mini / train.classes[0]).iterdir())[:n]:
+            (tmp_path / c / f.name).symlink_to(f.resolve())
+    train, test = folder_splits(tmp_path, test_images=0.2)
+    assert np.bincount(test.labels, minlength=2).tolist() == [2, 0] and np.bincount(train.labels).tolist() == [10, 4]
+
+
 def test_nested_folders_are_the_classes_indexer_build_labels(tmp_path, four_class_images):
     """A folder trains with the labels `indexer build` gives it: an image's folder relative to the
     root ("dogs/beagle" when nested); images at the root are unlabelled, empty folders no class,
