@@ -201,6 +201,21 @@ def test_fit_batch_trains_on_fewer_classes_than_a_batch_holds(cub_mini, tmp_path
     assert res.history[-1]["steps"] == 36 // 12                      # 3 classes x 12 photos
 
 
+def test_test_images_trains_on_every_class_and_evaluates_on_their_held_out_photos(cub_mini, tmp_path):
+    """``test_images``: the run trains on all three classes and evaluates (epoch 0 and after) on
+    the fifth of each class's photos it never trained on: 3 x 2 of 3 x 12, found by their own class."""
+    from training.trainer import train_run
+
+    res = train_run(_cfg(cub_mini, tmp_path / "closed", test_images=0.2, steps_per_epoch=0, epochs=1,
+                         trunk_cache=True, eval_ks=[1, 2]), keep_embeddings=True)
+    classes = (res.run_dir / "eval_classes.txt").read_text().split()
+    assert classes == sorted(d.name for d in cub_mini.iterdir())[:3]
+    held = np.load(res.run_dir / "eval_embeddings.npz")
+    assert held["best"].shape[0] == 6 and sorted(held["labels"].tolist()) == [0, 0, 1, 1, 2, 2]
+    assert res.history[-1]["steps"] == 30 // 6                       # 3 classes x 10 training photos
+    assert 0 <= res.initial_metrics["R@1"] <= 1 and "R@1" in res.history[-1]
+
+
 def test_a_class_smaller_than_per_class_trains_and_bad_splits_stop_before_anything_is_written(cub_mini, tmp_path,
                                                                                               capsys):
     """A training folder of 2 photos beside folders of 12, per_class 4: it trains (its photos repeat
