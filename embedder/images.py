@@ -9,7 +9,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -36,12 +36,16 @@ _RAW = (".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".srw", 
 _NOT_DECODED = {**({} if AVIF else {".avif": "an AVIF image"}), ".jxl": "a JPEG XL image",
                 **dict.fromkeys(_RAW, "a camera raw file")}
 
-#: Full-size decodes (``min_side=None``: the whole bitmap in memory, e.g. export parity checks).
+#: The header cap of a full-size decode (``min_side=None``: the whole bitmap in memory).
 DEFAULT_MAX_PIXELS: int = 64_000_000
-#: Every decode at a model's side (galleries, query files, uploads, training photos: ``min_side``,
-#: memory bounded by the decode budget; a JPEG drafted at 1/8): 108 MP phone photos and panoramas
-#: are read. Pillow's own refusal inside ``Image.open`` (2 x its MAX_IMAGE_PIXELS): 200 MP is over.
-GALLERY_MAX_PIXELS: int = 178_956_970
+#: The header cap of a decode at a model's side (``min_side``: galleries, query files, uploads,
+#: training photos), whose memory the decode budget bounds (a JPEG drafted at 1/8): 108 MP phone
+#: photos and panoramas are read. Pillow's own refusal inside ``Image.open`` (2 x its
+#: MAX_IMAGE_PIXELS): 200 MP is over. (Until 2026-11-30 each caller chose a cap: uploads 40 MP.)
+REDUCED_MAX_PIXELS: int = 178_956_970
+#: ``load_image``'s default ``max_pixels``: :data:`REDUCED_MAX_PIXELS` with ``min_side``, else
+#: :data:`DEFAULT_MAX_PIXELS`
+BY_SIDE: Literal["by-side"] = "by-side"
 
 
 def not_decoded(name: str) -> str | None:
@@ -132,7 +136,7 @@ def to_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
 def load_image(
     source: ImageSource,
     mode: str = "RGB",
-    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    max_pixels: int | None | Literal["by-side"] = BY_SIDE,
     name: str | None = None,
     min_side: int | None = None,
     *,
@@ -145,6 +149,8 @@ def load_image(
     larger budget (``use_batch_budget``): one over this process's budget (a server's) is decoded
     alone, once every other decode has finished, instead of refused, so that what was indexed
     can be shown and searched by id."""
+    if max_pixels == BY_SIDE:
+        max_pixels = REDUCED_MAX_PIXELS if min_side else DEFAULT_MAX_PIXELS
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     label = _source_name(source, name)

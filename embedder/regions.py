@@ -49,7 +49,7 @@ def crop(img: Image.Image, box: Box, name: str = "query", field: str = "box") ->
     return img.crop(tuple(box))
 
 
-def load_region(source: Any, box: Box, min_side: int, *, mode: str = "RGB", max_pixels: int | None,
+def load_region(source: Any, box: Box, min_side: int, *, mode: str = "RGB", max_pixels: int | None | str = "by-side",
                 name: str | None = None, stored: bool = False, field: str = "box") -> Image.Image:
     """The region ``box`` of an image file or bytes, no smaller than ``min_side`` on its shorter
     side where the region allows: the whole image is decoded reduced by the largest integer factor

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import ModelLoadError
 from .hashing import file_sha256
-from .images import GALLERY_MAX_PIXELS, ImageLoadError, ImageSource, load_image
+from .images import BY_SIDE, ImageLoadError, ImageSource, load_image
 from .preprocess import Preprocessing
 
 ONNX_FORMAT = "das-embedder-onnx/1"
@@ -64,7 +64,7 @@ class OnnxEmbedder:
     """An exported embedder in an onnxruntime session, with its own preprocessing."""
 
     def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                 batch_size: int = 32, max_pixels: int | None = GALLERY_MAX_PIXELS) -> None:
+                 batch_size: int = 32, max_pixels: int | None | str = BY_SIDE) -> None:
         import onnxruntime as ort
 
         if device not in ("auto", "cpu", "cuda"):

@@ -13,7 +13,6 @@ import numpy as np
 from PIL import Image
 
 from embedder import ImageLoadError
-from embedder.images import GALLERY_MAX_PIXELS  # decodes here are at decode_side, within the budget
 from indexer import Index, IndexDir, check_counts
 from indexer.audit import served_audit
 
@@ -141,7 +140,7 @@ class Searcher:
         if image is not None:
             nm = name or (str(image) if isinstance(image, (str, Path)) else "query")
             if region is None:
-                img = bounded_decode(image, name=name, min_side=self.decode_side, max_pixels=GALLERY_MAX_PIXELS)
+                img = bounded_decode(image, name=name, min_side=self.decode_side)
                 return Query(image=img, label=label, name=nm)
             return self._region(image, region, nm, label)
         snap = self.snapshot(index)
@@ -171,13 +170,12 @@ class Searcher:
         if isinstance(image, Image.Image):
             cut = queries.crop(image, box, name)
         else:
-            cut = queries.load_region(image, box, self.decode_side, max_pixels=GALLERY_MAX_PIXELS, name=name,
-                                      stored=stored)
+            cut = queries.load_region(image, box, self.decode_side, name=name, stored=stored)
         return self.region_query(cut, box, name, label)
 
     def region_query(self, cut: Image.Image, box: queries.Box, name: str, label: str | None = None) -> Query:
         """A Query of a region already cut (``decode_upload(box=...)``), named with its box."""
-        img = bounded_decode(cut, name=name, min_side=self.decode_side, max_pixels=GALLERY_MAX_PIXELS)
+        img = bounded_decode(cut, name=name, min_side=self.decode_side)
         return Query(image=img, label=label, name=f"{name} [{','.join(map(str, box))}]")
 
     def fused(self, parts: Sequence[Query], *, label: str | None = None) -> Query:
@@ -197,8 +195,7 @@ class Searcher:
             raise RequestError(f"{q.name}: this needs one query image, not several fused")
         if q.image is None:
             data = (q.origin.index if q.origin is not None else self.index(q.source)).image_bytes(q.id)
-            q.image = bounded_decode(data, name=q.name, min_side=self.decode_side,
-                                     max_pixels=GALLERY_MAX_PIXELS, stored=True)
+            q.image = bounded_decode(data, name=q.name, min_side=self.decode_side, stored=True)
         return q.image
 
     def embed(self, q: Query, index: IndexRef = None) -> np.ndarray:

@@ -12,18 +12,17 @@ from PIL import Image
 
 from embedder import ImageLoadError, ImageTooLargeError, load_image
 from embedder.containers import ACCEPTED_TEXT
-from embedder.images import GALLERY_MAX_PIXELS
+from embedder.images import BY_SIDE
 from embedder.regions import Box, load_region
 
 from .results import RequestError
 
 # A phone's 48-50 MP JPEG is 8-20 MB, a 108 MP one 14-30 MB: 10 MB refused the first in most cases.
 DEFAULT_MAX_UPLOAD_BYTES = 32 * 1024 * 1024
-# Header cap for uploads: Pillow's own refusal. A decompression bomb cannot cost more than the decode
-# budget: uploads are decoded at the model's side (a JPEG drafted at 1/8: a 108 MP phone photo costs
-# +16 MB and 0.2 s of CPU), and one whose decode would not fit is a 413 before any pixel is read.
-# (Until 2026-11-30 40 MP, below which a budget alone was not trusted: phones' 48 MP mode was refused.)
-DEFAULT_MAX_UPLOAD_PIXELS = GALLERY_MAX_PIXELS
+# Uploads have no pixel cap of their own (until 2026-11-30 40 MP: phones' 48 MP mode was refused):
+# decoded at the model's side, a decompression bomb cannot cost more than the decode budget (a JPEG
+# drafted at 1/8: a 108 MP phone photo +16 MB, 0.2 s CPU), and one whose decode would not fit is a
+# 413 before any pixel is read; the header cap is load_image's (embedder.images.REDUCED_MAX_PIXELS).
 MAX_CONCURRENT_DECODES = max(2, min(4, os.cpu_count() or 2))
 _DECODES = threading.BoundedSemaphore(MAX_CONCURRENT_DECODES)
 
@@ -57,7 +56,7 @@ def check_size(size: int, name: str, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) 
 
 
 def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None = None,
-                   min_side: int | None = None, max_pixels: int | None = DEFAULT_MAX_UPLOAD_PIXELS,
+                   min_side: int | None = None, max_pixels: int | None | str = BY_SIDE,
                    stored: bool = False) -> Image.Image:
     """``load_image`` to RGB, at most MAX_CONCURRENT_DECODES at once; raises ImageLoadError.
     ``stored``: gallery bytes (``load_image``'s ``stored``), never a client's upload."""
@@ -66,7 +65,7 @@ def bounded_decode(source: bytes | str | Path | Image.Image, *, name: str | None
 
 
 def decode_upload(data: bytes, name: str = "upload", *, max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-                  max_pixels: int = DEFAULT_MAX_UPLOAD_PIXELS, min_side: int | None = None,
+                  max_pixels: int | None | str = BY_SIDE, min_side: int | None = None,
                   box: Box | None = None) -> Image.Image:
     """Client bytes -> RGB image no larger than ``min_side`` needs, or UploadError (413, 415);
     ``box``: that region of it (in its own pixels; one outside it: RequestError, 400)."""

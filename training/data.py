@@ -16,7 +16,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from embedder.folders import walk_gallery
-from embedder.images import DEFAULT_MAX_PIXELS, GALLERY_MAX_PIXELS, is_listed, load_image
+from embedder.images import is_listed, load_image
 
 
 class DatasetLayoutError(FileNotFoundError):
@@ -270,8 +270,6 @@ class ImageDataset(Dataset):
                  mode: str = "RGB", cache: bool = False, min_side: int | None = None):
         self.split, self.transform, self.mode, self.cache = split, transform, mode, cache
         self.min_side = min_side
-        # decoded small, a photo is read up to the size `indexer build` reads (decode budget bound)
-        self._cap = GALLERY_MAX_PIXELS if min_side else DEFAULT_MAX_PIXELS
         self._cache: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -285,9 +283,9 @@ class ImageDataset(Dataset):
         if self.cache:
             if i not in self._cache:
                 self._cache[i] = np.asarray(load_image(self.split.paths[i], mode=self.mode,
-                                                       min_side=self.min_side, max_pixels=self._cap))
+                                                       min_side=self.min_side))
             return Image.fromarray(self._cache[i])
-        return load_image(self.split.paths[i], mode=self.mode, min_side=self.min_side, max_pixels=self._cap)
+        return load_image(self.split.paths[i], mode=self.mode, min_side=self.min_side)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.transform(self.image(i)), int(self.split.labels[i])

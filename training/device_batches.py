@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from embedder.images import GALLERY_MAX_PIXELS, ImageLoadError
+from embedder.images import ImageLoadError
 from embedder.preprocess import Preprocessing
 
 from .data import Split
@@ -43,7 +43,7 @@ def _decode_all(split: Split, mode: str, fn, threads: int, skips: SkipLog, desc:
 
     def one(i: int):
         try:
-            return fn(load_image(split.paths[i], mode=mode, min_side=min_side, max_pixels=GALLERY_MAX_PIXELS))
+            return fn(load_image(split.paths[i], mode=mode, min_side=min_side))
         except ImageLoadError as e:
             skips.add(e.path, e.reason)
             return None

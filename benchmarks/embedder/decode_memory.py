@@ -100,12 +100,16 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+# the uploads' pixel cap at the refs the old mode measures (40 MP until 2026-11-30; now load_image's)
+OLD_UPLOAD_CAP = 40_000_000
+
+
 def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) -> dict:
     """Runs in its own process; returns the figures as a dict."""
     import numpy as np
 
     from embedder import ImageLoadError, OnnxEmbedder, default_model_path, load_image
-    from serving.uploads import DEFAULT_MAX_UPLOAD_PIXELS, UploadError, decode_upload
+    from serving.uploads import UploadError, decode_upload
 
     old = _old_images(old_module) if mode == "old" else None
     emb = OnnxEmbedder(default_model_path(), device="cpu", threads=1)
@@ -119,7 +123,7 @@ def worker(mode: str, path: str, concurrent: int, bursts: int, old_module: str) 
     def one() -> None:
         try:
             if old is not None:
-                img = old.load_image(data, mode="RGB", max_pixels=DEFAULT_MAX_UPLOAD_PIXELS,
+                img = old.load_image(data, mode="RGB", max_pixels=OLD_UPLOAD_CAP,
                                      min_side=pre.decode_side)
             else:
                 img = decode_upload(data, Path(path).name, max_bytes=len(data), min_side=pre.decode_side)

@@ -36,7 +36,6 @@ def warn_partial(partial: Any, args: argparse.Namespace) -> None:
 
 def search(args: argparse.Namespace) -> None:
     """``indexer search IMAGE [--box]``, or ``indexer search FOLDER [--out FILE]`` (batch)."""
-    from embedder.images import GALLERY_MAX_PIXELS
     from embedder.regions import load_region, parse_box
 
     box = parse_box(args.box, "--box")
@@ -54,7 +53,7 @@ def search(args: argparse.Namespace) -> None:
             raise IndexerError(f"{args.image}: " + ("a URL: images are not downloaded; save it and give its path"
                                                     if url else "no such image or folder"))
         query = args.image if box is None else load_region(    # decoded no larger than the box needs
-            args.image, box, idx.decode_side, max_pixels=GALLERY_MAX_PIXELS, name=str(args.image), field="--box")
+            args.image, box, idx.decode_side, name=str(args.image), field="--box")
         found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
         hits = idx.hits(found.scores[0], found.ids[0])
     warn_partial(found.partial, args)

@@ -167,7 +167,7 @@ def test_an_image_too_large_to_decode_is_refused_413_before_decoding():
 def test_a_phone_photo_of_48_mp_is_searchable_and_one_over_pillows_cap_is_a_413():
     """Uploads had a 40 MP header cap (and 10 MB): a phone's 48 MP JPEG was refused. Now it is decoded
     drafted (1/8 in libjpeg), within the budget; the cap is Pillow's own refusal, said as a 413."""
-    from embedder.images import GALLERY_MAX_PIXELS
+    from embedder.images import REDUCED_MAX_PIXELS
     from serving.uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadError, decode_upload
 
     buf = io.BytesIO()
@@ -184,6 +184,6 @@ def test_a_phone_photo_of_48_mp_is_searchable_and_one_over_pillows_cap_is_a_413(
         decode_upload(bytes(data), "huge.jpg", min_side=224)
     assert err.value.status == 413, err.value.message
     assert err.value.message == (f"huge.jpg: image too large: 182000000 pixels exceeds the limit of "
-                                 f"{GALLERY_MAX_PIXELS} (a guard against decompression bombs)")
+                                 f"{REDUCED_MAX_PIXELS} (a guard against decompression bombs)")
     import app   # its default, not imported there so that --help stays fast, is the serving one
     assert app.build_parser().parse_args([]).max_upload_mb * 2 ** 20 == DEFAULT_MAX_UPLOAD_BYTES
