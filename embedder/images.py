@@ -66,16 +66,58 @@ def is_listed(name: str) -> bool:
 MODES = ("RGB", "L")
 
 
-@functools.lru_cache(maxsize=8)
-def label_font(size: int = 10) -> "ImageFont.FreeTypeFont":
-    """The font of every label this project draws into a PNG (audit contact sheets, the probe
-    grid): DejaVu Sans from matplotlib's own files (a dependency), so a label in a Latin, Greek or
-    Cyrillic script is legible and looks the same on every machine; Pillow's default font holds
-    ASCII only ("été" came out as boxes). CJK labels would need a system font: not covered."""
+def label_font(size: int = 10, text: str = "") -> "ImageFont.FreeTypeFont":
+    """The font of a label this project draws into a PNG (audit contact sheets, the probe grid):
+    DejaVu Sans from matplotlib's own files (a dependency), so a label in a Latin, Greek or
+    Cyrillic script is legible and looks the same on every machine (Pillow's default font holds
+    ASCII only: "été" came out as boxes). A ``text`` with characters DejaVu lacks (Chinese,
+    Japanese, Korean, Thai, ... class folders) is drawn in the installed font that holds the most
+    of them (Pillow has no font fallback of its own); with none installed, DejaVu's boxes."""
+    missing = frozenset(text) - _font_chars(_dejavu())
+    path, index = (_dejavu(), 0) if not missing else _fallback(missing)
+    return _font(path, index, size)
+
+
+@functools.lru_cache(maxsize=32)
+def _font(path: str, index: int, size: int) -> "ImageFont.FreeTypeFont":
     from PIL import ImageFont
+
+    return ImageFont.truetype(path, size, index=index)
+
+
+@functools.lru_cache(maxsize=None)
+def _font_chars(path: str, index: int = 0) -> frozenset[str]:
+    """The characters a font file (one face of a collection) maps; read once per process."""
+    from fontTools.ttLib import TTFont     # matplotlib's dependency
+
+    try:
+        with TTFont(path, fontNumber=index, lazy=True) as font:
+            return frozenset(map(chr, font.getBestCmap() or {}))
+    except Exception:                       # noqa: BLE001 - an unreadable system font is no candidate
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=64)
+def _fallback(missing: frozenset[str]) -> tuple[str, int]:
+    """The installed font (file, face) that holds the most of ``missing``; DejaVu when none holds
+    any. Only searched for labels DejaVu cannot draw, so most runs never scan the system fonts."""
+    from matplotlib import font_manager
+
+    best, held = (_dejavu(), 0), 0
+    for path in sorted(font_manager.findSystemFonts()):
+        n = len(missing & _font_chars(path))
+        if n > held:
+            best, held = (path, 0), n
+        if held == len(missing):
+            break
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def _dejavu() -> str:
     import matplotlib
 
-    return ImageFont.truetype(str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"), size)
+    return str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf")
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image]
 

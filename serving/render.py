@@ -53,9 +53,10 @@ def probe_grid(searcher: "Searcher", report: "ProbeReport", cell: int = 112, que
     H = pad + 22 + len(rows) * row_h + pad
     out = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(out)
-    f_title, f_small = label_font(14), label_font(11)
+    f_small, f_name = label_font(11), label_font(14)
     q = report.query
     title = f"index {report.index} · query {q.name}" + (f" · label {q.label}" if q.label else "")
+    f_title = label_font(14, title)
     d.text((pad, pad), _fit(title, f_title, W - 2 * pad, d), fill="black", font=f_title)
     qimg = searcher.query_image(q).copy()
     qimg.thumbnail((query_cell, query_cell))
@@ -63,7 +64,7 @@ def probe_grid(searcher: "Searcher", report: "ProbeReport", cell: int = 112, que
     x0 = pad + query_cell + pad
     for ri, row in enumerate(rows):
         y = pad + 22 + ri * row_h
-        d.text((x0, y + 4), _fit(row.name, f_title, label_w - pad, d), fill="black", font=f_title)
+        d.text((x0, y + 4), _fit(row.name, f_name, label_w - pad, d), fill="black", font=f_name)
         d.text((x0, y + 26), f"overlap@{k}: {row.overlap:.2f}", fill="#333", font=f_small)
         if row.precision is not None:
             d.text((x0, y + 42), f"precision@{k}: {row.precision:.2f}", fill="#333", font=f_small)
@@ -73,6 +74,7 @@ def probe_grid(searcher: "Searcher", report: "ProbeReport", cell: int = 112, que
             th.thumbnail((cell, cell))
             th = framed(th, match(res, q.label), width=4)
             out.paste(th, (x + (cell - th.width) // 2, y + (cell - th.height) // 2))
-            d.text((x, y + cell + 2), _fit(str(res.label), f_small, cell, d), fill="black", font=f_small)
+            f_label = label_font(11, str(res.label))
+            d.text((x, y + cell + 2), _fit(str(res.label), f_label, cell, d), fill="black", font=f_label)
             d.text((x, y + cell + 15), f"{res.score:.3f}", fill="#555", font=f_small)
     return out

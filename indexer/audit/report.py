@@ -71,8 +71,7 @@ def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: 
     W, H = cols * (THUMB + pad) + pad, 24 + len(rows) * (THUMB + cap + pad)
     sheet = Image.new("RGB", (W, H), "white")
     draw = ImageDraw.Draw(sheet)
-    font = label_font(10)
-    draw.text((pad, 6), title, fill="black", font=font)
+    draw.text((pad, 6), title, fill="black", font=label_font(10, title))
     for i, row in enumerate(rows):
         y = 24 + i * (THUMB + cap + pad)
         for j, (data, caption) in enumerate(row[:cols]):
@@ -85,14 +84,21 @@ def contact_sheet(path: Path, rows: Sequence[Sequence[tuple[Any, str]]], title: 
                 draw.rectangle((x, y, x + THUMB, y + THUMB), fill=(200, 200, 200))
             if j == 0:
                 draw.rectangle((x - 2, y - 2, x + THUMB + 1, y + THUMB + 1), outline="red", width=2)
-            for li, line in enumerate(_wrap(caption, 18)[:2]):
+            font = label_font(10, caption)
+            for li, line in enumerate(_wrap(caption, font, THUMB)[:2]):
                 draw.text((x, y + THUMB + 2 + li * 11), line, fill="black", font=font)
     sheet.save(path, format="PNG")
     return True
 
 
-def _wrap(text: str, width: int) -> list[str]:
-    return [text[i:i + width] for i in range(0, len(text), width)] or [""]
+def _wrap(text: str, font: Any, width: int) -> list[str]:
+    """``text`` cut into lines of at most ``width`` pixels (a CJK character is ~2 Latin ones wide)."""
+    lines = [""]
+    for c in text:
+        if lines[-1] and font.getlength(lines[-1] + c) > width:
+            lines.append("")
+        lines[-1] += c
+    return lines
 
 
 __all__ = ["replacing_dir", "write_rows", "contact_sheet"]

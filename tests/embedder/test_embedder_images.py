@@ -155,3 +155,36 @@ def test_labels_in_latin_greek_and_cyrillic_scripts_are_drawn_not_boxed() -> Non
 
     notdef = glyph("\uffff")
     assert any(notdef) and [c for c in "aéüßжωñç" if glyph(c) == notdef] == []
+
+
+def test_cjk_labels_are_drawn_in_an_installed_font_and_wrapped_by_width(tmp_path: Path, photo_paths) -> None:
+    """Class folders named in Chinese or Japanese came out as rows of identical boxes (DejaVu has no
+    CJK glyphs, Pillow no font fallback). `.ci/run` installs a CJK font (fonts-wqy-microhei); the
+    audit's contact sheets wrap captions by pixels, so two-pixel-wide characters stay under their
+    thumbnail."""
+    from PIL import ImageDraw
+
+    from ci_gate import skip_or_fail
+    from embedder.images import label_font
+    from indexer.audit.report import THUMB, _wrap, contact_sheet
+
+    if label_font(10, "鳥").path == label_font(10).path:
+        skip_or_fail("no installed font holds CJK characters (Debian: apt-get install fonts-wqy-microhei)")
+
+    def glyph(c: str) -> bytes:
+        im = Image.new("L", (40, 20))
+        ImageDraw.Draw(im).text((2, 2), c, font=label_font(10, c), fill=255)
+        return im.tobytes()
+
+    drawn = {c: glyph(c) for c in "鳥類猫犬花"}
+    assert glyph("\uffff") not in drawn.values() and len(set(drawn.values())) == 5
+    assert label_font(10, "Vögel").path == label_font(10).path       # Latin labels keep DejaVu
+
+    caption = "鳥類の写真とその近傍の画像です"                          # 15 characters, ~150 px at 10 px
+    font = label_font(10, caption)
+    lines = _wrap(caption, font, THUMB)
+    assert "".join(lines) == caption and len(lines) == 2
+    assert max(font.getlength(line) for line in lines) <= THUMB
+    sheet = tmp_path / "sheet.png"
+    assert contact_sheet(sheet, [[(photo_paths[0].read_bytes(), caption)]], "近重複 near-duplicates")
+    assert Image.open(sheet).size[0] > THUMB
