@@ -81,6 +81,18 @@ def test_imports_point_one_way():
     assert not wrong, "imports against the one-way rule of docs/ARCHITECTURE.md:\n" + "\n".join(wrong)
 
 
+#: issue 40's bar: a module past this many lines holds two things; split it where they part
+MAX_MODULE_LINES = 450
+
+
+def test_no_product_module_is_over_the_line_bar():
+    """Three modules had crept past it (embedder/quantize.py 484, indexer/cli/write.py 463,
+    indexer/store/gallery.py 454) with nothing to say so."""
+    product = [p for p in _modules() if _owner(p) in (*PACKAGES, "app")]
+    long = {str(p): n for p in product if (n := len((REPO / p).read_text().splitlines())) > MAX_MODULE_LINES}
+    assert len(product) > 100 and long == {}
+
+
 def test_benchmarks_use_the_public_faces():
     faces = {p: set(importlib.import_module(p).__all__) for p in PACKAGES}
     wrong = []

@@ -313,7 +313,7 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
                 with GalleryStore(d.store_dir) as s:
                     dst.copy_from(s, model_hash)
                     held.update(s.paths())
-            gone = dst.paths_not_in(held)
+            gone = [p for p in dst.paths() if p not in held]
             del held
             if prune and gone:
                 dst.remove_paths(gone)

@@ -90,7 +90,7 @@ class NeighboursRecord(FileRecord):      # DBA re-ranking (indexer.ann.neighbour
 
 
 @dataclass(kw_only=True)
-class DbaCheckRecord(Record):            # what the build's DBA check measured (indexer.cli.write)
+class DbaCheckRecord(Record):            # what the build's DBA check measured (indexer.cli.defaults)
     selected_for: str                       # on the index chosen for this (Manifest.selected_for)
     labels: str                             # with these labels (indexer.layouts.evaluate.labels_digest)
     k: int                                  # and these DBA parameters

@@ -145,10 +145,6 @@ class GalleryStore(LmdbStore):
         with self._read() as txn:
             return [k.decode("utf-8") for k in txn.cursor(db=self._db("path")).iternext(keys=True, values=False)]
 
-    def paths_not_in(self, walked: set[str]) -> list[str]:
-        """The stored paths a walk did not find (a file deleted, or added from another folder)."""
-        return [p for p in self.paths() if p not in walked]
-
     def path_sample(self, n: int) -> list[str]:
         """About ``n`` stored paths spread evenly over path order (every folder's share)."""
         with self._read() as txn:
@@ -271,9 +267,7 @@ class GalleryStore(LmdbStore):
                 if out is None:
                     out = np.empty((len(ids), len(raw) // 4), dtype=np.float32)
                 out[j] = np.frombuffer(raw, dtype=np.float32)
-        if out is None:
-            return np.zeros((0, 0), dtype=np.float32)
-        return out
+        return np.zeros((0, 0), dtype=np.float32) if out is None else out
 
     def embedded_ids(self, model_hash: str) -> np.ndarray:
         """The ids :meth:`all_embeddings` returns, without reading the vectors."""

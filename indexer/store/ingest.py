@@ -199,7 +199,7 @@ def ingest(store: GalleryStore, files: Sequence[GalleryFile] | Iterable[GalleryF
         bar.close()
     if walked and not fresh:
         walked_paths = {f.relpath for f in files}
-        gone = store.paths_not_in(walked_paths)
+        gone = [p for p in store.paths() if p not in walked_paths]
         if prune and gone:
             store.remove_paths(gone)
             stats.pruned = len(gone)

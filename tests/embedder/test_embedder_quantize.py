@@ -228,7 +228,8 @@ def test_default_recipe_is_applied_and_its_float_nodes_stay_float(pretrained_onn
     its method and options are in the metadata, the nodes it keeps float are float in the int8
     graph (fp32 weights, no QuantizeLinear on their outputs) while the rest is int8, and the
     int8 embeddings stay parallel to fp32's (the check quantize_embedder makes)."""
-    from embedder.quantize import DEFAULT_RECIPE, float_node_names
+    from embedder.quant_graph import float_node_names
+    from embedder.quantize import DEFAULT_RECIPE
 
     _, files, _ = cub_gallery
     out, r = default_and_corrected["default"]
@@ -316,7 +317,7 @@ def test_recipe_options_are_checked_and_named():
 def test_head_nodes_are_the_pooling_inputs(pretrained_onnx):
     """head_nodes: the conv feeding GeM (through its clamp), that clamp, and the clamp of the L2
     norm: the quantisable nodes next to the float pooling and normalisation."""
-    from embedder.quantize import head_nodes, input_convs
+    from embedder.quant_graph import head_nodes, input_convs
 
     g = onnx.load(str(pretrained_onnx))
     ops = {n.name: n.op_type for n in g.graph.node}
@@ -329,7 +330,7 @@ def test_full_res_nodes_are_the_layers_before_the_first_downsampling(pretrained_
     """full_res_nodes: the stem and every Conv/Clip/Add whose output keeps the stem's 112 x 112
     (Lite1 at 224: the stem, block 0 and block 1's expansion), not one node past the first
     stride-2 conv; without shapes (no shape inference) or with dynamic sizes only the stem."""
-    from embedder.quantize import QUANTIZED_OPS, full_res_nodes, input_convs
+    from embedder.quant_graph import QUANTIZED_OPS, full_res_nodes, input_convs
 
     raw = onnx.load(str(pretrained_onnx))
     g = onnx.shape_inference.infer_shapes(raw)

@@ -423,7 +423,7 @@ def test_default_on_100_images_is_fp32_with_dba_and_opts_out(tmp_path: Path, omn
     # and that command counts the images the index holds (a rebuild keeps the added ones), not
     # only the folder's 100: past 256, int8 (before: fp32 again, the hint's command did nothing)
     from indexer.cli.parser import parser
-    from indexer.cli.write import resolve_build_defaults
+    from indexer.cli.defaults import resolve_build_defaults
 
     replace(man, count=300).write(out / "manifest.json")
     d = resolve_build_defaults(parser().parse_args(["build", str(g), "--out", str(out)]))

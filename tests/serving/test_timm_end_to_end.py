@@ -159,7 +159,7 @@ def test_vit_and_cnn_indexes_are_searched_through_the_app(cub_root, tmp_path, we
                          str(weights["cnn"]), "--pooling", "gem", "--input-size", str(SIZE),
                          "--out", str(cnn_onnx)]) == 0
     from embedder.quantize import int8_by_default
-    from indexer.cli.write import model_metadata
+    from indexer.cli.defaults import model_metadata
 
     # `indexer build --model` leaves timm backbones fp32 unasked (their int8: measured on speed only)
     backbones = [model_metadata(m)["backbone"] for m in (vit_onnx, cnn_onnx)]
