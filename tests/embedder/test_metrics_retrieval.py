@@ -155,3 +155,29 @@ def test_an_item_alone_in_its_label_is_no_recall_query():
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_r_at_1_and_map_at_r_agree_with_pytorch_metric_learning_on_real_photos(cub_mini, pretrained_onnx):
+    """The field's reference (PML's AccuracyCalculator: precision_at_1, MAP@R) on the default
+    embedder's vectors of 8 bird species, one of them cut to a single photo (a lone query both
+    leave out). Ours is hand-written because `indexer eval` and the app must not import torch."""
+    import torch
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    from embedder import OnnxEmbedder
+
+    files = sorted(p for p in cub_mini.rglob("*") if p.is_file())
+    lone = files[0].parent.name
+    files = [f for f in files if f.parent.name != lone or f == files[0]]
+    x = OnnxEmbedder(pretrained_onnx, device="cpu").embed(files)
+    y = np.array([f.parent.name for f in files])
+    _, first = np.unique(x.round(5), axis=0, return_index=True)    # identical photos: their order is a tie
+    x, y = x[np.sort(first)], y[np.sort(first)]
+    ours = evaluate(x, y, [1], clustering=False)
+    codes = np.unique(y, return_inverse=True)[1]
+    pml = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count",
+                             device=torch.device("cpu")).get_accuracy(torch.from_numpy(x), torch.from_numpy(codes))
+    assert len(x) > 80 and (y == lone).sum() == 1
+    assert 0.5 < ours["R@1"] < 1.0 and 0.2 < ours["MAP@R"] < 1.0          # not a degenerate set
+    assert ours["R@1"] == pytest.approx(pml["precision_at_1"], abs=1e-6)
+    assert ours["MAP@R"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
