@@ -68,10 +68,12 @@ def test_two_ray_shards_equal_a_single_build(tmp_path: Path, ray_address: str, r
     assert p.returncode == 1 and "holds shards of another build (--shards 2 instead of 3)" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("layout", ["merged", "sharded"])
 def test_a_ray_rebuild_with_prune_drops_deleted_files(tmp_path: Path, ray_address: str, ray_gallery: Path,
-                                                     small_onnx: Path) -> None:
+                                                     small_onnx: Path, layout: str) -> None:
     """`--prune` with `--ray` was refused: a Ray-built index kept deleted photos for good. Now
-    the shard tasks and the merge drop them; without it the build counts them in one line."""
+    the shard tasks and the merge drop them (`--sharded`: each shard its own, the parts rebuilt);
+    without it the build counts them in one line."""
     import shutil
 
     g = tmp_path / "g"
@@ -79,7 +81,8 @@ def test_a_ray_rebuild_with_prune_drops_deleted_files(tmp_path: Path, ray_addres
         (g / f.parent.name).mkdir(parents=True, exist_ok=True)
         shutil.copy(f, g / f.parent.name / f.name)
     out = tmp_path / "ray"
-    build = ["build", g, "--model", small_onnx, "--out", out, "--ray", ray_address, "--shards", "2", *FLAGS]
+    build = ["build", g, "--model", small_onnx, "--out", out, "--ray", ray_address, "--shards", "2", *FLAGS,
+             *(["--sharded"] if layout == "sharded" else [])]
     run_cli(*build)
     gone = sorted(g.rglob("*.png"))[::10]
     for f in gone:
@@ -89,9 +92,17 @@ def test_a_ray_rebuild_with_prune_drops_deleted_files(tmp_path: Path, ray_addres
     assert Index.open(out).manifest["count"] == 40
     pruned = run_cli(*build, "--prune")
     assert f"{len(gone)} stored files not in {g} any more: dropped (--prune)" in pruned.stdout, pruned.stdout
-    with GalleryStore(out / STORE_DIR) as st:
-        assert len(st) == 40 - len(gone) == Index.open(out).manifest["count"]
-        assert all(st.id_for_path(f.relative_to(g).as_posix()) is None for f in gone)
+    stores = [out / "shards" / str(i) / STORE_DIR for i in range(2)] if layout == "sharded" else [out / STORE_DIR]
+    held, vectors = set(), []
+    with Index.open(out) as idx:
+        for path in stores:
+            with GalleryStore(path) as st:
+                held.update(st.ids().tolist())
+                vectors.append(st.all_embeddings(idx.model_hash)[1])
+                assert all(st.id_for_path(f.relative_to(g).as_posix()) is None for f in gone)
+        assert len(held) == 40 - len(gone) == idx.manifest["count"]
+        _, ids = idx.search_embeddings(np.concatenate(vectors), k=40)      # what is served: the rest only
+        assert set(ids.ravel().tolist()) - {-1} == held
 
 
 def test_killed_shard_task_is_retried_and_resumes(tmp_path: Path, ray_address: str, ray_gallery: Path,
