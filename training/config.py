@@ -117,7 +117,7 @@ class TrainConfig:
     # never on the test split: how a recipe's settings are chosen.
     validation_classes: int = 0  # hold out the last N training classes as the evaluation set (0 = use the test split)
     # --- loss / sampler / DAS ---
-    loss: str = "triplet"  # contrastive|triplet|margin|lifted|npair|multisimilarity|softmax|arcface
+    loss: str = "triplet"  # contrastive|triplet|margin|lifted|npair|multisimilarity|softmax|arcface|pml:<PML loss class>
     miner: str = "distance"  # random|semihard|softhard|distance|none
     loss_options: dict[str, Any] = field(default_factory=dict)  # extra build_loss overrides
     # "authors": losses and samplers exactly as the DAS authors' training framework computes

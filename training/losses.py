@@ -6,10 +6,13 @@ pytorch-metric-learning's formulas and reductions (tests check each against its 
 two written here: N-pair, because PML's NPairsLoss keeps one pair per class while eq. (V) takes
 every different-class embedding (DAS's too) as a negative; multi-similarity, because PML's miner
 sorts the N x N matrix twice and round-trips index lists (several times the step at N = 448);
-the mask form gives the same values and gradients, no sync.
+the mask form gives the same values and gradients, no sync. Any other loss of
+pytorch-metric-learning is taken by its class name, ``"pml:ProxyAnchorLoss"`` (`PML_PREFIX`), with
+DAS in front of it as of the eight.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,7 +27,7 @@ from .config import LOSS_FLAVOURS
 from .loss_parts import MeanReducer
 from .miners import MINERS, Triplets, build_miner, draw_uniform, pair_masks
 
-__all__ = ["REGISTRY", "LossSpec", "LOSSES", "DEFAULTS", "Criterion", "MultiSimilarityLoss",
+__all__ = ["REGISTRY", "LossSpec", "LOSSES", "DEFAULTS", "PML_PREFIX", "Criterion", "MultiSimilarityLoss",
            "NPairLoss", "build_loss"]
 
 _MEAN = MeanReducer()
@@ -126,7 +129,8 @@ class Criterion(nn.Module):
 
     def param_groups(self) -> list[dict]:
         """Extra parameters with their own lr, e.g. ``[{"params": [beta], "lr": 5e-4}]``."""
-        return [{"params": [getattr(self.loss, attr)], "lr": lr, "name": f"{self.name}.{attr}"}
+        params = dict(self.loss.named_parameters())
+        return [{"params": [params[attr]], "lr": lr, "name": f"{self.name}.{attr}"}
                 for attr, lr in self._lrs.items()]
 
     def extra_repr(self) -> str:
@@ -190,13 +194,24 @@ LOSSES = tuple(REGISTRY)
 DEFAULTS: dict[str, dict[str, float]] = {name: spec.defaults for name, spec in REGISTRY.items()}
 
 
+#: ``loss = "pml:<class>"``: any loss of ``pytorch_metric_learning.losses`` by its class name
+PML_PREFIX = "pml:"
+#: the learning rate of such a loss's own parameters (proxies, centres) unless ``proxy_lr`` is
+#: given: Proxy-Anchor's (Kim et al. 2020: 100x the network's 1e-4)
+PML_PROXY_LR = 1e-2
+
+
 def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
                flavour: str = "authors", **overrides: Any) -> Criterion:
     """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword) and
     the sampler its `LossSpec.miner` allows (``miner="default"``: the paper's pairing; with "pml",
-    None uses every pair/triplet); ``miner_options`` go to `build_miner`."""
+    None uses every pair/triplet); ``miner_options`` go to `build_miner`. ``"pml:<class>"``:
+    :func:`pml_loss`."""
+    if name.startswith(PML_PREFIX):
+        return pml_loss(name, num_classes=num_classes, dim=dim, miner=miner, **overrides)
     if name not in REGISTRY:
-        raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}")
+        raise ValueError(f"unknown loss {name!r}: expected one of {LOSSES}, or {PML_PREFIX}<a "
+                         f"pytorch-metric-learning loss class>, e.g. {PML_PREFIX}ProxyAnchorLoss")
     if flavour not in LOSS_FLAVOURS:
         raise ValueError(f"flavour={flavour!r}: expected one of {LOSS_FLAVOURS}")
     if num_classes < 1 or dim < 1:
@@ -239,3 +254,38 @@ def _miner(name: str, spec: LossSpec, miner: str | None, flavour: str,
                          f"{MINERS}): the authors' framework always samples; use "
                          f"flavour 'pml' for all pairs/triplets of the batch")
     return miner_name, build_miner(miner_name, flavour, **options)
+
+
+def pml_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
+             **options: Any) -> Criterion:
+    """``"pml:<class>"``: that pytorch-metric-learning loss, built with ``options`` (its own
+    keywords; ``num_classes`` and ``embedding_size`` given where it takes them), on L2-normalised
+    embeddings, the whole batch or a `MINERS` sampler's triplets (PML's flavour), its parameters
+    at ``proxy_lr`` (:data:`PML_PROXY_LR`). Tried on a small batch here, so a loss that cannot
+    train on (embeddings, labels) (VICReg needs a second view) is refused before any data loads.
+    Why not a registry entry each: the paper's eight need their flavours; these are PML's own."""
+    cls = getattr(losses, name[len(PML_PREFIX):], None)
+    if not (inspect.isclass(cls) and issubclass(cls, losses.BaseMetricLossFunction)) or \
+            cls is losses.BaseMetricLossFunction:
+        raise ValueError(f"unknown loss {name!r}: expected {PML_PREFIX} and a loss class of "
+                         f"pytorch_metric_learning.losses, e.g. {PML_PREFIX}ProxyAnchorLoss")
+    proxy_lr = float(options.pop("proxy_lr", PML_PROXY_LR))
+    miner_options = dict(options.pop("miner_options", None) or {})
+    takes = inspect.signature(cls).parameters
+    sized = {k: v for k, v in (("num_classes", num_classes), ("embedding_size", dim)) if k in takes}
+    miner_name = None if miner in (None, "none", "all", "default") else miner
+    try:
+        loss = cls(**sized, **options)
+        miner_obj = build_miner(miner_name, "pml", **miner_options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"loss {name!r}: {e}") from None
+    criterion = Criterion(name, loss, miner_obj, True, {p: proxy_lr for p, _ in loss.named_parameters()},
+                          dict(options), miner_name, "pml")
+    x = F.normalize(torch.randn(8, dim, generator=torch.Generator().manual_seed(0)), dim=1)
+    try:
+        with torch.random.fork_rng(devices=[]):     # a miner's draws leave the run's RNG as it was
+            criterion(x, torch.arange(8) % min(4, max(num_classes, 1)))
+    except Exception as e:                 # noqa: BLE001 - any failure of the loss is the user's answer
+        raise ValueError(f"loss {name!r} does not train on a batch of embeddings and labels: "
+                         f"{type(e).__name__}: {e}") from None
+    return criterion

@@ -103,3 +103,37 @@ def test_loss_modules_import_one_way_at_module_level():
     assert "losses" not in {m for m, _ in graph["losses_authors"]}
     for low in ("loss_parts", "miners"):
         assert not {m for m, _ in graph[low]} & {"losses", "losses_authors"}
+
+
+def test_any_pml_loss_by_class_name_with_its_proxies_at_their_own_rate():
+    """`loss = "pml:<class>"`: PML's own loss, sized for the run, its values PML's, its parameters
+    in their own optimizer group; a sampler's triplets reach it."""
+    from pytorch_metric_learning import losses as pml_losses
+
+    torch.manual_seed(0)
+    x, y = F.normalize(torch.randn(12, 8), dim=1), torch.arange(4).repeat_interleave(3)
+    crit = build_loss("pml:ProxyAnchorLoss", num_classes=4, dim=8, margin=0.2)
+    ref = pml_losses.ProxyAnchorLoss(4, 8, margin=0.2)
+    ref.load_state_dict(crit.loss.state_dict())
+    assert crit.normalize and crit.miner is None and crit.hparams == {"margin": 0.2}
+    assert crit(x, y).item() == pytest.approx(ref(x, y).item())
+    [group] = crit.param_groups()
+    assert group["params"][0] is crit.loss.proxies and group["params"][0].shape == (4, 8)
+    assert group["lr"] == 1e-2 and build_loss("pml:ProxyAnchorLoss", num_classes=4, dim=8,
+                                             proxy_lr=3e-3).param_groups()[0]["lr"] == 3e-3
+    circle = build_loss("pml:CircleLoss", num_classes=4, dim=8, miner="semihard")
+    v = x.clone().requires_grad_(True)
+    circle(v, y).backward()
+    assert circle.miner_name == "semihard" and circle.param_groups() == [] and v.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name, options, match", [
+    ("pml:Nope", {}, "unknown loss 'pml:Nope': expected pml: and a loss class"),
+    ("pml:BaseMetricLossFunction", {}, "unknown loss"),
+    ("pml:CircleLoss", {"q": 1}, "loss 'pml:CircleLoss': .*unexpected keyword argument 'q'"),
+    ("pml:VICRegLoss", {}, "'pml:VICRegLoss' does not train on a batch of embeddings and labels"),
+    ("arcfase", {}, r"unknown loss 'arcfase': expected one of .* or pml:<a pytorch-metric-learning"),
+])
+def test_a_loss_that_cannot_be_built_is_refused_with_its_name(name, options, match):
+    with pytest.raises(ValueError, match=match):
+        build_loss(name, num_classes=4, dim=8, **options)

@@ -96,3 +96,23 @@ def test_non_finite_loss_stops_with_clear_message(tmp_path, omniglot_root):
                     das=False, eval_initial=False)
     with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf).*lower the learning rate"):
         train(cfg)
+
+
+def test_a_pml_loss_trains_behind_das_and_resumes_with_its_proxies(tmp_path, omniglot_root):
+    """DAS in front of a loss the paper does not have (PML's Proxy-Anchor): its proxies are
+    trained at their own rate, saved, and a resumed run equals an uninterrupted one."""
+    from training import train
+
+    kw = dict(loss="pml:ProxyAnchorLoss", miner="none")
+    straight = train(_tiny_cfg(omniglot_root, tmp_path / "a", **kw))
+    train(_tiny_cfg(omniglot_root, tmp_path / "b", epochs=2, **kw))
+    resumed = train(_tiny_cfg(omniglot_root, tmp_path / "b", resume=True, **kw))
+    strip = lambda h: [{k: v for k, v in r.items() if k != "seconds"} for r in h]  # noqa: E731
+    assert strip(resumed.history) == strip(straight.history)
+    a = torch.load(tmp_path / "a" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "last.pt", weights_only=True)
+    torch.testing.assert_close(a["criterion"]["loss.proxies"], b["criterion"]["loss.proxies"])
+    groups = {g["name"]: g for g in a["optimizer"]["param_groups"]}
+    [pid] = groups["pml:ProxyAnchorLoss.proxies"]["params"]
+    assert groups["pml:ProxyAnchorLoss.proxies"]["initial_lr"] == 1e-2 and a["optimizer"]["state"][pid]["step"] == 9
+    assert a["das"] and straight.history[-1]["R@1"] > 0
