@@ -201,6 +201,12 @@ PML_PREFIX = "pml:"
 PML_PROXY_LR = 1e-2
 
 
+def loss_normalizes(name: str) -> bool:
+    """Whether the loss ``name`` trains L2-normalised embeddings (N-pair and lifted do not), known
+    before anything is built: the embedder is made with it."""
+    return REGISTRY[name].normalize if name in REGISTRY else True
+
+
 def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
                flavour: str = "authors", **overrides: Any) -> Criterion:
     """The paper's loss `name` with its hyper-parameters (`DEFAULTS`, overridable by keyword) and

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from .data import ImageDataset, Split, load_splits
 from .skips import SkipLog
 from .stages import StageSplit, split_stages
 from .step import build_criterion, build_das
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .losses import Criterion
 
 
 def build_datasets(cfg: TrainConfig, train_split: Split | None = None,
@@ -59,17 +62,18 @@ def build_model(cfg: TrainConfig, normalize: bool = True) -> nn.Module:
 def build_components(cfg: TrainConfig, num_classes: int):
     """(model, criterion, das or None) -- what a config must be able to build without any data
     (the configs test walks every file through this)."""
-    model = build_model(cfg)
+    from .losses import loss_normalizes
+
+    normalize = loss_normalizes(cfg.loss)     # N-pair and lifted train unnormalised embeddings
+    model = build_model(cfg, normalize)
     # dim = 0 (no embedding layer): the loss and DAS work on the pooled features' width.
     sized = cfg if cfg.dim else dataclasses.replace(cfg, dim=model.dim)
     criterion = build_criterion(sized, num_classes)
-    normalize = bool(getattr(criterion, "normalize", True))
-    model.config.normalize = normalize       # N-pair and lifted train unnormalised embeddings
     das = build_das(sized, num_classes, normalize) if cfg.das else None
     return model, criterion, das
 
 
-def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
+def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: "Criterion",
                     split: StageSplit | None = None):
     """Adam over the trainable model (embedding layer at `lr`, backbone at `backbone_lr` when set;
     frozen stages in no group) plus the criterion's own groups at their rates."""
@@ -90,7 +94,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, criterion: nn.Module,
     elif backbone:
         groups.append({"params": [p for p in backbone if p.requires_grad],
                        "lr": cfg.backbone_lr or cfg.lr, "name": "backbone"})
-    extra = criterion.param_groups() if hasattr(criterion, "param_groups") else []
+    extra = criterion.param_groups()
     groups += [{**g, "params": list(g["params"]), "name": g.get("name", f"criterion{i}")}
                for i, g in enumerate(extra)]
     # no empty group (dim = 0 has no embedding layer): the first group's lr is the one logged
@@ -148,7 +152,7 @@ class RunState:
     """One run's moving parts plus its progress (``epoch`` = epochs completed)."""
 
     model: nn.Module
-    criterion: nn.Module
+    criterion: "Criterion"
     das: nn.Module | None
     optimizer: torch.optim.Optimizer
     scheduler: Any

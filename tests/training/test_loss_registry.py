@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from training.config import LOSS_FLAVOURS
 from training.loss_parts import MeanReducer, NonZeroMeanReducer, PairDistance
-from training.losses import REGISTRY, build_loss
+from training.losses import REGISTRY, build_loss, loss_normalizes
 from training.miners import MINERS
 
 TRAINING = Path(__file__).resolve().parents[2] / "training"
@@ -38,6 +38,7 @@ def test_every_loss_builds_and_trains_a_step(name, flavour):
     crit = build_loss(name, flavour=flavour, num_classes=4, dim=8, miner="default")
     assert crit.miner_name == TABLE_2[name] and crit.flavour == flavour
     assert crit.hparams == REGISTRY[name].defaults
+    assert crit.normalize == loss_normalizes(name)       # what the embedder is built with, first
     # the parameters with their own lr are the module's, at the registry's lr
     for group in crit.param_groups():
         attr = group["name"].split(".")[1]
