@@ -196,6 +196,7 @@ class Embedder(nn.Module):
         self.head: nn.Module = (nn.Linear(self.num_features, self.config.dim) if self.config.dim > 0
                                 else nn.Identity())
         self.dim = self.config.dim or self.num_features
+        self.frozen_bn = False          # BN statistics and affine parameters fixed (`freeze_bn`)
         if self.config.frozen_bn:
             self.freeze_bn()
 
@@ -225,13 +226,13 @@ class Embedder(nn.Module):
 
     def freeze_bn(self) -> None:
         """Use the running BN statistics and stop BN affine updates, also after ``.train()``."""
-        self._frozen_bn = True
+        self.frozen_bn = True
         for m in self._bns():
             m.eval().requires_grad_(False)
 
     def train(self, mode: bool = True) -> "Embedder":
         super().train(mode)
-        if mode and getattr(self, "_frozen_bn", False):
+        if mode and self.frozen_bn:
             for m in self._bns():
                 m.eval()
         return self

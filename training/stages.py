@@ -86,7 +86,7 @@ class _Tail(nn.Module):
 
     def train(self, mode: bool = True) -> "_Tail":
         super().train(mode)
-        if mode and getattr(self._model, "_frozen_bn", False):
+        if mode and self._model.frozen_bn:
             for m in self.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     m.eval()
