@@ -275,7 +275,9 @@ def pml_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
             cls is losses.BaseMetricLossFunction:
         raise ValueError(f"unknown loss {name!r}: expected {PML_PREFIX} and a loss class of "
                          f"pytorch_metric_learning.losses, e.g. {PML_PREFIX}ProxyAnchorLoss")
-    proxy_lr = float(options.pop("proxy_lr", PML_PROXY_LR))
+    proxy_lr = options.pop("proxy_lr", PML_PROXY_LR)
+    if isinstance(proxy_lr, bool) or not isinstance(proxy_lr, (int, float)) or not proxy_lr > 0:
+        raise ValueError(f"loss {name!r}: proxy_lr must be a positive number, got {proxy_lr!r}")
     miner_options = dict(options.pop("miner_options", None) or {})
     takes = inspect.signature(cls).parameters
     sized = {k: v for k, v in (("num_classes", num_classes), ("embedding_size", dim)) if k in takes}
@@ -285,7 +287,7 @@ def pml_loss(name: str, *, num_classes: int, dim: int, miner: str | None = None,
         miner_obj = build_miner(miner_name, "pml", **miner_options)
     except (TypeError, ValueError) as e:
         raise ValueError(f"loss {name!r}: {e}") from None
-    criterion = Criterion(name, loss, miner_obj, True, {p: proxy_lr for p, _ in loss.named_parameters()},
+    criterion = Criterion(name, loss, miner_obj, True, {p: float(proxy_lr) for p, _ in loss.named_parameters()},
                           dict(options), miner_name, "pml")
     x = F.normalize(torch.randn(8, dim, generator=torch.Generator().manual_seed(0)), dim=1)
     try:

@@ -266,11 +266,12 @@ def train_run(cfg: TrainConfig, *, train_split: Split | None = None,
         raise ValueError(f"no test class holds two images or more ({len(test_ds.split.classes)} classes, e.g. "
                          f"{test_ds.split.classes[0]!r}): R@k needs another image of a query's class; add photos "
                          "to the test half's folders")
+    # a loss or option that cannot be built: refused before anything is written
+    state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     if info.is_main:   # eval_classes.txt: the split's own order (natural, case-insensitive), for galleries of it
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (run_dir / "eval_classes.txt").write_text("".join(f"{c}\n" for c in test_ds.split.classes))
-    state = RunState.build(cfg, train_ds.labels, train_ds.split.num_classes, device, ac_dtype)
     if state.sampler.batch_size != cfg.batch_size and info.is_main:     # fit_batch's
         print(f"batch_size {cfg.batch_size} -> {state.sampler.batch_size}: {state.sampler.classes_per_batch} "
               f"training classes x per_class {cfg.per_class} (fit_batch)")

@@ -157,12 +157,16 @@ def test_bad_inputs(call, match):
         call()
 
 
-def test_r_at_1_and_map_at_r_agree_with_pytorch_metric_learning_on_real_photos(cub_mini, pretrained_onnx):
+def test_r_at_1_and_map_at_r_agree_with_pytorch_metric_learning_on_real_photos(cub_mini, pretrained_onnx,
+                                                                               tmp_path):
     """The field's reference (PML's AccuracyCalculator: precision_at_1, MAP@R) on the default
     embedder's vectors of 8 bird species, one of them cut to a single photo (a lone query both
-    leave out). Ours is hand-written because `indexer eval` and the app must not import torch."""
-    import torch
-    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+    leave out). Ours is hand-written because `indexer eval` and the app must not import torch.
+    PML runs in its own process: importing it patches faiss's search (faiss.contrib.torch_utils),
+    which then refuses ``params=`` in every later test of this worker."""
+    import json
+    import subprocess
+    import sys
 
     from embedder import OnnxEmbedder
 
@@ -174,9 +178,17 @@ def test_r_at_1_and_map_at_r_agree_with_pytorch_metric_learning_on_real_photos(c
     _, first = np.unique(x.round(5), axis=0, return_index=True)    # identical photos: their order is a tie
     x, y = x[np.sort(first)], y[np.sort(first)]
     ours = evaluate(x, y, [1], clustering=False)
-    codes = np.unique(y, return_inverse=True)[1]
-    pml = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count",
-                             device=torch.device("cpu")).get_accuracy(torch.from_numpy(x), torch.from_numpy(codes))
+    np.savez(tmp_path / "v.npz", x=x, y=np.unique(y, return_inverse=True)[1])
+    code = ("import json, sys, numpy as np, torch\n"
+            "from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator\n"
+            "v = np.load(sys.argv[1])\n"
+            "calc = AccuracyCalculator(include=('precision_at_1', 'mean_average_precision_at_r'),\n"
+            "                          k='max_bin_count', device=torch.device('cpu'))\n"
+            "print(json.dumps(calc.get_accuracy(torch.from_numpy(v['x']), torch.from_numpy(v['y']))))\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "v.npz")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pml = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(x) > 80 and (y == lone).sum() == 1
     assert 0.5 < ours["R@1"] < 1.0 and 0.2 < ours["MAP@R"] < 1.0          # not a degenerate set
     assert ours["R@1"] == pytest.approx(pml["precision_at_1"], abs=1e-6)

@@ -133,6 +133,7 @@ def test_any_pml_loss_by_class_name_with_its_proxies_at_their_own_rate():
     ("pml:BaseMetricLossFunction", {}, "unknown loss"),
     ("pml:CircleLoss", {"q": 1}, "loss 'pml:CircleLoss': .*unexpected keyword argument 'q'"),
     ("pml:VICRegLoss", {}, "'pml:VICRegLoss' does not train on a batch of embeddings and labels"),
+    ("pml:ProxyAnchorLoss", {"proxy_lr": "fast"}, "proxy_lr must be a positive number, got 'fast'"),
     ("arcfase", {}, r"unknown loss 'arcfase': expected one of .* or pml:<a pytorch-metric-learning"),
 ])
 def test_a_loss_that_cannot_be_built_is_refused_with_its_name(name, options, match):

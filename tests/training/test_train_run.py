@@ -116,3 +116,6 @@ def test_a_pml_loss_trains_behind_das_and_resumes_with_its_proxies(tmp_path, omn
     [pid] = groups["pml:ProxyAnchorLoss.proxies"]["params"]
     assert groups["pml:ProxyAnchorLoss.proxies"]["initial_lr"] == 1e-2 and a["optimizer"]["state"][pid]["step"] == 9
     assert a["das"] and straight.history[-1]["R@1"] > 0
+    with pytest.raises(ValueError, match="'pml:ProxyAnchorLoss': .*unexpected keyword argument 'margn'"):
+        train(_tiny_cfg(omniglot_root, tmp_path / "bad", loss_options={"margn": 0.1}, **kw))
+    assert not (tmp_path / "bad").exists()           # refused before anything is written
