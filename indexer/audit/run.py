@@ -114,8 +114,8 @@ def _audit(g: Gallery, k: int | None, threshold: float, kinds: tuple[str, ...], 
         extra, scored = None, scored_pairs(graph, threshold)
         if verify and verify_max > 0:
             t0 = time.perf_counter()
-            scored, dropped = _unrefuted(g, scored, verify_max)
-            extra, checked = _verified(g, graph, threshold, verify_max)
+            scored, dropped = _unrefuted(g, scored, verify_max, progress)
+            extra, checked = _verified(g, graph, threshold, verify_max, progress)
             checked.update(dropped)
             t["verify"] = time.perf_counter() - t0
         dups = near_duplicates(scored, extra)
@@ -128,13 +128,13 @@ def _audit(g: Gallery, k: int | None, threshold: float, kinds: tuple[str, ...], 
     return Audit(g, graph, threshold, dups, out, view, conf, skipped, t, checked, ident)
 
 
-def _unrefuted(g: Gallery, scored: Pairs, cap: int) -> tuple[Pairs, dict[str, Any]]:
+def _unrefuted(g: Gallery, scored: Pairs, cap: int, progress: bool = False) -> tuple[Pairs, dict[str, Any]]:
     """The pairs the score joined, less those the pixels show are two pictures
     (``duplicates.verify_scored``); the ``cap`` lowest-scored are checked, the rest kept as the
     score says."""
     a, b, cos, score, _ = scored
     order = np.lexsort((b, a, score))[:cap]
-    v = verify_scored(a[order], b[order], g.image_bytes)
+    v = verify_scored(a[order], b[order], g.image_bytes, progress="pixel checks, pairs above" if progress else "")
     counts: list[int | None] = [None] * len(a)
     keep = np.ones(len(a), dtype=bool)
     keep[order] = v.same
@@ -144,12 +144,13 @@ def _unrefuted(g: Gallery, scored: Pairs, cap: int) -> tuple[Pairs, dict[str, An
     return (a[keep], b[keep], cos[keep], score[keep], [n for n, k in zip(counts, keep) if k]), info
 
 
-def _verified(g: Gallery, graph: KnnGraph, threshold: float, cap: int) -> tuple[tuple, dict[str, Any]]:
+def _verified(g: Gallery, graph: KnnGraph, threshold: float, cap: int,
+              progress: bool = False) -> tuple[tuple, dict[str, Any]]:
     """The candidate pairs below the threshold that the pixel check confirms, and its counts."""
     a, b, cos, score = candidates(graph, threshold)
     n = min(len(a), cap)
     t0, c0 = time.perf_counter(), time.process_time()
-    v = verify_pairs(a[:n], b[:n], g.image_bytes)
+    v = verify_pairs(a[:n], b[:n], g.image_bytes, progress="pixel checks, band below" if progress else "")
     sec, cpu = time.perf_counter() - t0, time.process_time() - c0
     ok, inl = v.same, v.inliers
     info = {"band": int(len(a)), "checked": int(n), "confirmed": int(ok.sum()),

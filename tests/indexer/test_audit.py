@@ -10,6 +10,7 @@ on the order of equal scores.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -371,9 +372,11 @@ def test_no_verify_and_verify_max(faulty: dict, tmp_path: Path) -> None:
     assert "--no-verify" in p.stdout and "--verify-max" in p.stdout
     run_audit_cli("--index", faulty["index"], "--out", tmp_path / "off", "--quiet", "--no-sheets", "--no-verify")
     assert json.loads((tmp_path / "off" / "summary.json").read_text())["duplicates_verified"] is None
-    run_audit_cli("--index", faulty["index"], "--out", tmp_path / "one", "--quiet", "--no-sheets", "--verify-max", "1")
+    one = run_audit_cli("--index", faulty["index"], "--out", tmp_path / "one", "--no-sheets", "--verify-max", "1")
     v = json.loads((tmp_path / "one" / "summary.json").read_text())["duplicates_verified"]
     assert v["checked"] == min(1, v["band"]) and v["scored_checked"] == min(1, v["scored"])
+    n = v["checked"]                                  # a bar: 10,000 pairs take minutes
+    assert re.search(rf"pixel checks, band below: 100%\|\S+\| {n}/{n} ", one.stderr), one.stderr[-500:]
     full = json.loads((faulty["out"] / "summary.json").read_text())["duplicates_verified"]
     assert full["scored_checked"] == full["scored"] >= 1 and full["scored_dropped"] == 0   # the copies all kept
     bad = run_audit_cli("--index", faulty["index"], "--verify-max", "-1", check=False)
