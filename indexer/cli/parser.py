@@ -140,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="the figures' DBA setting (auto: as the index serves; the other setting is "
                         "reported beside them when the index has DBA)")
-    opts(e, "--json", "--device", "--max-memory", "--ray", "--shard-timeout",
+    opts(e, "--json", "--device", "--max-memory", "--ray", "--shard-timeout", "--quiet",
          index=True).set_defaults(func=read.evaluate)
 
     i = sub.add_parser("info", help="what an index directory holds",

@@ -108,7 +108,7 @@ def evaluate(args: argparse.Namespace) -> int:
         if args.leave_one_out:
             res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries)
         else:
-            res = evaluate_queries(idx, args.queries, args.k, dba=dba)
+            res = evaluate_queries(idx, args.queries, args.k, dba=dba, progress=not args.quiet)
         stored = len(idx)
     if args.json:
         print(json.dumps(res, indent=2))

@@ -90,7 +90,7 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
             yield (f.relpath, f.label, id_for_sha256(hashlib.sha256(data).hexdigest())), data
 
     keys, embs = [], []
-    for kk, emb, failures in index.embedder.embed_iter(items(), progress=progress):
+    for kk, emb, failures in index.embedder.embed_iter(items(), progress=progress, total=len(todo)):
         keys += kk
         embs.append(emb)
         skipped += [{"path": key[0], "reason": getattr(e, "reason", str(e))} for key, e in failures]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import threading
@@ -168,6 +169,7 @@ def test_eval_excludes_the_query_itself(built_index: Path, omniglot_gallery: Pat
     out = run_cli("eval", "--queries", omniglot_gallery, "--index", built_index, "-k", "1", "4", "--json")
     res = json.loads(out.stdout)
     assert res["queries"] == 240 and res["self_matches"] == 240 and res["skipped"] == []
+    assert re.search(r"embedding: 100%\|\S+\| 240/240 ", out.stderr), out.stderr[-300:]   # a bar with its total
     # the same number computed directly: exact neighbours of the stored embeddings, self excluded
     idx = Index.open(built_index)
     ids, x = idx.store.all_embeddings(idx.model_hash)
