@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import faiss
 import numpy as np
+from tqdm.auto import tqdm
 
 from embedder.folders import GalleryFile, walk_gallery
 from embedder.images import IMAGE_SUFFIXES
@@ -309,10 +310,12 @@ def merge_shards(shard_dirs: Sequence[str | Path], out: str | Path, *, options: 
         dst_dir = IndexDir(out)
         with GalleryStore(dst_dir.store_dir, readonly=False) as dst:
             held: set[str] = set()
-            for d in dirs:
-                with GalleryStore(d.store_dir) as s:
-                    dst.copy_from(s, model_hash)
-                    held.update(s.paths())
+            with tqdm(total=sum(m.count for m in manifests), desc="copying the shards' images", unit="img",
+                      disable=not progress, mininterval=1.0) as bar:
+                for d in dirs:
+                    with GalleryStore(d.store_dir) as s:
+                        dst.copy_from(s, model_hash, bar.update)
+                        held.update(s.paths())
             gone = [p for p in dst.paths() if p not in held]
             del held
             if prune and gone:

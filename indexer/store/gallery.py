@@ -15,7 +15,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import lmdb
 import numpy as np
@@ -427,9 +427,9 @@ class GalleryStore(LmdbStore):
 
         return self.write(fn)
 
-    def copy_from(self, other: "GalleryStore", model_hash: str) -> int:
+    def copy_from(self, other: "GalleryStore", model_hash: str, done: Callable[[int], Any] | None = None) -> int:
         """Copy every item of ``other`` (bytes, metadata, paths, its embedding) into this store
-        (``indexer merge``); batched and idempotent, so a killed merge is simply rerun."""
+        (``indexer merge``), ``done(n)`` after each batch of n; idempotent: a killed merge is rerun."""
         ids = other.ids()
         copied = 0
         for s in range(0, len(ids), 256):
@@ -445,4 +445,6 @@ class GalleryStore(LmdbStore):
                                          m["height"], rec[1], rec[2]))
                     embs.append(emb)
             copied += self.put_items(items, np.stack(embs), model_hash)
+            if done is not None:
+                done(len(chunk))
         return copied
