@@ -101,16 +101,21 @@ def _font_chars(path: str, index: int = 0) -> frozenset[str]:
 def _fallback(missing: frozenset[str]) -> tuple[str, int]:
     """The installed font (file, face) that holds the most of ``missing``; DejaVu when none holds
     any. Only searched for labels DejaVu cannot draw, so most runs never scan the system fonts."""
-    from matplotlib import font_manager
-
     best, held = (_dejavu(), 0), 0
-    for path in sorted(font_manager.findSystemFonts()):
+    for path in _system_fonts():
         n = len(missing & _font_chars(path))
         if n > held:
             best, held = (path, 0), n
         if held == len(missing):
             break
     return best
+
+
+@functools.lru_cache(maxsize=1)
+def _system_fonts() -> list[str]:
+    from matplotlib import font_manager
+
+    return sorted(font_manager.findSystemFonts())     # fc-list or a walk of the font folders: once
 
 
 @functools.lru_cache(maxsize=1)
