@@ -73,7 +73,7 @@ def label_font(size: int = 10, text: str = "") -> "ImageFont.FreeTypeFont":
     ASCII only: "été" came out as boxes). A ``text`` with characters DejaVu lacks (Chinese,
     Japanese, Korean, Thai, ... class folders) is drawn in the installed font that holds the most
     of them (Pillow has no font fallback of its own); with none installed, DejaVu's boxes."""
-    missing = frozenset(text) - _font_chars(_dejavu())
+    missing = frozenset(c for c in text if c.isprintable()) - _font_chars(_dejavu())
     path, index = (_dejavu(), 0) if not missing else _fallback(missing)
     return _font(path, index, size)
 

@@ -213,6 +213,8 @@ def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = Non
     the sampler its `LossSpec.miner` allows (``miner="default"``: the paper's pairing; with "pml",
     None uses every pair/triplet); ``miner_options`` go to `build_miner`. ``"pml:<class>"``:
     :func:`pml_loss`."""
+    if num_classes < 1 or dim < 1:
+        raise ValueError(f"num_classes={num_classes}, dim={dim}: expected both >= 1")
     if name.startswith(PML_PREFIX):
         return pml_loss(name, num_classes=num_classes, dim=dim, miner=miner, **overrides)
     if name not in REGISTRY:
@@ -220,8 +222,6 @@ def build_loss(name: str, *, num_classes: int, dim: int, miner: str | None = Non
                          f"pytorch-metric-learning loss class>, e.g. {PML_PREFIX}ProxyAnchorLoss")
     if flavour not in LOSS_FLAVOURS:
         raise ValueError(f"flavour={flavour!r}: expected one of {LOSS_FLAVOURS}")
-    if num_classes < 1 or dim < 1:
-        raise ValueError(f"num_classes={num_classes}, dim={dim}: expected both >= 1")
     spec = REGISTRY[name]
     miner_options = dict(overrides.pop("miner_options", None) or {})
     unknown = set(overrides) - set(spec.defaults)
