@@ -6,7 +6,7 @@ held-out queries (``knn``), its vectors in chunks (fill). ``StoreSource`` reads 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -30,15 +30,32 @@ class Source(Protocol):
     def get(self, ids: np.ndarray) -> np.ndarray: ...
     def sample(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
     def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def submit(self, method: str, *args: Any) -> "Submitted": ...
 
 
-def answers(sources: Sequence[Any], method: str, args: Sequence[tuple]) -> Iterator[Any]:
-    """``sources[s].method(*args[s])`` for each shard, in shard order: remote sources (with
-    ``submit``) get their calls at once and work in parallel; answers are taken one at a time."""
-    started = [src.submit(method, *a) if hasattr(src, "submit") else None
-               for src, a in zip(sources, args)]
-    for src, a, pending in zip(sources, args, started):
-        yield pending.result() if pending is not None else getattr(src, method)(*a)
+class Submitted(Protocol):
+    """A call handed to a source: its answer when taken (``readers.Pending`` for a remote one)."""
+
+    def result(self) -> Any: ...
+
+
+class Deferred:
+    """A local source's answer to ``submit``: computed when taken, so local shards answer one at
+    a time (one shard's sample or top-k in memory), as remote ones are collected."""
+
+    def __init__(self, call: Callable[..., Any], *args: Any) -> None:
+        self.call, self.args = call, args
+
+    def result(self) -> Any:
+        return self.call(*self.args)
+
+
+def answers(sources: Sequence[Source], method: str, args: Sequence[tuple]) -> Iterator[Any]:
+    """``sources[s].method(*args[s])`` for each shard, in shard order: every call submitted at
+    once (remote sources work in parallel; local ones when taken), answers taken one at a time."""
+    started = [src.submit(method, *a) for src, a in zip(sources, args)]
+    for pending in started:
+        yield pending.result()
 
 
 class ChunkedSource:
@@ -60,6 +77,9 @@ class ChunkedSource:
     def knn(self, q: np.ndarray, k: int, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """This shard's exact top-k of ``q`` but ``drop``, in one pass over its chunks."""
         return exact_knn(q, self.chunks(), k, "ip", exclude=drop)
+
+    def submit(self, method: str, *args: Any) -> Submitted:
+        return Deferred(getattr(self, method), *args)
 
     def close(self) -> None:
         pass
