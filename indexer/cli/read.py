@@ -106,7 +106,7 @@ def evaluate(args: argparse.Namespace) -> int:
         if dba and not idx.has_dba:
             raise ValueError(f"--dba on: {args.index} was built without DBA (rebuild with `indexer build --dba`)")
         if args.leave_one_out:
-            res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries)
+            res = evaluate_gallery(idx, args.k, dba=dba, max_queries=args.max_queries, progress=not args.quiet)
         else:
             res = evaluate_queries(idx, args.queries, args.k, dba=dba, progress=not args.quiet)
         stored = len(idx)

@@ -199,6 +199,10 @@ class Index:
         """path, paths, label, width, height, sha256, bytes of a stored image; KeyError if none."""
         return self.store.get_meta(int(id))
 
+    def metas(self, ids: Sequence[int]) -> dict[int, dict]:
+        """:meth:`meta` of those of ``ids`` the store holds, in one read transaction."""
+        return self.store.get_metas([int(i) for i in ids])
+
     def image_bytes(self, id: int) -> bytes:
         return self.store.get_bytes(int(id))
 

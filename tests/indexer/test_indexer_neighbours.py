@@ -6,6 +6,7 @@ real ONNX embedder, LMDB store and faiss index, the CLI in subprocesses."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def test_leave_one_out_guard_answers_as_without_the_query(tmp_path: Path, dba_in
     assert checked == 2
 
 
-def test_eval_reports_both_settings(tmp_path: Path, dba_index: Path, gallery8: Path) -> None:
+def test_eval_reports_both_settings(tmp_path: Path, dba_index: Path, gallery8: Path, monkeypatch) -> None:
     """`indexer eval --leave-one-out` and `--queries` print DBA and plain figures; for the same
     photos, the query folder (each query in the gallery, excluded and guarded) and
     leave-one-out agree exactly."""
@@ -224,9 +225,20 @@ def test_eval_reports_both_settings(tmp_path: Path, dba_index: Path, gallery8: P
     # McNemar's z of DBA against plain at R@1 on the same queries, whichever setting leads
     assert loo["dba_z"] == folder["dba_z"] == off["dba_z"]
     assert (loo["dba_z"] > 0) == (loo["recall"]["1"] > loo["recall_plain"]["1"]) or loo["dba_z"] == 0
-    text = run_cli("eval", "--index", dba_index, "--leave-one-out").stdout
+    shown = run_cli("eval", "--index", dba_index, "--leave-one-out")
+    text = shown.stdout
     assert "Recall@1 (DBA):" in text and "Recall@1 (plain):" in text
     assert f"DBA vs plain at Recall@1, same queries: McNemar z {loo['dba_z']:+.2f}" in text
+    assert re.search(r"searching: 100%\|\S+\| 160/160 ", shown.stderr), shown.stderr[-300:]   # both settings
+    # the queries go in blocks (a million 2,560-d vectors were one array): blocks of 7, the same figures
+    from indexer import Index
+    from indexer.layouts import evaluate
+
+    monkeypatch.setattr(evaluate, "BLOCK", 7)
+    with Index.open(dba_index) as idx:
+        small = evaluate.evaluate_gallery(idx)
+    assert {str(k): v for k, v in small["recall"].items()} == loo["recall"] and small["dba_z"] == loo["dba_z"]
+    assert {str(k): v for k, v in small["recall_plain"].items()} == loo["recall_plain"]
 
 
 def test_labels_of_one_image_are_no_leave_one_out_queries(tmp_path: Path, gallery8: Path, omniglot_paths: list[Path],
