@@ -223,6 +223,6 @@ def _labelled(index: Index, max_queries: int | None, seed: int) -> tuple[list[in
     ids = [i for held in by_label if len(held) > 1 for i in held]
     if max_queries is not None and len(ids) > max_queries:
         ids = sorted(np.random.default_rng(seed).choice(ids, size=max_queries, replace=False).tolist())
-    metas = index.metas(ids)
-    return (ids, [metas[i].get("label") for i in ids], sum(len(held) == 1 for held in by_label),
-            sum(map(len, by_label)))
+    labels = [m[i].get("label") for lo in range(0, len(ids), BLOCK)   # a block's records at a time
+              for m in [index.metas(ids[lo:lo + BLOCK])] for i in ids[lo:lo + BLOCK]]
+    return ids, labels, sum(len(held) == 1 for held in by_label), sum(map(len, by_label))
