@@ -25,10 +25,11 @@ of 74 dropped, all wrong by eye; on backdrops 5 more, and one edited render).
 """
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -288,12 +289,14 @@ def backdrop(img: np.ndarray) -> float | None:
     return level if (np.abs(border - level) <= BACKDROP_TOL).mean() >= BACKDROP_SHARE else None
 
 
-def disagreement(ga: np.ndarray, gb: np.ndarray, alpha: complex, beta: complex) -> tuple[float, float]:
+def disagreement(ga: np.ndarray, gb: np.ndarray, alpha: complex, beta: complex,
+                 la: float | None, lb: float | None) -> tuple[float, float]:
     """(share of ``ga`` that ``gb`` covers, share of that overlap where they differ): ``gb``
     mapped onto ``ga`` by the fitted transform, both blurred and normalised to zero mean and unit
     deviation over the overlap; a pixel differs where they are more than one deviation apart.
-    Two images on backdrops (:func:`backdrop`) are compared on the object only: two motorbikes of
-    one model in two colours, shot alike on white, differ on 2.2-4.9% of the frame, 4.7-12% of the object."""
+    Two images on backdrops (``la``, ``lb``: their :func:`backdrop` levels) are compared on the
+    object only: two motorbikes of one model in two colours, shot alike on white, differ on
+    2.2-4.9% of the frame, 4.7-12% of the object."""
     from scipy.ndimage import gaussian_filter, map_coordinates
 
     h, w = ga.shape
@@ -308,12 +311,24 @@ def disagreement(ga: np.ndarray, gb: np.ndarray, alpha: complex, beta: complex) 
     a = (ra - ra.mean()) / max(float(ra.std()), 1e-3)
     b = (rb - rb.mean()) / max(float(rb.std()), 1e-3)
     differs = np.abs(a - b) > 1.0
-    la, lb = backdrop(ga), backdrop(gb)
     if la is not None and lb is not None:
         obj = (np.abs(ra - la) > CONTENT_TOL) | (np.abs(rb - lb) > CONTENT_TOL)
         if obj.sum() >= 64:
             differs = differs[obj]
     return float(inside.mean()), float(differs.mean())
+
+
+class Described(NamedTuple):
+    """What a pair check needs of one image, computed once per image (not per pair)."""
+
+    img: np.ndarray | None      # gray, at most ``side`` px (None: missing or unreadable)
+    feats: Features
+    level: float | None         # its backdrop's level (:func:`backdrop`), None for a photo
+
+
+def describe(data: bytes | None, side: int = SIDE) -> Described:
+    img = gray(data, side) if data else None
+    return Described(img, features(img), None if img is None else backdrop(img))
 
 
 @dataclass
@@ -334,19 +349,14 @@ def verify_pairs(a: Sequence[int], b: Sequence[int], read: Callable[[int], bytes
     (None or KeyError: missing, 0 inliers). Same: >= ``min_inliers`` RANSAC inliers, and once
     aligned by their transform the two agree (:func:`disagreement`) over >= ``min_overlap`` of a
     with <= ``max_differ`` of it differing. Pairs, threads and the ``progress`` bar: :func:`each_pair`."""
-    def describe(data: bytes | None) -> tuple[np.ndarray | None, Features]:
-        img = gray(data, side) if data else None
-        return img, features(img)
-
-    def check(x: tuple[np.ndarray | None, Features], y: tuple[np.ndarray | None, Features]) -> tuple:
-        (ga, fa), (gb, fb) = x, y
-        count, alpha, beta = fit(*matches(fa, fb))
-        if count < min_inliers or ga is None or gb is None:
+    def check(x: Described, y: Described) -> tuple:
+        count, alpha, beta = fit(*matches(x.feats, y.feats))
+        if count < min_inliers or x.img is None or y.img is None:
             return count, 0.0, float("nan"), False
-        cover, differ = disagreement(ga, gb, alpha, beta)
+        cover, differ = disagreement(x.img, y.img, alpha, beta, x.level, y.level)
         return count, cover, differ, cover >= min_overlap and differ <= max_differ
 
-    return _verdicts(each_pair(a, b, read, describe, check, workers, progress))
+    return _verdicts(each_pair(a, b, read, functools.partial(describe, side=side), check, workers, progress))
 
 
 def _verdicts(res: list[tuple[int, float, float, bool]]) -> Verdicts:
@@ -376,19 +386,15 @@ def verify_scored(a: Sequence[int], b: Sequence[int], read: Callable[[int], byte
     what ``MAX_SCALE`` allows, is 5 levels of 1.2 away: Caltech's Faces_easy crops of Faces 11-24
     inliers with 2, 54-99 with 6) and mirrored (ORB is not mirror-invariant; mirrored copies score
     as copies). ``same``: kept."""
-    def describe(data: bytes | None) -> tuple[np.ndarray | None, Features]:
-        img = gray(data) if data else None
-        return img, features(img)
-
-    def check(x: tuple[np.ndarray | None, Features], y: tuple[np.ndarray | None, Features]) -> tuple:
-        (ga, fa), (gb, fb) = x, y
+    def check(x: Described, y: Described) -> tuple:
+        ga, gb = x.img, y.img
         if ga is None or gb is None:
             return -1, 0.0, float("nan"), True
-        best, alpha, beta = fit(*matches(fa, fb))
+        best, alpha, beta = fit(*matches(x.feats, y.feats))
         if best >= min_inliers:
-            if backdrop(ga) is None or backdrop(gb) is None:
+            if x.level is None or y.level is None:
                 return best, 0.0, float("nan"), True
-            cover, differ = disagreement(ga, gb, alpha, beta)
+            cover, differ = disagreement(ga, gb, alpha, beta, x.level, y.level)
             return best, cover, differ, cover < MIN_OVERLAP or differ <= max_differ
         da, db = features(ga, DEEP_KEYPOINTS, DEEP_SCALES), features(gb, DEEP_KEYPOINTS, DEEP_SCALES)
         if min(len(da[0]), len(db[0])) < min_inliers:
