@@ -33,24 +33,13 @@ BLOCK = 4096
 Vectors = Callable[[int, int], np.ndarray]      # (lo, hi) -> the vectors of queries lo..hi-1
 
 
-def _recall(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[int | None],
-            ks: list[int], dba: bool, bar: Any) -> tuple[dict[int, float], np.ndarray]:
-    """Recall@k of the queries (``own[r]``: the gallery id query r is, left out and guarded),
-    and whether each query's first result has its label; ``BLOCK`` queries at a time, their
-    neighbours' labels read in one transaction a block."""
+def _recall(found: list[list[str | None]], labels: Sequence[str], ks: list[int]) -> tuple[dict[int, float], np.ndarray]:
+    """Recall@k of queries whose results' labels are ``found``, and whether each one's first
+    result has its label."""
     from embedder.metrics import recall_at_k_of_labels
 
-    kmax = min(ks[-1], len(index))
-    neighbor_labels: list[list[str | None]] = []
-    for lo in range(0, len(labels), BLOCK):
-        hi = min(len(labels), lo + BLOCK)
-        _, ids = index.search_embeddings(vectors(lo, hi), kmax, dba=dba, exclude=list(own[lo:hi]))
-        metas = index.metas(np.unique(ids[ids >= 0]).tolist())    # one gone since: a miss (None)
-        neighbor_labels += [[metas[int(i)].get("label") if int(i) in metas else None for i in row if i >= 0]
-                            for row in ids]
-        bar.update(hi - lo)
-    rec = recall_at_k_of_labels(neighbor_labels, list(labels), [k for k in ks if k <= kmax])
-    top1 = np.array([bool(row) and row[0] == lab for row, lab in zip(neighbor_labels, labels)], dtype=bool)
+    rec = recall_at_k_of_labels(found, list(labels), ks)
+    top1 = np.array([bool(row) and row[0] == lab for row, lab in zip(found, labels)], dtype=bool)
     return {int(k): float(v) for k, v in rec.items()}, top1
 
 
@@ -59,20 +48,33 @@ def _both(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[i
     """The figures as asked (``dba``; None: as the index serves by default) and, for an index
     with DBA neighbourhoods, the other setting beside them (``recall_plain`` / ``recall_dba``) and
     ``dba_z``: McNemar's z of DBA's R@1 against plain's on the same queries (> 0: DBA ahead;
-    |z| < 2: within the noise)."""
+    |z| < 2: within the noise). ``BLOCK`` queries at a time (``own[r]``: the gallery id query r
+    is, left out and guarded), each block's vectors read once for both settings and its
+    neighbours' labels in one transaction."""
     from tqdm.auto import tqdm
 
     used = index.has_dba if dba is None else bool(dba)
-    runs = 2 if index.has_dba else 1
-    with tqdm(total=runs * len(labels), desc="searching", unit="query", disable=not progress, mininterval=1.0) as bar:
-        rec, top1 = _recall(index, vectors, labels, own, ks, used, bar)
-        out: dict[str, Any] = {"recall": rec, "dba": used}
-        if index.has_dba:
-            out["recall_dba" if not used else "recall_plain"], other = _recall(index, vectors, labels, own, ks,
-                                                                               not used, bar)
-            with_dba, plain = (top1, other) if used else (other, top1)
-            ahead, behind = int((with_dba & ~plain).sum()), int((plain & ~with_dba).sum())
-            out["dba_z"] = (ahead - behind) / float(np.sqrt(ahead + behind)) if ahead + behind else 0.0
+    settings = [used, not used] if index.has_dba else [used]
+    kmax = min(ks[-1], len(index))
+    found: dict[bool, list[list[str | None]]] = {s: [] for s in settings}
+    with tqdm(total=len(labels), desc="searching", unit="query", disable=not progress, mininterval=1.0) as bar:
+        for lo in range(0, len(labels), BLOCK):
+            hi = min(len(labels), lo + BLOCK)
+            q = vectors(lo, hi)
+            for s in settings:
+                _, ids = index.search_embeddings(q, kmax, dba=s, exclude=list(own[lo:hi]))
+                metas = index.metas(np.unique(ids[ids >= 0]).tolist())    # one gone since: a miss (None)
+                found[s] += [[metas[int(i)].get("label") if int(i) in metas else None for i in row if i >= 0]
+                             for row in ids]
+            bar.update(hi - lo)
+    measured = [k for k in ks if k <= kmax]
+    rec, top1 = _recall(found[used], labels, measured)
+    out: dict[str, Any] = {"recall": rec, "dba": used}
+    if index.has_dba:
+        out["recall_dba" if not used else "recall_plain"], other = _recall(found[not used], labels, measured)
+        with_dba, plain = (top1, other) if used else (other, top1)
+        ahead, behind = int((with_dba & ~plain).sum()), int((plain & ~with_dba).sum())
+        out["dba_z"] = (ahead - behind) / float(np.sqrt(ahead + behind)) if ahead + behind else 0.0
     return out
 
 
