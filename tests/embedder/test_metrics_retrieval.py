@@ -191,5 +191,15 @@ def test_r_at_1_and_map_at_r_agree_with_pytorch_metric_learning_on_real_photos(c
     pml = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(x) > 80 and (y == lone).sum() == 1
     assert 0.5 < ours["R@1"] < 1.0 and 0.2 < ours["MAP@R"] < 1.0          # not a degenerate set
-    assert ours["R@1"] == pytest.approx(pml["precision_at_1"], abs=1e-6)
-    assert ours["MAP@R"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
+    # Two kNN codes may order two neighbours of nearly equal similarity either way (float32 sums
+    # differ by CPU): only queries with such a near-tie between a same-label and another-label
+    # neighbour within their first R + 1 may differ, each by at most 1 / n (here: none or one).
+    sim = x.astype(np.float64) @ x.astype(np.float64).T
+    np.fill_diagonal(sim, -np.inf)
+    order = np.argsort(-sim, axis=1)[:, :int(np.bincount(np.unique(y, return_inverse=True)[1]).max())]
+    near, rel = np.take_along_axis(sim, order, 1), y[order] == y[:, None]
+    tied = int((((near[:, :-1] - near[:, 1:]) < 1e-5) & (rel[:, :-1] != rel[:, 1:])).any(axis=1).sum())
+    n = len(x) - 1                                   # the lone query is none of either
+    assert tied <= 3
+    assert abs(ours["R@1"] - pml["precision_at_1"]) <= tied / n + 1e-6
+    assert abs(ours["MAP@R"] - pml["mean_average_precision_at_r"]) <= tied / n + 1e-6
