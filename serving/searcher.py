@@ -238,39 +238,53 @@ class Searcher:
                                "(rebuild it with `indexer build --dba`)")
         return snap.index.has_dba if dba is None else bool(dba)
 
+    def check_labels(self, labels: Sequence[str] | None, index: IndexRef = None) -> tuple[str, ...]:
+        """The labels a search is restricted to (none: the whole gallery); one the index lacks:
+        RequestError naming it."""
+        if not labels:
+            return ()
+        snap = self.snapshot(index)
+        try:
+            return tuple(snap.index.check_labels(labels))
+        except ValueError as e:
+            raise RequestError(f"{e}; index {snap.name!r}") from None
+
     def _nearest(self, snap: Snapshot, emb: np.ndarray, k: int, exclude: Sequence[int | None] | None,
-                 thumbnails: bool, dba: bool) -> tuple[list[list[Result]], list[int]]:
-        """Each row's Results (k and dba checked), and the shards the answer left out (Ray)."""
-        scores, ids, partial = snap.index.answer(emb, k, dba=dba, exclude=exclude)
+                 thumbnails: bool, dba: bool, labels: Sequence[str] = ()) -> tuple[list[list[Result]], list[int]]:
+        """Each row's Results (k, dba and labels checked), and the shards the answer left out (Ray)."""
+        scores, ids, partial = snap.index.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
         return [[Result(h.id, h.score, h.label, h.path, snap.name,
                         self.thumbnail(snap, h.id) if thumbnails else None)
                  for h in snap.index.hits(s, i)] for s, i in zip(scores, ids)], list(partial)
 
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
-                dba: bool | None = None) -> list[list[Result]]:
+                dba: bool | None = None, labels: Sequence[str] | None = None) -> list[list[Result]]:
         """Top-k Results of (n, d) embeddings; ``exclude[i]``: an id left out of row i."""
         snap = self.snapshot(index)
         return self._nearest(snap, np.atleast_2d(np.asarray(emb, dtype=np.float32)), check_k(k),
-                             None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap))[0]
+                             None if exclude is None else list(exclude), thumbnails, self.check_dba(dba, snap),
+                             self.check_labels(labels, snap))[0]
 
     def search(self, query: Query | ImageSource | int, k: int = 10, *, index: IndexRef = None,
-               exclude_self: bool = True, thumbnails: bool = False, dba: bool | None = None) -> SearchResult:
+               exclude_self: bool = True, thumbnails: bool = False, dba: bool | None = None,
+               labels: Sequence[str] | None = None) -> SearchResult:
         """Top-k for one query; a gallery query is left out of its own results (exclude_self)."""
         return self.search_batch([query], k, index=index, exclude_self=exclude_self, thumbnails=thumbnails,
-                                 dba=dba)[0]
+                                 dba=dba, labels=labels)[0]
 
     def search_batch(self, queries: Sequence[Query | ImageSource | int], k: int = 10, *,
-                     index: IndexRef = None, exclude_self: bool = True,
-                     thumbnails: bool = False, dba: bool | None = None) -> list[SearchResult]:
-        """Top-k for many queries: uploads are embedded in one batched session run."""
-        snap = self.snapshot(index)             # an unknown index, k or dba fails before any decoding
-        k, dba = check_k(k), self.check_dba(dba, snap)
+                     index: IndexRef = None, exclude_self: bool = True, thumbnails: bool = False,
+                     dba: bool | None = None, labels: Sequence[str] | None = None) -> list[SearchResult]:
+        """Top-k for many queries: uploads are embedded in one batched session run; ``labels``:
+        only images of these labels answer."""
+        snap = self.snapshot(index)     # an unknown index, k, dba or label fails before any decoding
+        k, dba, only = check_k(k), self.check_dba(dba, snap), self.check_labels(labels, snap)
         qs = [self.query(q, index=snap) for q in queries]
         if not qs:
             return []
         excl = [q.id if exclude_self and self._own(snap, q) else None for q in qs]
-        rows, missing = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba)
+        rows, missing = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba, only)
         return [SearchResult(snap.name, q, r, dba, missing) for q, r in zip(qs, rows)]
 
     def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:

@@ -142,12 +142,13 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
 
     # -- handlers -------------------------------------------------------------------------
     def do_search(img_path: str | None, pick: str | None, label: str | None, k: float,
-                  dba: bool = True, region: str | None = None, more: list[str] | None = None) -> list[Any]:
+                  dba: bool = True, region: str | None = None, more: list[str] | None = None,
+                  only: list[str] | None = None) -> list[Any]:
         try:
             q = make_query(img_path, pick, label, region, more)
             kk = int(k)
             # checked: each index's default (DBA where built with it); unchecked: plain everywhere
-            found = searcher.search_all(q, kk, dba=None if dba else False, thumbnails=True)
+            found = searcher.search_all(q, kk, dba=None if dba else False, thumbnails=True, labels=only)
             out = [result_items(searcher, res.results, q.label) for res in found.values()]
         except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
@@ -156,7 +157,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         partial = "".join(f"\n\n**⚠ {n}: partial answer, shard(s) {', '.join(map(str, r.partial))} did "
                           f"not answer in time (a lost node?); results come from the other shards**"
                           for n, r in found.items() if r.partial)
-        return [f"Query **{q.name}** · top-{kk} · {known}{partial}"] + out
+        within = f" · only {', '.join(only)}" if only else ""
+        return [f"Query **{q.name}** · top-{kk}{within} · {known}{partial}"] + out
 
     def do_probes(img_path: str | None, pick: str | None, label: str | None, k: float, topk: float,
                   scales: str, n_random: float, r_s: float, shifts: str, shift_label: str | None,
@@ -253,6 +255,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                                          type="filepath",
                                          label=f"More query images (optional, up to {MAX_QUERY_IMAGES - 1}: "
                                                "one result list for all of them; a phone's HEIC goes here)", elem_id="search-more")
+                        s_only = gr.Dropdown(labels, value=[], multiselect=True, elem_id="search-only",
+                                             label="Only these labels (optional: results from these classes)")
                         s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
                         with_dba = [n for n in names if searcher.index(n).has_dba]
                         s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
@@ -267,7 +271,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                 # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
                 # inputs for programs written against it (each index's default: DBA where built with
                 # it): an event with no trigger on the page, an API endpoint only.
-                s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more], [s_status, *s_gals], api_name="search_dba")
+                s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more, s_only], [s_status, *s_gals],
+                            api_name="search_dba")
                 gr.on([], do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
             with gr.Tab("Probes", id="probes"):

@@ -118,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
                         "(default: JSON lines on stdout)")
     s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="DBA re-ranking (auto: on for an index built with --dba)")
+    s.add_argument("--label", action="append", default=None, metavar="LABEL",
+                   help="only images of this label (a gallery sub-folder) answer; repeat for several")
     opts(s, "-k", "--json", "--device", "--max-memory", "--ray", "--shard-timeout", "--quiet",
          index=True).set_defaults(func=read.search)
 

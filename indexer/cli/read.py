@@ -47,6 +47,7 @@ def search(args: argparse.Namespace) -> None:
         raise UsageError("--out is for a folder of queries (one image prints its results)")
     # closed on return: LMDB allows one environment a path per process (main() may run again)
     with open_index(args) as idx:
+        labels = idx.check_labels(args.label or [])        # a wrong label fails before any decoding
         if not args.image.is_file():
             scheme, sep, _ = str(args.image).partition(":/")        # Path folds "https://" to "https:/"
             url = bool(sep) and scheme.isalpha()
@@ -54,7 +55,7 @@ def search(args: argparse.Namespace) -> None:
                                                     if url else "no such image or folder"))
         query = args.image if box is None else load_region(    # decoded no larger than the box needs
             args.image, box, idx.decode_side, name=str(args.image), field="--box")
-        found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba])
+        found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba], labels=labels)
         hits = idx.hits(found.scores[0], found.ids[0])
     warn_partial(found.partial, args)
     if args.json:
@@ -73,7 +74,7 @@ def search_folder(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {args.out}: expected a .jsonl or .csv file")
     with open_index(args) as idx:
         rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
-                                              progress=not args.quiet)
+                                              progress=not args.quiet, labels=idx.check_labels(args.label or []))
     warn_partial(partial, args)
     out = sys.stdout if args.out is None else None
     tmp = None if args.out is None else args.out.with_name(f".{args.out.name}.partial")

@@ -131,10 +131,11 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
             "skipped": skipped}
 
 
-def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None = None,
-                 progress: bool = False) -> tuple[list[tuple[str, list]], list[dict], list[int]]:
+def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None = None, progress: bool = False,
+                 labels: Sequence[str] = ()) -> tuple[list[tuple[str, list]], list[dict], list[int]]:
     """Batch search of every image under ``folder``: ([(relative path, hits)], skipped [{"path",
-    "reason"}], shards left out); a gallery item stays in its results (as ``indexer search``)."""
+    "reason"}], shards left out); a gallery item stays in its results (as ``indexer search``);
+    ``labels``: only images of these answer."""
     folder = Path(folder)
     if not folder.is_dir():
         raise IndexerError(f"{folder}: query folder not found")
@@ -149,7 +150,7 @@ def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None =
                                                          progress=progress, total=len(todo)):
         skipped += [{"path": key, "reason": getattr(e, "reason", str(e))} for key, e in failures]
         if keys:
-            found = index.answer(emb, k, dba=dba)
+            found = index.answer(emb, k, dba=dba, labels=labels)
             partial.update(found.partial)
             out += [(key, index.hits(s, i)) for key, s, i in zip(keys, found.scores, found.ids)]
     if not out:

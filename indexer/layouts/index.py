@@ -7,7 +7,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from embedder.vectors import l2_normalize
 
 from ..ann.faiss_index import omp_threads
 from ..ann.neighbours import Neighbourhoods
+from ..ann.subset import subset_search
 from ..directory.model import load_embedder
 from ..errors import IndexerError
 from ..searchable import Answer, Searchable
@@ -105,18 +106,20 @@ class Index:
         return self.neighbours is not None
 
     def search_embeddings(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
-                          exclude: Sequence[int | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                          exclude: Sequence[int | None] | None = None,
+                          labels: Collection[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of :meth:`answer` (what most callers need: an index in one process
         never leaves a shard out)."""
-        scores, ids, _ = self.answer(emb, k, dba=dba, exclude=exclude)
+        scores, ids, _ = self.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
         return scores, ids
 
     def answer(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
-               exclude: Sequence[int | None] | None = None) -> Answer:
+               exclude: Sequence[int | None] | None = None, labels: Collection[str] | None = None) -> Answer:
         """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF answers;
         ``partial``: shards a Ray-served index left out. Queries are L2-normalised here. ``dba``: re-rank
         with the augmented vectors (None: as built). ``exclude[r]``: the gallery id query r is, left out
-        of its row and, with DBA, of its neighbours' augmented vectors."""
+        of its row and, with DBA, of its neighbours' augmented vectors. ``labels``: only images of these
+        labels answer (:mod:`indexer.ann.subset`; a label the index lacks: ValueError)."""
         q = np.asarray(emb, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]
@@ -133,6 +136,7 @@ class Index:
             raise ValueError(f"exclude: expected {len(q)} entries (one per query), got {len(exclude)}")
         own = None if exclude is None or all(e is None for e in exclude) else \
             np.array([-1 if e is None else int(e) for e in exclude], dtype=np.int64)
+        allowed = None if not labels else self.label_ids(labels)
         q = l2_normalize(q)
         k = min(k, len(self))
         # One query: faiss parallelises over queries, so a second OpenMP thread only runs trivial
@@ -140,22 +144,38 @@ class Index:
         # embedding: on 2 cores searches looped in a script ran 2x slower, served ones ~1.4x
         # (docs/benchmarks/serving.md).
         with omp_threads(1 if len(q) == 1 else None):
-            return self._answer(q, k, dba, own, exclude)
+            return self._answer(q, k, dba, own, exclude, allowed)
 
     def _answer(self, q: np.ndarray, k: int, dba: bool, own: np.ndarray | None,
-                exclude: Sequence[int | None] | None) -> Answer:
-        if not dba:
-            if own is None:
-                return self.faiss.search(q, k)
-            scores, ids, partial = self.faiss.search(q, min(k + 1, len(self)))
-            ids, scores = drop_self(ids, own, k, scores)
-            return Answer(scores, ids, partial)
-        from ..ann.neighbours import rerank
+                exclude: Sequence[int | None] | None, allowed: np.ndarray | None) -> Answer:
+        nb = self.neighbours if dba else None
+        # DBA re-ranks the plain top ``depth``; a query that is a gallery item asks one more
+        want = min((k if nb is None else max(nb.params.depth, k)) + (own is not None), len(self))
+        scores, ids, partial = self.faiss.search(q, want) if allowed is None else \
+            subset_search(self.faiss.search, self.embeddings, allowed, q, want, len(self), need=k + (own is not None))
+        if nb is not None:
+            from ..ann.neighbours import rerank
 
-        nb = self.neighbours
-        _, cand, partial = self.faiss.search(q, min(max(nb.params.depth, k) + (own is not None), len(self)))
-        return Answer(*rerank(nb, q, cand, k, exclude=None if own is None else list(exclude),
-                              vectors=lambda ids: self.embeddings(ids)), partial)
+            return Answer(*rerank(nb, q, ids, k, exclude=None if own is None else list(exclude),
+                                  vectors=lambda ids: self.embeddings(ids)), partial)
+        if own is not None:
+            ids, scores = drop_self(ids, own, k, scores)
+        return Answer(scores, ids, partial)
+
+    def check_labels(self, labels: str | Collection[str]) -> list[str]:
+        """``labels`` as a list, each one the index holds (else ValueError naming the first it lacks)."""
+        labels = [labels] if isinstance(labels, str) else list(labels)
+        known = set(self.labels())
+        missing = [lab for lab in labels if lab not in known]
+        if missing:
+            raise ValueError(f"label {missing[0][:80]!r}: no image has it (the index has {len(known)} labels"
+                             + (f", e.g. {sorted(known)[0]!r})" if known else ")"))
+        return labels
+
+    def label_ids(self, labels: str | Collection[str]) -> np.ndarray:
+        """The ids of every image of ``labels`` (:meth:`check_labels`), ascending."""
+        labels = self.check_labels(labels)
+        return np.unique(np.concatenate([np.asarray(self.ids_for_label(lab), np.int64) for lab in labels]))
 
     def hits(self, scores: np.ndarray, ids: np.ndarray) -> list[Hit]:
         """One query's row of (scores, ids) as Hits; ids the store no longer has are dropped."""

@@ -31,6 +31,7 @@ require_private_network("tests/serving/test_ray_serving.py")
 ray = pytest.importorskip("ray")
 
 from indexer import Index, IndexerError  # noqa: E402
+from indexer.ann import subset  # noqa: E402
 from indexer.ray.fanout import RayServing, Router, shard_node  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +86,7 @@ def served(timeout: float = BOUND_S) -> RayServing:
     return RayServing(timeout=timeout, placement=pinned)
 
 
-def test_ray_answers_equal_the_in_process_search(cluster, sharded):
+def test_ray_answers_equal_the_in_process_search(cluster, sharded, monkeypatch):
     local = Index.open(sharded)
     remote = Index.open(sharded, ray=served())
     assert isinstance(remote.faiss, Router) and local.manifest["index_type"] == "ivf"
@@ -124,6 +125,16 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded):
     s2, i2 = soft.search_embeddings(x[:20], 7, exclude=list(ids[:20]))
     np.testing.assert_array_equal(i2, i1)
     np.testing.assert_array_equal(s2, s1)
+    # a search within two labels: the exact pass reads the stores here; without its budget, the
+    # deeper search goes through the fan-out and is filtered
+    only = local.labels()[:2]
+    for budget in (subset.EXACT_BYTES, 0):
+        monkeypatch.setattr(subset, "EXACT_BYTES", budget)
+        s1, i1 = local.search_embeddings(x, 5, labels=only)
+        s2, i2 = soft.search_embeddings(x, 5, labels=only)
+        np.testing.assert_array_equal(i2, i1)
+        np.testing.assert_array_equal(s2, s1)
+        assert set(i2.ravel().tolist()) <= set(local.label_ids(only).tolist())
     # ... placed on the node that holds each shard (the build's record: shards/ray.json)
     import ray
 

@@ -122,6 +122,35 @@ def test_region_and_more_images_in_the_search_tab(page, demo_dirs):
     assert "2 images fused" in status and path.name in status, (status, page.locator("#search-more").inner_text())
 
 
+def test_only_these_labels_restricts_the_results(page, demo_dirs):
+    """The Search tab's "Only these labels": a query of one class, another class chosen, every
+    result of that class on both indexes; cleared, the query's own class comes back first."""
+    (path, label), (_, other) = labelled_folder(demo_dirs[1])[0], labelled_folder(demo_dirs[1])[-1]
+    assert label != other
+    page.get_by_role("tab", name="Search").click()
+    page.locator("#search-image input[type=file]").set_input_files(str(path))
+    page.wait_for_selector("#search-image img")
+    only = page.locator("#search-only input")
+    only.click()
+    only.fill(other)
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Enter")
+    page.keyboard.press("Escape")
+    try:
+        status = _search_until(page, f"only {other}")
+        assert f"only {other}" in status, status
+        for gal in ("#search-results-0", "#search-results-1"):
+            captions = page.locator(f"{gal} .caption-label").all_inner_texts()
+            assert captions and all(c.startswith(f"{other} · ") for c in captions), captions
+    finally:                                      # the page is shared: leave the field empty
+        page.locator("#search-only .remove-all").click()
+        page.wait_for_function("!document.querySelector('#search-only .token')")
+    page.locator("#search-btn").click()
+    page.wait_for_function("!document.querySelector('#search-status').innerText.includes('only ')")
+    page.wait_for_function("document.querySelectorAll('#search-results-0 .caption-label').length > 0")
+    assert page.locator("#search-results-0 .caption-label").first.inner_text().startswith(label)
+
+
 def test_probes_tab_shows_a_row_per_probe(page, demo_dirs):
     page.get_by_role("tab", name="Probes").click()
     label = labelled_folder(demo_dirs[1])[-1][1]

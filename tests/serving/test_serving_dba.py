@@ -106,3 +106,32 @@ def test_evaluate_tab_shows_both_settings_and_mcnemar_z(dba_server, dba_index, g
         assert row[4:] == [round(100 * rec[1], 2), round(100 * rec[4], 2)]
     assert f"dba McNemar z {want['dba_z']:+.2f} ({dba_verdict(want['dba_z'])})" in status, status
     assert "small McNemar" not in status
+
+
+def test_label_filter_in_the_api_and_the_search_tab(dba_server, dba_index, gradio_client):
+    """``label`` (repeatable) restricts the answer to those classes, DBA on: the indexer's own
+    answer; a class the index lacks is a 400 naming it, before anything is decoded."""
+    from indexer import Index
+
+    idx = Index.open(dba_index)
+    labels = idx.labels()
+    gid = idx.ids_for_label(labels[0])[0]
+    only = labels[2:4]
+    s, i = idx.search_embeddings(idx.embeddings([gid]), 6, dba=True, exclude=[gid], labels=only)
+    r = httpx.post(f"{dba_server}/api/search", data={"id": str(gid), "k": "6", "label": only}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["labels"] == only and {x["label"] for x in body["results"]} <= set(only)
+    assert [x["id"] for x in body["results"]] == [int(v) for v in i[0] if v >= 0]
+    assert [x["score"] for x in body["results"]] == pytest.approx([float(v) for v in s[0] if v == v], abs=1e-5)
+    r = httpx.post(f"{dba_server}/api/search", files={"image": ("x.png", b"not decoded")},
+                   data={"label": [labels[1], "no-such-class"]}, timeout=60)
+    assert r.status_code == 400 and "'no-such-class': no image has it" in r.json()["error"], r.text
+    client = gradio_client(dba_server)
+    status, dba_gal, small_gal = client.predict(None, str(gid), None, 4, True, None, None, [labels[1]],
+                                                api_name="/search_dba")
+    assert f"only {labels[1]}" in status and "⚠" not in status, status
+    for gal in (dba_gal, small_gal):            # both indexes hold the same classes
+        assert len(gal) == 4 and all(g["caption"].startswith(f"{labels[1]} · ") for g in gal)
+    with pytest.raises(Exception, match="no-such-class"):     # Gradio checks the dropdown's choices
+        client.predict(None, str(gid), None, 4, True, None, None, ["no-such-class"], api_name="/search_dba")
