@@ -9,7 +9,8 @@ Queries: stored vectors of the index's own images (each left out of its own row)
                two classes' stored vectors (LMDB reads + one matrix product);
   * half       every other label, the exact budget set just below their vectors (as a larger
                gallery would be): the index's own search fetched deeper and filtered (rows its
-               IVF lists leave short answered exactly, in blocks of that budget);
+               IVF lists leave short answered exactly, in blocks of that budget), then exact
+               (what the default budget does for them);
 and the recall@k of the plain and the filtered half against exact answers (over the whole gallery,
 within the same labels: the exact pass with an unbounded budget).
 Prints p50 / p99 latency (ms) per setting and the p50 ratios to plain.
