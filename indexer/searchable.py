@@ -22,7 +22,10 @@ class Searchable(Protocol):
     d: int
     ntotal: int
 
-    def search(self, q: np.ndarray, k: int) -> Answer: ...
+    def search(self, q: np.ndarray, k: int, widen: float = 1.0) -> Answer:
+        """Top-``k`` of each row of ``q``; ``widen`` > 1: an IVF index probes that many times its
+        lists (at most all; a search within labels, whose images are a fraction of each list)."""
+        ...
 
     # what a codes-only index holds in RAM (codec, re-rank factor, bytes); None: all of it
     summary: dict | None = None

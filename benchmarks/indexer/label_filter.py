@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=200, help="queries (default 200)")
     ap.add_argument("-k", "--k", type=int, default=10)
     ap.add_argument("--no-dba", action="store_true", help="search without DBA re-ranking (default: as built)")
+    ap.add_argument("--widen", type=float, default=None,
+                    help="indexer.ann.subset.WIDEN for the filtered search (default: the shipped one)")
     return run_main(PROG, ap, argv, handler=run)
 
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int | None:
     times: dict[str, list[float]] = {"plain": [], "one label": [], "half (filtered)": [], "half (exact)": []}
     found = {"plain": [0, 0], "half (filtered)": [0, 0]}
     budget, dba = subset.EXACT_BYTES, False if args.no_dba else None
+    subset.WIDEN = subset.WIDEN if args.widen is None else args.widen
     for j in tqdm(pick, desc="queries", unit="q"):
         lab, gid = pairs[j]
         q = idx.embeddings([gid])
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int | None:
     base = float(np.median(times["plain"]))
     print(f"{args.index}: {len(idx)} images, {len(labels)} labels, dim {idx.dim}, "
           f"{idx.manifest.index_type}, DBA {'on' if idx.has_dba and dba is None else 'off'}; "
-          f"{len(pick)} queries, k={args.k}")
+          f"{len(pick)} queries, k={args.k}, widen {subset.WIDEN:g}")
     for name, ts in times.items():
         p50, p99 = np.median(ts) * 1e3, np.percentile(ts, 99) * 1e3
         print(f"  {name:16s} p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  p50 / plain {np.median(ts) / base:5.2f}x")

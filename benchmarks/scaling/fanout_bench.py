@@ -97,7 +97,7 @@ def ray_call_router():
     from indexer.ray.fanout import Router
 
     class RayCallRouter(Router):
-        def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        def _fanout(self, q: np.ndarray, k: int, widen: float = 1.0) -> tuple[np.ndarray, np.ndarray, list[int]]:
             refs = [a.search.remote(q, k) for a in self.actors]
             dh, ih = self.held.search(q, k)
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.timeout)

@@ -335,6 +335,45 @@ def set_nprobe(index: faiss.Index, nprobe: int) -> None:
         faiss.extract_index_ivf(index).nprobe = int(nprobe)
 
 
+def search_wider(index: faiss.Index, q: np.ndarray, k: int, widen: float) -> tuple[np.ndarray, np.ndarray]:
+    """``index.search`` probing ``widen`` times its IVF lists (capped at nlist), per call: the
+    index is shared by concurrent searches, so its own nprobe is never changed. A bare IVF, one
+    behind an id map or a refine stage (its k_factor kept), or the parts of a sharded one."""
+    if widen > 1 and isinstance(index, faiss.IndexShardsIVF):
+        # its search insists each part's nprobe equal the call's: assign here, scan each part
+        # (what IndexShardsIVF does inside), merge
+        nprobe = min(int(index.nlist), math.ceil(faiss.extract_index_ivf(index.at(0)).nprobe * widen))
+        dq, iq = index.quantizer.search(q, nprobe)
+        got = [preassigned(faiss.extract_index_ivf(index.at(i)), q, k, iq, dq) for i in range(index.count())]
+        return faiss.merge_knn_results(np.stack([d for d, _ in got]), np.stack([i for _, i in got]),
+                                       keep_max=faiss.is_similarity_metric(index.metric_type))
+    ivf = faiss.try_extract_index_ivf(index) if widen > 1 else None
+    if ivf is None:
+        return index.search(q, k)
+    wide = faiss.SearchParametersIVF(nprobe=min(int(ivf.nlist), math.ceil(ivf.nprobe * widen)))
+    inner = index
+    while isinstance(inner, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+        inner = faiss.downcast_index(inner.index)
+    if isinstance(inner, faiss.IndexRefine):     # its own parameters type, the IVF's inside
+        return index.search(q, k, params=faiss.IndexRefineSearchParameters(
+            k_factor=inner.k_factor, base_index_params=wide))
+    return index.search(q, k, params=wide)
+
+
+def preassigned(ivf: faiss.IndexIVF, q: np.ndarray, k: int, iq: np.ndarray,
+                dq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ivf.search_preassigned`` of lists ``iq`` (their centroid scores ``dq``), as many a query
+    as ``iq`` has columns: faiss's wrapper insists on the index's own nprobe and takes no
+    parameters, so the C call is made with the lists' count as this call's nprobe."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    iq, dq = np.ascontiguousarray(iq, dtype=np.int64), np.ascontiguousarray(dq, dtype=np.float32)
+    d, i = np.empty((len(q), k), np.float32), np.empty((len(q), k), np.int64)
+    params = faiss.SearchParametersIVF(nprobe=int(iq.shape[1]))
+    ivf.search_preassigned_c(len(q), faiss.swig_ptr(q), k, faiss.swig_ptr(iq), faiss.swig_ptr(dq),
+                             faiss.swig_ptr(d), faiss.swig_ptr(i), False, params)
+    return d, i
+
+
 def set_search_params(index: faiss.Index, params: str) -> None:
     """Apply a faiss.ParameterSpace string ("nprobe=8,k_factor_rf=2"; "" does nothing); faiss
     also writes it into the index file."""

@@ -52,13 +52,13 @@ class SearchableIndex(Searchable):
         self.d = cpu.d
         self.ntotal = cpu.ntotal
 
-    def search(self, q: np.ndarray, k: int) -> Answer:
+    def search(self, q: np.ndarray, k: int, widen: float = 1.0) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
-        if self.gpu:
+        if self.gpu:        # a GPU index takes no per-call nprobe: its own
             with self._lock:
                 return Answer(*self.index.search(q, k))
-        return Answer(*self.index.search(q, k))
+        return Answer(*fx.search_wider(self.index, q, k, widen))
 
 
 # ---------------------------------------------------------------------------- sizes and codecs
@@ -196,13 +196,13 @@ class ReRanked(Searchable):
         self.summary = {"codes": codec, "rerank_factor": self.factor, "memory_bytes": self.memory_bytes,
                         "max_memory": budget, "nprobe": int(nprobe)}
 
-    def candidates(self, q: np.ndarray, k: int) -> np.ndarray:
-        return self.index.search(q, max(1, min(self.factor * k, self.ntotal)))[1]
+    def candidates(self, q: np.ndarray, k: int, widen: float = 1.0) -> np.ndarray:
+        return fx.search_wider(self.index, q, max(1, min(self.factor * k, self.ntotal)), widen)[1]
 
-    def search(self, q: np.ndarray, k: int) -> Answer:
+    def search(self, q: np.ndarray, k: int, widen: float = 1.0) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
-        cand = self.candidates(q, k)
+        cand = self.candidates(q, k, widen)
         scores = np.full((len(q), k), -np.inf, dtype=np.float32)
         ids = np.full((len(q), k), -1, dtype=np.int64)
         for s in range(0, len(q), BLOCK):

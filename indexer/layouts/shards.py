@@ -114,6 +114,6 @@ class PartsIndex(Searchable):
         fx.set_search_params(self.cpu_index, manifest.search_params or "")
         self.d, self.ntotal = self.cpu_index.d, int(self.cpu_index.ntotal)
 
-    def search(self, q: np.ndarray, k: int) -> Answer:
+    def search(self, q: np.ndarray, k: int, widen: float = 1.0) -> Answer:
         q = np.ascontiguousarray(q, dtype=np.float32)
-        return Answer(*self.cpu_index.search(q, max(1, min(int(k), max(1, self.ntotal)))))
+        return Answer(*fx.search_wider(self.cpu_index, q, max(1, min(int(k), max(1, self.ntotal))), widen))

@@ -63,8 +63,8 @@ class ShardSearcher:
                 iq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The part's top-k; with the router's coarse assignment (``dq``, ``iq``: the lists each
         query probes) only the lists are scanned, as ``IndexShardsIVF`` scans each part."""
-        if iq is not None and self.ivf is not None:
-            return self.ivf.search_preassigned(q, k, iq, dq)
+        if iq is not None and self.ivf is not None:     # as many lists as the router sent
+            return fx.preassigned(self.ivf, q, k, iq, dq)
         return self.index.search(q, k)      # lists read without prefetch threads: no_prefetch
 
     def where(self) -> dict:

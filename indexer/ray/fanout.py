@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -145,10 +146,10 @@ _POOL = _Pool()
 class _Request:
     """One caller's search waiting for (or in) a shared fan-out."""
 
-    __slots__ = ("q", "k", "result", "partial", "error", "done")
+    __slots__ = ("q", "k", "widen", "result", "partial", "error", "done")
 
-    def __init__(self, q: np.ndarray, k: int) -> None:
-        self.q, self.k = q, k
+    def __init__(self, q: np.ndarray, k: int, widen: float = 1.0) -> None:
+        self.q, self.k, self.widen = q, k, widen
         self.result: Any = None
         self.partial: list[int] = []
         self.error: BaseException | None = None
@@ -235,13 +236,13 @@ class Router:
                                    f"({task_error(e)})") from None
         return out
 
-    def search(self, q: np.ndarray, k: int) -> Answer:
+    def search(self, q: np.ndarray, k: int, widen: float = 1.0) -> Answer:
         """The parts searched as one, as ``PartsIndex.search``; shards that did not answer in
-        time are named in ``partial``. Searches arriving (with the same k) while a fan-out is in
-        flight go out together as the next one; each caller gets its own rows."""
+        time are named in ``partial``. Searches arriving (with the same k and widen) while a
+        fan-out is in flight go out together as the next one; each caller gets its own rows."""
         q = np.ascontiguousarray(q, dtype=np.float32)
         k = max(1, min(int(k), max(1, self.ntotal)))
-        req = _Request(q, k)
+        req = _Request(q, k, float(widen))
         with self._cv:
             self._queue.append(req)
         while True:
@@ -261,14 +262,14 @@ class Router:
         let the next waiting thread lead the next batch."""
         try:
             with self._cv:
-                k = self._queue[0].k
-                batch = [r for r in self._queue if r.k == k]
-                self._queue = [r for r in self._queue if r.k != k]
+                key = (self._queue[0].k, self._queue[0].widen)
+                batch = [r for r in self._queue if (r.k, r.widen) == key]
+                self._queue = [r for r in self._queue if (r.k, r.widen) != key]
             qs = batch[0].q if len(batch) == 1 else np.concatenate([r.q for r in batch])
             d = i = error = None
             missing: list[int] = []
             try:
-                d, i, missing = self._fanout(qs, k)
+                d, i, missing = self._fanout(qs, *key)
             except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
                 error = e
             row = 0
@@ -282,13 +283,14 @@ class Router:
                 self._leading = False
                 self._cv.notify_all()
 
-    def _fanout(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def _fanout(self, q: np.ndarray, k: int, widen: float = 1.0) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """One fan-out of ``q`` to every shard's actor and the merge: (D, I, the shards left out:
         no connection now, a failed one, an error answer, or no answer ``timeout`` s after send)."""
         deadline = time.monotonic() + self.config.timeout
         dq = iq = None
-        if self.ivf is not None:
-            dq, iq = self.ivf.quantizer.search(q, min(self.ivf.nprobe, self.ivf.nlist))
+        if self.ivf is not None:    # the lists to scan, chosen here: widen is this call's alone
+            nprobe = math.ceil(self.ivf.nprobe * max(1.0, widen))
+            dq, iq = self.ivf.quantizer.search(q, min(nprobe, self.ivf.nlist))
         message = ForkingPickler.dumps((q, k, dq, iq))     # Connection.send's pickle, once for all
         waiting: dict[Connection, int] = {}
         until = time.monotonic() + min(CONNECT_SLICE_S, self.config.timeout / 4)   # reconnections
@@ -304,7 +306,7 @@ class Router:
             except (OSError, EOFError, ValueError):
                 link.broken(conn)
         # the held-out part, here, meanwhile
-        dh, ih = self.held.search(q, k) if iq is None else self.ivf.search_preassigned(q, k, iq, dq)
+        dh, ih = self.held.search(q, k) if iq is None else fx.preassigned(self.ivf, q, k, iq, dq)
         got: dict[int, Any] = {}
         errors: list[str] = []
         while waiting:

@@ -145,3 +145,46 @@ def test_exact_in_blocks_equals_one_pass(monkeypatch):
         assert_knn(i, want, vector_scorer(q, x, allowed), ordered=True, got_scores=s)
     s, i = subset.exact(vectors, allowed[:5], q, 9)       # fewer than k: padded
     assert (i[:, 5:] == -1).all() and np.isnan(s[:, 5:]).all() and (i[:, :5] >= 0).all()
+
+
+@pytest.mark.parametrize("spec", ["IVF16,Flat", "IDMap2,IVF16,Flat", "IDMap2,IVF16,SQ8,RFlat"])
+def test_a_wider_search_probes_more_lists_for_this_call_only(spec):
+    """``search_wider``: widen 1 is the index's own search; widened to every list, an IVF-Flat
+    (behind an id map too) answers as exact search, a refine stage keeps its k_factor; the
+    shared index's nprobe is never changed."""
+    import faiss
+
+    from indexer.ann.faiss_index import search_wider
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4000, 16)).astype(np.float32)
+    faiss.normalize_L2(x)
+    q = x[:40] + 0.3 * rng.standard_normal((40, 16)).astype(np.float32)
+    index = faiss.index_factory(16, spec, faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    index.add_with_ids(x, np.arange(len(x))) if spec.startswith("IDMap") else index.add(x)
+    faiss.ParameterSpace().set_index_parameters(index, "nprobe=1" + (",k_factor_rf=4" if "RFlat" in spec else ""))
+    own = index.search(q, 10)
+    np.testing.assert_array_equal(search_wider(index, q, 10, 1.0)[1], own[1])
+    want = np.argsort(-(q.astype(np.float64) @ x.T.astype(np.float64)), axis=1)[:, :10]
+    d, i = search_wider(index, q, 10, 16.0)
+    assert faiss.extract_index_ivf(index).nprobe == 1
+    if "SQ8" in spec:        # candidates from the SQ8 codes of every list, refined exactly
+        assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(i, want)]) >= 0.99
+    else:
+        assert_knn(i, want, vector_scorer(q, x), ordered=True, got_scores=d)
+    assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(own[1], want)]) < 0.9    # nprobe 1 misses
+
+
+def test_a_sharded_index_searched_wider_answers_as_exact_search(two_shards):
+    """The parts searched as one (``PartsIndex``, IVF lists) widened past every list: the exact
+    answer over both shards' stored vectors."""
+    with Index.open(two_shards / "sharded") as idx:
+        ids = np.concatenate([np.asarray(idx.ids_for_label(lab), np.int64) for lab in idx.labels()])
+        x = idx.embeddings(ids)
+        q = x[::5]
+        d, i, _ = idx.faiss.search(q, 8, widen=float(idx.manifest.nlist))
+        want = ids[np.argsort(-(q.astype(np.float64) @ x.T.astype(np.float64)), axis=1)[:, :8]]
+        assert_knn(i, want, vector_scorer(q, x, ids), ordered=True, got_scores=d)
+        own = idx.faiss.search(q, 8).ids             # nprobe 3 of 6 lists: some neighbours missed
+        assert sum(len(set(a) - set(b)) for a, b in zip(want.tolist(), own.tolist())) > 0
