@@ -7,6 +7,7 @@
                                 any other field (or one in the query string but dba) is a 400
     GET  /api/thumb/{index}/{id}  PNG thumbnail from the LMDB store
     GET  /api/audit/{index}     near-duplicates, likely mislabelled, outliers, confused pairs
+    GET  /api/labels/{index}    each label (what ``label`` takes) and its number of images
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness (503 naming what is not served, e.g. a lost Ray shard)
 
@@ -143,6 +144,10 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         """The index's audit lists (indexer.audit; computed once per index version)."""
         return {"index": index, **searcher.audit(index)}
 
+    @app.get("/api/labels/{index}")
+    def labels(index: str) -> dict[str, Any]:
+        return {"index": index, "labels": searcher.label_counts(index)}
+
     @app.get("/api/thumb/{index}/{id}")
     def thumb(index: str, id: str) -> Response:
         try:
@@ -151,7 +156,8 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
             raise UnknownIdError(f"id {id!r} is not a gallery id (expected an integer)") from None
         return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
 
-    known = {"/api/health": "GET", "/api/indexes": "GET", "/api/search": "POST", "/api/thumb": "GET"}
+    known = {"/api/health": "GET", "/api/indexes": "GET", "/api/search": "POST", "/api/thumb": "GET",
+             "/api/audit": "GET", "/api/labels": "GET"}
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
                    include_in_schema=False)
@@ -159,7 +165,8 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
         # Registered last: without it, an unknown /api/ path would fall through to Gradio's
         # mount and answer in Gradio's {"detail": ...} shape.
         path = "/api/" + rest
-        base = next((k for k in known if path == k or (k == "/api/thumb" and path.startswith(k + "/"))), None)
+        base = next((k for k in known if path == k or (k in ("/api/thumb", "/api/audit", "/api/labels")
+                                                      and path.startswith(k + "/"))), None)
         if base is not None and request.method != known[base]:
             return JSONResponse({"error": f"{request.method} is not allowed on {base}; use {known[base]}"},
                                 status_code=405, headers={"Allow": known[base]})

@@ -25,12 +25,16 @@ class EvalResult:
     dba: bool = False
     other: dict[int, float] | None = None
     dba_z: float | None = None
+    weakest: list[tuple[str, float, int]] = field(default_factory=list)   # (label, R@1, queries)
 
     @classmethod
     def of(cls, index: str, source: str, out: dict, skipped: Sequence[str] = ()) -> "EvalResult":
         """From ``indexer.layouts.evaluate``'s answer."""
+        from indexer.layouts.evaluate import weakest
+
         return cls(index, source, out["recall"], int(out["queries"]), list(skipped), bool(out["dba"]),
-                   out.get("recall_plain" if out["dba"] else "recall_dba"), out.get("dba_z"))
+                   out.get("recall_plain" if out["dba"] else "recall_dba"), out.get("dba_z"),
+                   weakest(out["per_label"]))
 
     def rows(self) -> list[dict[str, object]]:
         """A row per DBA setting measured, the served one first."""

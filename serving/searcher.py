@@ -366,6 +366,11 @@ class Searcher:
             raise RequestError(f"index {snap.name!r} was not opened from a directory: no audit")
         return served_audit(directory)
 
+    def label_counts(self, index: IndexRef = None) -> dict[str, int]:
+        """Each label of the index (what a search's ``labels`` takes) and its number of images."""
+        idx = self.snapshot(index).index
+        return {lab: len(idx.ids_for_label(lab)) for lab in sorted(idx.labels())}
+
     def describe(self, index: IndexRef = None) -> dict[str, Any]:
         """Manifest plus live facts, for the Index tab and GET /api/indexes."""
         snap = self.snapshot(index)

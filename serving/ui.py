@@ -204,6 +204,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         msg = f"Recall@k (%) on **{results[0].source}**" + (f" · {skipped} unreadable files skipped" if skipped else "")
         line = dba_line(results)
         msg += f"\n\n{line}" if line else ""
+        msg += "".join(f"\n\n{r.index}: weakest labels at R@1: " + ", ".join(
+            f"{lab} {100 * v:.0f}% ({n})" for lab, v, n in r.weakest[:5]) for r in results if r.weakest)
         import pandas as pd  # a gradio dependency; headers travel with the data this way
 
         return [msg, pd.DataFrame(rows, columns=head), png]

@@ -142,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="the figures' DBA setting (auto: as the index serves; the other setting is "
                         "reported beside them when the index has DBA)")
+    e.add_argument("--per-label", type=Path, default=None, metavar="FILE.csv",
+                   help="write each label's queries and Recall@1, weakest first (the five weakest "
+                        "are printed either way)")
     opts(e, "--json", "--device", "--max-memory", "--ray", "--shard-timeout", "--quiet",
          index=True).set_defaults(func=read.evaluate)
 

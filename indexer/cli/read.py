@@ -98,10 +98,12 @@ def search_folder(args: argparse.Namespace) -> None:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
-    from ..layouts.evaluate import dba_verdict, evaluate_gallery, evaluate_queries
+    from ..layouts.evaluate import dba_verdict, evaluate_gallery, evaluate_queries, weakest
 
     if args.max_queries is not None and not args.leave_one_out:
         raise UsageError("--max-queries needs --leave-one-out")
+    if args.per_label is not None and args.per_label.suffix.lower() != ".csv":
+        raise UsageError(f"--per-label {args.per_label}: expected a .csv file")
     dba = DBA[args.dba]
     with open_index(args, check_model=not args.leave_one_out, strict=True) as idx:
         if dba and not idx.has_dba:
@@ -133,6 +135,18 @@ def evaluate(args: argparse.Namespace) -> int:
     if "dba_z" in res:
         z = res["dba_z"]
         print(f"DBA vs plain at Recall@1, same queries: McNemar z {z:+.2f} ({dba_verdict(z)})")
+    worst = weakest(res["per_label"])
+    print(f"Weakest labels at Recall@1 (of {len(worst)}): "
+          + ", ".join(f"{lab} {r:.2f} ({n})" for lab, r, n in worst[:5]))
+    if args.per_label is not None:       # every label, weakest first; replaced whole
+        tmp = args.per_label.with_name(f".{args.per_label.name}.partial")
+        with open(tmp, "w", newline="") as fh:
+            import csv
+
+            w = csv.writer(fh)
+            w.writerow(["label", "queries", "recall@1"])
+            w.writerows([lab, n, f"{r:.6f}"] for lab, r, n in worst)
+        tmp.replace(args.per_label)
     beyond = sorted(set(args.k) - set(res["recall"]))
     if beyond:                            # more results than the index holds: no figure, said
         print(f"indexer eval: Recall@{', @'.join(map(str, beyond))} not measured: the index holds {stored} "

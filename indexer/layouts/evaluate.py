@@ -48,9 +48,10 @@ def _both(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[i
     """The figures as asked (``dba``; None: as the index serves by default) and, for an index
     with DBA neighbourhoods, the other setting beside them (``recall_plain`` / ``recall_dba``) and
     ``dba_z``: McNemar's z of DBA's R@1 against plain's on the same queries (> 0: DBA ahead;
-    |z| < 2: within the noise). ``BLOCK`` queries at a time (``own[r]``: the gallery id query r
-    is, left out and guarded), each block's vectors read once for both settings and its
-    neighbours' labels in one transaction."""
+    |z| < 2: within the noise); ``per_label``: each query label's queries and Recall@1 (as
+    asked). ``BLOCK`` queries at a time (``own[r]``: the gallery id query r is, left out and
+    guarded), each block's vectors read once for both settings and its neighbours' labels in
+    one transaction."""
     from tqdm.auto import tqdm
 
     used = index.has_dba if dba is None else bool(dba)
@@ -69,13 +70,22 @@ def _both(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[i
             bar.update(hi - lo)
     measured = [k for k in ks if k <= kmax]
     rec, top1 = _recall(found[used], labels, measured)
-    out: dict[str, Any] = {"recall": rec, "dba": used}
+    names, of = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
+    n, hit = np.bincount(of, minlength=len(names)), np.bincount(of, weights=top1, minlength=len(names))
+    out: dict[str, Any] = {"recall": rec, "dba": used,      # which labels the search serves worst
+                           "per_label": {str(k): {"queries": int(c), "recall@1": float(h / c)}
+                                         for k, c, h in zip(names, n, hit)}}
     if index.has_dba:
         out["recall_dba" if not used else "recall_plain"], other = _recall(found[not used], labels, measured)
         with_dba, plain = (top1, other) if used else (other, top1)
         ahead, behind = int((with_dba & ~plain).sum()), int((plain & ~with_dba).sum())
         out["dba_z"] = (ahead - behind) / float(np.sqrt(ahead + behind)) if ahead + behind else 0.0
     return out
+
+
+def weakest(per_label: dict[str, dict]) -> list[tuple[str, float, int]]:
+    """(label, Recall@1, queries) of an evaluation's ``per_label``, weakest first (then by name)."""
+    return sorted(((lab, v["recall@1"], v["queries"]) for lab, v in per_label.items()), key=lambda t: (t[1], t[0]))
 
 
 def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 2, 4, 8),

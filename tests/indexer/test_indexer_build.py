@@ -731,3 +731,30 @@ def test_a_class_folder_renamed_is_relabelled_by_a_rebuild(tmp_path: Path, omnig
         assert sorted(store.paths_under("renamed/")) == [f"renamed/{i:02d}.png" for i in (0, 3, 6, 9)]
         assert store.paths_under("c0/") == [] and store.id_for_path("c1/01.png") is not None
     assert check_counts(out).ok
+
+
+def test_eval_per_label_recall(built_index: Path, tmp_path: Path) -> None:
+    """Each label's Recall@1 (`--per-label`, JSON `per_label`): the labels' share of the R@1 of
+    the same searches, the five weakest printed, every label in the CSV weakest first."""
+    import csv
+
+    out = tmp_path / "labels.csv"
+    p = run_cli("eval", "--leave-one-out", "--index", built_index, "-k", "1", "--per-label", out)
+    res = json.loads(run_cli("eval", "--leave-one-out", "--index", built_index, "-k", "1", "--json").stdout)
+    idx = Index.open(built_index)
+    ids = [i for lab in idx.labels() for i in idx.ids_for_label(lab)]
+    _, nn = idx.search_embeddings(idx.embeddings(ids), 1, exclude=ids)     # the eval's own search
+    got: dict[str, list[bool]] = {}
+    for i, n in zip(ids, nn[:, 0]):
+        lab = idx.meta(i)["label"]
+        got.setdefault(lab, []).append(idx.meta(int(n))["label"] == lab)
+    assert res["per_label"] == {lab: {"queries": 20, "recall@1": float(np.mean(v))} for lab, v in got.items()}
+    assert sum(v["recall@1"] * v["queries"] for v in res["per_label"].values()) / 240 == \
+        pytest.approx(res["recall"]["1"], abs=1e-12)
+    with out.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["label"] for r in rows] == sorted(got, key=lambda lab: (np.mean(got[lab]), lab))
+    weakest = rows[0]
+    assert f"Weakest labels at Recall@1 (of 12): {weakest['label']} {float(weakest['recall@1']):.2f} (20)" in p.stdout
+    bad = run_cli("eval", "--leave-one-out", "--index", built_index, "--per-label", tmp_path / "x.txt", check=False)
+    assert bad.returncode != 0 and "expected a .csv file" in bad.stderr

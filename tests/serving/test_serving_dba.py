@@ -94,7 +94,7 @@ def test_evaluate_tab_shows_both_settings_and_mcnemar_z(dba_server, dba_index, g
     one without, and McNemar's z of the two at R@1, each equal to the indexer's own figures; an
     index without DBA one row."""
     from indexer import Index
-    from indexer.layouts.evaluate import dba_verdict, evaluate_gallery
+    from indexer.layouts.evaluate import dba_verdict, evaluate_gallery, weakest
 
     with Index.open(dba_index) as idx:
         want = evaluate_gallery(idx, (1, 4), max_queries=2000)
@@ -106,6 +106,9 @@ def test_evaluate_tab_shows_both_settings_and_mcnemar_z(dba_server, dba_index, g
         assert row[4:] == [round(100 * rec[1], 2), round(100 * rec[4], 2)]
     assert f"dba McNemar z {want['dba_z']:+.2f} ({dba_verdict(want['dba_z'])})" in status, status
     assert "small McNemar" not in status
+    lab, r1, n = weakest(want["per_label"])[0]          # and each index's weakest labels
+    assert f"dba: weakest labels at R@1: {lab} {100 * r1:.0f}% ({n})" in status, status
+    assert "small: weakest labels at R@1: " in status
 
 
 def test_label_filter_in_the_api_and_the_search_tab(dba_server, dba_index, gradio_client):
@@ -127,6 +130,15 @@ def test_label_filter_in_the_api_and_the_search_tab(dba_server, dba_index, gradi
     r = httpx.post(f"{dba_server}/api/search", files={"image": ("x.png", b"not decoded")},
                    data={"label": [labels[1], "no-such-class"]}, timeout=60)
     assert r.status_code == 400 and "'no-such-class': no image has it" in r.json()["error"], r.text
+    r = httpx.post(f"{dba_server}/api/search", data={"id": str(gid), "label": "x" * 100_000}, timeout=60)
+    assert r.status_code == 400 and len(r.json()["error"]) < 300, r.text[:300]
+    # the values label takes, with their counts
+    r = httpx.get(f"{dba_server}/api/labels/dba", timeout=60)
+    assert r.status_code == 200 and r.json()["labels"] == {lab: len(idx.ids_for_label(lab)) for lab in labels}
+    assert sum(r.json()["labels"].values()) == len(idx)
+    assert httpx.post(f"{dba_server}/api/labels/dba", timeout=60).status_code == 405
+    r = httpx.get(f"{dba_server}/api/labels/nowhere", timeout=60)
+    assert r.status_code in (400, 404) and "nowhere" in r.json()["error"], r.text
     client = gradio_client(dba_server)
     status, dba_gal, small_gal = client.predict(None, str(gid), None, 4, True, None, None, [labels[1]],
                                                 api_name="/search_dba")
