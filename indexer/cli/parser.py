@@ -158,6 +158,13 @@ def parser() -> argparse.ArgumentParser:
                         "exit 1 naming the file if LMDB cannot read one (garbage inside data.mdb "
                         "that the cheap open-time checks cannot see; reads the whole store)")
 
+    x = sub.add_parser("export", help="the stored vectors as a .npy array and the items as CSV",
+                       description="Write FILE.npy ((n, dim) float32, L2-normalised: what the index "
+                                   "searches) and FILE.csv (row, id, label, path: the array's rows), "
+                                   "for work outside the engine; single and sharded indexes alike.")
+    x.add_argument("--out", type=Path, required=True, metavar="FILE.npy", help="the array (the CSV beside it)")
+    opts(x, "--quiet", index=True).set_defaults(func=read.export)
+
     m = sub.add_parser("merge", help="merge shard directories into one index",
                        description="Train one IVF quantizer over all shards and merge their inverted lists; "
                                    "DBA by `indexer build`'s rule for the merged gallery, so the "

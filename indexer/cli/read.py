@@ -158,6 +158,19 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> None:
+    """``indexer export --out FILE.npy``: the vectors and, beside them, FILE.csv."""
+    from ..layouts.export import export_embeddings
+    from ..layouts.index import Index
+
+    if args.out.suffix.lower() != ".npy":
+        raise UsageError(f"--out {args.out}: expected a .npy file (the CSV is written beside it)")
+    with Index.open(args.index) as idx:
+        n = export_embeddings(idx, args.out, progress=not args.quiet)
+        dim = idx.dim
+    print(f"{n} vectors of {dim} dims -> {args.out}, their items -> {args.out.with_suffix('.csv')}")
+
+
 def info(args: argparse.Namespace) -> None:
     """``indexer info``: the library's facts (indexer.build.update.info) as a table or JSON; counts
     that differ end in the one error line (exit 1) after the table."""

@@ -13,7 +13,7 @@ quantizer: results equal one merged index's) and a :class:`ShardedStore` (each i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import faiss
 import numpy as np
@@ -90,6 +90,18 @@ class ShardedStore:
 
     def models(self) -> list[str]:
         return sorted({m for s in self.stores for m in s.models()})
+
+    def iter_embeddings(self, model_hash: str, size: int = 65_536, *, vectors: bool = True
+                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``GalleryStore.iter_embeddings`` of each shard store in turn (ascending within a
+        shard); an id two shards hold comes once, from the first (as ``_owner`` reads it)."""
+        seen: set[int] = set()
+        for s in self.stores:
+            for ids, x in s.iter_embeddings(model_hash, size, vectors=vectors):
+                new = np.fromiter((i not in seen for i in ids.tolist()), dtype=bool, count=len(ids))
+                seen.update(ids.tolist())
+                if new.any():
+                    yield ids[new], x[new]
 
     def probe(self) -> None:
         for s in self.stores:
