@@ -14,6 +14,13 @@ Queries: stored vectors of the index's own images (each left out of its own row)
 and the recall@k of the plain and the filtered half against exact answers (over the whole gallery,
 within the same labels: the exact pass with an unbounded budget).
 Prints p50 / p99 latency (ms) per setting and the p50 ratios to plain.
+
+    python -m benchmarks.indexer.label_filter --synthetic 300000 [--dim 128]
+
+At scale, no store: low-rank vectors (benchmarks.inputs.low_rank) labelled by groups of 10 of
+their 1,000 clusters (100 labels that occupy regions, as classes do), IVF1024,Flat at nprobe 16,
+500 fresh queries; 1, 10 and 50 labels, each filtered at widen 1, 2, 4 and exact (recall@10
+against the exact answer within the labels, ms a query in batches of 500).
 """
 from __future__ import annotations
 
@@ -30,7 +37,10 @@ PROG = "python -m benchmarks.indexer.label_filter"
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--index", type=Path, required=True, help="a labelled index directory")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--index", type=Path, help="a labelled index directory")
+    src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic labelled vectors instead")
+    ap.add_argument("--dim", type=int, default=128, help="with --synthetic: their dimension (default 128)")
     ap.add_argument("--n", type=int, default=200, help="queries (default 200)")
     ap.add_argument("-k", "--k", type=int, default=10)
     ap.add_argument("--no-dba", action="store_true", help="search without DBA re-ranking (default: as built)")
@@ -39,8 +49,55 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(PROG, ap, argv, handler=run)
 
 
+def synthetic(n: int, dim: int) -> None:
+    import faiss
+
+    from benchmarks.inputs.low_rank import low_rank_labelled, low_rank_law
+    from indexer.ann import subset
+    from indexer.ann.faiss_index import search_wider
+    from indexer.searchable import Answer
+
+    law = low_rank_law(dim)
+    x, cluster = low_rank_labelled(n, law, 1)
+    q = low_rank_labelled(500, law, 2)[0]
+    label = cluster // 10
+    index = faiss.index_factory(dim, "IVF1024,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(x[:100_000])
+    index.add(x)
+    index.nprobe = 16
+
+    def search(qq: np.ndarray, k: int, widen: float = 1.0) -> Answer:
+        return Answer(*search_wider(index, qq, k, widen))
+
+    def recall(got: np.ndarray, want: np.ndarray) -> float:
+        return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(got.tolist(), want.tolist())]))
+
+    def timed(fn) -> tuple[float, np.ndarray]:
+        t = time.perf_counter()
+        ids = fn()
+        return (time.perf_counter() - t) / len(q) * 1e3, ids
+
+    ms, got = timed(lambda: index.search(q, 10)[1])
+    print(f"synthetic {n} x {dim}, IVF1024,Flat nprobe 16; plain: recall@10 "
+          f"{recall(got, np.argsort(-(q @ x.T), axis=1)[:, :10]):.4f}, {ms:.2f} ms a query")
+    rng = np.random.default_rng(0)
+    budget, widen = subset.EXACT_BYTES, subset.WIDEN
+    for m in (1, 10, 50):
+        allowed = np.nonzero(np.isin(label, rng.choice(100, m, replace=False)))[0]
+        want = allowed[np.argsort(-(q @ x[allowed].T), axis=1)[:, :10]]
+        for w in (1.0, 2.0, 4.0, None):
+            subset.EXACT_BYTES, subset.WIDEN = (0, w) if w else (1 << 62, widen)
+            ms, got = timed(lambda: subset.subset_search(search, lambda ids: x[ids], allowed, q, 10, n).ids)
+            print(f"  {m:3d} labels ({len(allowed) / n:.3f} of the gallery), "
+                  f"{f'widen {w:g}' if w else 'exact':8s}: recall@10 {recall(got, want):.4f}, {ms:.2f} ms a query")
+    subset.EXACT_BYTES, subset.WIDEN = budget, widen
+
+
 def run(args: argparse.Namespace) -> int | None:
     from tqdm import tqdm
+
+    if args.synthetic:
+        return synthetic(args.synthetic, args.dim)
 
     from indexer import Index
     from indexer.ann import subset

@@ -19,7 +19,14 @@ def low_rank_law(d: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def low_rank(n: int, law: tuple[np.ndarray, np.ndarray], seed: int, chunk: int = 100_000) -> np.ndarray:
-    """Unit vectors near a low-dimensional subspace, generated in chunks (1M x 512 is 2 GB).
+    """:func:`low_rank_labelled`'s vectors."""
+    return low_rank_labelled(n, law, seed, chunk)[0]
+
+
+def low_rank_labelled(n: int, law: tuple[np.ndarray, np.ndarray], seed: int,
+                      chunk: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
+    """Unit vectors near a low-dimensional subspace, generated in chunks (1M x 512 is 2 GB), and
+    each one's cluster (grouped, a label that occupies a region as a class does).
 
     Harder than index_bench's ``clustered``: in 16 dimensions a query's ten neighbours are
     nearly as far as the next hundred and lie in many IVF lists, which is how real image
@@ -32,10 +39,12 @@ def low_rank(n: int, law: tuple[np.ndarray, np.ndarray], seed: int, chunk: int =
     d = basis.shape[0]
     rng = np.random.default_rng(seed)
     out = np.empty((n, d), dtype=np.float32)
+    cluster = np.empty(n, dtype=np.int64)
     for s in range(0, n, chunk):
         m = min(chunk, n - s)
-        z = centres[rng.integers(0, len(centres), m)] + LR_SPREAD * rng.normal(size=(m, LR_RANK))
+        cluster[s:s + m] = rng.integers(0, len(centres), m)
+        z = centres[cluster[s:s + m]] + LR_SPREAD * rng.normal(size=(m, LR_RANK))
         out[s:s + m] = z.astype(np.float32) @ basis.T
         out[s:s + m] += (LR_NOISE * np.sqrt(LR_RANK / d)) * rng.normal(size=(m, d)).astype(np.float32)
     faiss.normalize_L2(out)
-    return out
+    return out, cluster
