@@ -3,6 +3,7 @@
     POST /api/search            multipart: image=<file> (or id=<gallery id>, or path=<gallery path>),
                                 k=10, index=<name>, dba=true|false (default: as built), box=x0,y0,x1,y1;
                                 label=<class>, repeatable: only images of these labels answer;
+                                copies=true: each result says whether it is the query's own picture;
                                 image repeated (up to 16): one result list for the images fused;
                                 any other field (or one in the query string but dba) is a 400
     GET  /api/thumb/{index}/{id}  PNG thumbnail from the LMDB store
@@ -30,7 +31,7 @@ from indexer import IndexerError
 from .limits import RequestGuard
 from .queries import check_count, parse_box
 from .redact import Redactor
-from .results import RequestError, UnknownIdError, check_k, parse_dba
+from .results import RequestError, UnknownIdError, check_k, parse_switch
 from .searcher import Searcher
 from .session import GradioSessions
 from .throttle import LoginThrottle
@@ -39,7 +40,7 @@ from .uploads import DEFAULT_MAX_UPLOAD_BYTES, decode_upload, too_large
 # Multipart overhead allowed on top of the image itself before the body is refused unread.
 _FORM_OVERHEAD = 64 * 1024
 #: the form fields POST /api/search reads (``dba`` also from the query string)
-SEARCH_FIELDS = ("image", "k", "index", "id", "path", "dba", "box", "label")
+SEARCH_FIELDS = ("image", "k", "index", "id", "path", "dba", "box", "label", "copies")
 
 
 async def known_fields(request: Request) -> None:
@@ -104,35 +105,42 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
     def search(request: Request, image: list[UploadFile] | None = File(None), k: str = Form("10"),
                index: str | None = Form(None), id: str | None = Form(None),
                path: str | None = Form(None), dba: str | None = Form(None),
-               box: str | None = Form(None), label: list[str] | None = Form(None)) -> dict[str, Any]:
+               box: str | None = Form(None), label: list[str] | None = Form(None),
+               copies: str | None = Form(None)) -> dict[str, Any]:
         # One index state for the whole request (a reload meanwhile never mixes two): the index,
         # k, dba, box, labels and the number of images are checked once, before any decoding.
         snap = searcher.snapshot(index)
         kk, only = check_k(k), searcher.check_labels(label, snap)
-        use_dba = searcher.check_dba(parse_dba(dba if dba is not None else request.query_params.get("dba")), snap)
+        use_dba = searcher.check_dba(parse_switch(dba if dba is not None else request.query_params.get("dba")), snap)
         images = image or []
         check_count(len(images))
         region = parse_box(box)
         if region is not None and len(images) > 1:
             raise RequestError(f"box: a region of one query image; got {len(images)} images")
-        parts = []
+        check_copies = bool(parse_switch(copies, "copies"))
+        if check_copies and (region is not None or len(images) > 1):
+            raise RequestError("copies: checked for one whole query image (no box, one image)")
+        parts, sent = [], []
         for upload in images:
             fname = upload.filename or "image"
             data = upload.file.read(max_upload_bytes + 1)
             if len(data) > max_upload_bytes:
                 raise RequestError(f"{fname}: {too_large(upload.size, max_upload_bytes)}", 413)
             img = decode_upload(data, fname, max_bytes=max_upload_bytes, min_side=searcher.decode_side, box=region)
+            sent.append(data if check_copies else b"")
             name = upload.filename or "upload"
             parts.append(searcher.query(img, name=name) if region is None else searcher.region_query(img, region, name))
         # else id or path: a gallery image, looked up in LMDB, never opened
         query = searcher.fused(parts) if parts else searcher.query(None, id=id, path=path, index=snap, box=region)
         res = searcher.search(query, kk, index=snap, dba=use_dba, labels=only)
+        marks = searcher.copies(query, sent[0] if sent else None, res.results, snap) if check_copies else \
+            [{} for _ in res.results]
         # relative to the server, never built from the Host header (a client-chosen name)
         base = request.scope.get("root_path", "").rstrip("/")
         out = {"index": snap.name, "k": kk, "dba": res.dba,
                "query": {"name": query.name, "id": query.id, "label": query.label},
-               "results": [{**r.to_dict(), "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
-                           for r in res.results]}
+               "results": [{**r.to_dict(), **m, "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
+                           for r, m in zip(res.results, marks)]}
         if only:
             out["labels"] = list(only)
         if res.partial:     # served over Ray and a shard did not answer in time: named, not hidden

@@ -46,8 +46,8 @@ def check_k(k: Any) -> int:
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
-def parse_dba(v: Any) -> bool | None:
-    """A request's ``dba`` switch: absent or empty -> None (the index's default), else a boolean."""
+def parse_switch(v: Any, name: str = "dba") -> bool | None:
+    """A request's switch (``dba``, ``copies``): absent or empty -> None (the default), else a boolean."""
     if v is None or isinstance(v, bool):
         return v
     t = str(v).strip().lower()
@@ -55,7 +55,7 @@ def parse_dba(v: Any) -> bool | None:
         return None
     if t in _TRUE or t in _FALSE:
         return t in _TRUE
-    raise RequestError(f"dba: expected true or false (1/0, on/off), got {v!r}")
+    raise RequestError(f"{name}: expected true or false (1/0, on/off), got {str(v)[:60]!r}")
 
 
 @dataclass(frozen=True)

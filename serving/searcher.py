@@ -366,6 +366,19 @@ class Searcher:
             raise RequestError(f"index {snap.name!r} was not opened from a directory: no audit")
         return served_audit(directory)
 
+    def copies(self, query: Query, data: bytes | None, results: Sequence[Result],
+               index: IndexRef = None) -> list[dict[str, bool]]:
+        """Each result's ``{"copy": bool}``: whether it is the query's own picture (resized,
+        re-encoded, cropped; :func:`indexer.audit.copies.copies`). ``data``: the uploaded bytes,
+        None for a gallery query (its stored bytes)."""
+        from indexer.audit.copies import copies
+
+        snap = self.snapshot(index)
+        own = data if data is not None else (query.origin.index if query.origin is not None
+                                             else self.index(query.source)).image_bytes(query.id)
+        found = copies(lambda _: own, snap.index.image_bytes, [[(r.id, r.score) for r in results]])[0]
+        return [{"copy": c} for c in found]
+
     def label_counts(self, index: IndexRef = None) -> dict[str, int]:
         """Each label of the index (what a search's ``labels`` takes) and its number of images."""
         idx = self.snapshot(index).index

@@ -39,6 +39,8 @@ def search(args: argparse.Namespace) -> None:
     from embedder.regions import load_region, parse_box
 
     box = parse_box(args.box, "--box")
+    if args.copies and box is not None:
+        raise UsageError("--copies checks whole images; a region is not one (drop --box)")
     if args.image.is_dir():
         if box is not None:
             raise UsageError("--box is a region of one image; a folder is searched whole")
@@ -57,12 +59,25 @@ def search(args: argparse.Namespace) -> None:
             args.image, box, idx.decode_side, name=str(args.image), field="--box")
         found = idx.answer(idx.embed([query]), args.k, dba=DBA[args.dba], labels=labels)
         hits = idx.hits(found.scores[0], found.ids[0])
+        marks = copy_marks(args, idx, lambda _: args.image.read_bytes(), [hits])[0]
     warn_partial(found.partial, args)
     if args.json:
-        print(json.dumps([h.__dict__ for h in hits], indent=2))
+        print(json.dumps([{**h.__dict__, **m} for h, m in zip(hits, marks)], indent=2))
     else:
-        for r, h in enumerate(hits, 1):
-            print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}")
+        for r, (h, m) in enumerate(zip(hits, marks), 1):
+            print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}" + ("  COPY" if m.get("copy") else ""))
+
+
+def copy_marks(args: argparse.Namespace, idx: Any, query: Any, rows: list[list[Any]]) -> list[list[dict]]:
+    """With ``--copies``, each hit's ``{"copy": bool}`` (:func:`indexer.audit.copies.copies`);
+    else empty marks."""
+    if not args.copies:
+        return [[{} for _ in hits] for hits in rows]
+    from ..audit.copies import copies
+
+    found = copies(query, idx.image_bytes, [[(h.id, h.score) for h in hits] for hits in rows],
+                   progress="" if args.quiet else "checking copies")
+    return [[{"copy": c} for c in row] for row in found]
 
 
 def search_folder(args: argparse.Namespace) -> None:
@@ -75,6 +90,7 @@ def search_folder(args: argparse.Namespace) -> None:
     with open_index(args) as idx:
         rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
                                               progress=not args.quiet, labels=idx.check_labels(args.label or []))
+        marks = copy_marks(args, idx, lambda r: (args.image / rows[r][0]).read_bytes(), [h for _, h in rows])
     warn_partial(partial, args)
     out = sys.stdout if args.out is None else None
     tmp = None if args.out is None else args.out.with_name(f".{args.out.name}.partial")
@@ -83,12 +99,12 @@ def search_folder(args: argparse.Namespace) -> None:
             import csv
 
             w = csv.writer(fh)
-            w.writerow(["query", "rank", "id", "score", "label", "path"])
-            w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path]
-                        for q, hits in rows for r, h in enumerate(hits, 1))
+            w.writerow(["query", "rank", "id", "score", "label", "path"] + (["copy"] if args.copies else []))
+            w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path, *m.values()]
+                        for (q, hits), ms in zip(rows, marks) for r, (h, m) in enumerate(zip(hits, ms), 1))
         else:
-            for q, hits in rows:
-                fh.write(json.dumps({"query": q, "results": [h.__dict__ for h in hits]}) + "\n")
+            for (q, hits), ms in zip(rows, marks):
+                fh.write(json.dumps({"query": q, "results": [{**h.__dict__, **m} for h, m in zip(hits, ms)]}) + "\n")
     if tmp is not None:
         tmp.replace(args.out)
         print(f"{len(rows)} queries searched, top-{args.k} each -> {args.out}", file=sys.stderr)

@@ -147,3 +147,31 @@ def test_label_filter_in_the_api_and_the_search_tab(dba_server, dba_index, gradi
         assert len(gal) == 4 and all(g["caption"].startswith(f"{labels[1]} · ") for g in gal)
     with pytest.raises(Exception, match="no-such-class"):     # Gradio checks the dropdown's choices
         client.predict(None, str(gid), None, 4, True, None, None, ["no-such-class"], api_name="/search_dba")
+
+
+def test_api_copies_marks_the_querys_own_picture(dba_server, dba_index, tmp_path):
+    """``copies=true``: an upload of a gallery photo resized and re-encoded has that photo
+    marked as a copy and no other; a box or two images with it is a 400 naming the field."""
+    import io
+
+    from PIL import Image
+
+    from indexer import Index
+
+    idx = Index.open(dba_index)
+    gid = idx.ids_for_label(idx.labels()[0])[0]
+    im = Image.open(io.BytesIO(idx.image_bytes(gid))).convert("RGB")
+    buf = io.BytesIO()
+    im.resize((im.width * 3 // 4, im.height * 3 // 4)).save(buf, "JPEG", quality=75)
+    r = httpx.post(f"{dba_server}/api/search", files={"image": ("copy.jpg", buf.getvalue())},
+                   data={"k": "4", "copies": "true"}, timeout=60)
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert [x["copy"] for x in res] == [x["id"] == gid for x in res] and res[0]["id"] == gid
+    r = httpx.post(f"{dba_server}/api/search", files={"image": ("copy.jpg", buf.getvalue())}, timeout=60)
+    assert "copy" not in r.json()["results"][0]
+    r = httpx.post(f"{dba_server}/api/search", files={"image": ("copy.jpg", buf.getvalue())},
+                   data={"copies": "true", "box": "0,0,40,40"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"].startswith("copies:"), r.text
+    r = httpx.post(f"{dba_server}/api/search", data={"id": str(gid), "copies": "maybe"}, timeout=60)
+    assert r.status_code == 400 and "copies: expected true or false" in r.json()["error"], r.text
