@@ -14,6 +14,12 @@ settings), audited with ``python -m indexer audit`` (default settings), and scor
     nice -n 10 python -m benchmarks.audit_faults --data cub --half val --grid     # choose defaults
     nice -n 10 python -m benchmarks.audit_faults --data cub --half test           # report
     nice -n 10 python -m benchmarks.audit_faults speed --n 1000000 --dim 128      # 1M x 128 synthetic
+    python -m benchmarks.audit_faults copies --data cub --half val                 # indexer search --copies
+
+``copies``: the half without 60 of its photos is indexed; the queries are 60 copies of gallery
+photos (the three kinds in turn) and the 60 held out (new photos of the same classes), searched
+with ``indexer search FOLDER --copies -k 5``: recall (the copy's original among its hits, marked)
+and every other mark, counted as wrong (held-out queries included).
 
 Validation classes: the first half of each dataset's classes (natural order); report: the other
 half. ``--keep DIR`` leaves the gallery, the index and the audit there (``--tools`` then scores
@@ -51,8 +57,6 @@ def _images(d: Path) -> list[Path]:
 def make_gallery(data: str, half: str, out: Path, seed: int = 0, flip: float = 0.02, copies: float = 0.02,
                  offdomain: float = 0.01) -> dict:
     """Build the injected gallery in ``out``; the truth as relative paths."""
-    from PIL import Image
-
     root = DATA / {"cub": "cub-dev", "caltech": "caltech101-dev"}[data] / "images"
     names = class_names(root)
     names = names[:len(names) // 2] if half == "val" else names[len(names) // 2:]
@@ -78,19 +82,8 @@ def make_gallery(data: str, half: str, out: Path, seed: int = 0, flip: float = 0
     for j, i in enumerate(copied):
         c, f = files[i]
         kind = kinds[j % 3]
-        im = Image.open(f).convert("RGB")
-        if kind == "resized":
-            im = im.resize((im.width // 2, im.height // 2), Image.BICUBIC)
-            q = 90
-        elif kind == "cropped":
-            w, h = im.size
-            dx, dy = round(w * 0.075), round(h * 0.075)
-            im = im.crop((dx, dy, w - dx, h - dy))
-            q = 90
-        else:
-            q = 25
         rel = f"{c}/copy_{kind}_{f.stem}.jpg"
-        im.save(out / rel, format="JPEG", quality=q)
+        copy_of(f, out / rel, kind)
         truth["copies"].append([f"{c}/{f.name}", rel, kind])
     other_root = DATA / OTHER[data]
     pool = _images(other_root / ("images" if data == "cub" else "images_background"))
@@ -101,6 +94,64 @@ def make_gallery(data: str, half: str, out: Path, seed: int = 0, flip: float = 0
         truth["offdomain"].append(rel)
     truth["classes"] = names
     return truth
+
+
+def copy_of(src: Path, dst: Path, kind: str) -> None:
+    """A resized (0.5x, q90), re-encoded (q25) or cropped (central 85%, q90) JPEG copy."""
+    from PIL import Image
+
+    im = Image.open(src).convert("RGB")
+    if kind == "resized":
+        im = im.resize((im.width // 2, im.height // 2), Image.BICUBIC)
+    elif kind == "cropped":
+        dx, dy = round(im.width * 0.075), round(im.height * 0.075)
+        im = im.crop((dx, dy, im.width - dx, im.height - dy))
+    im.save(dst, format="JPEG", quality=25 if kind == "reencoded" else 90)
+
+
+def copies(args: argparse.Namespace) -> None:
+    import csv
+
+    root = DATA / {"cub": "cub-dev", "caltech": "caltech101-dev"}[args.data] / "images"
+    names = class_names(root)
+    names = names[:len(names) // 2] if args.half == "val" else names[len(names) // 2:]
+    files = [(c, f) for c in names for f in _images(root / c)]
+    rng = random.Random(args.seed)
+    picked = rng.sample(range(len(files)), 2 * args.n)
+    held, copied = set(picked[:args.n]), picked[args.n:]
+    work = Path(tempfile.mkdtemp(prefix="copies-"))
+    gal, q, idx = work / "gallery", work / "queries", work / "index"
+    q.mkdir(parents=True)
+    kinds = ("resized", "reencoded", "cropped")
+    truth = {}
+    for i, (c, f) in enumerate(files):
+        if i in held:
+            (q / f"new_{c}_{f.name}").symlink_to(f)
+            continue
+        (gal / c).mkdir(parents=True, exist_ok=True)
+        (gal / c / f.name).symlink_to(f)
+    for j, i in enumerate(copied):
+        c, f = files[i]
+        name = f"copy_{kinds[j % 3]}_{c}_{f.stem}.jpg"
+        copy_of(f, q / name, kinds[j % 3])
+        truth[name] = f"{c}/{f.name}"
+    run([sys.executable, "-m", "indexer", "build", str(gal), "--out", str(idx), "--quiet"])
+    t0 = time.perf_counter()
+    run([sys.executable, "-m", "indexer", "search", str(q), "--index", str(idx), "-k", "5", "--copies",
+         "--out", str(work / "r.csv"), "--quiet"])
+    ts = time.perf_counter() - t0
+    with open(work / "r.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    marked = {(r["query"], r["path"]) for r in rows if r["copy"] == "True"}
+    found = {k: [] for k in kinds}
+    for name, orig in truth.items():
+        found[name.split("_")[1]].append((name, orig) in marked)
+    right = sum(v for f in found.values() for v in f)
+    print(json.dumps({"data": args.data, "half": args.half, "gallery": len(files) - args.n, "queries": 2 * args.n,
+                      "recall": right / len(truth), "by_kind": {k: sum(v) / len(v) for k, v in found.items()},
+                      "marks": len(marked), "wrong_marks": len(marked) - right,
+                      "wrong": sorted(m for m in marked if truth.get(m[0]) != m[1]),
+                      "precision": right / max(len(marked), 1), "search_s": round(ts, 1)}, indent=1))
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -376,8 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--repeats", type=int, default=3)
     x.add_argument("--max-pairs", type=int, default=5000)
     x.set_defaults(func=pixels)
+    c = sub.add_parser("copies", help="indexer search --copies: injected copies and new photos as queries")
+    c.add_argument("--data", choices=("cub", "caltech"), default="cub")
+    c.add_argument("--half", choices=("val", "test"), default="val")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--n", type=int, default=60, help="copies, and as many new photos (default 60)")
+    c.set_defaults(func=copies)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("faults", "speed", "pixels", "-h", "--help"):
+    if not argv or argv[0] not in ("faults", "speed", "pixels", "copies", "-h", "--help"):
         argv = ["faults", *argv]
     return run_main("audit_faults", p, argv)
 
