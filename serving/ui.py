@@ -143,13 +143,19 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
     # -- handlers -------------------------------------------------------------------------
     def do_search(img_path: str | None, pick: str | None, label: str | None, k: float,
                   dba: bool = True, region: str | None = None, more: list[str] | None = None,
-                  only: list[str] | None = None) -> list[Any]:
+                  only: list[str] | None = None, copies: bool = False) -> list[Any]:
         try:
+            if copies and ((region or "").strip() or more):
+                raise RequestError("copies: checked for one whole query image (no box, no more images)")
             q = make_query(img_path, pick, label, region, more)
             kk = int(k)
             # checked: each index's default (DBA where built with it); unchecked: plain everywhere
             found = searcher.search_all(q, kk, dba=None if dba else False, thumbnails=True, labels=only)
-            out = [result_items(searcher, res.results, q.label) for res in found.values()]
+            data = Path(img_path).read_bytes() if copies and img_path else None   # None: the gallery pick's
+            out = [[(im, cap + (" · copy" if m.get("copy") else "")) for (im, cap), m in zip(
+                    result_items(searcher, res.results, q.label),
+                    searcher.copies(q, data, res.results, n) if copies else [{}] * len(res.results))]
+                   for n, res in found.items()]
         except (ValueError, UnknownIdError, IndexerError) as e:    # RequestError, UploadError, ImageLoadError
             return fail(e, len(names))
         known = f"label **{q.label}** (green = same label, red = different)" if q.label else \
@@ -259,6 +265,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                                                "one result list for all of them; a phone's HEIC goes here)", elem_id="search-more")
                         s_only = gr.Dropdown(labels, value=[], multiselect=True, elem_id="search-only",
                                              label="Only these labels (optional: results from these classes)")
+                        s_copies = gr.Checkbox(False, elem_id="search-copies",
+                                               label="Mark copies of the query (resized, re-encoded, cropped)")
                         s_k = gr.Slider(1, 50, value=8, step=1, label="k", elem_id="search-k")
                         with_dba = [n for n in names if searcher.index(n).has_dba]
                         s_dba = gr.Checkbox(value=True, elem_id="search-dba", interactive=bool(with_dba),
@@ -273,8 +281,8 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                 # The button sends the checkbox too (endpoint "search_dba"); "search" keeps its four
                 # inputs for programs written against it (each index's default: DBA where built with
                 # it): an event with no trigger on the page, an API endpoint only.
-                s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more, s_only], [s_status, *s_gals],
-                            api_name="search_dba")
+                s_btn.click(do_search, [*s_query, s_k, s_dba, s_region, s_more, s_only, s_copies],
+                            [s_status, *s_gals], api_name="search_dba")
                 gr.on([], do_search, [*s_query, s_k], [s_status, *s_gals], api_name="search")
 
             with gr.Tab("Probes", id="probes"):

@@ -28,7 +28,14 @@ def copies(query: Callable[[int], bytes], gallery: Callable[[int], bytes], hits:
     # a query's row is -(r + 1): the ids of one shared read callable (gallery ids are >= 0)
     a = np.array([-(r + 1) for r, _, _ in pairs], dtype=np.int64)
     b = np.array([i for _, _, i in pairs], dtype=np.int64)
-    same = verify_pairs(a, b, lambda x: query(-x - 1) if x < 0 else gallery(x), progress=progress).same
+
+    def read(x: int) -> bytes | None:
+        try:
+            return query(-x - 1) if x < 0 else gallery(x)
+        except OSError:         # a query file gone since its search: not compared (KeyError: the same)
+            return None
+
+    same = verify_pairs(a, b, read, progress=progress).same
     for (r, j, _), s in zip(pairs, same):
         out[r][j] = bool(s)
     return out

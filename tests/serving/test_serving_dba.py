@@ -149,9 +149,9 @@ def test_label_filter_in_the_api_and_the_search_tab(dba_server, dba_index, gradi
         client.predict(None, str(gid), None, 4, True, None, None, ["no-such-class"], api_name="/search_dba")
 
 
-def test_api_copies_marks_the_querys_own_picture(dba_server, dba_index, tmp_path):
-    """``copies=true``: an upload of a gallery photo resized and re-encoded has that photo
-    marked as a copy and no other; a box or two images with it is a 400 naming the field."""
+def test_api_copies_marks_the_querys_own_picture(dba_server, dba_index, tmp_path, gradio_client):
+    """``copies=true`` and the Search tab's checkbox: an upload of a gallery photo resized and
+    re-encoded has that photo marked as a copy and no other; a box with it is a 400 naming the field."""
     import io
 
     from PIL import Image
@@ -175,3 +175,15 @@ def test_api_copies_marks_the_querys_own_picture(dba_server, dba_index, tmp_path
     assert r.status_code == 400 and r.json()["error"].startswith("copies:"), r.text
     r = httpx.post(f"{dba_server}/api/search", data={"id": str(gid), "copies": "maybe"}, timeout=60)
     assert r.status_code == 400 and "copies: expected true or false" in r.json()["error"], r.text
+    # the Search tab's checkbox: the original's caption says so, on both indexes (same photos)
+    from gradio_client import handle_file
+
+    copy = tmp_path / "copy.jpg"
+    copy.write_bytes(buf.getvalue())
+    status, dba_gal, small_gal = gradio_client(dba_server).predict(
+        handle_file(str(copy)), None, None, 4, True, None, None, [], True, api_name="/search_dba")
+    assert "⚠" not in status, status
+    want = f"{idx.meta(gid)['label']} · "
+    for gal, least in ((dba_gal, 1), (small_gal, 0)):      # the untrained small model may not find it
+        marked = [g["caption"] for g in gal if g["caption"].endswith(" · copy")]
+        assert least <= len(marked) <= 1 and all(m.startswith(want) for m in marked), [g["caption"] for g in gal]
