@@ -146,8 +146,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the figures' DBA setting (auto: as the index serves; the other setting is "
                         "reported beside them when the index has DBA)")
     e.add_argument("--per-label", type=Path, default=None, metavar="FILE.csv",
-                   help="write each label's queries and Recall@1, weakest first (the five weakest "
-                        "are printed either way)")
+                   help="write each label's queries and Recall@1, weakest first, and a PNG of the 40 "
+                        "weakest beside it (the five weakest are printed either way)")
     opts(e, "--json", "--device", "--max-memory", "--ray", "--shard-timeout", "--quiet",
          index=True).set_defaults(func=read.evaluate)
 

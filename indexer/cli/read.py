@@ -114,7 +114,7 @@ def search_folder(args: argparse.Namespace) -> None:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
-    from ..layouts.evaluate import dba_verdict, evaluate_gallery, evaluate_queries, weakest
+    from ..layouts.evaluate import dba_verdict, evaluate_gallery, evaluate_queries, per_label_figure, weakest
 
     if args.max_queries is not None and not args.leave_one_out:
         raise UsageError("--max-queries needs --leave-one-out")
@@ -163,6 +163,7 @@ def evaluate(args: argparse.Namespace) -> int:
             w.writerow(["label", "queries", "recall@1"])
             w.writerows([lab, n, f"{r:.6f}"] for lab, r, n in worst)
         tmp.replace(args.per_label)
+        per_label_figure(worst, args.per_label.with_suffix(".png"))
     beyond = sorted(set(args.k) - set(res["recall"]))
     if beyond:                            # more results than the index holds: no figure, said
         print(f"indexer eval: Recall@{', @'.join(map(str, beyond))} not measured: the index holds {stored} "

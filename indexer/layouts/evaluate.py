@@ -88,6 +88,28 @@ def weakest(per_label: dict[str, dict]) -> list[tuple[str, float, int]]:
     return sorted(((lab, v["recall@1"], v["queries"]) for lab, v in per_label.items()), key=lambda t: (t[1], t[0]))
 
 
+def per_label_figure(worst: list[tuple[str, float, int]], out: str | Path, most: int = 40) -> None:
+    """A PNG of the ``most`` weakest labels' Recall@1 (:func:`weakest`'s order), bars with their
+    query counts, written to ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = worst[:most][::-1]                      # the weakest at the top
+    fig, ax = plt.subplots(figsize=(6.5, 1.2 + 0.22 * len(shown)), dpi=110)
+    ax.barh(range(len(shown)), [100 * r for _, r, _ in shown], color="#4c72b0")
+    ax.set_yticks(range(len(shown)), [f"{lab[:40]} ({n})" for lab, _, n in shown], fontsize=7)
+    ax.set(xlabel="Recall@1 (%)", xlim=(0, 100))
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"the {len(shown)} weakest of {len(worst)} labels (queries)", fontsize=9)
+    fig.tight_layout()
+    tmp = Path(out).with_name(f".{Path(out).name}.partial")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    tmp.replace(out)                            # replaced whole
+
+
 def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 2, 4, 8),
                      *, progress: bool = False, dba: bool | None = None) -> dict:
     """{"recall": {k: value}, "dba": used, "queries": n, "skipped": [...], "self_matches": m},

@@ -11,6 +11,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pytest
+from PIL import Image
 
 from indexer_testlib import REPO, copy_characters, run_cli
 from knn_asserts import recall_bounds
@@ -754,6 +755,8 @@ def test_eval_per_label_recall(built_index: Path, tmp_path: Path) -> None:
     with out.open() as fh:
         rows = list(csv.DictReader(fh))
     assert [r["label"] for r in rows] == sorted(got, key=lambda lab: (np.mean(got[lab]), lab))
+    with Image.open(out.with_suffix(".png")) as png:          # the figure beside the table
+        assert png.format == "PNG" and png.width > 300 and png.height > 200
     weakest = rows[0]
     assert f"Weakest labels at Recall@1 (of 12): {weakest['label']} {float(weakest['recall@1']):.2f} (20)" in p.stdout
     bad = run_cli("eval", "--leave-one-out", "--index", built_index, "--per-label", tmp_path / "x.txt", check=False)
