@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from embedder.knn import exact_knn
+
 from ..searchable import Answer
 
 #: the most stored vectors (float32 bytes) an exact subset search reads per call: 64 MiB is
@@ -67,17 +69,12 @@ def subset_search(search: Callable[..., Answer], vectors: Callable[[np.ndarray],
 
 def exact(vectors: Callable[[np.ndarray], np.ndarray], allowed: np.ndarray, q: np.ndarray,
           k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-``k`` of ``q`` among ``allowed`` (ascending ids), the stored vectors read in
-    blocks of :data:`EXACT_BYTES`; the best of each block merged (ties: the smaller id first)."""
+    """Exact top-``k`` of ``q`` among ``allowed`` (:func:`embedder.knn.exact_knn` over the stored
+    vectors, read :data:`EXACT_BYTES` at a time), NaN / -1 padded."""
     block = max(1, EXACT_BYTES // (4 * q.shape[1]))
-    best_s, best_i = np.zeros((len(q), 0), np.float32), np.zeros((len(q), 0), np.int64)
-    for lo in range(0, len(allowed), block):
-        ids = allowed[lo:lo + block]
-        s = np.concatenate([best_s, q @ np.asarray(vectors(ids), dtype=np.float32).T], axis=1)
-        i = np.concatenate([best_i, np.broadcast_to(ids, (len(q), len(ids)))], axis=1)
-        top = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        best_s, best_i = np.take_along_axis(s, top, 1), np.take_along_axis(i, top, 1)
-    return _padded(best_s, best_i, k)
+    chunks = ((ids, vectors(ids)) for ids in (allowed[lo:lo + block] for lo in range(0, len(allowed), block)))
+    scores, ids = exact_knn(q, chunks, k, "ip")
+    return np.where(ids >= 0, scores, np.nan).astype(np.float32), ids
 
 
 def _padded(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
