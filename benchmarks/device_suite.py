@@ -13,10 +13,10 @@ Steps, each a row of one summary (OUT/summary.md, also printed):
    decoded once into GPU memory, augmented there), then one with DataLoader workers (as the
    grid ran until 2026-11): epoch seconds of each, solo;
 2. sweep, on validation species only (``finetune_table2 --validation``: the first half of the
-   training species trains, the rest evaluates every epoch): backbone lr x trainable depth,
-   with and without DAS, seeds 0 and 1, all at once; the setting and epoch count with the best
-   mean R@1 (one seed's differences were 0.3-0.5 R@1, 5-8 queries);
-3. grid, on the test species: the chosen setting, ``PAIRS`` x seeds 0-2, with and without
+   training species trains, the rest evaluates every epoch): the `SWEEP` cells (loss, backbone
+   lr, trainable depth, head), with and without DAS, seeds 0 and 1, all at once; the cell and
+   epoch count with the best mean R@1 (one seed's differences were 0.3-0.5 R@1, 5-8 queries);
+3. grid, on the test species: the chosen cell, its loss then ``PAIRS`` x seeds 0-2, with and without
    DAS (paired), ``--jobs`` runs at once; each run's training-free start evaluated too;
 4. ``benchmarks.gpu_check`` (CUDA tests, DAS kernels and their goals, training CLI with its
    ONNX export, bf16), last, so that its timings run on a quiet GPU.
@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.training.paired import method_label
 from embedder.cli import UsageError, run_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,9 +50,11 @@ RECIPE = "configs/photos_finetune_gpu.toml"
 #: the recipe's own loss first: with --jobs below the grid's size its runs start first
 PAIRS = ["multisimilarity:none", "triplet:semihard", "margin:distance"]
 SEEDS = [0, 1, 2]
-#: the sweep's cells (each with and without DAS); the recipe's values come first
-SWEEP = [(3e-6, "all"), (1e-5, "all"), (3e-5, "all"), (1e-4, "all"), (3e-5, "last:3"),
-         (1e-4, "last:3")]
+#: the sweep's cells (each with and without DAS, 2 seeds); the recipe's values come first.
+#: 2026-11-28/30 swept multi-similarity's backbone lr x depth (3e-6..1e-4 x all / last:3: at
+#: most +0.65 R@1 on validation); 2026-12-01 adds Proxy-Anchor (Kim et al. 2020, the field's
+#: strongest simple recipe on CUB) and a PCA-initialised 512-d head at a higher lr
+SWEEP: list["Cell"] = []        # filled below the class
 #: what every step's processes import: a wheel missing on the GPU machine (pillow-heif on
 #: 2026-11-30) fails here in seconds, not in every run of every step
 IMPORTS = ("import training.runs, training.trainer, training.losses, embedder.metrics, "
@@ -84,9 +87,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", default="probe,sweep,grid,gpu_check",
                    help="which steps, comma-separated (a rerun inside one loan leaves out "
                         "what already passed); their shares of the budget are renormalised")
+    p.add_argument("--cells", default="",
+                   help="the sweep's cells by their index in SWEEP, comma-separated (default: "
+                        "the first seven)")
+    p.add_argument("--sweep-epochs", type=int, default=10, help="epochs of each sweep run")
+    p.add_argument("--pairs", type=int, default=len(PAIRS),
+                   help="loss:sampler pairs of the grid (the sweep's choice first)")
     p.add_argument("--dry-run", action="store_true",
                    help="the same steps on the CPU with tiny settings (for CI)")
     return p
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One sweep cell: a loss:sampler pair, the backbone's lr and trainable depth, and any
+    further recipe values (``KEY=VALUE``)."""
+    method: str
+    backbone_lr: float
+    trainable: str = "all"
+    sets: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The cell's folder name and log suffix."""
+        parts = [self.method.replace("pml:", "").replace(":none", "").replace(":", "-"),
+                 f"lr{self.backbone_lr:g}", self.trainable.replace(":", ""), *self.sets]
+        return "-".join(parts).replace("=", "")
+
+    def cells(self) -> str:
+        """The cell's first columns in the sweep's table."""
+        return (f"| {method_label(self.method)} | {self.backbone_lr:g} | {self.trainable} | "
+                f"{', '.join(self.sets) or '-'} |")
+
+
+HEAD = ("dim=512", "head_init=pca", "lr=1e-4")
+SWEEP += [Cell("multisimilarity:none", 3e-6), Cell("multisimilarity:none", 1e-5),
+          Cell("multisimilarity:none", 3e-6, sets=HEAD),
+          Cell("pml:ProxyAnchorLoss:none", 1e-5), Cell("pml:ProxyAnchorLoss:none", 3e-5),
+          Cell("pml:ProxyAnchorLoss:none", 1e-4), Cell("pml:ProxyAnchorLoss:none", 3e-5, sets=HEAD),
+          # the slow end, for --cells 0,7,8 --sweep-epochs 20
+          Cell("multisimilarity:none", 1e-6), Cell("pml:ProxyAnchorLoss:none", 3e-6)]
 
 
 @dataclass
@@ -178,55 +218,58 @@ def step_probe(args, deadline: float) -> list[Row]:
     return rows
 
 
-def sweep_cells(args) -> list[tuple[float, str]]:
-    return SWEEP[:1] if args.dry_run else SWEEP
+def sweep_cells(args) -> list[Cell]:
+    if args.dry_run:
+        return SWEEP[:1]
+    return [SWEEP[int(i)] for i in args.cells.split(",")] if args.cells else SWEEP[:7]
 
 
-def _cell_dir(out: Path, lr: float, depth: str) -> Path:
-    return out / "sweep" / f"lr{lr:g}-{depth.replace(':', '')}"
+def _cell_dir(out: Path, cell: Cell) -> Path:
+    return out / "sweep" / cell.name
 
 
-def choose(out: Path, cells: list[tuple[float, str]]) -> tuple[dict | None, list[str]]:
-    """The sweep's choice: the (backbone lr, trainable, epochs) whose validation R@1, averaged
-    over its runs (with and without DAS, every seed), is highest (ties: fewer epochs, then the
-    earlier cell); and the table of every run's curve."""
-    best, lines = None, ["| backbone lr | trainable | DAS | seed | R@1 by epoch (validation) |",
-                         "|---|---|---|---:|---|"]
-    for lr, depth in cells:
-        path = _cell_dir(out, lr, depth) / "runs.json"
+def choose(out: Path, cells: list[Cell]) -> tuple[dict | None, list[str]]:
+    """The sweep's choice: the cell and epoch count whose validation R@1, averaged over its runs
+    (with and without DAS, every seed), is highest (ties: fewer epochs, then the earlier cell);
+    and the table of every run's curve."""
+    best, lines = None, ["| loss [sampler] | backbone lr | trainable | other | DAS | seed | "
+                         "R@1 by epoch (validation) |", "|---|---|---|---|---|---:|---|"]
+    for cell in cells:
+        path = _cell_dir(out, cell) / "runs.json"
         runs = json.loads(path.read_text()) if path.is_file() else []
         curves = []
         for r in sorted(runs, key=lambda r: (r["variant"] != "base", r.get("seed", 0))):
             curve = {c["epoch"]: c["R@1"] for c in r.get("curve", []) if "R@1" in c}
             curves.append((r["variant"], curve))
-            lines.append(f"| {lr:g} | {depth} | {'-' if r['variant'] == 'base' else 'DAS'} | "
+            lines.append(f"{cell.cells()} {'-' if r['variant'] == 'base' else 'DAS'} | "
                          f"{r.get('seed', 0)} | "
                          + " ".join(f"{100 * curve[e]:.2f}" for e in sorted(curve)) + " |")
         if not curves:
-            lines.append(f"| {lr:g} | {depth} | - | - | not finished |")
+            lines.append(f"{cell.cells()} - | - | not finished |")
             continue
         epochs = set.intersection(*(set(c) for _, c in curves)) - {0}
         for e in sorted(epochs):
             mean = sum(c[e] for _, c in curves) / len(curves)
             if best is None or mean > best["R@1"]:
                 per = {v: [c[e] for w, c in curves if w == v] for v, _ in curves}
-                best = {"backbone_lr": lr, "trainable": depth, "epochs": e, "R@1": mean,
-                        "start": curves[0][1].get(0),
+                best = {"cell": cell, "backbone_lr": cell.backbone_lr, "trainable": cell.trainable,
+                        "epochs": e, "R@1": mean, "start": curves[0][1].get(0),
                         "variants": {v: sum(x) / len(x) for v, x in per.items()}}
     return best, lines
 
 
 def step_sweep(args, deadline: float) -> tuple[list[Row], dict | None]:
     cells = sweep_cells(args)
-    procs = {f"sweep {lr:g} {depth}": _start(
-        _table2(args, _cell_dir(args.out, lr, depth), PAIRS[:1], SEEDS[:1 if args.dry_run else 2],
-                1 if args.dry_run else 2, f"backbone_lr={lr}", f"trainable={depth}",
-                "eval_every=1", "eval_initial=true",
+    procs = {f"sweep {cell.name}": _start(
+        _table2(args, _cell_dir(args.out, cell), [cell.method], SEEDS[:1 if args.dry_run else 2],
+                # every run of a cell at once when a few cells leave the GPU room
+                1 if args.dry_run else (4 if len(cells) <= 4 else 2), f"backbone_lr={cell.backbone_lr}",
+                f"trainable={cell.trainable}", *cell.sets, "eval_every=1", "eval_initial=true",
                 # --dry-run: 2 + 2 of cub-mini's 4 training species, 2 per batch; else the
                 # 10-epoch curve the recipe's epochs were chosen from
-                *(["max_classes=4", "batch_size=4"] if args.dry_run else ["epochs=10"]))
+                *(["max_classes=4", "batch_size=4"] if args.dry_run else [f"epochs={args.sweep_epochs}"]))
         + ["--validation"],
-        args.out / f"sweep-{lr:g}-{depth.replace(':', '')}.log") for lr, depth in cells}
+        args.out / f"sweep-{cell.name}.log") for cell in cells}
     t0 = time.monotonic()
     codes = _wait_all(procs, deadline)
     best, table = choose(args.out, cells)
@@ -235,41 +278,51 @@ def step_sweep(args, deadline: float) -> tuple[list[Row], dict | None]:
     if best is None:
         return [Row("sweep (validation species)", False, note + "nothing to choose from",
                     table)], None
-    v = best["variants"]
-    note += (f"chosen: backbone lr {best['backbone_lr']:g}, trainable {best['trainable']}, "
-             f"{best['epochs']} epochs: validation R@1 {100 * best['R@1']:.2f} (start "
+    v, cell = best["variants"], best["cell"]
+    note += (f"chosen: {method_label(cell.method)}, backbone lr {cell.backbone_lr:g}, trainable "
+             f"{cell.trainable}{''.join(', ' + s for s in cell.sets)}, {best['epochs']} epochs: "
+             f"validation R@1 {100 * best['R@1']:.2f} (start "
              f"{100 * (best['start'] or float('nan')):.2f}; without / with DAS "
              f"{100 * v.get('base', float('nan')):.2f} / {100 * v.get('DAS', float('nan')):.2f})")
     return [Row("sweep (validation species)", done == len(cells), note, table)], best
 
 
+def grid_methods(best: dict | None) -> list[str]:
+    """The grid's loss:sampler pairs: the sweep's choice first, then the other `PAIRS`."""
+    first = best["cell"].method if best else PAIRS[0]
+    return [first] + [m for m in PAIRS if m != first][:len(PAIRS) - 1]
+
+
 def step_grid(args, deadline: float, best: dict | None) -> list[Row]:
     sets = ["eval_initial=true"]          # no choice (the sweep failed): the recipe's own values
     if best:
-        sets += [f"backbone_lr={best['backbone_lr']}", f"trainable={best['trainable']}"]
+        cell = best["cell"]
+        sets += [f"backbone_lr={cell.backbone_lr}", f"trainable={cell.trainable}", *cell.sets]
         if not args.dry_run:
             sets.append(f"epochs={best['epochs']}")
-    methods, seeds = (PAIRS[:1], SEEDS[:1]) if args.dry_run else (PAIRS, SEEDS)
+    methods = grid_methods(best)[:args.pairs]
+    methods, seeds = (methods[:1], SEEDS[:1]) if args.dry_run else (methods, SEEDS)
     cmd = _table2(args, args.out / "grid", methods, seeds,
                   min(args.jobs, 2) if args.dry_run else args.jobs, *sets)
     t0 = time.monotonic()
     rc = _wait_all({"grid": _start(cmd, args.out / "grid.log")}, deadline)["grid"]
-    return [grid_row(args.out, rc, time.monotonic() - t0, 2 * len(methods) * len(seeds))]
+    return [grid_row(args.out, rc, time.monotonic() - t0, 2 * len(methods) * len(seeds),
+                     methods[0])]
 
 
-def grid_row(out: Path, rc: int, secs: float, expected: int) -> Row:
-    """The test grid: how many runs finished, and the recipe's training-free start against its
-    fine-tuned runs (the mean over the seeds without DAS)."""
+def grid_row(out: Path, rc: int, secs: float, expected: int, method: str = PAIRS[0]) -> Row:
+    """The test grid: how many runs finished, and the training-free start of `method` (the
+    sweep's choice) against its fine-tuned runs (the mean over the seeds without DAS)."""
     runs_path, table = out / "grid" / "runs.json", out / "grid" / "results.md"
     runs = json.loads(runs_path.read_text()) if runs_path.is_file() else []
     detail = table.read_text().splitlines() if table.is_file() else []
     note = (f"{len(runs)} of {expected} runs" + ("" if rc == 0 else f", exit {rc}")
             + f" ({secs:.0f} s)")
-    own = [r for r in runs if r.get("method") == PAIRS[0] and r.get("variant") == "base"
+    own = [r for r in runs if r.get("method") == method and r.get("variant") == "base"
            and r.get("initial")]
     if own:
         mean = lambda k, key: sum(r[k][key] for r in own) / len(own)  # noqa: E731
-        note += (f"; {PAIRS[0]} without DAS, {len(own)} seed(s): training-free start R@1 "
+        note += (f"; {method} without DAS, {len(own)} seed(s): training-free start R@1 "
                  f"{100 * mean('initial', 'R@1'):.2f} MAP@R {100 * mean('initial', 'MAP@R'):.2f}"
                  f" -> fine-tuned R@1 {100 * mean('metrics', 'R@1'):.2f} MAP@R "
                  f"{100 * mean('metrics', 'MAP@R'):.2f}")

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROG = "python -m benchmarks.training.finetune_table2"
 
 from benchmarks.training.frozen_table2 import TABLE2
-from benchmarks.training.paired import method_label, plot, row_cells, summarise, table_row
+from benchmarks.training.paired import method_label, plot, split_method, row_cells, summarise, table_row
 
 QUICK = ["triplet:semihard", "margin:distance", "multisimilarity:none"]
 #: --quick's schedule: the CPU recipe's own (3 epochs since its second version): 18 runs of
@@ -70,12 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_config(args, method: str, variant: str, seed: int, out: Path):
     from training.config import load_config, load_toml, parse_override
 
-    loss, _, miner = method.partition(":")
+    loss, miner = split_method(method)
     values = load_toml(args.config)
     values.update({"loss": loss, "miner": miner or "none", "das": variant != "base",
                    "das_preset": args.preset, "seed": seed, "export_onnx": False, "concat": "",
                    "eval_initial": False, "tensorboard": False, "progress": False,
-                   "out": str(out / "runs" / f"{loss}-{miner}-{variant}-s{seed}")})
+                   "out": str(out / "runs" / f"{loss.replace(':', '_')}-{miner}-{variant}-s{seed}")})
     if args.root:
         values["root"] = args.root
     if args.quick:                  # fits an hour on 2 cores (docs/benchmarks/training-das.md)

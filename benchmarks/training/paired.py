@@ -47,9 +47,17 @@ def parse_variants(items: list[str], default: str = "DAS") -> dict[str, list[str
 
 
 # ------------------------------------------------------------------------- the paired table
+def split_method(method: str) -> tuple[str, str]:
+    """``"triplet:semihard"`` -> (loss, sampler); a pytorch-metric-learning loss keeps its
+    prefix: ``"pml:ProxyAnchorLoss:none"`` -> ``("pml:ProxyAnchorLoss", "none")``."""
+    head = "pml:" if method.startswith("pml:") else ""
+    loss, _, miner = method[len(head):].partition(":")
+    return head + loss, miner
+
+
 def method_label(method: str) -> str:
     """``"triplet:semihard"`` -> ``"triplet [semihard]"`` (``"loss:none"`` -> ``"loss"``)."""
-    loss, _, miner = method.partition(":")
+    loss, miner = split_method(method)
     return f"{loss} [{miner}]" if miner and miner != "none" else loss
 
 

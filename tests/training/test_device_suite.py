@@ -54,31 +54,43 @@ def test_a_partial_grid_fails_and_says_how_far_it_got(tmp_path):
 def test_the_sweep_chooses_by_the_mean_of_both_variants_and_the_fewest_epochs(tmp_path):
     """Validation curves of two cells, with and without DAS: the cell and epoch whose mean R@1
     is highest wins; a tie goes to the earlier epoch; a cell that never finished is listed."""
-    def cell(lr, depth, base, das):
-        d = device_suite._cell_dir(tmp_path, lr, depth)
+    Cell = device_suite.Cell
+    fast, slow = Cell("multisimilarity:none", 1e-5), Cell("multisimilarity:none", 3e-6)
+    proxy = Cell("pml:ProxyAnchorLoss:none", 1e-4, "last:3", ("dim=512", "lr=1e-4"))
+
+    def cell(c, base, das):
+        d = device_suite._cell_dir(tmp_path, c)
         d.mkdir(parents=True)
         runs = [{"variant": v, "seed": 0, "curve": [{"epoch": e, "R@1": r} for e, r in enumerate(c)]}
                 for v, c in (("DAS", das), ("base", base))]
         (d / "runs.json").write_text(json.dumps(runs))
 
-    cell(1e-5, "all", [0.90, 0.92, 0.95, 0.93], [0.90, 0.94, 0.93, 0.95])   # means .93 .94 .94
-    cell(3e-6, "all", [0.90, 0.91, 0.92, 0.93], [0.90, 0.90, 0.91, 0.92])
-    best, table = device_suite.choose(tmp_path, [(1e-5, "all"), (3e-6, "all"), (1e-4, "last:3")])
-    assert (best["backbone_lr"], best["trainable"], best["epochs"]) == (1e-5, "all", 2)
+    cell(fast, [0.90, 0.92, 0.95, 0.93], [0.90, 0.94, 0.93, 0.95])   # means .93 .94 .94
+    cell(slow, [0.90, 0.91, 0.92, 0.93], [0.90, 0.90, 0.91, 0.92])
+    best, table = device_suite.choose(tmp_path, [fast, slow, proxy])
+    assert (best["cell"], best["epochs"]) == (fast, 2)
     assert best["variants"] == {"base": 0.95, "DAS": 0.93} and best["start"] == 0.90
-    assert "| 1e-05 | all | DAS | 0 | 90.00 94.00 93.00 95.00 |" in table
-    starts = [line[:18] for line in table]                  # base runs listed first
-    assert starts.index("| 1e-05 | all | - ") < starts.index("| 1e-05 | all | DA")
-    assert "| 0.0001 | last:3 | - | - | not finished |" in table
+    assert "| multisimilarity | 1e-05 | all | - | DAS | 0 | 90.00 94.00 93.00 95.00 |" in table
+    rows = [line for line in table if line.startswith("| multisimilarity | 1e-05 |")]
+    assert [r.split(" | ")[4] for r in rows] == ["-", "DAS"]        # base runs listed first
+    assert "| pml:ProxyAnchorLoss | 0.0001 | last:3 | dim=512, lr=1e-4 | - | - | not finished |" in table
+    assert device_suite.grid_methods(best)[0] == "multisimilarity:none"
     # a second seed joins the mean: epoch 3 now wins for the first cell
-    d = device_suite._cell_dir(tmp_path, 1e-5, "all")
+    d = device_suite._cell_dir(tmp_path, fast)
     runs = json.loads((d / "runs.json").read_text())
     runs.append({"variant": "base", "seed": 1, "curve": [{"epoch": e, "R@1": r} for e, r in
                                                           enumerate([0.90, 0.90, 0.90, 0.99])]})
     (d / "runs.json").write_text(json.dumps(runs))
-    best, _ = device_suite.choose(tmp_path, [(1e-5, "all"), (3e-6, "all")])
+    best, _ = device_suite.choose(tmp_path, [fast, slow])
     assert best["epochs"] == 3 and abs(best["R@1"] - (0.93 + 0.95 + 0.99) / 3) < 1e-12
     assert best["variants"] == {"base": (0.93 + 0.99) / 2, "DAS": 0.95}
+    # a proxy loss chosen leads the grid, the other pairs follow; every cell has its own folder
+    cell(proxy, [0.90, 0.99, 0.99, 0.99], [0.90, 0.99, 0.99, 0.99])
+    best, _ = device_suite.choose(tmp_path, [fast, slow, proxy])
+    assert best["cell"] == proxy and best["epochs"] == 1
+    methods = device_suite.grid_methods(best)
+    assert methods[0] == proxy.method and len(methods) == len(device_suite.PAIRS)
+    assert len({c.name for c in device_suite.SWEEP}) == len(device_suite.SWEEP)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
@@ -115,9 +127,10 @@ def test_dry_run_on_cpu(tmp_path, cub_mini, omniglot_root):
     summary = (out / "summary.md").read_text()
     assert summary.count("**PASS**") == 3 and "FAIL" not in summary
     assert "**INFO** probe: not run in --dry-run" in summary
-    assert "1 of 1 cells finished" in summary and "chosen: backbone lr 3e-06, trainable all" in summary
+    assert "1 of 1 cells finished" in summary
+    assert "chosen: multisimilarity, backbone lr 3e-06, trainable all" in summary
     assert "training-free start R@1" in summary and "-> fine-tuned R@1" in summary
-    sweep = json.loads((out / "sweep" / "lr3e-06-all" / "runs.json").read_text())
+    sweep = json.loads((out / "sweep" / device_suite.SWEEP[0].name / "runs.json").read_text())
     assert sorted(r["variant"] for r in sweep) == ["DAS", "base"]
     assert [c["epoch"] for c in sweep[0]["curve"]] == [0, 1]           # a curve, epoch 0 too
     runs = json.loads((out / "grid" / "runs.json").read_text())
