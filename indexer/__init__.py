@@ -5,6 +5,7 @@ Python (what serving uses).
 """
 from __future__ import annotations
 
+from .ann.neighbours import NOVEL_P
 from .ann.options import BuildOptions
 from .build.ray_build import build_with_ray
 from .build.sharded import build_sharded
@@ -23,4 +24,5 @@ from .store.gallery import GalleryStore, NewItem
 __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_images", "remove_items",
            "merge_shards", "build_sharded", "build_with_ray", "repair_index", "info", "Change", "Manifest",
            "BuildOptions", "layout_of", "Layout", "Single", "Sharded", "RayServing", "IndexerError",
-           "check_counts", "CountCheck", "NewItem", "writer_lock", "IndexBusyError", "holder", "is_locked"]
+           "check_counts", "CountCheck", "NewItem", "writer_lock", "IndexBusyError", "holder", "is_locked",
+           "NOVEL_P"]

@@ -12,8 +12,9 @@
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness (503 naming what is not served, e.g. a lost Ray shard)
 
-An index served over Ray whose shard did not answer in time answers from the others with
-``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413, 415,
+An index built with DBA adds ``"novelty": {"p": ..., "unlike_gallery": bool}``: the query's p-value
+of having no close match in the gallery (``indexer.ann.neighbours.novelty``). An index served over
+Ray whose shard did not answer in time answers from the others with ``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413, 415,
 503), never with a stack trace or a server path (serving.redact); auth and the size cap are
 enforced before the body is read (serving.limits); no client-sent path is ever read.
 """
@@ -141,6 +142,8 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
                "query": {"name": query.name, "id": query.id, "label": query.label},
                "results": [{**r.to_dict(), **m, "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
                            for r, m in zip(res.results, marks)]}
+        if res.novelty is not None:     # small: nothing in the gallery is close (another domain, a new class)
+            out["novelty"] = {"p": res.novelty, "unlike_gallery": res.unlike_gallery}
         if only:
             out["labels"] = list(only)
         if res.partial:     # served over Ray and a shard did not answer in time: named, not hidden

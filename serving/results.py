@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from indexer import Hit, Index
+from indexer import NOVEL_P, Hit, Index
 
 from . import probes
 
@@ -102,6 +102,12 @@ class SearchResult:
     results: list[Result]
     dba: bool | None = None     # whether DBA re-ranking made these results (the Searcher sets it)
     partial: list[int] = field(default_factory=list)   # shards left out (served over Ray, node lost)
+    novelty: float | None = None    # p-value of no close match in the gallery (indexer.ann.neighbours.novelty)
+
+    @property
+    def unlike_gallery(self) -> bool:
+        """Whether the query has no close match in the gallery (p <= NOVEL_P)."""
+        return self.novelty is not None and self.novelty <= NOVEL_P
 
     @property
     def ids(self) -> list[int]:

@@ -250,12 +250,15 @@ class Searcher:
             raise RequestError(f"{e}; index {snap.name!r}") from None
 
     def _nearest(self, snap: Snapshot, emb: np.ndarray, k: int, exclude: Sequence[int | None] | None,
-                 thumbnails: bool, dba: bool, labels: Sequence[str] = ()) -> tuple[list[list[Result]], list[int]]:
-        """Each row's Results (k, dba and labels checked), and the shards the answer left out (Ray)."""
-        scores, ids, partial = snap.index.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
+                 thumbnails: bool, dba: bool, labels: Sequence[str] = ()) -> tuple[list[list[Result]], list[int],
+                                                                                  list[float | None]]:
+        """Each row's Results (k, dba and labels checked), the shards the answer left out (Ray), and
+        each row's novelty p-value (None: the index has no DBA neighbourhoods, or within labels)."""
+        found = snap.index.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
+        novelty = [None] * len(found.ids) if found.novelty is None else [float(p) for p in found.novelty]
         return [[Result(h.id, h.score, h.label, h.path, snap.name,
                         self.thumbnail(snap, h.id) if thumbnails else None)
-                 for h in snap.index.hits(s, i)] for s, i in zip(scores, ids)], list(partial)
+                 for h in snap.index.hits(s, i)] for s, i in zip(found.scores, found.ids)], list(found.partial), novelty
 
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,
@@ -284,8 +287,8 @@ class Searcher:
         if not qs:
             return []
         excl = [q.id if exclude_self and self._own(snap, q) else None for q in qs]
-        rows, missing = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba, only)
-        return [SearchResult(snap.name, q, r, dba, missing) for q, r in zip(qs, rows)]
+        rows, missing, novelty = self._nearest(snap, self._embed(snap, qs), k, excl, thumbnails, dba, only)
+        return [SearchResult(snap.name, q, r, dba, missing, p) for q, r, p in zip(qs, rows, novelty)]
 
     def search_all(self, query: Query | ImageSource | int, k: int = 10, **kw: Any) -> dict[str, SearchResult]:
         """The same query on every open index, side by side."""

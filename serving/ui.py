@@ -164,7 +164,10 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                           f"not answer in time (a lost node?); results come from the other shards**"
                           for n, r in found.items() if r.partial)
         within = f" · only {', '.join(only)}" if only else ""
-        return [f"Query **{q.name}** · top-{kk}{within} · {known}{partial}"] + out
+        novel = "".join(f"\n\n**{n}: no close match** (p = {r.novelty:.3f}: its nearest image is farther than "
+                        f"for {100 * (1 - r.novelty):.1f}% of the gallery's own images; another kind of photo?)"
+                        for n, r in found.items() if r.unlike_gallery)
+        return [f"Query **{q.name}** · top-{kk}{within} · {known}{partial}{novel}"] + out
 
     def do_probes(img_path: str | None, pick: str | None, label: str | None, k: float, topk: float,
                   scales: str, n_random: float, r_s: float, shifts: str, shift_label: str | None,

@@ -111,6 +111,21 @@ def cub_mini(cub_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cub_dba(cub_root: Path, tmp_path_factory: pytest.TempPathFactory, pretrained_onnx: Path) -> tuple[Path, list[Path]]:
+    """(index, held): cub-dev's first 6 species, 20 photos each, indexed by the default pretrained
+    embedder with DBA neighbourhoods (120 items: a p-value of 1/121 exists); held: each species'
+    21st photo, not in the gallery."""
+    from indexer import build_index
+    from indexer.ann.neighbours import DbaParams
+
+    names = class_names(cub_root)[:6]
+    root = shared_fixture(tmp_path_factory, "cub-dba", lambda out: build_index(
+        few_per_class(cub_root, out / "gallery", names, 20), out / "index", model=pretrained_onnx,
+        progress=False, dba=DbaParams()))
+    return root / "index", [sorted((cub_root / c).iterdir())[20] for c in names]
+
+
+@pytest.fixture(scope="session")
 def photo_paths() -> list[Path]:
     """The colour photos scikit-image ships (real images, no download)."""
     from skimage import data_dir

@@ -123,11 +123,11 @@ def run(args: argparse.Namespace) -> int | None:
                                         ("half (filtered)", half, below), ("half (exact)", half, 1 << 62)):
             subset.EXACT_BYTES = exact_bytes
             t = time.perf_counter()
-            _, ids, _ = idx.answer(q, args.k, exclude=[gid], labels=only, dba=dba)
+            ids = idx.answer(q, args.k, exclude=[gid], labels=only, dba=dba).ids
             times[name].append(time.perf_counter() - t)
             if name in found:
                 subset.EXACT_BYTES = 1 << 62
-                _, want, _ = idx.answer(q, args.k, exclude=[gid], labels=only or labels, dba=dba)   # exact
+                want = idx.answer(q, args.k, exclude=[gid], labels=only or labels, dba=dba).ids   # exact
                 w = set(want[0][want[0] >= 0].tolist())
                 found[name][0] += len(w & set(ids[0].tolist()))
                 found[name][1] += len(w)

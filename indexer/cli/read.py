@@ -10,6 +10,7 @@ from typing import Any
 
 from embedder.cli import UsageError
 
+from ..ann.neighbours import NOVEL_P
 from ..directory.manifest import Manifest
 from ..errors import IndexerError
 
@@ -61,6 +62,9 @@ def search(args: argparse.Namespace) -> None:
         hits = idx.hits(found.scores[0], found.ids[0])
         marks = copy_marks(args, idx, lambda _: args.image.read_bytes(), [hits])[0]
     warn_partial(found.partial, args)
+    if found.novelty is not None and found.novelty[0] <= NOVEL_P:
+        print(f"indexer search: no close match in the gallery (p = {found.novelty[0]:.4f}): its nearest image is "
+              f"farther than for {100 * (1 - found.novelty[0]):.1f}% of the gallery's own images", file=sys.stderr)
     if args.json:
         print(json.dumps([{**h.__dict__, **m} for h, m in zip(hits, marks)], indent=2))
     else:
@@ -90,7 +94,7 @@ def search_folder(args: argparse.Namespace) -> None:
     with open_index(args) as idx:
         rows, skipped, partial = search_files(idx, args.image, args.k, dba=DBA[args.dba],
                                               progress=not args.quiet, labels=idx.check_labels(args.label or []))
-        marks = copy_marks(args, idx, lambda r: (args.image / rows[r][0]).read_bytes(), [h for _, h in rows])
+        marks = copy_marks(args, idx, lambda r: (args.image / rows[r][0]).read_bytes(), [h for _, h, _ in rows])
     warn_partial(partial, args)
     out = sys.stdout if args.out is None else None
     tmp = None if args.out is None else args.out.with_name(f".{args.out.name}.partial")
@@ -99,17 +103,22 @@ def search_folder(args: argparse.Namespace) -> None:
             import csv
 
             w = csv.writer(fh)
-            w.writerow(["query", "rank", "id", "score", "label", "path"] + (["copy"] if args.copies else []))
-            w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path, *m.values()]
-                        for (q, hits), ms in zip(rows, marks) for r, (h, m) in enumerate(zip(hits, ms), 1))
+            w.writerow(["query", "rank", "id", "score", "label", "path", "novelty"] + (["copy"] if args.copies else []))
+            w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path, "" if p is None else f"{p:.6f}", *m.values()]
+                        for (q, hits, p), ms in zip(rows, marks) for r, (h, m) in enumerate(zip(hits, ms), 1))
         else:
-            for (q, hits), ms in zip(rows, marks):
-                fh.write(json.dumps({"query": q, "results": [{**h.__dict__, **m} for h, m in zip(hits, ms)]}) + "\n")
+            for (q, hits, p), ms in zip(rows, marks):
+                fh.write(json.dumps({"query": q, "novelty": p,
+                                     "results": [{**h.__dict__, **m} for h, m in zip(hits, ms)]}) + "\n")
     if tmp is not None:
         tmp.replace(args.out)
         print(f"{len(rows)} queries searched, top-{args.k} each -> {args.out}", file=sys.stderr)
     for s in skipped:
         print(f"indexer search: skipped {s['path']}: {s['reason']}", file=sys.stderr)
+    novel = [q for q, _, p in rows if p is not None and p <= NOVEL_P]
+    if novel:
+        print(f"indexer search: {len(novel)} of {len(rows)} queries have no close match in the gallery (novelty "
+              f"p <= {NOVEL_P:g}), e.g. {', '.join(novel[:3])}", file=sys.stderr)
 
 
 def evaluate(args: argparse.Namespace) -> int:

@@ -164,10 +164,10 @@ def evaluate_queries(index: Index, queries: str | Path, ks: Sequence[int] = (1, 
 
 
 def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None = None, progress: bool = False,
-                 labels: Sequence[str] = ()) -> tuple[list[tuple[str, list]], list[dict], list[int]]:
-    """Batch search of every image under ``folder``: ([(relative path, hits)], skipped [{"path",
-    "reason"}], shards left out); a gallery item stays in its results (as ``indexer search``);
-    ``labels``: only images of these answer."""
+                 labels: Sequence[str] = ()) -> tuple[list[tuple[str, list, float | None]], list[dict], list[int]]:
+    """Batch search of every image under ``folder``: ([(relative path, hits, novelty p-value or
+    None)], skipped [{"path", "reason"}], shards left out); a gallery item stays in its results (as
+    ``indexer search``); ``labels``: only images of these answer."""
     folder = Path(folder)
     if not folder.is_dir():
         raise IndexerError(f"{folder}: query folder not found")
@@ -176,7 +176,7 @@ def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None =
     todo = [f for f in files if not f.problem]
     if not todo:
         raise IndexerError(f"{folder}: no query images ({len(skipped)} skipped)")
-    out: list[tuple[str, list]] = []
+    out: list[tuple[str, list, float | None]] = []
     partial: set[int] = set()
     for keys, emb, failures in index.embedder.embed_iter(((f.relpath, f.abspath) for f in todo),
                                                          progress=progress, total=len(todo)):
@@ -184,7 +184,8 @@ def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None =
         if keys:
             found = index.answer(emb, k, dba=dba, labels=labels)
             partial.update(found.partial)
-            out += [(key, index.hits(s, i)) for key, s, i in zip(keys, found.scores, found.ids)]
+            ps = [None] * len(keys) if found.novelty is None else [float(p) for p in found.novelty]
+            out += [(key, index.hits(s, i), p) for key, s, i, p in zip(keys, found.scores, found.ids, ps)]
     if not out:
         raise IndexerError(f"{folder}: no query image could be read ({len(skipped)} skipped)")
     return out, skipped, sorted(partial)

@@ -7,7 +7,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,9 +20,20 @@ from ..ann.neighbours import Neighbourhoods
 from ..ann.subset import subset_search
 from ..directory.model import load_embedder
 from ..errors import IndexerError
-from ..searchable import Answer, Searchable
+from ..searchable import Searchable
 from ..store.gallery import GalleryStore
 from .layout import Layout, layout_of
+
+
+class Found(NamedTuple):
+    """What :meth:`Index.answer` gives: the searchable's :class:`Answer` (scores, ids, partial) and
+    ``novelty``, each query's p-value of having no close match (with DBA neighbourhoods:
+    :func:`indexer.ann.neighbours.novelty`; None without them or within labels)."""
+
+    scores: np.ndarray
+    ids: np.ndarray
+    partial: tuple[int, ...] = ()
+    novelty: np.ndarray | None = None
 
 
 @dataclass
@@ -110,13 +121,14 @@ class Index:
                           labels: Collection[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of :meth:`answer` (what most callers need: an index in one process
         never leaves a shard out)."""
-        scores, ids, _ = self.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
-        return scores, ids
+        found = self.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
+        return found.scores, found.ids
 
     def answer(self, emb: np.ndarray, k: int = 10, *, dba: bool | None = None,
-               exclude: Sequence[int | None] | None = None, labels: Collection[str] | None = None) -> Answer:
+               exclude: Sequence[int | None] | None = None, labels: Collection[str] | None = None) -> Found:
         """(scores, ids, partial), each (n, k'), k' = min(k, len(self)); id -1 pads short IVF answers;
-        ``partial``: shards a Ray-served index left out. Queries are L2-normalised here. ``dba``: re-rank
+        ``partial``: shards a Ray-served index left out; ``novelty``: each query's p-value of no close
+        match (with DBA neighbourhoods, none within labels). Queries are L2-normalised here. ``dba``: re-rank
         with the augmented vectors (None: as built). ``exclude[r]``: the gallery id query r is, left out
         of its row and, with DBA, of its neighbours' augmented vectors. ``labels``: only images of these
         labels answer (:mod:`indexer.ann.subset`; a label the index lacks: ValueError)."""
@@ -147,20 +159,26 @@ class Index:
             return self._answer(q, k, dba, own, exclude, allowed)
 
     def _answer(self, q: np.ndarray, k: int, dba: bool, own: np.ndarray | None,
-                exclude: Sequence[int | None] | None, allowed: np.ndarray | None) -> Answer:
+                exclude: Sequence[int | None] | None, allowed: np.ndarray | None) -> Found:
         nb = self.neighbours if dba else None
         # DBA re-ranks the plain top ``depth``; a query that is a gallery item asks one more
         want = min((k if nb is None else max(nb.params.depth, k)) + (own is not None), len(self))
         scores, ids, partial = self.faiss.search(q, want) if allowed is None else \
             subset_search(self.faiss.search, self.embeddings, allowed, q, want, len(self), need=k + (own is not None))
+        p = None
+        if self.neighbours is not None and allowed is None:     # within labels: not the gallery's reference
+            from ..ann.neighbours import novelty
+
+            top = scores[:, 0] if own is None else drop_self(ids, own, 1, scores)[1][:, 0]
+            p = novelty(self.neighbours, np.nan_to_num(top, nan=-1.0))
         if nb is not None:
             from ..ann.neighbours import rerank
 
-            return Answer(*rerank(nb, q, ids, k, exclude=None if own is None else list(exclude),
-                                  vectors=lambda ids: self.embeddings(ids)), partial)
+            return Found(*rerank(nb, q, ids, k, exclude=None if own is None else list(exclude),
+                                 vectors=lambda ids: self.embeddings(ids)), partial, p)
         if own is not None:
             ids, scores = drop_self(ids, own, k, scores)
-        return Answer(scores, ids, partial)
+        return Found(scores, ids, partial, p)
 
     def check_labels(self, labels: str | Collection[str]) -> list[str]:
         """``labels`` as a list, each one the index holds (else ValueError naming the first it lacks)."""

@@ -41,7 +41,7 @@ def test_only_the_labels_images_answer_the_exact_top_k_among_them(built_index, p
         assert len(allowed) == 40
         qids = [idx.ids_for_label(lab)[0] for lab in labels]        # queries of every label
         q = idx.embeddings(qids)
-        scores, ids, partial = idx.answer(q, 5, labels=only)
+        scores, ids, partial, _ = idx.answer(q, 5, labels=only)
         assert partial == ()
         assert set(ids.ravel().tolist()) <= set(allowed.tolist())
         assert_knn(ids, brute(idx, q, allowed, 5), vector_scorer(q, idx.embeddings(allowed), allowed),
@@ -69,7 +69,7 @@ def test_a_sharded_ivf_index_filters_across_its_shards(two_shards, path):
         only = labels[:2]
         allowed = idx.label_ids(only)
         q = idx.embeddings([idx.ids_for_label(lab)[1] for lab in labels])
-        scores, ids, _ = idx.answer(q, 6, labels=only)
+        scores, ids, _, _ = idx.answer(q, 6, labels=only)
         assert set(ids.ravel().tolist()) - {-1} <= set(allowed.tolist())
         if path == "exact":          # the exact pass over both shards' stores
             assert_knn(ids, brute(idx, q, allowed, 6), vector_scorer(q, idx.embeddings(allowed), allowed),
