@@ -97,7 +97,7 @@ def test_ray_answers_equal_the_in_process_search(cluster, sharded, monkeypatch):
     x = local.embeddings(ids)
     for k in (1, 5, 10, len(local) + 3):
         s1, i1 = local.search_embeddings(x, k)
-        s2, i2, partial = remote.answer(x, k)
+        s2, i2, partial, _ = remote.answer(x, k)
         np.testing.assert_array_equal(i2, i1)
         np.testing.assert_array_equal(s2, s1)
         assert partial == ()
