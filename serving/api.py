@@ -12,7 +12,8 @@
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness (503 naming what is not served, e.g. a lost Ray shard)
 
-An index built with DBA adds ``"novelty": {"p": ..., "unlike_gallery": bool}``: the query's p-value
+Results with labels add ``"suggested": {"label": ..., "confidence": ...}`` (their vote, indexer.audit.
+suggest_label); an index built with DBA ``"novelty": {"p": ..., "unlike_gallery": bool}``: the query's p-value
 of having no close match in the gallery (``indexer.ann.neighbours.novelty``). An index served over
 Ray whose shard did not answer in time answers from the others with ``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413, 415,
 503), never with a stack trace or a server path (serving.redact); auth and the size cap are
@@ -142,6 +143,8 @@ def add_api_routes(app: FastAPI, searcher: Searcher, *, auth: tuple[str, str] | 
                "query": {"name": query.name, "id": query.id, "label": query.label},
                "results": [{**r.to_dict(), **m, "thumbnail": f"{base}/api/thumb/{snap.name}/{r.id}"}
                            for r, m in zip(res.results, marks)]}
+        if res.suggested is not None:   # the label the results vote for, and its share of the vote
+            out["suggested"] = dict(zip(("label", "confidence"), res.suggested))
         if res.novelty is not None:     # small: nothing in the gallery is close (another domain, a new class)
             out["novelty"] = {"p": res.novelty, "unlike_gallery": res.unlike_gallery}
         if only:

@@ -167,7 +167,9 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         novel = "".join(f"\n\n**{n}: no close match** (p = {r.novelty:.3f}: its nearest image is farther than "
                         f"for {100 * (1 - r.novelty):.1f}% of the gallery's own images; another kind of photo?)"
                         for n, r in found.items() if r.unlike_gallery)
-        return [f"Query **{q.name}** · top-{kk}{within} · {known}{partial}{novel}"] + out
+        votes = " · ".join(f"{n}: **{r.suggested[0]}** ({r.suggested[1]:.2f})" for n, r in found.items() if r.suggested)
+        votes = f"\n\nSuggested label · {votes}" if votes else ""
+        return [f"Query **{q.name}** · top-{kk}{within} · {known}{votes}{partial}{novel}"] + out
 
     def do_probes(img_path: str | None, pick: str | None, label: str | None, k: float, topk: float,
                   scales: str, n_random: float, r_s: float, shifts: str, shift_label: str | None,

@@ -70,6 +70,16 @@ def search(args: argparse.Namespace) -> None:
     else:
         for r, (h, m) in enumerate(zip(hits, marks), 1):
             print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}" + ("  COPY" if m.get("copy") else ""))
+        if (vote := suggested(hits)) is not None:
+            print(f"suggested label: {vote['label']} (confidence {vote['confidence']:.2f})")
+
+
+def suggested(hits: list[Any]) -> dict | None:
+    """{"label", "confidence"}: what the hits' labels vote for (:func:`indexer.audit.labels.suggest_label`)."""
+    from ..audit.labels import suggest_label
+
+    vote = suggest_label([h.label for h in hits], [h.score for h in hits])
+    return None if vote is None else {"label": vote[0], "confidence": vote[1]}
 
 
 def copy_marks(args: argparse.Namespace, idx: Any, query: Any, rows: list[list[Any]]) -> list[list[dict]]:
@@ -103,12 +113,16 @@ def search_folder(args: argparse.Namespace) -> None:
             import csv
 
             w = csv.writer(fh)
-            w.writerow(["query", "rank", "id", "score", "label", "path", "novelty"] + (["copy"] if args.copies else []))
-            w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path, "" if p is None else f"{p:.6f}", *m.values()]
-                        for (q, hits, p), ms in zip(rows, marks) for r, (h, m) in enumerate(zip(hits, ms), 1))
+            w.writerow(["query", "rank", "id", "score", "label", "path", "novelty", "suggested", "confidence"]
+                       + (["copy"] if args.copies else []))
+            for (q, hits, p), ms in zip(rows, marks):
+                vote = suggested(hits) or {"label": "", "confidence": ""}
+                w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path, "" if p is None else f"{p:.6f}",
+                             vote["label"], vote["confidence"] and f"{vote['confidence']:.4f}", *m.values()]
+                            for r, (h, m) in enumerate(zip(hits, ms), 1))
         else:
             for (q, hits, p), ms in zip(rows, marks):
-                fh.write(json.dumps({"query": q, "novelty": p,
+                fh.write(json.dumps({"query": q, "novelty": p, "suggested": suggested(hits),
                                      "results": [{**h.__dict__, **m} for h, m in zip(hits, ms)]}) + "\n")
     if tmp is not None:
         tmp.replace(args.out)

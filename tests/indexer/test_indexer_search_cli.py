@@ -44,7 +44,8 @@ def test_a_folder_is_searched_into_jsonl_and_csv_bad_files_reported(tmp_path, bu
     run_cli("search", q, "--index", built_index, "-k", "2", "--out", out_csv)
     with out_csv.open() as fh:
         table = list(csv.DictReader(fh))
-    assert len(table) == 3 * 2 and set(table[0]) == {"query", "rank", "id", "score", "label", "path", "novelty"}
+    assert len(table) == 3 * 2 and set(table[0]) == {"query", "rank", "id", "score", "label", "path", "novelty",
+                                                      "suggested", "confidence"}
     assert {r["novelty"] for r in table} == {""} and {r["novelty"] for r in rows} == {None}   # built without DBA
     assert {r["rank"] for r in table} == {"1", "2"}
 

@@ -1,17 +1,20 @@
-"""Does "no close match" (``Index.answer(...).novelty``, indexer.ann.neighbours.novelty) say the
-truth? A gallery of 70% of each class of one half of a set, built by ``indexer build`` (the
-default: DBA from 256 photos), queried with three kinds of photo it does not hold:
+"""What the engine says of photos a gallery does not hold: "no close match" (``Index.answer(...)
+.novelty``, indexer.ann.neighbours.novelty) and the suggested label (indexer.audit.suggest_label).
+A gallery of 70% of each class of one half of a set, built by ``indexer build`` (the default: DBA
+from 256 photos), queried with three kinds of photo:
 
 - **held**: the other 30% of the same classes (new photos of known classes: a flag is a false
-  alarm; the p-value's promise is P(p <= a) <= a for them);
+  alarm; the p-value's promise is P(p <= a) <= a for them; the suggested label should be theirs);
 - **unseen**: photos of the set's other half (classes the gallery lacks: birds among birds);
 - **off-domain**: photos of another set (Caltech for CUB, CUB for Caltech).
 
-    python -m benchmarks.indexer.novelty --data cub --half val      # NOVEL_P chosen on the val halves
-    python -m benchmarks.indexer.novelty --data caltech --half test  # reported on the others
+    python -m benchmarks.indexer.new_photos --data cub --half val      # settings chosen on the val halves
+    python -m benchmarks.indexer.new_photos --data caltech --half test  # reported on the others
 
 Prints the share flagged at p <= 0.01 / 0.05 per kind, the AUROC of the nearest cosine (held vs
-each other kind), and writes a PNG of the three kinds' nearest cosines against the threshold.
+each other kind), the held photos' label accuracy (first hit's label, the vote of 10 hits; the
+vote at a share >= 0.9: coverage, accuracy), and writes a PNG of the three kinds' nearest
+cosines against the threshold.
 """
 from __future__ import annotations
 
@@ -33,13 +36,13 @@ OTHER = {"cub": "caltech", "caltech": "cub"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.indexer.novelty", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.indexer.new_photos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", choices=sorted(SETS), default="cub")
     p.add_argument("--half", choices=("val", "test"), default="val", help="the classes the gallery holds")
     p.add_argument("--queries", type=int, default=400, help="unseen and off-domain photos, each")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench_out/novelty"), help="JSON and PNG go here")
+    p.add_argument("--out", type=Path, default=Path("bench_out/new_photos"), help="JSON and PNG go here")
     return p
 
 
@@ -52,13 +55,14 @@ def auroc(neg: np.ndarray, pos: np.ndarray) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from indexer import NOVEL_P, Index
+    from indexer.audit import suggest_label
 
     root = DATA / SETS[args.data] / "images"
     names = class_names(root)
     mine, others = (names[:len(names) // 2], names[len(names) // 2:]) if args.half == "val" else \
         (names[len(names) // 2:], names[:len(names) // 2])
     rng = random.Random(args.seed)
-    work = Path(tempfile.mkdtemp(prefix="novelty-"))
+    work = Path(tempfile.mkdtemp(prefix="new-photos-"))
     held: list[Path] = []
     for c in mine:
         fs = _images(root / c)
@@ -87,11 +91,23 @@ def run(args: argparse.Namespace) -> int:
             res[kind] = {"queries": len(files), "flagged@0.01": float(np.mean(p <= 0.01)),
                          "flagged@0.05": float(np.mean(p <= 0.05)), "median_nearest": float(np.median(near[kind]))}
         ref = idx.neighbours.nearest
+        found = idx.answer(idx.embed([str(f) for f in held]), 10)      # as served: DBA, 10 hits
+        truth = [f.parent.name for f in held]
+        first, votes = [], []
+        for s, i in zip(found.scores, found.ids):
+            hits = idx.hits(s, i)
+            first.append(hits[0].label)
+            votes.append(suggest_label([h.label for h in hits], [h.score for h in hits]))
+        right = np.array([v[0] == t for v, t in zip(votes, truth)])
+        sure = np.array([v[1] >= 0.9 for v in votes])
+        res["labels"] = {"first_hit": float(np.mean([a == t for a, t in zip(first, truth)])),
+                         "vote": float(right.mean()), "vote>=0.9_coverage": float(sure.mean()),
+                         "vote>=0.9_accuracy": float(right[sure].mean())}
     for kind in ("unseen", "off-domain"):
         res[kind]["auroc"] = auroc(near["held"], near[kind])
     print(json.dumps(res, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"novelty-{args.data}-{args.half}"
+    stem = args.out / f"new-photos-{args.data}-{args.half}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     import matplotlib
 
@@ -114,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("python -m benchmarks.indexer.novelty", build_parser(), argv, handler=run)
+    return run_main("python -m benchmarks.indexer.new_photos", build_parser(), argv, handler=run)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-""""No close match" (``Index.answer(...).novelty``, indexer.ann.neighbours.novelty) on real bird
-photos (cub-dev, the default pretrained embedder, DBA neighbourhoods): new photos of the gallery's
-species are not flagged, photos of another domain are; a gallery item asked about itself is
-compared with the others only (else nothing would ever look novel); `indexer search` says so for
-one image and writes the p-value for a folder."""
+"""New photos against a gallery of real bird photos (cub-dev, the default pretrained embedder,
+DBA neighbourhoods): "no close match" (``Index.answer(...).novelty``, indexer.ann.neighbours.novelty)
+flags photos of another domain, not new photos of the gallery's species; a gallery item asked
+about itself is compared with the others only (else nothing would ever look novel); the suggested
+label (indexer.audit.suggest_label) is the species'; `indexer search` says both for one image and
+writes them for a folder."""
 from __future__ import annotations
 
 import csv
@@ -22,6 +23,16 @@ def test_p_values_are_the_galleries_own_ranks() -> None:
     sims = np.array([[0.9, 0.5], [0.7, 0.6], [0.8, 0.2], [0.6, 0.1]], np.float32)
     nb = Neighbourhoods(DbaParams(k=2), np.arange(4), np.zeros((4, 2), np.int64), sims, np.zeros((4, 3), np.float16))
     assert novelty(nb, np.array([0.95, 0.75, 0.6, 0.3])).tolist() == [1.0, 3 / 5, 2 / 5, 1 / 5]
+
+
+def test_the_vote_weights_near_hits_and_breaks_ties_by_name() -> None:
+    from indexer.audit.labels import suggest_label
+
+    # one near hit outvotes two hits 0.2 less similar (e^-4 each at KNN_TEMP 0.05)
+    label, share = suggest_label(["wren", "jay", "jay", None], [0.9, 0.7, 0.7, 0.95])
+    assert label == "wren" and abs(share - 1 / (1 + 2 * np.exp(-4.0))) < 1e-12
+    assert suggest_label(["b", "a"], [0.8, 0.8]) == ("a", 0.5)       # a float tie: the first name
+    assert suggest_label([None, None], [0.9, 0.8]) is None and suggest_label([], []) is None
 
 
 def test_new_photos_of_known_species_pass_and_other_domains_are_flagged(cub_dba, caltech_root, omniglot_paths):
@@ -56,9 +67,12 @@ def test_indexer_search_says_no_close_match_and_writes_the_p_value(cub_dba, calt
     index, held = cub_dba
     face = sorted(sorted(caltech_root.iterdir())[0].iterdir())[0]
     r = run_cli("search", face, "--index", index, "-k", "2")
-    assert "no close match in the gallery (p = 0.0083)" in r.stderr and len(r.stdout.splitlines()) == 2
+    assert "no close match in the gallery (p = 0.0083)" in r.stderr and len(r.stdout.splitlines()) == 3
+    species = held[0].parent.name
+    r = run_cli("search", held[0], "--index", index, "-k", "5")
+    assert "no close match" not in r.stderr and f"suggested label: {species} (confidence " in r.stdout.splitlines()[-1]
     r = run_cli("search", held[0], "--index", index, "-k", "2", "--json")
-    assert "no close match" not in r.stderr and len(json.loads(r.stdout)) == 2
+    assert len(json.loads(r.stdout)) == 2
     q = tmp_path / "q"
     q.mkdir()
     (q / "bird.jpg").symlink_to(held[0])
@@ -67,7 +81,9 @@ def test_indexer_search_says_no_close_match_and_writes_the_p_value(cub_dba, calt
     assert "1 of 2 queries have no close match in the gallery (novelty p <= 0.01), e.g. face.jpg" in r.stderr
     rows = {j["query"]: j for j in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())}
     assert rows["face.jpg"]["novelty"] == 1 / 121 and rows["bird.jpg"]["novelty"] > 0.1
+    assert rows["bird.jpg"]["suggested"]["label"] == species and rows["bird.jpg"]["suggested"]["confidence"] > 0.5
     run_cli("search", q, "--index", index, "-k", "2", "--out", tmp_path / "r.csv")
     with (tmp_path / "r.csv").open() as fh:
         table = list(csv.DictReader(fh))
     assert {r["query"]: r["novelty"] for r in table}["face.jpg"] == f"{1 / 121:.6f}" and len(table) == 4
+    assert {r["suggested"] for r in table if r["query"] == "bird.jpg"} == {species}
