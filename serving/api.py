@@ -12,11 +12,12 @@
     GET  /api/indexes           what each open index's manifest says
     GET  /api/health            liveness (503 naming what is not served, e.g. a lost Ray shard)
 
-Results with labels add ``"suggested": {"label": ..., "confidence": ...}`` (their vote, indexer.audit.
-suggest_label); an index built with DBA ``"novelty": {"p": ..., "unlike_gallery": bool}``: the query's p-value
-of having no close match in the gallery (``indexer.ann.neighbours.novelty``). An index served over
-Ray whose shard did not answer in time answers from the others with ``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413, 415,
-503), never with a stack trace or a server path (serving.redact); auth and the size cap are
+Results with labels add ``"suggested": {"label": ..., "confidence": ...}`` (their vote,
+``indexer.audit.suggest_label``); an index built with DBA ``"novelty": {"p": ..., "unlike_gallery":
+bool}``, the query's p-value of having no close match in the gallery (``indexer.ann.neighbours.
+novelty``). An index served over Ray whose shard did not answer in time answers from the others
+with ``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413,
+415, 503), never with a stack trace or a server path (serving.redact); auth and the size cap are
 enforced before the body is read (serving.limits); no client-sent path is ever read.
 """
 from __future__ import annotations

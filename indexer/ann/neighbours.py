@@ -126,7 +126,7 @@ class Neighbourhoods:
 #: a query whose p-value (:func:`novelty`) is at most this has no close match in the gallery: said
 #: by the CLI and the app. New photos of the gallery's own classes are flagged at about this rate
 #: (conformal: <= NOVEL_P for queries like the gallery's items; cub-val / caltech-val 0.9% / 0.0%),
-#: photos of another dataset 97-100% (benchmarks/indexer/new_photos.py, docs/benchmarks/indexer.md)
+#: photos of another dataset 96-100% (benchmarks/indexer/new_photos.py, docs/benchmarks/indexer.md)
 NOVEL_P = 0.01
 
 

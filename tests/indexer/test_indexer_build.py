@@ -65,7 +65,9 @@ def test_cli_search_prints_the_query_itself_first(built_index: Path, omniglot_ga
     hits = json.loads(out.stdout)
     assert len(hits) == 3 and hits[0]["path"] == q.relative_to(omniglot_gallery).as_posix()
     table = run_cli("search", q, "-k", "2", "--index", built_index).stdout.splitlines()
-    assert len(table) == 2 and q.name in table[0]
+    assert len(table) == 3 and q.name in table[0]
+    # the hits' vote: the query itself (score 1) outweighs the other drawing
+    assert table[2].startswith(f"suggested label: {q.parent.relative_to(omniglot_gallery).as_posix()} (confidence ")
 
 
 def test_concurrent_queries_from_threads(built_index: Path, omniglot_gallery: Path) -> None:
