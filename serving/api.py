@@ -13,7 +13,7 @@
     GET  /api/health            liveness (503 naming what is not served, e.g. a lost Ray shard)
 
 Results with labels add ``"suggested": {"label": ..., "confidence": ...}`` (their vote,
-``indexer.audit.suggest_label``); an index built with DBA ``"novelty": {"p": ..., "unlike_gallery":
+``indexer.suggest_label``); an index built with DBA ``"novelty": {"p": ..., "unlike_gallery":
 bool}``, the query's p-value of having no close match in the gallery (``indexer.ann.neighbours.
 novelty``). An index served over Ray whose shard did not answer in time answers from the others
 with ``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413,

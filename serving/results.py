@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from indexer import NOVEL_P, Hit, Index
-from indexer.audit import suggest_label
+from indexer import NOVEL_P, Hit, Index, suggest_label
 
 from . import probes
 
@@ -103,11 +102,11 @@ class SearchResult:
     results: list[Result]
     dba: bool | None = None     # whether DBA re-ranking made these results (the Searcher sets it)
     partial: list[int] = field(default_factory=list)   # shards left out (served over Ray, node lost)
-    novelty: float | None = None    # p-value of no close match in the gallery (indexer.ann.neighbours.novelty)
+    novelty: float | None = None    # p-value of no close match in the gallery (indexer.ann.new_photos)
 
     @property
     def suggested(self) -> tuple[str, float] | None:
-        """(label, share of the vote) the results vote for (indexer.audit.suggest_label); None
+        """(label, share of the vote) the results vote for (indexer.suggest_label); None
         when none has a label."""
         return suggest_label(self.labels, self.scores)
 

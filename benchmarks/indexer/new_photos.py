@@ -1,5 +1,5 @@
 """What the engine says of photos a gallery does not hold: "no close match" (``Index.answer(...)
-.novelty``, indexer.ann.neighbours.novelty) and the suggested label (indexer.audit.suggest_label).
+.novelty``, indexer.ann.new_photos.novelty) and the suggested label (indexer.suggest_label).
 A gallery of 70% of each class of one half of a set, built by ``indexer build`` (the default: DBA
 from 256 photos), queried with three kinds of photo:
 
@@ -54,8 +54,7 @@ def auroc(neg: np.ndarray, pos: np.ndarray) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from indexer import NOVEL_P, Index
-    from indexer.audit import suggest_label
+    from indexer import NOVEL_P, Index, suggest_label
 
     root = DATA / SETS[args.data] / "images"
     names = class_names(root)

@@ -85,7 +85,7 @@ class Neighbourhoods:
     @cached_property
     def nearest(self) -> np.ndarray:
         """Every item's inner product with its nearest other item, ascending: the reference of
-        :func:`novelty` (sorted once per snapshot: 1M items ~80 ms)."""
+        :func:`indexer.ann.new_photos.novelty` (sorted once per snapshot: 1M items ~80 ms)."""
         return np.sort(self.sims[:, 0])
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -121,26 +121,6 @@ class Neighbourhoods:
             raise IndexerError(f"{path}: does not match the manifest (k={params.k}, alpha={params.alpha}, "
                                f"{dim}-d); rerun `indexer build` to rewrite it")
         return nb
-
-
-#: a query whose p-value (:func:`novelty`) is at most this has no close match in the gallery: said
-#: by the CLI and the app. New photos of the gallery's own classes are flagged at about this rate
-#: (conformal: <= NOVEL_P for queries like the gallery's items; cub-val / caltech-val 0.9% / 0.0%),
-#: photos of another dataset 96-100% (benchmarks/indexer/new_photos.py, docs/benchmarks/indexer.md)
-NOVEL_P = 0.01
-
-
-def novelty(nb: Neighbourhoods, nearest: np.ndarray) -> np.ndarray:
-    """Conformal p-values of "no close match": for each query's inner product with its nearest
-    gallery item, the share of gallery items whose nearest other item is at most as close,
-    (1 + count) / (n + 1). Under exchangeability (a query drawn like the gallery's items) P(p <= a)
-    <= a, whatever the embedder: a small p says the query is unlike anything the gallery holds
-    (another domain, an unseen class), not that its hits are wrong. Why by hand: a k-NN
-    out-of-distribution score (Sun et al., ICML 2022) calibrated on the gallery's own lists, which
-    DBA already keeps; no library does this on a served faiss index."""
-    ref = nb.nearest
-    return ((1 + np.searchsorted(ref, np.asarray(nearest, np.float32), side="right"))
-            / (len(ref) + 1)).astype(np.float64)
 
 
 # ---------------------------------------------------------------------------- building

@@ -4,10 +4,9 @@ mislabelled images (with the suggested label), outliers, confused class pairs.
 """
 from __future__ import annotations
 
-from .labels import suggest_label
 from .run import DEFAULT_K, KINDS, Audit, lists, print_summary, run_audit, summary, write_audit
 from .served import served_audit
 from .source import Gallery, open_gallery
 
 __all__ = ["Audit", "run_audit", "write_audit", "lists", "summary", "print_summary", "Gallery",
-           "open_gallery", "DEFAULT_K", "KINDS", "served_audit", "suggest_label"]
+           "open_gallery", "DEFAULT_K", "KINDS", "served_audit"]

@@ -17,43 +17,19 @@ outlier list's business and sink here. On cub-dev with 2% flipped labels and 1% 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
+from ..ann.new_photos import KNN_TEMP, knn_weights
 from .graph import KnnGraph
 from .source import Gallery
 
-KNN_TEMP = 0.05         # neighbour weight exp((sim - 1) / KNN_TEMP)
 CENTROID_TEMP = 0.02    # softmax temperature over the cosines to the class centroids
 #: share of the centroid view in the mixed probabilities: 0.25 gives a top-N precision of 0.85 or
 #: more (0.87-0.90) on both validation galleries with either default embedder (Lite1, the
 #: two-backbone one; 0.5 lost one flip of 30 on three of the four: docs/benchmarks/audit.md)
 CENTROID_SHARE = 0.25
 CHUNK = 8_192
-
-
-def knn_weights(sim: np.ndarray, temp: float = KNN_TEMP) -> np.ndarray:
-    """A neighbour's vote, ``exp((sim - 1) / temp)`` (NaN, a padded slot: ~0): near-duplicates
-    count fully, a neighbour 0.1 less similar e^-2 as much at the default temperature."""
-    return np.exp((np.nan_to_num(np.asarray(sim, np.float64), nan=-1.0) - 1) / temp)
-
-
-def suggest_label(labels: Sequence[str | None], sims: Sequence[float]) -> tuple[str, float] | None:
-    """The label a query's hits vote for, ``knn_weights`` of their scores, and its share of the
-    vote (None: no hit has a label). Why not the first hit's label: on new photos of the
-    validation classes the vote of 10 hits (DBA, as served) was right more often (cub-val 94.2% vs
-    93.7%, caltech-val 95.6% vs 94.1%; the test halves +0.9, +0.8), and a share >= 0.9 (77-89% of
-    the photos) was right 99.4-99.8% of the time (benchmarks/indexer/new_photos.py). The
-    temperature is the audit's (KNN_TEMP), not tuned here."""
-    votes: dict[str, float] = {}
-    for lab, w in zip(labels, knn_weights(np.asarray(sims, np.float64))):
-        if lab is not None:
-            votes[lab] = votes.get(lab, 0.0) + float(w)
-    if not votes:
-        return None
-    best = min(votes, key=lambda lab: (-votes[lab], lab))       # a tie: the first name, not the dict's order
-    return best, votes[best] / sum(votes.values())
 
 
 @dataclass
@@ -186,5 +162,5 @@ def confused_pairs(view: ClassView, graph: KnnGraph, top: int = 50) -> list[Conf
             for i in order]
 
 
-__all__ = ["ClassView", "class_view", "mislabelled", "ConfusedPair", "confused_pairs", "knn_weights",
-           "suggest_label", "KNN_TEMP", "CENTROID_TEMP", "CENTROID_SHARE"]
+__all__ = ["ClassView", "class_view", "mislabelled", "ConfusedPair", "confused_pairs", "KNN_TEMP",
+           "CENTROID_TEMP", "CENTROID_SHARE"]

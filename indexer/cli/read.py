@@ -10,7 +10,7 @@ from typing import Any
 
 from embedder.cli import UsageError
 
-from ..ann.neighbours import NOVEL_P
+from ..ann.new_photos import NOVEL_P
 from ..directory.manifest import Manifest
 from ..errors import IndexerError
 
@@ -75,8 +75,8 @@ def search(args: argparse.Namespace) -> None:
 
 
 def suggested(hits: list[Any]) -> dict | None:
-    """{"label", "confidence"}: what the hits' labels vote for (:func:`indexer.audit.labels.suggest_label`)."""
-    from ..audit.labels import suggest_label
+    """{"label", "confidence"}: what the hits' labels vote for (:func:`indexer.ann.new_photos.suggest_label`)."""
+    from ..ann.new_photos import suggest_label
 
     vote = suggest_label([h.label for h in hits], [h.score for h in hits])
     return None if vote is None else {"label": vote[0], "confidence": vote[1]}
@@ -137,7 +137,7 @@ def search_folder(args: argparse.Namespace) -> None:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``indexer eval``: a query folder or --leave-one-out, with and without DBA."""
-    from ..layouts.evaluate import dba_verdict, evaluate_gallery, evaluate_queries, per_label_figure, weakest
+    from ..layouts.evaluate import SURE, dba_verdict, evaluate_gallery, evaluate_queries, per_label_figure, weakest
 
     if args.max_queries is not None and not args.leave_one_out:
         raise UsageError("--max-queries needs --leave-one-out")
@@ -174,6 +174,10 @@ def evaluate(args: argparse.Namespace) -> int:
     if "dba_z" in res:
         z = res["dba_z"]
         print(f"DBA vs plain at Recall@1, same queries: McNemar z {z:+.2f} ({dba_verdict(z)})")
+    sug = res["suggested"]
+    print(f"Suggested label (the vote of the top-{sug['hits']}) right: {sug['accuracy']:.4f}; confident "
+          f"(share >= {SURE:g}) for {100 * sug['confident']:.1f}% of the queries"
+          + ("" if sug["confident_accuracy"] is None else f", right {sug['confident_accuracy']:.4f} of those"))
     worst = weakest(res["per_label"])
     print(f"Weakest labels at Recall@1 (of {len(worst)}): "
           + ", ".join(f"{lab} {r:.2f} ({n})" for lab, r, n in worst[:5]))

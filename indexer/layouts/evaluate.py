@@ -14,6 +14,7 @@ import numpy as np
 
 from embedder.folders import walk_gallery
 
+from ..ann.new_photos import suggest_label
 from ..directory.manifest import DbaCheckRecord
 from ..errors import IndexerError
 from ..store.gallery import id_for_sha256
@@ -31,6 +32,11 @@ def _ks(ks: Sequence[int]) -> list[int]:
 #: vectors at once; a block holds 40 MB, and the bar moves a block at a time
 BLOCK = 4096
 Vectors = Callable[[int, int], np.ndarray]      # (lo, hi) -> the vectors of queries lo..hi-1
+
+
+#: a suggested label whose share of the vote is at least this is "confident" in `indexer eval`
+#: (new photos of the validation classes: right 99.4-99.5%, benchmarks/indexer/new_photos.py)
+SURE = 0.9
 
 
 def _recall(found: list[list[str | None]], labels: Sequence[str], ks: list[int]) -> tuple[dict[int, float], np.ndarray]:
@@ -58,23 +64,32 @@ def _both(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[i
     settings = [used, not used] if index.has_dba else [used]
     kmax = min(ks[-1], len(index))
     found: dict[bool, list[list[str | None]]] = {s: [] for s in settings}
+    votes: list[tuple[str, float] | None] = []          # the suggested label, as asked
     with tqdm(total=len(labels), desc="searching", unit="query", disable=not progress, mininterval=1.0) as bar:
         for lo in range(0, len(labels), BLOCK):
             hi = min(len(labels), lo + BLOCK)
             q = vectors(lo, hi)
             for s in settings:
-                _, ids = index.search_embeddings(q, kmax, dba=s, exclude=list(own[lo:hi]))
+                scores, ids = index.search_embeddings(q, kmax, dba=s, exclude=list(own[lo:hi]))
                 metas = index.metas(np.unique(ids[ids >= 0]).tolist())    # one gone since: a miss (None)
-                found[s] += [[metas[int(i)].get("label") if int(i) in metas else None for i in row if i >= 0]
-                             for row in ids]
+                rows = [[metas[int(i)].get("label") if int(i) in metas else None for i in row if i >= 0]
+                        for row in ids]
+                found[s] += rows
+                if s == used:
+                    votes += [suggest_label(r, sc[ids_r >= 0]) for r, sc, ids_r in zip(rows, scores, ids)]
             bar.update(hi - lo)
     measured = [k for k in ks if k <= kmax]
     rec, top1 = _recall(found[used], labels, measured)
     names, of = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
     n, hit = np.bincount(of, minlength=len(names)), np.bincount(of, weights=top1, minlength=len(names))
+    right = np.array([v is not None and v[0] == lab for v, lab in zip(votes, labels)], dtype=bool)
+    sure = np.array([v is not None and v[1] >= SURE for v in votes], dtype=bool)
     out: dict[str, Any] = {"recall": rec, "dba": used,      # which labels the search serves worst
                            "per_label": {str(k): {"queries": int(c), "recall@1": float(h / c)}
-                                         for k, c, h in zip(names, n, hit)}}
+                                         for k, c, h in zip(names, n, hit)},
+                           # auto-labelling: how often the hits' vote names the query's label
+                           "suggested": {"hits": kmax, "accuracy": float(right.mean()), "confident": float(sure.mean()),
+                                         "confident_accuracy": float(right[sure].mean()) if sure.any() else None}}
     if index.has_dba:
         out["recall_dba" if not used else "recall_plain"], other = _recall(found[not used], labels, measured)
         with_dba, plain = (top1, other) if used else (other, top1)

@@ -28,7 +28,7 @@ from .layout import Layout, layout_of
 class Found(NamedTuple):
     """What :meth:`Index.answer` gives: the searchable's :class:`Answer` (scores, ids, partial) and
     ``novelty``, each query's p-value of having no close match (with DBA neighbourhoods:
-    :func:`indexer.ann.neighbours.novelty`; None without them or within labels)."""
+    :func:`indexer.ann.new_photos.novelty`; None without them or within labels)."""
 
     scores: np.ndarray
     ids: np.ndarray
@@ -167,7 +167,7 @@ class Index:
             subset_search(self.faiss.search, self.embeddings, allowed, q, want, len(self), need=k + (own is not None))
         p = None
         if self.neighbours is not None and allowed is None:     # within labels: not the gallery's reference
-            from ..ann.neighbours import novelty
+            from ..ann.new_photos import novelty
 
             top = scores[:, 0] if own is None else drop_self(ids, own, 1, scores)[1][:, 0]
             p = novelty(self.neighbours, np.nan_to_num(top, nan=-1.0))

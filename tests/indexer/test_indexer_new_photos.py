@@ -1,8 +1,8 @@
 """New photos against a gallery of real bird photos (cub-dev, the default pretrained embedder,
-DBA neighbourhoods): "no close match" (``Index.answer(...).novelty``, indexer.ann.neighbours.novelty)
+DBA neighbourhoods): "no close match" (``Index.answer(...).novelty``, indexer.ann.new_photos.novelty)
 flags photos of another domain, not new photos of the gallery's species; a gallery item asked
 about itself is compared with the others only (else nothing would ever look novel); the suggested
-label (indexer.audit.suggest_label) is the species'; `indexer search` says both for one image and
+label (indexer.suggest_label) is the species'; `indexer search` says both for one image and
 writes them for a folder."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from indexer_testlib import run_cli
 def test_p_values_are_the_galleries_own_ranks() -> None:
     """(1 + #{reference <= s}) / (n + 1): a query closer than every gallery item's nearest gets 1,
     one farther than all of them 1 / (n + 1)."""
-    from indexer.ann.neighbours import DbaParams, Neighbourhoods, novelty
+    from indexer.ann.neighbours import DbaParams, Neighbourhoods
+    from indexer.ann.new_photos import novelty
 
     sims = np.array([[0.9, 0.5], [0.7, 0.6], [0.8, 0.2], [0.6, 0.1]], np.float32)
     nb = Neighbourhoods(DbaParams(k=2), np.arange(4), np.zeros((4, 2), np.int64), sims, np.zeros((4, 3), np.float16))
@@ -26,7 +27,7 @@ def test_p_values_are_the_galleries_own_ranks() -> None:
 
 
 def test_the_vote_weights_near_hits_and_breaks_ties_by_name() -> None:
-    from indexer.audit.labels import suggest_label
+    from indexer import suggest_label
 
     # one near hit outvotes two hits 0.2 less similar (e^-4 each at KNN_TEMP 0.05)
     label, share = suggest_label(["wren", "jay", "jay", None], [0.9, 0.7, 0.7, 0.95])
@@ -87,3 +88,24 @@ def test_indexer_search_says_no_close_match_and_writes_the_p_value(cub_dba, calt
         table = list(csv.DictReader(fh))
     assert {r["query"]: r["novelty"] for r in table}["face.jpg"] == f"{1 / 121:.6f}" and len(table) == 4
     assert {r["suggested"] for r in table if r["query"] == "bird.jpg"} == {species}
+
+
+def test_indexer_eval_says_how_often_the_suggested_label_is_right(cub_dba) -> None:
+    """Leave-one-out: each gallery photo's suggested label (the vote of its top-8, itself left
+    out) against its own label, as a user would check auto-labelling before trusting it."""
+    from indexer import Index, suggest_label
+
+    index, _ = cub_dba
+    res = json.loads(run_cli("eval", "--index", index, "--leave-one-out", "--json").stdout)["suggested"]
+    with Index.open(index) as idx:
+        ids = [int(i) for lab in idx.labels() for i in idx.ids_for_label(lab)]
+        found = idx.answer(idx.embeddings(ids), 8, exclude=ids)
+        votes = [suggest_label([h.label for h in hits], [h.score for h in hits])
+                 for hits in (idx.hits(s, i) for s, i in zip(found.scores, found.ids))]
+        truth = [idx.meta(i)["label"] for i in ids]
+    right = [v[0] == t for v, t in zip(votes, truth)]
+    sure = [v[1] >= 0.9 for v in votes]
+    assert res["hits"] == 8 and res["accuracy"] == sum(right) / len(ids) > 0.8
+    assert res["confident"] == sum(sure) / len(ids) and res["confident_accuracy"] >= res["accuracy"]
+    text = run_cli("eval", "--index", index, "--leave-one-out").stdout
+    assert f"Suggested label (the vote of the top-8) right: {res['accuracy']:.4f}; confident (share >= 0.9) for " in text
