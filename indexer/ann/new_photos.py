@@ -14,7 +14,6 @@ from .neighbours import Neighbourhoods
 #: a neighbour's weight exp((sim - 1) / KNN_TEMP), in a query's vote and in the audit's kNN view
 KNN_TEMP = 0.05
 
-
 #: a query whose p-value (:func:`novelty`) is at most this has no close match in the gallery: said
 #: by the CLI and the app. New photos of the gallery's own classes are flagged at about this rate
 #: (conformal: <= NOVEL_P for queries like the gallery's items; cub-val / caltech-val 0.9% / 0.0%),
@@ -46,8 +45,8 @@ def suggest_label(labels: Sequence[str | None], sims: Sequence[float]) -> tuple[
     vote (None: no hit has a label). Why not the first hit's label: on new photos of the
     validation classes the vote of 10 hits (DBA, as served) was right more often (cub-val 94.2% vs
     93.7%, caltech-val 95.6% vs 94.1%; the test halves +0.9, +0.8), and a share >= 0.9 (77-89% of
-    the photos) was right 99.4-99.8% of the time (benchmarks/indexer/new_photos.py). The
-    temperature is the audit's (KNN_TEMP), not tuned here."""
+    the photos) was right 99.4-99.8% of the time (benchmarks/indexer/new_photos.py). KNN_TEMP is
+    the one the audit's kNN view was chosen with, not tuned again here."""
     votes: dict[str, float] = {}
     for lab, w in zip(labels, knn_weights(np.asarray(sims, np.float64))):
         if lab is not None:
