@@ -106,9 +106,9 @@ class SearchResult:
 
     @property
     def suggested(self) -> tuple[str, float] | None:
-        """(label, share of the vote) the results vote for (indexer.suggest_label); None
-        when none has a label."""
-        return suggest_label(self.labels, self.scores)
+        """(label, share of the vote) the results vote for (indexer.suggest_label); None when none
+        has a label or the query has no close match."""
+        return suggest_label(self.labels, self.scores, self.novelty)
 
     @property
     def unlike_gallery(self) -> bool:

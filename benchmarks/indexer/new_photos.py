@@ -93,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
         found = idx.answer(idx.embed([str(f) for f in held]), 10)      # as served: DBA, 10 hits
         truth = [f.parent.name for f in held]
         first, votes = [], []
-        for s, i in zip(found.scores, found.ids):
+        for s, i, p in zip(found.scores, found.ids, found.novelty):
             hits = idx.hits(s, i)
             first.append(hits[0].label)
-            votes.append(suggest_label([h.label for h in hits], [h.score for h in hits]))
-        right = np.array([v[0] == t for v, t in zip(votes, truth)])
-        sure = np.array([v[1] >= 0.9 for v in votes])
+            votes.append(suggest_label([h.label for h in hits], [h.score for h in hits], p))
+        right = np.array([v is not None and v[0] == t for v, t in zip(votes, truth)])
+        sure = np.array([v is not None and v[1] >= 0.9 for v in votes])
         res["labels"] = {"first_hit": float(np.mean([a == t for a, t in zip(first, truth)])),
                          "vote": float(right.mean()), "vote>=0.9_coverage": float(sure.mean()),
                          "vote>=0.9_accuracy": float(right[sure].mean())}

@@ -70,15 +70,16 @@ def search(args: argparse.Namespace) -> None:
     else:
         for r, (h, m) in enumerate(zip(hits, marks), 1):
             print(f"{r:3d}  {h.score:.4f}  id={h.id}  label={h.label}  {h.path}" + ("  COPY" if m.get("copy") else ""))
-        if (vote := suggested(hits)) is not None:
+        if (vote := suggested(hits, None if found.novelty is None else float(found.novelty[0]))) is not None:
             print(f"suggested label: {vote['label']} (confidence {vote['confidence']:.2f})")
 
 
-def suggested(hits: list[Any]) -> dict | None:
-    """{"label", "confidence"}: what the hits' labels vote for (:func:`indexer.ann.new_photos.suggest_label`)."""
+def suggested(hits: list[Any], novelty: float | None) -> dict | None:
+    """{"label", "confidence"}: what the hits' labels vote for (:func:`indexer.ann.new_photos.suggest_label`;
+    None with no close match)."""
     from ..ann.new_photos import suggest_label
 
-    vote = suggest_label([h.label for h in hits], [h.score for h in hits])
+    vote = suggest_label([h.label for h in hits], [h.score for h in hits], novelty)
     return None if vote is None else {"label": vote[0], "confidence": vote[1]}
 
 
@@ -116,13 +117,13 @@ def search_folder(args: argparse.Namespace) -> None:
             w.writerow(["query", "rank", "id", "score", "label", "path", "novelty", "suggested", "confidence"]
                        + (["copy"] if args.copies else []))
             for (q, hits, p), ms in zip(rows, marks):
-                vote = suggested(hits) or {"label": "", "confidence": ""}
+                vote = suggested(hits, p) or {"label": "", "confidence": ""}
                 w.writerows([q, r, h.id, f"{h.score:.6f}", h.label, h.path, "" if p is None else f"{p:.6f}",
                              vote["label"], vote["confidence"] and f"{vote['confidence']:.4f}", *m.values()]
                             for r, (h, m) in enumerate(zip(hits, ms), 1))
         else:
             for (q, hits, p), ms in zip(rows, marks):
-                fh.write(json.dumps({"query": q, "novelty": p, "suggested": suggested(hits),
+                fh.write(json.dumps({"query": q, "novelty": p, "suggested": suggested(hits, p),
                                      "results": [{**h.__dict__, **m} for h, m in zip(hits, ms)]}) + "\n")
     if tmp is not None:
         tmp.replace(args.out)

@@ -70,13 +70,14 @@ def _both(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[i
             hi = min(len(labels), lo + BLOCK)
             q = vectors(lo, hi)
             for s in settings:
-                scores, ids = index.search_embeddings(q, kmax, dba=s, exclude=list(own[lo:hi]))
+                scores, ids, _, novel = index.answer(q, kmax, dba=s, exclude=list(own[lo:hi]))
                 metas = index.metas(np.unique(ids[ids >= 0]).tolist())    # one gone since: a miss (None)
                 rows = [[metas[int(i)].get("label") if int(i) in metas else None for i in row if i >= 0]
                         for row in ids]
                 found[s] += rows
                 if s == used:
-                    votes += [suggest_label(r, sc[ids_r >= 0]) for r, sc, ids_r in zip(rows, scores, ids)]
+                    ps = [None] * len(rows) if novel is None else novel
+                    votes += [suggest_label(r, sc[i >= 0], p) for r, sc, i, p in zip(rows, scores, ids, ps)]
             bar.update(hi - lo)
     measured = [k for k in ks if k <= kmax]
     rec, top1 = _recall(found[used], labels, measured)

@@ -68,7 +68,7 @@ def test_indexer_search_says_no_close_match_and_writes_the_p_value(cub_dba, calt
     index, held = cub_dba
     face = sorted(sorted(caltech_root.iterdir())[0].iterdir())[0]
     r = run_cli("search", face, "--index", index, "-k", "2")
-    assert "no close match in the gallery (p = 0.0083)" in r.stderr and len(r.stdout.splitlines()) == 3
+    assert "no close match in the gallery (p = 0.0083)" in r.stderr and len(r.stdout.splitlines()) == 2   # no label
     species = held[0].parent.name
     r = run_cli("search", held[0], "--index", index, "-k", "5")
     assert "no close match" not in r.stderr and f"suggested label: {species} (confidence " in r.stdout.splitlines()[-1]
@@ -83,11 +83,12 @@ def test_indexer_search_says_no_close_match_and_writes_the_p_value(cub_dba, calt
     rows = {j["query"]: j for j in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())}
     assert rows["face.jpg"]["novelty"] == 1 / 121 and rows["bird.jpg"]["novelty"] > 0.1
     assert rows["bird.jpg"]["suggested"]["label"] == species and rows["bird.jpg"]["suggested"]["confidence"] > 0.5
+    assert rows["face.jpg"]["suggested"] is None
     run_cli("search", q, "--index", index, "-k", "2", "--out", tmp_path / "r.csv")
     with (tmp_path / "r.csv").open() as fh:
         table = list(csv.DictReader(fh))
     assert {r["query"]: r["novelty"] for r in table}["face.jpg"] == f"{1 / 121:.6f}" and len(table) == 4
-    assert {r["suggested"] for r in table if r["query"] == "bird.jpg"} == {species}
+    assert {r["query"]: r["suggested"] for r in table} == {"bird.jpg": species, "face.jpg": ""}
 
 
 def test_indexer_eval_says_how_often_the_suggested_label_is_right(cub_dba) -> None:
@@ -109,3 +110,16 @@ def test_indexer_eval_says_how_often_the_suggested_label_is_right(cub_dba) -> No
     assert res["confident"] == sum(sure) / len(ids) and res["confident_accuracy"] >= res["accuracy"]
     text = run_cli("eval", "--index", index, "--leave-one-out").stdout
     assert f"Suggested label (the vote of the top-8) right: {res['accuracy']:.4f}; confident (share >= 0.9) for " in text
+
+
+def test_no_label_is_suggested_for_a_photo_unlike_the_gallery(cub_dba, caltech_root) -> None:
+    """A Caltech face among birds: its hits still share one species' label, but with no close match
+    the vote would be a confident wrong answer, so none is suggested (CLI and API alike)."""
+    from indexer import NOVEL_P, suggest_label
+
+    index, _ = cub_dba
+    face = sorted(sorted(caltech_root.iterdir())[0].iterdir())[0]
+    r = run_cli("search", face, "--index", index, "-k", "3")
+    assert "no close match" in r.stderr and "suggested label" not in r.stdout
+    assert suggest_label(["a", "a"], [0.5, 0.4], novelty=NOVEL_P) is None
+    assert suggest_label(["a", "a"], [0.5, 0.4], novelty=0.5) == ("a", 1.0)

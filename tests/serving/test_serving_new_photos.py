@@ -32,6 +32,8 @@ def test_api_and_search_tab_say_no_close_match(birds_server, cub_dba, caltech_ro
         assert r.json()["novelty"] == {"p": pytest.approx(p, abs=1e-9), "unlike_gallery": novel}
         if not novel:                                   # the bird's species, by the hits' vote
             assert r.json()["suggested"]["label"] == path.parent.name, r.json()
+        else:                                           # no close match: no label suggested
+            assert "suggested" not in r.json(), r.json()
     # a gallery image asked about itself: compared with the others, so it is no novelty
     r = httpx.post(f"{birds_server}/api/search", data={"id": str(gid), "k": "3"}, timeout=60)
     assert r.status_code == 200 and r.json()["novelty"]["p"] > 1 / 121, r.text
@@ -43,6 +45,7 @@ def test_api_and_search_tab_say_no_close_match(birds_server, cub_dba, caltech_ro
     client = gradio_client(birds_server)
     status, gallery = client.predict(handle_file(str(face)), None, None, 3, api_name="/search")
     assert "**birds: no close match** (p = 0.008" in status and len(gallery) == 3, status
+    assert "Suggested label" not in status, status
     status, _ = client.predict(handle_file(str(held[0])), None, None, 3, api_name="/search")
     assert "no close match" not in status and "⚠" not in status, status
     assert f"Suggested label · birds: **{held[0].parent.name}** (" in status, status
