@@ -26,6 +26,7 @@ class EvalResult:
     other: dict[int, float] | None = None
     dba_z: float | None = None
     weakest: list[tuple[str, float, int]] = field(default_factory=list)   # (label, R@1, queries)
+    suggested: dict | None = None     # how often the suggested label was right (indexer eval's "suggested")
 
     @classmethod
     def of(cls, index: str, source: str, out: dict, skipped: Sequence[str] = ()) -> "EvalResult":
@@ -34,7 +35,7 @@ class EvalResult:
 
         return cls(index, source, out["recall"], int(out["queries"]), list(skipped), bool(out["dba"]),
                    out.get("recall_plain" if out["dba"] else "recall_dba"), out.get("dba_z"),
-                   weakest(out["per_label"]))
+                   weakest(out["per_label"]), out.get("suggested"))
 
     def rows(self) -> list[dict[str, object]]:
         """A row per DBA setting measured, the served one first."""

@@ -217,6 +217,9 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
         msg += f"\n\n{line}" if line else ""
         msg += "".join(f"\n\n{r.index}: weakest labels at R@1: " + ", ".join(
             f"{lab} {100 * v:.0f}% ({n})" for lab, v, n in r.weakest[:5]) for r in results if r.weakest)
+        msg += "".join(f"\n\n{r.index}: suggested label (vote of the top-{s['hits']}) right "
+                       f"{100 * s['accuracy']:.1f}%; confident for {100 * s['confident']:.0f}% of the queries"
+                       for r in results if (s := r.suggested))
         import pandas as pd  # a gradio dependency; headers travel with the data this way
 
         return [msg, pd.DataFrame(rows, columns=head), png]

@@ -109,6 +109,9 @@ def test_evaluate_tab_shows_both_settings_and_mcnemar_z(dba_server, dba_index, g
     lab, r1, n = weakest(want["per_label"])[0]          # and each index's weakest labels
     assert f"dba: weakest labels at R@1: {lab} {100 * r1:.0f}% ({n})" in status, status
     assert "small: weakest labels at R@1: " in status
+    s = want["suggested"]                               # and how often the suggested label is right
+    assert (f"dba: suggested label (vote of the top-4) right {100 * s['accuracy']:.1f}%; confident for "
+            f"{100 * s['confident']:.0f}% of the queries") in status, status
 
 
 def test_label_filter_in_the_api_and_the_search_tab(dba_server, dba_index, gradio_client):
