@@ -85,7 +85,8 @@ class Neighbourhoods:
     @cached_property
     def nearest(self) -> np.ndarray:
         """Every item's inner product with its nearest other item, ascending: the reference of
-        :func:`indexer.ann.new_photos.novelty` (sorted once per snapshot: 1M items 6 ms; a query then costs a binary search, < 1 µs)."""
+        :func:`indexer.ann.new_photos.novelty` (sorted once per snapshot: 1M items 6 ms; a query
+        then costs a binary search, < 1 µs)."""
         return np.sort(self.sims[:, 0])
 
     def rows(self, ids: np.ndarray) -> np.ndarray:

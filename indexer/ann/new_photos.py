@@ -44,11 +44,12 @@ def suggest_label(labels: Sequence[str | None], sims: Sequence[float], novelty: 
                   ) -> tuple[str, float] | None:
     """The label a query's hits vote for, ``knn_weights`` of their scores, and its share of the
     vote; None when no hit has a label, or when the query has no close match (``novelty`` <=
-    NOVEL_P: a bird in a gallery of aircraft would get "airplanes" at full share). Why not the first hit's label: on new photos of the
-    validation classes the vote of 10 hits (DBA, as served; none for a photo with no close match)
-    was right more often (cub-val 93.9% vs 93.7%, caltech-val 95.6% vs 94.1%; the test halves +0.5,
-    +0.6), and a share >= 0.9 (77-89% of the photos) was right 99.4-99.8% of the time (benchmarks/indexer/new_photos.py). KNN_TEMP is
-    the one the audit's kNN view was chosen with, not tuned again here."""
+    NOVEL_P: a bird in a gallery of aircraft would get "airplanes" at full share). Why not the
+    first hit's label: on new photos of the validation classes the vote of 10 hits (DBA, as
+    served; none for a photo with no close match) was right more often (cub-val 93.9% vs 93.7%,
+    caltech-val 95.6% vs 94.1%; the test halves +0.5, +0.6), and a share >= 0.9 (77-89% of the
+    photos) was right 99.4-99.8% of the time (benchmarks/indexer/new_photos.py). KNN_TEMP is the
+    one the audit's kNN view was chosen with, not tuned again here."""
     if novelty is not None and novelty <= NOVEL_P:
         return None
     votes: dict[str, float] = {}
