@@ -50,11 +50,6 @@ RECIPE = "configs/photos_finetune_gpu.toml"
 #: the recipe's own loss first: with --jobs below the grid's size its runs start first
 PAIRS = ["multisimilarity:none", "triplet:semihard", "margin:distance"]
 SEEDS = [0, 1, 2]
-#: the sweep's cells (each with and without DAS, 2 seeds); the recipe's values come first.
-#: 2026-11-28/30 swept multi-similarity's backbone lr x depth (3e-6..1e-4 x all / last:3: at
-#: most +0.65 R@1 on validation); 2026-12-01 adds Proxy-Anchor (Kim et al. 2020, the field's
-#: strongest simple recipe on CUB) and a PCA-initialised 512-d head at a higher lr
-SWEEP: list["Cell"] = []        # filled below the class
 #: what every step's processes import: a wheel missing on the GPU machine (pillow-heif on
 #: 2026-11-30) fails here in seconds, not in every run of every step
 IMPORTS = ("import training.runs, training.trainer, training.losses, embedder.metrics, "
@@ -120,13 +115,18 @@ class Cell:
                 f"{', '.join(self.sets) or '-'} |")
 
 
-HEAD = ("dim=512", "head_init=pca", "lr=1e-4")
-SWEEP += [Cell("multisimilarity:none", 3e-6), Cell("multisimilarity:none", 1e-5),
-          Cell("multisimilarity:none", 3e-6, sets=HEAD),
-          Cell("pml:ProxyAnchorLoss:none", 1e-5), Cell("pml:ProxyAnchorLoss:none", 3e-5),
-          Cell("pml:ProxyAnchorLoss:none", 1e-4), Cell("pml:ProxyAnchorLoss:none", 3e-5, sets=HEAD),
-          # the slow end, for --cells 0,7,8 --sweep-epochs 20
-          Cell("multisimilarity:none", 1e-6), Cell("pml:ProxyAnchorLoss:none", 3e-6)]
+PCA_HEAD = ("dim=512", "head_init=pca", "lr=1e-4")
+#: the sweep's cells (each with and without DAS, 2 seeds); the recipe's values come first.
+#: 2026-11-28/30 swept multi-similarity's backbone lr x depth (3e-6..1e-4 x all / last:3: at
+#: most +0.65 R@1 on validation); 2026-12-01 added Proxy-Anchor (Kim et al. 2020, the field's
+#: strongest simple recipe on CUB) and a PCA-initialised 512-d head at a higher lr: none ahead
+#: of the recipe (docs/benchmarks/training-das.md#on-a-gpu)
+SWEEP = [Cell("multisimilarity:none", 3e-6), Cell("multisimilarity:none", 1e-5),
+         Cell("multisimilarity:none", 3e-6, sets=PCA_HEAD),
+         Cell("pml:ProxyAnchorLoss:none", 1e-5), Cell("pml:ProxyAnchorLoss:none", 3e-5),
+         Cell("pml:ProxyAnchorLoss:none", 1e-4), Cell("pml:ProxyAnchorLoss:none", 3e-5, sets=PCA_HEAD),
+         # the slow end, for --cells 0,7,8 --sweep-epochs 20
+         Cell("multisimilarity:none", 1e-6), Cell("pml:ProxyAnchorLoss:none", 3e-6)]
 
 
 @dataclass
