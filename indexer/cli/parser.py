@@ -114,8 +114,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--box", metavar="X0,Y0,X1,Y1", default=None,
                    help="search this region of the image only (pixels of the image as shown)")
     s.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="with a folder: write the top-k of each file to FILE, .jsonl or .csv "
-                        "(default: JSON lines on stdout)")
+                   help="with a folder: write the top-k of each file to FILE, .jsonl or .csv, with its "
+                        "suggested label (the hits' vote) and novelty (p-value of no close match; DBA "
+                        "indexes) (default: JSON lines on stdout)")
     s.add_argument("--dba", choices=("auto", "on", "off"), default="auto",
                    help="DBA re-ranking (auto: on for an index built with --dba)")
     s.add_argument("--label", action="append", default=None, metavar="LABEL",
