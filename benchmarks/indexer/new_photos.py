@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--half", choices=("val", "test"), default="val", help="the classes the gallery holds")
     p.add_argument("--queries", type=int, default=400, help="unseen and off-domain photos, each")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, default=None,
+                   help="an ONNX embedder for the build (default: indexer build's own choice)")
     p.add_argument("--out", type=Path, default=Path("bench_out/new_photos"), help="JSON and PNG go here")
     return p
 
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     off = [f for c in class_names(oroot) for f in _images(oroot / c)]
     kinds = {"held": held, "unseen": rng.sample(unseen, min(args.queries, len(unseen))),
              "off-domain": rng.sample(off, min(args.queries, len(off)))}
-    subprocess.run([sys.executable, "-m", "indexer", "build", str(work / "gallery"), "--out", str(work / "index")],
+    subprocess.run([sys.executable, "-m", "indexer", "build", str(work / "gallery"), "--out", str(work / "index"),
+                    *(["--model", str(args.model)] if args.model else [])],
                    check=True, stdout=sys.stderr)
     res: dict = {"data": args.data, "half": args.half, "NOVEL_P": NOVEL_P}
     near: dict[str, np.ndarray] = {}
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         res[kind]["auroc"] = auroc(near["held"], near[kind])
     print(json.dumps(res, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"new-photos-{args.data}-{args.half}"
+    stem = args.out / (f"new-photos-{args.data}-{args.half}" + ("" if args.model is None else f"-{args.model.stem}"))
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     import matplotlib
 
