@@ -14,7 +14,7 @@
 
 Results with labels add ``"suggested": {"label": ..., "confidence": ...}`` (their vote,
 ``indexer.suggest_label``); an index built with DBA ``"novelty": {"p": ..., "unlike_gallery":
-bool}``, the query's p-value of having no close match in the gallery (``indexer.ann.neighbours.
+bool}``, the query's p-value of having no close match in the gallery (``indexer.ann.new_photos.
 novelty``). An index served over Ray whose shard did not answer in time answers from the others
 with ``"partial": [shard ids]``. Errors are JSON ``{"error": message}`` (400, 401, 404, 405, 413,
 415, 503), never with a stack trace or a server path (serving.redact); auth and the size cap are

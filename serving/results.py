@@ -3,6 +3,7 @@ results, a probe report (plain dataclasses), and the two ways a request can be w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -104,7 +105,7 @@ class SearchResult:
     partial: list[int] = field(default_factory=list)   # shards left out (served over Ray, node lost)
     novelty: float | None = None    # p-value of no close match in the gallery (indexer.ann.new_photos)
 
-    @property
+    @cached_property
     def suggested(self) -> tuple[str, float] | None:
         """(label, share of the vote) the results vote for (indexer.suggest_label); None when none
         has a label or the query has no close match."""

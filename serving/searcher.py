@@ -255,10 +255,10 @@ class Searcher:
         """Each row's Results (k, dba and labels checked), the shards the answer left out (Ray), and
         each row's novelty p-value (None: the index has no DBA neighbourhoods, or within labels)."""
         found = snap.index.answer(emb, k, dba=dba, exclude=exclude, labels=labels)
-        novelty = [None] * len(found.ids) if found.novelty is None else [float(p) for p in found.novelty]
         return [[Result(h.id, h.score, h.label, h.path, snap.name,
                         self.thumbnail(snap, h.id) if thumbnails else None)
-                 for h in snap.index.hits(s, i)] for s, i in zip(found.scores, found.ids)], list(found.partial), novelty
+                 for h in snap.index.hits(s, i)] for s, i in zip(found.scores, found.ids)], list(found.partial), \
+            found.p_values()
 
     def nearest(self, emb: np.ndarray, k: int = 10, *, index: IndexRef = None,
                 exclude: Sequence[int | None] | None = None, thumbnails: bool = False,

@@ -335,6 +335,11 @@ def set_nprobe(index: faiss.Index, nprobe: int) -> None:
         faiss.extract_index_ivf(index).nprobe = int(nprobe)
 
 
+def wider_nprobe(ivf: faiss.IndexIVF, widen: float) -> int:
+    """The lists a search ``widen`` times the IVF's own nprobe probes (at least its own, at most all)."""
+    return min(int(ivf.nlist), math.ceil(ivf.nprobe * max(1.0, widen)))
+
+
 def search_wider(index: faiss.Index, q: np.ndarray, k: int, widen: float) -> tuple[np.ndarray, np.ndarray]:
     """``index.search`` probing ``widen`` times its IVF lists (capped at nlist), per call: the
     index is shared by concurrent searches, so its own nprobe is never changed. A bare IVF, one
@@ -342,15 +347,14 @@ def search_wider(index: faiss.Index, q: np.ndarray, k: int, widen: float) -> tup
     if widen > 1 and isinstance(index, faiss.IndexShardsIVF):
         # its search insists each part's nprobe equal the call's: assign here, scan each part
         # (what IndexShardsIVF does inside), merge
-        nprobe = min(int(index.nlist), math.ceil(faiss.extract_index_ivf(index.at(0)).nprobe * widen))
-        dq, iq = index.quantizer.search(q, nprobe)
+        dq, iq = index.quantizer.search(q, wider_nprobe(faiss.extract_index_ivf(index.at(0)), widen))
         got = [preassigned(faiss.extract_index_ivf(index.at(i)), q, k, iq, dq) for i in range(index.count())]
         return faiss.merge_knn_results(np.stack([d for d, _ in got]), np.stack([i for _, i in got]),
                                        keep_max=faiss.is_similarity_metric(index.metric_type))
     ivf = faiss.try_extract_index_ivf(index) if widen > 1 else None
     if ivf is None:
         return index.search(q, k)
-    wide = faiss.SearchParametersIVF(nprobe=min(int(ivf.nlist), math.ceil(ivf.nprobe * widen)))
+    wide = faiss.SearchParametersIVF(nprobe=wider_nprobe(ivf, widen))
     inner = index
     while isinstance(inner, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         inner = faiss.downcast_index(inner.index)

@@ -70,14 +70,14 @@ def _both(index: Index, vectors: Vectors, labels: Sequence[str], own: Sequence[i
             hi = min(len(labels), lo + BLOCK)
             q = vectors(lo, hi)
             for s in settings:
-                scores, ids, _, novel = index.answer(q, kmax, dba=s, exclude=list(own[lo:hi]))
+                got = index.answer(q, kmax, dba=s, exclude=list(own[lo:hi]))
+                ids = got.ids
                 metas = index.metas(np.unique(ids[ids >= 0]).tolist())    # one gone since: a miss (None)
                 rows = [[metas[int(i)].get("label") if int(i) in metas else None for i in row if i >= 0]
                         for row in ids]
                 found[s] += rows
                 if s == used:
-                    ps = [None] * len(rows) if novel is None else novel
-                    votes += [suggest_label(r, sc[i >= 0], p) for r, sc, i, p in zip(rows, scores, ids, ps)]
+                    votes += [suggest_label(r, sc[i >= 0], p) for r, sc, i, p in zip(rows, got.scores, ids, got.p_values())]
             bar.update(hi - lo)
     measured = [k for k in ks if k <= kmax]
     rec, top1 = _recall(found[used], labels, measured)
@@ -200,8 +200,7 @@ def search_files(index: Index, folder: str | Path, k: int, *, dba: bool | None =
         if keys:
             found = index.answer(emb, k, dba=dba, labels=labels)
             partial.update(found.partial)
-            ps = [None] * len(keys) if found.novelty is None else [float(p) for p in found.novelty]
-            out += [(key, index.hits(s, i), p) for key, s, i, p in zip(keys, found.scores, found.ids, ps)]
+            out += [(key, index.hits(s, i), p) for key, s, i, p in zip(keys, found.scores, found.ids, found.p_values())]
     if not out:
         raise IndexerError(f"{folder}: no query image could be read ({len(skipped)} skipped)")
     return out, skipped, sorted(partial)

@@ -35,6 +35,10 @@ class Found(NamedTuple):
     partial: tuple[int, ...] = ()
     novelty: np.ndarray | None = None
 
+    def p_values(self) -> list[float | None]:
+        """``novelty`` as one float (or None) per query row."""
+        return [None] * len(self.ids) if self.novelty is None else [float(p) for p in self.novelty]
+
 
 @dataclass
 class Hit:

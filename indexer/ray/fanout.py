@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -289,8 +288,7 @@ class Router:
         deadline = time.monotonic() + self.config.timeout
         dq = iq = None
         if self.ivf is not None:    # the lists to scan, chosen here: widen is this call's alone
-            nprobe = math.ceil(self.ivf.nprobe * max(1.0, widen))
-            dq, iq = self.ivf.quantizer.search(q, min(nprobe, self.ivf.nlist))
+            dq, iq = self.ivf.quantizer.search(q, fx.wider_nprobe(self.ivf, widen))
         message = ForkingPickler.dumps((q, k, dq, iq))     # Connection.send's pickle, once for all
         waiting: dict[Connection, int] = {}
         until = time.monotonic() + min(CONNECT_SLICE_S, self.config.timeout / 4)   # reconnections
