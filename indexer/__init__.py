@@ -5,7 +5,7 @@ Python (what serving uses).
 """
 from __future__ import annotations
 
-from .ann.new_photos import NOVEL_P, suggest_label
+from .ann.new_photos import NOVEL_P, no_close_match, suggest_label
 from .ann.options import BuildOptions
 from .build.ray_build import build_with_ray
 from .build.sharded import build_sharded
@@ -25,4 +25,4 @@ __all__ = ["Index", "Hit", "IndexDir", "GalleryStore", "build_index", "add_image
            "merge_shards", "build_sharded", "build_with_ray", "repair_index", "info", "Change", "Manifest",
            "BuildOptions", "layout_of", "Layout", "Single", "Sharded", "RayServing", "IndexerError",
            "check_counts", "CountCheck", "NewItem", "writer_lock", "IndexBusyError", "holder", "is_locked",
-           "NOVEL_P", "suggest_label"]
+           "NOVEL_P", "no_close_match", "suggest_label"]

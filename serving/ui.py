@@ -14,7 +14,7 @@ from gradio.utils import get_upload_folder, is_in_or_equal
 from PIL import Image
 
 from embedder.containers import ACCEPTED_TEXT
-from indexer import IndexerError, Manifest
+from indexer import IndexerError, Manifest, no_close_match
 from indexer.directory.index_dir import MANIFEST
 
 from .evaluate import dba_line, evaluate_folder, evaluate_gallery, recall_figure
@@ -164,8 +164,7 @@ def build_ui(searcher: Searcher, *, query_sets: Mapping[str, Path] | None = None
                           f"not answer in time (a lost node?); results come from the other shards**"
                           for n, r in found.items() if r.partial)
         within = f" · only {', '.join(only)}" if only else ""
-        novel = "".join(f"\n\n**{n}: no close match** (p = {r.novelty:.3f}: its nearest image is farther than "
-                        f"for {100 * (1 - r.novelty):.1f}% of the gallery's own images; another kind of photo?)"
+        novel = "".join(f"\n\n**{n}**: {no_close_match(r.novelty)} (another kind of photo?)"
                         for n, r in found.items() if r.unlike_gallery)
         votes = " · ".join(f"{n}: **{r.suggested[0]}** ({r.suggested[1]:.2f})" for n, r in found.items() if r.suggested)
         votes = f"\n\nSuggested label · {votes}" if votes else ""

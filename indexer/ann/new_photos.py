@@ -34,6 +34,12 @@ def novelty(nb: Neighbourhoods, nearest: np.ndarray) -> np.ndarray:
             / (len(ref) + 1)).astype(np.float64)
 
 
+def no_close_match(p: float) -> str:
+    """The one wording of a flagged query (CLI and app): its p-value and what it means."""
+    return (f"no close match in the gallery (p = {p:.4f}): its nearest image is farther than for "
+            f"{100 * (1 - p):.1f}% of the gallery's own images")
+
+
 def knn_weights(sim: np.ndarray, temp: float = KNN_TEMP) -> np.ndarray:
     """A neighbour's vote, ``exp((sim - 1) / temp)`` (NaN, a padded slot: ~0): near-duplicates
     count fully, a neighbour 0.1 less similar e^-2 as much at the default temperature."""
@@ -62,4 +68,4 @@ def suggest_label(labels: Sequence[str | None], sims: Sequence[float], novelty: 
     return best, votes[best] / sum(votes.values())
 
 
-__all__ = ["NOVEL_P", "novelty", "KNN_TEMP", "knn_weights", "suggest_label"]
+__all__ = ["NOVEL_P", "novelty", "no_close_match", "KNN_TEMP", "knn_weights", "suggest_label"]

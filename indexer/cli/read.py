@@ -10,7 +10,7 @@ from typing import Any
 
 from embedder.cli import UsageError
 
-from ..ann.new_photos import NOVEL_P
+from ..ann.new_photos import NOVEL_P, no_close_match
 from ..directory.manifest import Manifest
 from ..errors import IndexerError
 
@@ -63,8 +63,7 @@ def search(args: argparse.Namespace) -> None:
         marks = copy_marks(args, idx, lambda _: args.image.read_bytes(), [hits])[0]
     warn_partial(found.partial, args)
     if found.novelty is not None and found.novelty[0] <= NOVEL_P:
-        print(f"indexer search: no close match in the gallery (p = {found.novelty[0]:.4f}): its nearest image is "
-              f"farther than for {100 * (1 - found.novelty[0]):.1f}% of the gallery's own images", file=sys.stderr)
+        print(f"indexer search: {no_close_match(found.novelty[0])}", file=sys.stderr)
     if args.json:
         print(json.dumps([{**h.__dict__, **m} for h, m in zip(hits, marks)], indent=2))
     else:
